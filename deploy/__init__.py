@@ -1,0 +1,1 @@
+"""Ray deployment of attention and expert nodes (built in its own issue)."""

@@ -1,0 +1,3 @@
+from megainfer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""Model and engine configuration. Torch-free: the planner and the CLI import this cheaply.
+
+`ModelConfig` is parsed from a Hugging Face `config.json` (model types `mixtral` and
+`qwen3_moe`) or taken from a named preset. `EngineConfig` holds the serving knobs of one
+engine (KV cache, batching, prefill policy) and is validated where it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megainfer.errors import CheckpointError, ConfigError
+
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Above this many bytes of weights a preset is shape-only: generating random weights for
+# it would take more memory than a demo should.
+RANDOM_WEIGHTS_MAX_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and numerics of one decoder-only MoE model (every layer is an MoE layer)."""
+
+    model_type: str  # "mixtral" | "qwen3_moe" (presets may name other families, shape-only)
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int  # Qwen3's differs from hidden_size // num_heads
+    num_experts: int
+    top_k: int  # experts per token
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v/o projections (Qwen3 option)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""  # preset name or checkpoint directory, for messages
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "num_experts", "top_k", "expert_intermediate_size", "max_position_embeddings"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config field '{f}' must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"model config: num_experts_per_tok ({self.top_k}) exceeds the number of experts "
+                f"({self.num_experts})")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
+
+    # Sizes the engine, planner and accounting share.
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    def expert_bytes(self, dtype: str) -> int:
+        return self.expert_params * DTYPE_BYTES[dtype]
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        h = self.hidden_size
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + h * self.num_experts
+
+    @property
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        per_layer = self.attention_params_per_layer + self.num_experts * self.expert_params
+        return embed + self.num_layers * per_layer + self.hidden_size
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token touches: attention, router and its top-k experts."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        per_layer = self.attention_params_per_layer + self.top_k * self.expert_params
+        return embed + self.num_layers * per_layer
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return 2 * self.num_layers * self.kv_size * DTYPE_BYTES[dtype]
+
+    # -- Hugging Face config.json -------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{name or 'config.json'}: model_type {model_type!r} is not supported; "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+        def need(key: str, *alternatives: str) -> Any:
+            for k in (key, *alternatives):
+                if cfg.get(k) is not None:
+                    return cfg[k]
+            raise ConfigError(f"{name or 'config.json'}: required field '{key}' is missing")
+
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{name}: rope type {rope_type!r} (rope_parameters.rope_type) is not "
+                              "supported; only the default RoPE is")
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        if rope_theta is None:
+            raise ConfigError(f"{name}: no rope theta: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
+        sliding = cfg.get("sliding_window")
+        if sliding is not None and cfg.get("use_sliding_window", model_type == "mixtral"):
+            raise ConfigError(f"{name}: sliding_window={sliding} is not supported; set it to null")
+
+        if model_type == "qwen3_moe":
+            if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+                raise ConfigError(f"{name}: dense (mlp_only_layers / decoder_sparse_step) layers are not "
+                                  "supported; every layer must be an MoE layer")
+            num_experts = need("num_experts", "num_local_experts")
+            intermediate = need("moe_intermediate_size")
+            norm_topk = bool(cfg.get("norm_topk_prob", False))
+        else:
+            num_experts = need("num_local_experts")
+            intermediate = need("intermediate_size")
+            norm_topk = True  # Mixtral always renormalises its top-k weights
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            num_experts=num_experts,
+            top_k=need("num_experts_per_tok"),
+            expert_intermediate_size=intermediate,
+            norm_topk_prob=norm_topk,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3_moe",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        directory = Path(path)
+        config_file = directory / "config.json"
+        if not directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist; pass a local "
+                                  f"directory with config.json and *.safetensors, or a preset ({', '.join(PRESETS)})")
+        if not config_file.is_file():
+            raise CheckpointError(f"{directory}: no config.json; a checkpoint directory needs config.json "
+                                  "and *.safetensors")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+        cfg = cls.from_hf_dict(raw, name=str(directory))
+        # generation_config.json may name further EOS tokens (chat models' end-of-turn).
+        generation = directory / "generation_config.json"
+        if generation.is_file():
+            try:
+                eos = json.loads(generation.read_text()).get("eos_token_id")
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{generation}: not valid JSON ({exc})") from None
+            extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+            merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
+            cfg = dataclasses.replace(cfg, eos_token_ids=merged)
+        return cfg
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json a checkpoint of this model carries (inverse of `from_hf_dict`)."""
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"preset {self.name!r} ({self.model_type}) is shape-only and has no checkpoint form")
+        cfg: dict[str, Any] = {
+            "model_type": self.model_type,
+            "architectures": ["MixtralForCausalLM" if self.model_type == "mixtral" else "Qwen3MoeForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_experts_per_tok": self.top_k,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "sliding_window": None,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.model_type == "mixtral":
+            cfg.update(num_local_experts=self.num_experts, intermediate_size=self.expert_intermediate_size)
+        else:
+            cfg.update(num_experts=self.num_experts, moe_intermediate_size=self.expert_intermediate_size,
+                       intermediate_size=self.expert_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       attention_bias=self.attention_bias, decoder_sparse_step=1, mlp_only_layers=[],
+                       use_sliding_window=False)
+        return cfg
+
+    @property
+    def runnable_with_random_weights(self) -> bool:
+        return (self.model_type in SUPPORTED_MODEL_TYPES
+                and self.num_params * DTYPE_BYTES["float32"] <= RANDOM_WEIGHTS_MAX_BYTES)
+
+
+def _mixtral(name: str, **kw: Any) -> ModelConfig:
+    base = dict(model_type="mixtral", norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5, name=name,
+                bos_token_id=1, eos_token_ids=(2,))
+    return ModelConfig(**{**base, **kw})
+
+
+def _qwen3(name: str, **kw: Any) -> ModelConfig:
+    base = dict(model_type="qwen3_moe", norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
+                name=name, bos_token_id=151643, eos_token_ids=(151645,), max_position_embeddings=40960)
+    return ModelConfig(**{**base, **kw})
+
+
+# Byte-level presets: ids 0..255 are bytes, 256 is BOS, 257 is EOS (see tokenizer.ByteTokenizer).
+_BYTE_VOCAB = dict(vocab_size=258, bos_token_id=256, eos_token_ids=(257,))
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-mixtral": _mixtral(
+        "tiny-mixtral", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+        num_experts=8, top_k=2, expert_intermediate_size=512, max_position_embeddings=4096, **_BYTE_VOCAB),
+    "tiny-qwen3-moe": _qwen3(
+        "tiny-qwen3-moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64,
+        num_experts=16, top_k=4, expert_intermediate_size=256, max_position_embeddings=4096, **_BYTE_VOCAB),
+    "mixtral-8x7b": _mixtral(
+        "mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=14336, max_position_embeddings=32768),
+    "mixtral-8x22b": _mixtral(
+        "mixtral-8x22b", vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8,
+        head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=16384, max_position_embeddings=65536),
+    # DBRX is its own family (LayerNorm, clipped QKV); only its shapes matter to the planner.
+    "dbrx": ModelConfig(
+        model_type="dbrx", name="dbrx", vocab_size=100352, hidden_size=6144, num_layers=40, num_heads=48,
+        num_kv_heads=8, head_dim=128, num_experts=16, top_k=4, expert_intermediate_size=10752,
+        norm_topk_prob=True, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=32768),
+    # MegaScale-Infer's Scaled-MoE (317B): Mixtral-style blocks; vocabulary and heads assumed.
+    "scaled-moe": _mixtral(
+        "scaled-moe", vocab_size=32000, hidden_size=8192, num_layers=48, num_heads=64, num_kv_heads=8,
+        head_dim=128, num_experts=32, top_k=4, expert_intermediate_size=8192, max_position_embeddings=32768),
+    "qwen3-30b-a3b": _qwen3(
+        "qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, expert_intermediate_size=768),
+    "qwen3-235b-a22b": _qwen3(
+        "qwen3-235b-a22b", vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, expert_intermediate_size=1536),
+}
+
+
+def resolve_model(model: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
+    """A preset name or a checkpoint directory -> (config, checkpoint dir or None for a preset)."""
+    key = str(model)
+    if key in PRESETS:
+        return PRESETS[key], None
+    path = Path(key).expanduser()
+    if path.exists():
+        return ModelConfig.from_pretrained(path), path
+    raise ConfigError(f"model {key!r} is neither a checkpoint directory nor a preset; "
+                      f"presets: {', '.join(PRESETS)}")
+
+
+PREFILL_POLICIES = ("chunked",)
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    """Serving knobs of one engine (one attention node, or the colocated model)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 90% of free memory on CUDA
+    max_num_seqs: int = 256  # running sequences at once
+    max_num_batched_tokens: int = 512  # token budget of one step (Sarathi chunk size)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    prefill_policy: str = "chunked"
+    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    show_progress: bool = False  # progress bar while loading weights
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPE_BYTES)}")
+        if not (self.device in DEVICES or self.device.startswith("cuda:")):
+            raise ConfigError(f"device {self.device!r} is not supported; choose 'cpu' or 'cuda[:N]'")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ConfigError(f"prefill_policy {self.prefill_policy!r} is not supported; choose one of "
+                              f"{', '.join(PREFILL_POLICIES)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"engine option '{name}' must be a positive integer, got {value!r}")
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"engine option '{name}' must be a positive integer or None, got {value!r}")
+
+    def resolved_max_model_len(self, model: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return model.max_position_embeddings
+        if self.max_model_len > model.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings ({model.max_position_embeddings})")
+        return self.max_model_len
+
+    def resolved_num_kv_blocks(self, model: ModelConfig, max_model_len: int, free_bytes: int | None) -> int:
+        """Blocks of the paged KV cache: the explicit count, else what the byte budget holds."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        block_bytes = self.block_size * model.kv_bytes_per_token(self.dtype)
+        budget = self.kv_cache_bytes or (int(free_bytes * 0.9) if free_bytes else 2 << 30)
+        # Never more than every running sequence at full length could use.
+        wanted = self.max_num_seqs * math.ceil(max_model_len / self.block_size)
+        blocks = min(budget // block_bytes, wanted)
+        if blocks < 1:
+            raise ConfigError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block; "
+                              "raise kv_cache_bytes")
+        return max(1, blocks)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,161 @@
+"""The engine: requests in, per-step token deltas out. `step()` is schedule -> execute -> update.
+
+The server drives `add_request` / `step` / `abort` from one loop; the offline `LLM` API
+drives the same methods until every request is done.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+from megainfer.config import EngineConfig, resolve_model
+from megainfer.errors import ConfigError, RequestError
+from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
+from megainfer.model_runner import ModelRunner, StepResult
+from megainfer.outputs import EngineStats, ExpertLoad, RequestDelta
+from megainfer.sampling_params import SamplingParams
+from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.sequence import Sequence
+from megainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, model: str | os.PathLike = "tiny-mixtral", config: EngineConfig | None = None,
+                 **overrides) -> None:
+        config = config or EngineConfig()
+        self.config = config.replace(**overrides) if overrides else config
+        self.model_config, checkpoint = resolve_model(model)
+        if checkpoint is None and not self.model_config.runnable_with_random_weights:
+            gib = self.model_config.num_params * 4 / 2**30
+            raise ConfigError(
+                f"preset {str(model)!r} is shape-only (about {gib:.0f} GiB of weights); it serves the planner "
+                "and simulator. To run it, pass a checkpoint directory; for a demo use 'tiny-mixtral'")
+        weights = SafetensorsCheckpoint(checkpoint) if checkpoint else RandomWeights(self.config.seed)
+        self.tokenizer: Tokenizer | None = load_tokenizer(checkpoint, self.model_config)
+        self.max_model_len = self.config.resolved_max_model_len(self.model_config)
+        self.runner = ModelRunner(self.model_config, self.config, weights, self.max_model_len)
+        self.scheduler = Scheduler.from_config(self.config, num_blocks=self.runner.num_blocks,
+                                               max_model_len=self.max_model_len,
+                                               eos_token_ids=self.model_config.eos_token_ids)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks, expert_tokens=[
+            [0] * self.model_config.num_experts for _ in range(self.model_config.num_layers)])
+        self._expert_bytes = self.model_config.expert_bytes(self.config.dtype)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+        """Queue a request. A bad one raises RequestError and leaves the engine untouched."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.scheduler.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.encode_prompt(prompt, request_id)
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens; the model's max "
+                               f"length is {self.max_model_len} (prompt plus at least one generated token)")
+        bm = self.scheduler.block_manager
+        needed = bm.blocks_for_tokens(min(len(token_ids) + params.max_tokens, self.max_model_len))
+        if needed > bm.num_blocks:
+            raise RequestError(f"request {request_id!r}: needs {needed} KV blocks for its prompt and max_tokens, "
+                               f"the cache holds {bm.num_blocks}; lower max_tokens or raise num_kv_blocks")
+        seq = Sequence(request_id, token_ids, params)
+        self.scheduler.add(seq)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        return seq
+
+    def encode_prompt(self, prompt: Prompt, request_id: str = "") -> list[int]:
+        where = f"request {request_id!r}: " if request_id else ""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{where}model {self.model_config.name} has no tokenizer.json; "
+                                   "pass the prompt as a list of token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{where}prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        else:
+            raise RequestError(f"{where}prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise RequestError(f"{where}prompt is empty")
+        return token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request, freeing its KV blocks. False if it is unknown or already done."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._forget(request_id)
+        return seq is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:  # a broken step fails its own requests; the engine serves on
+            logger.exception("step failed; failing its %d requests", len(out.seqs))
+            return [self._fail(seq, f"model step failed: {exc!r}") for seq in out.seqs]
+        advanced = self.scheduler.update_from_output(out, result.sampled)
+        self._record(out, result)
+        return [self._delta(seq) for seq in advanced]
+
+    def _delta(self, seq: Sequence) -> RequestDelta:
+        token = seq.token_ids[-1]
+        try:
+            detok = self._detokenizers[seq.request_id]
+            text = detok.add([token])
+            if seq.is_finished:
+                text += detok.flush()
+        except Exception as exc:  # e.g. a token the tokenizer cannot decode: this request alone fails
+            return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
+        if seq.is_finished:
+            self._forget(seq.request_id)
+        return RequestDelta(seq.request_id, [token], text, seq.is_finished,
+                            str(seq.finish_reason) if seq.finish_reason else None)
+
+    def _fail(self, seq: Sequence, error: str, new_token_ids: list[int] | None = None) -> RequestDelta:
+        self.scheduler.fail(seq, error)
+        self._forget(seq.request_id)
+        return RequestDelta(seq.request_id, new_token_ids or [], "", True, "error", error)
+
+    def _forget(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    def _record(self, out: SchedulerOutput, result: StepResult) -> None:
+        t = self._totals
+        t.num_steps += 1
+        t.num_computed_tokens += out.total_tokens
+        t.num_generated_tokens += sum(tok is not None for tok in result.sampled)
+        activated = []
+        for layer, counts in enumerate(result.expert_counts):
+            row = t.expert_tokens[layer]
+            for e, c in enumerate(counts):
+                row[e] += c
+            activated.append([e for e, c in enumerate(counts) if c])
+        num_activated = sum(map(len, activated))
+        t.expert_activations += num_activated
+        t.expert_bytes_read += num_activated * self._expert_bytes
+        t.last_step_expert_load = ExpertLoad(activated, num_activated * self._expert_bytes)
+
+    def stats(self) -> EngineStats:
+        s = copy.deepcopy(self._totals)
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = self.scheduler.block_manager.usage
+        return s

@@ -1,0 +1,20 @@
+"""Errors a user can cause. The CLI prints these without a traceback and exits non-zero.
+
+Every message names the offending field or value and, where there is one, the fix.
+"""
+
+
+class MegaInferError(Exception):
+    """Base class of every error megainfer raises for bad input or environment."""
+
+
+class ConfigError(MegaInferError):
+    """A model or engine configuration value is missing, unsupported or out of range."""
+
+
+class CheckpointError(MegaInferError):
+    """A checkpoint directory is missing, incomplete, or holds tensors of the wrong shape."""
+
+
+class RequestError(MegaInferError):
+    """A single request is invalid (prompt, sampling parameters); it fails alone."""

@@ -1,0 +1,49 @@
+"""Paged KV-cache block manager: owns every block id; sequences hold only their tables.
+
+Plain Python with no tensors, so the scheduler (and the simulator driving it) can use it
+without a model. The tensors the blocks index live in `megainfer.kv_store`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from megainfer.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size  # tokens per block
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return 1.0 - len(self.free_block_ids) / self.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks `seq` must gain before `num_new_tokens` more of its tokens can be computed."""
+        needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_new_blocks(seq, num_new_tokens) <= len(self.free_block_ids)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        n = self.num_new_blocks(seq, num_new_tokens)
+        if n > len(self.free_block_ids):
+            raise RuntimeError(f"allocate: {n} blocks wanted, {len(self.free_block_ids)} free (check can_allocate)")
+        seq.block_table.extend(self.free_block_ids.popleft() for _ in range(n))
+
+    def free(self, seq: Sequence) -> None:
+        # Reversed so the most recently used blocks are handed out last.
+        self.free_block_ids.extend(reversed(seq.block_table))
+        seq.block_table = []

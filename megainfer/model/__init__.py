@@ -1,0 +1,1 @@
+"""The MoE model, cut where the network cuts it: AttentionLayer and ExpertLayer."""

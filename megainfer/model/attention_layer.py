@@ -1,0 +1,88 @@
+"""The attention half of one MoE decoder layer: what an attention node runs.
+
+input RMSNorm -> QKV -> (Qwen3: per-head q/k RMSNorm) -> RoPE -> paged attention over the
+KV cache -> output projection -> residual add -> post-attention RMSNorm -> router logits
+-> top-k expert ids and routing weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from megainfer.config import ModelConfig
+from megainfer.model.checkpoint_names import attention_tensors
+from megainfer.model.rms_norm import RMSNorm
+from megainfer.model.rotary import RotaryEmbedding
+from megainfer.model.weights import WeightSource
+
+
+@dataclass
+class AttentionOutput:
+    residual: torch.Tensor  # [T, H] residual stream after attention (the experts' output is added to it)
+    expert_input: torch.Tensor  # [T, H] post-attention-normed hidden states, what experts consume
+    topk_ids: torch.Tensor  # [T, k] int64 global expert ids
+    topk_weights: torch.Tensor  # [T, k] float32 routing weights
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        h = cfg.hidden_size
+        kw = dict(dtype=dtype, device=device)
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, **kw)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.attention_bias, **kw)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.router = nn.Linear(h, cfg.num_experts, bias=False, **kw)
+        self.scale = cfg.head_dim ** -0.5
+        self.requires_grad_(False)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: kernels.PagedAttentionBatch) -> AttentionOutput:
+        cfg = self.cfg
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(self.input_norm(hidden)).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        kernels.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        attn = kernels.paged_attention(q, key_cache, value_cache, batch, self.scale)
+        residual = hidden + self.o_proj(attn.reshape(t, cfg.q_size))
+        expert_input = self.post_norm(residual)
+        topk_ids, topk_weights = self.route(expert_input)
+        return AttentionOutput(residual, expert_input, topk_ids, topk_weights)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax in float32 over all experts, top-k, renormalised where the model does."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def load_weights(self, source: WeightSource) -> None:
+        t = {role: source.get(name, shape) for role, (name, shape) in attention_tensors(self.cfg, self.layer).items()}
+        self.input_norm.weight.copy_(t["input_norm"])
+        self.qkv_proj.weight.copy_(torch.cat([t["q"], t["k"], t["v"]]))
+        self.o_proj.weight.copy_(t["o"])
+        if self.cfg.attention_bias:
+            self.qkv_proj.bias.copy_(torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]]))
+            self.o_proj.bias.copy_(t["o_bias"])
+        if self.cfg.qk_norm:
+            self.q_norm.weight.copy_(t["q_norm"])
+            self.k_norm.weight.copy_(t["k_norm"])
+        self.post_norm.weight.copy_(t["post_norm"])
+        self.router.weight.copy_(t["router"])

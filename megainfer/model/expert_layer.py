@@ -1,0 +1,74 @@
+"""The expert half of one MoE decoder layer: what an expert node runs.
+
+Holds the SwiGLU experts of any subset of expert ids. Given tokens with their global
+top-k expert ids and routing weights, returns for every token the routing-weighted sum of
+the outputs of the experts it chose *among those this layer holds* (zero for the rest),
+so summing the outputs of layers holding disjoint subsets gives the full MoE output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megainfer.config import ModelConfig
+from megainfer.model.checkpoint_names import expert_tensors
+from megainfer.model.weights import WeightSource
+
+
+class ExpertLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
+                 expert_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        self.expert_ids = list(range(cfg.num_experts) if expert_ids is None else expert_ids)
+        if len(set(self.expert_ids)) != len(self.expert_ids) or not all(
+                0 <= e < cfg.num_experts for e in self.expert_ids):
+            raise ValueError(f"expert ids must be distinct and in [0, {cfg.num_experts}), got {self.expert_ids}")
+        n, h, i = len(self.expert_ids), cfg.hidden_size, cfg.expert_intermediate_size
+        # [local expert, 2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection.
+        self.w_gate_up = nn.Parameter(torch.empty(n, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(n, h, i, dtype=dtype, device=device), requires_grad=False)
+        local = torch.full((cfg.num_experts,), -1, dtype=torch.int64)
+        local[self.expert_ids] = torch.arange(n)
+        self.register_buffer("local_index", local.to(device), persistent=False)  # global id -> local, -1 if absent
+        self.holds_all = n == cfg.num_experts
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids [T, k] global ids, topk_weights [T, k] -> [T, H]."""
+        k = topk_ids.shape[1]
+        local = self.local_index[topk_ids.reshape(-1)]
+        weights = topk_weights.reshape(-1)
+        pair_ids = torch.arange(local.numel(), device=x.device)
+        if not self.holds_all:
+            held = local >= 0
+            local, weights, pair_ids = local[held], weights[held], pair_ids[held]
+        # Sort (token, choice) pairs by expert so each expert runs one contiguous GEMM; the
+        # stable sort keeps token order inside an expert, as transformers' loop does.
+        local, order = torch.sort(local, stable=True)
+        token_ids = pair_ids[order] // k
+        weights = weights[order]
+        counts = torch.bincount(local, minlength=len(self.expert_ids)).tolist()
+        xs = x[token_ids]
+        out = torch.empty_like(xs)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate, up = F.linear(xs[start:end], self.w_gate_up[e]).chunk(2, dim=-1)
+            out[start:end] = F.linear(F.silu(gate) * up, self.w_down[e])
+            start = end
+        out = (out * weights[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_ids, out)
+
+    def load_weights(self, source: WeightSource) -> None:
+        for local, e in enumerate(self.expert_ids):
+            t = {role: source.get(name, shape) for role, (name, shape) in
+                 expert_tensors(self.cfg, self.layer, e).items()}
+            self.w_gate_up[local].copy_(torch.cat([t["gate"], t["up"]]))
+            self.w_down[local].copy_(t["down"])

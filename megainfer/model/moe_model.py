@@ -1,0 +1,82 @@
+"""The colocated model: embedding, then per layer AttentionLayer + ExpertLayer, final norm, LM head.
+
+The disaggregated runtime composes the same two halves across nodes; this module is the
+single-process composition the engine and the tests use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+import kernels
+from megainfer.config import ModelConfig
+from megainfer.model.attention_layer import AttentionLayer
+from megainfer.model.checkpoint_names import all_tensors, head_tensors
+from megainfer.model.expert_layer import ExpertLayer
+from megainfer.model.rms_norm import RMSNorm
+from megainfer.model.rotary import RotaryEmbedding
+from megainfer.model.weights import WeightSource
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [T, H] final-normed hidden states
+    expert_counts: torch.Tensor  # [L, E] int64 tokens routed to each expert of each layer
+
+
+class MoEModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.attention_layers = nn.ModuleList(AttentionLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.expert_layers = nn.ModuleList(ExpertLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, **kw)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: kernels.PagedAttentionBatch) -> ForwardOutput:
+        hidden = self.embed(input_ids)
+        counts = []
+        for attention, experts, kv_cache in zip(self.attention_layers, self.expert_layers, kv_caches):
+            a = attention(hidden, positions, self.rotary, kv_cache, batch)
+            hidden = a.residual + experts(a.expert_input, a.topk_ids, a.topk_weights)
+            counts.append(torch.bincount(a.topk_ids.reshape(-1), minlength=self.cfg.num_experts))
+        return ForwardOutput(self.norm(hidden), torch.stack(counts))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, source: WeightSource, show_progress: bool = False) -> None:
+        total = len(all_tensors(self.cfg))
+        with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress) as bar:
+            counting = _CountingSource(source, bar)
+            t = {role: counting.get(name, shape) for role, (name, shape) in head_tensors(self.cfg).items()}
+            self.embed.weight.copy_(t["embed"])
+            self.norm.weight.copy_(t["norm"])
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(t["lm_head"])
+            for attention, experts in zip(self.attention_layers, self.expert_layers):
+                attention.load_weights(counting)
+                experts.load_weights(counting)
+
+
+class _CountingSource:
+    """Advances a progress bar by one per tensor fetched."""
+
+    def __init__(self, source: WeightSource, bar: tqdm) -> None:
+        self.source, self.bar = source, bar
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.source.get(name, shape)
+        self.bar.update(1)
+        return tensor

@@ -1,0 +1,96 @@
+"""Where weights come from: a local safetensors checkpoint, or seeded random weights.
+
+Both answer `get(name, shape)` with the hub's tensor names, so every layer loads the same
+way from either, and any subset of layers or experts can be loaded on its own (an expert
+node loads only its experts).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megainfer.config import ModelConfig
+from megainfer.errors import CheckpointError
+from megainfer.model.checkpoint_names import all_tensors
+
+INDEX_FILE = "model.safetensors.index.json"
+RANDOM_INIT_STD = 0.02
+
+
+class WeightSource(Protocol):
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `name`; a CheckpointError naming it if missing or not of `shape`."""
+
+
+class SafetensorsCheckpoint:
+    """Tensors of a checkpoint directory: one or several *.safetensors, index file honoured."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc!r}); it needs a 'weight_map'") from None
+            self.file_of = {name: self.directory / fname for name, fname in weight_map.items()}
+        else:
+            files = sorted(self.directory.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.directory}: no *.safetensors files; megainfer reads safetensors "
+                                      "checkpoints (save with save_pretrained(safe_serialization=True))")
+            self.file_of = {}
+            for f in files:
+                with safe_open(f, framework="pt") as handle:
+                    self.file_of.update({name: f for name in handle.keys()})
+        self._handles: dict[Path, object] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        path = self.file_of.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is missing (expected shape {list(shape)})")
+        handle = self._handles.get(path)
+        if handle is None:
+            if not path.is_file():
+                raise CheckpointError(f"{self.directory}: shard {path.name} (holding {name!r}) does not exist")
+            handle = self._handles[path] = safe_open(path, framework="pt")
+        tensor = handle.get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"{self.directory}: tensor {name!r} has shape {list(tensor.shape)}, "
+                                  f"expected {list(shape)}")
+        return tensor
+
+
+class RandomWeights:
+    """Seeded random weights. Each tensor's values depend only on (seed, name), so a node
+    that loads a subset gets exactly the tensors the colocated model has."""
+
+    def __init__(self, seed: int = 0, std: float = RANDOM_INIT_STD) -> None:
+        self.seed = seed
+        self.std = std
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        generator = torch.Generator().manual_seed((self.seed << 32) ^ zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=generator) * self.std
+
+
+def save_checkpoint(cfg: ModelConfig, source: WeightSource, directory: str | Path, dtype: str = "float32") -> Path:
+    """Write a hub-style checkpoint (config.json + model.safetensors) of every tensor of `cfg`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch_dtype = getattr(torch, dtype)
+    tensors = {name: source.get(name, shape).to(torch_dtype).contiguous() for name, shape in all_tensors(cfg)}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = dtype
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))
+    return directory

@@ -1,0 +1,92 @@
+"""Runs one scheduled step on the model: owns the weights, the KV-cache tensors and the sampler."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from megainfer.config import EngineConfig, ModelConfig
+from megainfer.model.moe_model import MoEModel
+from megainfer.model.weights import WeightSource
+from megainfer.sampler import Sampler
+from megainfer.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled: list[int | None]  # new token per scheduled sequence; None where it was mid-prompt
+    expert_counts: list[list[int]]  # [layer][expert] tokens routed this step
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource,
+                 max_model_len: int) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len)
+        with torch.inference_mode():
+            self.model.load_weights(weights, show_progress=config.show_progress)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        self.num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
+        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(model_config.num_layers)]
+        self.sampler = Sampler(config.seed, self.device)
+        logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
+                    config.dtype, self.num_blocks, config.block_size)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        input_ids, positions, batch = self._prepare(out)
+        fwd = self.model(input_ids, positions, self.kv_caches, batch)
+        samples = out.samples()
+        rows = [batch.query_start_host[i + 1] - 1 for i, s in enumerate(samples) if s]
+        sampled: list[int | None] = [None] * len(out.seqs)
+        if rows:
+            logits = self.model.compute_logits(fwd.hidden[torch.tensor(rows, device=self.device)])
+            seqs = [s for s, flag in zip(out.seqs, samples) if flag]
+            tokens = iter(self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs]))
+            sampled = [next(tokens) if flag else None for flag in samples]
+        return StepResult(sampled, fwd.expert_counts.tolist())
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
+        bs = self.config.block_size
+        token_ids: list[int] = []
+        starts = [0]
+        seq_lens = []
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            begin = seq.num_computed_tokens
+            token_ids.extend(seq.token_ids[begin:begin + n])
+            starts.append(starts[-1] + n)
+            seq_lens.append(begin + n)
+        width = max(len(s.block_table) for s in out.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in out.seqs]
+        dev = self.device
+        query_lens = torch.tensor(out.num_scheduled_tokens)
+        seq_lens_t = torch.tensor(seq_lens)
+        # Position of each query token: its sequence's cached length minus the tokens after it.
+        seq_of_token = torch.repeat_interleave(torch.arange(len(out.seqs)), query_lens)
+        positions = torch.arange(len(token_ids)) - torch.tensor(starts[:-1])[seq_of_token] \
+            + (seq_lens_t - query_lens)[seq_of_token]
+        block_tables = torch.tensor(tables, dtype=torch.int64)
+        slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        batch = kernels.PagedAttentionBatch(
+            block_tables=block_tables.to(dev),
+            seq_lens=seq_lens_t.to(torch.int32).to(dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            slot_mapping=slots.to(dev),
+            num_single=out.num_single_token,
+            seq_lens_host=seq_lens,
+            query_start_host=starts,
+        )
+        return torch.tensor(token_ids, device=dev), positions.to(dev), batch

@@ -1,0 +1,1 @@
+"""Deployment planner: performance model and plan search (built in its own issue)."""
