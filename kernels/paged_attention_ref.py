@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -41,26 +42,31 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[S, nb] block ids -> [S, nb * block_size, Hkv, D] contiguous keys or values."""
+# Gathered keys/values land in reused scratch buffers (one per device, dtype and K/V):
+# fresh multi-megabyte allocations each call cost more in page faults than the copy
+# itself. One engine loop per process uses them, one attention call at a time.
+_scratch: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, slot: int) -> torch.Tensor:
+    """[S, nb] block ids -> [S, Hkv, nb * block_size, D] keys or values (a strided view)."""
     s, nb = block_tables.shape
-    return cache[block_tables].reshape(s, nb * cache.shape[1], cache.shape[2], cache.shape[3])
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [S, Q, Hkv, G, D], k/v [S, L, Hkv, D], mask [S, Q, L] (True = attend) -> [S, Q, Hkv, G, D]."""
-    scores = torch.einsum("sqhgd,slhd->shgql", q, k) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.einsum("shgql,slhd->sqhgd", probs, v)
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    numel = s * nb * block_size * num_kv_heads * head_dim
+    key = (cache.device, cache.dtype, slot)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+    out = buf[:numel].view(s * nb, block_size, num_kv_heads, head_dim)
+    torch.index_select(cache, 0, block_tables.reshape(-1), out=out)
+    return out.view(s, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     batch: PagedAttentionBatch, scale: float) -> torch.Tensor:
     """Attention of every query token over its sequence's cached keys -> [T, Hq, D]."""
-    num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_heads, head_dim = query.shape[1:]
+    block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     lens = batch.seq_lens_host
     starts = batch.query_start_host
@@ -68,21 +74,22 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if d:
         # All decodes at once: gather just the blocks the longest of them needs.
         nb = -(-max(lens[:d]) // block_size)
-        k = _gather(key_cache, batch.block_tables[:d, :nb])
-        v = _gather(value_cache, batch.block_tables[:d, :nb])
-        positions = torch.arange(nb * block_size, device=query.device)
-        mask = (positions[None, :] < batch.seq_lens[:d, None])[:, None, :]
-        q = query[:d].view(d, 1, num_kv_heads, group, head_dim)
-        out[:d] = _attend(q, k, v, mask, scale).reshape(d, num_heads, head_dim)
+        k = _gather(key_cache, batch.block_tables[:d, :nb], 0)
+        v = _gather(value_cache, batch.block_tables[:d, :nb], 1)
+        mask = torch.arange(nb * block_size, device=query.device)[None, :] < batch.seq_lens[:d, None]
+        q = query[:d].view(d, num_heads, 1, head_dim)
+        out[:d] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                                 enable_gqa=True).view(d, num_heads, head_dim)
     for s in range(d, batch.num_seqs):
         q_start, q_end, seq_len = starts[s], starts[s + 1], lens[s]
         n = q_end - q_start
         nb = -(-seq_len // block_size)
-        k = _gather(key_cache, batch.block_tables[s:s + 1, :nb])[:, :seq_len]
-        v = _gather(value_cache, batch.block_tables[s:s + 1, :nb])[:, :seq_len]
+        k = _gather(key_cache, batch.block_tables[s:s + 1, :nb], 0)[:, :, :seq_len]
+        v = _gather(value_cache, batch.block_tables[s:s + 1, :nb], 1)[:, :, :seq_len]
         # Query i sits at position seq_len - n + i and sees keys up to there.
         q_pos = torch.arange(seq_len - n, seq_len, device=query.device)
-        mask = (torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None])[None]
-        q = query[q_start:q_end].view(1, n, num_kv_heads, group, head_dim)
-        out[q_start:q_end] = _attend(q, k, v, mask, scale).reshape(n, num_heads, head_dim)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        q = query[q_start:q_end].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,50 @@
+"""Argument types and option groups shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """'A:B' (or 'A') -> (A, B) with 1 <= A <= B."""
+    parts = text.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, -1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length range; write A:B, e.g. 32:256") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= A <= B in A:B")
+    return lo, hi
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Model and engine knobs, mapped onto EngineConfig by `engine_config`."""
+    parser.add_argument("--model", default="tiny-mixtral", help="checkpoint directory or preset name")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--seed", type=int, default=0, help="weights (presets) and sampling seed")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                        help="KV-cache blocks (default: sized from memory)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
+                        help="token budget per step (chunked-prefill chunk size)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+
+
+def engine_config(args: argparse.Namespace, **extra):
+    from megainfer.config import EngineConfig
+
+    return EngineConfig(dtype=args.dtype, device=args.device, seed=args.seed, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, **extra)
