@@ -79,7 +79,7 @@ class RandomWeights:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        generator = torch.Generator().manual_seed((self.seed << 32) ^ zlib.crc32(name.encode()))
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
         return torch.randn(shape, generator=generator) * self.std
 
 

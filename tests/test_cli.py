@@ -1,0 +1,76 @@
+"""The command line as a user meets it: help is fast, errors are one line, benches write JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def megainfer(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megainfer", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from megainfer.cli import build_parser; build_parser(); "
+            "assert 'torch' not in sys.modules, 'torch imported by the CLI parser'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    out = megainfer("--help")
+    assert out.returncode == 0 and "generate" in out.stdout and "bench" in out.stdout
+
+
+def test_generate_streams_and_reports_throughput():
+    out = megainfer("generate", "--model", "tiny-mixtral", "--prompt", "Hello", "--max-tokens", "12",
+                    "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    assert "12 tokens in" in out.stderr and "tokens/s" in out.stderr and "finish reason length" in out.stderr
+
+
+def test_generate_with_prompt_ids_on_a_checkpoint(qwen3_ref):
+    out = megainfer("generate", "--model", str(qwen3_ref.path), "--prompt-ids",
+                    ",".join(map(str, qwen3_ref.prompts[0])), "--max-tokens", "4", "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--model", "no-such-model", "--prompt", "x"], "neither a checkpoint directory nor a preset"),
+    (["generate", "--model", "mixtral-8x7b", "--prompt", "x"], "shape-only"),
+    (["generate", "--prompt", "x", "--max-tokens", "0"], "must be positive"),
+    (["generate", "--prompt", "x", "--top-p", "1.5"], "top_p must lie in (0, 1]"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "--prompt-ids", "1,a"], "comma-separated integers"),
+    (["generate", "--prompt", "x" * 5000], "max length is 4096"),
+    (["bench", "engine", "--input-len", "9:3"], "need 1 <= A <= B"),
+])
+def test_bad_input_is_one_clear_line_without_traceback(args, message):
+    out = megainfer(*args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bench_engine_vs_transformers_writes_json(tmp_path):
+    path = tmp_path / "bench.json"
+    out = megainfer("bench", "engine", "--model", "tiny-mixtral", "--num-prompts", "4", "--input-len", "8:24",
+                    "--output-len", "4:8", "--vs-hf", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "megainfer / transformers output throughput" in out.stdout
+    data = json.loads(path.read_text())
+    systems = [r["system"] for r in data["results"]]
+    assert systems == ["megainfer", "transformers"]
+    assert data["results"][0]["output_tokens"] == data["results"][1]["output_tokens"]
+    assert data["ratio_output_tokens_per_s"] > 0
+
+
+def test_layering_rules_hold():
+    tool = ROOT.parent / "shared" / "tools" / "check_layers.py"
+    if not tool.is_file():
+        pytest.skip("../shared/tools/check_layers.py is not beside this checkout")
+    out = subprocess.run([sys.executable, str(tool)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megainfer.config import PRESETS, EngineConfig, ModelConfig, resolve_model
+from megainfer.errors import CheckpointError, ConfigError
+
+QWEN3_30B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144, "norm_topk_prob": True,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "max_position_embeddings": 40960,
+    "tie_word_embeddings": False, "sliding_window": None, "use_sliding_window": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "eos_token_id": 151645, "bos_token_id": 151643,
+}
+
+
+def test_qwen3_config_parses_head_dim_and_experts():
+    cfg = ModelConfig.from_hf_dict(QWEN3_30B)
+    assert cfg.head_dim == 128 and cfg.hidden_size // cfg.num_heads == 64
+    assert (cfg.num_experts, cfg.top_k, cfg.expert_intermediate_size) == (128, 8, 768)
+    assert cfg.qk_norm and cfg.norm_topk_prob and cfg.eos_token_ids == (151645,)
+    assert cfg == PRESETS["qwen3-30b-a3b"].__class__(**{**cfg.__dict__})
+    # The preset has the same shapes as the real config.
+    p = PRESETS["qwen3-30b-a3b"]
+    assert (p.hidden_size, p.num_layers, p.num_heads, p.num_kv_heads, p.head_dim, p.num_experts, p.top_k,
+            p.expert_intermediate_size) == (2048, 48, 32, 4, 128, 128, 8, 768)
+
+
+def test_rope_theta_from_rope_parameters_and_num_local_experts_spelling():
+    raw = {k: v for k, v in QWEN3_30B.items() if k not in ("rope_theta", "num_experts")}
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    raw["num_local_experts"] = 64
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.rope_theta == 5e5 and cfg.num_experts == 64
+
+
+def test_mixtral_always_renormalises_and_defaults_head_dim():
+    raw = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "intermediate_size": 14336, "rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
+           "sliding_window": None}
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.norm_topk_prob and cfg.head_dim == 128 and not cfg.qk_norm
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg.__class__(**{**cfg.__dict__, "name": ""})
+
+
+def test_unsupported_model_type_lists_supported_ones():
+    with pytest.raises(ConfigError, match="'llama' is not supported.*mixtral, qwen3_moe"):
+        ModelConfig.from_hf_dict({"model_type": "llama"})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"num_key_value_heads": 5}, "multiple of"),
+    ({"num_experts_per_tok": 200}, "exceeds the number of experts"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"sliding_window": 4096, "use_sliding_window": True}, "sliding_window"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"hidden_size": None}, "'hidden_size' is missing"),
+])
+def test_bad_configs_name_the_field(change, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict({**QWEN3_30B, **change})
+
+
+def test_paper_presets_have_their_shapes():
+    dbrx, scaled = PRESETS["dbrx"], PRESETS["scaled-moe"]
+    assert (dbrx.num_experts, dbrx.top_k, dbrx.num_layers, dbrx.hidden_size, dbrx.expert_intermediate_size) == \
+        (16, 4, 40, 6144, 10752)
+    assert (scaled.num_layers, scaled.hidden_size, scaled.num_experts, scaled.top_k,
+            scaled.expert_intermediate_size) == (48, 8192, 32, 4, 8192)
+    assert 300e9 < scaled.num_params < 330e9  # MegaScale-Infer's 317B Scaled-MoE
+    assert 45e9 < PRESETS["mixtral-8x7b"].num_params < 48e9
+    assert 29e9 < PRESETS["qwen3-30b-a3b"].num_params < 32e9
+    assert 3e9 < PRESETS["qwen3-30b-a3b"].num_active_params < 4e9
+    assert PRESETS["tiny-mixtral"].runnable_with_random_weights
+    assert not PRESETS["mixtral-8x22b"].runnable_with_random_weights
+
+
+def test_resolve_model_errors(tmp_path):
+    with pytest.raises(ConfigError, match="neither a checkpoint directory nor a preset.*tiny-mixtral"):
+        resolve_model("no-such-model")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        resolve_model(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        resolve_model(tmp_path)
+
+
+def test_generation_config_adds_eos_tokens(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    cfg, path = resolve_model(tmp_path)
+    assert path == tmp_path and cfg.eos_token_ids == (151645, 151643)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype="int8"), "dtype 'int8'"), (dict(block_size=0), "block_size"),
+    (dict(prefill_policy="magic"), "prefill_policy 'magic'"), (dict(num_kv_blocks=-1), "num_kv_blocks"),
+    (dict(device="tpu"), "device 'tpu'"),
+])
+def test_engine_config_validation(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_config_module_does_not_import_torch():
+    import subprocess
+    import sys
+    code = "import megainfer.config, megainfer, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

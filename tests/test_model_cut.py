@@ -1,0 +1,53 @@
+"""The split the disaggregated runtime relies on: AttentionLayer and ExpertLayer stand alone,
+and expert layers holding disjoint expert subsets add up to the full MoE output."""
+
+from __future__ import annotations
+
+import torch
+
+from megainfer.config import PRESETS
+from megainfer.model.expert_layer import ExpertLayer
+from megainfer.model.weights import RandomWeights
+
+CFG = PRESETS["tiny-mixtral"]
+
+
+def test_expert_subsets_sum_to_the_full_layer():
+    source = RandomWeights(seed=3)
+    full = ExpertLayer(CFG, 1, torch.float32, "cpu")
+    full.load_weights(source)
+    halves = [ExpertLayer(CFG, 1, torch.float32, "cpu", expert_ids=ids) for ids in ([0, 2, 4, 6], [7, 5, 3, 1])]
+    for h in halves:
+        h.load_weights(source)  # each loads only its experts, with the same values
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, CFG.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, generator=g)
+    combined = halves[0](x, ids, weights) + halves[1](x, ids, weights)
+    torch.testing.assert_close(combined, full(x, ids, weights), atol=1e-5, rtol=1e-5)
+
+
+def test_expert_layer_matches_a_per_expert_loop():
+    layer = ExpertLayer(CFG, 0, torch.float32, "cpu", expert_ids=[1, 3])
+    layer.load_weights(RandomWeights(seed=1))
+    x = torch.randn(6, CFG.hidden_size)
+    ids = torch.tensor([[1, 3], [3, 0], [2, 5], [1, 1 + 6], [3, 1], [0, 2]])
+    w = torch.rand(6, 2)
+    expected = torch.zeros_like(x)
+    for t in range(6):
+        for j in range(2):
+            e = int(ids[t, j])
+            if e in (1, 3):
+                local = [1, 3].index(e)
+                gate, up = (layer.w_gate_up[local] @ x[t]).chunk(2)
+                expected[t] += w[t, j] * (layer.w_down[local] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(layer(x, ids, w), expected, atol=1e-5, rtol=1e-5)
+    assert layer(x[2:3], ids[2:3], w[2:3]).abs().sum() == 0  # token routed elsewhere
+
+
+def test_random_weights_depend_only_on_seed_and_name():
+    a, b = RandomWeights(seed=5), RandomWeights(seed=5)
+    name = "model.layers.2.block_sparse_moe.experts.4.w1.weight"
+    assert torch.equal(a.get(name, (4, 4)), b.get(name, (4, 4)))
+    assert not torch.equal(a.get(name, (4, 4)), RandomWeights(seed=6).get(name, (4, 4)))
+    assert torch.equal(a.get("model.norm.weight", (8,)), torch.ones(8))

@@ -1,0 +1,142 @@
+"""The scheduler on its own: plain Python, no model (as the simulator will drive it)."""
+
+from __future__ import annotations
+
+from megainfer.kv_cache import BlockManager
+from megainfer.sampling_params import SamplingParams
+from megainfer.scheduler import ChunkedPrefill, Scheduler
+from megainfer.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_model_len=1024, eos=(99,)):
+    return Scheduler(BlockManager(num_blocks, block_size), ChunkedPrefill(), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=max_model_len, eos_token_ids=eos)
+
+
+def seq(rid, n, max_tokens=8, **kw):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
+
+
+def run_step(s: Scheduler, token=7):
+    out = s.schedule()
+    sampled = [token if flag else None for flag in out.samples()]
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_chunked_prefill_respects_budget_and_finishes_prompt():
+    s = make_scheduler(budget=16)
+    a = seq("a", 40)
+    s.add(a)
+    chunks = []
+    while a.num_output_tokens == 0:
+        out = run_step(s)
+        assert out.total_tokens <= 16
+        chunks.append(out.num_scheduled_tokens[0])
+    assert chunks == [16, 16, 8]
+    assert a.num_computed_tokens == 40 and a.num_tokens == 41
+
+
+def test_decodes_go_first_and_prefill_takes_the_rest():
+    s = make_scheduler(budget=10)
+    for rid in ("a", "b"):
+        s.add(seq(rid, 3))
+    run_step(s)  # both prompts fit: 6 tokens
+    s.add(seq("c", 30))
+    out = s.schedule()
+    assert [x.request_id for x in out.seqs] == ["a", "b", "c"]
+    assert out.num_scheduled_tokens == [1, 1, 8]
+    assert out.num_single_token == 2
+
+
+def test_single_token_sequences_lead_the_batch():
+    s = make_scheduler(budget=64)
+    s.add(seq("long", 10))
+    s.add(seq("one", 1))
+    out = s.schedule()
+    assert [x.request_id for x in out.seqs] == ["one", "long"]
+    assert out.num_single_token == 1
+
+
+def test_max_num_seqs_caps_running():
+    s = make_scheduler(max_num_seqs=2, budget=100)
+    for i in range(5):
+        s.add(seq(str(i), 2))
+    out = s.schedule()
+    assert len(out.seqs) == 2 and s.num_waiting == 3
+
+
+def test_preemption_by_recompute_loses_and_repeats_nothing():
+    # 8 blocks of 4 tokens: three 6-token prompts generating 8 tokens each cannot all fit.
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64)
+    seqs = [seq(str(i), 6, max_tokens=8) for i in range(3)]
+    for x in seqs:
+        s.add(x)
+    produced = {x.request_id: 0 for x in seqs}
+    steps = 0
+    while s.has_unfinished:
+        out = s.schedule()
+        sampled = [100 + produced[x.request_id] if flag else None for x, flag in zip(out.seqs, out.samples())]
+        for x in s.update_from_output(out, sampled):
+            produced[x.request_id] += 1
+        assert s.block_manager.num_free_blocks + sum(len(x.block_table) for x in s.running) == 8
+        steps += 1
+        assert steps < 200
+    assert s.num_preemptions > 0
+    for x in seqs:
+        # Every generated token appears once, in order, after an untouched prompt.
+        assert x.prompt_token_ids == [1, 2, 3, 4, 5, 6]
+        assert x.output_token_ids == [100 + i for i in range(8)]
+        assert x.finish_reason is FinishReason.LENGTH
+    assert s.block_manager.num_free_blocks == 8
+
+
+def test_preempted_sequence_recomputes_prompt_and_output():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    a, b = seq("a", 7, max_tokens=20), seq("b", 7, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled: 2 blocks each
+    run_step(s)  # 8 tokens each: still 2 blocks each
+    out = s.schedule()  # each needs a third block: b (newest) is preempted for a
+    assert out.preempted == [b]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and not b.block_table
+    assert s.waiting[0] is b
+
+
+def test_stop_conditions():
+    s = make_scheduler(eos=(99,))
+    a, b, c, d = seq("a", 2), seq("b", 2, ignore_eos=True), seq("c", 2, stop_token_ids=[5]), seq("d", 2, max_tokens=1)
+    for x in (a, b, c, d):
+        s.add(x)
+    out = s.schedule()
+    tokens = {"a": 99, "b": 99, "c": 5, "d": 3}
+    s.update_from_output(out, [tokens[x.request_id] for x in out.seqs])
+    assert a.finish_reason is FinishReason.STOP
+    assert b.status is SequenceStatus.RUNNING
+    assert c.finish_reason is FinishReason.STOP
+    assert d.finish_reason is FinishReason.LENGTH
+    assert s.num_running == 1
+
+
+def test_max_model_len_finishes_with_length():
+    s = make_scheduler(max_model_len=5)
+    a = seq("a", 3, max_tokens=100)
+    s.add(a)
+    while s.has_unfinished:
+        run_step(s)
+    assert a.num_tokens == 5 and a.finish_reason is FinishReason.LENGTH
+
+
+def test_abort_frees_blocks_waiting_or_running():
+    s = make_scheduler(max_num_seqs=1)
+    a, b = seq("a", 10), seq("b", 10)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert a.block_table and b.status is SequenceStatus.WAITING
+    assert s.abort("a") is a and a.finish_reason is FinishReason.ABORT
+    assert s.abort("b") is b
+    assert s.abort("nope") is None
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+    assert not s.has_unfinished
