@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -38,8 +39,7 @@ class ModelRunner:
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
         shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(_zeroed(shape, self.dtype, self.device), _zeroed(shape, self.dtype, self.device))
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(config.seed, self.device)
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
@@ -90,3 +90,15 @@ class ModelRunner:
             query_start_host=starts,
         )
         return torch.tensor(token_ids, device=dev), positions.to(dev), batch
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV-cache tensor. Zeros matter: attention reads whole blocks and masks the
+    unused slots, and garbage NaNs there would survive the mask (0 * NaN). On the CPU the
+    zeros come from calloc, whose pages the OS maps lazily, so a large cache costs memory
+    only as blocks are used instead of all at start-up (torch.zeros writes every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = int(np.prod(shape))
+    raw = np.zeros(numel * torch.tensor([], dtype=dtype).element_size(), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)

@@ -147,6 +147,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = 1 if seq.num_uncomputed_tokens == 1 else self.policy.num_prefill_tokens(seq, budget)
+            if n <= 0:
+                break
             while not bm.can_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -102,12 +102,13 @@ def run_megainfer(engine: Engine, work: Workload) -> RunResult:
 
 
 def run_transformers(model, work: Workload, batch_size: int, pad_id: int) -> RunResult:
+    device = model.device
     start = time.perf_counter()
     for b in range(0, len(work.prompts), batch_size):
         prompts = work.prompts[b:b + batch_size]
         width = max(map(len, prompts))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         new = max(work.output_lens[b:b + batch_size])
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
