@@ -18,3 +18,7 @@ class CheckpointError(MegaInferError):
 
 class RequestError(MegaInferError):
     """A single request is invalid (prompt, sampling parameters); it fails alone."""
+
+
+class PlanError(MegaInferError):
+    """A plan, GPU catalog or planner input is malformed, or no plan can satisfy it."""

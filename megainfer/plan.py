@@ -1,0 +1,253 @@
+"""plan.yaml: the deployment plan `megainfer plan` writes and `megainfer deploy` reads.
+
+Torch-free. Every section is a dataclass; loading rejects unknown keys and out-of-range
+values with a PlanError that names the key (`experts.tp`, `pipeline.micro_batches`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from megainfer.config import DTYPE_BYTES, ModelConfig
+from megainfer.errors import PlanError
+
+PREFILL_POLICIES = ("chunked", "layered")
+TRANSPORT_BACKENDS = ("auto", "shm", "tcp", "rdma")
+ROUTERS = ("round_robin",)
+CPU = "cpu"  # the GPU type of a CPU plan
+
+
+def _positive(section: str, **values: float) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise PlanError(f"{section}.{key} must be positive, got {value}")
+
+
+@dataclass
+class AttentionSpec:
+    gpu: str = CPU  # GPU type (a catalog name) or "cpu"
+    tp: int = 1  # GPUs per attention node (tensor parallel)
+    nodes: int = 1  # attention nodes (n_a, data parallel)
+
+    def __post_init__(self) -> None:
+        _positive("attention", tp=self.tp, nodes=self.nodes)
+
+
+@dataclass
+class ExpertSpec:
+    gpu: str = CPU
+    tp: int = 1  # GPUs per expert node
+    nodes: int = 1  # expert nodes
+    experts_per_node: int | None = None  # None: the model's experts spread evenly over the nodes
+
+    def __post_init__(self) -> None:
+        _positive("experts", tp=self.tp, nodes=self.nodes)
+        if self.experts_per_node is not None:
+            _positive("experts", experts_per_node=self.experts_per_node)
+
+
+@dataclass
+class PipelineSpec:
+    micro_batches: int = 2  # m: micro-batches ping-ponging per iteration
+    global_batch: int = 64  # B: sequences decoding at once in one instance
+
+    def __post_init__(self) -> None:
+        _positive("pipeline", micro_batches=self.micro_batches, global_batch=self.global_batch)
+        if self.global_batch < self.micro_batches:
+            raise PlanError(f"pipeline.global_batch ({self.global_batch}) must be at least "
+                            f"pipeline.micro_batches ({self.micro_batches})")
+
+
+@dataclass
+class SchedulerSpec:
+    prefill_policy: str = "chunked"
+    group_tokens: int = 512  # layered prefill: prompt tokens per layer group
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise PlanError(f"scheduler.prefill_policy {self.prefill_policy!r} is not one of "
+                            f"{', '.join(PREFILL_POLICIES)}")
+        _positive("scheduler", group_tokens=self.group_tokens, max_num_seqs=self.max_num_seqs,
+                  max_num_batched_tokens=self.max_num_batched_tokens)
+
+
+@dataclass
+class SLOSpec:
+    tbt_ms: float = 150.0  # time between tokens, milliseconds
+
+    def __post_init__(self) -> None:
+        _positive("slo", tbt_ms=self.tbt_ms)
+
+
+@dataclass
+class TransportSpec:
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in TRANSPORT_BACKENDS:
+            raise PlanError(f"transport.backend {self.backend!r} is not one of {', '.join(TRANSPORT_BACKENDS)}")
+
+
+@dataclass
+class ServeSpec:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    router: str = "round_robin"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise PlanError(f"serve.port must lie in 1..65535, got {self.port}")
+        if self.router not in ROUTERS:
+            raise PlanError(f"serve.router {self.router!r} is not one of {', '.join(ROUTERS)}")
+
+
+@dataclass
+class Prediction:
+    """What the planner's performance model predicts for this plan (per layer and micro-batch
+    for the T's, per iteration for tbt)."""
+
+    t_a_ms: float = 0.0  # attention time of one micro-batch on one node, one layer
+    t_e_ms: float = 0.0  # expert time of one micro-batch on one node, one layer
+    t_c_ms: float = 0.0  # one-way attention<->expert transfer of one micro-batch, one layer
+    tbt_ms: float = 0.0  # iteration latency: time between tokens
+    tokens_per_s: float = 0.0  # decode throughput of one instance
+    tokens_per_s_per_cost: float = 0.0  # tokens/s per unit of price per hour
+    seq_len: int = 0  # mean context length the prediction assumed
+    gpus: int = 0  # GPUs of one instance
+    cost_per_hour: float = 0.0  # price of one instance per hour, catalog units
+
+
+_SECTIONS = {"attention": AttentionSpec, "experts": ExpertSpec, "pipeline": PipelineSpec,
+             "scheduler": SchedulerSpec, "slo": SLOSpec, "transport": TransportSpec, "serve": ServeSpec,
+             "predicted": Prediction}
+
+
+@dataclass
+class Plan:
+    model: str  # preset name or checkpoint directory
+    dtype: str = "bfloat16"
+    attention: AttentionSpec = field(default_factory=AttentionSpec)
+    experts: ExpertSpec = field(default_factory=ExpertSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    slo: SLOSpec = field(default_factory=SLOSpec)
+    transport: TransportSpec = field(default_factory=TransportSpec)
+    serve: ServeSpec = field(default_factory=ServeSpec)
+    predicted: Prediction | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise PlanError("model must name a preset or a checkpoint directory")
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        for side in (self.attention, self.experts):
+            section = "attention" if side is self.attention else "experts"
+            if side.gpu == CPU and side.tp != 1:
+                raise PlanError(f"{section}.tp must be 1 in a CPU plan (gpu: cpu), got {side.tp}")
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.attention.gpu == CPU and self.experts.gpu == CPU
+
+    def expert_assignment(self, model: ModelConfig) -> list[list[int]]:
+        """Expert ids of each expert node: contiguous, equal shares."""
+        self.check_model(model)
+        per = model.num_experts // self.experts.nodes
+        return [list(range(n * per, (n + 1) * per)) for n in range(self.experts.nodes)]
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Cross-checks that need the model's shapes."""
+        nodes, per = self.experts.nodes, self.experts.experts_per_node
+        if per is None:
+            if model.num_experts % nodes:
+                raise PlanError(f"experts.nodes ({nodes}) must divide the model's {model.num_experts} experts")
+        elif nodes * per != model.num_experts:
+            raise PlanError(f"experts.nodes x experts.experts_per_node = {nodes} x {per} = {nodes * per}, "
+                            f"but the model has {model.num_experts} experts")
+
+    # -- YAML ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if self.predicted is None:
+            del data["predicted"]
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(self.to_yaml())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a plan is a mapping of sections, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{source}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        if "model" not in data:
+            raise PlanError(f"{source}: 'model' is required (a preset name or a checkpoint directory)")
+        kwargs: dict[str, Any] = {"model": _coerce(data["model"], str, "model", source)}
+        if "dtype" in data:
+            kwargs["dtype"] = _coerce(data["dtype"], str, "dtype", source)
+        for name, section_cls in _SECTIONS.items():
+            if data.get(name) is not None:
+                kwargs[name] = _section(section_cls, data[name], name, source)
+        try:
+            return cls(**kwargs)
+        except PlanError as exc:
+            raise PlanError(f"{source}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"plan file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where else ""
+            raise PlanError(f"{path}: not valid YAML{line} ({getattr(exc, 'problem', exc)})") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _coerce(value: Any, kind: type, key: str, source: str) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise PlanError(f"{source}: {key} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _section(section_cls: type, data: Any, name: str, source: str) -> Any:
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: {name} must be a mapping, got {data!r}")
+    hints = get_type_hints(section_cls)
+    unknown = sorted(set(data) - set(hints))
+    if unknown:
+        raise PlanError(f"{source}: unknown key '{name}.{unknown[0]}'; {name} takes {', '.join(hints)}")
+    kwargs = {}
+    for key, value in data.items():
+        kind = hints[key]
+        optional = type(None) in getattr(kind, "__args__", ())
+        if optional and value is None:
+            kwargs[key] = None
+            continue
+        base = next(a for a in getattr(kind, "__args__", (kind,)) if a is not type(None))
+        kwargs[key] = _coerce(value, base, f"{name}.{key}", source)
+    try:
+        return section_cls(**kwargs)
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None

@@ -1,0 +1,258 @@
+"""MegaScale-Infer's performance model (§4): per-micro-batch attention time T_a, expert time
+T_e and one-way network time T_c for one layer, the iteration latency they give, and the
+memory constraint.
+
+Roofline-derived by default: a phase takes max(FLOPs / achievable FLOP rate, bytes /
+achievable HBM bandwidth), plus its tensor-parallel all-reduce. A calibration file can
+replace the attention and expert times with the paper's measured linear fits
+(T_a = k1·b_a + k2, T_e = k3·b_e + k4 per expert) and the network's utilisation curve
+with a measured one.
+
+Every function is plain arithmetic on numbers or numpy arrays (broadcasting), so the
+search evaluates thousands of configurations in one call and tests evaluate one.
+
+Symbols (per the paper): b_a tokens of one micro-batch on one attention node; b_e tokens
+one expert receives from a whole micro-batch; m micro-batches; L layers; T_f = max(T_a, T_e).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from megainfer.config import ModelConfig
+from megainfer.errors import PlanError
+
+# Fraction of GPU memory plans may fill; the rest is activations, workspace, fragmentation.
+MEMORY_HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """How close kernels come to the datasheet (roofline mode)."""
+
+    compute: float = 0.75  # achieved fraction of dense bf16 FLOPs in GEMMs
+    memory: float = 0.85  # achieved fraction of HBM bandwidth
+    link: float = 0.8  # achieved fraction of NVLink/PCIe bandwidth in all-reduce
+    layer_overhead_s: float = 10e-6  # kernel launches and synchronisation per phase per layer
+    allreduce_latency_s: float = 8e-6
+
+
+@dataclass(frozen=True)
+class UtilizationCurve:
+    """Achieved fraction of NIC bandwidth as a function of message size (bytes), linear in
+    log2(size) between measured points; flat beyond both ends."""
+
+    sizes: tuple[float, ...] = (1024, 8192, 32768, 131072, 262144, 1048576, 8388608)
+    utils: tuple[float, ...] = (0.03, 0.18, 0.42, 0.68, 0.78, 0.86, 0.90)
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.utils) or len(self.sizes) < 2:
+            raise PlanError("network.utilization needs at least two [bytes, utilisation] points")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])):
+            raise PlanError("network.utilization sizes must increase")
+        if not all(0 < u <= 1 for u in self.utils):
+            raise PlanError("network.utilization values must lie in (0, 1]")
+
+    def __call__(self, message_bytes):
+        x = np.log2(np.maximum(message_bytes, 1.0))
+        return np.interp(x, np.log2(self.sizes), self.utils)
+
+
+@dataclass
+class Calibration:
+    """Measured coefficients replacing the roofline where present.
+
+    attention[(gpu, tp)] = (k1 s/token, k2 s) with T_a = k1·b_a + k2 at the measured seq_len;
+    experts[(gpu, tp)] = (k3 s/token, k4 s) with T_e = experts_per_node·(k3·b_e + k4)."""
+
+    attention: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    experts: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    utilization: UtilizationCurve | None = None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        """YAML: attention: {H20: {tp2: {k1: .., k2: ..}}}, experts: {L40S: {tp1: {k3: .., k4: ..}}},
+        network: {utilization: [[bytes, util], ...]}."""
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"calibration file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise PlanError(f"{path}: not valid YAML ({exc})") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"{path}: a calibration file is a mapping with attention/experts/network")
+        unknown = sorted(set(data) - {"attention", "experts", "network"})
+        if unknown:
+            raise PlanError(f"{path}: unknown key {unknown[0]!r}; keys: attention, experts, network")
+        cal = cls()
+        for section, (slope, const) in (("attention", ("k1", "k2")), ("experts", ("k3", "k4"))):
+            for gpu, by_tp in (data.get(section) or {}).items():
+                for tp_key, coeffs in (by_tp or {}).items():
+                    where = f"{path}: {section}.{gpu}.{tp_key}"
+                    if not (isinstance(tp_key, str) and tp_key.startswith("tp") and tp_key[2:].isdigit()):
+                        raise PlanError(f"{where}: keys under a GPU are tp1, tp2, tp4, ...")
+                    if not isinstance(coeffs, dict) or {slope, const} - set(coeffs):
+                        raise PlanError(f"{where}: needs {slope} and {const} (seconds per token, seconds)")
+                    values = (coeffs[slope], coeffs[const])
+                    if not all(isinstance(v, (int, float)) and v >= 0 for v in values):
+                        raise PlanError(f"{where}: {slope} and {const} must be non-negative numbers")
+                    getattr(cal, section)[(str(gpu), int(tp_key[2:]))] = (float(values[0]), float(values[1]))
+        points = (data.get("network") or {}).get("utilization")
+        if points is not None:
+            try:
+                sizes, utils = zip(*((float(s), float(u)) for s, u in points))
+            except (TypeError, ValueError):
+                raise PlanError(f"{path}: network.utilization must be a list of [bytes, utilisation] pairs") from None
+            cal.utilization = UtilizationCurve(sizes, utils)
+        return cal
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's hardware as the formulas need it. Fields may be numpy arrays (one entry per
+    configuration); `k_slope`/`k_const` are NaN where no calibration applies."""
+
+    flops: object  # FLOP/s
+    hbm: object  # bytes/s
+    link: object  # bytes/s inside a node
+    nic: object  # bytes/s per GPU
+    tp: object
+    k_slope: object = math.nan
+    k_const: object = math.nan
+
+
+class PerfModel:
+    def __init__(self, model: ModelConfig, seq_len: int, dtype_bytes: int = 2,
+                 efficiency: Efficiency = Efficiency(), calibration: Calibration | None = None) -> None:
+        if seq_len <= 0:
+            raise PlanError(f"--seq-len must be positive, got {seq_len}")
+        self.model = model
+        self.seq_len = seq_len  # mean context length of decoding sequences, tokens
+        self.dtype_bytes = dtype_bytes
+        self.eff = efficiency
+        self.calibration = calibration or Calibration()
+        self.utilization = self.calibration.utilization or UtilizationCurve()
+        m = model
+        self.attn_weight_params = m.attention_params_per_layer  # per layer, router included
+        self.kv_bytes_per_token_layer = 2 * m.kv_size * dtype_bytes
+        self.token_bytes = m.hidden_size * dtype_bytes  # one hidden vector on the wire
+
+    # -- compute -------------------------------------------------------------------------
+    def attention_pieces(self, side: Side) -> list[tuple[object, object]]:
+        """T_a as max over linear pieces (slope s/token, constant s) of b_a: roofline's compute
+        and memory legs (each with the TP all-reduce and launch overhead), or the calibrated
+        k1·b_a + k2 where the calibration covers this GPU and tp."""
+        m = self.model
+        tp = np.asarray(side.tp)
+        allreduce_slope = np.where(tp > 1, 2 * (tp - 1) / tp * self.token_bytes / (side.link * self.eff.link), 0.0)
+        fixed = self.eff.layer_overhead_s + np.where(tp > 1, self.eff.allreduce_latency_s, 0.0)
+        flops_per_token = (2 * self.attn_weight_params + 4 * self.seq_len * m.q_size) / tp
+        compute = (flops_per_token / (side.flops * self.eff.compute) + allreduce_slope, fixed)
+        memory = (self.seq_len * self.kv_bytes_per_token_layer / tp / (side.hbm * self.eff.memory) + allreduce_slope,
+                  self.attn_weight_params * self.dtype_bytes / tp / (side.hbm * self.eff.memory) + fixed)
+        calibrated = ~np.isnan(side.k_slope)
+        return [(np.where(calibrated, side.k_slope, slope), np.where(calibrated, side.k_const, const))
+                for slope, const in (compute, memory)]
+
+    def attention_time(self, side: Side, b_a):
+        """T_a: one micro-batch of b_a tokens through one layer's attention half on one node."""
+        return np.maximum.reduce([slope * b_a + const for slope, const in self.attention_pieces(side)])
+
+    def attention_tokens_within(self, side: Side, seconds):
+        """The largest b_a with T_a(b_a) <= seconds (<= 0 where even one token takes longer)."""
+        return np.minimum.reduce([(seconds - const) / slope for slope, const in self.attention_pieces(side)])
+
+    def expert_pieces(self, side: Side, experts_per_node) -> list[tuple[object, object]]:
+        """T_e as max over linear pieces of b_e (tokens each expert receives): roofline's
+        compute and memory legs with the node's TP all-reduce, or the calibrated
+        experts_per_node·(k3·b_e + k4)."""
+        p = self.model.expert_params
+        tp = np.asarray(side.tp)
+        e = experts_per_node
+        allreduce_slope = np.where(tp > 1, 2 * (tp - 1) / tp * e * self.token_bytes / (side.link * self.eff.link), 0.0)
+        fixed = self.eff.layer_overhead_s + np.where(tp > 1, self.eff.allreduce_latency_s, 0.0)
+        compute = (e * 2 * p / tp / (side.flops * self.eff.compute) + allreduce_slope, fixed)
+        memory = (e * 2 * self.token_bytes / (side.hbm * self.eff.memory) + allreduce_slope,
+                  e * p * self.dtype_bytes / tp / (side.hbm * self.eff.memory) + fixed)
+        calibrated = ~np.isnan(side.k_slope)
+        return [(np.where(calibrated, e * side.k_slope, slope), np.where(calibrated, e * side.k_const, const))
+                for slope, const in (compute, memory)]
+
+    def expert_time(self, side: Side, b_e, experts_per_node):
+        """T_e: one micro-batch through one layer's experts on one node; each of its
+        `experts_per_node` experts receives b_e tokens."""
+        return np.maximum.reduce([slope * b_e + const for slope, const in self.expert_pieces(side, experts_per_node)])
+
+    # -- network -------------------------------------------------------------------------
+    def node_hit_probability(self, experts_per_node):
+        """Chance a token picks at least one of a node's experts (uniform routing): the
+        token travels to that node once, whatever number of its experts it chose."""
+        e, k = self.model.num_experts, self.model.top_k
+        per = np.asarray(experts_per_node, dtype=np.float64)
+        # 1 - C(E - per, K) / C(E, K) = 1 - prod_{i<K} (E - per - i) / (E - i)
+        miss = np.ones_like(per)
+        for i in range(k):
+            miss = miss * np.clip(e - per - i, 0, None) / (e - i)
+        return 1.0 - miss
+
+    def message_bytes(self, b_a, tp_a, tp_e, experts_per_node):
+        """Bytes one attention GPU writes to one expert GPU per micro-batch and layer."""
+        tokens = b_a * self.node_hit_probability(experts_per_node)
+        return tokens * self.token_bytes / (tp_a * tp_e)
+
+    def transfer_seconds_per_byte(self, attention: Side, experts: Side, n_a, expert_nodes):
+        """Seconds per message byte at full utilisation: an attention GPU writes one message to
+        each of the expert_nodes·tp_e expert GPUs, an expert GPU receives one from each of the
+        n_a·tp_a attention GPUs; the slower end bounds the exchange."""
+        return np.maximum(expert_nodes * experts.tp / attention.nic, n_a * attention.tp / experts.nic)
+
+    def transfer_time(self, attention: Side, experts: Side, b_a, n_a, expert_nodes, experts_per_node):
+        """T_c, the paper's equation (6): one direction of the attention<->expert exchange of
+        one micro-batch for one layer, bounded by the slower of an attention GPU's sends and an
+        expert GPU's receives, each at the bandwidth its message size achieves."""
+        msg = self.message_bytes(b_a, attention.tp, experts.tp, experts_per_node)
+        return msg / self.utilization(msg) * self.transfer_seconds_per_byte(attention, experts, n_a, expert_nodes)
+
+    # -- pipeline ------------------------------------------------------------------------
+    def iteration_time(self, t_a, t_e, t_c, m):
+        """Time between tokens: one token for every sequence, all m micro-batches through all L layers.
+
+        A micro-batch's round trip through a layer is T_a + T_c + T_e + T_c; the attention
+        node starts a new micro-batch every T_f, so a layer's period is max(m·T_f, round trip).
+        With constraint (3) met this is the paper's (T_a + T_e + 2T_c) + T_f·(m·L - 1)."""
+        t_f = np.maximum(t_a, t_e)
+        trip = t_a + t_e + 2 * t_c
+        period = np.maximum(m * t_f, trip)
+        return trip + (self.model.num_layers - 1) * period + (m - 1) * t_f
+
+    # -- memory (constraint 8) -------------------------------------------------------------
+    def attention_weight_bytes(self) -> float:
+        """Per attention node: every layer's attention half, embedding and LM head."""
+        m = self.model
+        head = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        return (m.num_layers * self.attn_weight_params + head) * self.dtype_bytes
+
+    def kv_bytes_per_sequence(self) -> float:
+        return self.seq_len * self.kv_bytes_per_token_layer * self.model.num_layers
+
+    def max_sequences_per_attention_node(self, memory_bytes, tp):
+        """Sequences whose KV cache fits beside the weights on one attention node (may be <= 0)."""
+        free = memory_bytes * MEMORY_HEADROOM * tp - self.attention_weight_bytes()
+        return np.floor(free / self.kv_bytes_per_sequence())
+
+    def expert_node_fits(self, memory_bytes, tp, experts_per_node):
+        need = experts_per_node * self.model.expert_params * self.model.num_layers * self.dtype_bytes
+        return need <= memory_bytes * MEMORY_HEADROOM * tp
+
+
+def min_micro_batches(t_f: float, t_c: float) -> int:
+    """Constraint (3), m·T_f >= 2·(T_f + T_c): the fewest micro-batches that keep both sides busy.
+    Under constraint (2) (T_c < T_f) this is 3 when T_c < T_f/2 and 4 otherwise."""
+    return max(2, math.ceil(2 * (t_f + t_c) / t_f - 1e-12))

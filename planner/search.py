@@ -1,0 +1,245 @@
+"""The deployment search: MegaScale-Infer's Algorithm 1 widened to GPU types.
+
+For every (attention GPU, expert GPU) pair, every feasible tp_a and tp_e, every feasible
+number of experts per expert node, every attention replica count n_a and every m in
+1..N_m, binary-search the largest global batch B whose iteration latency meets the TBT
+SLO and whose KV cache fits the n_a attention nodes (constraint 8); rank by throughput
+per cost, watt or GPU. n_a is searched rather than solved from T_a = T_e (constraint 1)
+because the KV cache often needs more attention nodes than balance would give; each
+candidate reports its T_a/T_e so the balance stays visible. All configurations are
+searched at once as numpy arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megainfer.config import ModelConfig
+from megainfer.errors import PlanError
+from megainfer.plan import AttentionSpec, ExpertSpec, PipelineSpec, Plan, Prediction, SLOSpec
+from planner.catalog import GPU, Catalog
+from planner.perf_model import PerfModel, Side
+
+OBJECTIVES = ("cost", "power", "gpu")
+TP_SIZES = (1, 2, 4, 8)
+MAX_BATCH = 1 << 17  # sequences; the binary search's upper end
+# Attention replica counts tried: every count up to 12, then coarser steps.
+ATTENTION_NODES = tuple(range(1, 13)) + (14, 16, 20, 24, 32, 40, 48, 64, 96, 128)
+SEARCH_STEPS = 18  # > log2(MAX_BATCH)
+
+
+@dataclass
+class Candidate:
+    """One deployment and what the model predicts for it. Times in seconds."""
+
+    attention_gpu: str
+    expert_gpu: str
+    tp_a: int
+    tp_e: int
+    n_a: int  # attention nodes
+    expert_nodes: int
+    experts_per_node: int
+    m: int  # micro-batches
+    batch: int  # global batch B, sequences
+    t_a: float
+    t_e: float
+    t_c: float
+    tbt: float
+    gpus: int
+    cost_per_hour: float
+    power_w: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.tbt
+
+    @property
+    def per_gpu(self) -> float:
+        return self.tokens_per_s / self.gpus
+
+    @property
+    def per_cost(self) -> float:
+        return self.tokens_per_s / self.cost_per_hour
+
+    @property
+    def per_watt(self) -> float:
+        return self.tokens_per_s / self.power_w
+
+    @property
+    def t_f(self) -> float:
+        return max(self.t_a, self.t_e)
+
+    # Constraints (1)-(3) of §4.1, reported rather than enforced: the iteration model
+    # already charges a plan that breaks them.
+    @property
+    def balance(self) -> float:
+        """T_a / T_e: constraint (1) wants this near 1."""
+        return self.t_a / self.t_e
+
+    @property
+    def network_hidden(self) -> bool:
+        """Constraint (2): T_c < T_f."""
+        return self.t_c < self.t_f
+
+    @property
+    def pipeline_full(self) -> bool:
+        """Constraint (3): m·T_f >= 2·(T_f + T_c)."""
+        return self.m * self.t_f >= 2 * (self.t_f + self.t_c) * (1 - 1e-9)
+
+    def objective(self, name: str) -> float:
+        return {"cost": self.per_cost, "power": self.per_watt, "gpu": self.per_gpu}[name]
+
+    def to_plan(self, model: str, dtype: str, tbt_slo_ms: float, seq_len: int) -> Plan:
+        return Plan(
+            model=model, dtype=dtype,
+            attention=AttentionSpec(gpu=self.attention_gpu, tp=self.tp_a, nodes=self.n_a),
+            experts=ExpertSpec(gpu=self.expert_gpu, tp=self.tp_e, nodes=self.expert_nodes,
+                               experts_per_node=self.experts_per_node),
+            pipeline=PipelineSpec(micro_batches=self.m, global_batch=self.batch),
+            slo=SLOSpec(tbt_ms=tbt_slo_ms),
+            predicted=Prediction(t_a_ms=self.t_a * 1e3, t_e_ms=self.t_e * 1e3, t_c_ms=self.t_c * 1e3,
+                                 tbt_ms=self.tbt * 1e3, tokens_per_s=self.tokens_per_s,
+                                 tokens_per_s_per_cost=self.per_cost, seq_len=seq_len, gpus=self.gpus,
+                                 cost_per_hour=self.cost_per_hour))
+
+    def as_dict(self) -> dict:
+        return {**{k: v for k, v in self.__dict__.items()}, "tokens_per_s": self.tokens_per_s,
+                "per_gpu": self.per_gpu, "per_cost": self.per_cost, "per_watt": self.per_watt,
+                "balance": self.balance, "network_hidden": self.network_hidden,
+                "pipeline_full": self.pipeline_full}
+
+
+@dataclass
+class SearchResult:
+    candidates: list[Candidate]  # best first; the best m per structural configuration
+    configurations: int  # configurations searched
+    fastest: Candidate | None = None  # the lowest-TBT configuration (for an unmeetable SLO)
+    notes: list[str] = field(default_factory=list)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _sides(perf: PerfModel, configs: list[tuple[GPU, int]], role: str) -> Side:
+    """One Side whose fields are arrays over `configs` (GPU, tp)."""
+    cal = perf.calibration.attention if role == "attention" else perf.calibration.experts
+    coeffs = np.array([cal.get((g.name, tp), (np.nan, np.nan)) for g, tp in configs], dtype=np.float64)
+    gpus = [g for g, _ in configs]
+    return Side(flops=np.array([g.flops for g in gpus]), hbm=np.array([g.hbm_bytes_per_s for g in gpus]),
+                link=np.array([g.link_bytes_per_s for g in gpus]), nic=np.array([g.nic_bytes_per_s for g in gpus]),
+                tp=np.array([tp for _, tp in configs], dtype=np.float64),
+                k_slope=coeffs[:, 0], k_const=coeffs[:, 1])
+
+
+def _rows(side: Side, index: np.ndarray) -> Side:
+    return Side(**{f: np.asarray(getattr(side, f))[index] for f in Side.__dataclass_fields__})
+
+
+def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expert_gpus: list[str], *,
+           tbt_slo_s: float, perf: PerfModel, max_micro_batches: int = 4, objective: str = "cost") -> SearchResult:
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if max_micro_batches < 1:
+        raise PlanError(f"--max-micro-batches must be at least 1, got {max_micro_batches}")
+    att = list(dict.fromkeys(catalog[n] for n in attention_gpus))
+    exp = list(dict.fromkeys(catalog[n] for n in expert_gpus))
+    att_cfgs = [(g, tp) for g in att for tp in TP_SIZES
+                if tp <= g.gpus_per_node and perf.max_sequences_per_attention_node(g.memory_bytes, tp) >= 1]
+    exp_cfgs = [(g, tp, e) for g in exp for tp in TP_SIZES if tp <= g.gpus_per_node
+                for e in divisors(model.num_experts) if perf.expert_node_fits(g.memory_bytes, tp, e)]
+    _check_fits(model, perf, att, exp, att_cfgs, exp_cfgs)
+
+    # Per-configuration constants, computed once on the small per-side arrays.
+    a_side = _sides(perf, att_cfgs, "attention")
+    e_side = _sides(perf, [(g, tp) for g, tp, _ in exp_cfgs], "experts")
+    e_per_cfg = np.array([e for _, _, e in exp_cfgs], dtype=np.float64)
+    a_pieces = perf.attention_pieces(a_side)
+    e_pieces = perf.expert_pieces(e_side, e_per_cfg)
+    seqs_cfg = perf.max_sequences_per_attention_node(np.array([g.memory_bytes for g, _ in att_cfgs]), a_side.tp)
+    hit_cfg = perf.node_hit_probability(e_per_cfg)
+
+    # One row per (attention config, expert config, n_a, m).
+    n_a_values = np.array(ATTENTION_NODES, dtype=np.float64)
+    m_values = np.arange(1, max_micro_batches + 1, dtype=np.float64)
+    ia, ie, i_n, i_m = (x.reshape(-1) for x in np.meshgrid(
+        np.arange(len(att_cfgs)), np.arange(len(exp_cfgs)), np.arange(len(n_a_values)), np.arange(len(m_values)),
+        indexing="ij"))
+    # float32 is exact for batches below 2**24 and halves the memory traffic of each step.
+    f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
+    n_a, m = f32(n_a_values[i_n]), f32(m_values[i_m])
+    e_per = e_per_cfg[ie]
+    n_e = model.num_experts / e_per
+    a_rows, e_rows = _rows(a_side, ia), _rows(e_side, ie)
+    a_lin = [(f32(slope[ia]), f32(const[ia])) for slope, const in a_pieces]
+    e_lin = [(f32(slope[ie]), f32(const[ie])) for slope, const in e_pieces]
+    # T_c = msg / util(msg) * seconds_per_byte, msg = b_a * bytes_per_token_sent
+    bytes_per_token_sent = f32(hit_cfg[ie] * perf.token_bytes / (a_rows.tp * e_rows.tp))
+    seconds_per_byte = f32(perf.transfer_seconds_per_byte(a_rows, e_rows, n_a, n_e))
+    capacity = f32(np.minimum(n_a * seqs_cfg[ia], MAX_BATCH))  # sequences whose KV fits
+
+    def evaluate(batch: np.ndarray) -> dict[str, np.ndarray]:
+        g = batch / m  # tokens of one micro-batch across all attention nodes
+        b_a = g / n_a
+        b_e = g * (model.top_k / model.num_experts)
+        t_a = np.maximum.reduce([s * b_a + c for s, c in a_lin])
+        t_e = np.maximum.reduce([s * b_e + c for s, c in e_lin])
+        msg = b_a * bytes_per_token_sent
+        t_c = msg / f32(perf.utilization(msg)) * seconds_per_byte
+        return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m))
+
+    lo = m.copy()  # one sequence per micro-batch: does even that meet the SLO and fit?
+    first = evaluate(lo)
+    feasible = (first["tbt"] <= tbt_slo_s) & (capacity >= m)
+    hi = np.where(feasible, np.maximum(capacity, lo), lo)
+    for _ in range(int(np.log2(max(hi.max(), 2))) + 1):  # largest B in [lo, hi] with tbt <= SLO
+        mid = np.floor((lo + hi + 1) / 2)
+        ok = evaluate(mid)["tbt"] <= tbt_slo_s
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid - 1)
+    best = evaluate(lo)
+
+    price = lambda cfgs, idx: np.array([c[0].price for c in cfgs])[idx]  # noqa: E731
+    power_of = lambda cfgs, idx: np.array([c[0].power_w for c in cfgs])[idx]  # noqa: E731
+    gpus = n_a * a_rows.tp + n_e * e_rows.tp
+    cost = n_a * a_rows.tp * price(att_cfgs, ia) + n_e * e_rows.tp * price(exp_cfgs, ie)
+    power = n_a * a_rows.tp * power_of(att_cfgs, ia) + n_e * e_rows.tp * power_of(exp_cfgs, ie)
+
+    def candidate(i: int, values: dict[str, np.ndarray], batch: np.ndarray) -> Candidate:
+        (ga, tp_a), (ge, tp_e, e) = att_cfgs[ia[i]], exp_cfgs[ie[i]]
+        return Candidate(
+            attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=int(n_a[i]),
+            expert_nodes=int(n_e[i]), experts_per_node=e, m=int(m[i]), batch=int(batch[i]),
+            t_a=float(values["t_a"][i]), t_e=float(values["t_e"][i]), t_c=float(values["t_c"][i]),
+            tbt=float(values["tbt"][i]), gpus=int(gpus[i]), cost_per_hour=float(cost[i]), power_w=float(power[i]))
+
+    fits = capacity >= m
+    fastest = candidate(int(np.argmin(np.where(fits, first["tbt"], np.inf))), first, m) if fits.any() else None
+    throughput = lo / best["tbt"]
+    score = {"cost": throughput / cost, "power": throughput / power, "gpu": throughput / gpus}[objective]
+    score = np.where(feasible, score, -np.inf)
+    # Keep the best (n_a, m) of each structural configuration (GPU pair, tp's, experts per
+    # node): sort by configuration, then by score, and take each configuration's first row.
+    group = ia * len(exp_cfgs) + ie
+    order = np.lexsort((-score, group))
+    first_of_group = order[np.r_[True, group[order][1:] != group[order][:-1]]]
+    first_of_group = first_of_group[np.isfinite(score[first_of_group])]
+    ranked = first_of_group[np.argsort(-score[first_of_group], kind="stable")]
+    candidates = [candidate(int(i), best, lo) for i in ranked]
+    return SearchResult(candidates=candidates, configurations=len(m), fastest=fastest)
+
+
+def _check_fits(model: ModelConfig, perf: PerfModel, att: list[GPU], exp: list[GPU], attention_fits, expert_fits) -> None:
+    if not attention_fits:
+        need = perf.attention_weight_bytes() + perf.kv_bytes_per_sequence()
+        raise PlanError(
+            f"{model.name}: the attention half does not fit any TP size on {', '.join(g.name for g in att)}: "
+            f"it needs {need / 1e9:.1f} GB (weights and one sequence's KV cache) per node, "
+            f"more than {max(tp for tp in TP_SIZES)} GPUs of one node hold; choose GPUs with more memory")
+    if not expert_fits:
+        one = model.expert_params * model.num_layers * perf.dtype_bytes
+        raise PlanError(
+            f"{model.name}: one expert ({one / 1e9:.1f} GB across its {model.num_layers} layers) does not fit "
+            f"any TP size on {', '.join(g.name for g in exp)}; choose GPUs with more memory")
