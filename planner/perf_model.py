@@ -39,7 +39,7 @@ class Efficiency:
     compute: float = 0.75  # achieved fraction of dense bf16 FLOPs in GEMMs
     memory: float = 0.85  # achieved fraction of HBM bandwidth
     link: float = 0.8  # achieved fraction of NVLink/PCIe bandwidth in all-reduce
-    layer_overhead_s: float = 10e-6  # kernel launches and synchronisation per phase per layer
+    layer_overhead_s: float = 20e-6  # ~8 kernel launches and a sync per phase per layer (CUDA graphs)
     allreduce_latency_s: float = 8e-6
 
 
@@ -256,3 +256,9 @@ def min_micro_batches(t_f: float, t_c: float) -> int:
     """Constraint (3), m·T_f >= 2·(T_f + T_c): the fewest micro-batches that keep both sides busy.
     Under constraint (2) (T_c < T_f) this is 3 when T_c < T_f/2 and 4 otherwise."""
     return max(2, math.ceil(2 * (t_f + t_c) / t_f - 1e-12))
+
+
+def roofline_utilization(tokens_per_gemm, flops: float, hbm_bytes_per_s: float):
+    """Fraction of peak FLOPs a bf16 weight GEMM over `tokens_per_gemm` tokens can reach on the
+    roofline: its arithmetic intensity (tokens FLOPs per weight byte) over the ridge point."""
+    return np.minimum(1.0, tokens_per_gemm / (flops / hbm_bytes_per_s))

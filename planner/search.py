@@ -18,7 +18,7 @@ import numpy as np
 
 from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
-from megainfer.plan import AttentionSpec, ExpertSpec, PipelineSpec, Plan, Prediction, SLOSpec
+from megainfer.plan import AttentionSpec, ExpertSpec, PipelineSpec, Plan, Prediction, SchedulerSpec, SLOSpec
 from planner.catalog import GPU, Catalog
 from planner.perf_model import PerfModel, Side
 
@@ -92,17 +92,20 @@ class Candidate:
         return {"cost": self.per_cost, "power": self.per_watt, "gpu": self.per_gpu}[name]
 
     def to_plan(self, model: str, dtype: str, tbt_slo_ms: float, seq_len: int) -> Plan:
+        r = lambda x: round(x, 4)  # noqa: E731
         return Plan(
             model=model, dtype=dtype,
             attention=AttentionSpec(gpu=self.attention_gpu, tp=self.tp_a, nodes=self.n_a),
             experts=ExpertSpec(gpu=self.expert_gpu, tp=self.tp_e, nodes=self.expert_nodes,
                                experts_per_node=self.experts_per_node),
             pipeline=PipelineSpec(micro_batches=self.m, global_batch=self.batch),
+            # Each attention node must admit its share of the global batch.
+            scheduler=SchedulerSpec(max_num_seqs=-(-self.batch // self.n_a)),
             slo=SLOSpec(tbt_ms=tbt_slo_ms),
-            predicted=Prediction(t_a_ms=self.t_a * 1e3, t_e_ms=self.t_e * 1e3, t_c_ms=self.t_c * 1e3,
-                                 tbt_ms=self.tbt * 1e3, tokens_per_s=self.tokens_per_s,
-                                 tokens_per_s_per_cost=self.per_cost, seq_len=seq_len, gpus=self.gpus,
-                                 cost_per_hour=self.cost_per_hour))
+            predicted=Prediction(t_a_ms=r(self.t_a * 1e3), t_e_ms=r(self.t_e * 1e3), t_c_ms=r(self.t_c * 1e3),
+                                 tbt_ms=r(self.tbt * 1e3), tokens_per_s=round(self.tokens_per_s, 1),
+                                 tokens_per_s_per_cost=round(self.per_cost, 2), seq_len=seq_len, gpus=self.gpus,
+                                 cost_per_hour=r(self.cost_per_hour)))
 
     def as_dict(self) -> dict:
         return {**{k: v for k, v in self.__dict__.items()}, "tokens_per_s": self.tokens_per_s,
@@ -243,3 +246,23 @@ def _check_fits(model: ModelConfig, perf: PerfModel, att: list[GPU], exp: list[G
         raise PlanError(
             f"{model.name}: one expert ({one / 1e9:.1f} GB across its {model.num_layers} layers) does not fit "
             f"any TP size on {', '.join(g.name for g in exp)}; choose GPUs with more memory")
+
+
+def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, attention_gpu: str, tp_a: int, n_a: int,
+                  expert_gpu: str, tp_e: int, experts_per_node: int, m: int, batch: int) -> Candidate:
+    """The model's prediction for one fixed deployment (no search, no SLO)."""
+    if model.num_experts % experts_per_node:
+        raise PlanError(f"experts_per_node ({experts_per_node}) must divide the model's {model.num_experts} experts")
+    ga, ge = catalog[attention_gpu], catalog[expert_gpu]
+    a_side, e_side = _sides(perf, [(ga, tp_a)], "attention"), _sides(perf, [(ge, tp_e)], "experts")
+    expert_nodes = model.num_experts // experts_per_node
+    b_a = batch / m / n_a
+    t_a = float(perf.attention_time(a_side, b_a)[0])
+    t_e = float(perf.expert_time(e_side, batch / m * model.top_k / model.num_experts, experts_per_node)[0])
+    t_c = float(perf.transfer_time(a_side, e_side, b_a, n_a, expert_nodes, experts_per_node)[0])
+    return Candidate(
+        attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=n_a, expert_nodes=expert_nodes,
+        experts_per_node=experts_per_node, m=m, batch=batch, t_a=t_a, t_e=t_e, t_c=t_c,
+        tbt=float(perf.iteration_time(t_a, t_e, t_c, m)), gpus=n_a * tp_a + expert_nodes * tp_e,
+        cost_per_hour=n_a * tp_a * ga.price + expert_nodes * tp_e * ge.price,
+        power_w=n_a * tp_a * ga.power_w + expert_nodes * tp_e * ge.power_w)

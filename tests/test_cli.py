@@ -74,3 +74,36 @@ def test_layering_rules_hold():
         pytest.skip("../shared/tools/check_layers.py is not beside this checkout")
     out = subprocess.run([sys.executable, str(tool)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout
+
+
+def test_plan_runs_without_torch_and_writes_plan_json_and_chart(tmp_path):
+    plan, report, chart = tmp_path / "plan.yaml", tmp_path / "plan.json", tmp_path / "gantt.png"
+    code = ("import sys; from megainfer.cli import main; "
+            f"rc = main(['plan', '--model', 'dbrx', '--gpus', 'A800,H20,L40S', '--top', '3', '-o', {str(plan)!r}, "
+            f"'--json', {str(report)!r}, '--explain', '--plot', {str(chart)!r}]); "
+            "assert rc == 0, rc; assert 'torch' not in sys.modules, 'plan imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "colocated baseline" in out.stdout and "disaggregation gains over it" in out.stdout
+    assert "bound the pipeline" in out.stdout  # --explain
+    from megainfer.plan import Plan
+    loaded = Plan.load(plan)
+    assert (loaded.attention.gpu, loaded.experts.gpu) == ("H20", "L40S")
+    assert loaded.predicted.tbt_ms <= 150
+    data = json.loads(report.read_text())
+    assert data["candidates"][0]["attention_gpu"] == "H20" and data["ratios"]["per_cost"] > 1
+    assert chart.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--model", "dbrx", "--gpus", "H30"], "unknown GPU 'H30'; the catalog knows"),
+    (["plan", "--model", "qwen3-235b-a22b", "--gpus", "H100", "--tbt-slo-ms", "1"],
+     "no plan meets a TBT SLO of 1 ms"),
+    (["plan", "--model", "dbrx", "--price", "H20"], "write GPU=PRICE"),
+    (["plan", "--model", "dbrx", "--catalog", "/nonexistent.yaml"], "does not exist"),
+    (["plan", "--model", "llama-70b"], "neither a checkpoint directory nor a preset"),
+])
+def test_plan_bad_input_is_one_line(args, message):
+    out = megainfer(*args)
+    assert out.returncode == 2, out.stdout
+    assert message in out.stderr and "Traceback" not in out.stderr

@@ -14,6 +14,7 @@ from megainfer.errors import MegaInferError
 COMMANDS = {
     "generate": "megainfer.cli.generate",
     "bench": "megainfer.cli.bench",
+    "plan": "megainfer.cli.plan",
 }
 
 

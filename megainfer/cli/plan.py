@@ -1,0 +1,139 @@
+"""`megainfer plan`: search deployments and write plan.yaml. Torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from megainfer.cli.options import positive_int
+from megainfer.errors import PlanError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="search disaggregated deployments for throughput per cost under a TBT SLO",
+        description="Search attention/expert deployments (GPU types, TP sizes, replicas, micro-batches, batch) "
+                    "with MegaScale-Infer's performance model; print a ranked table and the colocated baseline.")
+    p.add_argument("--model", required=True, help="preset name, checkpoint directory or config.json")
+    p.add_argument("--gpus", help="comma-separated GPU types to consider (default: the whole catalog)")
+    p.add_argument("--tbt-slo-ms", type=float, default=150.0, help="time-between-tokens SLO, ms")
+    p.add_argument("--seq-len", type=positive_int, default=730, help="mean context length of decoding sequences")
+    p.add_argument("--max-micro-batches", type=positive_int, default=4, help="N_m: micro-batch counts 1..N_m")
+    p.add_argument("--objective", choices=["cost", "power", "gpu"], default="cost",
+                   help="rank by tokens/s per cost (default), per watt, or per GPU")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table")
+    p.add_argument("--catalog", help="GPU catalog YAML (default: the built-in one)")
+    p.add_argument("--calibration", help="measured k1..k4 and network utilisation (YAML)")
+    p.add_argument("--price", action="append", default=[], metavar="GPU=PRICE",
+                   help="your own price per GPU-hour, repeatable (e.g. --price H100=2.99)")
+    p.add_argument("-o", "--output", help="write the best plan to this plan.yaml")
+    p.add_argument("--json", metavar="PATH", help="write every candidate and the baseline as JSON")
+    p.add_argument("--explain", action="store_true", help="describe the best plan's ping-pong timeline")
+    p.add_argument("--plot", metavar="PATH", help="draw the best plan's timeline as a Gantt chart (PNG)")
+    p.set_defaults(run=run)
+
+
+def _model(spec: str):
+    from megainfer.config import ModelConfig, resolve_model
+
+    path = Path(spec)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            return ModelConfig.from_hf_dict(json.loads(path.read_text()), name=str(path))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{path}: not valid JSON ({exc})") from None
+    return resolve_model(spec)[0]
+
+
+def _prices(items: list[str]) -> dict[str, float]:
+    prices = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            prices[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise PlanError(f"--price {item!r}: write GPU=PRICE, e.g. --price H100=2.99")
+    return prices
+
+
+def run(args: argparse.Namespace) -> int:
+    from megainfer.bench.report import format_table, write_json
+    from megainfer.config import DTYPE_BYTES
+    from planner.catalog import Catalog
+    from planner.colocated import best_colocated
+    from planner.perf_model import Calibration, PerfModel
+    from planner.search import search
+    from planner.timeline import explain, plot_gantt
+
+    if args.tbt_slo_ms <= 0:
+        raise PlanError(f"--tbt-slo-ms must be positive, got {args.tbt_slo_ms}")
+    model = _model(args.model)
+    catalog = Catalog.load(args.catalog).with_prices(_prices(args.price))
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else catalog.names()
+    gpus = [catalog[g].name for g in gpus]  # unknown names fail here, listing the known ones
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration)
+    slo = args.tbt_slo_ms / 1e3
+    start = time.perf_counter()
+    result = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf,
+                    max_micro_batches=args.max_micro_batches, objective=args.objective)
+    baseline = best_colocated(model, catalog, gpus, tbt_slo_s=slo, perf=perf, objective=args.objective)
+    elapsed = time.perf_counter() - start
+    if not result.candidates:
+        f = result.fastest
+        where = (f"{f.attention_gpu}x{f.tp_a} x{f.n_a} attention, {f.expert_gpu}x{f.tp_e} x{f.expert_nodes} experts, "
+                 f"m={f.m}, one sequence per micro-batch" if f else "none fits in memory")
+        best_tbt = f"{f.tbt * 1e3:.1f} ms" if f else "n/a"
+        raise PlanError(f"no plan meets a TBT SLO of {args.tbt_slo_ms:g} ms for {model.name} at seq-len "
+                        f"{args.seq_len} on {', '.join(gpus)}; the best achievable TBT is {best_tbt} ({where}). "
+                        "Raise --tbt-slo-ms, shorten --seq-len, or add faster GPUs")
+
+    print(f"{model.name}: {args.dtype}, seq-len {args.seq_len}, TBT SLO {args.tbt_slo_ms:g} ms, objective "
+          f"{args.objective}, GPUs {','.join(gpus)}; {result.configurations:,} configurations searched in "
+          f"{elapsed:.2f} s (prices: {catalog.price_unit or 'catalog units'})")
+    rows = []
+    for rank, c in enumerate(result.candidates[:args.top], 1):
+        rows.append([rank, f"{c.attention_gpu} tp{c.tp_a} x{c.n_a}",
+                     f"{c.expert_gpu} tp{c.tp_e} x{c.expert_nodes} ({c.experts_per_node}/node)", c.m, c.batch,
+                     f"{c.t_a * 1e3:.3f}", f"{c.t_e * 1e3:.3f}", f"{c.t_c * 1e3:.3f}", f"{c.tbt * 1e3:.1f}",
+                     f"{c.tokens_per_s:,.0f}", f"{c.per_gpu:,.0f}", f"{c.per_cost:,.0f}", f"{c.per_watt * 1e3:,.0f}",
+                     f"{c.balance:.2f}", "yes" if c.network_hidden else "NO", "yes" if c.pipeline_full else "no"])
+    print(format_table(["#", "attention", "experts", "m", "B", "T_a ms", "T_e ms", "T_c ms", "TBT ms", "tokens/s",
+                        "/GPU", "/cost", "/kW", "(1) Ta/Te", "(2) Tc<Tf", "(3) mTf>=2(Tf+Tc)"], rows))
+    best = result.candidates[0]
+    ratios = None
+    if baseline is None:
+        print("colocated baseline: no colocated deployment on these GPUs meets the SLO")
+    else:
+        ratios = {k: best_v / base_v for k, best_v, base_v in (
+            ("per_gpu", best.per_gpu, baseline.per_gpu), ("per_cost", best.per_cost, baseline.per_cost),
+            ("per_watt", best.per_watt, baseline.per_watt))}
+        print(f"colocated baseline: {baseline.gpu} x{baseline.gpus} (attention TP {baseline.attention_tp}, "
+              f"experts EP {baseline.gpus}), B={baseline.batch}, TBT {baseline.tbt * 1e3:.1f} ms, "
+              f"{baseline.tokens_per_s:,.0f} tokens/s, {baseline.per_gpu:,.0f}/GPU, {baseline.per_cost:,.0f}/cost")
+        print(f"disaggregation gains over it: {ratios['per_cost']:.2f}x per cost, {ratios['per_gpu']:.2f}x per GPU, "
+              f"{ratios['per_watt']:.2f}x per watt")
+    if args.explain:
+        print()
+        print(explain(best, model.num_layers))
+    if args.plot:
+        plot_gantt(best, args.plot)
+        print(f"timeline chart: {args.plot}")
+    if args.output:
+        plan = best.to_plan(args.model, args.dtype, args.tbt_slo_ms, args.seq_len)
+        plan.save(args.output)
+        print(f"best plan written to {args.output}")
+    if args.json:
+        write_json(args.json, {
+            "model": model.name, "dtype": args.dtype, "seq_len": args.seq_len, "tbt_slo_ms": args.tbt_slo_ms,
+            "objective": args.objective, "gpus": gpus, "configurations": result.configurations,
+            "search_seconds": elapsed, "candidates": [c.as_dict() for c in result.candidates],
+            "colocated": baseline.as_dict() if baseline else None, "ratios": ratios})
+    sys.stdout.flush()
+    return 0
