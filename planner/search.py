@@ -137,10 +137,6 @@ def _sides(perf: PerfModel, configs: list[tuple[GPU, int]], role: str) -> Side:
                 k_slope=coeffs[:, 0], k_const=coeffs[:, 1])
 
 
-def _rows(side: Side, index: np.ndarray) -> Side:
-    return Side(**{f: np.asarray(getattr(side, f))[index] for f in Side.__dataclass_fields__})
-
-
 def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expert_gpus: list[str], *,
            tbt_slo_s: float, perf: PerfModel, max_micro_batches: int = 4, objective: str = "cost") -> SearchResult:
     if objective not in OBJECTIVES:
@@ -175,7 +171,9 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
     n_a, m = f32(n_a_values[i_n]), f32(m_values[i_m])
     e_per = e_per_cfg[ie]
     n_e = model.num_experts / e_per
-    a_rows, e_rows = _rows(a_side, ia), _rows(e_side, ie)
+    # Only the network needs per-row hardware figures.
+    a_rows = Side(flops=None, hbm=None, link=None, nic=a_side.nic[ia], tp=a_side.tp[ia])
+    e_rows = Side(flops=None, hbm=None, link=None, nic=e_side.nic[ie], tp=e_side.tp[ie])
     a_lin = [(f32(slope[ia]), f32(const[ia])) for slope, const in a_pieces]
     e_lin = [(f32(slope[ie]), f32(const[ie])) for slope, const in e_pieces]
     # T_c = msg / util(msg) * seconds_per_byte, msg = b_a * bytes_per_token_sent
