@@ -1,1 +1,20 @@
-"""M2N transport: pre-registered buffers and tagged one-sided writes (built in its own issue)."""
+"""M2N transport: pre-registered slots, tagged one-sided writes, no collective set-up.
+
+    spec = EndpointSpec(name="attn0", rank=0, secret=secret, listen="10.0.0.5:7000",
+                        peers={"expert0": "10.0.0.6:7000"}, slot_bytes=1 << 20, num_slots=3)
+    ep = Endpoint(spec).connect()
+    ep.send("expert0", tensor, layer=3, micro_batch=1, token_count=128)
+    msg = ep.recv("expert0", micro_batch=1)     # msg.header, msg.tensor(torch.bfloat16)
+    msg.release()                               # the sender may now reuse that slot
+
+Backends: shm (one host), tcp, rdma (pyverbs, where verbs devices exist), chosen per
+peer by `backend="auto"`. Never imports megainfer.
+"""
+
+from transport.endpoint import Endpoint, EndpointSpec, Message, host_id
+from transport.errors import (BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, PeerTimeout,
+                              TransportError)
+from transport.wire import Header
+
+__all__ = ["Endpoint", "EndpointSpec", "Message", "Header", "host_id", "TransportError", "HandshakeError",
+           "PeerTimeout", "PeerClosed", "PayloadTooLarge", "BackendUnavailable"]

@@ -1,0 +1,447 @@
+"""An M2N endpoint: pre-registered slots, tagged one-sided writes, no collective set-up.
+
+An endpoint is built from a plain description (its name and rank, where it listens, its
+peers' addresses, its slot sizes, a shared secret). `connect()` authenticates one control
+connection to and from every peer and picks a backend per peer (shm on one host, rdma
+where verbs devices exist on both ends, tcp otherwise); after that, `send()` writes a
+message into the peer's slot for its micro-batch and `recv()` returns the next message as
+a view on this endpoint's own slot, with no copy, until `Message.release()`.
+
+A slot is reused only once its consumer released it: a sender whose slot is still held
+waits (back-pressure), and every wait ends in `PeerTimeout` after `timeout_s` or
+`PeerClosed` as soon as the peer's connection drops: never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from transport import rdma
+from transport.errors import BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, PeerTimeout, TransportError
+from transport.handshake import authenticate
+from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
+from transport.tcp import TcpInbound, TcpOutbound, tune
+from transport.wire import Header, check_header_fields, recv_json, send_json
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "shm", "tcp", "rdma")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def host_id() -> str:
+    """Names this machine: two endpoints with equal ids share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass
+class EndpointSpec:
+    name: str  # unique among the endpoints that talk to each other, e.g. "attn0"
+    secret: bytes  # shared by all endpoints of a deployment; strangers are refused
+    rank: int = 0  # written into every header this endpoint sends (the sender field)
+    listen: str = "127.0.0.1:0"  # control listener; port 0 picks a free one (see Endpoint.address)
+    peers: dict[str, str] = field(default_factory=dict)  # peer name -> its listen address
+    slot_bytes: int = 1 << 20  # payload capacity of each of this endpoint's receive slots
+    num_slots: int = 2  # receive slots per sending peer: micro-batches in flight
+    backend: str = "auto"  # "auto" | "shm" | "tcp" | "rdma"
+    timeout_s: float = 30.0  # longest wait for a peer (connect, send slot, receive)
+    spin_us: float = 50.0  # busy-poll this long before sleeping on a wakeup
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"EndpointSpec.name must be a non-empty name without '/', got {self.name!r}")
+        if not isinstance(self.secret, (bytes, bytearray)) or len(self.secret) < 16:
+            raise ValueError("EndpointSpec.secret must be at least 16 bytes (os.urandom(32) is a good one)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EndpointSpec.backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.slot_bytes <= 0 or self.num_slots <= 0:
+            raise ValueError("EndpointSpec.slot_bytes and num_slots must be positive")
+        if not 0 <= self.rank < (1 << 16):
+            raise ValueError(f"EndpointSpec.rank must fit 16 bits, got {self.rank}")
+        if self.timeout_s <= 0 or self.spin_us < 0:
+            raise ValueError("EndpointSpec.timeout_s must be positive and spin_us non-negative")
+        parse_address(self.listen)
+
+
+class Message:
+    """A received message: its header and a zero-copy view of the payload in the slot.
+    The view is valid until `release()`; after that the sender may overwrite the slot."""
+
+    __slots__ = ("peer", "header", "data", "_channel", "_slot", "_released")
+
+    def __init__(self, peer: str, header: Header, data: memoryview, channel, slot: int) -> None:
+        self.peer = peer
+        self.header = header
+        self.data = data
+        self._channel = channel
+        self._slot = slot
+        self._released = False
+
+    def tensor(self, dtype=None, shape=None):
+        """The payload as a torch tensor sharing the slot's memory (no copy)."""
+        import torch
+
+        dtype = dtype or torch.uint8
+        if not len(self.data):
+            t = torch.empty(0, dtype=dtype)
+        else:
+            t = torch.frombuffer(self.data, dtype=dtype)
+        return t.view(shape) if shape is not None else t
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._channel.release(self._slot)
+
+    def __enter__(self) -> "Message":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def as_bytes(payload) -> memoryview:
+    """bytes-like, numpy array or CPU torch tensor -> a flat byte view (no copy)."""
+    if hasattr(payload, "is_cuda"):  # a torch tensor
+        if payload.is_cuda:
+            raise TypeError("CUDA tensors go through transport.cuda.StreamOrderedSender (stream-ordered staging)")
+        if not payload.is_contiguous():
+            raise ValueError("tensor payloads must be contiguous (call .contiguous())")
+        payload = payload.detach().view(-1).view(dtype=__import__("torch").uint8).numpy()
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class Endpoint:
+    def __init__(self, spec: EndpointSpec) -> None:
+        self.spec = spec
+        host, port = parse_address(spec.listen)
+        self.listener = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.outbound: dict[str, object] = {}
+        self.inbound: dict[str, object] = {}
+        self._pending: list[Message] = []
+        self._seq: dict[str, int] = {}
+        self._dead: dict[str, str] = {}
+        self._inbound_ids = itertools.count()
+        self._max_sleep: float | None = None
+        self._selector = selectors.DefaultSelector()
+        self._host = host_id()
+        ok, self._shm_reason = shm_available()
+        self.doorbell = Doorbell() if ok else None
+        self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
+        self._rdma_ok, self._rdma_reason = rdma.available() if spec.backend in ("auto", "rdma") else (False, "")
+        if spec.backend == "rdma" and not self._rdma_ok:
+            raise BackendUnavailable(f"backend 'rdma' requested but unavailable: {self._rdma_reason}")
+        if spec.backend == "shm" and not ok:
+            raise BackendUnavailable(f"backend 'shm' requested but unavailable: {self._shm_reason}")
+        if spec.backend == "auto" and not self._rdma_ok:
+            logger.info("endpoint %s: rdma not chosen: %s", spec.name, self._rdma_reason)
+
+    @property
+    def address(self) -> str:
+        host, port = self.listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def backend_of(self, peer: str) -> str:
+        return self.outbound[peer].kind
+
+    # -- set-up ----------------------------------------------------------------------------
+    def connect(self, peers: dict[str, str] | None = None) -> "Endpoint":
+        """Authenticate a connection to and from every peer; returns when all are up."""
+        if peers is not None:
+            self.spec.peers = dict(peers)
+        peers = self.spec.peers
+        if self.spec.name in peers:
+            raise ValueError(f"endpoint {self.spec.name!r} lists itself among its peers")
+        deadline = time.monotonic() + self.spec.timeout_s
+        accepted: dict[str, object] = {}
+        accept_errors: list[BaseException] = []
+        acceptor = threading.Thread(target=self._accept_all, args=(set(peers), deadline, accepted, accept_errors),
+                                    name=f"m2n-accept-{self.spec.name}", daemon=True)
+        acceptor.start()
+        try:
+            for peer, address in peers.items():
+                self.outbound[peer] = self._connect_to(peer, address, deadline)
+                self._seq[peer] = 0
+        finally:
+            acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if accept_errors:
+            raise accept_errors[0]
+        missing = sorted(set(peers) - set(accepted))
+        if missing:
+            raise PeerTimeout(f"endpoint {self.spec.name}: peers {', '.join(missing)} did not connect within "
+                              f"{self.spec.timeout_s:g} s (not started, wrong address, or a different secret)")
+        self.inbound.update(accepted)
+        self._register()
+        # RDMA completions do not wake a selector: with RDMA peers, wake often and poll the queues.
+        if any(ch.kind == "rdma" for ch in list(self.inbound.values()) + list(self.outbound.values())):
+            self._max_sleep = 0.0002
+        return self
+
+    def _connect_to(self, peer: str, address: str, deadline: float):
+        host, port = parse_address(address)
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
+                break
+            except (ConnectionRefusedError, socket.timeout, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise PeerTimeout(f"endpoint {self.spec.name}: cannot reach peer {peer} at {address} within "
+                                      f"{self.spec.timeout_s:g} s ({exc})") from None
+                time.sleep(0.02)
+        try:
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            authenticate(sock, bytes(self.spec.secret), initiator=True)
+            channel_id = len(self.outbound)
+            send_json(sock, {
+                "name": self.spec.name, "rank": self.spec.rank, "backend": self.spec.backend,
+                "host": self._host, "rdma": self._rdma_ok,
+                "doorbell": self.doorbell.name if self.doorbell else "", "channel": channel_id})
+            ack = recv_json(sock)
+            if not ack.get("ok"):
+                raise HandshakeError(f"peer {peer} refused endpoint {self.spec.name}: {ack.get('error')}")
+            if ack.get("name") != peer:
+                raise HandshakeError(f"the endpoint at {address} is {ack.get('name')!r}, not {peer!r}")
+            slot_bytes, num_slots, kind = int(ack["slot_bytes"]), int(ack["num_slots"]), ack["backend"]
+            if kind == "shm":
+                channel = ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
+            elif kind == "rdma":
+                channel = rdma.RdmaOutbound.connect(self._rdma_context(), peer, channel_id, slot_bytes, num_slots,
+                                                    sock, ack["rdma"])
+            else:
+                tune(sock, slot_bytes)
+                channel = TcpOutbound(peer, slot_bytes, num_slots, sock)
+            sock.settimeout(None)
+            logger.info("endpoint %s -> %s over %s", self.spec.name, peer, kind)
+            return channel
+        except (OSError, KeyError, ValueError) as exc:
+            sock.close()
+            raise HandshakeError(f"endpoint {self.spec.name}: handshake with {peer} at {address} failed ({exc!r})")
+        except BaseException:
+            sock.close()
+            raise
+
+    def _accept_all(self, expected: set[str], deadline: float, accepted: dict, errors: list) -> None:
+        self.listener.settimeout(0.1)
+        try:
+            while set(accepted) != expected and time.monotonic() < deadline:
+                try:
+                    sock, addr = self.listener.accept()
+                except socket.timeout:
+                    continue
+                try:
+                    name, channel = self._accept_one(sock, expected - set(accepted), deadline)
+                    accepted[name] = channel
+                except (HandshakeError, OSError, KeyError, ValueError) as exc:
+                    logger.warning("endpoint %s refused a connection from %s: %s", self.spec.name, addr, exc)
+                    sock.close()
+        except BaseException as exc:  # surfaced by connect()
+            errors.append(exc)
+
+    def _accept_one(self, sock: socket.socket, expected: set[str], deadline: float):
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        authenticate(sock, bytes(self.spec.secret), initiator=False)
+        hello = recv_json(sock)
+        name = hello["name"]
+        if name not in expected:
+            send_json(sock, {"ok": False, "error": f"{name!r} is not an expected peer of {self.spec.name}"})
+            raise HandshakeError(f"unexpected peer {name!r}")
+        try:
+            kind = self._choose_backend(name, hello)
+        except BackendUnavailable as exc:
+            send_json(sock, {"ok": False, "error": str(exc)})
+            raise
+        ack = {"ok": True, "name": self.spec.name, "backend": kind, "slot_bytes": self.spec.slot_bytes,
+               "num_slots": self.spec.num_slots}
+        if kind == "shm":
+            channel = ShmInbound(name, next(self._inbound_ids), self.spec.slot_bytes, self.spec.num_slots,
+                                 self.doorbell)
+            channel.bind_peer(hello, sock)
+            ack["shm"] = channel.handshake_info()
+            send_json(sock, ack)
+        elif kind == "rdma":
+            channel = rdma.RdmaInbound.accept(self._rdma_context(), name, self.spec.slot_bytes, self.spec.num_slots,
+                                              sock, ack)
+        else:
+            tune(sock, self.spec.slot_bytes)
+            channel = TcpInbound(name, self.spec.slot_bytes, self.spec.num_slots, sock)
+            send_json(sock, ack)
+        sock.settimeout(None)
+        return name, channel
+
+    def _choose_backend(self, peer: str, hello: dict) -> str:
+        mine, theirs = self.spec.backend, hello.get("backend", "auto")
+        if mine != "auto" and theirs != "auto" and mine != theirs:
+            raise BackendUnavailable(f"backend mismatch: {self.spec.name} uses {mine}, {peer} uses {theirs}")
+        wanted = mine if mine != "auto" else theirs
+        same_host = hello.get("host") == self._host
+        shm_ok = same_host and self.doorbell is not None and bool(hello.get("doorbell"))
+        rdma_ok = self._rdma_ok and bool(hello.get("rdma"))
+        if wanted == "shm" and not shm_ok:
+            raise BackendUnavailable(f"shm between {peer} and {self.spec.name} needs both on one host "
+                                     f"({'different hosts' if not same_host else self._shm_reason or 'no doorbell'})")
+        if wanted == "rdma" and not rdma_ok:
+            raise BackendUnavailable(f"rdma between {peer} and {self.spec.name} is unavailable: "
+                                     f"{self._rdma_reason or 'the peer has no RDMA device'}")
+        if wanted != "auto":
+            return wanted
+        if shm_ok:
+            return "shm"
+        return "rdma" if rdma_ok else "tcp"
+
+    def _rdma_context(self):
+        if self._rdma is None:
+            self._rdma = rdma.RdmaContext.open()
+        return self._rdma
+
+    def _register(self) -> None:
+        if self.doorbell is not None:
+            self._selector.register(self.doorbell.sock, selectors.EVENT_READ, ("doorbell", None))
+        for direction, channels in (("in", self.inbound), ("out", self.outbound)):
+            for peer, ch in channels.items():
+                try:
+                    self._selector.register(ch.control, selectors.EVENT_READ, (direction, peer))
+                except KeyError:  # the same socket serves both directions: already watched
+                    pass
+
+    # -- data --------------------------------------------------------------------------------
+    def send(self, peer: str, payload=b"", *, step: int = 0, layer: int = 0, micro_batch: int = 0,
+             token_count: int = 0, timeout: float | None = None) -> None:
+        """Write one message into `peer`'s slot for `micro_batch`; waits while the peer still
+        holds that slot. An empty payload is a valid message (a header alone)."""
+        channel = self.outbound.get(peer)
+        if channel is None:
+            raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.outbound)}")
+        data = as_bytes(payload)
+        if len(data) > channel.slot_bytes:
+            raise PayloadTooLarge(f"payload of {len(data)} bytes exceeds the {channel.slot_bytes}-byte slot of peer "
+                                  f"{peer}; raise that endpoint's slot_bytes or split the message")
+        check_header_fields(step, layer, micro_batch, self.spec.rank, token_count)
+        header = Header(step, layer, micro_batch, self.spec.rank, token_count, self._seq[peer], len(data))
+        limit = self.spec.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        spin_until = time.monotonic() + self.spec.spin_us * 1e-6
+        while not channel.try_send(header, data):
+            self._check_alive((peer,))
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerTimeout(f"endpoint {self.spec.name}: peer {peer} has not released its slot for micro-batch "
+                                  f"{micro_batch} within {limit:g} s (it stopped consuming, or died)")
+            if now >= spin_until:
+                self._block(deadline)
+        self._seq[peer] += 1
+
+    def recv(self, peer: str | None = None, *, micro_batch: int | None = None,
+             timeout: float | None = None) -> Message:
+        """The next message (from `peer`, for `micro_batch`, when given), as a view on its slot."""
+        if peer is not None and peer not in self.inbound:
+            raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.inbound)}")
+        limit = self.spec.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        spin_until = time.monotonic() + self.spec.spin_us * 1e-6
+        peers = (peer,) if peer is not None else tuple(self.inbound)
+        while True:
+            msg = self._take(peer, micro_batch)
+            if msg is not None:
+                return msg
+            for p in (peers if peer is not None else self.inbound):
+                self._collect(p)
+            msg = self._take(peer, micro_batch)
+            if msg is not None:
+                return msg
+            self._check_alive(peers)
+            now = time.monotonic()
+            if now >= deadline:
+                what = f"from {peer}" if peer else f"from any of {', '.join(peers)}"
+                mb = f" for micro-batch {micro_batch}" if micro_batch is not None else ""
+                raise PeerTimeout(f"endpoint {self.spec.name}: no message {what}{mb} within {limit:g} s")
+            if now >= spin_until:
+                self._block(deadline)
+
+    def _collect(self, peer: str) -> None:
+        channel = self.inbound[peer]
+        try:
+            done = channel.poll()
+        except PeerClosed as exc:
+            self._dead[peer] = str(exc)
+            return
+        for slot, header in done:
+            self._pending.append(Message(peer, header, channel.payload(slot, header.byte_length), channel, slot))
+
+    def _take(self, peer: str | None, micro_batch: int | None) -> Message | None:
+        for i, msg in enumerate(self._pending):
+            if (peer is None or msg.peer == peer) and (micro_batch is None or msg.header.micro_batch == micro_batch):
+                return self._pending.pop(i)
+        return None
+
+    def _check_alive(self, peers) -> None:
+        for p in peers:
+            if p in self._dead:
+                raise PeerClosed(f"endpoint {self.spec.name}: {self._dead[p]}")
+
+    def _block(self, deadline: float) -> None:
+        """Sleep until a wakeup (doorbell, socket data, a peer's connection dropping) or the deadline."""
+        timeout = max(0.0, deadline - time.monotonic())
+        if self._max_sleep is not None:
+            timeout = min(timeout, self._max_sleep)
+        for key, _ in self._selector.select(timeout=timeout):
+            kind, peer = key.data
+            if kind == "doorbell":
+                self.doorbell.drain()
+            elif kind == "in" and isinstance(self.inbound[peer], TcpInbound):
+                self._collect(peer)  # keep the socket drained even while a send is waiting
+            elif kind == "out" and isinstance(self.outbound.get(peer), TcpOutbound):
+                try:
+                    self.outbound[peer].drain_credits()
+                except PeerClosed as exc:
+                    self._dead[peer] = str(exc)
+            else:  # a control connection (shm, rdma) says something only when it closes
+                try:
+                    alive = key.fileobj.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+                except BlockingIOError:
+                    alive = True
+                except OSError:
+                    alive = False
+                if not alive:
+                    self._dead[peer] = f"peer {peer} closed its connection (process exited or shut down)"
+                    self._selector.unregister(key.fileobj)
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._selector.close()
+        for ch in list(self.outbound.values()) + list(self.inbound.values()):
+            ch.close()
+        for ch in self.outbound.values():
+            if getattr(ch, "control", None) is not None and ch.kind != "tcp":
+                ch.control.close()
+        for ch in self.inbound.values():
+            if getattr(ch, "control", None) is not None and ch.kind != "tcp":
+                ch.control.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
+        if self._rdma is not None:
+            self._rdma.close()
+        self.listener.close()
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,184 @@
+"""Shared-memory channels: peers on one host.
+
+The receiver owns one segment per sending peer (a 0600 file under /dev/shm, named with a
+random token sent only over the authenticated handshake). Layout: `slots` consecutive
+slots of `stride` bytes; each slot is
+    0   4  state (0 free, 1 full)     4  60  reserved
+    64  32 message header             96  ...  payload (slot_bytes)
+The sender copies the payload in, writes the header, sets state to full, and rings the
+receiver's doorbell; the receiver reads the payload in place and, on release, sets state
+to free and rings the sender's doorbell. State words are the truth; doorbells only wake.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import struct
+
+from transport.errors import BackendUnavailable
+from transport.wire import DOORBELL, DOORBELL_DATA, DOORBELL_FREE, Header
+
+SHM_DIR = "/dev/shm"
+STATE = struct.Struct("<I")
+FREE, FULL = 0, 1
+PAYLOAD_OFFSET = 96
+
+
+def slot_stride(slot_bytes: int) -> int:
+    return PAYLOAD_OFFSET + -(-slot_bytes // 64) * 64
+
+
+def shm_available() -> tuple[bool, str]:
+    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
+        return False, f"{SHM_DIR} is not a writable directory"
+    return True, ""
+
+
+class Doorbell:
+    """This endpoint's UNIX datagram socket (abstract namespace): wakeups from local peers."""
+
+    def __init__(self) -> None:
+        self.name = f"megainfer-m2n-{secrets.token_hex(12)}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + self.name)
+        self.sock.setblocking(False)
+        self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def ring(self, peer_doorbell: str, kind: int, channel: int, slot: int) -> None:
+        try:
+            self._out.sendto(DOORBELL.pack(kind, 0, channel, slot, 0), "\0" + peer_doorbell)
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            # A full queue still wakes the peer; a vanished peer is caught by its control socket.
+            pass
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self.sock.recv(64)
+            except BlockingIOError:
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+        self._out.close()
+
+
+class _Segment:
+    def __init__(self, path: str, size: int, create: bool) -> None:
+        self.path = path
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.map)
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self.map.close()
+        except BufferError:
+            pass  # a consumer still holds a view (e.g. a tensor): the mapping goes with it
+
+
+class ShmInbound:
+    """peer -> this endpoint: owns the segment the peer writes into."""
+
+    kind = "shm"
+
+    def __init__(self, peer: str, channel_id: int, slot_bytes: int, num_slots: int, doorbell: Doorbell) -> None:
+        self.peer = peer
+        self.channel_id = channel_id
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.stride = slot_stride(slot_bytes)
+        self.doorbell = doorbell
+        path = os.path.join(SHM_DIR, f"megainfer-m2n-{secrets.token_hex(12)}")
+        self.segment = _Segment(path, self.stride * num_slots, create=True)
+        self.claimed: set[int] = set()  # full slots handed to the consumer, not yet released
+        self.peer_doorbell = ""
+        self.peer_channel = 0
+        self.control: socket.socket | None = None
+
+    def handshake_info(self) -> dict:
+        return {"segment": self.segment.path, "doorbell": self.doorbell.name, "channel": self.channel_id}
+
+    def bind_peer(self, info: dict, control: socket.socket) -> None:
+        self.peer_doorbell, self.peer_channel, self.control = info["doorbell"], int(info["channel"]), control
+
+    def poll(self) -> list[tuple[int, Header]]:
+        """Full slots not yet handed out, in send order."""
+        found = []
+        view = self.segment.view
+        for slot in range(self.num_slots):
+            if slot in self.claimed:
+                continue
+            base = slot * self.stride
+            if STATE.unpack_from(view, base)[0] == FULL:
+                found.append((slot, Header.unpack_from(view, base + 64)))
+        found.sort(key=lambda item: item[1].seq)
+        for slot, _ in found:
+            self.claimed.add(slot)
+        return found
+
+    def payload(self, slot: int, length: int) -> memoryview:
+        base = slot * self.stride + PAYLOAD_OFFSET
+        return self.segment.view[base:base + length]
+
+    def release(self, slot: int) -> None:
+        self.claimed.discard(slot)
+        STATE.pack_into(self.segment.view, slot * self.stride, FREE)
+        self.doorbell.ring(self.peer_doorbell, DOORBELL_FREE, self.peer_channel, slot)
+
+    def close(self) -> None:
+        self.segment.close()
+        try:
+            os.unlink(self.segment.path)  # the owner removes the name; mappings stay valid
+        except FileNotFoundError:
+            pass
+
+
+class ShmOutbound:
+    """this endpoint -> peer: maps the segment the peer created for us."""
+
+    kind = "shm"
+
+    def __init__(self, peer: str, channel_id: int, slot_bytes: int, num_slots: int, doorbell: Doorbell,
+                 info: dict, control: socket.socket) -> None:
+        self.peer = peer
+        self.channel_id = channel_id
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.stride = slot_stride(slot_bytes)
+        self.doorbell = doorbell
+        path = str(info["segment"])
+        if not path.startswith(os.path.join(SHM_DIR, "megainfer-m2n-")) or "/" in path[len(SHM_DIR) + 1:]:
+            raise BackendUnavailable(f"peer {peer} named an unexpected shared-memory segment {path!r}")
+        self.segment = _Segment(path, self.stride * num_slots, create=False)
+        self.peer_doorbell = str(info["doorbell"])
+        self.peer_channel = int(info["channel"])
+        self.control = control
+
+    def try_send(self, header: Header, payload) -> bool:
+        base = header.micro_batch % self.num_slots * self.stride
+        view = self.segment.view
+        if STATE.unpack_from(view, base)[0] != FREE:
+            return False
+        n = header.byte_length
+        if n:
+            view[base + PAYLOAD_OFFSET:base + PAYLOAD_OFFSET + n] = payload
+        header.pack_into(view, base + 64)
+        STATE.pack_into(view, base, FULL)
+        self.doorbell.ring(self.peer_doorbell, DOORBELL_DATA, self.peer_channel, header.micro_batch % self.num_slots)
+        return True
+
+    def close(self) -> None:
+        self.segment.close()
+
+

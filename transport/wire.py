@@ -1,0 +1,175 @@
+"""Every byte layout the transport puts on a wire or in shared memory. Little-endian,
+packed with `struct`; nothing received is ever unpickled.
+
+Message header (32 bytes), in front of every payload (TCP stream, shm slot, RDMA slot):
+    offset  size  field
+    0       4     magic_version  0x4D324E01 ("M2N", version 1)
+    4       4     step           engine step (iteration) number
+    8       2     layer          model layer
+    10      2     micro_batch    micro-batch index; selects the receiver's slot (mod slots)
+    12      2     sender         the sending endpoint's rank
+    14      2     flags          reserved, 0
+    16      4     token_count    tokens carried (0 for an empty message)
+    20      4     seq            per-channel sequence number, from 0
+    24      8     byte_length    payload bytes that follow
+
+Handshake frames (TCP control connection, both directions, before anything else):
+    frame := u32 length | body;  body of CHALLENGE is 32 random bytes, of PROOF is
+    HMAC-SHA256(secret, b"m2n-proof" | role | own nonce | peer nonce) (32 bytes), of HELLO
+    a UTF-8 JSON object of plain fields (names, numbers, strings: never code).
+
+Credit frame (TCP, receiver -> sender on the data connection), 8 bytes:
+    0  4  magic 0x43524454 ("CRDT")      4  2  slot      6  2  reserved
+
+Doorbell datagram (shm, UNIX datagram socket), 8 bytes:
+    0  1  kind (1 = data ready, 2 = slot freed)   1  1  reserved
+    2  2  channel id at the recipient             4  2  slot    6  2  reserved
+
+RDMA immediate data (32 bits, network byte order on the wire), the tag of a write:
+    bits 31..30  kind (0 = data, 1 = credit)   bits 29..16  channel   bits 15..0  slot
+
+RDMA queue-pair info (exchanged over the control connection), 44 bytes:
+    0 4 qp_num   4 4 psn   8 2 lid   10 1 port   11 1 gid_index   12 16 gid
+    28 4 rkey    32 8 addr (base of this side's slot region)   40 4 slot_stride
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import struct
+from dataclasses import dataclass
+
+from transport.errors import HandshakeError
+
+MAGIC = 0x4D324E01
+CREDIT_MAGIC = 0x43524454
+HEADER = struct.Struct("<IIHHHHIIQ")
+HEADER_BYTES = HEADER.size  # 32
+CREDIT = struct.Struct("<IHH")
+DOORBELL = struct.Struct("<BBHHH")
+DOORBELL_DATA, DOORBELL_FREE = 1, 2
+QP_INFO = struct.Struct("<IIHBB16sIQI")
+MAX_FRAME = 1 << 16  # handshake frames are small; anything larger is not a peer of ours
+
+
+@dataclass(frozen=True)
+class Header:
+    step: int = 0
+    layer: int = 0
+    micro_batch: int = 0
+    sender: int = 0
+    token_count: int = 0
+    seq: int = 0
+    byte_length: int = 0
+    flags: int = 0
+
+    def pack_into(self, buf, offset: int = 0) -> None:
+        HEADER.pack_into(buf, offset, MAGIC, self.step, self.layer, self.micro_batch, self.sender, self.flags,
+                         self.token_count, self.seq, self.byte_length)
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, self.step, self.layer, self.micro_batch, self.sender, self.flags,
+                           self.token_count, self.seq, self.byte_length)
+
+    @classmethod
+    def unpack_from(cls, buf, offset: int = 0) -> "Header":
+        magic, step, layer, mb, sender, flags, tokens, seq, length = HEADER.unpack_from(buf, offset)
+        if magic != MAGIC:
+            raise HandshakeError(f"bad message header magic 0x{magic:08x} (expected 0x{MAGIC:08x}): "
+                                 "the peer speaks another protocol or version")
+        return cls(step, layer, mb, sender, tokens, seq, length, flags)
+
+
+def check_header_fields(step: int, layer: int, micro_batch: int, sender: int, token_count: int) -> None:
+    for name, value, bits in (("step", step, 32), ("layer", layer, 16), ("micro_batch", micro_batch, 16),
+                              ("sender", sender, 16), ("token_count", token_count, 32)):
+        if not 0 <= value < (1 << bits):
+            raise ValueError(f"header field {name}={value} does not fit {bits} unsigned bits")
+
+
+# -- RDMA tags -------------------------------------------------------------------------
+IMM_DATA, IMM_CREDIT = 0, 1
+
+
+def pack_tag(kind: int, channel: int, slot: int) -> int:
+    if kind not in (IMM_DATA, IMM_CREDIT) or not 0 <= channel < (1 << 14) or not 0 <= slot < (1 << 16):
+        raise ValueError(f"tag out of range: kind={kind} channel={channel} slot={slot}")
+    return (kind << 30) | (channel << 16) | slot
+
+
+def unpack_tag(tag: int) -> tuple[int, int, int]:
+    return (tag >> 30) & 0x3, (tag >> 16) & 0x3FFF, tag & 0xFFFF
+
+
+@dataclass(frozen=True)
+class QPInfo:
+    qp_num: int
+    psn: int
+    lid: int
+    port: int
+    gid_index: int
+    gid: bytes  # 16 raw bytes
+    rkey: int
+    addr: int
+    slot_stride: int
+
+    def pack(self) -> bytes:
+        return QP_INFO.pack(self.qp_num, self.psn, self.lid, self.port, self.gid_index, self.gid, self.rkey,
+                            self.addr, self.slot_stride)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "QPInfo":
+        if len(data) != QP_INFO.size:
+            raise HandshakeError(f"RDMA queue-pair info is {len(data)} bytes, expected {QP_INFO.size}")
+        return cls(*QP_INFO.unpack(data))
+
+    @property
+    def gid_text(self) -> str:
+        """The GID as verbs prints it: eight colon-separated groups of four hex digits."""
+        h = self.gid.hex()
+        return ":".join(h[i:i + 4] for i in range(0, 32, 4))
+
+
+# -- handshake frames --------------------------------------------------------------------
+def send_frame(sock: socket.socket, body: bytes) -> None:
+    sock.sendall(struct.pack("<I", len(body)) + body)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise HandshakeError("connection closed during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    (length,) = struct.unpack("<I", recv_exact(sock, 4))
+    if length > MAX_FRAME:
+        raise HandshakeError(f"handshake frame of {length} bytes refused (limit {MAX_FRAME})")
+    return recv_exact(sock, length)
+
+
+def proof(secret: bytes, role: bytes, own_nonce: bytes, peer_nonce: bytes) -> bytes:
+    return hmac.new(secret, b"m2n-proof" + role + own_nonce + peer_nonce, hashlib.sha256).digest()
+
+
+def send_json(sock: socket.socket, obj: dict) -> None:
+    send_frame(sock, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def recv_json(sock: socket.socket) -> dict:
+    try:
+        obj = json.loads(recv_frame(sock).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HandshakeError(f"malformed handshake message ({exc})") from None
+    if not isinstance(obj, dict):
+        raise HandshakeError("malformed handshake message (not an object)")
+    return obj
