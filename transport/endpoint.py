@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -32,6 +33,8 @@ from transport.wire import Header, check_header_fields, recv_json, send_json
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "shm", "tcp", "rdma")
+# Longest single sleep: a safety net should a wakeup ever be lost (see transport/shm.py).
+MAX_SLEEP_S = 0.05
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -119,6 +122,8 @@ class Message:
 
 def as_bytes(payload) -> memoryview:
     """bytes-like, numpy array or CPU torch tensor -> a flat byte view (no copy)."""
+    if isinstance(payload, (bytes, bytearray)):
+        return memoryview(payload)
     if hasattr(payload, "is_cuda"):  # a torch tensor
         if payload.is_cuda:
             raise TypeError("CUDA tensors go through transport.cuda.StreamOrderedSender (stream-ordered staging)")
@@ -329,43 +334,57 @@ class Endpoint:
         channel = self.outbound.get(peer)
         if channel is None:
             raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.outbound)}")
-        data = as_bytes(payload)
-        if len(data) > channel.slot_bytes:
-            raise PayloadTooLarge(f"payload of {len(data)} bytes exceeds the {channel.slot_bytes}-byte slot of peer "
+        data = memoryview(payload) if isinstance(payload, (bytes, bytearray)) else as_bytes(payload)
+        n = len(data)
+        if n > channel.slot_bytes:
+            raise PayloadTooLarge(f"payload of {n} bytes exceeds the {channel.slot_bytes}-byte slot of peer "
                                   f"{peer}; raise that endpoint's slot_bytes or split the message")
         check_header_fields(step, layer, micro_batch, self.spec.rank, token_count)
-        header = Header(step, layer, micro_batch, self.spec.rank, token_count, self._seq[peer], len(data))
-        limit = self.spec.timeout_s if timeout is None else timeout
+        seq = self._seq[peer]
+        header = Header(step, layer, micro_batch, self.spec.rank, 0, token_count, seq, n)
+        if not channel.try_send(header, data):
+            self._send_when_free(channel, header, data, self.spec.timeout_s if timeout is None else timeout)
+        self._seq[peer] = seq + 1
+
+    def _send_when_free(self, channel, header: Header, data: memoryview, limit: float) -> None:
+        """The slow path of send: the peer still holds the slot. Spin, then sleep, until it frees."""
+        peer = channel.peer
         deadline = time.monotonic() + limit
         spin_until = time.monotonic() + self.spec.spin_us * 1e-6
-        while not channel.try_send(header, data):
+        while True:
             self._check_alive((peer,))
             now = time.monotonic()
             if now >= deadline:
                 raise PeerTimeout(f"endpoint {self.spec.name}: peer {peer} has not released its slot for micro-batch "
-                                  f"{micro_batch} within {limit:g} s (it stopped consuming, or died)")
-            if now >= spin_until:
-                self._block(deadline)
-        self._seq[peer] += 1
+                                  f"{header.micro_batch} within {limit:g} s (it stopped consuming, or died)")
+            if now < spin_until:
+                os.sched_yield()
+            sent = channel.try_send(header, data) if now < spin_until else \
+                self._block(deadline, lambda: channel.try_send(header, data), asleep=[channel])
+            if sent:
+                return
 
     def recv(self, peer: str | None = None, *, micro_batch: int | None = None,
              timeout: float | None = None) -> Message:
         """The next message (from `peer`, for `micro_batch`, when given), as a view on its slot."""
+        msg = self._poll_once(peer, micro_batch)
+        if msg is not None:
+            return msg
         if peer is not None and peer not in self.inbound:
             raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.inbound)}")
         limit = self.spec.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         spin_until = time.monotonic() + self.spec.spin_us * 1e-6
         peers = (peer,) if peer is not None else tuple(self.inbound)
+        spins = 0
         while True:
-            msg = self._take(peer, micro_batch)
+            msg = self._poll_once(peer, micro_batch)
             if msg is not None:
                 return msg
-            for p in (peers if peer is not None else self.inbound):
-                self._collect(p)
-            msg = self._take(peer, micro_batch)
-            if msg is not None:
-                return msg
+            spins += 1
+            if spins & 15:  # a tight spin: the clock and liveness every 16 looks
+                continue
+            os.sched_yield()  # let a peer sharing this core run (oversubscribed hosts)
             self._check_alive(peers)
             now = time.monotonic()
             if now >= deadline:
@@ -373,7 +392,24 @@ class Endpoint:
                 mb = f" for micro-batch {micro_batch}" if micro_batch is not None else ""
                 raise PeerTimeout(f"endpoint {self.spec.name}: no message {what}{mb} within {limit:g} s")
             if now >= spin_until:
-                self._block(deadline)
+                def arrived() -> bool:
+                    for p in peers:
+                        self._collect(p)
+                    return any((peer is None or m.peer == peer) and (micro_batch is None or m.header.micro_batch ==
+                                                                     micro_batch) for m in self._pending)
+                self._block(deadline, arrived, asleep=[self.inbound[p] for p in peers])
+
+    def _poll_once(self, peer: str | None, micro_batch: int | None) -> Message | None:
+        """One look for a matching message: already collected ones first, then the channels."""
+        if self._pending:
+            msg = self._take(peer, micro_batch)
+            if msg is not None:
+                return msg
+        for name in ((peer,) if peer is not None else self.inbound):
+            if name not in self.inbound:
+                return None
+            self._collect(name)
+        return self._take(peer, micro_batch) if self._pending else None
 
     def _collect(self, peer: str) -> None:
         channel = self.inbound[peer]
@@ -386,9 +422,12 @@ class Endpoint:
             self._pending.append(Message(peer, header, channel.payload(slot, header.byte_length), channel, slot))
 
     def _take(self, peer: str | None, micro_batch: int | None) -> Message | None:
-        for i, msg in enumerate(self._pending):
+        pending = self._pending
+        if peer is None and micro_batch is None:
+            return pending.pop(0)
+        for i, msg in enumerate(pending):
             if (peer is None or msg.peer == peer) and (micro_batch is None or msg.header.micro_batch == micro_batch):
-                return self._pending.pop(i)
+                return pending.pop(i)
         return None
 
     def _check_alive(self, peers) -> None:
@@ -396,12 +435,30 @@ class Endpoint:
             if p in self._dead:
                 raise PeerClosed(f"endpoint {self.spec.name}: {self._dead[p]}")
 
-    def _block(self, deadline: float) -> None:
-        """Sleep until a wakeup (doorbell, socket data, a peer's connection dropping) or the deadline."""
+    def _block(self, deadline: float, ready, asleep) -> bool:
+        """Sleep until a wakeup (doorbell, socket data, a peer's connection dropping) or the
+        deadline; returns ready()'s True if the awaited thing happened before sleeping.
+
+        Shared-memory peers ring only a side that says it is asleep: set the asleep words of
+        `asleep`'s shm channels, re-check `ready()` (a message or slot may have landed just
+        before), and only then sleep."""
+        sleepers = [ch for ch in asleep if ch.kind == "shm"]
+        for ch in sleepers:
+            ch.set_asleep(True)
+        try:
+            if ready():
+                return True
+            self._wait(deadline)
+            return False
+        finally:
+            for ch in sleepers:
+                ch.set_asleep(False)
+
+    def _wait(self, deadline: float) -> None:
         timeout = max(0.0, deadline - time.monotonic())
         if self._max_sleep is not None:
             timeout = min(timeout, self._max_sleep)
-        for key, _ in self._selector.select(timeout=timeout):
+        for key, _ in self._selector.select(timeout=min(timeout, MAX_SLEEP_S)):
             kind, peer = key.data
             if kind == "doorbell":
                 self.doorbell.drain()

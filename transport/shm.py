@@ -1,13 +1,19 @@
 """Shared-memory channels: peers on one host.
 
 The receiver owns one segment per sending peer (a 0600 file under /dev/shm, named with a
-random token sent only over the authenticated handshake). Layout: `slots` consecutive
-slots of `stride` bytes; each slot is
-    0   4  state (0 free, 1 full)     4  60  reserved
-    64  32 message header             96  ...  payload (slot_bytes)
+random token sent only over the authenticated handshake). Layout:
+    0   4  receiver asleep (1 while the receiver sleeps on its doorbell)
+    4   4  sender asleep   (1 while the sender sleeps waiting for a free slot)
+    8   56 reserved
+    64  then `slots` slots of `stride` bytes, each:
+        0   4  state (0 free, 1 full)     4  60  reserved
+        64  32 message header             96  ...  payload (slot_bytes)
 The sender copies the payload in, writes the header, sets state to full, and rings the
-receiver's doorbell; the receiver reads the payload in place and, on release, sets state
-to free and rings the sender's doorbell. State words are the truth; doorbells only wake.
+receiver's doorbell only if the receiver is asleep; the receiver reads the payload in
+place and, on release, sets state to free and rings the sender only if it sleeps. State
+words are the truth; doorbells only wake. A side about to sleep sets its asleep word and
+re-checks the slots before it sleeps, and every store that precedes a load of the other
+side's word is fenced (x86 may otherwise reorder the two), so no wakeup is lost.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 
 from transport.errors import BackendUnavailable
 from transport.wire import DOORBELL, DOORBELL_DATA, DOORBELL_FREE, Header
@@ -24,7 +31,15 @@ from transport.wire import DOORBELL, DOORBELL_DATA, DOORBELL_FREE, Header
 SHM_DIR = "/dev/shm"
 STATE = struct.Struct("<I")
 FREE, FULL = 0, 1
-PAYLOAD_OFFSET = 96
+PAYLOAD_OFFSET = 96  # within a slot
+SLOTS_OFFSET = 64  # within a segment
+RECEIVER_ASLEEP, SENDER_ASLEEP = 0, 4
+_FENCE = threading.Lock()  # an uncontended lock round trip is a locked instruction: a full fence
+
+
+def fence() -> None:
+    _FENCE.acquire()
+    _FENCE.release()
 
 
 def slot_stride(slot_bytes: int) -> int:
@@ -46,6 +61,7 @@ class Doorbell:
         self.sock.bind("\0" + self.name)
         self.sock.setblocking(False)
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._out.setblocking(False)  # a full queue already guarantees the peer a wakeup
 
     def ring(self, peer_doorbell: str, kind: int, channel: int, slot: int) -> None:
         try:
@@ -100,7 +116,7 @@ class ShmInbound:
         self.stride = slot_stride(slot_bytes)
         self.doorbell = doorbell
         path = os.path.join(SHM_DIR, f"megainfer-m2n-{secrets.token_hex(12)}")
-        self.segment = _Segment(path, self.stride * num_slots, create=True)
+        self.segment = _Segment(path, SLOTS_OFFSET + self.stride * num_slots, create=True)
         self.claimed: set[int] = set()  # full slots handed to the consumer, not yet released
         self.peer_doorbell = ""
         self.peer_channel = 0
@@ -115,26 +131,31 @@ class ShmInbound:
     def poll(self) -> list[tuple[int, Header]]:
         """Full slots not yet handed out, in send order."""
         found = []
-        view = self.segment.view
+        view, stride, claimed = self.segment.view, self.stride, self.claimed
         for slot in range(self.num_slots):
-            if slot in self.claimed:
-                continue
-            base = slot * self.stride
-            if STATE.unpack_from(view, base)[0] == FULL:
+            base = SLOTS_OFFSET + slot * stride
+            if STATE.unpack_from(view, base)[0] == FULL and slot not in claimed:
                 found.append((slot, Header.unpack_from(view, base + 64)))
-        found.sort(key=lambda item: item[1].seq)
-        for slot, _ in found:
-            self.claimed.add(slot)
+                claimed.add(slot)
+        if len(found) > 1:
+            found.sort(key=lambda item: item[1].seq)
         return found
 
     def payload(self, slot: int, length: int) -> memoryview:
-        base = slot * self.stride + PAYLOAD_OFFSET
+        base = SLOTS_OFFSET + slot * self.stride + PAYLOAD_OFFSET
         return self.segment.view[base:base + length]
 
     def release(self, slot: int) -> None:
         self.claimed.discard(slot)
-        STATE.pack_into(self.segment.view, slot * self.stride, FREE)
-        self.doorbell.ring(self.peer_doorbell, DOORBELL_FREE, self.peer_channel, slot)
+        view = self.segment.view
+        STATE.pack_into(view, SLOTS_OFFSET + slot * self.stride, FREE)
+        fence()
+        if STATE.unpack_from(view, SENDER_ASLEEP)[0]:
+            self.doorbell.ring(self.peer_doorbell, DOORBELL_FREE, self.peer_channel, slot)
+
+    def set_asleep(self, asleep: bool) -> None:
+        STATE.pack_into(self.segment.view, RECEIVER_ASLEEP, int(asleep))
+        fence()
 
     def close(self) -> None:
         self.segment.close()
@@ -160,13 +181,13 @@ class ShmOutbound:
         path = str(info["segment"])
         if not path.startswith(os.path.join(SHM_DIR, "megainfer-m2n-")) or "/" in path[len(SHM_DIR) + 1:]:
             raise BackendUnavailable(f"peer {peer} named an unexpected shared-memory segment {path!r}")
-        self.segment = _Segment(path, self.stride * num_slots, create=False)
+        self.segment = _Segment(path, SLOTS_OFFSET + self.stride * num_slots, create=False)
         self.peer_doorbell = str(info["doorbell"])
         self.peer_channel = int(info["channel"])
         self.control = control
 
     def try_send(self, header: Header, payload) -> bool:
-        base = header.micro_batch % self.num_slots * self.stride
+        base = SLOTS_OFFSET + header.micro_batch % self.num_slots * self.stride
         view = self.segment.view
         if STATE.unpack_from(view, base)[0] != FREE:
             return False
@@ -175,8 +196,15 @@ class ShmOutbound:
             view[base + PAYLOAD_OFFSET:base + PAYLOAD_OFFSET + n] = payload
         header.pack_into(view, base + 64)
         STATE.pack_into(view, base, FULL)
-        self.doorbell.ring(self.peer_doorbell, DOORBELL_DATA, self.peer_channel, header.micro_batch % self.num_slots)
+        fence()
+        if STATE.unpack_from(view, RECEIVER_ASLEEP)[0]:
+            self.doorbell.ring(self.peer_doorbell, DOORBELL_DATA, self.peer_channel,
+                               header.micro_batch % self.num_slots)
         return True
+
+    def set_asleep(self, asleep: bool) -> None:
+        STATE.pack_into(self.segment.view, SENDER_ASLEEP, int(asleep))
+        fence()
 
     def close(self) -> None:
         self.segment.close()

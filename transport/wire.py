@@ -41,6 +41,7 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from transport.errors import HandshakeError
 
@@ -55,35 +56,37 @@ QP_INFO = struct.Struct("<IIHBB16sIQI")
 MAX_FRAME = 1 << 16  # handshake frames are small; anything larger is not a peer of ours
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
+    """Fields in wire order (after the magic), so packing is one call."""
+
     step: int = 0
     layer: int = 0
     micro_batch: int = 0
     sender: int = 0
+    flags: int = 0
     token_count: int = 0
     seq: int = 0
     byte_length: int = 0
-    flags: int = 0
 
     def pack_into(self, buf, offset: int = 0) -> None:
-        HEADER.pack_into(buf, offset, MAGIC, self.step, self.layer, self.micro_batch, self.sender, self.flags,
-                         self.token_count, self.seq, self.byte_length)
+        HEADER.pack_into(buf, offset, MAGIC, *self)
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, self.step, self.layer, self.micro_batch, self.sender, self.flags,
-                           self.token_count, self.seq, self.byte_length)
+        return HEADER.pack(MAGIC, *self)
 
     @classmethod
     def unpack_from(cls, buf, offset: int = 0) -> "Header":
-        magic, step, layer, mb, sender, flags, tokens, seq, length = HEADER.unpack_from(buf, offset)
-        if magic != MAGIC:
-            raise HandshakeError(f"bad message header magic 0x{magic:08x} (expected 0x{MAGIC:08x}): "
+        fields = HEADER.unpack_from(buf, offset)
+        if fields[0] != MAGIC:
+            raise HandshakeError(f"bad message header magic 0x{fields[0]:08x} (expected 0x{MAGIC:08x}): "
                                  "the peer speaks another protocol or version")
-        return cls(step, layer, mb, sender, tokens, seq, length, flags)
+        return cls._make(fields[1:])
 
 
 def check_header_fields(step: int, layer: int, micro_batch: int, sender: int, token_count: int) -> None:
+    if 0 <= step < 1 << 32 and 0 <= layer < 1 << 16 and 0 <= micro_batch < 1 << 16 and 0 <= sender < 1 << 16 \
+            and 0 <= token_count < 1 << 32:
+        return
     for name, value, bits in (("step", step, 32), ("layer", layer, 16), ("micro_batch", micro_batch, 16),
                               ("sender", sender, 16), ("token_count", token_count, 32)):
         if not 0 <= value < (1 << bits):
