@@ -139,6 +139,7 @@ def _loop(role: _Role, spec: BenchSpec, conn, send_all: Callable, receive_all: C
                     latencies.extend(stamps)
                 ack_all(it, payload if spec.pattern == "ping-pong" else None)
         _send(conn, {"size": size, "latencies_ns": latencies, "start": start, "end": now_ns()})
+    _recv(conn)  # done: every process has finished, so closing now disturbs no one
 
 
 def _run_m2n(role: _Role, spec: BenchSpec, conn) -> None:
@@ -463,6 +464,8 @@ def measure(system: str, spec: BenchSpec, progress: Callable[[str], None] | None
             results.append(_summarise(system, spec, size, reports, senders, receivers))
             if progress:
                 progress(f"{system} {size} B")
+        for conn in conns.values():
+            _send(conn, {"done": True})
         return results
     finally:
         for p in procs.values():

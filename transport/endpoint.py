@@ -431,9 +431,10 @@ class Endpoint:
         return None
 
     def _check_alive(self, peers) -> None:
-        for p in peers:
-            if p in self._dead:
-                raise PeerClosed(f"endpoint {self.spec.name}: {self._dead[p]}")
+        """A wait on one peer fails as soon as it is dead; a wait on any of several, once all are."""
+        dead = [p for p in peers if p in self._dead]
+        if dead and (len(peers) == 1 or len(dead) == len(peers)):
+            raise PeerClosed(f"endpoint {self.spec.name}: " + "; ".join(self._dead[p] for p in dead))
 
     def _block(self, deadline: float, ready, asleep) -> bool:
         """Sleep until a wakeup (doorbell, socket data, a peer's connection dropping) or the

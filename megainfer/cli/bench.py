@@ -9,7 +9,7 @@ from megainfer.cli.options import add_engine_options, engine_config, length_rang
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (engine)", description="Benchmarks.")
+    p = sub.add_parser("bench", help="benchmarks (engine, m2n)", description="Benchmarks.")
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
 
     e = benches.add_parser("engine", help="offline throughput of the engine, optionally against transformers",
@@ -25,6 +25,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--json", metavar="PATH", help="write the results as JSON")
     e.set_defaults(run=_run_engine)
 
+    m = benches.add_parser(
+        "m2n", help="the M2N transport against torch.distributed and against its floor",
+        description="Spawns M sender and N receiver processes and measures latency and throughput per message "
+                    "size; with --baseline torch the same exchange over torch.distributed, and always the "
+                    "protocol-free floor of the backend.")
+    m.add_argument("--backend", choices=["shm", "tcp", "rdma", "torch"], default="shm")
+    m.add_argument("--senders", type=positive_int, default=1)
+    m.add_argument("--receivers", type=positive_int, default=1)
+    m.add_argument("--sizes", default="4K,64K,256K,1M", help="message sizes, e.g. 4K,64K,256K,1M")
+    m.add_argument("--iters", type=positive_int, default=500)
+    m.add_argument("--warmup", type=int, default=50)
+    m.add_argument("--pattern", choices=["m2n", "one-to-n", "ping-pong"], default="m2n")
+    m.add_argument("--slots", type=positive_int, default=2, help="receive slots per peer (micro-batches in flight)")
+    m.add_argument("--baseline", choices=["torch"], help="also run the torch.distributed exchange")
+    m.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    m.add_argument("--plot", metavar="PATH", help="draw latency and throughput against size (PNG)")
+    m.set_defaults(run=_run_m2n)
+
 
 def _run_engine(args: argparse.Namespace) -> int:
     from megainfer.bench.engine_bench import EngineBenchSpec, run_engine_bench
@@ -33,3 +51,44 @@ def _run_engine(args: argparse.Namespace) -> int:
                            output_len=args.output_len, seed=args.workload_seed, vs_hf=args.vs_hf,
                            hf_batch_size=args.hf_batch_size)
     return run_engine_bench(spec, engine_config(args), json_path=args.json)
+
+
+def _run_m2n(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from megainfer.bench import m2n_report
+    from megainfer.errors import ConfigError, MegaInferError
+    from transport.bench import BenchSpec, measure
+    from transport.errors import TransportError
+    from transport.rdma import available as rdma_available
+
+    try:
+        sizes = m2n_report.parse_sizes(args.sizes)
+        spec = BenchSpec(backend=args.backend, senders=args.senders, receivers=args.receivers, sizes=sizes,
+                         iters=args.iters, warmup=args.warmup, pattern=args.pattern, slots=args.slots)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.backend == "rdma":
+        ok, reason = rdma_available()
+        if not ok:
+            raise ConfigError(f"--backend rdma: {reason}; use --backend shm or tcp here")
+    main = "torch" if args.backend == "torch" else "m2n"
+    systems = [main] + (["floor"] if main == "m2n" else []) + (["torch"] if args.baseline and main != "torch" else [])
+    out: dict[str, list] = {}
+    with tqdm(total=len(systems) * len(sizes), desc="bench m2n", unit="size") as bar:
+        for system in systems:
+            bar.set_postfix_str(system)
+            try:
+                out[system] = measure(system, spec, progress=lambda _: bar.update(1))
+            except (TransportError, RuntimeError, TimeoutError, OSError) as exc:
+                raise MegaInferError(f"{system} run failed: {exc}") from None
+    results, floor, baseline = out[main], out.get("floor", []), out.get("torch", []) if main != "torch" else []
+    print(f"backend {args.backend}, {args.pattern} {args.senders}x{args.receivers}, {args.iters} iterations "
+          f"(+{args.warmup} warm-up), machine: {m2n_report.machine()['cpu']}, {m2n_report.machine()['cores']} cores")
+    print(m2n_report.table(results, baseline, floor))
+    if args.json:
+        m2n_report.save_json(args.json, args.backend, results, baseline, floor)
+    if args.plot:
+        m2n_report.plot(args.plot, args.backend, results, baseline, floor)
+        print(f"plot: {args.plot}")
+    return 0
