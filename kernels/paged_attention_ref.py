@@ -12,6 +12,7 @@ prefill chunks whose queries are the last tokens of their sequence, attending ca
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +43,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-# Gathered keys/values land in reused scratch buffers (one per device, dtype and K/V):
-# fresh multi-megabyte allocations each call cost more in page faults than the copy
-# itself. One engine loop per process uses them, one attention call at a time.
-_scratch: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+# Gathered keys/values land in reused scratch buffers (one per thread, device, dtype and
+# K/V): fresh multi-megabyte allocations each call cost more in page faults than the copy.
+_scratch = threading.local()
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, slot: int) -> torch.Tensor:
@@ -53,10 +53,11 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, slot: int) -> torch
     s, nb = block_tables.shape
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     numel = s * nb * block_size * num_kv_heads * head_dim
+    buffers = _scratch.__dict__.setdefault("buffers", {})
     key = (cache.device, cache.dtype, slot)
-    buf = _scratch.get(key)
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _scratch[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        buf = buffers[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
     out = buf[:numel].view(s * nb, block_size, num_kv_heads, head_dim)
     torch.index_select(cache, 0, block_tables.reshape(-1), out=out)
     return out.view(s, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)

@@ -26,8 +26,10 @@ Prompt = str | list[int]
 
 
 class Engine:
-    def __init__(self, model: str | os.PathLike = "tiny-mixtral", config: EngineConfig | None = None,
-                 **overrides) -> None:
+    def __init__(self, model: str | os.PathLike = "tiny-mixtral", config: EngineConfig | None = None, *,
+                 runner_factory=None, **overrides) -> None:
+        """`runner_factory(model_config, config, weights, max_model_len)` builds the runner;
+        the default runs the whole model here (`ModelRunner`)."""
         config = config or EngineConfig()
         self.config = config.replace(**overrides) if overrides else config
         self.model_config, checkpoint = resolve_model(model)
@@ -39,7 +41,7 @@ class Engine:
         weights = SafetensorsCheckpoint(checkpoint) if checkpoint else RandomWeights(self.config.seed)
         self.tokenizer: Tokenizer | None = load_tokenizer(checkpoint, self.model_config)
         self.max_model_len = self.config.resolved_max_model_len(self.model_config)
-        self.runner = ModelRunner(self.model_config, self.config, weights, self.max_model_len)
+        self.runner = (runner_factory or ModelRunner)(self.model_config, self.config, weights, self.max_model_len)
         self.scheduler = Scheduler.from_config(self.config, num_blocks=self.runner.num_blocks,
                                                max_model_len=self.max_model_len,
                                                eos_token_ids=self.model_config.eos_token_ids)
@@ -103,6 +105,8 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
         if out.is_empty:
+            if getattr(self.runner, "steps_when_idle", False):
+                self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
             return []
         try:
             result = self.runner.execute(out)

@@ -60,36 +60,42 @@ class ModelRunner:
         return StepResult(sampled, fwd.expert_counts.tolist())
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
-        bs = self.config.block_size
-        token_ids: list[int] = []
-        starts = [0]
-        seq_lens = []
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            begin = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[begin:begin + n])
-            starts.append(starts[-1] + n)
-            seq_lens.append(begin + n)
-        width = max(len(s.block_table) for s in out.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in out.seqs]
-        dev = self.device
-        query_lens = torch.tensor(out.num_scheduled_tokens)
-        seq_lens_t = torch.tensor(seq_lens)
-        # Position of each query token: its sequence's cached length minus the tokens after it.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(out.seqs)), query_lens)
-        positions = torch.arange(len(token_ids)) - torch.tensor(starts[:-1])[seq_of_token] \
-            + (seq_lens_t - query_lens)[seq_of_token]
-        block_tables = torch.tensor(tables, dtype=torch.int64)
-        slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
-        batch = kernels.PagedAttentionBatch(
-            block_tables=block_tables.to(dev),
-            seq_lens=seq_lens_t.to(torch.int32).to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            slot_mapping=slots.to(dev),
-            num_single=out.num_single_token,
-            seq_lens_host=seq_lens,
-            query_start_host=starts,
-        )
-        return torch.tensor(token_ids, device=dev), positions.to(dev), batch
+        return prepare_batch(out.seqs, out.num_scheduled_tokens, out.num_single_token, self.config.block_size,
+                             self.device)
+
+
+def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
+    """Input ids, positions and attention metadata of `seqs`, each computing its next
+    `num_tokens[i]` tokens (the first `num_single` with one token each)."""
+    token_ids: list[int] = []
+    starts = [0]
+    seq_lens = []
+    for seq, n in zip(seqs, num_tokens):
+        begin = seq.num_computed_tokens
+        token_ids.extend(seq.token_ids[begin:begin + n])
+        starts.append(starts[-1] + n)
+        seq_lens.append(begin + n)
+    width = max(len(s.block_table) for s in seqs)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    query_lens = torch.tensor(num_tokens)
+    seq_lens_t = torch.tensor(seq_lens)
+    # Position of each query token: its sequence's cached length minus the tokens after it.
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
+    positions = torch.arange(len(token_ids)) - torch.tensor(starts[:-1])[seq_of_token] \
+        + (seq_lens_t - query_lens)[seq_of_token]
+    block_tables = torch.tensor(tables, dtype=torch.int64)
+    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    batch = kernels.PagedAttentionBatch(
+        block_tables=block_tables.to(device),
+        seq_lens=seq_lens_t.to(torch.int32).to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        slot_mapping=slots.to(device),
+        num_single=num_single,
+        seq_lens_host=seq_lens,
+        query_start_host=starts,
+    )
+    return torch.tensor(token_ids, device=device), positions.to(device), batch
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

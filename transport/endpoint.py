@@ -328,7 +328,7 @@ class Endpoint:
 
     # -- data --------------------------------------------------------------------------------
     def send(self, peer: str, payload=b"", *, step: int = 0, layer: int = 0, micro_batch: int = 0,
-             token_count: int = 0, timeout: float | None = None) -> None:
+             token_count: int = 0, flags: int = 0, timeout: float | None = None) -> None:
         """Write one message into `peer`'s slot for `micro_batch`; waits while the peer still
         holds that slot. An empty payload is a valid message (a header alone)."""
         channel = self.outbound.get(peer)
@@ -341,7 +341,7 @@ class Endpoint:
                                   f"{peer}; raise that endpoint's slot_bytes or split the message")
         check_header_fields(step, layer, micro_batch, self.spec.rank, token_count)
         seq = self._seq[peer]
-        header = Header(step, layer, micro_batch, self.spec.rank, 0, token_count, seq, n)
+        header = Header(step, layer, micro_batch, self.spec.rank, flags & 0xFFFF, token_count, seq, n)
         if not channel.try_send(header, data):
             self._send_when_free(channel, header, data, self.spec.timeout_s if timeout is None else timeout)
         self._seq[peer] = seq + 1

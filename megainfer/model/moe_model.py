@@ -30,13 +30,16 @@ class ForwardOutput:
 
 
 class MoEModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int,
+                 with_experts: bool = True) -> None:
+        """`with_experts=False` builds what an attention node holds: no expert weights."""
         super().__init__()
         self.cfg = cfg
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.attention_layers = nn.ModuleList(AttentionLayer(cfg, i, **kw) for i in range(cfg.num_layers))
-        self.expert_layers = nn.ModuleList(ExpertLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.expert_layers = nn.ModuleList(ExpertLayer(cfg, i, **kw) for i in range(cfg.num_layers)) \
+            if with_experts else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, **kw)
@@ -58,6 +61,8 @@ class MoEModel(nn.Module):
 
     def load_weights(self, source: WeightSource, show_progress: bool = False) -> None:
         total = len(all_tensors(self.cfg))
+        if self.expert_layers is None:
+            total -= self.cfg.num_layers * self.cfg.num_experts * 3
         with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress) as bar:
             counting = _CountingSource(source, bar)
             t = {role: counting.get(name, shape) for role, (name, shape) in head_tensors(self.cfg).items()}
@@ -65,9 +70,10 @@ class MoEModel(nn.Module):
             self.norm.weight.copy_(t["norm"])
             if self.lm_head is not None:
                 self.lm_head.weight.copy_(t["lm_head"])
-            for attention, experts in zip(self.attention_layers, self.expert_layers):
+            for i, attention in enumerate(self.attention_layers):
                 attention.load_weights(counting)
-                experts.load_weights(counting)
+                if self.expert_layers is not None:
+                    self.expert_layers[i].load_weights(counting)
 
 
 class _CountingSource:

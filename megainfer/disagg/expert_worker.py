@@ -1,0 +1,70 @@
+"""An expert node's work: for each (layer, micro-batch), in the fixed order every node
+follows, take the tokens of every attention node, run this node's experts on their union,
+and answer each attention node with its slice."""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from megainfer.config import ModelConfig
+from megainfer.disagg.link import BUSY, ExpertLink, unpack_dispatch
+from megainfer.model.expert_layer import ExpertLayer
+from megainfer.model.weights import WeightSource
+
+
+class ExpertWorker:
+    def __init__(self, model_config: ModelConfig, expert_ids: list[int], dtype: str, device: str,
+                 weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink,
+                 show_progress: bool = False) -> None:
+        self.cfg = model_config
+        self.expert_ids = list(expert_ids)
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+        self.attention_nodes = list(attention_nodes)
+        self.m = micro_batches
+        self.link = link
+        self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids)
+                       for layer in range(model_config.num_layers)]
+        with torch.inference_mode():
+            for layer in tqdm(self.layers, desc=f"loading experts {expert_ids[0]}..{expert_ids[-1]}", unit="layer",
+                              disable=not show_progress):
+                layer.load_weights(weights)
+        self.steps = 0
+        self.tokens = 0  # tokens processed (per layer, summed), for stats
+
+    @torch.inference_mode()
+    def run_step(self) -> int:
+        """One engine step of every attention node: all layers, all micro-batches. Returns the
+        tokens this node processed in it."""
+        cfg = self.cfg
+        step_tokens = 0
+        for layer in range(cfg.num_layers):
+            for j in range(self.m):
+                msgs = [self.link.recv(a, micro_batch=j) for a in self.attention_nodes]
+                step = msgs[0].header.step
+                for a, msg in zip(self.attention_nodes, msgs):
+                    if msg.header.layer != layer or msg.header.step != step:
+                        raise RuntimeError(f"attention node {a} sent (step {msg.header.step}, layer "
+                                           f"{msg.header.layer}) where (step {step}, layer {layer}) was due")
+                counts = [msg.header.token_count for msg in msgs]
+                total = sum(counts)
+                if total:
+                    parts = [unpack_dispatch(msg.tensor(torch.uint8), n, cfg.hidden_size, cfg.top_k, self.dtype)
+                             for msg, n in zip(msgs, counts) if n]
+                    x = torch.cat([p[0] for p in parts]).to(self.device)
+                    ids = torch.cat([p[1] for p in parts]).to(self.device, torch.int64)
+                    weights = torch.cat([p[2] for p in parts]).to(self.device)
+                for msg in msgs:  # everything needed is copied out: the senders may reuse their slots
+                    msg.release()
+                y = self.layers[layer](x, ids, weights).cpu() if total else None
+                flags = BUSY if total else 0
+                offset = 0
+                for a, n in zip(self.attention_nodes, counts):
+                    payload = y[offset:offset + n] if n else torch.empty(0, dtype=torch.uint8)
+                    self.link.send(a, payload, step=step, layer=layer, micro_batch=j, token_count=n, flags=flags)
+                    offset += n
+                step_tokens += total
+        self.steps += 1
+        self.tokens += step_tokens
+        return step_tokens

@@ -1,0 +1,159 @@
+"""An attention node's runner: the attention halves here, the experts on expert nodes.
+
+A step's sequences are split into `m` micro-batches (balanced by tokens). Layer by layer,
+micro-batch j's expert results of layer l-1 are received and added to its residual
+stream, its layer-l attention runs, and its routed tokens go out to the expert nodes;
+then j+1. While the experts work on j, this node computes j+1: the ping-pong. Every step,
+even an empty one, exchanges one message per (layer, micro-batch, expert node), so expert
+nodes never wait on a node with nothing to say.
+
+Same `execute(SchedulerOutput) -> StepResult` as `ModelRunner`, so `Engine` drives it
+unchanged; `steps_when_idle` tells the engine to step even with nothing scheduled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megainfer.config import EngineConfig, ModelConfig
+from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
+from megainfer.model.moe_model import MoEModel
+from megainfer.model.weights import WeightSource
+from megainfer.model_runner import StepResult, _zeroed, prepare_batch
+from megainfer.sampler import Sampler
+from megainfer.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
+    """Indices of the step's sequences for each of m micro-batches, balanced by tokens; each
+    keeps the step's order (one-token sequences first), as attention kernels expect."""
+    groups: list[list[int]] = [[] for _ in range(m)]
+    load = [0] * m
+    for i, n in enumerate(num_tokens):
+        j = min(range(m), key=load.__getitem__)
+        groups[j].append(i)
+        load[j] += n
+    return groups
+
+
+class PipelinedModelRunner:
+    steps_when_idle = True
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
+                 *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
+                 micro_batches: int) -> None:
+        if len(expert_nodes) != len(expert_assignment):
+            raise ValueError("one expert-id list per expert node")
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.link = link
+        self.expert_nodes = list(expert_nodes)
+        self.m = micro_batches
+        node_of = torch.full((model_config.num_experts,), -1, dtype=torch.int64)
+        for k, ids in enumerate(expert_assignment):
+            node_of[ids] = k
+        if (node_of < 0).any():
+            raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
+        self.node_of_expert = node_of.to(self.device)
+        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False)
+        with torch.inference_mode():
+            self.model.load_weights(weights, show_progress=config.show_progress)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        self.num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
+        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [(_zeroed(shape, self.dtype, self.device), _zeroed(shape, self.dtype, self.device))
+                          for _ in range(model_config.num_layers)]
+        self.sampler = Sampler(config.seed, self.device)
+        self.step_id = 0
+        self.deployment_busy = False  # did any attention node send tokens in the last step?
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        cfg = self.model_config
+        groups = split_micro_batches(out.num_scheduled_tokens, self.m)
+        inputs = []
+        for idx in groups:
+            if idx:
+                seqs = [out.seqs[i] for i in idx]
+                counts = [out.num_scheduled_tokens[i] for i in idx]
+                inputs.append(prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), self.config.block_size,
+                                            self.device))
+            else:
+                inputs.append(None)
+        hidden = [self.model.embed(inp[0]) if inp else None for inp in inputs]
+        residual: list[torch.Tensor | None] = [None] * self.m
+        routes: list[list[torch.Tensor] | None] = [None] * self.m
+        expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        self._busy = False
+        for layer in range(cfg.num_layers):
+            for j in range(self.m):
+                if layer:
+                    hidden[j] = self._combine(layer - 1, j, residual[j], routes[j])
+                residual[j], routes[j] = self._attend_and_dispatch(layer, j, hidden[j], inputs[j], expert_counts)
+        for j in range(self.m):
+            hidden[j] = self._combine(cfg.num_layers - 1, j, residual[j], routes[j])
+        self.deployment_busy = self._busy
+        self.step_id = (self.step_id + 1) & 0xFFFFFFFF
+
+        sampled: list[int | None] = [None] * len(out.seqs)
+        samples = out.samples()
+        rows, owners = [], []
+        for j, idx in enumerate(groups):
+            if not idx:
+                continue
+            starts = inputs[j][2].query_start_host
+            for pos, i in enumerate(idx):
+                if samples[i]:
+                    rows.append(self.model.norm(hidden[j][starts[pos + 1] - 1:starts[pos + 1]]))
+                    owners.append(i)
+        if rows:
+            logits = self.model.compute_logits(torch.cat(rows))
+            order = sorted(range(len(owners)), key=owners.__getitem__)  # back to the step's order
+            seqs = [out.seqs[owners[r]] for r in order]
+            tokens = self.sampler.sample(logits[order], [s.request_id for s in seqs], [s.params for s in seqs])
+            for r, token in zip(order, tokens):
+                sampled[owners[r]] = token
+        return StepResult(sampled, expert_counts.tolist())
+
+    def _attend_and_dispatch(self, layer: int, j: int, hidden, inp, expert_counts):
+        cfg = self.model_config
+        if hidden is None:
+            for node in self.expert_nodes:
+                self.link.send(node, torch.empty(0, dtype=torch.uint8), step=self.step_id, layer=layer,
+                               micro_batch=j, token_count=0)
+            return None, None
+        _, positions, batch = inp
+        a = self.model.attention_layers[layer](hidden, positions, self.model.rotary, self.kv_caches[layer], batch)
+        expert_counts[layer] += torch.bincount(a.topk_ids.reshape(-1), minlength=cfg.num_experts).cpu()
+        hits = self.node_of_expert[a.topk_ids]  # [n, k] expert node of each choice
+        routes = []
+        for k, node in enumerate(self.expert_nodes):
+            idx = (hits == k).any(dim=1).nonzero().flatten()  # each token once per node
+            routes.append(idx)
+            payload = pack_dispatch(a.expert_input[idx], a.topk_ids[idx], a.topk_weights[idx])
+            self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=idx.numel())
+        return a.residual, routes
+
+    def _combine(self, layer: int, j: int, residual, routes):
+        h = self.model_config.hidden_size
+        y = torch.zeros_like(residual) if residual is not None else None
+        for k, node in enumerate(self.expert_nodes):
+            msg = self.link.recv(node, micro_batch=j)
+            header = msg.header
+            if header.layer != layer or header.step != self.step_id:
+                raise RuntimeError(f"expert node {node} answered (step {header.step}, layer {header.layer}) where "
+                                   f"(step {self.step_id}, layer {layer}) was due: the nodes are out of step")
+            self._busy |= bool(header.flags & BUSY)
+            n = header.token_count
+            if n:
+                y.index_add_(0, routes[k], msg.tensor(self.dtype).view(n, h).to(self.device))
+            msg.release()
+        return None if residual is None else residual + y
