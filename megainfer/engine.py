@@ -11,7 +11,7 @@ import logging
 import os
 
 from megainfer.config import EngineConfig, resolve_model
-from megainfer.errors import ConfigError, RequestError
+from megainfer.errors import ConfigError, DataPlaneError, RequestError
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepResult
 from megainfer.outputs import EngineStats, ExpertLoad, RequestDelta
@@ -111,8 +111,10 @@ class Engine:
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
-            logger.exception("step failed; failing its %d requests", len(out.seqs))
-            return [self._fail(seq, f"model step failed: {exc!r}") for seq in out.seqs]
+            code = "unavailable" if isinstance(exc, DataPlaneError) else "internal"
+            if code == "internal":
+                logger.exception("step failed; failing its %d requests", len(out.seqs))
+            return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.seqs]
         advanced = self.scheduler.update_from_output(out, result.sampled)
         self._record(out, result)
         return [self._delta(seq) for seq in advanced]
@@ -131,10 +133,15 @@ class Engine:
         return RequestDelta(seq.request_id, [token], text, seq.is_finished,
                             str(seq.finish_reason) if seq.finish_reason else None)
 
-    def _fail(self, seq: Sequence, error: str, new_token_ids: list[int] | None = None) -> RequestDelta:
+    def _fail(self, seq: Sequence, error: str, new_token_ids: list[int] | None = None,
+              code: str = "internal") -> RequestDelta:
         self.scheduler.fail(seq, error)
         self._forget(seq.request_id)
-        return RequestDelta(seq.request_id, new_token_ids or [], "", True, "error", error)
+        return RequestDelta(seq.request_id, new_token_ids or [], "", True, "error", error, code)
+
+    def fail_all(self, error: str, code: str = "unavailable") -> list[RequestDelta]:
+        """Fail every unfinished request (their blocks are freed): the node cannot serve them."""
+        return [self._fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
 
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)

@@ -22,3 +22,12 @@ class RequestError(MegaInferError):
 
 class PlanError(MegaInferError):
     """A plan, GPU catalog or planner input is malformed, or no plan can satisfy it."""
+
+
+class DataPlaneError(MegaInferError):
+    """The exchange with other nodes failed (a peer died or the deployment is re-wiring).
+    Requests it fails are unavailable, not wrong: retrying them later can succeed."""
+
+
+class Overloaded(MegaInferError):
+    """The server's queue is full; the request was refused rather than left to pile up."""

@@ -15,6 +15,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     error: str | None = None  # why it failed, when finish_reason is "error"
+    error_code: str | None = None  # "unavailable" (retry later) or "internal", when it failed
 
 
 @dataclass

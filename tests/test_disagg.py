@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from deploy.transport_link import TransportLink
+from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
 from megainfer.config import EngineConfig
 from megainfer.disagg.expert_worker import ExpertWorker
@@ -16,7 +16,6 @@ from megainfer.disagg.link import dispatch_bytes, pack_dispatch, unpack_dispatch
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner, split_micro_batches
 from megainfer.model.weights import SafetensorsCheckpoint
 from tests.test_transport import connect_all
-from transport import Endpoint, EndpointSpec
 
 SECRET = b"d" * 32
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -33,22 +32,23 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm")
     expert_names = [f"expert{k}" for k in range(n_expert)]
     tokens = engine_config.max_num_batched_tokens
     h, top_k = model_config.hidden_size, model_config.top_k
-    endpoints = {}
+    links = {}
     for i, name in enumerate(attn_names):
-        endpoints[name] = Endpoint(EndpointSpec(name=name, rank=i, secret=SECRET, backend=backend, num_slots=m,
-                                                slot_bytes=tokens * h * 4, timeout_s=30))
+        links[name] = SwitchableLink(name, i, SECRET, "127.0.0.1", tokens * h * 4, m, backend, 30)
     for k, name in enumerate(expert_names):
-        endpoints[name] = Endpoint(EndpointSpec(name=name, rank=100 + k, secret=SECRET, backend=backend, num_slots=m,
-                                                slot_bytes=dispatch_bytes(tokens, h, top_k, torch.float32),
-                                                timeout_s=30))
+        links[name] = SwitchableLink(name, 100 + k, SECRET, "127.0.0.1",
+                                     dispatch_bytes(tokens, h, top_k, torch.float32), m, backend, 30)
+    for link in links.values():
+        link.open()
+    endpoints = {name: link.endpoint for name, link in links.items()}
     connect_all(endpoints, {**{a: expert_names for a in attn_names}, **{e: attn_names for e in expert_names}})
     workers = [ExpertWorker(model_config, assignment[k], "float32", "cpu", SafetensorsCheckpoint(path),
-                            attention_nodes=attn_names, micro_batches=m, link=TransportLink(endpoints[name]))
+                            attention_nodes=attn_names, micro_batches=m, link=links[name])
                for k, name in enumerate(expert_names)]
     engines = []
     for name in attn_names:
         def factory(mc, cfg, weights, max_len, name=name):
-            return PipelinedModelRunner(mc, cfg, weights, max_len, link=TransportLink(endpoints[name]),
+            return PipelinedModelRunner(mc, cfg, weights, max_len, link=links[name],
                                         expert_nodes=expert_names, expert_assignment=assignment, micro_batches=m)
         engines.append(Engine(str(path), engine_config, runner_factory=factory))
     # Spread prompts over attention nodes round robin; every node steps until all are done.

@@ -77,7 +77,7 @@ def test_failed_step_fails_its_requests_and_engine_serves_on(engine, monkeypatch
     monkeypatch.setattr(engine.runner, "execute", broken)
     deltas = engine.step()
     assert [(d.request_id, d.finish_reason) for d in deltas] == [("victim", "error")]
-    assert "injected" in deltas[0].error
+    assert "injected" in deltas[0].error and deltas[0].error_code == "internal"
     assert engine.stats().kv_cache_usage == 0.0
     monkeypatch.setattr(engine.runner, "execute", original)
     engine.add_request("after", "still serving", GREEDY)

@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--server", metavar="HOST:PORT",
+                   help="ask a running server (megainfer deploy / serve) instead of loading the model here")
     p.set_defaults(run=run)
 
 
@@ -41,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
             raise RequestError(f"--prompt-ids {args.prompt_ids!r}: write comma-separated integers") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.sample_seed, ignore_eos=args.ignore_eos)
+    if args.server:
+        return _run_remote(args.server, prompt, params)
     engine = Engine(args.model, engine_config(args, show_progress=True))
     start = time.perf_counter()
     engine.add_request("cli", prompt, params)
@@ -65,4 +69,23 @@ def run(args: argparse.Namespace) -> int:
     ttft = (first - start) * 1000 if first else float("nan")
     print(f"[{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s, "
           f"first token {ttft:.0f} ms, finish reason {reason}]", file=sys.stderr)
+    return 0
+
+
+def _run_remote(address: str, prompt, params) -> int:
+    from megainfer.server.client import Client
+
+    client = Client(address)
+    start = time.perf_counter()
+    last = None
+    for response in client.generate(prompt, params):
+        sys.stdout.write(response.text.translate(_CONTROL))
+        sys.stdout.flush()
+        last = response
+    elapsed = time.perf_counter() - start
+    print()
+    n = last.usage.completion_tokens
+    print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, first token {last.timings.ttft_ms:.0f} ms, "
+          f"mean TBT {last.timings.mean_tbt_ms:.1f} ms, finish reason {last.finish_reason}]", file=sys.stderr)
+    client.close()
     return 0

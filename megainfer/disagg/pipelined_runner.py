@@ -19,6 +19,7 @@ import torch
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
+from megainfer.errors import DataPlaneError
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.model_runner import StepResult, _zeroed, prepare_batch
@@ -127,8 +128,7 @@ class PipelinedModelRunner:
         cfg = self.model_config
         if hidden is None:
             for node in self.expert_nodes:
-                self.link.send(node, torch.empty(0, dtype=torch.uint8), step=self.step_id, layer=layer,
-                               micro_batch=j, token_count=0)
+                self._send(node, torch.empty(0, dtype=torch.uint8), layer, j, 0)
             return None, None
         _, positions, batch = inp
         a = self.model.attention_layers[layer](hidden, positions, self.model.rotary, self.kv_caches[layer], batch)
@@ -139,18 +139,32 @@ class PipelinedModelRunner:
             idx = (hits == k).any(dim=1).nonzero().flatten()  # each token once per node
             routes.append(idx)
             payload = pack_dispatch(a.expert_input[idx], a.topk_ids[idx], a.topk_weights[idx])
-            self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=idx.numel())
+            self._send(node, payload, layer, j, idx.numel())
         return a.residual, routes
+
+    def _send(self, node: str, payload: torch.Tensor, layer: int, j: int, tokens: int) -> None:
+        try:
+            self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=tokens)
+        except Exception as exc:
+            raise DataPlaneError(f"cannot reach expert node {node} (layer {layer}): {exc}") from exc
+
+    def reset(self) -> None:
+        """After the deployment re-wired: every node starts again from step 0."""
+        self.step_id = 0
+        self.deployment_busy = False
 
     def _combine(self, layer: int, j: int, residual, routes):
         h = self.model_config.hidden_size
         y = torch.zeros_like(residual) if residual is not None else None
         for k, node in enumerate(self.expert_nodes):
-            msg = self.link.recv(node, micro_batch=j)
+            try:
+                msg = self.link.recv(node, micro_batch=j)
+            except Exception as exc:
+                raise DataPlaneError(f"expert node {node} did not answer (layer {layer}): {exc}") from exc
             header = msg.header
             if header.layer != layer or header.step != self.step_id:
-                raise RuntimeError(f"expert node {node} answered (step {header.step}, layer {header.layer}) where "
-                                   f"(step {self.step_id}, layer {layer}) was due: the nodes are out of step")
+                raise DataPlaneError(f"expert node {node} answered (step {header.step}, layer {header.layer}) where "
+                                 f"(step {self.step_id}, layer {layer}) was due: the nodes are out of step")
             self._busy |= bool(header.flags & BUSY)
             n = header.token_count
             if n:

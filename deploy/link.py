@@ -1,0 +1,61 @@
+"""The data-plane link of a node actor: an M2N endpoint that can be replaced when the
+deployment re-wires after a failure, and interrupted so a blocked loop notices."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from transport import Endpoint, EndpointSpec, Message, PeerTimeout, TransportError
+
+
+class LinkInterrupted(TransportError):
+    """The deployment is re-wiring; the current step is abandoned."""
+
+
+class SwitchableLink:
+    POLL_S = 0.5  # longest blocking receive before checking for an interrupt
+
+    def __init__(self, name: str, rank: int, secret: bytes, host: str, slot_bytes: int, num_slots: int,
+                 backend: str, timeout_s: float) -> None:
+        self._spec = dict(name=name, rank=rank, secret=secret, listen=f"{host}:0", slot_bytes=slot_bytes,
+                          num_slots=num_slots, backend=backend, timeout_s=timeout_s)
+        self.endpoint: Endpoint | None = None
+        self.interrupt = threading.Event()
+        self.timeout_s = timeout_s
+
+    def open(self) -> str:
+        """A fresh endpoint (closing any old one); returns its address for the peers."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.endpoint = Endpoint(EndpointSpec(**self._spec))
+        self.interrupt.clear()
+        return self.endpoint.address
+
+    def connect(self, peers: dict[str, str]) -> None:
+        self.endpoint.connect(peers)
+
+    def send(self, peer: str, payload: torch.Tensor, *, step: int, layer: int, micro_batch: int,
+             token_count: int, flags: int = 0) -> None:
+        if self.interrupt.is_set():
+            raise LinkInterrupted("the deployment is re-wiring")
+        self.endpoint.send(peer, payload.contiguous(), step=step, layer=layer, micro_batch=micro_batch,
+                           token_count=token_count, flags=flags)
+
+    def recv(self, peer: str, *, micro_batch: int) -> Message:
+        waited = 0.0
+        while True:
+            if self.interrupt.is_set():
+                raise LinkInterrupted("the deployment is re-wiring")
+            try:
+                return self.endpoint.recv(peer, micro_batch=micro_batch, timeout=self.POLL_S)
+            except PeerTimeout:
+                waited += self.POLL_S
+                if waited >= self.timeout_s:
+                    raise
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

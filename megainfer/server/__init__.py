@@ -1,0 +1,1 @@
+"""The gRPC frontend (megainfer.v1.Inference) over a generation backend."""

@@ -1,0 +1,78 @@
+"""What the gRPC service needs from whatever generates: submit, abort, stream deltas, info.
+
+`deploy.launcher.Deployment` (attention and expert nodes on Ray) and `EngineBackend` (one
+colocated engine in a thread) both provide it; `StreamRegistry` is the per-request queue
+plumbing they share.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from megainfer.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    prompt_tokens: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    deltas: queue.Queue = field(default_factory=queue.Queue)  # RequestDelta fields as dicts
+
+    def get(self, timeout: float) -> dict | None:
+        try:
+            return self.deltas.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class GenerationBackend(Protocol):
+    def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+        """Start a request. Raises RequestError (bad request), Overloaded (queue full) or
+        DataPlaneError (temporarily unavailable)."""
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def info(self) -> dict:
+        """{"model": str, "plan_yaml": str, "nodes": [{"name", "role", "state", "detail"}]}"""
+
+    def close(self) -> None: ...
+
+
+class StreamRegistry:
+    """Open request streams by id; deliver deltas to them; forget finished ones."""
+
+    def __init__(self, max_open: int) -> None:
+        self.max_open = max_open  # beyond this, new requests are refused (backpressure)
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+
+    def open(self, request_id: str) -> RequestStream:
+        from megainfer.errors import Overloaded, RequestError
+
+        with self._lock:
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            if len(self._streams) >= self.max_open:
+                raise Overloaded(f"{len(self._streams)} requests in flight (limit {self.max_open}); retry later")
+            stream = self._streams[request_id] = RequestStream(request_id)
+            return stream
+
+    def close(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def deliver(self, delta: dict) -> None:
+        with self._lock:
+            stream = self._streams.get(delta["request_id"])
+            if stream is not None and delta.get("finished"):
+                del self._streams[delta["request_id"]]
+        if stream is not None:
+            stream.deltas.put(delta)
+
+    def __len__(self) -> int:
+        return len(self._streams)
