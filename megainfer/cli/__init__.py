@@ -15,6 +15,8 @@ COMMANDS = {
     "generate": "megainfer.cli.generate",
     "bench": "megainfer.cli.bench",
     "plan": "megainfer.cli.plan",
+    "serve": "megainfer.cli.serve",
+    "deploy": "deploy.cli",
 }
 
 

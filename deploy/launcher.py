@@ -1,0 +1,276 @@
+"""`Deployment`: a plan brought up on Ray and served as a generation backend.
+
+Ray is the control plane: placement (one placement group, a bundle per node), actor
+lifecycle (a node that dies is restarted, reloading its weights), health, and the small
+messages of requests and token deltas. The data plane is the M2N transport between the
+node actors; per-layer activations never touch Ray's object store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm.auto import tqdm
+
+from deploy.attention_node import AttentionNode
+from deploy.expert_node import ExpertNode
+from deploy.node_config import node_names, weights_of
+from megainfer.errors import ConfigError, DataPlaneError, MegaInferError, PlanError
+from megainfer.plan import Plan
+from megainfer.sampling_params import SamplingParams
+from megainfer.server.backend import RequestStream, StreamRegistry
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # loading weights can take a while on real clusters
+HEALTH_EVERY_S = 0.5
+
+
+def bundles(plan: Plan) -> list[dict]:
+    """One placement bundle per node, attention nodes first: tp GPUs each (and the GPU type
+    pinned in heterogeneous plans), or one CPU each in a CPU plan."""
+    def bundle(gpu: str, tp: int) -> dict:
+        if gpu == "cpu":
+            return {"CPU": 1}
+        return {"CPU": 1, "GPU": tp, f"accelerator_type:{gpu}": 0.001}
+
+    return [bundle(plan.attention.gpu, plan.attention.tp)] * plan.attention.nodes + \
+        [bundle(plan.experts.gpu, plan.experts.tp)] * plan.experts.nodes
+
+
+class Deployment:
+    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True) -> None:
+        self.plan = plan
+        self.address = address
+        self.show_progress = show_progress
+        self.model, _ = weights_of(plan)
+        plan.check_model(self.model)
+        for side, spec in (("attention", plan.attention), ("experts", plan.experts)):
+            if spec.tp != 1:
+                raise PlanError(f"{side}.tp = {spec.tp}: tensor parallelism inside a node is not supported yet; "
+                                "use tp: 1 and more nodes")
+        self.attention_names, self.expert_names = node_names(plan)
+        self.registry = StreamRegistry(max_open=2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
+        self._owner: dict[str, int] = {}  # request id -> attention node index
+        self._round_robin = itertools.count()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started_ray = False
+        self._pg = None
+        self.attention: list = []
+        self.experts: list = []
+
+    # -- bring-up -----------------------------------------------------------------------------
+    def start(self) -> "Deployment":
+        if not ray.is_initialized():
+            if self.address:
+                ray.init(address=self.address, log_to_driver=False)
+            else:
+                need = len(bundles(self.plan))
+                ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False)
+                self._started_ray = True
+        local = self._started_ray or self.address is None
+        host = "127.0.0.1" if local else None
+        self._pg = placement_group(bundles(self.plan), strategy="PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=60)
+        except GetTimeoutError:
+            raise PlanError(f"the cluster cannot place this plan's {len(bundles(self.plan))} nodes "
+                            f"({self._describe_needs()}); available: {ray.available_resources()}") from None
+        secret = os.urandom(32)
+        threads = 1 if self.plan.attention.gpu == "cpu" else None
+        plan_dict = self.plan.to_dict()
+
+        def actor(cls, index: int, bundle: int):
+            gpu = self.plan.attention if cls is AttentionNode else self.plan.experts
+            return ray.remote(cls).options(
+                num_cpus=1, num_gpus=0 if gpu.gpu == "cpu" else gpu.tp, max_restarts=-1, max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
+            ).remote(plan_dict, index, secret, host or "", threads)
+
+        self.attention = [actor(AttentionNode, i, i) for i in range(self.plan.attention.nodes)]
+        self.experts = [actor(ExpertNode, k, self.plan.attention.nodes + k) for k in range(self.plan.experts.nodes)]
+        self._wait_ready(self.attention + self.experts)
+        self._wire()
+        for i, node in enumerate(self.attention):
+            self._spawn(self._dispatch, node, i, name=f"dispatch-{i}")
+        self._warm_up()
+        self._spawn(self._supervise, name="supervisor")
+        return self
+
+    def _describe_needs(self) -> str:
+        a, e = self.plan.attention, self.plan.experts
+        fmt = lambda s, n: f"{n} x {'1 CPU' if s.gpu == 'cpu' else f'{s.tp} {s.gpu} GPU(s)'}"  # noqa: E731
+        return f"attention {fmt(a, a.nodes)}, experts {fmt(e, e.nodes)}"
+
+    def _wait_ready(self, actors: list) -> None:
+        pending = {a.ready.remote(): a for a in actors}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with tqdm(total=len(actors), desc="starting nodes (loading weights)", unit="node",
+                  disable=not self.show_progress) as bar:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise PlanError(f"{len(pending)} node(s) did not start within {READY_TIMEOUT_S:g} s")
+                try:
+                    bar.set_postfix_str(ray.get(done[0]))
+                except RayTaskError as exc:
+                    raise _cause(exc) from None
+                pending.pop(done[0])
+                bar.update(1)
+
+    def _wire(self) -> None:
+        """Fresh endpoints on every node, every attention node connected to every expert node."""
+        nodes = self.attention + self.experts
+        addresses = ray.get([n.open_endpoint.remote() for n in nodes])
+        attn_addr = dict(zip(self.attention_names, addresses[:len(self.attention)]))
+        expert_addr = dict(zip(self.expert_names, addresses[len(self.attention):]))
+        ray.get([n.connect.remote(expert_addr) for n in self.attention] +
+                [n.connect.remote(attn_addr) for n in self.experts])
+        ray.get([n.serve.remote() for n in nodes])
+
+    def _warm_up(self) -> None:
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        streams = [self.submit(f"warmup-{i}", [1, 2, 3], params, node=i) for i in range(len(self.attention))]
+        for stream in streams:
+            while True:
+                delta = stream.get(60.0)
+                if delta is None:
+                    raise DataPlaneError("warm-up request did not finish within 60 s")
+                if delta["finished"]:
+                    if delta["finish_reason"] == "error":
+                        raise DataPlaneError(f"warm-up failed: {delta['error']}")
+                    break
+
+    def _spawn(self, target, *args, name: str) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # -- serving ------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt, params: SamplingParams, node: int | None = None) -> RequestStream:
+        stream = self.registry.open(request_id)
+        i = next(self._round_robin) % len(self.attention) if node is None else node
+        self._owner[request_id] = i
+        try:
+            stream.prompt_tokens = ray.get(
+                self.attention[i].add_request.remote(request_id, prompt, dataclasses.asdict(params)), timeout=30)
+        except BaseException as exc:
+            self.registry.close(request_id)
+            self._owner.pop(request_id, None)
+            if isinstance(exc, RayTaskError):
+                raise _cause(exc) from None
+            if isinstance(exc, (RayActorError, GetTimeoutError)):
+                raise DataPlaneError(f"{self.attention_names[i]} is unavailable: {exc}") from None
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        i = self._owner.pop(request_id, None)
+        self.registry.close(request_id)
+        if i is None:
+            return False
+        try:
+            return ray.get(self.attention[i].abort.remote(request_id), timeout=10)
+        except (RayActorError, GetTimeoutError):
+            return False
+
+    def _dispatch(self, node, index: int) -> None:
+        while not self._stop.is_set():
+            try:
+                deltas = ray.get(node.poll.remote(0.05), timeout=10)
+            except (RayActorError, GetTimeoutError):
+                time.sleep(0.2)  # the supervisor handles the node; keep listening
+                continue
+            for d in deltas:
+                if d["finished"]:
+                    self._owner.pop(d["request_id"], None)
+                self.registry.deliver(d)
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(HEALTH_EVERY_S):
+            states = self._health()
+            if all(s["state"] == "serving" for s in states):
+                continue
+            bad = [s["name"] for s in states if s["state"] != "serving"]
+            logger.warning("nodes %s are not serving; re-wiring the deployment", ", ".join(bad))
+            try:
+                self._recover(states)
+            except Exception:
+                logger.exception("re-wiring failed; retrying")
+
+    def _health(self) -> list[dict]:
+        names = self.attention_names + self.expert_names
+        refs = [n.health.remote() for n in self.attention + self.experts]
+        states = []
+        for name, ref in zip(names, refs):
+            try:
+                states.append(ray.get(ref, timeout=5))
+            except (RayActorError, GetTimeoutError) as exc:
+                states.append({"name": name, "state": "dead", "error": str(exc)})
+        return states
+
+    def _recover(self, states: list[dict]) -> None:
+        # Requests on an attention node that died went with it: tell their clients.
+        for i, s in enumerate(states[:len(self.attention)]):
+            if s["state"] == "dead":
+                for rid, owner in list(self._owner.items()):
+                    if owner == i:
+                        self._owner.pop(rid, None)
+                        self.registry.deliver({"request_id": rid, "new_token_ids": [], "new_text": "", "finished": True,
+                                               "finish_reason": "error", "error_code": "unavailable",
+                                               "error": f"{s['name']} died"})
+        nodes = self.attention + self.experts
+        for n in nodes:
+            try:
+                ray.get(n.interrupt.remote(), timeout=5)
+            except (RayActorError, GetTimeoutError):
+                pass
+        self._wait_ready(nodes)  # restarted nodes have reloaded their weights
+        self._wire()
+        logger.info("deployment re-wired and serving")
+
+    def info(self) -> dict:
+        nodes = []
+        for s in self._health():
+            role = "attention" if s["name"].startswith("attention") else "expert"
+            detail = (f"running {s.get('running', 0)}, waiting {s.get('waiting', 0)}" if role == "attention"
+                      else f"experts {s.get('experts')}, steps {s.get('steps')}") if s["state"] == "serving" \
+                else (s.get("error") or "")
+            nodes.append({"name": s["name"], "role": role, "state": s["state"], "detail": detail})
+        return {"model": self.model.name, "plan_yaml": self.plan.to_yaml(), "nodes": nodes}
+
+    def stats(self) -> list[dict]:
+        return ray.get([n.stats.remote() for n in self.attention])
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        for n in self.attention + self.experts:
+            try:
+                ray.get(n.stop.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(n, no_restart=True)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _cause(exc: RayTaskError) -> BaseException:
+    """The exception a node raised (RequestError, DataPlaneError, ...) rather than Ray's wrapper."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, MegaInferError):
+        return cause
+    return ConfigError(str(cause or exc))
