@@ -1,0 +1,151 @@
+"""Deployments on Ray served over gRPC: token equality with the colocated engine, faults,
+disconnects, backpressure, bad requests. One Ray session for the module."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from deploy.launcher import Deployment  # noqa: E402
+from megainfer import Engine, SamplingParams  # noqa: E402
+from megainfer.config import EngineConfig  # noqa: E402
+from megainfer.plan import Plan  # noqa: E402
+from megainfer.server.client import Client, request_message  # noqa: E402
+from megainfer.server.service import Server  # noqa: E402
+from megainfer.v1 import inference_pb2 as pb  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16) -> Plan:
+    return Plan.from_dict({
+        "model": model, "dtype": "float32",
+        "attention": {"gpu": "cpu", "tp": 1, "nodes": attention},
+        "experts": {"gpu": "cpu", "tp": 1, "nodes": experts},
+        "pipeline": {"micro_batches": m, "global_batch": 64},
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64},
+    })
+
+
+class Served:
+    def __init__(self, plan: Plan) -> None:
+        self.deployment = Deployment(plan, show_progress=False).start()
+        self.server = Server(self.deployment, port=0).start()
+        self.client = Client(self.server.address)
+
+    def generate(self, prompt, params=GREEDY) -> list[int]:
+        return [t for r in self.client.generate(prompt, params) for t in r.token_ids]
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop(0)
+        self.deployment.close()
+
+
+def colocated(path, prompts) -> list[list[int]]:
+    engine = Engine(str(path), EngineConfig(max_num_batched_tokens=64))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out[d.request_id].extend(d.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_two_by_two_over_grpc_matches_colocated(hf_ref, m):
+    expected = colocated(hf_ref.path, hf_ref.prompts)
+    served = Served(make_plan(str(hf_ref.path), 2, 2, m))
+    try:
+        results = [None] * len(hf_ref.prompts)
+
+        def ask(i):
+            results[i] = served.generate(hf_ref.prompts[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(hf_ref.prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == expected
+        info = served.client.info()
+        assert [n.state for n in info.nodes] == ["serving"] * 4
+        assert "micro_batches: " + str(m) in info.plan_yaml
+    finally:
+        served.close()
+
+
+def test_killed_expert_node_fails_requests_then_comes_back():
+    served = Served(make_plan("tiny-mixtral", 1, 2, 2))
+    try:
+        long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+        stream = served.client.stub.Generate(request_message([1, 2, 3], long))
+        next(stream)  # it is running
+        ray.kill(served.deployment.experts[1], no_restart=False)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - start < 30
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if all(n.state == "serving" for n in served.client.info().nodes):
+                break
+            time.sleep(0.5)
+        tokens = served.generate([4, 5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        assert len(tokens) == 5
+    finally:
+        served.close()
+
+
+def test_client_disconnect_frees_blocks_and_limits_refuse_overload():
+    served = Served(make_plan("tiny-mixtral", 1, 1, 2, max_num_seqs=1))
+    try:
+        long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+        call = served.client.stub.Generate(request_message([1, 2, 3], long))
+        next(call)
+        waiting = served.client.stub.Generate(request_message([4, 5], long))  # queued behind it (max_num_seqs 1)
+        with pytest.raises(grpc.RpcError) as err:
+            next(served.client.stub.Generate(request_message([7, 8], long)))  # 2 open streams is the limit
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
+        waiting.cancel()
+        deadline = time.monotonic() + 20
+        usage = None
+        while time.monotonic() < deadline:
+            usage = served.deployment.stats()[0]["kv_cache_usage"]
+            if usage == 0.0:
+                break
+            time.sleep(0.2)
+        assert usage == 0.0
+    finally:
+        served.close()
+
+
+def test_bad_requests_are_invalid_argument_and_the_server_serves_on():
+    served = Served(make_plan("tiny-mixtral", 1, 1, 1))
+    try:
+        for request in (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)),
+                        pb.GenerateRequest(text="x" * 5000),
+                        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])),
+                        pb.GenerateRequest()):
+            with pytest.raises(grpc.RpcError) as err:
+                next(served.client.stub.Generate(request))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(served.generate("still here", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))) == 3
+    finally:
+        served.close()
