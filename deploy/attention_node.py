@@ -49,6 +49,7 @@ class AttentionNode:
         self.state = "wiring"
         self.error: str | None = None
         self.thread: threading.Thread | None = None
+        self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
 
     # -- wiring (called by the driver) -------------------------------------------------------
     def ready(self) -> str:
@@ -75,7 +76,8 @@ class AttentionNode:
 
     def health(self) -> dict:
         return {"name": self.name, "state": self.state, "error": self.error,
-                "running": self.engine.scheduler.num_running, "waiting": self.engine.scheduler.num_waiting}
+                "running": self.engine.scheduler.num_running, "waiting": self.engine.scheduler.num_waiting,
+                "timing": {**self.engine.runner.timing, "step": self.step_seconds}}
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: dict) -> int:
@@ -123,7 +125,10 @@ class AttentionNode:
                 continue
             try:
                 with self.lock:
+                    t0 = time.perf_counter()
                     deltas = self.engine.step()
+                    if deltas:
+                        self.step_seconds += time.perf_counter() - t0
                     failed = [d for d in deltas if d.error_code == "unavailable"]
                     if failed:  # the data plane broke mid-step: nothing else can be served now
                         deltas += self.engine.fail_all(f"{self.name}: {failed[0].error}")

@@ -60,7 +60,7 @@ class ExpertNode:
 
     def health(self) -> dict:
         return {"name": self.name, "state": self.state, "error": self.error, "experts": self.expert_ids,
-                "steps": self.worker.steps, "tokens": self.worker.tokens}
+                "steps": self.worker.steps, "tokens": self.worker.tokens, "timing": dict(self.worker.timing)}
 
     def stop(self) -> None:
         self.stopping.set()

@@ -43,6 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--plot", metavar="PATH", help="draw latency and throughput against size (PNG)")
     m.set_defaults(run=_run_m2n)
 
+    pl = benches.add_parser("pipeline", help="decode throughput of a deployment for several micro-batch counts",
+                            description="Deploy the plan once per micro-batch count (one Ray session) and measure "
+                                        "decode throughput of a fixed workload on each.")
+    pl.add_argument("plan", help="plan.yaml (e.g. deploy/plans/tiny-cpu.yaml)")
+    pl.add_argument("--micro-batches", default="1,2,3", help="micro-batch counts, e.g. 1,2,3")
+    pl.add_argument("--requests", type=positive_int, help="concurrent requests (default: the plan's global batch)")
+    pl.add_argument("--prompt-len", type=positive_int, default=16)
+    pl.add_argument("--output-len", type=positive_int, default=64)
+    pl.add_argument("--json", metavar="PATH")
+    pl.set_defaults(run=_run_pipeline)
+
 
 def _run_engine(args: argparse.Namespace) -> int:
     from megainfer.bench.engine_bench import EngineBenchSpec, run_engine_bench
@@ -92,3 +103,17 @@ def _run_m2n(args: argparse.Namespace) -> int:
         m2n_report.plot(args.plot, args.backend, results, baseline, floor)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    from megainfer.errors import ConfigError
+
+    try:
+        counts = [int(x) for x in args.micro_batches.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--micro-batches {args.micro_batches!r}: write counts like 1,2,3") from None
+    if not counts or min(counts) < 1:
+        raise ConfigError("--micro-batches: every count must be at least 1")
+    from deploy.bench_pipeline import run
+
+    return run(args.plan, counts, args.requests, args.prompt_len, args.output_len, args.json)

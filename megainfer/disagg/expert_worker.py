@@ -4,6 +4,8 @@ and answer each attention node with its slice."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from tqdm.auto import tqdm
 
@@ -32,6 +34,7 @@ class ExpertWorker:
                 layer.load_weights(weights)
         self.steps = 0
         self.tokens = 0  # tokens processed (per layer, summed), for stats
+        self.timing = {"experts": 0.0, "wait_attention": 0.0}  # seconds, summed over steps
 
     @torch.inference_mode()
     def run_step(self) -> int:
@@ -41,7 +44,10 @@ class ExpertWorker:
         step_tokens = 0
         for layer in range(cfg.num_layers):
             for j in range(self.m):
+                t0 = time.perf_counter()
                 msgs = [self.link.recv(a, micro_batch=j) for a in self.attention_nodes]
+                t1 = time.perf_counter()
+                self.timing["wait_attention"] += t1 - t0
                 step = msgs[0].header.step
                 for a, msg in zip(self.attention_nodes, msgs):
                     if msg.header.layer != layer or msg.header.step != step:
@@ -58,6 +64,7 @@ class ExpertWorker:
                 for msg in msgs:  # everything needed is copied out: the senders may reuse their slots
                     msg.release()
                 y = self.layers[layer](x, ids, weights).cpu() if total else None
+                self.timing["experts"] += time.perf_counter() - t1
                 flags = BUSY if total else 0
                 offset = 0
                 for a, n in zip(self.attention_nodes, counts):

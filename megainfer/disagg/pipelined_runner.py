@@ -14,6 +14,7 @@ unchanged; `steps_when_idle` tells the engine to step even with nothing schedule
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -75,6 +76,8 @@ class PipelinedModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
+        # Seconds spent, summed over steps: where this node's step time goes.
+        self.timing = {"attention": 0.0, "send": 0.0, "wait_experts": 0.0}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -131,7 +134,9 @@ class PipelinedModelRunner:
                 self._send(node, torch.empty(0, dtype=torch.uint8), layer, j, 0)
             return None, None
         _, positions, batch = inp
+        t0 = time.perf_counter()
         a = self.model.attention_layers[layer](hidden, positions, self.model.rotary, self.kv_caches[layer], batch)
+        self.timing["attention"] += time.perf_counter() - t0
         expert_counts[layer] += torch.bincount(a.topk_ids.reshape(-1), minlength=cfg.num_experts).cpu()
         hits = self.node_of_expert[a.topk_ids]  # [n, k] expert node of each choice
         routes = []
@@ -143,10 +148,12 @@ class PipelinedModelRunner:
         return a.residual, routes
 
     def _send(self, node: str, payload: torch.Tensor, layer: int, j: int, tokens: int) -> None:
+        t0 = time.perf_counter()
         try:
             self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=tokens)
         except Exception as exc:
             raise DataPlaneError(f"cannot reach expert node {node} (layer {layer}): {exc}") from exc
+        self.timing["send"] += time.perf_counter() - t0
 
     def reset(self) -> None:
         """After the deployment re-wired: every node starts again from step 0."""
@@ -157,8 +164,10 @@ class PipelinedModelRunner:
         h = self.model_config.hidden_size
         y = torch.zeros_like(residual) if residual is not None else None
         for k, node in enumerate(self.expert_nodes):
+            t0 = time.perf_counter()
             try:
                 msg = self.link.recv(node, micro_batch=j)
+                self.timing["wait_experts"] += time.perf_counter() - t0
             except Exception as exc:
                 raise DataPlaneError(f"expert node {node} did not answer (layer {layer}): {exc}") from exc
             header = msg.header

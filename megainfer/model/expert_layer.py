@@ -52,8 +52,19 @@ class ExpertLayer(nn.Module):
         local, order = torch.sort(local, stable=True)
         token_ids = pair_ids[order] // k
         weights = weights[order]
-        counts = torch.bincount(local, minlength=len(self.expert_ids)).tolist()
+        counts_t = torch.bincount(local, minlength=len(self.expert_ids))
+        counts = counts_t.tolist()
         xs = x[token_ids]
+        active = sum(1 for c in counts if c)
+        if 2 * active >= len(counts):
+            out = self._batched(xs, local, counts_t, max(counts))
+        else:
+            out = self._per_expert(xs, counts)
+        out = (out * weights[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_ids, out)
+
+    def _per_expert(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One GEMM pair per active expert: reads only the active experts' weights."""
         out = torch.empty_like(xs)
         start = 0
         for e, count in enumerate(counts):
@@ -63,8 +74,17 @@ class ExpertLayer(nn.Module):
             gate, up = F.linear(xs[start:end], self.w_gate_up[e]).chunk(2, dim=-1)
             out[start:end] = F.linear(F.silu(gate) * up, self.w_down[e])
             start = end
-        out = (out * weights[:, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_ids, out)
+        return out
+
+    def _batched(self, xs: torch.Tensor, local: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+        """Most experts are active: two batched GEMMs over all of them, tokens padded to the
+        busiest expert. Small batches pay per-call GEMM overhead once instead of per expert."""
+        n = len(self.expert_ids)
+        rank = torch.arange(local.numel(), device=xs.device) - (torch.cumsum(counts, 0) - counts)[local]
+        padded = xs.new_zeros(n, width, xs.shape[1])
+        padded[local, rank] = xs
+        gate, up = torch.bmm(padded, self.w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.w_down.transpose(1, 2))[local, rank]
 
     def load_weights(self, source: WeightSource) -> None:
         for local, e in enumerate(self.expert_ids):

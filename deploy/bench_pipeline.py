@@ -1,0 +1,85 @@
+"""`megainfer bench pipeline PLAN.yaml --micro-batches 1,2,3`: decode throughput of the
+deployment for each micro-batch count, measured on the real path (Ray control plane,
+M2N data plane), one deployment after another in one Ray session."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import random
+import time
+
+import ray
+
+from deploy.launcher import Deployment
+from megainfer.bench.report import format_table, write_json
+from megainfer.errors import DataPlaneError, PlanError
+from megainfer.plan import PipelineSpec, Plan
+from megainfer.sampling_params import SamplingParams
+
+
+def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:
+    deployment = Deployment(plan, show_progress=False).start()
+    try:
+        rng = random.Random(seed)
+        vocab = deployment.model.vocab_size
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        streams = [deployment.submit(f"bench-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params)
+                   for i in range(requests)]
+        first_done = None
+        for stream in streams:
+            while True:
+                delta = stream.get(120.0)
+                if delta is None:
+                    raise DataPlaneError("a benchmark request stalled for 120 s")
+                if delta["finished"]:
+                    if delta["finish_reason"] == "error":
+                        raise DataPlaneError(delta["error"])
+                    first_done = first_done or time.perf_counter()
+                    break
+        elapsed = time.perf_counter() - start
+        stats = deployment.stats()
+        timing = {h["name"]: h.get("timing") for h in deployment._health()}
+        return {"micro_batches": plan.pipeline.micro_batches, "requests": requests, "output_tokens": requests * output_len,
+                "seconds": elapsed, "tokens_per_s": requests * output_len / elapsed,
+                "steps": sum(s["num_steps"] for s in stats), "timing": timing}
+    finally:
+        deployment.close()
+
+
+def run(plan_path: str, micro_batches: list[int], requests: int | None, prompt_len: int, output_len: int,
+        json_path: str | None) -> int:
+    plan = Plan.load(plan_path)
+    if plan.attention.gpu != "cpu" and not ray.is_initialized():
+        pass  # GPU plans join whatever Ray the caller set up (RAY_ADDRESS) or start locally
+    requests = requests or plan.pipeline.global_batch
+    if requests > plan.attention.nodes * plan.scheduler.max_num_seqs:
+        raise PlanError(f"--requests {requests} exceeds what the attention nodes run at once "
+                        f"({plan.attention.nodes} x scheduler.max_num_seqs {plan.scheduler.max_num_seqs})")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(os.cpu_count() or 1, plan.attention.nodes + plan.experts.nodes),
+                 include_dashboard=False, log_to_driver=False)
+    try:
+        rows = []
+        for m in micro_batches:
+            variant = dataclasses.replace(plan, pipeline=PipelineSpec(micro_batches=m,
+                                                                      global_batch=max(m, plan.pipeline.global_batch)))
+            print(f"m={m}: deploying and running {requests} requests x {output_len} tokens ...", flush=True)
+            rows.append(measure(variant, requests, prompt_len, output_len))
+    finally:
+        if started:
+            ray.shutdown()
+    base = rows[0]["tokens_per_s"]
+    print(format_table(["micro-batches", "seconds", "decode tok/s", f"vs m={rows[0]['micro_batches']}"],
+                       [[r["micro_batches"], r["seconds"], r["tokens_per_s"], f"{r['tokens_per_s'] / base:.2f}x"]
+                        for r in rows]))
+    if json_path:
+        write_json(json_path, {"benchmark": "pipeline", "plan": plan_path, "model": plan.model,
+                               "attention_nodes": plan.attention.nodes, "expert_nodes": plan.experts.nodes,
+                               "prompt_len": prompt_len, "output_len": output_len, "machine": platform.machine(),
+                               "cpus": os.cpu_count(), "results": rows,
+                               "ratios": {str(r["micro_batches"]): r["tokens_per_s"] / base for r in rows}})
+    return 0
