@@ -14,7 +14,8 @@ import threading
 import time
 
 from deploy.link import SwitchableLink
-from deploy.node_config import PEER_TIMEOUT_S, engine_config, node_names, slot_sizes, weights_of
+from deploy.node_config import (PEER_TIMEOUT_S, bind_host, engine_config, join_tp_group, node_names, slot_sizes,
+                                tp_master_address, weights_of)
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
 from megainfer.plan import Plan
@@ -25,22 +26,17 @@ IDLE_S = 0.002  # pause between steps while the whole deployment is idle
 
 
 class AttentionNode:
+    """Rank 0 of an attention node (the only rank when attention.tp is 1): it schedules,
+    samples and streams; with tp > 1 its followers (AttentionShard) hold the other heads."""
+
     def __init__(self, plan: dict, index: int, secret: bytes, host: str, num_threads: int | None = None) -> None:
         self.plan = Plan.from_dict(plan)
         self.index = index
-        attention, experts = node_names(self.plan)
-        self.name = attention[index]
-        model, weights = weights_of(self.plan)
-        receive_slot, _ = slot_sizes(self.plan, model)
-        self.link = SwitchableLink(self.name, index, secret, host, receive_slot, self.plan.pipeline.micro_batches,
-                                   self.plan.transport.backend, PEER_TIMEOUT_S)
-        assignment = self.plan.expert_assignment(model)
-
-        def runner(mc, cfg, w, max_len):
-            return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts,
-                                        expert_assignment=assignment, micro_batches=self.plan.pipeline.micro_batches)
-
-        self.engine = Engine(self.plan.model, engine_config(self.plan, num_threads), runner_factory=runner)
+        self.name = node_names(self.plan)[0][index]
+        self._build_args = (secret, host, num_threads)
+        self.engine: Engine | None = None
+        if self.plan.attention.tp == 1:
+            self._build()
         self.lock = threading.Lock()
         self.outbox_ready = threading.Condition()
         self.outbox: list[dict] = []
@@ -51,9 +47,34 @@ class AttentionNode:
         self.thread: threading.Thread | None = None
         self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
 
+    def _build(self) -> None:
+        secret, host, num_threads = self._build_args
+        experts = node_names(self.plan)[1]
+        model, _ = weights_of(self.plan)
+        receive_slot, _ = slot_sizes(self.plan, model)
+        self.link = SwitchableLink(self.name, self.index * self.plan.attention.tp, secret, bind_host(host),
+                                   receive_slot, self.plan.pipeline.micro_batches, self.plan.transport.backend,
+                                   PEER_TIMEOUT_S)
+        assignment = self.plan.expert_assignment(model)
+
+        def runner(mc, cfg, w, max_len):
+            return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts,
+                                        expert_assignment=assignment, micro_batches=self.plan.pipeline.micro_batches,
+                                        tp_size=self.plan.attention.tp)
+
+        self.engine = Engine(self.plan.model, engine_config(self.plan, num_threads), runner_factory=runner)
+
     # -- wiring (called by the driver) -------------------------------------------------------
     def ready(self) -> str:
         return self.name
+
+    def tp_master(self) -> str:
+        return tp_master_address(bind_host(self._build_args[1]))
+
+    def join_group(self, master: str) -> None:
+        """Form the node's tensor-parallel group with its followers, then load this rank."""
+        join_tp_group(master, 0, self.plan.attention.tp, on_gpu=self.plan.attention.gpu != "cpu")
+        self._build()
 
     def open_endpoint(self) -> str:
         return self.link.open()
@@ -75,6 +96,8 @@ class AttentionNode:
         self.link.interrupt.set()
 
     def health(self) -> dict:
+        if self.engine is None:
+            return {"name": self.name, "state": "wiring", "error": None}
         return {"name": self.name, "state": self.state, "error": self.error,
                 "running": self.engine.scheduler.num_running, "waiting": self.engine.scheduler.num_waiting,
                 "timing": {**self.engine.runner.timing, "step": self.step_seconds}}

@@ -7,7 +7,7 @@ import logging
 import threading
 
 from deploy.link import SwitchableLink
-from deploy.node_config import PEER_TIMEOUT_S, node_names, slot_sizes, weights_of
+from deploy.node_config import PEER_TIMEOUT_S, attention_rank_names, bind_host, node_names, slot_sizes, weights_of
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.plan import Plan
 
@@ -21,12 +21,13 @@ class ExpertNode:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.plan = Plan.from_dict(plan)
-        attention, experts = node_names(self.plan)
+        _, experts = node_names(self.plan)
+        attention = attention_rank_names(self.plan)
         self.name = experts[index]
         model, weights = weights_of(self.plan)
         _, receive_slot = slot_sizes(self.plan, model)
         self.expert_ids = self.plan.expert_assignment(model)[index]
-        self.link = SwitchableLink(self.name, 1000 + index, secret, host, receive_slot,
+        self.link = SwitchableLink(self.name, 1000 + index, secret, bind_host(host), receive_slot,
                                    self.plan.pipeline.micro_batches, self.plan.transport.backend, PEER_TIMEOUT_S)
         device = "cpu" if self.plan.experts.gpu == "cpu" else "cuda"
         self.worker = ExpertWorker(model, self.expert_ids, self.plan.dtype, device, weights,

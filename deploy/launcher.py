@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from deploy.attention_node import AttentionNode
 from deploy.expert_node import ExpertNode
-from deploy.node_config import node_names, weights_of
+from deploy.attention_shard import AttentionShard
+from deploy.node_config import attention_rank_names, node_names, weights_of
 from megainfer.errors import ConfigError, DataPlaneError, MegaInferError, PlanError
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ def bundles(plan: Plan) -> list[dict]:
     pinned in heterogeneous plans), or one CPU each in a CPU plan."""
     def bundle(gpu: str, tp: int) -> dict:
         if gpu == "cpu":
-            return {"CPU": 1}
+            return {"CPU": tp}
         return {"CPU": 1, "GPU": tp, f"accelerator_type:{gpu}": 0.001}
 
     return [bundle(plan.attention.gpu, plan.attention.tp)] * plan.attention.nodes + \
@@ -54,11 +55,11 @@ class Deployment:
         self.show_progress = show_progress
         self.model, _ = weights_of(plan)
         plan.check_model(self.model)
-        for side, spec in (("attention", plan.attention), ("experts", plan.experts)):
-            if spec.tp != 1:
-                raise PlanError(f"{side}.tp = {spec.tp}: tensor parallelism inside a node is not supported yet; "
-                                "use tp: 1 and more nodes")
+        if plan.experts.tp != 1:
+            raise PlanError(f"experts.tp = {plan.experts.tp}: tensor parallelism inside expert nodes is not "
+                            "supported yet; use experts.tp: 1 and more expert nodes (attention.tp may be > 1)")
         self.attention_names, self.expert_names = node_names(plan)
+        self.attention_rank_names = attention_rank_names(plan)
         self.registry = StreamRegistry(max_open=2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
         self._owner: dict[str, int] = {}  # request id -> attention node index
         self._round_robin = itertools.count()
@@ -66,7 +67,8 @@ class Deployment:
         self._threads: list[threading.Thread] = []
         self._started_ray = False
         self._pg = None
-        self.attention: list = []
+        self.attention: list = []  # rank 0 of each attention node
+        self.shards: list = []  # the other ranks of tensor-parallel attention nodes, node by node
         self.experts: list = []
 
     # -- bring-up -----------------------------------------------------------------------------
@@ -90,16 +92,24 @@ class Deployment:
         threads = 1 if self.plan.attention.gpu == "cpu" else None
         plan_dict = self.plan.to_dict()
 
-        def actor(cls, index: int, bundle: int):
-            gpu = self.plan.attention if cls is AttentionNode else self.plan.experts
+        tp = self.plan.attention.tp
+
+        def actor(cls, bundle: int, *args):
+            side = self.plan.experts if cls is ExpertNode else self.plan.attention
+            gpus = 0 if side.gpu == "cpu" else 1 if cls is not ExpertNode else side.tp
+            # A tensor-parallel group cannot be re-formed around one restarted rank (yet).
+            restarts = -1 if cls is ExpertNode or tp == 1 else 0
             return ray.remote(cls).options(
-                num_cpus=1, num_gpus=0 if gpu.gpu == "cpu" else gpu.tp, max_restarts=-1, max_concurrency=16,
+                num_cpus=1, num_gpus=gpus, max_restarts=restarts, max_concurrency=16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
-            ).remote(plan_dict, index, secret, host or "", threads)
+            ).remote(plan_dict, *args, secret, host or "", threads)
 
         self.attention = [actor(AttentionNode, i, i) for i in range(self.plan.attention.nodes)]
-        self.experts = [actor(ExpertNode, k, self.plan.attention.nodes + k) for k in range(self.plan.experts.nodes)]
-        self._wait_ready(self.attention + self.experts)
+        self.shards = [actor(AttentionShard, i, i, r) for i in range(self.plan.attention.nodes) for r in range(1, tp)]
+        self.experts = [actor(ExpertNode, self.plan.attention.nodes + k, k) for k in range(self.plan.experts.nodes)]
+        if tp > 1:
+            self._form_tp_groups()
+        self._wait_ready(self.attention + self.shards + self.experts)
         self._wire()
         for i, node in enumerate(self.attention):
             self._spawn(self._dispatch, node, i, name=f"dispatch-{i}")
@@ -128,14 +138,33 @@ class Deployment:
                 pending.pop(done[0])
                 bar.update(1)
 
+    def _form_tp_groups(self) -> None:
+        """Each tensor-parallel attention node's ranks join a torch.distributed group of their own."""
+        tp = self.plan.attention.tp
+        calls = []
+        for i, leader in enumerate(self.attention):
+            master = ray.get(leader.tp_master.remote())
+            calls.append(leader.join_group.remote(master))
+            calls += [f.join_group.remote(master) for f in self.shards[i * (tp - 1):(i + 1) * (tp - 1)]]
+        try:
+            ray.get(calls, timeout=READY_TIMEOUT_S)
+        except RayTaskError as exc:
+            raise _cause(exc) from None
+
+    def _attention_ranks(self) -> list:
+        """Every attention rank actor, in the order of `attention_rank_names`."""
+        tp = self.plan.attention.tp
+        return [a for i, leader in enumerate(self.attention)
+                for a in [leader] + self.shards[i * (tp - 1):(i + 1) * (tp - 1)]]
+
     def _wire(self) -> None:
-        """Fresh endpoints on every node, every attention node connected to every expert node."""
-        nodes = self.attention + self.experts
+        """Fresh endpoints on every rank, every attention rank connected to every expert node."""
+        ranks = self._attention_ranks()
+        nodes = ranks + self.experts
         addresses = ray.get([n.open_endpoint.remote() for n in nodes])
-        attn_addr = dict(zip(self.attention_names, addresses[:len(self.attention)]))
-        expert_addr = dict(zip(self.expert_names, addresses[len(self.attention):]))
-        ray.get([n.connect.remote(expert_addr) for n in self.attention] +
-                [n.connect.remote(attn_addr) for n in self.experts])
+        attn_addr = dict(zip(self.attention_rank_names, addresses[:len(ranks)]))
+        expert_addr = dict(zip(self.expert_names, addresses[len(ranks):]))
+        ray.get([n.connect.remote(expert_addr) for n in ranks] + [n.connect.remote(attn_addr) for n in self.experts])
         ray.get([n.serve.remote() for n in nodes])
 
     def _warm_up(self) -> None:
@@ -209,8 +238,10 @@ class Deployment:
                 logger.exception("re-wiring failed; retrying")
 
     def _health(self) -> list[dict]:
-        names = self.attention_names + self.expert_names
-        refs = [n.health.remote() for n in self.attention + self.experts]
+        """Attention leaders first (index = attention node), then followers, then experts."""
+        shard_names = [n for n in self.attention_rank_names if "." in n]
+        names = self.attention_names + shard_names + self.expert_names
+        refs = [n.health.remote() for n in self.attention + self.shards + self.experts]
         states = []
         for name, ref in zip(names, refs):
             try:
@@ -229,7 +260,10 @@ class Deployment:
                         self.registry.deliver({"request_id": rid, "new_token_ids": [], "new_text": "", "finished": True,
                                                "finish_reason": "error", "error_code": "unavailable",
                                                "error": f"{s['name']} died"})
-        nodes = self.attention + self.experts
+        if self.plan.attention.tp > 1 and any(s["state"] == "dead" for s in states):
+            raise DataPlaneError("a rank of a tensor-parallel deployment died; re-forming its group is not "
+                                 "supported yet: redeploy")
+        nodes = self.attention + self.shards + self.experts
         for n in nodes:
             try:
                 ray.get(n.interrupt.remote(), timeout=5)
@@ -243,6 +277,10 @@ class Deployment:
         nodes = []
         for s in self._health():
             role = "attention" if s["name"].startswith("attention") else "expert"
+            if role == "attention" and "." in s["name"]:
+                nodes.append({"name": s["name"], "role": "attention", "state": s["state"],
+                              "detail": "tensor-parallel follower" if s["state"] == "serving" else s.get("error") or ""})
+                continue
             detail = (f"running {s.get('running', 0)}, waiting {s.get('waiting', 0)}" if role == "attention"
                       else f"experts {s.get('experts')}, steps {s.get('steps')}") if s["state"] == "serving" \
                 else (s.get("error") or "")
@@ -256,7 +294,7 @@ class Deployment:
         self._stop.set()
         for t in self._threads:
             t.join(5)
-        for n in self.attention + self.experts:
+        for n in self.attention + self.shards + self.experts:
             try:
                 ray.get(n.stop.remote(), timeout=10)
             except Exception:

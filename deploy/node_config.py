@@ -34,6 +34,45 @@ def slot_sizes(plan: Plan, model: ModelConfig) -> tuple[int, int]:
             dispatch_bytes(tokens, model.hidden_size, model.top_k, dtype))
 
 
+def bind_host(host: str) -> str:
+    """Where a node's endpoint listens: the given host (127.0.0.1 on an embedded single-machine
+    Ray), else this node's address in the cluster, which is what peers elsewhere can reach."""
+    if host:
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def node_names(plan: Plan) -> tuple[list[str], list[str]]:
+    """(attention nodes, i.e. their leader ranks; expert nodes)."""
     return ([f"attention{i}" for i in range(plan.attention.nodes)],
             [f"expert{k}" for k in range(plan.experts.nodes)])
+
+
+def attention_rank_name(node: int, rank: int) -> str:
+    return f"attention{node}" if rank == 0 else f"attention{node}.{rank}"
+
+
+def attention_rank_names(plan: Plan) -> list[str]:
+    """Every rank of every attention node: each is an M2N peer of every expert node."""
+    return [attention_rank_name(i, r) for i in range(plan.attention.nodes) for r in range(plan.attention.tp)]
+
+
+def tp_master_address(host: str) -> str:
+    """A free TCP port on `host` (this node's address) for a tensor-parallel group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def join_tp_group(master: str, rank: int, world_size: int, on_gpu: bool) -> None:
+    """The node's own group: gloo for CPU ranks, nccl for GPU ranks; never across nodes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{master}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S * 3))

@@ -148,10 +148,8 @@ class Plan:
             raise PlanError("model must name a preset or a checkpoint directory")
         if self.dtype not in DTYPE_BYTES:
             raise PlanError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-        for side in (self.attention, self.experts):
-            section = "attention" if side is self.attention else "experts"
-            if side.gpu == CPU and side.tp != 1:
-                raise PlanError(f"{section}.tp must be 1 in a CPU plan (gpu: cpu), got {side.tp}")
+        if (self.attention.gpu == CPU) != (self.experts.gpu == CPU):
+            raise PlanError("attention.gpu and experts.gpu must both be 'cpu' or both name GPU types")
 
     @property
     def is_cpu(self) -> bool:

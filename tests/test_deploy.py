@@ -29,10 +29,10 @@ def ray_session():
     ray.shutdown()
 
 
-def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16) -> Plan:
+def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1) -> Plan:
     return Plan.from_dict({
         "model": model, "dtype": "float32",
-        "attention": {"gpu": "cpu", "tp": 1, "nodes": attention},
+        "attention": {"gpu": "cpu", "tp": tp_a, "nodes": attention},
         "experts": {"gpu": "cpu", "tp": 1, "nodes": experts},
         "pipeline": {"micro_batches": m, "global_batch": 64},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64},
@@ -65,10 +65,10 @@ def colocated(path, prompts) -> list[list[int]]:
     return [out[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3])
-def test_two_by_two_over_grpc_matches_colocated(hf_ref, m):
+@pytest.mark.parametrize("m, tp_a", [(1, 1), (2, 1), (3, 1), (2, 2)])
+def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a):
     expected = colocated(hf_ref.path, hf_ref.prompts)
-    served = Served(make_plan(str(hf_ref.path), 2, 2, m))
+    served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a))
     try:
         results = [None] * len(hf_ref.prompts)
 
@@ -82,7 +82,7 @@ def test_two_by_two_over_grpc_matches_colocated(hf_ref, m):
             t.join(120)
         assert results == expected
         info = served.client.info()
-        assert [n.state for n in info.nodes] == ["serving"] * 4
+        assert [n.state for n in info.nodes] == ["serving"] * (2 * tp_a + 2)
         assert "micro_batches: " + str(m) in info.plan_yaml
     finally:
         served.close()

@@ -58,9 +58,10 @@ def test_malformed_yaml_names_the_line(tmp_path):
         Plan.load(write(tmp_path, "model: x\nattention: {gpu: H20\n"))
 
 
-def test_cpu_plan_requires_tp_one():
-    with pytest.raises(PlanError, match="attention.tp must be 1 in a CPU plan"):
-        Plan.from_dict({"model": "tiny-mixtral", "attention": {"gpu": "cpu", "tp": 2}})
+def test_cpu_plans_may_shard_attention_but_not_mix_cpus_and_gpus():
+    assert Plan.from_dict({"model": "tiny-mixtral", "attention": {"gpu": "cpu", "tp": 2}}).attention.tp == 2
+    with pytest.raises(PlanError, match="both be 'cpu' or both name GPU types"):
+        Plan.from_dict({"model": "tiny-mixtral", "attention": {"gpu": "H20"}, "experts": {"gpu": "cpu"}})
 
 
 def test_expert_nodes_must_cover_the_experts():

@@ -19,6 +19,7 @@ import time
 import torch
 
 from megainfer.config import EngineConfig, ModelConfig
+from megainfer.disagg import step_sync
 from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
 from megainfer.errors import DataPlaneError
 from megainfer.model.moe_model import MoEModel
@@ -47,7 +48,11 @@ class PipelinedModelRunner:
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
                  *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
-                 micro_batches: int) -> None:
+                 micro_batches: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        """With tp_size > 1 this is one rank of a tensor-parallel node (the default
+        torch.distributed group is the node's ranks): rank 0 schedules and samples and sends
+        each step to the others; every rank runs its heads and dispatches its share of the
+        routed tokens."""
         if len(expert_nodes) != len(expert_assignment):
             raise ValueError("one expert-id list per expert node")
         self.model_config = model_config
@@ -65,12 +70,14 @@ class PipelinedModelRunner:
         if (node_of < 0).any():
             raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
         self.node_of_expert = node_of.to(self.device)
-        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
+                              tp_rank=tp_rank, tp_size=tp_size)
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
-        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads // tp_size, model_config.head_dim)
         self.kv_caches = [(_zeroed(shape, self.dtype, self.device), _zeroed(shape, self.dtype, self.device))
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(config.seed, self.device)
@@ -81,6 +88,16 @@ class PipelinedModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self.tp_size > 1:
+            step_sync.broadcast_step(out)  # the follower ranks run the same step
+        return self._run(out)
+
+    @torch.inference_mode()
+    def execute_follower(self) -> None:
+        """A follower rank's step: the leader's batch, this rank's heads, no sampling."""
+        self._run(step_sync.receive_step())
+
+    def _run(self, out: SchedulerOutput) -> StepResult:
         cfg = self.model_config
         groups = split_micro_batches(out.num_scheduled_tokens, self.m)
         inputs = []
@@ -108,6 +125,8 @@ class PipelinedModelRunner:
         self.step_id = (self.step_id + 1) & 0xFFFFFFFF
 
         sampled: list[int | None] = [None] * len(out.seqs)
+        if self.tp_rank:  # followers: the leader samples
+            return StepResult(sampled, [])
         samples = out.samples()
         rows, owners = [], []
         for j, idx in enumerate(groups):
@@ -142,6 +161,8 @@ class PipelinedModelRunner:
         routes = []
         for k, node in enumerate(self.expert_nodes):
             idx = (hits == k).any(dim=1).nonzero().flatten()  # each token once per node
+            if self.tp_size > 1:  # each rank carries its share of the traffic
+                idx = idx.tensor_split(self.tp_size)[self.tp_rank]
             routes.append(idx)
             payload = pack_dispatch(a.expert_input[idx], a.topk_ids[idx], a.topk_weights[idx])
             self._send(node, payload, layer, j, idx.numel())
@@ -179,4 +200,8 @@ class PipelinedModelRunner:
             if n:
                 y.index_add_(0, routes[k], msg.tensor(self.dtype).view(n, h).to(self.device))
             msg.release()
-        return None if residual is None else residual + y
+        if residual is None:
+            return None
+        if self.tp_size > 1:  # every rank added its share of the answers: sum them
+            torch.distributed.all_reduce(y)
+        return residual + y

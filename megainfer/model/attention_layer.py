@@ -30,15 +30,28 @@ class AttentionOutput:
 
 
 class AttentionLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        """With tp_size > 1 this rank holds heads [tp_rank/tp_size, (tp_rank+1)/tp_size) of the
+        query and KV heads; the output projection's partial sums are all-reduced over the
+        default process group (the node's TP group)."""
         super().__init__()
+        if cfg.num_heads % tp_size or cfg.num_kv_heads % tp_size:
+            raise ValueError(f"tensor parallelism {tp_size} must divide the {cfg.num_heads} query and "
+                             f"{cfg.num_kv_heads} KV heads")
         self.cfg = cfg
         self.layer = layer
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_heads = cfg.num_heads // tp_size
+        self.num_kv_heads = cfg.num_kv_heads // tp_size
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         h = cfg.hidden_size
         kw = dict(dtype=dtype, device=device)
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
-        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, **kw)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.attention_bias, **kw)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
+        # The output bias is added once: by rank 0, before the all-reduce.
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.attention_bias and tp_rank == 0, **kw)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
@@ -50,17 +63,20 @@ class AttentionLayer(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: kernels.PagedAttentionBatch) -> AttentionOutput:
         cfg = self.cfg
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(self.input_norm(hidden)).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.qkv_proj(self.input_norm(hidden)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, cfg.head_dim)
+        k = k.view(t, self.num_kv_heads, cfg.head_dim)
+        v = v.view(t, self.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         key_cache, value_cache = kv_cache
         kernels.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         attn = kernels.paged_attention(q, key_cache, value_cache, batch, self.scale)
-        residual = hidden + self.o_proj(attn.reshape(t, cfg.q_size))
+        out = self.o_proj(attn.reshape(t, self.q_size))
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out)
+        residual = hidden + out
         expert_input = self.post_norm(residual)
         topk_ids, topk_weights = self.route(expert_input)
         return AttentionOutput(residual, expert_input, topk_ids, topk_weights)
@@ -75,12 +91,15 @@ class AttentionLayer(nn.Module):
 
     def load_weights(self, source: WeightSource) -> None:
         t = {role: source.get(name, shape) for role, (name, shape) in attention_tensors(self.cfg, self.layer).items()}
+        r = self.tp_rank
+        qs, ks = slice(r * self.q_size, (r + 1) * self.q_size), slice(r * self.kv_size, (r + 1) * self.kv_size)
         self.input_norm.weight.copy_(t["input_norm"])
-        self.qkv_proj.weight.copy_(torch.cat([t["q"], t["k"], t["v"]]))
-        self.o_proj.weight.copy_(t["o"])
+        self.qkv_proj.weight.copy_(torch.cat([t["q"][qs], t["k"][ks], t["v"][ks]]))
+        self.o_proj.weight.copy_(t["o"][:, qs])
         if self.cfg.attention_bias:
-            self.qkv_proj.bias.copy_(torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]]))
-            self.o_proj.bias.copy_(t["o_bias"])
+            self.qkv_proj.bias.copy_(torch.cat([t["q_bias"][qs], t["k_bias"][ks], t["v_bias"][ks]]))
+            if self.o_proj.bias is not None:
+                self.o_proj.bias.copy_(t["o_bias"])
         if self.cfg.qk_norm:
             self.q_norm.weight.copy_(t["q_norm"])
             self.k_norm.weight.copy_(t["k_norm"])

@@ -31,13 +31,15 @@ class ForwardOutput:
 
 class MoEModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int,
-                 with_experts: bool = True) -> None:
-        """`with_experts=False` builds what an attention node holds: no expert weights."""
+                 with_experts: bool = True, tp_rank: int = 0, tp_size: int = 1) -> None:
+        """`with_experts=False` builds what an attention node holds: no expert weights; tp_size
+        > 1 shards the attention heads over the node's ranks."""
         super().__init__()
         self.cfg = cfg
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.attention_layers = nn.ModuleList(AttentionLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.attention_layers = nn.ModuleList(AttentionLayer(cfg, i, tp_rank=tp_rank, tp_size=tp_size, **kw)
+                                              for i in range(cfg.num_layers))
         self.expert_layers = nn.ModuleList(ExpertLayer(cfg, i, **kw) for i in range(cfg.num_layers)) \
             if with_experts else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
