@@ -9,19 +9,18 @@ Token deltas wait in an outbox the driver polls: tokens ride Ray, activations ne
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 
 from deploy.link import SwitchableLink
+from deploy.node_loop import NodeLoop
 from deploy.node_config import (PEER_TIMEOUT_S, bind_host, engine_config, join_tp_group, node_names, slot_sizes,
                                 tp_master_address, weights_of)
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
+from megainfer.errors import DataPlaneError
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 IDLE_S = 0.002  # pause between steps while the whole deployment is idle
 
 
@@ -40,11 +39,7 @@ class AttentionNode:
         self.lock = threading.Lock()
         self.outbox_ready = threading.Condition()
         self.outbox: list[dict] = []
-        self.wired = threading.Event()
-        self.stopping = threading.Event()
-        self.state = "wiring"
-        self.error: str | None = None
-        self.thread: threading.Thread | None = None
+        self.loop = NodeLoop(self.name, lambda: self.link, self._step, self._fail_queue)
         self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
 
     def _build(self) -> None:
@@ -84,21 +79,15 @@ class AttentionNode:
 
     def serve(self) -> None:
         self.engine.runner.reset()
-        self.state, self.error = "serving", None
-        self.wired.set()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name=f"{self.name}-steps", daemon=True)
-            self.thread.start()
+        self.loop.serve()
 
     def interrupt(self) -> None:
-        """Stop stepping: the driver is about to re-wire the data plane."""
-        self.wired.clear()
-        self.link.interrupt.set()
+        self.loop.interrupt()
 
     def health(self) -> dict:
         if self.engine is None:
             return {"name": self.name, "state": "wiring", "error": None}
-        return {"name": self.name, "state": self.state, "error": self.error,
+        return {"name": self.name, "state": self.loop.state, "error": self.loop.error,
                 "running": self.engine.scheduler.num_running, "waiting": self.engine.scheduler.num_waiting,
                 "timing": {**self.engine.runner.timing, "step": self.step_seconds}}
 
@@ -106,9 +95,8 @@ class AttentionNode:
     def add_request(self, request_id: str, prompt, params: dict) -> int:
         """Queue a request; raises RequestError for a bad one. Returns its prompt length."""
         with self.lock:
-            if self.state != "serving":
-                from megainfer.errors import DataPlaneError
-                raise DataPlaneError(f"{self.name} is {self.state}: the deployment is re-wiring, retry shortly")
+            if self.loop.state != "serving":
+                raise DataPlaneError(f"{self.name} is {self.loop.state}: the deployment is re-wiring, retry shortly")
             return self.engine.add_request(request_id, prompt, SamplingParams(**params)).num_prompt_tokens
 
     def abort(self, request_id: str) -> bool:
@@ -128,11 +116,7 @@ class AttentionNode:
             return dataclasses.asdict(self.engine.stats())
 
     def stop(self) -> None:
-        self.stopping.set()
-        self.wired.set()
-        if self.thread is not None:
-            self.thread.join(5)
-        self.link.close()
+        self.loop.stop()
 
     # -- the step loop -------------------------------------------------------------------------
     def _emit(self, deltas) -> None:
@@ -141,33 +125,20 @@ class AttentionNode:
                 self.outbox.extend(dataclasses.asdict(d) for d in deltas)
                 self.outbox_ready.notify_all()
 
-    def _loop(self) -> None:
-        runner = self.engine.runner
-        while not self.stopping.is_set():
-            if not self.wired.wait(0.1):
-                continue
-            try:
-                with self.lock:
-                    t0 = time.perf_counter()
-                    deltas = self.engine.step()
-                    if deltas:
-                        self.step_seconds += time.perf_counter() - t0
-                    failed = [d for d in deltas if d.error_code == "unavailable"]
-                    if failed:  # the data plane broke mid-step: nothing else can be served now
-                        deltas += self.engine.fail_all(f"{self.name}: {failed[0].error}")
-                        self._broken(failed[0].error)
-                    idle = not self.engine.has_unfinished_requests()
-                self._emit(deltas)
-            except Exception as exc:  # an empty step's exchange failed
-                with self.lock:
-                    self._emit(self.engine.fail_all(f"{self.name}: {exc}"))
-                    self._broken(str(exc))
-                continue
-            if idle and not runner.deployment_busy:
-                time.sleep(IDLE_S)
+    def _step(self) -> None:
+        with self.lock:
+            t0 = time.perf_counter()
+            deltas = self.engine.step()
+            if deltas:
+                self.step_seconds += time.perf_counter() - t0
+            idle = not self.engine.has_unfinished_requests()
+        self._emit(deltas)
+        failed = [d for d in deltas if d.error_code == "unavailable"]
+        if failed:  # the data plane broke mid-step: nothing else can be served now
+            raise DataPlaneError(failed[0].error)
+        if idle and not self.engine.runner.deployment_busy:
+            time.sleep(IDLE_S)
 
-    def _broken(self, error: str) -> None:
-        if self.state == "serving":
-            logger.warning("%s: data plane failed (%s); waiting to be re-wired", self.name, error)
-        self.state, self.error = "broken", error
-        self.wired.clear()
+    def _fail_queue(self, exc: Exception) -> None:
+        with self.lock:
+            self._emit(self.engine.fail_all(f"{self.name}: {exc}"))

@@ -4,16 +4,12 @@ sends and receives its share of the routed tokens; it has no scheduler and sampl
 
 from __future__ import annotations
 
-import logging
-import threading
-
 from deploy.link import SwitchableLink
+from deploy.node_loop import NodeLoop
 from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_name, bind_host, engine_config, join_tp_group,
                                 node_names, slot_sizes, weights_of)
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.plan import Plan
-
-logger = logging.getLogger(__name__)
 
 
 class AttentionShard:
@@ -24,11 +20,8 @@ class AttentionShard:
         self.name = attention_rank_name(index, rank)
         self._build_args = (secret, host, num_threads)
         self.runner: PipelinedModelRunner | None = None
-        self.wired = threading.Event()
-        self.stopping = threading.Event()
-        self.state = "wiring"
-        self.error: str | None = None
-        self.thread: threading.Thread | None = None
+        self.link: SwitchableLink | None = None
+        self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.runner.execute_follower())
 
     def ready(self) -> str:
         return self.name
@@ -55,32 +48,13 @@ class AttentionShard:
 
     def serve(self) -> None:
         self.runner.reset()
-        self.state, self.error = "serving", None
-        self.wired.set()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name=f"{self.name}-steps", daemon=True)
-            self.thread.start()
+        self.loop.serve()
 
     def interrupt(self) -> None:
-        self.wired.clear()
-        self.link.interrupt.set()
+        self.loop.interrupt()
 
     def health(self) -> dict:
-        return {"name": self.name, "state": self.state, "error": self.error}
+        return {"name": self.name, "state": self.loop.state, "error": self.loop.error}
 
     def stop(self) -> None:
-        self.stopping.set()
-        self.wired.set()
-        self.link.close()
-
-    def _loop(self) -> None:
-        while not self.stopping.is_set():
-            if not self.wired.wait(0.1):
-                continue
-            try:
-                self.runner.execute_follower()
-            except Exception as exc:
-                if not self.stopping.is_set():
-                    logger.warning("%s: step failed (%s)", self.name, exc)
-                self.state, self.error = "broken", str(exc)
-                self.wired.clear()
+        self.loop.stop()

@@ -3,15 +3,11 @@ every step, in the fixed order all nodes follow, from a loop thread of its own."
 
 from __future__ import annotations
 
-import logging
-import threading
-
 from deploy.link import SwitchableLink
+from deploy.node_loop import NodeLoop
 from deploy.node_config import PEER_TIMEOUT_S, attention_rank_names, bind_host, node_names, slot_sizes, weights_of
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.plan import Plan
-
-logger = logging.getLogger(__name__)
 
 
 class ExpertNode:
@@ -33,11 +29,7 @@ class ExpertNode:
         self.worker = ExpertWorker(model, self.expert_ids, self.plan.dtype, device, weights,
                                    attention_nodes=attention, micro_batches=self.plan.pipeline.micro_batches,
                                    link=self.link)
-        self.wired = threading.Event()
-        self.stopping = threading.Event()
-        self.state = "wiring"
-        self.error: str | None = None
-        self.thread: threading.Thread | None = None
+        self.loop = NodeLoop(self.name, lambda: self.link, self.worker.run_step)
 
     def ready(self) -> str:
         return self.name
@@ -49,35 +41,14 @@ class ExpertNode:
         self.link.connect(peers)
 
     def serve(self) -> None:
-        self.state, self.error = "serving", None
-        self.wired.set()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name=f"{self.name}-steps", daemon=True)
-            self.thread.start()
+        self.loop.serve()
 
     def interrupt(self) -> None:
-        self.wired.clear()
-        self.link.interrupt.set()
+        self.loop.interrupt()
 
     def health(self) -> dict:
-        return {"name": self.name, "state": self.state, "error": self.error, "experts": self.expert_ids,
+        return {"name": self.name, "state": self.loop.state, "error": self.loop.error, "experts": self.expert_ids,
                 "steps": self.worker.steps, "tokens": self.worker.tokens, "timing": dict(self.worker.timing)}
 
     def stop(self) -> None:
-        self.stopping.set()
-        self.wired.set()
-        if self.thread is not None:
-            self.thread.join(5)
-        self.link.close()
-
-    def _loop(self) -> None:
-        while not self.stopping.is_set():
-            if not self.wired.wait(0.1):
-                continue
-            try:
-                self.worker.run_step()
-            except Exception as exc:  # a peer died, or the driver is re-wiring
-                if self.state == "serving" and not self.link.interrupt.is_set():
-                    logger.warning("%s: data plane failed (%s); waiting to be re-wired", self.name, exc)
-                self.state, self.error = "broken", str(exc)
-                self.wired.clear()
+        self.loop.stop()

@@ -36,11 +36,8 @@ class ModelRunner:
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len)
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        self.num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
-        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(_zeroed(shape, self.dtype, self.device), _zeroed(shape, self.dtype, self.device))
-                          for _ in range(model_config.num_layers)]
+        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
+                                                             model_config.num_kv_heads)
         self.sampler = Sampler(config.seed, self.device)
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)
@@ -96,6 +93,18 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
         query_start_host=starts,
     )
     return torch.tensor(token_ids, device=device), positions.to(device), batch
+
+
+def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_model_len: int, device: torch.device,
+                       num_kv_heads: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(blocks, per-layer (K, V) caches of [blocks, block_size, num_kv_heads, head_dim]); the
+    block count comes from the config (or the memory free after loading weights)."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
+    dtype = getattr(torch, config.dtype)
+    shape = (num_blocks, config.block_size, num_kv_heads, model_config.head_dim)
+    return num_blocks, [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
+                        for _ in range(model_config.num_layers)]
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -24,7 +24,7 @@ from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
 from megainfer.errors import DataPlaneError
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
-from megainfer.model_runner import StepResult, _zeroed, prepare_batch
+from megainfer.model_runner import StepResult, allocate_kv_caches, prepare_batch
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 
@@ -75,11 +75,9 @@ class PipelinedModelRunner:
                               tp_rank=tp_rank, tp_size=tp_size)
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        self.num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
-        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads // tp_size, model_config.head_dim)
-        self.kv_caches = [(_zeroed(shape, self.dtype, self.device), _zeroed(shape, self.dtype, self.device))
-                          for _ in range(model_config.num_layers)]
+        # Each rank caches its own KV heads; all ranks agree on the block count.
+        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
+                                                             model_config.num_kv_heads // tp_size)
         self.sampler = Sampler(config.seed, self.device)
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?

@@ -1,0 +1,64 @@
+"""The life of a node actor's step loop, shared by attention, shard and expert nodes: run
+one step after another while wired, stop stepping when the data plane fails (and say why),
+wait to be re-wired, stop for good on request."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from deploy.link import SwitchableLink
+
+logger = logging.getLogger(__name__)
+
+
+class NodeLoop:
+    def __init__(self, name: str, link_of: Callable[[], SwitchableLink], step: Callable[[], None],
+                 on_failure: Callable[[Exception], None] = lambda exc: None) -> None:
+        self.name = name
+        self._link_of = link_of  # the link may be built after the loop (tensor-parallel ranks)
+        self._step = step
+        self._on_failure = on_failure
+        self.wired = threading.Event()
+        self.stopping = threading.Event()
+        self.state = "wiring"  # wiring | serving | broken
+        self.error: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def serve(self) -> None:
+        self.state, self.error = "serving", None
+        self.wired.set()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=f"{self.name}-steps", daemon=True)
+            self.thread.start()
+
+    def interrupt(self) -> None:
+        """Stop stepping: the driver is about to re-wire the data plane."""
+        self.wired.clear()
+        self._link_of().interrupt.set()
+
+    def broken(self, error: str) -> None:
+        if self.state == "serving" and not self._link_of().interrupt.is_set():
+            logger.warning("%s: data plane failed (%s); waiting to be re-wired", self.name, error)
+        self.state, self.error = "broken", error
+        self.wired.clear()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wired.set()
+        if self.thread is not None:
+            self.thread.join(5)
+        self._link_of().close()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            if not self.wired.wait(0.1):
+                continue
+            try:
+                self._step()
+            except Exception as exc:
+                if self.stopping.is_set():
+                    return
+                self._on_failure(exc)
+                self.broken(str(exc))
