@@ -293,7 +293,7 @@ def resolve_model(model: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
                       f"presets: {', '.join(PRESETS)}")
 
 
-PREFILL_POLICIES = ("chunked",)
+PREFILL_POLICIES = ("chunked", "layered")
 DEVICES = ("cpu", "cuda")
 
 
@@ -311,6 +311,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (Sarathi chunk size)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     prefill_policy: str = "chunked"
+    group_tokens: int = 512  # layered: prompt tokens per layer group, G = ceil(cohort tokens / this)
+    num_layer_groups: int | None = None  # layered: a fixed G instead
+    layered_chunk_tokens: int = 8192  # layered: prompt tokens of one cohort (longer prompts go in chunks)
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     show_progress: bool = False  # progress bar while loading weights
 
@@ -322,11 +325,11 @@ class EngineConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ConfigError(f"prefill_policy {self.prefill_policy!r} is not supported; choose one of "
                               f"{', '.join(PREFILL_POLICIES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "group_tokens", "layered_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"engine option '{name}' must be a positive integer, got {value!r}")
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads"):
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "num_layer_groups"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"engine option '{name}' must be a positive integer or None, got {value!r}")

@@ -44,7 +44,8 @@ class Engine:
         self.runner = (runner_factory or ModelRunner)(self.model_config, self.config, weights, self.max_model_len)
         self.scheduler = Scheduler.from_config(self.config, num_blocks=self.runner.num_blocks,
                                                max_model_len=self.max_model_len,
-                                               eos_token_ids=self.model_config.eos_token_ids)
+                                               eos_token_ids=self.model_config.eos_token_ids,
+                                               num_layers=self.model_config.num_layers)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks, expert_tokens=[
             [0] * self.model_config.num_experts for _ in range(self.model_config.num_layers)])
@@ -113,8 +114,8 @@ class Engine:
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
             code = "unavailable" if isinstance(exc, DataPlaneError) else "internal"
             if code == "internal":
-                logger.exception("step failed; failing its %d requests", len(out.seqs))
-            return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.seqs]
+                logger.exception("step failed; failing its %d requests", len(out.all_seqs))
+            return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs]
         advanced = self.scheduler.update_from_output(out, result.sampled)
         self._record(out, result)
         return [self._delta(seq) for seq in advanced]

@@ -39,11 +39,20 @@ class ModelRunner:
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
                                                              model_config.num_kv_heads)
         self.sampler = Sampler(config.seed, self.device)
+        # Layered prefill: hidden states of cohort members between layer groups, by request id.
+        self.layered_hidden: dict[str, torch.Tensor] = {}
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)
 
+    @property
+    def layered_hidden_bytes(self) -> int:
+        """Memory held by prompts in flight between layer groups."""
+        return sum(t.numel() * t.element_size() for t in self.layered_hidden.values())
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if out.layered is not None:
+            return self._execute_layered(out)
         input_ids, positions, batch = self._prepare(out)
         fwd = self.model(input_ids, positions, self.kv_caches, batch)
         samples = out.samples()
@@ -55,6 +64,66 @@ class ModelRunner:
             tokens = iter(self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs]))
             sampled = [next(tokens) if flag else None for flag in samples]
         return StepResult(sampled, fwd.expert_counts.tolist())
+
+    def _execute_layered(self, out: SchedulerOutput) -> StepResult:
+        """Decodes through every layer; the cohort's chunks through this step's layer group only,
+        entering from the embedding (first group) or from where the last step left them."""
+        lp = out.layered
+        cfg = self.model_config
+        model = self.model
+        first, end = lp.layers
+        cohort_ids = [s.request_id for s in lp.seqs]
+        for rid in list(self.layered_hidden):  # members that left the cohort (preempted, aborted)
+            if rid not in cohort_ids:
+                del self.layered_hidden[rid]
+        bs = self.config.block_size
+        nd = len(out.seqs)
+        dec = prepare_batch(out.seqs, out.num_scheduled_tokens, out.num_single_token, bs, self.device) if nd else None
+        every = out.seqs + lp.seqs
+        counts = out.num_scheduled_tokens + lp.num_tokens
+        ids_all, pos_all, batch_all = prepare_batch(every, counts, sum(1 for n in counts if n == 1), bs, self.device)
+        nd_tokens = sum(out.num_scheduled_tokens)
+        h_dec = model.embed(dec[0]) if nd else None
+        if first == 0:
+            h_cohort = model.embed(ids_all[nd_tokens:])
+        else:
+            h_cohort = torch.cat([self.layered_hidden[rid] for rid in cohort_ids])
+        expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        for layer in range(cfg.num_layers):
+            if first <= layer < end:
+                both = torch.cat([h_dec, h_cohort]) if nd else h_cohort
+                both, c = model.layer(layer, both, pos_all, self.kv_caches[layer], batch_all)
+                h_dec, h_cohort = (both[:nd_tokens], both[nd_tokens:]) if nd else (None, both)
+            elif nd:
+                h_dec, c = model.layer(layer, h_dec, dec[1], self.kv_caches[layer], dec[2])
+            else:
+                continue
+            expert_counts[layer] += c.cpu()
+        # Rows that sample: every decode; a cohort chunk that completes its prompt, after the last group.
+        starts = batch_all.query_start_host
+        rows, seqs = [], []
+        for i, seq in enumerate(out.seqs):
+            if seq.num_computed_tokens + out.num_scheduled_tokens[i] == seq.num_tokens:
+                rows.append(h_dec[starts[i + 1] - 1])
+                seqs.append(seq)
+        cohort_offsets = [starts[nd + j] - nd_tokens for j in range(len(lp.seqs) + 1)]
+        for j, seq in enumerate(lp.seqs):
+            part = h_cohort[cohort_offsets[j]:cohort_offsets[j + 1]]
+            if not lp.last:
+                self.layered_hidden[seq.request_id] = part
+            else:
+                self.layered_hidden.pop(seq.request_id, None)
+                if seq.num_computed_tokens + lp.num_tokens[j] == seq.num_tokens:
+                    rows.append(part[-1])
+                    seqs.append(seq)
+        sampled: list[int | None] = [None] * (nd + len(lp.seqs))
+        if rows:
+            logits = model.compute_logits(model.norm(torch.stack(rows)))
+            tokens = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+            index = {id(s): i for i, s in enumerate(every)}
+            for seq, token in zip(seqs, tokens):
+                sampled[index[id(seq)]] = token
+        return StepResult(sampled, expert_counts.tolist())
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
         return prepare_batch(out.seqs, out.num_scheduled_tokens, out.num_single_token, self.config.block_size,

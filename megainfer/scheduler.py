@@ -32,6 +32,9 @@ class PrefillPolicy(Protocol):
     def num_prefill_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens of `seq` to compute now; at most `token_budget`, at least 1 if the budget allows."""
 
+    def drop(self, seq: Sequence) -> None:
+        """`seq` left the running set (preempted, finished, failed): forget any state about it."""
+
 
 class ChunkedPrefill:
     """Sarathi chunked prefill: a prompt takes whatever the step's token budget has left."""
@@ -41,10 +44,80 @@ class ChunkedPrefill:
     def num_prefill_tokens(self, seq: Sequence, token_budget: int) -> int:
         return min(seq.num_uncomputed_tokens, token_budget)
 
+    def drop(self, seq: Sequence) -> None:
+        """Nothing to forget: chunked prefill keeps no state across steps."""
 
-def make_prefill_policy(config: EngineConfig) -> PrefillPolicy:
-    # EngineConfig validated the name; this table grows with the policies.
-    return {"chunked": ChunkedPrefill}[config.prefill_policy]()
+
+class LayeredPrefill:
+    """Layered prefill ("From Tokens to Layers"): the model's layers are cut into G contiguous
+    groups; a cohort of newly admitted prompt chunks passes one group per step, alongside
+    the decode batch that runs through every layer. So decode never stalls behind a prompt,
+    and each prompt token meets each MoE layer once per chunk.
+
+    G = num_layer_groups, or max(1, ceil(cohort tokens / group_tokens)), at most the layers.
+    Short prompts admitted together share a cohort; a prompt longer than the chunk limit
+    passes in several cohorts, each layer group by layer group."""
+
+    name = "layered"
+
+    def __init__(self, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_tokens: int) -> None:
+        self.num_layers = num_layers
+        self.group_tokens = group_tokens
+        self.num_layer_groups = num_layer_groups
+        self.chunk_tokens = chunk_tokens
+        self.cohort: list[Sequence] = []
+        self.chunk: list[int] = []  # tokens of each cohort member's chunk
+        self.group = 0
+        self.bounds: list[tuple[int, int]] = []  # layer range of each group
+
+    def num_prefill_tokens(self, seq: Sequence, token_budget: int) -> int:
+        return min(seq.num_uncomputed_tokens, token_budget)
+
+    def in_cohort(self, seq: Sequence) -> bool:
+        return any(s is seq for s in self.cohort)
+
+    def start(self, seqs: list[Sequence], chunk: list[int]) -> None:
+        groups = self.num_layer_groups or max(1, -(-sum(chunk) // self.group_tokens))
+        groups = min(groups, self.num_layers)
+        cuts = [round(i * self.num_layers / groups) for i in range(groups + 1)]
+        self.cohort, self.chunk, self.group = list(seqs), list(chunk), 0
+        self.bounds = list(zip(cuts, cuts[1:]))
+
+    def advance(self) -> None:
+        self.group += 1
+        if self.group >= len(self.bounds):
+            self.cohort, self.chunk, self.bounds, self.group = [], [], [], 0
+
+    def drop(self, seq: Sequence) -> None:
+        """A member left (preempted, aborted, failed); the others go on."""
+        for i, s in enumerate(self.cohort):
+            if s is seq:
+                del self.cohort[i], self.chunk[i]
+                break
+        if not self.cohort:
+            self.cohort, self.chunk, self.bounds, self.group = [], [], [], 0
+
+
+def make_prefill_policy(config: EngineConfig, num_layers: int = 1) -> PrefillPolicy:
+    if config.prefill_policy == "layered":
+        return LayeredPrefill(num_layers, config.group_tokens, config.num_layer_groups, config.layered_chunk_tokens)
+    return ChunkedPrefill()
+
+
+@dataclass
+class LayeredPass:
+    """This step's part of a layered prefill: the cohort's chunks through one layer group."""
+
+    seqs: list[Sequence]  # cohort members, one-token chunks first
+    num_tokens: list[int]  # chunk tokens of each, from seq.num_computed_tokens on
+    layers: tuple[int, int]  # [start, end) layers this step
+    group: int
+    num_groups: int
+
+    @property
+    def last(self) -> bool:
+        """The final group: the chunks are complete after this step (and may sample)."""
+        return self.group == self.num_groups - 1
 
 
 @dataclass
@@ -61,14 +134,21 @@ class SchedulerOutput:
     num_single_token: int = 0
     # Sequences preempted (blocks freed, back to waiting) while forming this step.
     preempted: list[Sequence] = field(default_factory=list)
+    # Layered prefill: the cohort passing one layer group this step (not in `seqs`).
+    layered: LayeredPass | None = None
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
+        return sum(self.num_scheduled_tokens) + (sum(self.layered.num_tokens) if self.layered else 0)
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and self.layered is None
+
+    @property
+    def all_seqs(self) -> list[Sequence]:
+        """Every sequence this step touches: `seqs`, then the layered cohort."""
+        return self.seqs + (self.layered.seqs if self.layered else [])
 
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (and so samples a new one)."""
@@ -91,8 +171,8 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
-                    eos_token_ids: Iterable[int]) -> "Scheduler":
-        return cls(BlockManager(num_blocks, config.block_size), make_prefill_policy(config),
+                    eos_token_ids: Iterable[int], num_layers: int = 1) -> "Scheduler":
+        return cls(BlockManager(num_blocks, config.block_size), make_prefill_policy(config, num_layers),
                    max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
 
@@ -143,9 +223,13 @@ class Scheduler:
         # Decodes before prefill chunks (stable): decodes never wait behind a prompt, and
         # the preemption victims taken from the tail are always not-yet-scheduled ones.
         self.running = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))
+        layered = isinstance(self.policy, LayeredPrefill)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if layered and (seq.num_uncomputed_tokens > 1 or self.policy.in_cohort(seq)):
+                i += 1  # prompts advance in cohorts, below (a one-token prompt too)
+                continue
             n = 1 if seq.num_uncomputed_tokens == 1 else self.policy.num_prefill_tokens(seq, budget)
             if n <= 0:
                 break
@@ -163,6 +247,9 @@ class Scheduler:
                 i += 1
                 continue
             break
+        if layered:
+            self._schedule_cohort(out)
+            return self._ordered(out)
         # New prompts only when nothing had to be preempted: they would evict each other.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -176,11 +263,42 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(n)
             budget -= n
+        return self._ordered(out)
+
+    def _ordered(self, out: SchedulerOutput) -> SchedulerOutput:
         order = sorted(range(len(out.seqs)), key=lambda j: out.num_scheduled_tokens[j] > 1)
         out.seqs = [out.seqs[j] for j in order]
         out.num_scheduled_tokens = [out.num_scheduled_tokens[j] for j in order]
         out.num_single_token = sum(1 for n in out.num_scheduled_tokens if n == 1)
         return out
+
+    def _schedule_cohort(self, out: SchedulerOutput) -> None:
+        """Layered prefill: form a cohort when none is in flight, then pass its next group."""
+        policy: LayeredPrefill = self.policy
+        bm = self.block_manager
+        if not policy.cohort and not out.preempted:
+            members, chunk, total = [], [], 0
+            # Long prompts already running (their next chunk) first, then waiting prompts in order.
+            candidates = [s for s in self.running if s.num_uncomputed_tokens > 1]
+            for seq in candidates + list(self.waiting):
+                n = min(seq.num_uncomputed_tokens, policy.chunk_tokens - total)
+                waiting = seq.status is SequenceStatus.WAITING
+                if n <= 0 or (waiting and len(self.running) >= self.max_num_seqs) or not bm.can_allocate(seq, n):
+                    break
+                bm.allocate(seq, n)
+                if waiting:
+                    self.waiting.remove(seq)
+                    seq.status = SequenceStatus.RUNNING
+                    self.running.append(seq)
+                members.append(seq)
+                chunk.append(n)
+                total += n
+            if members:
+                policy.start(members, chunk)
+        if policy.cohort:
+            order = sorted(range(len(policy.cohort)), key=lambda j: policy.chunk[j] > 1)
+            out.layered = LayeredPass([policy.cohort[j] for j in order], [policy.chunk[j] for j in order],
+                                      policy.bounds[policy.group], policy.group, len(policy.bounds))
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """Advance each scheduled sequence; `sampled[i]` is the new token of `out.seqs[i]`, or
@@ -188,21 +306,29 @@ class Scheduler:
         advanced = []
         now = time.monotonic()
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled):
-            if seq.is_finished:  # aborted or failed while the step ran
-                continue
-            seq.num_computed_tokens += n
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            advanced.append(seq)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
+            self._advance(seq, n, token, now, advanced)
+        if out.layered is not None:
+            if out.layered.last:  # the chunks are now complete in every layer
+                for seq, n, token in zip(out.layered.seqs, out.layered.num_tokens, sampled[len(out.seqs):]):
+                    self._advance(seq, n, token, now, advanced)
+            self.policy.advance()
         return advanced
+
+    def _advance(self, seq: Sequence, n: int, token: int | None, now: float, advanced: list[Sequence]) -> None:
+        if seq.is_finished:  # aborted or failed while the step ran
+            return
+        seq.num_computed_tokens += n
+        if token is None:
+            return
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        advanced.append(seq)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
 
     # -- internals -----------------------------------------------------------------------
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
@@ -213,6 +339,7 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.policy.drop(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -221,6 +348,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.policy.drop(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

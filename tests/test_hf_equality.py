@@ -15,6 +15,10 @@ CONFIGS = {
     "small-chunks": dict(max_num_batched_tokens=8),
     "tiny-kv-cache": dict(num_kv_blocks=20, block_size=4),
     "tiny-kv-and-chunks": dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8),
+    "layered": dict(prefill_policy="layered", group_tokens=16),
+    "layered-one-layer-per-group": dict(prefill_policy="layered", num_layer_groups=3),
+    "layered-long-prompts-in-chunks": dict(prefill_policy="layered", group_tokens=8, layered_chunk_tokens=20),
+    "layered-tiny-kv": dict(prefill_policy="layered", group_tokens=8, num_kv_blocks=20, block_size=4),
 }
 
 
@@ -46,8 +50,8 @@ def test_greedy_matches_transformers(hf_ref, name, captured_logits):
     stats = llm.engine.stats()
     if "tiny-kv" in name:
         assert stats.num_preemptions > 0, "the small cache was meant to force preemption"
-    if "chunks" in name:
-        assert stats.num_steps > NEW_TOKENS  # prompts were split over several steps
+    if "chunks" in name or "layered" in name:
+        assert stats.num_steps > NEW_TOKENS  # prompts were split over several steps (or layer groups)
     assert stats.kv_cache_usage == 0.0  # every block came back
 
 

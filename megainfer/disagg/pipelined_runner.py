@@ -21,7 +21,7 @@ import torch
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
 from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
-from megainfer.errors import DataPlaneError
+from megainfer.errors import ConfigError, DataPlaneError
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.model_runner import StepResult, allocate_kv_caches, prepare_batch
@@ -55,6 +55,9 @@ class PipelinedModelRunner:
         routed tokens."""
         if len(expert_nodes) != len(expert_assignment):
             raise ValueError("one expert-id list per expert node")
+        if config.prefill_policy != "chunked":
+            raise ConfigError(f"prefill_policy {config.prefill_policy!r} does not run in attention nodes of a "
+                              "deployment yet; use scheduler.prefill_policy: chunked in the plan")
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)

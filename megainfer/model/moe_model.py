@@ -51,11 +51,18 @@ class MoEModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: kernels.PagedAttentionBatch) -> ForwardOutput:
         hidden = self.embed(input_ids)
         counts = []
-        for attention, experts, kv_cache in zip(self.attention_layers, self.expert_layers, kv_caches):
-            a = attention(hidden, positions, self.rotary, kv_cache, batch)
-            hidden = a.residual + experts(a.expert_input, a.topk_ids, a.topk_weights)
-            counts.append(torch.bincount(a.topk_ids.reshape(-1), minlength=self.cfg.num_experts))
+        for layer, kv_cache in enumerate(kv_caches):
+            hidden, c = self.layer(layer, hidden, positions, kv_cache, batch)
+            counts.append(c)
         return ForwardOutput(self.norm(hidden), torch.stack(counts))
+
+    def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
+              kv_cache: tuple[torch.Tensor, torch.Tensor], batch: kernels.PagedAttentionBatch
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer, both halves: (hidden out, tokens routed to each expert)."""
+        a = self.attention_layers[layer](hidden, positions, self.rotary, kv_cache, batch)
+        out = a.residual + self.expert_layers[layer](a.expert_input, a.topk_ids, a.topk_weights)
+        return out, torch.bincount(a.topk_ids.reshape(-1), minlength=self.cfg.num_experts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,95 @@
+"""Layered prefill in the scheduler and the engine: one layer group per step, G steps per
+prompt, decode every step, expert accounting, identical tokens."""
+
+from __future__ import annotations
+
+from megainfer import Engine, LLM, SamplingParams
+from megainfer.config import PRESETS
+from megainfer.kv_cache import BlockManager
+from megainfer.scheduler import LayeredPrefill, Scheduler
+from megainfer.sequence import Sequence
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def layered_scheduler(num_layers=8, group_tokens=16, groups=None, chunk_tokens=1024):
+    return Scheduler(BlockManager(256, 4), LayeredPrefill(num_layers, group_tokens, groups, chunk_tokens),
+                     max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
+
+
+def step(s: Scheduler):
+    out = s.schedule()
+    sampled = [7 if flag else None for flag in out.samples()]
+    if out.layered is not None:
+        last = out.layered.last
+        sampled += [7 if last and seq.num_computed_tokens + n == seq.num_tokens else None
+                    for seq, n in zip(out.layered.seqs, out.layered.num_tokens)]
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_prompt_passes_one_group_per_step_and_finishes_after_g_steps():
+    s = layered_scheduler(num_layers=8, group_tokens=16)
+    seq = Sequence("a", list(range(1, 41)), GREEDY)  # 40 tokens -> G = ceil(40 / 16) = 3
+    s.add(seq)
+    ranges = []
+    for _ in range(3):
+        out = step(s)
+        assert out.layered is not None and out.layered.num_groups == 3
+        assert out.layered.seqs == [seq] and out.layered.num_tokens == [40]
+        ranges.append(out.layered.layers)
+        assert seq.num_output_tokens == (1 if out.layered.last else 0)
+    assert ranges == [(0, 3), (3, 5), (5, 8)]  # contiguous, covering every layer once
+    assert seq.num_computed_tokens == 40 and seq.num_output_tokens == 1
+    assert step(s).layered is None  # now it decodes
+
+
+def test_decode_runs_every_step_while_a_cohort_is_in_flight():
+    s = layered_scheduler(num_layers=4, groups=4)
+    early = Sequence("early", [1, 2, 3], GREEDY)
+    s.add(early)
+    while early.num_output_tokens == 0:
+        step(s)
+    late = Sequence("late", list(range(1, 100)), GREEDY)
+    s.add(late)
+    for _ in range(4):
+        out = step(s)
+        assert out.seqs == [early] and out.num_scheduled_tokens == [1]  # decode never stalls
+        assert out.layered.seqs == [late]
+    assert late.num_output_tokens == 1 and early.num_output_tokens == 5
+
+
+def test_short_prompts_share_a_cohort_and_long_ones_go_in_chunks():
+    s = layered_scheduler(num_layers=4, group_tokens=1000, chunk_tokens=50)
+    a, b, c = Sequence("a", [1] * 10, GREEDY), Sequence("b", [2] * 20, GREEDY), Sequence("c", [3] * 70, GREEDY)
+    for seq in (a, b, c):
+        s.add(seq)
+    out = step(s)
+    assert out.layered.seqs == [a, b, c] and out.layered.num_tokens == [10, 20, 20]  # 50-token cohort
+    assert out.layered.num_groups == 1  # G = ceil(50 / 1000)
+    out = step(s)
+    assert out.layered.seqs == [c] and out.layered.num_tokens == [50]  # the rest of the long prompt
+    assert c.num_computed_tokens == 70 and c.num_output_tokens == 1
+
+
+def test_engine_layered_equals_chunked_and_counts_expert_bytes_per_group():
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 1, 130, 17)]
+    chunked = LLM("tiny-mixtral", num_kv_blocks=256).generate(prompts, GREEDY)
+    llm = LLM("tiny-mixtral", num_kv_blocks=256, prefill_policy="layered", num_layer_groups=4)
+    layered = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in layered] == [o.token_ids for o in chunked]
+
+    # One prompt, one layer per group, nothing decoding: each step activates experts in its layer only.
+    engine = Engine("tiny-mixtral", num_kv_blocks=64, prefill_policy="layered", num_layer_groups=4)
+    engine.add_request("r", list(range(5, 60)), SamplingParams(max_tokens=1, temperature=0.0))
+    expert_bytes = PRESETS["tiny-mixtral"].expert_bytes("float32")
+    total = 0
+    for layer in range(4):
+        engine.step()
+        load = engine.stats().last_step_expert_load
+        assert [bool(ids) for ids in load.activated] == [i == layer for i in range(4)]
+        assert load.bytes_read == len(load.activated[layer]) * expert_bytes
+        total += load.bytes_read
+    assert engine.stats().expert_bytes_read == total
+    assert not engine.has_unfinished_requests()
+    assert engine.runner.layered_hidden_bytes == 0  # nothing left in flight
