@@ -64,7 +64,10 @@ class LayeredPrefill:
         self.num_layers = num_layers
         self.group_tokens = group_tokens
         self.num_layer_groups = num_layer_groups
-        self.chunk_tokens = chunk_tokens
+        # A cohort carries at most group_tokens per layer group, so a step's work (tokens x layers)
+        # matches a chunked step with a group_tokens budget and G never exceeds the layers.
+        groups = num_layer_groups or num_layers
+        self.chunk_tokens = min(chunk_tokens, group_tokens * groups)
         self.cohort: list[Sequence] = []
         self.chunk: list[int] = []  # tokens of each cohort member's chunk
         self.group = 0

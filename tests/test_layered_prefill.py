@@ -45,7 +45,7 @@ def test_prompt_passes_one_group_per_step_and_finishes_after_g_steps():
 
 
 def test_decode_runs_every_step_while_a_cohort_is_in_flight():
-    s = layered_scheduler(num_layers=4, groups=4)
+    s = layered_scheduler(num_layers=4, groups=4, group_tokens=32)  # cohorts of up to 128 tokens
     early = Sequence("early", [1, 2, 3], GREEDY)
     s.add(early)
     while early.num_output_tokens == 0:

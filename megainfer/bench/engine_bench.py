@@ -14,7 +14,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,6 +59,7 @@ class RunResult:
     requests: int
     prompt_tokens: int
     output_tokens: int
+    ttft_s: list[float] = field(default_factory=list)  # per request, arrival to first token (megainfer)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -72,9 +73,14 @@ class RunResult:
     def requests_per_s(self) -> float:
         return self.requests / self.elapsed_s
 
+    @property
+    def mean_ttft_s(self) -> float | None:
+        return sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else None
+
     def as_dict(self) -> dict:
         return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s,
-                "total_tokens_per_s": self.total_tokens_per_s, "requests_per_s": self.requests_per_s}
+                "total_tokens_per_s": self.total_tokens_per_s, "requests_per_s": self.requests_per_s,
+                "mean_ttft_s": self.mean_ttft_s}
 
 
 def make_workload(spec: EngineBenchSpec, vocab_size: int) -> Workload:
@@ -88,8 +94,8 @@ def make_workload(spec: EngineBenchSpec, vocab_size: int) -> Workload:
 
 
 def run_megainfer(engine: Engine, work: Workload) -> RunResult:
-    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-        engine.add_request(f"bench-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    seqs = [engine.add_request(f"bench-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens))]
     start = time.perf_counter()
     generated = 0
     while engine.has_unfinished_requests():
@@ -98,7 +104,8 @@ def run_megainfer(engine: Engine, work: Workload) -> RunResult:
     elapsed = time.perf_counter() - start
     if generated != work.output_tokens:
         raise RuntimeError(f"megainfer generated {generated} tokens, the workload asks for {work.output_tokens}")
-    return RunResult("megainfer", elapsed, len(work.prompts), work.prompt_tokens, work.output_tokens)
+    ttft = [s.first_token_time - s.arrival_time for s in seqs]
+    return RunResult("megainfer", elapsed, len(work.prompts), work.prompt_tokens, work.output_tokens, ttft)
 
 
 def run_transformers(model, work: Workload, batch_size: int, pad_id: int) -> RunResult:
@@ -139,26 +146,29 @@ def run_engine_bench(spec: EngineBenchSpec, config: EngineConfig, json_path: str
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     warm = Workload(work.prompts[:2], [4, 4])
     run_megainfer(engine, warm)
+    before = engine.stats().expert_bytes_read
     results = [run_megainfer(engine, work)]
     stats = engine.stats()
+    expert_bytes = stats.expert_bytes_read - before
     if spec.vs_hf:
         with tempfile.TemporaryDirectory() as tmp:
             hf = load_transformers_model(engine, spec.model, Path(tmp))
             run_transformers(hf, warm, spec.hf_batch_size, pad_id=0)
             results.append(run_transformers(hf, work, spec.hf_batch_size, pad_id=0))
-    rows = [[r.system, r.elapsed_s, r.requests_per_s, r.output_tokens_per_s, r.total_tokens_per_s] for r in results]
-    print(format_table(["system", "time s", "req/s", "output tok/s", "total tok/s"], rows))
+    rows = [[r.system, r.elapsed_s, r.requests_per_s, r.output_tokens_per_s, r.total_tokens_per_s,
+             f"{r.mean_ttft_s * 1e3:.0f}" if r.mean_ttft_s is not None else "-"] for r in results]
+    print(format_table(["system", "time s", "req/s", "output tok/s", "total tok/s", "mean TTFT ms"], rows))
     ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s if spec.vs_hf else None
     if ratio is not None:
         print(f"megainfer / transformers output throughput: {ratio:.2f}x")
-    print(f"preemptions {stats.num_preemptions}, steps {stats.num_steps}, "
-          f"expert-weight bytes read {stats.expert_bytes_read / 2**20:,.0f} MiB")
+    print(f"prefill policy {config.prefill_policy}, preemptions {stats.num_preemptions}, steps {stats.num_steps}, "
+          f"expert-weight bytes read {expert_bytes / 2**20:,.0f} MiB")
     if json_path:
         write_json(json_path, {
             "benchmark": "engine", "spec": asdict(spec), "dtype": config.dtype, "device": config.device,
             "threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__,
             "results": [r.as_dict() for r in results], "ratio_output_tokens_per_s": ratio,
             "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps,
-            "expert_bytes_read": stats.expert_bytes_read,
+            "prefill_policy": config.prefill_policy, "expert_bytes_read": expert_bytes,
         })
     return 0

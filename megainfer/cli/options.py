@@ -40,6 +40,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                         help="token budget per step (chunked-prefill chunk size)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+    parser.add_argument("--prefill-policy", choices=["chunked", "layered"], default="chunked",
+                        help="chunked (Sarathi token budget) or layered (one layer group per step)")
+    parser.add_argument("--group-tokens", type=positive_int, default=512,
+                        help="layered: prompt tokens per layer group (G = ceil(tokens / this))")
+    parser.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
 
 
 def engine_config(args: argparse.Namespace, **extra):
@@ -47,4 +52,6 @@ def engine_config(args: argparse.Namespace, **extra):
 
     return EngineConfig(dtype=args.dtype, device=args.device, seed=args.seed, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, **extra)
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                        prefill_policy=args.prefill_policy, group_tokens=args.group_tokens,
+                        num_layer_groups=args.num_layer_groups, **extra)
