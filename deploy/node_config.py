@@ -15,7 +15,8 @@ def engine_config(plan: Plan, num_threads: int | None) -> EngineConfig:
     return EngineConfig(dtype=plan.dtype, device="cpu" if plan.attention.gpu == "cpu" else "cuda",
                         max_num_seqs=plan.scheduler.max_num_seqs,
                         max_num_batched_tokens=plan.scheduler.max_num_batched_tokens,
-                        prefill_policy=plan.scheduler.prefill_policy, num_threads=num_threads)
+                        prefill_policy=plan.scheduler.prefill_policy, group_tokens=plan.scheduler.group_tokens,
+                        num_threads=num_threads)
 
 
 def weights_of(plan: Plan) -> tuple[ModelConfig, WeightSource]:

@@ -29,13 +29,15 @@ def ray_session():
     ray.shutdown()
 
 
-def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1) -> Plan:
+def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1,
+              policy: str = "chunked") -> Plan:
     return Plan.from_dict({
         "model": model, "dtype": "float32",
         "attention": {"gpu": "cpu", "tp": tp_a, "nodes": attention},
         "experts": {"gpu": "cpu", "tp": 1, "nodes": experts},
         "pipeline": {"micro_batches": m, "global_batch": 64},
-        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64},
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64, "prefill_policy": policy,
+                      "group_tokens": 8},
     })
 
 
@@ -65,10 +67,11 @@ def colocated(path, prompts) -> list[list[int]]:
     return [out[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("m, tp_a", [(1, 1), (2, 1), (3, 1), (2, 2)])
-def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a):
+@pytest.mark.parametrize("m, tp_a, policy", [(1, 1, "chunked"), (2, 1, "chunked"), (3, 1, "chunked"),
+                                             (2, 2, "chunked"), (2, 1, "layered")])
+def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy):
     expected = colocated(hf_ref.path, hf_ref.prompts)
-    served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a))
+    served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a, policy=policy))
     try:
         results = [None] * len(hf_ref.prompts)
 

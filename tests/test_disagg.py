@@ -21,9 +21,9 @@ SECRET = b"d" * 32
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm"):
+def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", **engine_options):
     """Wire a deployment in threads; return each prompt's greedy tokens."""
-    engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64)
+    engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, **engine_options)
     probe = Engine(str(path), engine_config)
     model_config = probe.model_config
     per = model_config.num_experts // n_expert
@@ -105,6 +105,15 @@ def test_two_by_two_deployment_matches_colocated(hf_ref, m):
     prompts = hf_ref.prompts
     expected = colocated(hf_ref.path, prompts)
     got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts)
+    assert got == expected
+    assert all(s.kv_cache_usage == 0.0 for s in stats)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_layered_prefill_in_attention_nodes_matches_colocated(hf_ref, m):
+    prompts = hf_ref.prompts
+    expected = colocated(hf_ref.path, prompts)
+    got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts, prefill_policy="layered", group_tokens=8)
     assert got == expected
     assert all(s.kv_cache_usage == 0.0 for s in stats)
 

@@ -55,9 +55,9 @@ class PipelinedModelRunner:
         routed tokens."""
         if len(expert_nodes) != len(expert_assignment):
             raise ValueError("one expert-id list per expert node")
-        if config.prefill_policy != "chunked":
-            raise ConfigError(f"prefill_policy {config.prefill_policy!r} does not run in attention nodes of a "
-                              "deployment yet; use scheduler.prefill_policy: chunked in the plan")
+        if config.prefill_policy == "layered" and tp_size > 1:
+            raise ConfigError("layered prefill does not run in tensor-parallel attention nodes yet; use "
+                              "attention.tp: 1 or scheduler.prefill_policy: chunked")
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -84,6 +84,8 @@ class PipelinedModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
+        # Layered prefill: the cohort's hidden states between layer groups, by request id.
+        self.layered_hidden: dict[str, torch.Tensor] = {}
         # Seconds spent, summed over steps: where this node's step time goes.
         self.timing = {"attention": 0.0, "send": 0.0, "wait_experts": 0.0}
 
@@ -99,52 +101,102 @@ class PipelinedModelRunner:
         self._run(step_sync.receive_step())
 
     def _run(self, out: SchedulerOutput) -> StepResult:
+        """Every micro-batch through every layer, ping-ponging with the expert nodes. With layered
+        prefill, micro-batch j also carries its share of the cohort inside this step's layer
+        group: it joins j's tokens at the group's first layer and leaves after its last."""
         cfg = self.model_config
-        groups = split_micro_batches(out.num_scheduled_tokens, self.m)
-        inputs = []
-        for idx in groups:
-            if idx:
-                seqs = [out.seqs[i] for i in idx]
-                counts = [out.num_scheduled_tokens[i] for i in idx]
-                inputs.append(prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), self.config.block_size,
-                                            self.device))
+        lp = out.layered
+        first, end = lp.layers if lp else (0, 0)
+        bs = self.config.block_size
+        dec_groups = split_micro_batches(out.num_scheduled_tokens, self.m)
+        coh_groups = split_micro_batches(lp.num_tokens, self.m) if lp else [[] for _ in range(self.m)]
+        dec_inputs, all_inputs, n_dec = [], [], []
+        for dec_idx, coh_idx in zip(dec_groups, coh_groups):
+            seqs = [out.seqs[i] for i in dec_idx]
+            counts = [out.num_scheduled_tokens[i] for i in dec_idx]
+            dec = prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), bs, self.device) if seqs else None
+            if coh_idx:
+                seqs = seqs + [lp.seqs[i] for i in coh_idx]
+                counts = counts + [lp.num_tokens[i] for i in coh_idx]
+                both = prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), bs, self.device)
             else:
-                inputs.append(None)
-        hidden = [self.model.embed(inp[0]) if inp else None for inp in inputs]
+                both = dec
+            dec_inputs.append(dec)
+            all_inputs.append(both)
+            n_dec.append(sum(out.num_scheduled_tokens[i] for i in dec_idx))
+        cohort_rids = {s.request_id for s in lp.seqs} if lp else set()
+        for rid in list(self.layered_hidden):  # members that left the cohort
+            if rid not in cohort_rids:
+                del self.layered_hidden[rid]
+        hidden = [self.model.embed(d[0]) if d else None for d in dec_inputs]
+        cohort = []
+        for j, coh_idx in enumerate(coh_groups):
+            if not coh_idx:
+                cohort.append(None)
+            elif first == 0:
+                cohort.append(self.model.embed(all_inputs[j][0][n_dec[j]:]))
+            else:
+                cohort.append(torch.cat([self.layered_hidden[lp.seqs[i].request_id] for i in coh_idx]))
         residual: list[torch.Tensor | None] = [None] * self.m
         routes: list[list[torch.Tensor] | None] = [None] * self.m
         expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
         self._busy = False
+
+        def leave(j: int) -> None:  # the cohort's rows go back to waiting for the next group
+            cohort[j] = hidden[j][n_dec[j]:]
+            hidden[j] = hidden[j][:n_dec[j]] if n_dec[j] else None
+
         for layer in range(cfg.num_layers):
             for j in range(self.m):
                 if layer:
                     hidden[j] = self._combine(layer - 1, j, residual[j], routes[j])
-                residual[j], routes[j] = self._attend_and_dispatch(layer, j, hidden[j], inputs[j], expert_counts)
+                if cohort[j] is not None and layer == end:
+                    leave(j)
+                if cohort[j] is not None and layer == first:
+                    hidden[j] = cohort[j] if hidden[j] is None else torch.cat([hidden[j], cohort[j]])
+                inp = all_inputs[j] if cohort[j] is not None and first <= layer < end else dec_inputs[j]
+                residual[j], routes[j] = self._attend_and_dispatch(layer, j, hidden[j], inp, expert_counts)
         for j in range(self.m):
             hidden[j] = self._combine(cfg.num_layers - 1, j, residual[j], routes[j])
+            if cohort[j] is not None and end == cfg.num_layers:
+                leave(j)
         self.deployment_busy = self._busy
         self.step_id = (self.step_id + 1) & 0xFFFFFFFF
 
-        sampled: list[int | None] = [None] * len(out.seqs)
+        n_all = len(out.seqs) + (len(lp.seqs) if lp else 0)
+        sampled: list[int | None] = [None] * n_all
         if self.tp_rank:  # followers: the leader samples
             return StepResult(sampled, [])
         samples = out.samples()
-        rows, owners = [], []
-        for j, idx in enumerate(groups):
-            if not idx:
-                continue
-            starts = inputs[j][2].query_start_host
+        rows, owners = [], []  # owners: index into out.seqs, then into the cohort after them
+        for j, idx in enumerate(dec_groups):
+            starts = dec_inputs[j][2].query_start_host if idx else []
             for pos, i in enumerate(idx):
                 if samples[i]:
-                    rows.append(self.model.norm(hidden[j][starts[pos + 1] - 1:starts[pos + 1]]))
+                    rows.append(hidden[j][starts[pos + 1] - 1])
                     owners.append(i)
+        for j, coh_idx in enumerate(coh_groups):
+            if not coh_idx:
+                continue
+            starts = all_inputs[j][2].query_start_host
+            offset = len(dec_groups[j])
+            for pos, i in enumerate(coh_idx):
+                seq = lp.seqs[i]
+                part = cohort[j][starts[offset + pos] - n_dec[j]:starts[offset + pos + 1] - n_dec[j]]
+                if not lp.last:
+                    self.layered_hidden[seq.request_id] = part
+                    continue
+                self.layered_hidden.pop(seq.request_id, None)
+                if seq.num_computed_tokens + lp.num_tokens[i] == seq.num_tokens:
+                    rows.append(part[-1])
+                    owners.append(len(out.seqs) + i)
         if rows:
-            logits = self.model.compute_logits(torch.cat(rows))
-            order = sorted(range(len(owners)), key=owners.__getitem__)  # back to the step's order
-            seqs = [out.seqs[owners[r]] for r in order]
-            tokens = self.sampler.sample(logits[order], [s.request_id for s in seqs], [s.params for s in seqs])
-            for r, token in zip(order, tokens):
-                sampled[owners[r]] = token
+            every = out.seqs + (lp.seqs if lp else [])
+            logits = self.model.compute_logits(self.model.norm(torch.stack(rows)))
+            seqs = [every[o] for o in owners]
+            tokens = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+            for o, token in zip(owners, tokens):
+                sampled[o] = token
         return StepResult(sampled, expert_counts.tolist())
 
     def _attend_and_dispatch(self, layer: int, j: int, hidden, inp, expert_counts):
