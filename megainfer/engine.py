@@ -11,6 +11,7 @@ import logging
 import os
 
 from megainfer.config import EngineConfig, resolve_model
+from megainfer.energy import EnergyMeter
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepResult
@@ -50,6 +51,7 @@ class Engine:
         self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks, expert_tokens=[
             [0] * self.model_config.num_experts for _ in range(self.model_config.num_layers)])
         self._expert_bytes = self.model_config.expert_bytes(self.config.dtype)
+        self._energy = EnergyMeter(self.config.device)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
@@ -170,4 +172,8 @@ class Engine:
         s.num_running = self.scheduler.num_running
         s.num_waiting = self.scheduler.num_waiting
         s.kv_cache_usage = self.scheduler.block_manager.usage
+        s.energy_j = self._energy.joules()
+        s.energy_unavailable = self._energy.reason
+        if s.energy_j is not None and s.num_generated_tokens:
+            s.energy_per_token_j = s.energy_j / s.num_generated_tokens
         return s

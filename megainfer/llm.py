@@ -73,6 +73,7 @@ class LLM:
                             finish_reason=delta.finish_reason,
                             error=delta.error,
                             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+                            tbt_s=seq.tbt_s,
                             latency_s=now - seq.arrival_time,
                             num_preemptions=seq.num_preemptions,
                         )

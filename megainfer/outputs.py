@@ -30,6 +30,7 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     ttft_s: float | None = None  # arrival to first generated token, seconds
+    tbt_s: list[float] = field(default_factory=list)  # every time between tokens, seconds
     latency_s: float | None = None  # arrival to last token, seconds
     num_preemptions: int = 0
 
@@ -56,3 +57,6 @@ class EngineStats:
     expert_activations: int = 0  # cumulative activated (layer, expert) pairs over steps
     expert_bytes_read: int = 0  # cumulative expert-weight bytes read
     last_step_expert_load: ExpertLoad | None = None
+    energy_j: float | None = None  # GPU energy since the engine started (None: unavailable, see below)
+    energy_per_token_j: float | None = None
+    energy_unavailable: str = ""  # why energy is unavailable, where it is

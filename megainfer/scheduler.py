@@ -327,6 +327,7 @@ class Scheduler:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
+        seq.token_times.append(now)
         advanced.append(seq)
         reason = self._stop_reason(seq, token)
         if reason is not None:

@@ -42,6 +42,12 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # when the first generated token was sampled
     last_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each generated token was sampled
+
+    @property
+    def tbt_s(self) -> list[float]:
+        """Every time between tokens, seconds (one fewer than the generated tokens)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     def __post_init__(self) -> None:
         if not self.token_ids:

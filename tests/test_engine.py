@@ -150,3 +150,12 @@ def test_stop_token_and_eos(engine):
     deltas = drain(engine)["stop"]
     assert deltas[-1].finish_reason == "stop"
     assert [t for d in deltas for t in d.new_token_ids] == first[:first.index(first[2]) + 1]
+
+
+def test_per_request_tbt_and_energy_reported_unavailable_on_cpu():
+    llm = LLM("tiny-mixtral", num_kv_blocks=64)
+    out = llm.generate("timing", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert out.ttft_s > 0 and len(out.tbt_s) == 5 and all(t > 0 for t in out.tbt_s)
+    stats = llm.engine.stats()
+    assert stats.energy_j is None and stats.energy_per_token_j is None  # unavailable, not zero
+    assert "no GPU" in stats.energy_unavailable

@@ -161,8 +161,10 @@ def run_engine_bench(spec: EngineBenchSpec, config: EngineConfig, json_path: str
     ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s if spec.vs_hf else None
     if ratio is not None:
         print(f"megainfer / transformers output throughput: {ratio:.2f}x")
+    energy = (f"{stats.energy_per_token_j:.3f} J/token" if stats.energy_per_token_j is not None
+              else f"unavailable ({stats.energy_unavailable})")
     print(f"prefill policy {config.prefill_policy}, preemptions {stats.num_preemptions}, steps {stats.num_steps}, "
-          f"expert-weight bytes read {expert_bytes / 2**20:,.0f} MiB")
+          f"expert-weight bytes read {expert_bytes / 2**20:,.0f} MiB, energy {energy}")
     if json_path:
         write_json(json_path, {
             "benchmark": "engine", "spec": asdict(spec), "dtype": config.dtype, "device": config.device,
@@ -170,5 +172,6 @@ def run_engine_bench(spec: EngineBenchSpec, config: EngineConfig, json_path: str
             "results": [r.as_dict() for r in results], "ratio_output_tokens_per_s": ratio,
             "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps,
             "prefill_policy": config.prefill_policy, "expert_bytes_read": expert_bytes,
+            "energy_per_token_j": stats.energy_per_token_j, "energy_unavailable": stats.energy_unavailable,
         })
     return 0
