@@ -18,46 +18,18 @@ from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
 from planner.catalog import GPU, Catalog
 from planner.perf_model import MEMORY_HEADROOM, PerfModel, Side
-from planner.search import MAX_BATCH, OBJECTIVES, SEARCH_STEPS
+from planner.search import MAX_BATCH, OBJECTIVES, SEARCH_STEPS, Throughput
 
 INSTANCE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass
-class ColocatedCandidate:
+class ColocatedCandidate(Throughput):
     gpu: str
-    gpus: int  # N
     attention_tp: int
-    batch: int
     t_attention: float  # per layer, seconds
     t_experts: float
     t_all_to_all: float  # one direction
-    tbt: float
-    cost_per_hour: float
-    power_w: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch / self.tbt
-
-    @property
-    def per_gpu(self) -> float:
-        return self.tokens_per_s / self.gpus
-
-    @property
-    def per_cost(self) -> float:
-        return self.tokens_per_s / self.cost_per_hour
-
-    @property
-    def per_watt(self) -> float:
-        return self.tokens_per_s / self.power_w
-
-    def objective(self, name: str) -> float:
-        return {"cost": self.per_cost, "power": self.per_watt, "gpu": self.per_gpu}[name]
-
-    def as_dict(self) -> dict:
-        return {**self.__dict__, "tokens_per_s": self.tokens_per_s, "per_gpu": self.per_gpu,
-                "per_cost": self.per_cost, "per_watt": self.per_watt}
 
 
 def _evaluate(model: ModelConfig, perf: PerfModel, gpu: GPU, n: int, batch):

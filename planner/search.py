@@ -31,22 +31,11 @@ SEARCH_STEPS = 18  # > log2(MAX_BATCH)
 
 
 @dataclass
-class Candidate:
-    """One deployment and what the model predicts for it. Times in seconds."""
+class Throughput:
+    """What any deployment the planner judges delivers: the figures every ranking uses."""
 
-    attention_gpu: str
-    expert_gpu: str
-    tp_a: int
-    tp_e: int
-    n_a: int  # attention nodes
-    expert_nodes: int
-    experts_per_node: int
-    m: int  # micro-batches
     batch: int  # global batch B, sequences
-    t_a: float
-    t_e: float
-    t_c: float
-    tbt: float
+    tbt: float  # time between tokens, seconds
     gpus: int
     cost_per_hour: float
     power_w: float
@@ -66,6 +55,30 @@ class Candidate:
     @property
     def per_watt(self) -> float:
         return self.tokens_per_s / self.power_w
+
+    def objective(self, name: str) -> float:
+        return {"cost": self.per_cost, "power": self.per_watt, "gpu": self.per_gpu}[name]
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "tokens_per_s": self.tokens_per_s, "per_gpu": self.per_gpu,
+                "per_cost": self.per_cost, "per_watt": self.per_watt}
+
+
+@dataclass
+class Candidate(Throughput):
+    """One disaggregated deployment and what the model predicts for it. Times in seconds."""
+
+    attention_gpu: str
+    expert_gpu: str
+    tp_a: int
+    tp_e: int
+    n_a: int  # attention nodes
+    expert_nodes: int
+    experts_per_node: int
+    m: int  # micro-batches
+    t_a: float
+    t_e: float
+    t_c: float
 
     @property
     def t_f(self) -> float:
@@ -88,9 +101,6 @@ class Candidate:
         """Constraint (3): m·T_f >= 2·(T_f + T_c)."""
         return self.m * self.t_f >= 2 * (self.t_f + self.t_c) * (1 - 1e-9)
 
-    def objective(self, name: str) -> float:
-        return {"cost": self.per_cost, "power": self.per_watt, "gpu": self.per_gpu}[name]
-
     def to_plan(self, model: str, dtype: str, tbt_slo_ms: float, seq_len: int) -> Plan:
         r = lambda x: round(x, 4)  # noqa: E731
         return Plan(
@@ -108,9 +118,7 @@ class Candidate:
                                  cost_per_hour=r(self.cost_per_hour)))
 
     def as_dict(self) -> dict:
-        return {**{k: v for k, v in self.__dict__.items()}, "tokens_per_s": self.tokens_per_s,
-                "per_gpu": self.per_gpu, "per_cost": self.per_cost, "per_watt": self.per_watt,
-                "balance": self.balance, "network_hidden": self.network_hidden,
+        return {**super().as_dict(), "balance": self.balance, "network_hidden": self.network_hidden,
                 "pipeline_full": self.pipeline_full}
 
 

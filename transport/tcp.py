@@ -28,6 +28,19 @@ def tune(sock: socket.socket, slot_bytes: int) -> None:
             pass
 
 
+def read_available(sock: socket.socket, into: memoryview, peer: str) -> int | None:
+    """Bytes read without blocking, None if none are waiting; PeerClosed when the peer is gone."""
+    try:
+        n = sock.recv_into(into, len(into), socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except ConnectionError as exc:
+        raise PeerClosed(f"peer {peer} dropped the connection ({exc})") from None
+    if n == 0:
+        raise PeerClosed(f"peer {peer} closed its connection (process exited or shut down)")
+    return n
+
+
 class TcpInbound:
     """peer -> this endpoint."""
 
@@ -74,15 +87,7 @@ class TcpInbound:
             self._current, self._got = None, 0
 
     def _read(self, into: memoryview) -> int | None:
-        try:
-            n = self.sock.recv_into(into, len(into), socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return None
-        except ConnectionError as exc:
-            raise PeerClosed(f"peer {self.peer} dropped the connection ({exc})") from None
-        if n == 0:
-            raise PeerClosed(f"peer {self.peer} closed its connection (process exited or shut down)")
-        return n
+        return read_available(self.sock, into, self.peer)
 
     def payload(self, slot: int, length: int) -> memoryview:
         return self.view[slot * self.slot_bytes:slot * self.slot_bytes + length]
@@ -114,14 +119,9 @@ class TcpOutbound:
 
     def drain_credits(self) -> None:
         while True:
-            try:
-                n = self.sock.recv_into(self._credits, len(self._credits), socket.MSG_DONTWAIT)
-            except BlockingIOError:
+            n = read_available(self.sock, memoryview(self._credits), self.peer)
+            if n is None:
                 return
-            except ConnectionError as exc:
-                raise PeerClosed(f"peer {self.peer} dropped the connection ({exc})") from None
-            if n == 0:
-                raise PeerClosed(f"peer {self.peer} closed its connection (process exited or shut down)")
             data = self._pending + bytes(self._credits[:n])
             whole = len(data) - len(data) % CREDIT.size
             for off in range(0, whole, CREDIT.size):
