@@ -122,6 +122,9 @@ def test_client_disconnect_frees_blocks_and_limits_refuse_overload():
         call = served.client.stub.Generate(request_message([1, 2, 3], long))
         next(call)
         waiting = served.client.stub.Generate(request_message([4, 5], long))  # queued behind it (max_num_seqs 1)
+        deadline = time.monotonic() + 20
+        while len(served.deployment.registry) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server has taken both streams
         with pytest.raises(grpc.RpcError) as err:
             next(served.client.stub.Generate(request_message([7, 8], long)))  # 2 open streams is the limit
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

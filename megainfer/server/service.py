@@ -59,13 +59,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if not finished:
                 self.backend.abort(rid)
 
-        context.add_callback(on_done)
+        if not context.add_callback(on_done):  # the client left before the callback could be set
+            self.backend.abort(rid)
+            return
         completion = 0
         first = last = None
         while True:
             delta = stream.get(POLL_S)
             if delta is None:
                 if not context.is_active():
+                    self.backend.abort(rid)  # idempotent: the callback may have done it already
                     return
                 continue
             now = time.monotonic()
