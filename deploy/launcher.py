@@ -73,6 +73,14 @@ class Deployment:
 
     # -- bring-up -----------------------------------------------------------------------------
     def start(self) -> "Deployment":
+        """Bring the plan up; on any failure, release what was started and re-raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> "Deployment":
         if not ray.is_initialized():
             if self.address:
                 ray.init(address=self.address, log_to_driver=False)
@@ -82,6 +90,7 @@ class Deployment:
                 self._started_ray = True
         local = self._started_ray or self.address is None
         host = "127.0.0.1" if local else None
+        self._check_capacity()
         self._pg = placement_group(bundles(self.plan), strategy="PACK")
         try:
             ray.get(self._pg.ready(), timeout=60)
@@ -116,6 +125,20 @@ class Deployment:
         self._warm_up()
         self._spawn(self._supervise, name="supervisor")
         return self
+
+    def _check_capacity(self) -> None:
+        """Fail at once, naming what is missing, when the cluster as a whole lacks the resources
+        (placement would otherwise wait for them until its timeout)."""
+        need: dict[str, float] = {}
+        for b in bundles(self.plan):
+            for key, amount in b.items():
+                need[key] = need.get(key, 0.0) + amount
+        have = ray.cluster_resources()
+        missing = {k: v for k, v in need.items() if have.get(k, 0.0) < v}
+        if missing:
+            raise PlanError(f"the cluster cannot place this plan ({self._describe_needs()}): it lacks "
+                            + ", ".join(f"{k} (needs {v:g}, has {have.get(k, 0.0):g})" for k, v in missing.items())
+                            + "; join a cluster with these GPUs (--address) or plan for what you have")
 
     def _describe_needs(self) -> str:
         a, e = self.plan.attention, self.plan.experts
