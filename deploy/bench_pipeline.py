@@ -14,7 +14,7 @@ import ray
 
 from deploy.launcher import Deployment
 from megainfer.bench.report import format_table, write_json
-from megainfer.errors import DataPlaneError, PlanError
+from megainfer.errors import PlanError
 from megainfer.plan import PipelineSpec, Plan
 from megainfer.sampling_params import SamplingParams
 
@@ -28,20 +28,11 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, seed: i
         start = time.perf_counter()
         streams = [deployment.submit(f"bench-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params)
                    for i in range(requests)]
-        first_done = None
         for stream in streams:
-            while True:
-                delta = stream.get(120.0)
-                if delta is None:
-                    raise DataPlaneError("a benchmark request stalled for 120 s")
-                if delta["finished"]:
-                    if delta["finish_reason"] == "error":
-                        raise DataPlaneError(delta["error"])
-                    first_done = first_done or time.perf_counter()
-                    break
+            stream.wait_finished(120.0)
         elapsed = time.perf_counter() - start
         stats = deployment.stats()
-        timing = {h["name"]: h.get("timing") for h in deployment._health()}
+        timing = {h["name"]: h.get("timing") for h in deployment.health()}
         return {"micro_batches": plan.pipeline.micro_batches, "requests": requests, "output_tokens": requests * output_len,
                 "seconds": elapsed, "tokens_per_s": requests * output_len / elapsed,
                 "steps": sum(s["num_steps"] for s in stats), "timing": timing}
@@ -52,8 +43,6 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, seed: i
 def run(plan_path: str, micro_batches: list[int], requests: int | None, prompt_len: int, output_len: int,
         json_path: str | None) -> int:
     plan = Plan.load(plan_path)
-    if plan.attention.gpu != "cpu" and not ray.is_initialized():
-        pass  # GPU plans join whatever Ray the caller set up (RAY_ADDRESS) or start locally
     requests = requests or plan.pipeline.global_batch
     if requests > plan.attention.nodes * plan.scheduler.max_num_seqs:
         raise PlanError(f"--requests {requests} exceeds what the attention nodes run at once "

@@ -194,14 +194,7 @@ class Deployment:
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         streams = [self.submit(f"warmup-{i}", [1, 2, 3], params, node=i) for i in range(len(self.attention))]
         for stream in streams:
-            while True:
-                delta = stream.get(60.0)
-                if delta is None:
-                    raise DataPlaneError("warm-up request did not finish within 60 s")
-                if delta["finished"]:
-                    if delta["finish_reason"] == "error":
-                        raise DataPlaneError(f"warm-up failed: {delta['error']}")
-                    break
+            stream.wait_finished(60.0)
 
     def _spawn(self, target, *args, name: str) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -250,7 +243,7 @@ class Deployment:
 
     def _supervise(self) -> None:
         while not self._stop.wait(HEALTH_EVERY_S):
-            states = self._health()
+            states = self.health()
             if all(s["state"] == "serving" for s in states):
                 continue
             bad = [s["name"] for s in states if s["state"] != "serving"]
@@ -260,7 +253,7 @@ class Deployment:
             except Exception:
                 logger.exception("re-wiring failed; retrying")
 
-    def _health(self) -> list[dict]:
+    def health(self) -> list[dict]:
         """Attention leaders first (index = attention node), then followers, then experts."""
         shard_names = [n for n in self.attention_rank_names if "." in n]
         names = self.attention_names + shard_names + self.expert_names
@@ -298,7 +291,7 @@ class Deployment:
 
     def info(self) -> dict:
         nodes = []
-        for s in self._health():
+        for s in self.health():
             role = "attention" if s["name"].startswith("attention") else "expert"
             if role == "attention" and "." in s["name"]:
                 nodes.append({"name": s["name"], "role": "attention", "state": s["state"],

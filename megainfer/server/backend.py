@@ -29,6 +29,20 @@ class RequestStream:
         except queue.Empty:
             return None
 
+    def wait_finished(self, stall_s: float) -> dict:
+        """Consume deltas until the last one and return it. Raises DataPlaneError if the
+        request failed, or if no delta came for `stall_s` seconds."""
+        from megainfer.errors import DataPlaneError
+
+        while True:
+            delta = self.get(stall_s)
+            if delta is None:
+                raise DataPlaneError(f"request {self.request_id} stalled: nothing for {stall_s:g} s")
+            if delta["finished"]:
+                if delta["finish_reason"] == "error":
+                    raise DataPlaneError(f"request {self.request_id} failed: {delta['error']}")
+                return delta
+
 
 class GenerationBackend(Protocol):
     def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
