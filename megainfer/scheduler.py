@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from megainfer.config import EngineConfig
 from megainfer.kv_cache import BlockManager
@@ -160,8 +160,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: PrefillPolicy, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: Iterable[int] = ()) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.block_manager = block_manager
+        self.clock = clock  # token timestamps; the simulator passes its virtual clock
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # tokens per step
@@ -307,7 +309,7 @@ class Scheduler:
         """Advance each scheduled sequence; `sampled[i]` is the new token of `out.seqs[i]`, or
         None where that sequence was mid-prompt. Returns the sequences that gained a token."""
         advanced = []
-        now = time.monotonic()
+        now = self.clock()
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled):
             self._advance(seq, n, token, now, advanced)
         if out.layered is not None:

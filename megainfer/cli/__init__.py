@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": "megainfer.cli.bench",
     "plan": "megainfer.cli.plan",
     "serve": "megainfer.cli.serve",
+    "simulate": "megainfer.cli.simulate",
     "deploy": "deploy.cli",
 }
 

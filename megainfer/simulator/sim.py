@@ -1,0 +1,177 @@
+"""Discrete-event simulation of one colocated engine: the real `Scheduler` (not a copy) forms
+every step, and the planner's step model prices it instead of running a model.
+
+Requests enter the scheduler when the virtual clock passes their arrival (between steps, as
+in the engine's loop); each step's duration advances the clock, and the scheduler stamps
+tokens with it, so TTFT and every time between tokens come from the same code that stamps
+them in the engine. Per layer, the step's tokens activate a number of distinct experts
+drawn from the routing model (`expert_load`), so expert-weight bytes follow from the
+batches the scheduler actually forms.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megainfer.config import EngineConfig, ModelConfig
+from megainfer.errors import ConfigError
+from megainfer.sampling_params import SamplingParams
+from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.sequence import Sequence
+from megainfer.simulator.expert_load import ExpertActivation
+from megainfer.simulator.workload import SimRequest
+from planner.step_time import ColocatedStepModel, LayerClass
+
+_TOKEN = 0  # the simulator's stand-in token id: no model reads it, no stop condition matches it
+
+
+@dataclass
+class SimResult:
+    policy: str
+    num_requests: int
+    duration_s: float  # first arrival to last token
+    steps: int
+    busy_s: float  # time the instance spent in steps
+    ttft_s: np.ndarray
+    tbt_s: np.ndarray  # every time between tokens, all requests
+    max_tbt_s: np.ndarray  # per request
+    input_tokens: int
+    output_tokens: int
+    expert_bytes: float
+    energy_j: float
+    preemptions: int
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def slo_attainment(self, ttft_slo_s: float, tbt_slo_s: float) -> float:
+        """Fraction of requests whose TTFT and every time between tokens met the SLOs."""
+        met = (self.ttft_s <= ttft_slo_s) & (self.max_tbt_s <= tbt_slo_s)
+        return float(met.mean())
+
+    def summary(self, ttft_slo_s: float, tbt_slo_s: float) -> dict:
+        def pct(a: np.ndarray, q: float) -> float:
+            return float(np.percentile(a, q)) if len(a) else 0.0
+
+        return {
+            "policy": self.policy,
+            "requests": self.num_requests,
+            "duration_s": self.duration_s,
+            "steps": self.steps,
+            "request_throughput": self.num_requests / self.duration_s if self.duration_s else 0.0,
+            "output_throughput": self.output_tokens / self.duration_s if self.duration_s else 0.0,
+            "ttft_mean_s": float(self.ttft_s.mean()),
+            "ttft_p99_s": pct(self.ttft_s, 99),
+            "tbt_mean_s": float(self.tbt_s.mean()) if len(self.tbt_s) else 0.0,
+            "tbt_p99_s": pct(self.tbt_s, 99),
+            "slo_attainment": self.slo_attainment(ttft_slo_s, tbt_slo_s),
+            "expert_bytes": self.expert_bytes,
+            "energy_j": self.energy_j,
+            "energy_per_output_token_j": self.energy_j / self.output_tokens if self.output_tokens else 0.0,
+            "preemptions": self.preemptions,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "wall_s": self.wall_s,
+        }
+
+
+class Simulator:
+    def __init__(self, model: ModelConfig, step_model: ColocatedStepModel, config: EngineConfig, *,
+                 expert_skew: float = 0.0, seed: int = 0) -> None:
+        self.model = model
+        self.step_model = step_model
+        self.config = config
+        self.max_model_len = config.resolved_max_model_len(model)
+        kv_tokens = step_model.kv_capacity_tokens()
+        self.num_blocks = kv_tokens // config.block_size
+        self.activation = ExpertActivation(model.num_experts, model.top_k, skew=expert_skew, seed=seed)
+        self.now = 0.0
+
+    def run(self, requests: list[SimRequest]) -> SimResult:
+        started = time.perf_counter()
+        L = self.model.num_layers
+        sched = Scheduler.from_config(self.config, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+                                      eos_token_ids=(), num_layers=L)
+        sched.clock = lambda: self.now
+        for r in requests:
+            if r.input_len + r.output_len > self.max_model_len:
+                raise ConfigError(f"a request of {r.input_len} + {r.output_len} tokens exceeds the model's context "
+                                  f"of {self.max_model_len}")
+            if -(-(r.input_len + r.output_len) // self.config.block_size) > self.num_blocks:
+                raise ConfigError(f"a request of {r.input_len + r.output_len} tokens needs more KV blocks than "
+                                  f"the instance holds ({self.num_blocks})")
+        pending = sorted(requests, key=lambda r: r.arrival_s)
+        self.now = pending[0].arrival_s if pending else 0.0
+        first_arrival = self.now
+        nxt = 0
+        ttft, max_tbt = array("d"), array("d")
+        tbts = array("d")
+        steps, busy, expert_bytes, energy = 0, 0.0, 0.0, 0.0
+        while nxt < len(pending) or sched.has_unfinished:
+            while nxt < len(pending) and pending[nxt].arrival_s <= self.now:
+                r = pending[nxt]
+                sched.add(Sequence(f"r{nxt}", [_TOKEN] * r.input_len,
+                                   SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s))
+                nxt += 1
+            if not sched.has_unfinished:
+                self.now = pending[nxt].arrival_s
+                continue
+            out = sched.schedule()
+            if out.is_empty:
+                if nxt < len(pending):  # nothing fits until something arrives
+                    self.now = max(self.now, pending[nxt].arrival_s)
+                    continue
+                raise ConfigError("the scheduler can place no work: the KV cache cannot hold the waiting requests")
+            samples = out.samples()
+            cost = self.step_model.step(self._describe(out, samples), samples.count(True))
+            self.now += cost.seconds
+            steps += 1
+            busy += cost.seconds
+            expert_bytes += cost.expert_bytes
+            energy += cost.energy_j
+            # The cohort's entries follow the step's own sequences when its last group ran.
+            sampled = [_TOKEN if s else None for s in samples]
+            for seq in sched.update_from_output(out, sampled):
+                if seq.is_finished:
+                    ttft.append(seq.first_token_time - seq.arrival_time)
+                    gaps = seq.tbt_s
+                    tbts.extend(gaps)
+                    max_tbt.append(max(gaps, default=0.0))
+        return SimResult(
+            policy=self.config.prefill_policy, num_requests=len(requests), duration_s=self.now - first_arrival,
+            steps=steps, busy_s=busy, ttft_s=np.frombuffer(ttft), tbt_s=np.frombuffer(tbts),
+            max_tbt_s=np.frombuffer(max_tbt), input_tokens=sum(r.input_len for r in requests),
+            output_tokens=sum(r.output_len for r in requests), expert_bytes=expert_bytes, energy_j=energy,
+            preemptions=sched.num_preemptions, wall_s=time.perf_counter() - started)
+
+    def _describe(self, out: SchedulerOutput, samples: list[bool]) -> list[LayerClass]:
+        """The step as layer classes: every layer's share (decodes, chunked prefill) and, under
+        layered prefill, the cohort's extra work in its layer group."""
+        L = self.model.num_layers
+        tokens, pairs, kv = _work(out.seqs, out.num_scheduled_tokens)
+        if out.layered is None:
+            return [LayerClass(L, tokens, pairs, kv, self.activation.draw(tokens, L))]
+        lp = out.layered
+        c_tokens, c_pairs, c_kv = _work(lp.seqs, lp.num_tokens)
+        start, end = lp.layers
+        g = end - start
+        if lp.last:  # chunks that end their prompt sample a first token (the LM head's work)
+            samples.extend(s.num_computed_tokens + n == s.num_tokens for s, n in zip(lp.seqs, lp.num_tokens))
+        group = LayerClass(g, tokens + c_tokens, pairs + c_pairs, kv + c_kv, self.activation.draw(tokens + c_tokens, g))
+        rest = LayerClass(L - g, tokens, pairs, kv, self.activation.draw(tokens, L - g))
+        return [group, rest]
+
+
+def _work(seqs: list[Sequence], num_tokens: list[int]) -> tuple[int, float, float]:
+    """Tokens, attention query-key pairs and cached tokens read for chunks starting at each
+    sequence's computed prefix (causal inside a chunk)."""
+    tokens, pairs, kv = 0, 0.0, 0.0
+    for seq, n in zip(seqs, num_tokens):
+        p = seq.num_computed_tokens
+        tokens += n
+        pairs += n * p + n * (n + 1) / 2
+        kv += p + n
+    return tokens, pairs, kv

@@ -1,0 +1,138 @@
+"""Requests for the simulator: arrival time, prompt length, output length.
+
+Built-in workloads model the two traces the layered-prefill paper serves (its artifact
+samples Sarathi-Serve's preprocessed traces): ShareGPT conversations (the openchat ShareGPT4
+trace, filtered to 8K tokens) and arXiv summarisation. Lengths are log-normal, fitted to
+each trace's published median and 90th percentile, clipped to the trace's length filter and
+the model's context. Arrivals are Poisson, or bursty (gamma inter-arrival times with a
+chosen coefficient of variation; CV 1 is Poisson). A JSONL trace of
+{"arrival": s, "input_len": n, "output_len": n} lines replays recorded traffic instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megainfer.errors import ConfigError
+
+_Z90 = 1.2815515655446004  # standard normal 90th percentile
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    median: float
+    p90: float
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        sigma = math.log(self.p90 / self.median) / _Z90
+        return rng.lognormal(math.log(self.median), sigma, n)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str
+    prompt: LengthStats
+    output: LengthStats
+    max_total: int | None  # the trace's filter on prompt + output tokens
+    source: str
+
+
+# Sarathi-Serve (OSDI'24), Table 2: the token-length statistics of the traces.
+WORKLOADS = {
+    "sharegpt": WorkloadSpec("sharegpt", LengthStats(1730, 5696), LengthStats(415, 834), 8192,
+                             "openchat ShareGPT4, 8K-filtered (Sarathi-Serve Table 2)"),
+    "arxiv": WorkloadSpec("arxiv", LengthStats(7059, 12985), LengthStats(208, 371), None,
+                          "arXiv summarization (Sarathi-Serve Table 2)"),
+}
+ARRIVALS = ("poisson", "bursty")
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    input_len: int
+    output_len: int
+
+
+def arrival_times(rng: np.random.Generator, n: int, rate: float, arrival: str, cv: float) -> np.ndarray:
+    if not rate > 0 or not math.isfinite(rate):
+        raise ConfigError(f"--rate must be a positive number of requests per second, got {rate}")
+    if arrival not in ARRIVALS:
+        raise ConfigError(f"--arrival {arrival!r}: choose one of {', '.join(ARRIVALS)}")
+    if arrival == "poisson":
+        gaps = rng.exponential(1.0 / rate, n)
+    else:
+        if not cv > 0 or not math.isfinite(cv):
+            raise ConfigError(f"--cv must be a positive number (1 is Poisson, above 1 burstier), got {cv}")
+        shape = 1.0 / (cv * cv)  # gamma with mean 1/rate and the requested coefficient of variation
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+    return np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+
+
+def generate(workload: str, *, num_requests: int, rate: float, max_model_len: int, arrival: str = "poisson",
+             cv: float = 1.0, seed: int = 0) -> list[SimRequest]:
+    """`num_requests` requests of a built-in workload."""
+    spec = WORKLOADS.get(workload)
+    if spec is None:
+        raise ConfigError(f"--workload {workload!r}: choose one of {', '.join(WORKLOADS)} or a JSONL trace file")
+    if num_requests <= 0:
+        raise ConfigError(f"--requests must be positive, got {num_requests}")
+    rng = np.random.default_rng(seed)
+    limit = min(max_model_len, spec.max_total or max_model_len)
+    outputs = np.clip(np.rint(spec.output.sample(rng, num_requests)), 1, limit // 2).astype(int)
+    prompts = np.rint(spec.prompt.sample(rng, num_requests)).astype(int)
+    prompts = np.clip(prompts, 1, limit - outputs)
+    times = arrival_times(rng, num_requests, rate, arrival, cv)
+    return [SimRequest(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs)]
+
+
+def load_trace(path: str | os.PathLike, *, max_model_len: int, num_requests: int | None = None) -> list[SimRequest]:
+    """A JSONL trace: one {"arrival": seconds, "input_len": tokens, "output_len": tokens} per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--workload {str(path)!r} is neither a built-in workload ({', '.join(WORKLOADS)}) "
+                          "nor a trace file")
+    requests = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or {"arrival", "input_len", "output_len"} - set(row):
+                raise ConfigError(f"{where}: each line needs arrival (s), input_len and output_len (tokens)")
+            arrival, n_in, n_out = row["arrival"], row["input_len"], row["output_len"]
+            if not isinstance(arrival, (int, float)) or arrival < 0 or not math.isfinite(arrival):
+                raise ConfigError(f"{where}: arrival must be seconds >= 0, got {arrival!r}")
+            for name, value in (("input_len", n_in), ("output_len", n_out)):
+                if not isinstance(value, int) or value < 1:
+                    raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+            if n_in + n_out > max_model_len:
+                raise ConfigError(f"{where}: input_len + output_len = {n_in + n_out} exceeds the model's "
+                                  f"context of {max_model_len} tokens")
+            requests.append(SimRequest(float(arrival), n_in, n_out))
+            if num_requests is not None and len(requests) == num_requests:
+                break
+    if not requests:
+        raise ConfigError(f"{path}: the trace holds no requests")
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+def describe(requests: list[SimRequest]) -> dict[str, dict[str, float]]:
+    """Mean, median, p90 and standard deviation of input and output lengths (the paper's Table 4 columns)."""
+    out = {}
+    for name, values in (("input", [r.input_len for r in requests]), ("output", [r.output_len for r in requests])):
+        a = np.asarray(values, dtype=np.float64)
+        out[name] = {"mean": float(a.mean()), "median": float(np.median(a)), "p90": float(np.percentile(a, 90)),
+                     "std": float(a.std())}
+    return out

@@ -1,0 +1,118 @@
+"""Time and energy of one engine step on a colocated instance (the model on `tp` GPUs of one
+node, attention and experts tensor-parallel), from what the step computes.
+
+The simulator (`megainfer.simulator`) describes each step of the real scheduler as a few
+layer classes: how many tokens pass a layer, how many query-key pairs its attention scores,
+how many cached tokens it reads, and how many distinct experts its tokens activated. This
+module turns that into seconds with the same roofline as `perf_model` (every phase is the
+larger of its FLOPs over the achievable FLOP rate and its bytes over the achievable HBM
+bandwidth, plus launch overhead and the tensor-parallel all-reduce), so the planner, the
+simulator and the router predict with one set of formulas.
+
+Expert weights dominate an MoE step's bytes: a layer reads every expert any of its tokens
+chose, once per step. That is the traffic layered prefill saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megainfer.config import ModelConfig
+from megainfer.errors import PlanError
+from planner.catalog import GPU
+from planner.perf_model import MEMORY_HEADROOM, Efficiency
+
+# Board power a GPU draws while its kernels wait (launch gaps, synchronisation), as a
+# fraction of its rated power. H100 SXM idles near 70-100 W of 700 W and sits higher while
+# a serving loop keeps it clocked up.
+IDLE_POWER_FRACTION = 0.3
+
+
+@dataclass(frozen=True)
+class LayerClass:
+    """`layers` layers that see the same work in one step (the expert count varies per layer)."""
+
+    layers: int
+    tokens: int  # tokens through each of these layers
+    score_pairs: float  # query-key pairs its attention scores, summed over sequences
+    kv_tokens: float  # cached tokens its attention reads, summed over sequences
+    active_experts: np.ndarray | int  # distinct experts activated: one entry per layer, or one count for all
+
+
+@dataclass(frozen=True)
+class StepCost:
+    seconds: float
+    expert_bytes: float  # expert weights read, all GPUs together
+    energy_j: float  # estimate, all GPUs together
+
+
+class ColocatedStepModel:
+    def __init__(self, model: ModelConfig, gpu: GPU, tp: int, *, dtype_bytes: int = 2,
+                 efficiency: Efficiency = Efficiency(), idle_power_fraction: float = IDLE_POWER_FRACTION) -> None:
+        if tp < 1 or tp > gpu.gpus_per_node:
+            raise PlanError(f"--tp {tp}: a colocated instance uses 1..{gpu.gpus_per_node} GPUs of one {gpu.name} node")
+        self.model, self.gpu, self.tp, self.dtype_bytes = model, gpu, tp, dtype_bytes
+        eff = efficiency
+        self.overhead_s = eff.layer_overhead_s
+        flops = tp * gpu.flops * eff.compute
+        hbm = tp * gpu.hbm_bytes_per_s * eff.memory
+        # Seconds per unit of work, the whole instance together.
+        self.s_per_flop = 1.0 / flops
+        self.s_per_byte = 1.0 / hbm
+        m = model
+        self.attn_params = m.attention_params_per_layer
+        self.expert_bytes_each = m.expert_params * dtype_bytes
+        self.kv_bytes_per_token_layer = 2 * m.kv_size * dtype_bytes
+        # Two all-reduces per layer (after attention, after the experts): ring traffic per GPU.
+        token_bytes = m.hidden_size * dtype_bytes
+        self.allreduce_s_per_token = 0.0 if tp == 1 else \
+            2 * 2 * (tp - 1) / tp * token_bytes / (gpu.link_bytes_per_s * eff.link)
+        self.allreduce_fixed_s = 0.0 if tp == 1 else 2 * eff.allreduce_latency_s
+        self.head_bytes = m.vocab_size * m.hidden_size * dtype_bytes
+        self.power_w = tp * gpu.power_w
+        self.idle_w = self.power_w * idle_power_fraction
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache that fit beside the weights on the instance's GPUs."""
+        m = self.model
+        weights = m.num_params * self.dtype_bytes
+        free = self.tp * self.gpu.memory_bytes * MEMORY_HEADROOM - weights
+        per_token = self.kv_bytes_per_token_layer * m.num_layers
+        if free < per_token:
+            raise PlanError(f"{m.name} ({weights / 1e9:.1f} GB of weights) does not fit on {self.tp} x {self.gpu.name} "
+                            f"({self.gpu.memory_gb:g} GB each); raise --tp")
+        return int(free // per_token)
+
+    def step(self, layer_classes: list[LayerClass], sampled_tokens: int) -> StepCost:
+        m = self.model
+        busy = 0.0  # time at the roofline (not launch gaps): what draws power beyond idle
+        seconds = 0.0
+        expert_bytes = 0.0
+        for c in layer_classes:
+            if c.layers == 0 or c.tokens == 0:
+                continue  # layers no token passes this step (layered prefill with no decodes)
+            attn_flops = 2 * self.attn_params * c.tokens + 4 * m.q_size * c.score_pairs
+            attn_bytes = self.attn_params * self.dtype_bytes + c.kv_tokens * self.kv_bytes_per_token_layer
+            t_attn = max(attn_flops * self.s_per_flop, attn_bytes * self.s_per_byte)
+            t_moe_flops = 2 * m.expert_params * m.top_k * c.tokens * self.s_per_flop
+            if isinstance(c.active_experts, int):
+                read = c.layers * c.active_experts * self.expert_bytes_each
+                t_moe = c.layers * max(t_moe_flops, c.active_experts * self.expert_bytes_each * self.s_per_byte)
+            else:
+                per_layer = c.active_experts * self.expert_bytes_each
+                read = float(per_layer.sum())
+                t_moe = float(np.maximum(t_moe_flops, per_layer * self.s_per_byte).sum())
+            t_ar = self.allreduce_s_per_token * c.tokens + self.allreduce_fixed_s
+            layer_busy = c.layers * (t_attn + t_ar) + t_moe
+            busy += layer_busy
+            seconds += layer_busy + c.layers * 2 * self.overhead_s
+            expert_bytes += read
+        if sampled_tokens:
+            t_head = max(2 * self.head_bytes / self.dtype_bytes * sampled_tokens * self.s_per_flop,
+                         self.head_bytes * self.s_per_byte)
+            busy += t_head
+            seconds += t_head + self.overhead_s
+        energy = self.idle_w * seconds + (self.power_w - self.idle_w) * busy
+        return StepCost(seconds, expert_bytes, energy)
