@@ -288,6 +288,10 @@ class Scheduler:
             for seq in candidates + list(self.waiting):
                 n = min(seq.num_uncomputed_tokens, policy.chunk_tokens - total)
                 waiting = seq.status is SequenceStatus.WAITING
+                # Only the first member may be cut to fit: a prompt split over two cohorts would
+                # wait for both, and a smaller cohort passes its groups sooner.
+                if members and n < seq.num_uncomputed_tokens:
+                    break
                 if n <= 0 or (waiting and len(self.running) >= self.max_num_seqs) or not bm.can_allocate(seq, n):
                     break
                 bm.allocate(seq, n)

@@ -65,10 +65,13 @@ def test_short_prompts_share_a_cohort_and_long_ones_go_in_chunks():
     for seq in (a, b, c):
         s.add(seq)
     out = step(s)
-    assert out.layered.seqs == [a, b, c] and out.layered.num_tokens == [10, 20, 20]  # 50-token cohort
-    assert out.layered.num_groups == 1  # G = ceil(50 / 1000)
+    # The short prompts share a cohort; the long one is not split to fill the 20 tokens left.
+    assert out.layered.seqs == [a, b] and out.layered.num_tokens == [10, 20]
+    assert out.layered.num_groups == 1  # G = ceil(30 / 1000)
     out = step(s)
-    assert out.layered.seqs == [c] and out.layered.num_tokens == [50]  # the rest of the long prompt
+    assert out.layered.seqs == [c] and out.layered.num_tokens == [50]  # alone, the long prompt is chunked
+    out = step(s)
+    assert out.layered.seqs == [c] and out.layered.num_tokens == [20]  # the rest of it
     assert c.num_computed_tokens == 70 and c.num_output_tokens == 1
 
 
