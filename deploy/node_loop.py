@@ -38,9 +38,10 @@ class NodeLoop:
         self.wired.clear()
         self._link_of().interrupt.set()
 
-    def broken(self, error: str) -> None:
+    def broken(self, error: str, exc: BaseException | None = None) -> None:
         if self.state == "serving" and not self._link_of().interrupt.is_set():
-            logger.warning("%s: data plane failed (%s); waiting to be re-wired", self.name, error)
+            # The traceback goes to the actor's log: a peer's death reads the same as a bug here.
+            logger.warning("%s: data plane failed (%s); waiting to be re-wired", self.name, error, exc_info=exc)
         self.state, self.error = "broken", error
         self.wired.clear()
 
@@ -61,4 +62,4 @@ class NodeLoop:
                 if self.stopping.is_set():
                     return
                 self._on_failure(exc)
-                self.broken(str(exc))
+                self.broken(str(exc), exc)

@@ -68,7 +68,7 @@ def colocated(path, prompts) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("m, tp_a, policy", [(1, 1, "chunked"), (2, 1, "chunked"), (3, 1, "chunked"),
-                                             (2, 2, "chunked"), (2, 1, "layered")])
+                                             (2, 2, "chunked"), (2, 1, "layered"), (2, 2, "layered")])
 def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy):
     expected = colocated(hf_ref.path, hf_ref.prompts)
     served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a, policy=policy))

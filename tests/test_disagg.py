@@ -135,3 +135,28 @@ def test_dispatch_payload_round_trip():
     assert torch.equal(x, x2) and torch.equal(ids.int(), ids2) and torch.equal(w, w2)
     with pytest.raises(ValueError, match="does not hold 4 tokens"):
         unpack_dispatch(buf, 4, 16, 2, torch.float32)
+
+
+def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
+    """A tensor-parallel node's followers rebuild the leader's step, layered pass included,
+    and name each cohort member the same way step after step."""
+    from megainfer.disagg import step_sync
+    from megainfer.scheduler import LayeredPass, SchedulerOutput
+    from megainfer.sequence import Sequence
+
+    dec = Sequence("d", [1, 2, 3], GREEDY, token_ids=[1, 2, 3, 9], num_computed_tokens=3, block_table=[4])
+    a = Sequence("a", list(range(10, 30)), GREEDY, num_computed_tokens=8, block_table=[5, 6, 7])
+    b = Sequence("b", [7] * 5, GREEDY, block_table=[8])
+    out = SchedulerOutput(seqs=[dec], num_scheduled_tokens=[1], num_single_token=1,
+                          layered=LayeredPass([b, a], [5, 12], (1, 3), 1, 2))
+    got = step_sync.decode(step_sync.encode(out))
+    assert got.num_scheduled_tokens == [1] and got.num_single_token == 1
+    assert got.seqs[0].token_ids[3:] == [9] and got.seqs[0].block_table == [4]
+    lp = got.layered
+    assert (lp.layers, lp.group, lp.num_groups, lp.num_tokens, lp.last) == ((1, 3), 1, 2, [5, 12], True)
+    assert [v.block_table for v in lp.seqs] == [[8], [5, 6, 7]]
+    assert lp.seqs[1].token_ids[8:20] == list(range(18, 30)) and lp.seqs[1].num_computed_tokens == 8
+    again = step_sync.decode(step_sync.encode(out))
+    assert [v.request_id for v in again.layered.seqs] == [v.request_id for v in lp.seqs]
+    assert len({v.request_id for v in lp.seqs}) == 2
+    assert step_sync.decode(step_sync.encode(SchedulerOutput())).layered is None

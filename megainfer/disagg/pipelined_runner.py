@@ -21,7 +21,7 @@ import torch
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
 from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
-from megainfer.errors import ConfigError, DataPlaneError
+from megainfer.errors import DataPlaneError
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.model_runner import StepResult, allocate_kv_caches, prepare_batch
@@ -55,9 +55,6 @@ class PipelinedModelRunner:
         routed tokens."""
         if len(expert_nodes) != len(expert_assignment):
             raise ValueError("one expert-id list per expert node")
-        if config.prefill_policy == "layered" and tp_size > 1:
-            raise ConfigError("layered prefill does not run in tensor-parallel attention nodes yet; use "
-                              "attention.tp: 1 or scheduler.prefill_policy: chunked")
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -163,18 +160,9 @@ class PipelinedModelRunner:
         self.deployment_busy = self._busy
         self.step_id = (self.step_id + 1) & 0xFFFFFFFF
 
-        n_all = len(out.seqs) + (len(lp.seqs) if lp else 0)
-        sampled: list[int | None] = [None] * n_all
-        if self.tp_rank:  # followers: the leader samples
-            return StepResult(sampled, [])
-        samples = out.samples()
-        rows, owners = [], []  # owners: index into out.seqs, then into the cohort after them
-        for j, idx in enumerate(dec_groups):
-            starts = dec_inputs[j][2].query_start_host if idx else []
-            for pos, i in enumerate(idx):
-                if samples[i]:
-                    rows.append(hidden[j][starts[pos + 1] - 1])
-                    owners.append(i)
+        # Every rank keeps the cohort's hidden states for the next group (followers too: each
+        # rank's attention needs them whole); after the last group, completed prompts sample.
+        last_rows = []  # after the last group: (index into the cohort, its chunk's last hidden row)
         for j, coh_idx in enumerate(coh_groups):
             if not coh_idx:
                 continue
@@ -187,9 +175,25 @@ class PipelinedModelRunner:
                     self.layered_hidden[seq.request_id] = part
                     continue
                 self.layered_hidden.pop(seq.request_id, None)
-                if seq.num_computed_tokens + lp.num_tokens[i] == seq.num_tokens:
-                    rows.append(part[-1])
-                    owners.append(len(out.seqs) + i)
+                last_rows.append((i, part[-1]))
+
+        n_all = len(out.seqs) + (len(lp.seqs) if lp else 0)
+        sampled: list[int | None] = [None] * n_all
+        if self.tp_rank:  # followers: the leader samples
+            return StepResult(sampled, [])
+        samples = out.samples()
+        rows, owners = [], []  # owners: index into out.seqs, then into the cohort after them
+        for j, idx in enumerate(dec_groups):
+            starts = dec_inputs[j][2].query_start_host if idx else []
+            for pos, i in enumerate(idx):
+                if samples[i]:
+                    rows.append(hidden[j][starts[pos + 1] - 1])
+                    owners.append(i)
+        for i, row in last_rows:  # a chunk that completes its prompt samples the first token
+            seq = lp.seqs[i]
+            if seq.num_computed_tokens + lp.num_tokens[i] == seq.num_tokens:
+                rows.append(row)
+                owners.append(len(out.seqs) + i)
         if rows:
             every = out.seqs + (lp.seqs if lp else [])
             logits = self.model.compute_logits(self.model.norm(torch.stack(rows)))
