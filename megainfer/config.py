@@ -348,6 +348,7 @@ class EngineConfig:
             return self.num_kv_blocks
         block_bytes = self.block_size * model.kv_bytes_per_token(self.dtype)
         budget = self.kv_cache_bytes or (int(free_bytes * 0.9) if free_bytes else 2 << 30)
+        budget -= self.layered_hidden_reserve(model)
         # Never more than every running sequence at full length could use.
         wanted = self.max_num_seqs * math.ceil(max_model_len / self.block_size)
         blocks = min(budget // block_bytes, wanted)
@@ -355,6 +356,15 @@ class EngineConfig:
             raise ConfigError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block; "
                               "raise kv_cache_bytes")
         return max(1, blocks)
+
+    def layered_hidden_reserve(self, model: ModelConfig) -> int:
+        """Bytes the layered policy's in-flight cohort may hold between steps (its hidden
+        states, at most one cohort's tokens), taken from the KV-cache budget; 0 for chunked."""
+        if self.prefill_policy != "layered":
+            return 0
+        groups = self.num_layer_groups or model.num_layers
+        tokens = min(self.layered_chunk_tokens, self.group_tokens * groups)
+        return tokens * model.hidden_size * DTYPE_BYTES[self.dtype]
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,7 @@ prompt, decode every step, expert accounting, identical tokens."""
 from __future__ import annotations
 
 from megainfer import Engine, LLM, SamplingParams
-from megainfer.config import PRESETS
+from megainfer.config import PRESETS, EngineConfig
 from megainfer.kv_cache import BlockManager
 from megainfer.scheduler import LayeredPrefill, Scheduler
 from megainfer.sequence import Sequence
@@ -96,3 +96,16 @@ def test_engine_layered_equals_chunked_and_counts_expert_bytes_per_group():
     assert engine.stats().expert_bytes_read == total
     assert not engine.has_unfinished_requests()
     assert engine.runner.layered_hidden_bytes == 0  # nothing left in flight
+
+
+def test_the_cohort_hidden_states_are_counted_against_the_kv_budget():
+    model = PRESETS["tiny-mixtral"]
+    budget = 64 << 20
+    chunked = EngineConfig(kv_cache_bytes=budget, max_num_seqs=4096)
+    layered = chunked.replace(prefill_policy="layered", group_tokens=512)
+    reserve = layered.layered_hidden_reserve(model)
+    assert reserve == min(8192, 512 * model.num_layers) * model.hidden_size * 4
+    block_bytes = chunked.block_size * model.kv_bytes_per_token("float32")
+    n_chunked = chunked.resolved_num_kv_blocks(model, 4096, None)
+    n_layered = layered.resolved_num_kv_blocks(model, 4096, None)
+    assert n_chunked == budget // block_bytes and n_layered == (budget - reserve) // block_bytes
