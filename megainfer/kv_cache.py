@@ -31,14 +31,17 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `seq` must gain before `num_new_tokens` more of its tokens can be computed."""
-        needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(seq.block_table))
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        have = len(seq.block_table)
+        return needed - have if needed > have else 0
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_new_tokens) <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         n = self.num_new_blocks(seq, num_new_tokens)
+        if n == 0:  # most decode steps: the last block has room
+            return
         if n > len(self.free_block_ids):
             raise RuntimeError(f"allocate: {n} blocks wanted, {len(self.free_block_ids)} free (check can_allocate)")
         seq.block_table.extend(self.free_block_ids.popleft() for _ in range(n))

@@ -72,33 +72,40 @@ class LayeredPrefill:
         self.chunk: list[int] = []  # tokens of each cohort member's chunk
         self.group = 0
         self.bounds: list[tuple[int, int]] = []  # layer range of each group
+        self._member_ids: set[int] = set()  # id() of each cohort member
 
     def num_prefill_tokens(self, seq: Sequence, token_budget: int) -> int:
         return min(seq.num_uncomputed_tokens, token_budget)
 
     def in_cohort(self, seq: Sequence) -> bool:
-        return any(s is seq for s in self.cohort)
+        return id(seq) in self._member_ids
 
     def start(self, seqs: list[Sequence], chunk: list[int]) -> None:
         groups = self.num_layer_groups or max(1, -(-sum(chunk) // self.group_tokens))
         groups = min(groups, self.num_layers)
         cuts = [round(i * self.num_layers / groups) for i in range(groups + 1)]
         self.cohort, self.chunk, self.group = list(seqs), list(chunk), 0
+        self._member_ids = {id(s) for s in seqs}
         self.bounds = list(zip(cuts, cuts[1:]))
 
     def advance(self) -> None:
         self.group += 1
         if self.group >= len(self.bounds):
-            self.cohort, self.chunk, self.bounds, self.group = [], [], [], 0
+            self._clear()
 
     def drop(self, seq: Sequence) -> None:
         """A member left (preempted, aborted, failed); the others go on."""
         for i, s in enumerate(self.cohort):
             if s is seq:
                 del self.cohort[i], self.chunk[i]
+                self._member_ids.discard(id(seq))
                 break
         if not self.cohort:
-            self.cohort, self.chunk, self.bounds, self.group = [], [], [], 0
+            self._clear()
+
+    def _clear(self) -> None:
+        self.cohort, self.chunk, self.bounds, self.group = [], [], [], 0
+        self._member_ids: set[int] = set()
 
 
 def make_prefill_policy(config: EngineConfig, num_layers: int = 1) -> PrefillPolicy:

@@ -64,6 +64,9 @@ class ColocatedStepModel:
         m = model
         self.attn_params = m.attention_params_per_layer
         self.expert_bytes_each = m.expert_params * dtype_bytes
+        # A layer with tokens activates at least top_k experts: below this compute time its
+        # expert half is memory-bound whatever the count.
+        self.min_expert_read_s = m.top_k * self.expert_bytes_each * self.s_per_byte
         self.kv_bytes_per_token_layer = 2 * m.kv_size * dtype_bytes
         # Two all-reduces per layer (after attention, after the experts): ring traffic per GPU.
         token_bytes = m.hidden_size * dtype_bytes
@@ -101,9 +104,12 @@ class ColocatedStepModel:
                 read = c.layers * c.active_experts * self.expert_bytes_each
                 t_moe = c.layers * max(t_moe_flops, c.active_experts * self.expert_bytes_each * self.s_per_byte)
             else:
-                per_layer = c.active_experts * self.expert_bytes_each
-                read = float(per_layer.sum())
-                t_moe = float(np.maximum(t_moe_flops, per_layer * self.s_per_byte).sum())
+                read = float(c.active_experts.sum()) * self.expert_bytes_each
+                if t_moe_flops <= self.min_expert_read_s:  # memory-bound in every layer
+                    t_moe = read * self.s_per_byte
+                else:
+                    t_moe = float(np.maximum(t_moe_flops, c.active_experts * self.expert_bytes_each
+                                             * self.s_per_byte).sum())
             t_ar = self.allreduce_s_per_token * c.tokens + self.allreduce_fixed_s
             layer_busy = c.layers * (t_attn + t_ar) + t_moe
             busy += layer_busy

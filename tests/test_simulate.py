@@ -242,9 +242,11 @@ def test_simulate_command_errors_are_one_line(args, message):
 
 
 @pytest.mark.slow
-def test_ten_thousand_requests_simulate_in_under_30_s():
+@pytest.mark.parametrize("workload, rate", [("sharegpt", 4.4), ("arxiv", 1.3)])
+def test_ten_thousand_requests_simulate_in_under_30_s(workload, rate):
+    """arXiv under layered prefill is the heaviest case: about 1.2 million steps."""
     spec = SimulationSpec(model=QWEN, step_model=ColocatedStepModel(QWEN, Catalog.load()["H100"], 2),
-                          workload="sharegpt", rate=4.4, num_requests=10000, policies=("layered",))
+                          workload=workload, rate=rate, num_requests=10000, policies=("layered",))
     requests = spec.requests()
     started = time.perf_counter()
     spec.run(requests)

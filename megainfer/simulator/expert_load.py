@@ -26,6 +26,7 @@ import numpy as np
 from megainfer.errors import ConfigError
 
 _SATURATED = 1.0 - 1e-12
+_POOL = 4096  # draws per token count generated at once
 
 
 class ExpertActivation:
@@ -37,6 +38,7 @@ class ExpertActivation:
         self.num_experts, self.top_k, self.skew = num_experts, top_k, skew
         self.rng = np.random.default_rng(seed)
         self._cdfs: dict[int, np.ndarray] = {}  # tokens -> CDF of the count
+        self._pools: dict[int, tuple[np.ndarray, int]] = {}  # tokens -> (drawn counts, next unused)
         self._saturated_at: int | None = None
         e, k = num_experts, top_k
         if skew == 0:
@@ -97,8 +99,15 @@ class ExpertActivation:
         cdf = self._cdf(tokens)
         if cdf is None:
             return self.num_experts
-        counts = np.searchsorted(cdf, self.rng.random(layers), side="right")
-        return np.minimum(counts, self.num_experts)
+        # Draws come from a pool per token count, refilled in bulk: the same independent
+        # samples, without paying numpy's per-call overhead every layer class of every step.
+        pool, pos = self._pools.get(tokens, (None, 0))
+        if pool is None or pos + layers > len(pool):
+            size = max(_POOL, layers)
+            pool = np.minimum(np.searchsorted(cdf, self.rng.random(size), side="right"), self.num_experts)
+            pos = 0
+        self._pools[tokens] = (pool, pos + layers)
+        return pool[pos:pos + layers]
 
     def expected(self, tokens: int) -> float:
         """Mean distinct experts for `tokens` tokens (tests, docs)."""
