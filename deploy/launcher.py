@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from deploy.attention_node import AttentionNode
 from deploy.expert_node import ExpertNode
 from deploy.attention_shard import AttentionShard
+from deploy.expert_shard import ExpertShard
 from deploy.node_config import attention_rank_names, node_names, weights_of
 from megainfer.errors import ConfigError, DataPlaneError, MegaInferError, PlanError
 from megainfer.plan import Plan
@@ -55,9 +56,9 @@ class Deployment:
         self.show_progress = show_progress
         self.model, _ = weights_of(plan)
         plan.check_model(self.model)
-        if plan.experts.tp != 1:
-            raise PlanError(f"experts.tp = {plan.experts.tp}: tensor parallelism inside expert nodes is not "
-                            "supported yet; use experts.tp: 1 and more expert nodes (attention.tp may be > 1)")
+        if self.model.expert_intermediate_size % plan.experts.tp:
+            raise PlanError(f"experts.tp = {plan.experts.tp} does not divide the experts' intermediate size "
+                            f"({self.model.expert_intermediate_size}); choose a tp that divides it")
         self.attention_names, self.expert_names = node_names(plan)
         self.attention_rank_names = attention_rank_names(plan)
         self.registry = StreamRegistry(max_open=2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
@@ -69,7 +70,8 @@ class Deployment:
         self._pg = None
         self.attention: list = []  # rank 0 of each attention node
         self.shards: list = []  # the other ranks of tensor-parallel attention nodes, node by node
-        self.experts: list = []
+        self.experts: list = []  # rank 0 of each expert node
+        self.expert_shards: list = []  # the other ranks of tensor-parallel expert nodes, node by node
 
     # -- bring-up -----------------------------------------------------------------------------
     def start(self) -> "Deployment":
@@ -85,7 +87,7 @@ class Deployment:
             if self.address:
                 ray.init(address=self.address, log_to_driver=False)
             else:
-                need = len(bundles(self.plan))
+                need = int(sum(b.get("CPU", 0) for b in bundles(self.plan)))
                 ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False)
                 self._started_ray = True
         local = self._started_ray or self.address is None
@@ -101,13 +103,13 @@ class Deployment:
         threads = 1 if self.plan.attention.gpu == "cpu" else None
         plan_dict = self.plan.to_dict()
 
-        tp = self.plan.attention.tp
+        tp, tp_e = self.plan.attention.tp, self.plan.experts.tp
 
         def actor(cls, bundle: int, *args):
-            side = self.plan.experts if cls is ExpertNode else self.plan.attention
-            gpus = 0 if side.gpu == "cpu" else 1 if cls is not ExpertNode else side.tp
+            side = self.plan.experts if cls in (ExpertNode, ExpertShard) else self.plan.attention
+            gpus = 0 if side.gpu == "cpu" else 1  # one rank, one GPU of its node's bundle
             # A tensor-parallel group cannot be re-formed around one restarted rank (yet).
-            restarts = -1 if cls is ExpertNode or tp == 1 else 0
+            restarts = -1 if side.tp == 1 else 0
             return ray.remote(cls).options(
                 num_cpus=1, num_gpus=gpus, max_restarts=restarts, max_concurrency=16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
@@ -115,10 +117,15 @@ class Deployment:
 
         self.attention = [actor(AttentionNode, i, i) for i in range(self.plan.attention.nodes)]
         self.shards = [actor(AttentionShard, i, i, r) for i in range(self.plan.attention.nodes) for r in range(1, tp)]
-        self.experts = [actor(ExpertNode, self.plan.attention.nodes + k, k) for k in range(self.plan.experts.nodes)]
+        first_expert = self.plan.attention.nodes
+        self.experts = [actor(ExpertNode, first_expert + k, k) for k in range(self.plan.experts.nodes)]
+        self.expert_shards = [actor(ExpertShard, first_expert + k, k, r)
+                              for k in range(self.plan.experts.nodes) for r in range(1, tp_e)]
         if tp > 1:
-            self._form_tp_groups()
-        self._wait_ready(self.attention + self.shards + self.experts)
+            self._form_tp_groups(self.attention, self.shards, tp)
+        if tp_e > 1:
+            self._form_tp_groups(self.experts, self.expert_shards, tp_e)
+        self._wait_ready(self.attention + self.shards + self.experts + self.expert_shards)
         self._wire()
         for i, node in enumerate(self.attention):
             self._spawn(self._dispatch, node, i, name=f"dispatch-{i}")
@@ -161,14 +168,13 @@ class Deployment:
                 pending.pop(done[0])
                 bar.update(1)
 
-    def _form_tp_groups(self) -> None:
-        """Each tensor-parallel attention node's ranks join a torch.distributed group of their own."""
-        tp = self.plan.attention.tp
+    def _form_tp_groups(self, leaders: list, followers: list, tp: int) -> None:
+        """Each tensor-parallel node's ranks join a torch.distributed group of their own."""
         calls = []
-        for i, leader in enumerate(self.attention):
+        for i, leader in enumerate(leaders):
             master = ray.get(leader.tp_master.remote())
             calls.append(leader.join_group.remote(master))
-            calls += [f.join_group.remote(master) for f in self.shards[i * (tp - 1):(i + 1) * (tp - 1)]]
+            calls += [f.join_group.remote(master) for f in followers[i * (tp - 1):(i + 1) * (tp - 1)]]
         try:
             ray.get(calls, timeout=READY_TIMEOUT_S)
         except RayTaskError as exc:
@@ -188,7 +194,7 @@ class Deployment:
         attn_addr = dict(zip(self.attention_rank_names, addresses[:len(ranks)]))
         expert_addr = dict(zip(self.expert_names, addresses[len(ranks):]))
         ray.get([n.connect.remote(expert_addr) for n in ranks] + [n.connect.remote(attn_addr) for n in self.experts])
-        ray.get([n.serve.remote() for n in nodes])
+        ray.get([n.serve.remote() for n in nodes + self.expert_shards])
 
     def _warm_up(self) -> None:
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -254,10 +260,12 @@ class Deployment:
                 logger.exception("re-wiring failed; retrying")
 
     def health(self) -> list[dict]:
-        """Attention leaders first (index = attention node), then followers, then experts."""
+        """Attention leaders first (index = attention node), then their followers, then expert
+        leaders, then theirs."""
         shard_names = [n for n in self.attention_rank_names if "." in n]
-        names = self.attention_names + shard_names + self.expert_names
-        refs = [n.health.remote() for n in self.attention + self.shards + self.experts]
+        expert_shard_names = [f"{e}.{r}" for e in self.expert_names for r in range(1, self.plan.experts.tp)]
+        names = self.attention_names + shard_names + self.expert_names + expert_shard_names
+        refs = [n.health.remote() for n in self.attention + self.shards + self.experts + self.expert_shards]
         states = []
         for name, ref in zip(names, refs):
             try:
@@ -276,7 +284,7 @@ class Deployment:
                         self.registry.deliver({"request_id": rid, "new_token_ids": [], "new_text": "", "finished": True,
                                                "finish_reason": "error", "error_code": "unavailable",
                                                "error": f"{s['name']} died"})
-        if self.plan.attention.tp > 1 and any(s["state"] == "dead" for s in states):
+        if max(self.plan.attention.tp, self.plan.experts.tp) > 1 and any(s["state"] == "dead" for s in states):
             raise DataPlaneError("a rank of a tensor-parallel deployment died; re-forming its group is not "
                                  "supported yet: redeploy")
         nodes = self.attention + self.shards + self.experts
@@ -293,8 +301,8 @@ class Deployment:
         nodes = []
         for s in self.health():
             role = "attention" if s["name"].startswith("attention") else "expert"
-            if role == "attention" and "." in s["name"]:
-                nodes.append({"name": s["name"], "role": "attention", "state": s["state"],
+            if "." in s["name"]:
+                nodes.append({"name": s["name"], "role": role, "state": s["state"],
                               "detail": "tensor-parallel follower" if s["state"] == "serving" else s.get("error") or ""})
                 continue
             detail = (f"running {s.get('running', 0)}, waiting {s.get('waiting', 0)}" if role == "attention"
@@ -310,7 +318,7 @@ class Deployment:
         self._stop.set()
         for t in self._threads:
             t.join(5)
-        for n in self.attention + self.shards + self.experts:
+        for n in self.attention + self.shards + self.experts + self.expert_shards:
             try:
                 ray.get(n.stop.remote(), timeout=10)
             except Exception:

@@ -14,10 +14,11 @@ logger = logging.getLogger(__name__)
 
 
 class NodeLoop:
-    def __init__(self, name: str, link_of: Callable[[], SwitchableLink], step: Callable[[], None],
+    def __init__(self, name: str, link_of: Callable[[], SwitchableLink | None], step: Callable[[], None],
                  on_failure: Callable[[Exception], None] = lambda exc: None) -> None:
         self.name = name
-        self._link_of = link_of  # the link may be built after the loop (tensor-parallel ranks)
+        # The link may be built after the loop (tensor-parallel ranks); an expert follower rank has none.
+        self._link_of = link_of
         self._step = step
         self._on_failure = on_failure
         self.wired = threading.Event()
@@ -36,10 +37,13 @@ class NodeLoop:
     def interrupt(self) -> None:
         """Stop stepping: the driver is about to re-wire the data plane."""
         self.wired.clear()
-        self._link_of().interrupt.set()
+        link = self._link_of()
+        if link is not None:
+            link.interrupt.set()
 
     def broken(self, error: str, exc: BaseException | None = None) -> None:
-        if self.state == "serving" and not self._link_of().interrupt.is_set():
+        link = self._link_of()
+        if self.state == "serving" and not (link is not None and link.interrupt.is_set()):
             # The traceback goes to the actor's log: a peer's death reads the same as a bug here.
             logger.warning("%s: data plane failed (%s); waiting to be re-wired", self.name, error, exc_info=exc)
         self.state, self.error = "broken", error
@@ -50,7 +54,9 @@ class NodeLoop:
         self.wired.set()
         if self.thread is not None:
             self.thread.join(5)
-        self._link_of().close()
+        link = self._link_of()
+        if link is not None:
+            link.close()
 
     def _run(self) -> None:
         while not self.stopping.is_set():

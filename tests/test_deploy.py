@@ -30,11 +30,11 @@ def ray_session():
 
 
 def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1,
-              policy: str = "chunked") -> Plan:
+              policy: str = "chunked", tp_e: int = 1) -> Plan:
     return Plan.from_dict({
         "model": model, "dtype": "float32",
         "attention": {"gpu": "cpu", "tp": tp_a, "nodes": attention},
-        "experts": {"gpu": "cpu", "tp": 1, "nodes": experts},
+        "experts": {"gpu": "cpu", "tp": tp_e, "nodes": experts},
         "pipeline": {"micro_batches": m, "global_batch": 64},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64, "prefill_policy": policy,
                       "group_tokens": 8},
@@ -67,11 +67,13 @@ def colocated(path, prompts) -> list[list[int]]:
     return [out[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("m, tp_a, policy", [(1, 1, "chunked"), (2, 1, "chunked"), (3, 1, "chunked"),
-                                             (2, 2, "chunked"), (2, 1, "layered"), (2, 2, "layered")])
-def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy):
+@pytest.mark.parametrize("m, tp_a, policy, tp_e", [(1, 1, "chunked", 1), (2, 1, "chunked", 1),
+                                                   (3, 1, "chunked", 1), (2, 2, "chunked", 1),
+                                                   (2, 1, "chunked", 2), (2, 1, "layered", 1),
+                                                   (2, 2, "layered", 1)])
+def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy, tp_e):
     expected = colocated(hf_ref.path, hf_ref.prompts)
-    served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a, policy=policy))
+    served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a, policy=policy, tp_e=tp_e))
     try:
         results = [None] * len(hf_ref.prompts)
 
@@ -85,7 +87,7 @@ def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy):
             t.join(120)
         assert results == expected
         info = served.client.info()
-        assert [n.state for n in info.nodes] == ["serving"] * (2 * tp_a + 2)
+        assert [n.state for n in info.nodes] == ["serving"] * (2 * tp_a + 2 * tp_e)
         assert "micro_batches: " + str(m) in info.plan_yaml
     finally:
         served.close()

@@ -3,6 +3,7 @@ and expert layers holding disjoint expert subsets add up to the full MoE output.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megainfer.config import PRESETS
@@ -25,6 +26,28 @@ def test_expert_subsets_sum_to_the_full_layer():
     weights = torch.rand(10, 2, generator=g)
     combined = halves[0](x, ids, weights) + halves[1](x, ids, weights)
     torch.testing.assert_close(combined, full(x, ids, weights), atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_expert_slices_sum_to_the_full_layer():
+    """An expert node's tp ranks each hold a slice of every expert's intermediate dimension."""
+    source = RandomWeights(seed=4)
+    full = ExpertLayer(CFG, 2, torch.float32, "cpu", expert_ids=[1, 3, 5])
+    full.load_weights(source)
+    g = torch.Generator().manual_seed(1)
+    for tokens in (3, 600):  # the per-expert and the batched paths
+        x = torch.randn(tokens, CFG.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=g)
+        for tp in (2, 4):
+            ranks = [ExpertLayer(CFG, 2, torch.float32, "cpu", expert_ids=[1, 3, 5], tp_rank=r, tp_size=tp)
+                     for r in range(tp)]
+            for rank in ranks:
+                rank.load_weights(source)
+                assert rank.w_down.shape[2] == CFG.expert_intermediate_size // tp
+            combined = sum(rank(x, ids, weights) for rank in ranks)
+            torch.testing.assert_close(combined, full(x, ids, weights), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not split"):
+        ExpertLayer(CFG, 0, torch.float32, "cpu", tp_rank=0, tp_size=3)
 
 
 def test_expert_layer_matches_a_per_expert_loop():

@@ -17,16 +17,21 @@ from megainfer.model.weights import WeightSource
 
 class ExpertWorker:
     def __init__(self, model_config: ModelConfig, expert_ids: list[int], dtype: str, device: str,
-                 weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink,
-                 show_progress: bool = False) -> None:
+                 weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink | None,
+                 show_progress: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        """With tp_size > 1 this is one rank of a tensor-parallel expert node (the default
+        torch.distributed group is the node's ranks): rank 0 exchanges every message with the
+        attention nodes and broadcasts each (layer, micro-batch)'s tokens to the others; every
+        rank runs its slice of each expert and the partial outputs are summed on rank 0."""
         self.cfg = model_config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.expert_ids = list(expert_ids)
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.attention_nodes = list(attention_nodes)
         self.m = micro_batches
         self.link = link
-        self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids)
+        self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids, tp_rank, tp_size)
                        for layer in range(model_config.num_layers)]
         with torch.inference_mode():
             for layer in tqdm(self.layers, desc=f"loading experts {expert_ids[0]}..{expert_ids[-1]}", unit="layer",
@@ -55,15 +60,18 @@ class ExpertWorker:
                                            f"{msg.header.layer}) where (step {step}, layer {layer}) was due")
                 counts = [msg.header.token_count for msg in msgs]
                 total = sum(counts)
+                x = ids = weights = None
                 if total:
                     parts = [unpack_dispatch(msg.tensor(torch.uint8), n, cfg.hidden_size, cfg.top_k, self.dtype)
                              for msg, n in zip(msgs, counts) if n]
                     x = torch.cat([p[0] for p in parts]).to(self.device)
                     ids = torch.cat([p[1] for p in parts]).to(self.device, torch.int64)
                     weights = torch.cat([p[2] for p in parts]).to(self.device)
+                if self.tp_size > 1:
+                    self._share(layer, j, total, x, ids, weights)
                 for msg in msgs:  # everything needed is copied out: the senders may reuse their slots
                     msg.release()
-                y = self.layers[layer](x, ids, weights).cpu() if total else None
+                y = self._experts(layer, x, ids, weights) if total else None
                 self.timing["experts"] += time.perf_counter() - t1
                 flags = BUSY if total else 0
                 offset = 0
@@ -75,3 +83,37 @@ class ExpertWorker:
         self.steps += 1
         self.tokens += step_tokens
         return step_tokens
+
+    def _experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = self.layers[layer](x, ids, weights)
+        if self.tp_size > 1:  # each rank holds a slice of every expert: their outputs add up
+            torch.distributed.reduce(y, dst=0)
+        return y.cpu()
+
+    def _share(self, layer: int, j: int, total: int, x, ids, weights) -> None:
+        """Leader: this (layer, micro-batch)'s tokens to the other ranks (a header, then the tensors)."""
+        dist = torch.distributed
+        dist.broadcast(torch.tensor([layer, j, total], dtype=torch.int64), src=0)
+        if total:
+            for t in (x, ids, weights):
+                dist.broadcast(t.to(self.device), src=0)
+
+    @torch.inference_mode()
+    def run_follower_step(self) -> None:
+        """A follower rank's unit of work: one (layer, micro-batch) the leader shares. The header
+        names the layer, so a leader that restarts its step after a re-wire needs no resync."""
+        dist = torch.distributed
+        cfg = self.cfg
+        header = torch.zeros(3, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        layer, _, total = header.tolist()
+        if not 0 <= layer < cfg.num_layers:
+            raise RuntimeError(f"expert rank {self.tp_rank}: the leader shared layer {layer}")
+        if total:
+            x = torch.empty(total, cfg.hidden_size, dtype=self.dtype, device=self.device)
+            ids = torch.empty(total, cfg.top_k, dtype=torch.int64, device=self.device)
+            weights = torch.empty(total, cfg.top_k, dtype=torch.float32, device=self.device)
+            for t in (x, ids, weights):
+                dist.broadcast(t, src=0)
+            self._experts(layer, x, ids, weights)
+            self.tokens += total

@@ -26,7 +26,10 @@ BATCHED_MAX_ROWS = 256
 
 class ExpertLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
-                 expert_ids: Sequence[int] | None = None) -> None:
+                 expert_ids: Sequence[int] | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        """With tp_size > 1 this rank holds a 1/tp_size slice of every expert's intermediate
+        dimension (gate and up rows, down columns): its output is a partial sum, and the
+        ranks' outputs add up to the layer's."""
         super().__init__()
         self.cfg = cfg
         self.layer = layer
@@ -34,7 +37,11 @@ class ExpertLayer(nn.Module):
         if len(set(self.expert_ids)) != len(self.expert_ids) or not all(
                 0 <= e < cfg.num_experts for e in self.expert_ids):
             raise ValueError(f"expert ids must be distinct and in [0, {cfg.num_experts}), got {self.expert_ids}")
-        n, h, i = len(self.expert_ids), cfg.hidden_size, cfg.expert_intermediate_size
+        if cfg.expert_intermediate_size % tp_size:
+            raise ValueError(f"expert intermediate size {cfg.expert_intermediate_size} does not split over "
+                             f"{tp_size} tensor-parallel ranks")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        n, h, i = len(self.expert_ids), cfg.hidden_size, cfg.expert_intermediate_size // tp_size
         # [local expert, 2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection.
         self.w_gate_up = nn.Parameter(torch.empty(n, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(n, h, i, dtype=dtype, device=device), requires_grad=False)
@@ -95,5 +102,6 @@ class ExpertLayer(nn.Module):
         for local, e in enumerate(self.expert_ids):
             t = {role: source.get(name, shape) for role, (name, shape) in
                  expert_tensors(self.cfg, self.layer, e).items()}
-            self.w_gate_up[local].copy_(torch.cat([t["gate"], t["up"]]))
-            self.w_down[local].copy_(t["down"])
+            rows = slice(self.tp_rank * self.w_down.shape[2], (self.tp_rank + 1) * self.w_down.shape[2])
+            self.w_gate_up[local].copy_(torch.cat([t["gate"][rows], t["up"][rows]]))
+            self.w_down[local].copy_(t["down"][:, rows])

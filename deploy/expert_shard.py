@@ -1,0 +1,45 @@
+"""The ExpertShard actor: a follower rank of a tensor-parallel expert node. It holds a slice
+of every one of the node's experts, takes each micro-batch's tokens from its leader over the
+node's torch.distributed group and adds its partial outputs to the leader's; it has no
+endpoint of its own (attention nodes talk to the leader only)."""
+
+from __future__ import annotations
+
+from deploy.expert_node import build_expert_worker
+from deploy.node_config import join_tp_group, node_names
+from deploy.node_loop import NodeLoop
+from megainfer.disagg.expert_worker import ExpertWorker
+from megainfer.plan import Plan
+
+
+class ExpertShard:
+    def __init__(self, plan: dict, index: int, rank: int, secret: bytes, host: str,
+                 num_threads: int | None = None) -> None:
+        import torch
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.plan = Plan.from_dict(plan)
+        self.index, self.rank = index, rank
+        self.name = f"{node_names(self.plan)[1][index]}.{rank}"
+        self.worker: ExpertWorker | None = None
+        self.loop = NodeLoop(self.name, lambda: None, lambda: self.worker.run_follower_step())
+
+    def ready(self) -> str:
+        return self.name
+
+    def join_group(self, master: str) -> None:
+        join_tp_group(master, self.rank, self.plan.experts.tp, on_gpu=self.plan.experts.gpu != "cpu")
+        self.worker = build_expert_worker(self.plan, self.index, None, self.rank)
+
+    def serve(self) -> None:
+        self.loop.serve()
+
+    def interrupt(self) -> None:
+        self.loop.interrupt()
+
+    def health(self) -> dict:
+        return {"name": self.name, "state": self.loop.state, "error": self.loop.error}
+
+    def stop(self) -> None:
+        self.loop.stop()
