@@ -1,9 +1,15 @@
 """Kernels for the hot paths, taking tensors only (never models or requests).
 
-This module is the one import point the engine uses. Today every kernel is its torch
-reference; Triton implementations bind here behind the same signatures.
+This module is the one import point the engine uses. Each kernel has a torch reference
+(`*_ref.py`) and a Triton implementation (`*_triton.py`) of the same signature;
+`kernels.dispatch` picks one per call: Triton on CUDA, the reference elsewhere,
+`MEGAINFER_KERNELS=reference|triton` to override.
 """
 
-from kernels.paged_attention_ref import PagedAttentionBatch, paged_attention, store_kv
+from kernels.dispatch import (KernelUnavailable, backend, decode_attention, fused_gating, grouped_expert_gemm,
+                              paged_attention, prefill_attention)
+from kernels.moe_ref import Gating
+from kernels.paged_attention_ref import PagedAttentionBatch, store_kv
 
-__all__ = ["PagedAttentionBatch", "paged_attention", "store_kv"]
+__all__ = ["Gating", "KernelUnavailable", "PagedAttentionBatch", "backend", "decode_attention", "fused_gating",
+           "grouped_expert_gemm", "paged_attention", "prefill_attention", "store_kv"]

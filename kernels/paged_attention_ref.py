@@ -66,27 +66,61 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, slot: int) -> torch
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     batch: PagedAttentionBatch, scale: float) -> torch.Tensor:
     """Attention of every query token over its sequence's cached keys -> [T, Hq, D]."""
-    num_heads, head_dim = query.shape[1:]
-    block_size = key_cache.shape[1]
     out = torch.empty_like(query)
-    lens = batch.seq_lens_host
-    starts = batch.query_start_host
     d = batch.num_single
     if d:
-        # All decodes at once: gather just the blocks the longest of them needs.
-        nb = -(-max(lens[:d]) // block_size)
-        k = _gather(key_cache, batch.block_tables[:d, :nb], 0)
-        v = _gather(value_cache, batch.block_tables[:d, :nb], 1)
-        mask = torch.arange(nb * block_size, device=query.device)[None, :] < batch.seq_lens[:d, None]
-        q = query[:d].view(d, num_heads, 1, head_dim)
-        out[:d] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                                 enable_gqa=True).view(d, num_heads, head_dim)
-    for s in range(d, batch.num_seqs):
+        out[:d] = _decode(query[:d], key_cache, value_cache, batch.block_tables[:d], batch.seq_lens[:d],
+                          batch.seq_lens_host[:d], scale)
+    if d < batch.num_seqs:
+        starts = batch.query_start_host
+        out[starts[d]:] = _prefill(query[starts[d]:], key_cache, value_cache, batch.block_tables[d:],
+                                   batch.seq_lens_host[d:], [q - starts[d] for q in starts[d:]], scale)
+    return out
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence ([S, Hq, D]) over its cached keys."""
+    if not query.shape[0]:
+        return torch.empty_like(query)
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, seq_lens.tolist(), scale)
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_host: list[int],
+                      scale: float) -> torch.Tensor:
+    """Each sequence's chunk of new queries (its last tokens) attending causally to its cache."""
+    if len(query_start_host) < 2:
+        return torch.empty_like(query)
+    return _prefill(query, key_cache, value_cache, block_tables, seq_lens.tolist(), query_start_host, scale)
+
+
+def _decode(query, key_cache, value_cache, block_tables, seq_lens, lens: list[int], scale: float) -> torch.Tensor:
+    """All decodes at once: gather just the blocks the longest of them needs."""
+    d, num_heads, head_dim = query.shape
+    block_size = key_cache.shape[1]
+    nb = -(-max(lens) // block_size)
+    k = _gather(key_cache, block_tables[:, :nb], 0)
+    v = _gather(value_cache, block_tables[:, :nb], 1)
+    mask = torch.arange(nb * block_size, device=query.device)[None, :] < seq_lens[:, None]
+    q = query.view(d, num_heads, 1, head_dim)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                          enable_gqa=True).view(d, num_heads, head_dim)
+
+
+def _prefill(query, key_cache, value_cache, block_tables, lens: list[int], starts: list[int],
+             scale: float) -> torch.Tensor:
+    """Sequence by sequence: queries [starts[s], starts[s+1]) are the last tokens of sequence s."""
+    out = torch.empty_like(query)
+    block_size = key_cache.shape[1]
+    for s in range(len(lens)):
         q_start, q_end, seq_len = starts[s], starts[s + 1], lens[s]
         n = q_end - q_start
+        if n == 0:
+            continue
         nb = -(-seq_len // block_size)
-        k = _gather(key_cache, batch.block_tables[s:s + 1, :nb], 0)[:, :, :seq_len]
-        v = _gather(value_cache, batch.block_tables[s:s + 1, :nb], 1)[:, :, :seq_len]
+        k = _gather(key_cache, block_tables[s:s + 1, :nb], 0)[:, :, :seq_len]
+        v = _gather(value_cache, block_tables[s:s + 1, :nb], 1)[:, :, :seq_len]
         q = query[q_start:q_end].transpose(0, 1)[None]
         if n == seq_len:
             # A whole prompt: plain causal attention, which lets SDPA take its flash path and

@@ -73,6 +73,8 @@ class PipelinedModelRunner:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
                               tp_rank=tp_rank, tp_size=tp_size)
+        for layer in self.model.attention_layers:  # routing lays tokens out per expert node
+            layer.set_expert_nodes(self.node_of_expert, len(self.expert_nodes))
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
         # Each rank caches its own KV heads; all ranks agree on the block count.
@@ -213,11 +215,12 @@ class PipelinedModelRunner:
         t0 = time.perf_counter()
         a = self.model.attention_layers[layer](hidden, positions, self.model.rotary, self.kv_caches[layer], batch)
         self.timing["attention"] += time.perf_counter() - t0
-        expert_counts[layer] += torch.bincount(a.topk_ids.reshape(-1), minlength=cfg.num_experts).cpu()
-        hits = self.node_of_expert[a.topk_ids]  # [n, k] expert node of each choice
+        g = a.gating
+        expert_counts[layer] += g.expert_counts.cpu()
+        bounds = g.node_offsets.tolist()
         routes = []
         for k, node in enumerate(self.expert_nodes):
-            idx = (hits == k).any(dim=1).nonzero().flatten()  # each token once per node
+            idx = g.node_token_ids[bounds[k]:bounds[k + 1]]  # each token once per node, in send order
             if self.tp_size > 1:  # each rank carries its share of the traffic
                 idx = idx.tensor_split(self.tp_size)[self.tp_rank]
             routes.append(idx)

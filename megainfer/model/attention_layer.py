@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -25,8 +24,15 @@ from megainfer.model.weights import WeightSource
 class AttentionOutput:
     residual: torch.Tensor  # [T, H] residual stream after attention (the experts' output is added to it)
     expert_input: torch.Tensor  # [T, H] post-attention-normed hidden states, what experts consume
-    topk_ids: torch.Tensor  # [T, k] int64 global expert ids
-    topk_weights: torch.Tensor  # [T, k] float32 routing weights
+    gating: kernels.Gating  # top-k ids and weights, counts, and the dispatch layout
+
+    @property
+    def topk_ids(self) -> torch.Tensor:  # [T, k] int64 global expert ids
+        return self.gating.topk_ids
+
+    @property
+    def topk_weights(self) -> torch.Tensor:  # [T, k] float32 routing weights
+        return self.gating.topk_weights
 
 
 class AttentionLayer(nn.Module):
@@ -36,6 +42,8 @@ class AttentionLayer(nn.Module):
         query and KV heads; the output projection's partial sums are all-reduced over the
         default process group (the node's TP group)."""
         super().__init__()
+        self.expert_node: torch.Tensor | None = None  # set_expert_nodes
+        self.num_expert_nodes = 0
         if cfg.num_heads % tp_size or cfg.num_kv_heads % tp_size:
             raise ValueError(f"tensor parallelism {tp_size} must divide the {cfg.num_heads} query and "
                              f"{cfg.num_kv_heads} KV heads")
@@ -78,16 +86,18 @@ class AttentionLayer(nn.Module):
             torch.distributed.all_reduce(out)
         residual = hidden + out
         expert_input = self.post_norm(residual)
-        topk_ids, topk_weights = self.route(expert_input)
-        return AttentionOutput(residual, expert_input, topk_ids, topk_weights)
+        return AttentionOutput(residual, expert_input, self.route(expert_input))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax in float32 over all experts, top-k, renormalised where the model does."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+    def route(self, x: torch.Tensor) -> kernels.Gating:
+        """Softmax in float32 over all experts, top-k, renormalised where the model does; with an
+        expert-node map (an attention node of a deployment) also each node's tokens in send order."""
+        nodes = self.expert_node
+        return kernels.fused_gating(self.router(x), self.cfg.top_k, self.cfg.norm_topk_prob, nodes,
+                                    0 if nodes is None else self.num_expert_nodes)
+
+    def set_expert_nodes(self, expert_node: torch.Tensor, num_nodes: int) -> None:
+        """Expert id -> expert node index, so routing lays tokens out per destination."""
+        self.expert_node, self.num_expert_nodes = expert_node, num_nodes
 
     def load_weights(self, source: WeightSource) -> None:
         t = {role: source.get(name, shape) for role, (name, shape) in attention_tensors(self.cfg, self.layer).items()}

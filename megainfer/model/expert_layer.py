@@ -11,17 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import kernels
 
 from megainfer.config import ModelConfig
 from megainfer.model.checkpoint_names import expert_tensors
 from megainfer.model.weights import WeightSource
 
-# Above this many tokens per expert, padding every expert to the busiest one costs more (the
-# padded buffers' traffic) than the per-expert GEMM calls it saves: on the 2-core CPU the
-# padded path is 1.7x slower at 2,048 tokens over 8 experts, and on par at 1,024.
-BATCHED_MAX_ROWS = 256
 
 
 class ExpertLayer(nn.Module):
@@ -63,40 +60,12 @@ class ExpertLayer(nn.Module):
         # stable sort keeps token order inside an expert, as transformers' loop does.
         local, order = torch.sort(local, stable=True)
         token_ids = pair_ids[order] // k
-        weights = weights[order]
-        counts_t = torch.bincount(local, minlength=len(self.expert_ids))
-        counts = counts_t.tolist()
-        xs = x[token_ids]
-        active = sum(1 for c in counts if c)
-        if 2 * active >= len(counts) and max(counts) <= BATCHED_MAX_ROWS:
-            out = self._batched(xs, local, counts_t, max(counts))
-        else:
-            out = self._per_expert(xs, counts)
-        out = (out * weights[:, None]).to(x.dtype)
+        counts = torch.bincount(local, minlength=len(self.expert_ids)).tolist()
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down, weights[order])
         return torch.zeros_like(x).index_add_(0, token_ids, out)
-
-    def _per_expert(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """One GEMM pair per active expert: reads only the active experts' weights."""
-        out = torch.empty_like(xs)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            gate, up = F.linear(xs[start:end], self.w_gate_up[e]).chunk(2, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, self.w_down[e])
-            start = end
-        return out
-
-    def _batched(self, xs: torch.Tensor, local: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-        """Most experts are active and each has few tokens: two batched GEMMs over all of them,
-        tokens padded to the busiest expert, so per-call GEMM overhead is paid once, not per expert."""
-        n = len(self.expert_ids)
-        rank = torch.arange(local.numel(), device=xs.device) - (torch.cumsum(counts, 0) - counts)[local]
-        padded = xs.new_zeros(n, width, xs.shape[1])
-        padded[local, rank] = xs
-        gate, up = torch.bmm(padded, self.w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.w_down.transpose(1, 2))[local, rank]
 
     def load_weights(self, source: WeightSource) -> None:
         for local, e in enumerate(self.expert_ids):

@@ -62,7 +62,7 @@ class MoEModel(nn.Module):
         """One decoder layer, both halves: (hidden out, tokens routed to each expert)."""
         a = self.attention_layers[layer](hidden, positions, self.rotary, kv_cache, batch)
         out = a.residual + self.expert_layers[layer](a.expert_input, a.topk_ids, a.topk_weights)
-        return out, torch.bincount(a.topk_ids.reshape(-1), minlength=self.cfg.num_experts)
+        return out, a.gating.expert_counts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
