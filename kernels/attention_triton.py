@@ -122,6 +122,8 @@ def _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s,
     d = tl.arange(0, BLOCK_D)
     q_ptrs = q_ptr + ((q_begin + i[:, None]) * HQ + q_head) * D + d[None, :]
     q = tl.load(q_ptrs, mask=rows[:, None] & (d[None, :] < D), other=0.0)
+    if IEEE:  # float32 in, exact float32 products; also the interpreter's way through half precision
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -130,6 +132,7 @@ def _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s,
         k, valid = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
         v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
         if IEEE:
+            k, v = k.to(tl.float32), v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
@@ -281,8 +284,14 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     _prefill_kernel[(len(seqs), hq)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, out, scale,
         block_tables.stride(0), HQ=hq, HKV=hkv, D=d, PAGE=page, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=_pow2(d, 16), IEEE=query.dtype == torch.float32)
+        BLOCK_D=_pow2(d, 16), IEEE=_ieee(query))
     return out
+
+
+def _ieee(t: torch.Tensor) -> bool:
+    """Exact float32 tile products: for float32 inputs, and for every input in the interpreter,
+    whose dot has no half-precision path (GPUs take bf16/fp16 tiles on tensor cores)."""
+    return t.dtype == torch.float32 or INTERPRETED
 
 
 def _shares(prefill_items: int, decode_items: int, cycle: int = 8) -> tuple[int, int]:
@@ -323,5 +332,5 @@ def pod_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         sm_count, tickets, n_prefill, n_decode, scale, block_tables.stride(0), HQ=hq, HKV=hkv, D=d, PAGE=page,
         GROUP=group, PREFILL_SHARE=p_share, DECODE_SHARE=d_share, NUM_SMS=num_sms,
         USE_SMID=dev.type == "cuda" and not INTERPRETED, BLOCK_G=_pow2(group), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=_pow2(d, 16), IEEE=query.dtype == torch.float32)
+        BLOCK_D=_pow2(d, 16), IEEE=_ieee(query))
     return out

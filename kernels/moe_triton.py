@@ -12,6 +12,8 @@ inverse that combining uses.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -126,6 +128,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_
         wu = tl.load(w_base + (I + cols[None, :]) * H + k0 + k[:, None], mask=(cols[None, :] < I) & kmask[:, None],
                      other=0.0)
         if IEEE:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             gate += tl.dot(x, wg, input_precision="ieee")
             up += tl.dot(x, wu, input_precision="ieee")
         else:
@@ -157,6 +160,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, row_weight_ptr, tile_expert_ptr, tile_ro
         w = tl.load(w_base + cols[None, :] * I + k0 + k[:, None], mask=(cols[None, :] < H) & kmask[:, None],
                     other=0.0)
         if IEEE:
+            h, w = h.to(tl.float32), w.to(tl.float32)
             acc += tl.dot(h, w, input_precision="ieee")
         else:
             acc += tl.dot(h, w)
@@ -188,7 +192,9 @@ def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int], w_gate_up: t
     tile_row = torch.tensor(rows, dtype=torch.int32, device=dev)
     offsets = torch.tensor(expert_offsets, dtype=torch.int32, device=dev)
     hidden = torch.empty(p, i_dim, dtype=x.dtype, device=dev)
-    ieee = x.dtype == torch.float32
+    # Exact float32 tiles for float32 inputs, and in the interpreter, whose dot has no
+    # half-precision path (GPUs take bf16/fp16 tiles on tensor cores).
+    ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     _gate_up_kernel[(len(experts), triton.cdiv(i_dim, GEMM_BLOCK_N))](
         x.contiguous(), w_gate_up, hidden, tile_expert, tile_row, offsets, H=h_dim, I=i_dim, BLOCK_M=GEMM_BLOCK_M,
         BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K, IEEE=ieee)
