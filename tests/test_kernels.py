@@ -240,3 +240,13 @@ def test_engine_tokens_unchanged_with_the_triton_kernels(monkeypatch, qwen3_ref)
     monkeypatch.setenv(dispatch.ENV, "triton")
     got = [o.token_ids for o in LLM(str(qwen3_ref.path), max_num_batched_tokens=16).generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs")
+def test_bench_kernels_says_no_gpu_and_fails():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "megainfer", "bench", "kernels"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "no CUDA device" in out.stderr and "Traceback" not in out.stderr

@@ -54,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(run=_run_pipeline)
 
+    k = benches.add_parser("kernels", help="Triton kernels on a GPU: POD fused attention, grouped expert GEMM",
+                           description="POD fused attention against the decode and prefill kernels run one after "
+                                       "the other and against torch SDPA on hybrid batches, and the grouped expert "
+                                       "GEMM against a per-expert loop, in bf16. Needs a CUDA GPU.")
+    k.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    k.set_defaults(run=_run_kernels)
+
 
 def _run_engine(args: argparse.Namespace) -> int:
     from megainfer.bench.engine_bench import EngineBenchSpec, run_engine_bench
@@ -117,3 +124,14 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     from deploy.bench_pipeline import run
 
     return run(args.plan, counts, args.requests, args.prompt_len, args.output_len, args.json)
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    from megainfer.errors import ConfigError
+
+    from kernels.bench import NoGPU, run
+
+    try:
+        return run(args.json)
+    except NoGPU as exc:
+        raise ConfigError(str(exc)) from None
