@@ -5,14 +5,14 @@ sends and receives its share of the routed tokens; it has no scheduler and sampl
 from __future__ import annotations
 
 from deploy.link import SwitchableLink
-from deploy.node_loop import NodeLoop
+from deploy.node_loop import LoopActor, NodeLoop
 from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_name, bind_host, engine_config, join_tp_group,
                                 node_names, slot_sizes, weights_of)
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.plan import Plan
 
 
-class AttentionShard:
+class AttentionShard(LoopActor):
     def __init__(self, plan: dict, index: int, rank: int, secret: bytes, host: str,
                  num_threads: int | None = None) -> None:
         self.plan = Plan.from_dict(plan)
@@ -22,9 +22,6 @@ class AttentionShard:
         self.runner: PipelinedModelRunner | None = None
         self.link: SwitchableLink | None = None
         self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.runner.execute_follower())
-
-    def ready(self) -> str:
-        return self.name
 
     def join_group(self, master: str) -> None:
         join_tp_group(master, self.rank, self.plan.attention.tp, on_gpu=self.plan.attention.gpu != "cpu")
@@ -49,12 +46,3 @@ class AttentionShard:
     def serve(self) -> None:
         self.runner.reset()
         self.loop.serve()
-
-    def interrupt(self) -> None:
-        self.loop.interrupt()
-
-    def health(self) -> dict:
-        return {"name": self.name, "state": self.loop.state, "error": self.loop.error}
-
-    def stop(self) -> None:
-        self.loop.stop()

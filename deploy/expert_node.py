@@ -8,7 +8,7 @@ from __future__ import annotations
 from deploy.link import SwitchableLink
 from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_names, bind_host, join_tp_group, node_names,
                                 slot_sizes, tp_master_address, weights_of)
-from deploy.node_loop import NodeLoop
+from deploy.node_loop import LoopActor, NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.plan import Plan
 
@@ -21,7 +21,7 @@ def build_expert_worker(plan: Plan, index: int, link: SwitchableLink | None, ran
                         link=link, tp_rank=rank, tp_size=plan.experts.tp)
 
 
-class ExpertNode:
+class ExpertNode(LoopActor):
     def __init__(self, plan: dict, index: int, secret: bytes, host: str, num_threads: int | None = None) -> None:
         import torch
 
@@ -41,9 +41,6 @@ class ExpertNode:
             self.worker = build_expert_worker(self.plan, index, self.link)
         self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.worker.run_step())
 
-    def ready(self) -> str:
-        return self.name
-
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._host))
 
@@ -58,16 +55,7 @@ class ExpertNode:
     def connect(self, peers: dict[str, str]) -> None:
         self.link.connect(peers)
 
-    def serve(self) -> None:
-        self.loop.serve()
-
-    def interrupt(self) -> None:
-        self.loop.interrupt()
-
     def health(self) -> dict:
         w = self.worker
-        return {"name": self.name, "state": self.loop.state, "error": self.loop.error, "experts": self.expert_ids,
-                "steps": w.steps if w else 0, "tokens": w.tokens if w else 0, "timing": dict(w.timing) if w else {}}
-
-    def stop(self) -> None:
-        self.loop.stop()
+        return {**super().health(), "experts": self.expert_ids, "steps": w.steps if w else 0,
+                "tokens": w.tokens if w else 0, "timing": dict(w.timing) if w else {}}

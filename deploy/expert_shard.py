@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from deploy.expert_node import build_expert_worker
 from deploy.node_config import join_tp_group, node_names
-from deploy.node_loop import NodeLoop
+from deploy.node_loop import LoopActor, NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.plan import Plan
 
 
-class ExpertShard:
+class ExpertShard(LoopActor):
     def __init__(self, plan: dict, index: int, rank: int, secret: bytes, host: str,
                  num_threads: int | None = None) -> None:
         import torch
@@ -25,21 +25,6 @@ class ExpertShard:
         self.worker: ExpertWorker | None = None
         self.loop = NodeLoop(self.name, lambda: None, lambda: self.worker.run_follower_step())
 
-    def ready(self) -> str:
-        return self.name
-
     def join_group(self, master: str) -> None:
         join_tp_group(master, self.rank, self.plan.experts.tp, on_gpu=self.plan.experts.gpu != "cpu")
         self.worker = build_expert_worker(self.plan, self.index, None, self.rank)
-
-    def serve(self) -> None:
-        self.loop.serve()
-
-    def interrupt(self) -> None:
-        self.loop.interrupt()
-
-    def health(self) -> dict:
-        return {"name": self.name, "state": self.loop.state, "error": self.loop.error}
-
-    def stop(self) -> None:
-        self.loop.stop()

@@ -69,3 +69,25 @@ class NodeLoop:
                     return
                 self._on_failure(exc)
                 self.broken(str(exc), exc)
+
+
+class LoopActor:
+    """The lifecycle calls a node actor answers through its loop (mixed into the actors)."""
+
+    name: str
+    loop: NodeLoop
+
+    def ready(self) -> str:
+        return self.name
+
+    def serve(self) -> None:
+        self.loop.serve()
+
+    def interrupt(self) -> None:
+        self.loop.interrupt()
+
+    def health(self) -> dict:
+        return {"name": self.name, "state": self.loop.state, "error": self.loop.error}
+
+    def stop(self) -> None:
+        self.loop.stop()

@@ -105,16 +105,22 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
 
 
 @triton.jit
+def _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert, its rows (one tile of the expert's segment, ending at row_end) and
+    its output columns."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, rows, tl.load(offsets_ptr + e + 1), cols
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr, H: tl.constexpr,
                     I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE: tl.constexpr):
     """h[rows, cols] = silu(x @ W_gate^T) * (x @ W_up^T) for one expert's row tile."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    row0 = tl.load(tile_row_ptr + tile)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e, rows, row_end, cols = _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -144,12 +150,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, row_weight_ptr, tile_expert_ptr, tile_ro
                  I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr):
     """out[rows, cols] = routing weight * (h @ W_down^T) for one expert's row tile."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    row0 = tl.load(tile_row_ptr + tile)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e, rows, row_end, cols = _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_base = w_ptr + e * (H * I)

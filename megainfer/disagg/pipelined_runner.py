@@ -206,7 +206,6 @@ class PipelinedModelRunner:
         return StepResult(sampled, expert_counts.tolist())
 
     def _attend_and_dispatch(self, layer: int, j: int, hidden, inp, expert_counts):
-        cfg = self.model_config
         if hidden is None:
             for node in self.expert_nodes:
                 self._send(node, torch.empty(0, dtype=torch.uint8), layer, j, 0)
