@@ -113,7 +113,9 @@ class AttentionNode:
 
     def stats(self) -> dict:
         with self.lock:
-            return dataclasses.asdict(self.engine.stats())
+            stats = dataclasses.asdict(self.engine.stats())
+            stats["m2n"] = {k: h.snapshot() for k, h in self.engine.runner.m2n.items()}
+            return stats
 
     def stop(self) -> None:
         self.loop.stop()

@@ -17,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--host", help="gRPC bind address (default: the plan's serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default: the plan's serve.port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this HTTP port")
     p.add_argument("--demo", type=int, default=0, metavar="N",
                    help="send N requests through the server, print the answers, then shut down")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per --demo request")
@@ -39,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     deployment = Deployment(plan, address=args.address).start()
     server = None
     try:
-        server = Server(deployment, host=host, port=port).start()
+        server = Server(deployment, host=host, port=port, metrics_port=args.metrics_port).start()
+        if server.metrics_port is not None:
+            print(f"metrics on http://{host}:{server.metrics_port}/metrics", file=sys.stderr)
         print(f"serving {plan.model} ({plan.attention.nodes} attention x {plan.experts.nodes} expert node(s), "
               f"m={plan.pipeline.micro_batches}) on {server.address}", file=sys.stderr)
         if args.demo:

@@ -26,6 +26,7 @@ from deploy.expert_node import ExpertNode
 from deploy.attention_shard import AttentionShard
 from deploy.expert_shard import ExpertShard
 from deploy.node_config import attention_rank_names, node_names, weights_of
+from megainfer.disagg import latency
 from megainfer.errors import ConfigError, DataPlaneError, MegaInferError, PlanError
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
@@ -313,6 +314,16 @@ class Deployment:
 
     def stats(self) -> list[dict]:
         return ray.get([n.stats.remote() for n in self.attention])
+
+    def metrics_snapshot(self) -> dict:
+        """The deployment's state for the metrics endpoint: attention nodes summed (KV usage
+        over all their blocks), M2N latencies merged over every attention leader."""
+        stats = self.stats()
+        blocks = sum(s["num_kv_blocks"] for s in stats) or 1
+        return {"running": sum(s["num_running"] for s in stats), "waiting": sum(s["num_waiting"] for s in stats),
+                "kv_cache_usage": sum(s["kv_cache_usage"] * s["num_kv_blocks"] for s in stats) / blocks,
+                "expert_bytes_read": sum(s["expert_bytes_read"] for s in stats),
+                "m2n": {k: latency.merge([s["m2n"][k] for s in stats]) for k in ("send", "receive_wait")}}
 
     def close(self) -> None:
         self._stop.set()

@@ -42,9 +42,9 @@ def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: in
 
 
 class Served:
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, metrics: bool = False) -> None:
         self.deployment = Deployment(plan, show_progress=False).start()
-        self.server = Server(self.deployment, port=0).start()
+        self.server = Server(self.deployment, port=0, metrics_port=0 if metrics else None).start()
         self.client = Client(self.server.address)
 
     def generate(self, prompt, params=GREEDY) -> list[int]:
@@ -155,5 +155,23 @@ def test_bad_requests_are_invalid_argument_and_the_server_serves_on():
                 next(served.client.stub.Generate(request))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert len(served.generate("still here", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))) == 3
+    finally:
+        served.close()
+
+
+def test_metrics_endpoint_of_a_deployment_reports_m2n_latencies():
+    from tests.test_metrics import scrape
+
+    served = Served(make_plan("tiny-mixtral", 1, 1, 2), metrics=True)
+    try:
+        assert len(served.generate([1, 2, 3, 4])) == GREEDY.max_tokens
+        m = scrape(served.server.metrics_port)
+        assert m["megainfer:e2e_request_latency_seconds_count"] == 1
+        assert m["megainfer:num_requests_running"] == 0 and m["megainfer:expert_load_bytes_total"] > 0
+        for name in ("megainfer:m2n_send_latency_seconds", "megainfer:m2n_receive_wait_seconds"):
+            # every step sends and receives once per (layer, micro-batch): warm-up and this request's steps
+            count = m[f"{name}_count"]
+            assert count >= 2 * 4 * GREEDY.max_tokens and m[f'{name}_bucket{{le="+Inf"}}'] == count
+            assert 0 < m[f"{name}_sum"] < count  # each well under a second
     finally:
         served.close()

@@ -54,6 +54,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(run=_run_pipeline)
 
+    sv = benches.add_parser("serve", help="online load against a running server, vllm bench serve's summary",
+                            description="Send requests to a megainfer gRPC server on a Poisson (or bursty) "
+                                        "schedule and report throughput, goodput, TTFT, TPOT, ITL and E2E latency.")
+    sv.add_argument("--server", required=True, metavar="HOST:PORT")
+    sv.add_argument("--dataset", default="random", help="random, sharegpt, arxiv, or a JSONL trace "
+                                                         "({arrival, input_len, output_len} per line)")
+    sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (default: all at once)")
+    sv.add_argument("--num-prompts", type=positive_int, default=100)
+    sv.add_argument("--input-len", type=positive_int, default=128, help="random dataset: prompt tokens")
+    sv.add_argument("--output-len", type=positive_int, default=64, help="random dataset: generated tokens")
+    sv.add_argument("--max-model-len", type=positive_int, default=4096,
+                    help="sharegpt/arxiv lengths are clipped to fit this context")
+    sv.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson")
+    sv.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of the gaps")
+    sv.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
+                    help="SLOs a request must meet to count as goodput, e.g. ttft:500 tbt:50")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    sv.set_defaults(run=_run_serve)
+
     k = benches.add_parser("kernels", help="Triton kernels on a GPU: POD fused attention, grouped expert GEMM",
                            description="POD fused attention against the decode and prefill kernels run one after "
                                        "the other and against torch SDPA on hybrid batches, and the grouped expert "
@@ -135,3 +155,33 @@ def _run_kernels(args: argparse.Namespace) -> int:
         return run(args.json)
     except NoGPU as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from megainfer.bench.serve_bench import ServeBenchSpec, format_summary, run_serve_bench, summarize
+    from megainfer.errors import ConfigError
+
+    slo = {}
+    for item in args.goodput:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tbt") or not value:
+            raise ConfigError(f"--goodput {item!r}: write ttft:MS and/or tbt:MS, e.g. --goodput ttft:500 tbt:50")
+        try:
+            slo[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+    if not args.request_rate > 0:
+        raise ConfigError(f"--request-rate must be positive (or inf), got {args.request_rate}")
+    spec = ServeBenchSpec(server=args.server, dataset=args.dataset, request_rate=args.request_rate,
+                          num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                          max_model_len=args.max_model_len, arrival=args.arrival, cv=args.cv,
+                          goodput_ttft_ms=slo.get("ttft"), goodput_tpot_ms=slo.get("tbt"), seed=args.seed)
+    results, duration, peak = run_serve_bench(spec)
+    summary = summarize(spec, results, duration, peak)
+    print(format_summary(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "serve", "spec": {k: v for k, v in vars(spec).items()}, **summary}, f, indent=2)
+    return 0 if summary["successful_requests"] else 1

@@ -15,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_options(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this HTTP port")
     p.set_defaults(run=run)
 
 
@@ -24,8 +25,10 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.server.service import Server
 
     backend = EngineBackend(Engine(args.model, engine_config(args, show_progress=True)))
-    server = Server(backend, host=args.host, port=args.port).start()
+    server = Server(backend, host=args.host, port=args.port, metrics_port=args.metrics_port).start()
     print(f"serving {args.model} on {server.address}", file=sys.stderr)
+    if server.metrics_port is not None:
+        print(f"metrics on http://{args.host}:{server.metrics_port}/metrics", file=sys.stderr)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -20,6 +20,7 @@ import torch
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
+from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
 from megainfer.errors import DataPlaneError
 from megainfer.model.moe_model import MoEModel
@@ -87,6 +88,8 @@ class PipelinedModelRunner:
         self.layered_hidden: dict[str, torch.Tensor] = {}
         # Seconds spent, summed over steps: where this node's step time goes.
         self.timing = {"attention": 0.0, "send": 0.0, "wait_experts": 0.0}
+        # Per message, for the metrics endpoint: one send, and the wait for one expert node's answer.
+        self.m2n = {"send": LatencyHistogram(), "receive_wait": LatencyHistogram()}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -233,7 +236,9 @@ class PipelinedModelRunner:
             self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=tokens)
         except Exception as exc:
             raise DataPlaneError(f"cannot reach expert node {node} (layer {layer}): {exc}") from exc
-        self.timing["send"] += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.timing["send"] += elapsed
+        self.m2n["send"].observe(elapsed)
 
     def reset(self) -> None:
         """After the deployment re-wired: every node starts again from step 0."""
@@ -247,7 +252,9 @@ class PipelinedModelRunner:
             t0 = time.perf_counter()
             try:
                 msg = self.link.recv(node, micro_batch=j)
-                self.timing["wait_experts"] += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.timing["wait_experts"] += waited
+                self.m2n["receive_wait"].observe(waited)
             except Exception as exc:
                 raise DataPlaneError(f"expert node {node} did not answer (layer {layer}): {exc}") from exc
             header = msg.header

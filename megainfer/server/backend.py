@@ -54,6 +54,9 @@ class GenerationBackend(Protocol):
     def info(self) -> dict:
         """{"model": str, "plan_yaml": str, "nodes": [{"name", "role", "state", "detail"}]}"""
 
+    def metrics_snapshot(self) -> dict:
+        """What the metrics endpoint reads at each scrape (see megainfer.server.metrics)."""
+
     def close(self) -> None: ...
 
 

@@ -43,6 +43,12 @@ class EngineBackend:
                 "nodes": [{"name": "engine", "role": "engine", "state": "serving",
                            "detail": f"running {s.num_running}, waiting {s.num_waiting}, KV {s.kv_cache_usage:.0%}"}]}
 
+    def metrics_snapshot(self) -> dict:
+        with self.lock:
+            s = self.engine.stats()
+        return {"running": s.num_running, "waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
+                "expert_bytes_read": s.expert_bytes_read}
+
     def close(self) -> None:
         with self.lock:
             self.stopping = True

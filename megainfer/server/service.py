@@ -15,6 +15,7 @@ import megainfer
 from megainfer.errors import DataPlaneError, Overloaded, RequestError
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import GenerationBackend
+from megainfer.server.metrics import ServingMetrics
 from megainfer.v1 import inference_pb2 as pb
 from megainfer.v1 import inference_pb2_grpc as pb_grpc
 
@@ -36,8 +37,9 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, backend: GenerationBackend) -> None:
+    def __init__(self, backend: GenerationBackend, metrics: ServingMetrics | None = None) -> None:
         self.backend = backend
+        self.metrics = metrics
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
@@ -84,10 +86,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 code = grpc.StatusCode.UNAVAILABLE if delta.get("error_code") == "unavailable" \
                     else grpc.StatusCode.INTERNAL
                 context.abort(code, delta["error"] or "request failed")
-            timings = pb.Timings(
-                ttft_ms=((first or now) - stream.arrival) * 1e3,
-                mean_tbt_ms=((last - first) / (completion - 1) * 1e3) if completion > 1 else 0.0,
-                e2e_ms=(now - stream.arrival) * 1e3)
+            ttft_s, e2e_s = (first or now) - stream.arrival, now - stream.arrival
+            tpot_s = (last - first) / (completion - 1) if completion > 1 else None
+            if self.metrics is not None:
+                self.metrics.observe_request(ttft_s, tpot_s, e2e_s)
+            timings = pb.Timings(ttft_ms=ttft_s * 1e3, mean_tbt_ms=(tpot_s or 0.0) * 1e3, e2e_ms=e2e_s * 1e3)
             yield pb.GenerateResponse(request_id=rid, token_ids=delta["new_token_ids"], text=delta["new_text"],
                                       finish_reason=delta["finish_reason"],
                                       usage=pb.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=completion),
@@ -107,10 +110,14 @@ class Server:
     """A running gRPC server; `stop()` drains it."""
 
     def __init__(self, backend: GenerationBackend, host: str = "127.0.0.1", port: int = 50051,
-                 workers: int = 64) -> None:
+                 workers: int = 64, metrics_port: int | None = None) -> None:
+        """metrics_port: also serve Prometheus metrics over HTTP on host:metrics_port (0: any free port)."""
         self.backend = backend
+        self.metrics = ServingMetrics(backend) if metrics_port is not None else None
+        self._metrics_bind = (host, metrics_port)
+        self.metrics_port: int | None = None
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"))
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend), self.grpc)
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend, self.metrics), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
@@ -123,6 +130,14 @@ class Server:
         self.address = f"{host}:{self.port}"
 
     def start(self) -> "Server":
+        if self.metrics is not None:
+            host, port = self._metrics_bind
+            try:
+                self.metrics_port = self.metrics.serve(host, port)
+            except OSError as exc:
+                from megainfer.errors import ConfigError
+                raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+            logger.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         self.grpc.start()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -133,3 +148,5 @@ class Server:
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.close()
