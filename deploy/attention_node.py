@@ -91,6 +91,10 @@ class AttentionNode:
                 "running": self.engine.scheduler.num_running, "waiting": self.engine.scheduler.num_waiting,
                 "timing": {**self.engine.runner.timing, "step": self.step_seconds}}
 
+    def load(self) -> dict:
+        with self.lock:
+            return self.engine.scheduler.load() if self.engine is not None else {"capacity_tokens": 0}
+
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: dict) -> int:
         """Queue a request; raises RequestError for a bad one. Returns its prompt length."""

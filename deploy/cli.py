@@ -18,6 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="gRPC bind address (default: the plan's serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default: the plan's serve.port)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this HTTP port")
+    p.add_argument("--router", choices=["round_robin", "random", "least_loaded"],
+                   help="how requests are spread over attention nodes (default: the plan's serve.router)")
     p.add_argument("--demo", type=int, default=0, metavar="N",
                    help="send N requests through the server, print the answers, then shut down")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per --demo request")
@@ -35,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.server.service import Server
 
     plan = Plan.load(args.plan)
+    if args.router:
+        plan.serve.router = args.router
     host = args.host or plan.serve.host
     port = plan.serve.port if args.port is None else args.port
     deployment = Deployment(plan, address=args.address).start()

@@ -9,7 +9,6 @@ node actors; per-layer activations never touch Ray's object store.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -29,6 +28,7 @@ from deploy.node_config import attention_rank_names, node_names, weights_of
 from megainfer.disagg import latency
 from megainfer.errors import ConfigError, DataPlaneError, MegaInferError, PlanError
 from megainfer.plan import Plan
+from megainfer.router import NodeLoad, make_router
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import RequestStream, StreamRegistry
 
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # loading weights can take a while on real clusters
 HEALTH_EVERY_S = 0.5
+LOAD_REFRESH_S = 0.05  # how stale a router's view of the attention nodes may get
 
 
 def bundles(plan: Plan) -> list[dict]:
@@ -64,7 +65,9 @@ class Deployment:
         self.attention_rank_names = attention_rank_names(plan)
         self.registry = StreamRegistry(max_open=2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
         self._owner: dict[str, int] = {}  # request id -> attention node index
-        self._round_robin = itertools.count()
+        self.router = make_router(plan.serve.router)
+        self._loads: list[NodeLoad] = []  # per attention node: the last snapshot, plus what was routed since
+        self._route_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started_ray = False
@@ -130,6 +133,8 @@ class Deployment:
         self._wire()
         for i, node in enumerate(self.attention):
             self._spawn(self._dispatch, node, i, name=f"dispatch-{i}")
+        self._refresh_loads()
+        self._spawn(self._track_loads, name="loads")
         self._warm_up()
         self._spawn(self._supervise, name="supervisor")
         return self
@@ -211,7 +216,11 @@ class Deployment:
     # -- serving ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams, node: int | None = None) -> RequestStream:
         stream = self.registry.open(request_id)
-        i = next(self._round_robin) % len(self.attention) if node is None else node
+        # Token ids count exactly; text is estimated at four bytes a token until its node tokenizes it.
+        tokens = len(prompt) if not isinstance(prompt, str) else len(prompt.encode()) // 4 + 1
+        with self._route_lock:
+            i = self.router.choose(self._loads, tokens) if node is None else node
+            self._loads[i].add(tokens)
         self._owner[request_id] = i
         try:
             stream.prompt_tokens = ray.get(
@@ -225,6 +234,22 @@ class Deployment:
                 raise DataPlaneError(f"{self.attention_names[i]} is unavailable: {exc}") from None
             raise
         return stream
+
+    def _refresh_loads(self) -> None:
+        """Every attention node's load now; a node that does not answer keeps its last one."""
+        refs = [n.load.remote() for n in self.attention]
+        fresh = []
+        for i, ref in enumerate(refs):
+            try:
+                fresh.append(NodeLoad(**ray.get(ref, timeout=5)))
+            except (RayActorError, GetTimeoutError, TypeError):
+                fresh.append(self._loads[i] if i < len(self._loads) else NodeLoad(capacity_tokens=0))
+        with self._route_lock:
+            self._loads = fresh
+
+    def _track_loads(self) -> None:
+        while not self._stop.wait(LOAD_REFRESH_S):
+            self._refresh_loads()
 
     def abort(self, request_id: str) -> bool:
         i = self._owner.pop(request_id, None)

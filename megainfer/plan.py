@@ -16,10 +16,10 @@ import yaml
 
 from megainfer.config import DTYPE_BYTES, ModelConfig
 from megainfer.errors import PlanError
+from megainfer.router import ROUTERS
 
 PREFILL_POLICIES = ("chunked", "layered")
 TRANSPORT_BACKENDS = ("auto", "shm", "tcp", "rdma")
-ROUTERS = ("round_robin",)
 CPU = "cpu"  # the GPU type of a CPU plan
 
 

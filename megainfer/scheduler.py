@@ -227,6 +227,15 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def load(self) -> dict:
+        """What a router weighs: KV capacity and use, and prompt tokens still to prefill."""
+        bm = self.block_manager
+        return {"capacity_tokens": bm.num_blocks * bm.block_size,
+                "used_tokens": sum(s.num_computed_tokens for s in self.running),
+                "pending_prefill_tokens": sum(s.num_uncomputed_tokens for s in self.waiting)
+                + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1),
+                "running": len(self.running), "waiting": len(self.waiting)}
+
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -175,3 +175,20 @@ def test_metrics_endpoint_of_a_deployment_reports_m2n_latencies():
             assert 0 < m[f"{name}_sum"] < count  # each well under a second
     finally:
         served.close()
+
+
+def test_least_loaded_routes_around_a_busy_attention_node():
+    plan = make_plan("tiny-mixtral", 2, 1, 1)
+    plan.serve.router = "least_loaded"
+    served = Served(plan)
+    try:
+        dep = served.deployment
+        assert dep.router.name == "least_loaded"
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        busy = [dep.submit(f"busy{i}", list(range(1, 150)), params, node=0) for i in range(2)]
+        fresh = dep.submit("fresh", [1, 2, 3], GREEDY)  # round robin would say node 0: its first routed request
+        assert dep._owner["fresh"] == 1
+        for stream in busy + [fresh]:
+            assert stream.wait_finished(60)["finished"]
+    finally:
+        served.close()
