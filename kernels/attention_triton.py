@@ -16,11 +16,11 @@ id cannot be read (Triton's interpreter) the program id stands in for it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.dispatch import interpreted
 
 
 @triton.jit
@@ -221,7 +221,7 @@ def _pod_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr,
 BLOCK_N = 16  # cached positions per tile
 BLOCK_M = 16  # prefill queries per tile
 MAX_SPLITS = 16
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = interpreted()
 
 
 def _pow2(n: int, floor: int = 1) -> int:

@@ -19,6 +19,12 @@ class KernelUnavailable(RuntimeError):
     """The requested kernel backend cannot run here (the message says why and what to do)."""
 
 
+def interpreted() -> bool:
+    """Whether Triton runs its interpreter (read when a kernel module is imported: `@triton.jit`
+    picks interpreted or compiled functions then)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _triton_available() -> bool:
     try:
         importlib.import_module("triton")
@@ -37,7 +43,7 @@ def backend(device: torch.device) -> str:
     if choice == "triton":
         if not _triton_available():
             raise KernelUnavailable(f"{ENV}=triton but Triton is not installed: pip install triton")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not interpreted():
             raise KernelUnavailable(f"{ENV}=triton on {device.type} tensors needs Triton's interpreter: set "
                                     "TRITON_INTERPRET=1 (slow; meant for tests), or unset " + ENV)
         return "triton"

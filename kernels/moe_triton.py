@@ -12,13 +12,14 @@ inverse that combining uses.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import interpreted
 from kernels.moe_ref import Gating
+
+INTERPRETED = interpreted()
 
 
 @triton.jit
@@ -195,7 +196,7 @@ def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int], w_gate_up: t
     hidden = torch.empty(p, i_dim, dtype=x.dtype, device=dev)
     # Exact float32 tiles for float32 inputs, and in the interpreter, whose dot has no
     # half-precision path (GPUs take bf16/fp16 tiles on tensor cores).
-    ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    ieee = x.dtype == torch.float32 or INTERPRETED
     _gate_up_kernel[(len(experts), triton.cdiv(i_dim, GEMM_BLOCK_N))](
         x.contiguous(), w_gate_up, hidden, tile_expert, tile_row, offsets, H=h_dim, I=i_dim, BLOCK_M=GEMM_BLOCK_M,
         BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K, IEEE=ieee)

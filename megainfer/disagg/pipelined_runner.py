@@ -70,12 +70,12 @@ class PipelinedModelRunner:
             node_of[ids] = k
         if (node_of < 0).any():
             raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
-        self.node_of_expert = node_of.to(self.device)
+        node_of = node_of.to(self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
                               tp_rank=tp_rank, tp_size=tp_size)
         for layer in self.model.attention_layers:  # routing lays tokens out per expert node
-            layer.set_expert_nodes(self.node_of_expert, len(self.expert_nodes))
+            layer.set_expert_nodes(node_of, len(self.expert_nodes))
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
         # Each rank caches its own KV heads; all ranks agree on the block count.

@@ -126,7 +126,10 @@ class Simulator:
                     continue
                 raise ConfigError("the scheduler can place no work: the KV cache cannot hold the waiting requests")
             samples = out.samples()
-            cost = self.step_model.step(self._describe(out, samples), samples.count(True))
+            lp = out.layered
+            if lp is not None and lp.last:  # chunks that end their prompt sample a first token too
+                samples += [s.num_computed_tokens + n == s.num_tokens for s, n in zip(lp.seqs, lp.num_tokens)]
+            cost = self.step_model.step(self._describe(out), samples.count(True))
             self.now += cost.seconds
             steps += 1
             busy += cost.seconds
@@ -147,7 +150,7 @@ class Simulator:
             output_tokens=sum(r.output_len for r in requests), expert_bytes=expert_bytes, energy_j=energy,
             preemptions=sched.num_preemptions, wall_s=time.perf_counter() - started)
 
-    def _describe(self, out: SchedulerOutput, samples: list[bool]) -> list[LayerClass]:
+    def _describe(self, out: SchedulerOutput) -> list[LayerClass]:
         """The step as layer classes: every layer's share (decodes, chunked prefill) and, under
         layered prefill, the cohort's extra work in its layer group."""
         L = self.model.num_layers
@@ -158,8 +161,6 @@ class Simulator:
         c_tokens, c_pairs, c_kv = _work(lp.seqs, lp.num_tokens)
         start, end = lp.layers
         g = end - start
-        if lp.last:  # chunks that end their prompt sample a first token (the LM head's work)
-            samples.extend(s.num_computed_tokens + n == s.num_tokens for s, n in zip(lp.seqs, lp.num_tokens))
         group = LayerClass(g, tokens + c_tokens, pairs + c_pairs, kv + c_kv, self.activation.draw(tokens + c_tokens, g))
         rest = LayerClass(L - g, tokens, pairs, kv, self.activation.draw(tokens, L - g))
         return [group, rest]
