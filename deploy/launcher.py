@@ -28,7 +28,7 @@ from deploy.node_config import attention_rank_names, node_names, weights_of
 from megainfer.disagg import latency
 from megainfer.errors import ConfigError, DataPlaneError, MegaInferError, PlanError
 from megainfer.plan import Plan
-from megainfer.router import NodeLoad, make_router
+from megainfer.routing.policies import NodeLoad, make_router
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import RequestStream, StreamRegistry
 

@@ -16,7 +16,7 @@ import yaml
 
 from megainfer.config import DTYPE_BYTES, ModelConfig
 from megainfer.errors import PlanError
-from megainfer.router import ROUTERS
+from megainfer.routing.policies import ROUTERS
 
 PREFILL_POLICIES = ("chunked", "layered")
 TRANSPORT_BACKENDS = ("auto", "shm", "tcp", "rdma")

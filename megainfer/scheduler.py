@@ -164,6 +164,27 @@ class SchedulerOutput:
         """Whether each sequence reaches its last token this step (and so samples a new one)."""
         return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_scheduled_tokens)]
 
+    def all_samples(self) -> list[bool]:
+        """`samples()` for `all_seqs`: a cohort's chunks that end their prompt sample a first
+        token when its last group runs (and not before)."""
+        samples = self.samples()
+        lp = self.layered
+        if lp is not None:
+            samples += [lp.last and s.num_computed_tokens + n == s.num_tokens for s, n in zip(lp.seqs, lp.num_tokens)]
+        return samples
+
+
+def chunk_work(seqs: list[Sequence], num_tokens: list[int]) -> tuple[int, float, float]:
+    """Tokens, attention query-key pairs and cached tokens read for chunks starting at each
+    sequence's computed prefix (causal inside a chunk): what prices a step."""
+    tokens, pairs, kv = 0, 0.0, 0.0
+    for seq, n in zip(seqs, num_tokens):
+        p = seq.num_computed_tokens
+        tokens += n
+        pairs += n * p + n * (n + 1) / 2
+        kv += p + n
+    return tokens, pairs, kv
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: PrefillPolicy, *, max_num_seqs: int,
@@ -226,15 +247,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
-
-    def load(self) -> dict:
-        """What a router weighs: KV capacity and use, and prompt tokens still to prefill."""
-        bm = self.block_manager
-        return {"capacity_tokens": bm.num_blocks * bm.block_size,
-                "used_tokens": sum(s.num_computed_tokens for s in self.running),
-                "pending_prefill_tokens": sum(s.num_uncomputed_tokens for s in self.waiting)
-                + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1),
-                "running": len(self.running), "waiting": len(self.waiting)}
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from megainfer.errors import ConfigError
-from megainfer.router import ROUTERS, LeastLoaded, NodeLoad, make_router
+from megainfer.routing.policies import ROUTERS, LeastLoaded, NodeLoad, make_router
 
 
 def loads(*specs):

@@ -17,6 +17,7 @@ COMMANDS = {
     "plan": "megainfer.cli.plan",
     "serve": "megainfer.cli.serve",
     "simulate": "megainfer.cli.simulate",
+    "simulate-routing": "megainfer.cli.simulate_routing",
     "deploy": "deploy.cli",
 }
 

@@ -20,7 +20,7 @@ import numpy as np
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.scheduler import Scheduler, SchedulerOutput, chunk_work
 from megainfer.sequence import Sequence
 from megainfer.simulator.expert_load import ExpertActivation
 from megainfer.simulator.workload import SimRequest
@@ -125,11 +125,8 @@ class Simulator:
                     self.now = max(self.now, pending[nxt].arrival_s)
                     continue
                 raise ConfigError("the scheduler can place no work: the KV cache cannot hold the waiting requests")
-            samples = out.samples()
-            lp = out.layered
-            if lp is not None and lp.last:  # chunks that end their prompt sample a first token too
-                samples += [s.num_computed_tokens + n == s.num_tokens for s, n in zip(lp.seqs, lp.num_tokens)]
-            cost = self.step_model.step(self._describe(out), samples.count(True))
+            samples = out.all_samples()
+            cost = self.step_model.step(self.describe_step(out), samples.count(True))
             self.now += cost.seconds
             steps += 1
             busy += cost.seconds
@@ -150,29 +147,18 @@ class Simulator:
             output_tokens=sum(r.output_len for r in requests), expert_bytes=expert_bytes, energy_j=energy,
             preemptions=sched.num_preemptions, wall_s=time.perf_counter() - started)
 
-    def _describe(self, out: SchedulerOutput) -> list[LayerClass]:
+    def describe_step(self, out: SchedulerOutput) -> list[LayerClass]:
         """The step as layer classes: every layer's share (decodes, chunked prefill) and, under
         layered prefill, the cohort's extra work in its layer group."""
         L = self.model.num_layers
-        tokens, pairs, kv = _work(out.seqs, out.num_scheduled_tokens)
+        tokens, pairs, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
         if out.layered is None:
             return [LayerClass(L, tokens, pairs, kv, self.activation.draw(tokens, L))]
         lp = out.layered
-        c_tokens, c_pairs, c_kv = _work(lp.seqs, lp.num_tokens)
+        c_tokens, c_pairs, c_kv = chunk_work(lp.seqs, lp.num_tokens)
         start, end = lp.layers
         g = end - start
         group = LayerClass(g, tokens + c_tokens, pairs + c_pairs, kv + c_kv, self.activation.draw(tokens + c_tokens, g))
         rest = LayerClass(L - g, tokens, pairs, kv, self.activation.draw(tokens, L - g))
         return [group, rest]
 
-
-def _work(seqs: list[Sequence], num_tokens: list[int]) -> tuple[int, float, float]:
-    """Tokens, attention query-key pairs and cached tokens read for chunks starting at each
-    sequence's computed prefix (causal inside a chunk)."""
-    tokens, pairs, kv = 0, 0.0, 0.0
-    for seq, n in zip(seqs, num_tokens):
-        p = seq.num_computed_tokens
-        tokens += n
-        pairs += n * p + n * (n + 1) / 2
-        kv += p + n
-    return tokens, pairs, kv

@@ -1,0 +1,85 @@
+"""`megainfer simulate-routing`: routing policies compared on a simulated fleet of replicas."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from megainfer.cli.options import positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate-routing", help="compare routers on a simulated fleet: P99 TTFT and capacity against request rate",
+        description="Simulate N replicas (each the real scheduler priced by the planner's step model) behind each "
+                    "router over a generated workload at each rate; print P99 TTFT per rate, each router's capacity "
+                    "(the highest rate with P99 TTFT under the SLO) and the predictive router's prediction error.")
+    p.add_argument("--model", default="qwen3-30b-a3b", help="preset name or checkpoint directory")
+    p.add_argument("--gpu", default="H100", help="GPU type from the catalog")
+    p.add_argument("--tp", type=positive_int, default=1, help="GPUs per replica (tensor parallel)")
+    p.add_argument("--catalog", help="GPU catalog YAML (default: the built-in one)")
+    p.add_argument("--replicas", type=positive_int, default=12)
+    p.add_argument("--routers", default="round_robin,least_loaded,predictive",
+                   help="comma-separated: round_robin, random, least_loaded, predictive")
+    p.add_argument("--workload", default="sharegpt", choices=["sharegpt", "arxiv"])
+    p.add_argument("--requests", type=positive_int, default=3000, help="requests per rate")
+    p.add_argument("--sweep-rates", metavar="A:B:STEP", default="26:40:2", help="request rates, req/s")
+    p.add_argument("--chunk-size", type=positive_int, default=512, help="token budget of a step")
+    p.add_argument("--ttft-slo-s", type=float, default=3.0)
+    p.add_argument("--snapshot-s", type=float, default=0.25, help="how often replicas report their state")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="P99 TTFT against rate, one line per router (PNG)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megainfer.config import resolve_model
+    from megainfer.errors import ConfigError
+    from megainfer.routing.policies import ROUTERS
+    from megainfer.simulator import routing_experiment as rx
+    from megainfer.simulator.experiment import rate_range
+    from planner.catalog import Catalog
+    from planner.step_time import ColocatedStepModel
+
+    routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
+    bad = [r for r in routers if r not in ROUTERS]
+    if bad or not routers:
+        raise ConfigError(f"--routers {args.routers!r}: choose from {', '.join(ROUTERS)}")
+    if args.ttft_slo_s <= 0 or args.snapshot_s <= 0:
+        raise ConfigError("--ttft-slo-s and --snapshot-s must be positive")
+    model, _ = resolve_model(args.model)
+    spec = rx.RoutingSpec(model=model, step_model=ColocatedStepModel(model, Catalog.load(args.catalog)[args.gpu],
+                                                                     args.tp),
+                          replicas=args.replicas, routers=routers, workload=args.workload,
+                          num_requests=args.requests, chunk_size=args.chunk_size, ttft_slo_s=args.ttft_slo_s,
+                          snapshot_s=args.snapshot_s, seed=args.seed)
+    rates = rate_range(args.sweep_rates)
+    print(f"{args.replicas} replicas of {model.name} on {args.tp} x {args.gpu}; {args.workload}, Poisson arrivals, "
+          f"{args.requests} requests per rate; chunk {args.chunk_size} tokens; state every {args.snapshot_s:g} s")
+    started = time.perf_counter()
+
+    def progress(rate, router, r):
+        print(f"  rate {rate:g} req/s {router}: P99 TTFT {r['ttft_p99_s']:.2f} s ({r['wall_s']:.0f} s)",
+              file=sys.stderr, flush=True)
+
+    rows = rx.sweep(spec, rates, progress)
+    print()
+    print(rx.format_sweep(rows, spec))
+    print()
+    print(rx.format_capacity(rows, spec))
+    if args.plot:
+        rx.plot(rows, spec, args.plot)
+        print(f"plot: {args.plot}")
+    print(f"simulated in {time.perf_counter() - started:.0f} s")
+    if args.json:
+        config = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("model", "step_model")}
+        config.update(model=model.name, gpu=args.gpu, tp=args.tp)
+        caps = {r: rx.capacity(rows, r, spec.ttft_slo_s) for r in routers}
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "capacity": caps, "sweep": rows}, f, indent=2)
+        print(f"json: {args.json}")
+    return 0

@@ -1,0 +1,237 @@
+"""A node's next steps, forecast by running the real `Scheduler` forward from its snapshot.
+
+`NodeForecast.build` rebuilds the node's scheduler from a `NodeState` (its running and
+waiting requests with their lengths so far; each request's remaining output from the length
+estimator) and steps it up to `horizon` times with the online step model pricing each step.
+For every step it records when it ends and the *spare*: the prompt tokens the scheduler would
+give one more request at the back of the queue (the budget left once everyone ahead is
+served, bounded by free KV blocks and the sequence cap). The scheduler is first-come
+first-served, so a newcomer changes nothing ahead of it: its first token comes at the end of
+the step where the cumulative spare covers its prompt (a layered-prefill cohort completes its
+groups later: `lag`), and its last token `output - 1` steps after that. A prediction is then a
+couple of binary searches, not a simulation: microseconds per candidate.
+
+Routing a request there `commit`s it to the forecast (its tokens leave the spare, its decode
+adds to the steps it rides), so the next decision sees it before the next snapshot does.
+Past the horizon the forecast extrapolates: the backlog left then drains at the budget the
+decodes leave, one step of `tail_step_s` after another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megainfer.kv_cache import BlockManager
+from megainfer.routing.length_estimator import OutputLengthEstimator
+from megainfer.routing.node_state import NodeState, StepSample
+from megainfer.routing.step_model import OnlineStepModel
+from megainfer.sampling_params import SamplingParams
+from megainfer.scheduler import ChunkedPrefill, LayeredPrefill, Scheduler
+from megainfer.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class Prediction:
+    node: int
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int  # the estimate the prediction assumed
+
+
+class NodeForecast:
+    def __init__(self, t0: float, dur: np.ndarray, spare: np.ndarray, lag: np.ndarray, kv_free: np.ndarray, *,
+                 budget: int,
+                 tail_backlog: int, tail_decodes: int, tail_kv: float, model: OnlineStepModel,
+                 cohort_lag: int = 0) -> None:
+        self.t0 = t0
+        self.dur = dur.astype(np.float64)
+        self.spare = spare.astype(np.int64)
+        self.lag = lag.astype(np.int64)
+        self.kv_free = kv_free.astype(np.int64)  # KV tokens free after each step's allocation
+        self.budget = budget  # prompt tokens a step (or a cohort) can take
+        self.tail_backlog = tail_backlog  # prompt tokens still queued at the horizon
+        self.tail_decodes = tail_decodes  # sequences decoding at the horizon
+        self.tail_kv = tail_kv  # their cached tokens
+        self.cohort_lag = cohort_lag  # layered prefill: extra steps a cohort takes past its first
+        self.model = model
+        self.tail_free_s = 0.0  # when the tail has computed every prompt token queued in it (relative)
+        self._index()
+
+    def _index(self) -> None:
+        self.end = np.cumsum(self.dur)
+        self.start = self.end - self.dur
+        self.cum_spare = np.cumsum(self.spare)
+        # A newcomer admitted at step k holds p + (j - k) tokens at step j: it fits for good when
+        # p <= min over j >= k of (kv_free[j] - j) + k. That bound rises with k, so the first
+        # step it fits is a binary search.
+        steps = np.arange(len(self.kv_free))
+        g = self.kv_free - steps
+        self.kv_gate = np.minimum.accumulate(g[::-1])[::-1] + steps if len(g) else g
+        if self.tail_free_s < self.horizon_s:  # the backlog left at the horizon drains at the tail's rate
+            rate = self.budget if self.cohort_lag else max(self.budget - self.tail_decodes, 1)
+            self.tail_free_s = self.horizon_s + -(-self.tail_backlog // rate) * self._tail_step_s(
+                min(rate, self.tail_backlog))
+
+    @property
+    def horizon_s(self) -> float:
+        return float(self.end[-1]) if len(self.end) else 0.0
+
+    def _tail_step_s(self, chunk: int) -> float:
+        """A step past the horizon: the decodes then, and a prompt chunk of `chunk` tokens."""
+        d = self.tail_decodes
+        return self.model.predict(StepSample(chunk + d, d + 1, self.tail_kv + chunk,
+                                             self.tail_kv + chunk * (chunk + 1) / 2))
+
+    def _tail_decode_s(self, extra_kv: float) -> float:
+        d = self.tail_decodes + 1
+        kv = self.tail_kv + extra_kv
+        return self.model.predict(StepSample(d, d, kv, kv))
+
+    def _place(self, now: float, prompt: int) -> tuple[int, int, float]:
+        """(first step the newcomer may join, the step its last prompt token is computed in or
+        -1 past the horizon, and when -1, the time its last prompt token is computed)."""
+        rel = now - self.t0
+        n = len(self.dur)
+        i0 = int(np.searchsorted(self.start, rel, side="left"))
+        # Not before the KV cache can keep it to the end (else it would be the one preempted).
+        i0 = max(i0, int(np.searchsorted(self.kv_gate, prompt, side="left")))
+        before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
+        k = int(np.searchsorted(self.cum_spare, before + prompt, side="left")) if i0 < n else n
+        if k < n:
+            return i0, k, 0.0
+        got = int(self.cum_spare[-1]) - before if i0 < n else 0
+        rate = self.budget if self.cohort_lag else max(self.budget - self.tail_decodes, 1)
+        left = prompt - got
+        step = self._tail_step_s(min(rate, left))
+        return i0, -1, max(self.tail_free_s, rel) + -(-left // rate) * step
+
+    def predict(self, now: float, prompt: int, output: int) -> tuple[float, float]:
+        """(TTFT, end-to-end latency) of a request of `prompt` tokens arriving at `now` that
+        generates `output` tokens."""
+        rel = now - self.t0
+        i0, k, past = self._place(now, prompt)
+        m = self.model
+        prefill_extra = m.marginal(prompt, prompt, prompt * (prompt + 1) / 2)
+        n = len(self.dur)
+        if k >= 0:
+            done = k + int(self.lag[k])
+            first = self.end[done] if done < n else self.horizon_s + (done - n + 1) * self._tail_step_s(0)
+        else:
+            done = n + self.cohort_lag
+            first = past + self.cohort_lag * self._tail_step_s(0)
+        first = max(first + prefill_extra, rel)
+        decode_steps = max(output - 1, 0)
+        mean_ctx = prompt + output / 2
+        decode_extra = decode_steps * m.marginal(1, mean_ctx, mean_ctx)
+        last_in = min(done + decode_steps, n - 1)
+        within = max(last_in - done, 0) if done < n else 0
+        ride = (self.end[last_in] - self.end[done]) if within else 0.0
+        ride += (decode_steps - within) * self._tail_decode_s(mean_ctx)
+        ttft = first - rel
+        return ttft, ttft + ride + decode_extra
+
+    def commit(self, now: float, prompt: int, output: int) -> None:
+        """The request was routed here: it takes its spare and rides the steps it decodes in."""
+        i0, k, past = self._place(now, prompt)
+        m = self.model
+        n = len(self.dur)
+        if k < 0:  # its prompt finishes past the horizon: the tail is busy until then
+            if i0 < n:
+                self.spare[i0:] = 0
+            self.tail_free_s = past
+            self.tail_decodes += 1
+            self.tail_kv += prompt + output / 2
+            self._index()
+            return
+        before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
+        self.spare[k] = int(self.cum_spare[k]) - (before + prompt)
+        self.spare[i0:k] = 0
+        self.dur[k] += m.marginal(prompt, prompt, prompt * (prompt + 1) / 2)
+        done = k + int(self.lag[k])
+        last = done + max(output - 1, 0)
+        held = np.minimum(prompt + np.maximum(np.arange(i0, n) - done, 0), prompt + output)
+        self.kv_free[i0:] -= np.where(np.arange(i0, n) <= last, held, 0)
+        if done + 1 < n:
+            ride = slice(done + 1, min(last, n - 1) + 1)
+            ctx = prompt + output / 2
+            self.dur[ride] += m.marginal(1, ctx, ctx)
+            if not self.cohort_lag:
+                self.spare[ride] = np.maximum(self.spare[ride] - 1, 0)
+        if last >= n:
+            self.tail_decodes += 1
+            self.tail_kv += prompt + output / 2
+        self._index()
+
+    # -- building ---------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, state: NodeState, model: OnlineStepModel, estimator: OutputLengthEstimator, *,
+              horizon: int = 128) -> "NodeForecast":
+        k = state.knobs
+        bm = BlockManager(k.num_blocks, k.block_size)
+        layered = k.prefill_policy == "layered"
+        policy = LayeredPrefill(k.num_layers, k.group_tokens, k.num_layer_groups, k.layered_chunk_tokens) \
+            if layered else ChunkedPrefill()
+        sched = Scheduler(bm, policy, max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens,
+                          max_model_len=k.max_model_len, clock=lambda: 0.0)
+        for i, lengths in enumerate(state.running):
+            seq = _sequence(f"r{i}", lengths, estimator)
+            cached = lengths[2]
+            if bm.blocks_for_tokens(cached) > bm.num_free_blocks:
+                sched.add(seq)  # the snapshot raced a preemption: it recomputes, as the node will
+                continue
+            bm.allocate(seq, cached)
+            seq.num_computed_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            sched.running.append(seq)
+            sched.requests[seq.request_id] = seq
+        for i, lengths in enumerate(state.waiting):
+            sched.add(_sequence(f"w{i}", lengths, estimator))
+        budget = k.layered_chunk_tokens if layered else k.max_num_batched_tokens
+        group_lag = 0
+        if layered:
+            groups = k.num_layer_groups or max(1, -(-budget // k.group_tokens))
+            group_lag = min(groups, k.num_layers) - 1
+        dur, spare, lag, kv_free = [], [], [], []
+        while len(dur) < horizon and sched.has_unfinished:
+            out = sched.schedule()
+            if out.is_empty:
+                break  # nothing fits (the KV cache is full of waiting prompts): the tail takes over
+            dur.append(model.predict(StepSample.of(out, num_layers=k.num_layers)))
+            room, step_lag = _room(sched, out, layered, budget, group_lag)
+            spare.append(room)
+            lag.append(step_lag)
+            kv_free.append(bm.num_free_blocks * bm.block_size)
+            sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
+        backlog = sum(s.num_uncomputed_tokens for s in sched.waiting) + \
+            sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
+        decodes = [s for s in sched.running if s.num_uncomputed_tokens <= 1]
+        return cls(state.time, np.asarray(dur), np.asarray(spare), np.asarray(lag), np.asarray(kv_free), budget=budget,
+                   tail_backlog=backlog, tail_decodes=len(decodes),
+                   tail_kv=float(sum(s.num_computed_tokens for s in decodes)), model=model, cohort_lag=group_lag)
+
+
+def _sequence(rid: str, lengths: tuple[int, int, int, int], estimator: OutputLengthEstimator) -> Sequence:
+    prompt, num_tokens, _, max_tokens = lengths
+    generated = num_tokens - prompt
+    total = estimator.estimate(prompt, generated, max_tokens)
+    return Sequence(rid, [0] * prompt, SamplingParams(max_tokens=max(total, generated + 1), ignore_eos=True),
+                    token_ids=[0] * num_tokens, arrival_time=0.0)
+
+
+def _room(sched: Scheduler, out, layered: bool, budget: int, group_lag: int) -> tuple[int, int]:
+    """Prompt tokens this step would give one more request at the back of the queue, and how
+    many steps later those tokens complete."""
+    if sched.waiting or out.preempted or len(sched.running) >= sched.max_num_seqs:
+        return 0, 0
+    bm = sched.block_manager
+    kv_room = bm.num_free_blocks * bm.block_size
+    if not layered:
+        return max(0, min(budget - out.total_tokens, kv_room)), 0
+    lp = out.layered
+    if lp is None:  # no cohort in flight and nobody waiting: one would form now
+        return min(budget, kv_room), group_lag
+    if lp.group == 0:  # a cohort formed this step: a newcomer would have joined it
+        return max(0, min(budget - sum(lp.num_tokens), kv_room)), lp.num_groups - 1
+    return 0, 0

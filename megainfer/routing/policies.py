@@ -1,0 +1,193 @@
+"""Which attention node (or replica) takes a new request. Policies share one interface: the
+deployment (or the cluster simulator) hands every node's snapshot to `observe` as it arrives
+and asks `choose` for each request.
+
+- round_robin: in turn.
+- random: uniformly at random (seeded).
+- least_loaded: Llumnix's freeness, the KV capacity left after what is cached and what is
+  still to prefill, per request the node carries; the freest node wins.
+- predictive: Block's idea. Each node's snapshot is rolled forward with the real scheduler
+  and a step-time model calibrated from the node's own measured steps
+  (`routing.forecast`); the request goes where its predicted TTFT (or end-to-end latency)
+  is lowest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from megainfer.errors import ConfigError
+
+ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
+OBJECTIVES = ("ttft", "e2e")
+
+
+@dataclass
+class NodeLoad:
+    """What a heuristic router knows of one node."""
+
+    capacity_tokens: int  # KV-cache tokens the node holds in all
+    used_tokens: int = 0  # tokens cached now
+    pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
+    running: int = 0
+    waiting: int = 0
+
+    def add(self, prompt_tokens: int) -> None:
+        """A request routed here since the last snapshot."""
+        self.pending_prefill_tokens += prompt_tokens
+        self.waiting += 1
+
+    def freeness(self) -> float:
+        """Llumnix: (capacity - cached - pending prefill) / requests carried (one more: the new one)."""
+        free = self.capacity_tokens - self.used_tokens - self.pending_prefill_tokens
+        return free / (self.running + self.waiting + 1)
+
+
+class Router:
+    """The interface. `loads[i]` is node i's last snapshot plus what was routed there since."""
+
+    name = "router"
+
+    def observe(self, node: int, state, taken_at: float) -> None:
+        """Node `node`'s fresh `NodeState`, asked for at `taken_at` on the router's clock. The
+        heuristic policies read only `loads`."""
+
+    def forget(self, node: int) -> None:
+        """Nodes `node` and up are gone (retired replicas)."""
+
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int) -> int:
+        """Index of the node that takes a request of `prompt_tokens` tokens and at most
+        `max_tokens` generated ones."""
+        raise NotImplementedError
+
+
+class RoundRobin(Router):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+        return next(self._next) % len(loads)
+
+
+class RandomRouter(Router):
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+        return self._rng.randrange(len(loads))
+
+
+class LeastLoaded(Router):
+    name = "least_loaded"
+
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+        # Ties go to the lower index, so equal nodes fill in a stable order.
+        return max(range(len(loads)), key=lambda i: (loads[i].freeness(), -i))
+
+
+class PredictiveRouter(Router):
+    """Routes to the node with the lowest predicted latency for this request.
+
+    `observe` (off the request path) calibrates the node's step model with the steps it
+    measured, teaches the length estimator the requests that finished, and rebuilds the
+    node's forecast; requests routed since the snapshot was asked for are replayed onto it.
+    `choose` predicts on every node's forecast and commits the request to the winner."""
+
+    name = "predictive"
+
+    def __init__(self, estimator=None, *, objective: str = "ttft", horizon: int = 128,
+                 clock=time.monotonic, step_prior: tuple[float, ...] | None = None) -> None:
+        from megainfer.routing.length_estimator import BucketedLengthEstimator
+
+        if objective not in OBJECTIVES:
+            raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+        self.estimator = estimator if estimator is not None else BucketedLengthEstimator()
+        self.objective = objective
+        self.horizon = horizon
+        self.clock = clock
+        self.step_prior = step_prior
+        self.models: list = []
+        self.forecasts: list = []
+        self._routed: list[list[tuple[float, int, int]]] = []  # per node: (when, prompt, output) since a snapshot
+        self.last = None  # the Prediction of the last choice
+        self.decision_s: deque[float] = deque(maxlen=4096)
+
+    def _grow(self, n: int) -> None:
+        from megainfer.routing.step_model import OnlineStepModel
+
+        while len(self.models) < n:
+            self.models.append(OnlineStepModel(self.step_prior) if self.step_prior else OnlineStepModel())
+            self.forecasts.append(None)
+            self._routed.append([])
+
+    def observe(self, node: int, state, taken_at: float) -> None:
+        from megainfer.routing.forecast import NodeForecast
+
+        self._grow(node + 1)
+        model = self.models[node]
+        model.observe(state.steps)
+        for prompt, output in state.finished:
+            self.estimator.observe(prompt, output)
+        state.time = taken_at
+        forecast = NodeForecast.build(state, model, self.estimator, horizon=self.horizon)
+        # What was routed after the snapshot was asked for may not be in it yet.
+        routed = [r for r in self._routed[node] if r[0] >= taken_at]
+        for when, prompt, output in routed:
+            forecast.commit(when, prompt, output)
+        self._routed[node] = routed
+        self.forecasts[node] = forecast
+
+    def forget(self, node: int) -> None:
+        del self.models[node:], self.forecasts[node:], self._routed[node:]
+
+    def predict(self, node: int, prompt_tokens: int, output_tokens: int, now: float) -> tuple[float, float]:
+        f = self.forecasts[node]
+        if f is None:  # no snapshot yet: nothing known, so nothing queued
+            return 0.0, 0.0
+        return f.predict(now, prompt_tokens, output_tokens)
+
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+        from megainfer.routing.forecast import Prediction
+
+        started = time.perf_counter()
+        self._grow(len(loads))
+        now = self.clock()
+        output = self.estimator.estimate(prompt_tokens, 0, max(max_tokens, 1))
+        key = 0 if self.objective == "ttft" else 1
+        best, best_pred = 0, None
+        for i in range(len(loads)):
+            pred = self.predict(i, prompt_tokens, output, now)
+            if best_pred is None or (pred[key], pred[1 - key]) < (best_pred[key], best_pred[1 - key]):
+                best, best_pred = i, pred
+        f = self.forecasts[best]
+        if f is not None:
+            f.commit(now, prompt_tokens, output)
+        self._routed[best].append((now, prompt_tokens, output))
+        self.last = Prediction(best, best_pred[0], best_pred[1], output)
+        self.decision_s.append(time.perf_counter() - started)
+        return best
+
+    def decision_p99_s(self) -> float:
+        return float(np.percentile(np.fromiter(self.decision_s, float), 99)) if self.decision_s else 0.0
+
+
+def make_router(name: str, seed: int = 0, **options) -> Router:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "random":
+        return RandomRouter(seed)
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "predictive":
+        return PredictiveRouter(**options)
+    raise ConfigError(f"router {name!r} is not one of {', '.join(ROUTERS)}")

@@ -1,0 +1,86 @@
+"""A node's step time as a function of the step's work, calibrated online from the steps the
+node measured (the predictive router's performance model).
+
+    seconds = c0 + c_tok * tokens + c_seq * seqs + c_kv * kv_tokens + c_pair * score_pairs
+
+c0 is the fixed cost of a step (weights read once, launches, the expert round trip), c_tok the
+per-token GEMM cost, c_kv attention's cache reads, c_pair its score FLOPs. The fit is least
+squares over the last `window` samples with a small ridge toward the prior, so a node with few
+measurements predicts from the prior and one with many from its own steps; no coefficient goes
+negative (the most negative feature is dropped and the rest refit, until none is).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from megainfer.routing.node_state import StepSample
+
+FEATURES = ("fixed", "tokens", "seqs", "kv_tokens", "score_pairs")
+
+
+def features(s: StepSample) -> tuple[float, float, float, float, float]:
+    return (1.0, float(s.tokens), float(s.seqs), float(s.kv_tokens), float(s.score_pairs))
+
+
+class OnlineStepModel:
+    def __init__(self, prior: tuple[float, ...] = (0.02, 1e-4, 0.0, 0.0, 0.0), *, window: int = 512,
+                 prior_weight: float = 4.0, refit_every: int = 16) -> None:
+        if len(prior) != len(FEATURES):
+            raise ValueError(f"prior needs {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
+        self.prior = np.asarray(prior, dtype=np.float64)
+        self.coef = self.prior.copy()
+        self.window = window
+        self.prior_weight = prior_weight
+        self.refit_every = refit_every
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._since_fit = 0
+        self.num_samples = 0
+
+    def predict(self, s: StepSample) -> float:
+        c = self.coef
+        return float(c[0] + c[1] * s.tokens + c[2] * s.seqs + c[3] * s.kv_tokens + c[4] * s.score_pairs)
+
+    def marginal(self, tokens: int, kv_tokens: float, score_pairs: float) -> float:
+        """Seconds one more sequence adds to a step it joins."""
+        c = self.coef
+        return float(c[1] * tokens + c[2] + c[3] * kv_tokens + c[4] * score_pairs)
+
+    def observe(self, samples) -> None:
+        for s in samples:
+            if s.seconds > 0:
+                self._x.append(features(s))
+                self._y.append(s.seconds)
+                self._since_fit += 1
+                self.num_samples += 1
+        if self._since_fit >= self.refit_every or (self._since_fit and len(self._y) < self.refit_every):
+            self.fit()
+
+    def fit(self) -> None:
+        self._since_fit = 0
+        if not self._y:
+            return
+        x = np.asarray(self._x, dtype=np.float64)
+        y = np.asarray(self._y, dtype=np.float64)
+        # Scale columns so the ridge weighs every feature alike whatever its units.
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        xs = x / scale
+        prior_s = self.prior * scale
+        active = list(range(len(FEATURES)))
+        while True:
+            a = xs[:, active]
+            lam = self.prior_weight * np.eye(len(active))
+            rhs = a.T @ y + self.prior_weight * prior_s[active]
+            sol = np.linalg.solve(a.T @ a + lam, rhs)
+            if (sol >= 0).all() or len(active) == 1:
+                break
+            del active[int(np.argmin(sol))]  # one at a time: collinear features trade sign
+        coef = np.zeros(len(FEATURES))
+        coef[active] = np.maximum(sol, 0.0) / scale[active]
+        self.coef = coef
+
+    def describe(self) -> dict[str, float]:
+        return dict(zip(FEATURES, map(float, self.coef)))

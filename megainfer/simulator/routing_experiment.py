@@ -1,0 +1,120 @@
+"""`megainfer simulate-routing`: routers compared on a simulated fleet (Block's experiment):
+P99 TTFT against request rate for each router, and each router's capacity, the highest rate
+whose P99 TTFT stays under the SLO."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megainfer.config import EngineConfig, ModelConfig
+from megainfer.routing.policies import make_router
+from megainfer.simulator.cluster import ClusterSimulator
+from megainfer.simulator.workload import generate
+from planner.step_time import ColocatedStepModel
+
+
+@dataclass
+class RoutingSpec:
+    model: ModelConfig
+    step_model: ColocatedStepModel
+    replicas: int = 12
+    routers: tuple[str, ...] = ("round_robin", "least_loaded", "predictive")
+    workload: str = "sharegpt"
+    num_requests: int = 3000
+    chunk_size: int = 512
+    max_num_seqs: int = 256
+    ttft_slo_s: float = 3.0
+    snapshot_s: float = 0.25
+    seed: int = 0
+
+    def run(self, router: str, rate: float) -> dict:
+        requests = generate(self.workload, num_requests=self.num_requests, rate=rate,
+                            max_model_len=self.model.max_position_embeddings, seed=self.seed)
+        config = EngineConfig(max_num_batched_tokens=self.chunk_size, max_num_seqs=self.max_num_seqs)
+        sim = ClusterSimulator(self.model, self.step_model, config, self.replicas, make_router(router, seed=self.seed),
+                               snapshot_s=self.snapshot_s, seed=self.seed)
+        return sim.run(requests, rate).summary()
+
+
+def sweep(spec: RoutingSpec, rates: list[float], progress=None) -> list[dict]:
+    rows = []
+    for rate in rates:
+        row = {"rate": rate}
+        for router in spec.routers:
+            row[router] = spec.run(router, rate)
+            if progress is not None:
+                progress(rate, router, row[router])
+        rows.append(row)
+    return rows
+
+
+def capacity(rows: list[dict], router: str, slo_s: float) -> float:
+    """The highest rate under the SLO before the first rate over it, refined by interpolating
+    P99 TTFT linearly between that pair of rates (the rates swept bound the answer)."""
+    last_ok = None
+    for row in rows:
+        p99 = row[router]["ttft_p99_s"]
+        if p99 <= slo_s:
+            last_ok = row
+            continue
+        if last_ok is None:
+            return 0.0
+        lo, hi = last_ok[router]["ttft_p99_s"], p99
+        frac = (slo_s - lo) / (hi - lo) if hi > lo else 0.0
+        return last_ok["rate"] + frac * (row["rate"] - last_ok["rate"])
+    return rows[-1]["rate"] if last_ok is not None else 0.0
+
+
+def format_sweep(rows: list[dict], spec: RoutingSpec) -> str:
+    head = f"{'rate req/s':>10s}  " + "  ".join(f"{r + ' p99 TTFT s':>24s}" for r in spec.routers)
+    out = [head, "-" * len(head)]
+    for row in rows:
+        out.append(f"{row['rate']:10.2f}  " + "  ".join(f"{row[r]['ttft_p99_s']:24.2f}" for r in spec.routers))
+    return "\n".join(out)
+
+
+def format_capacity(rows: list[dict], spec: RoutingSpec) -> str:
+    caps = {r: capacity(rows, r, spec.ttft_slo_s) for r in spec.routers}
+    base = caps.get("round_robin")
+    lines = [f"capacity (highest rate with P99 TTFT <= {spec.ttft_slo_s:g} s):"]
+    top = rows[-1]["rate"]
+    for r, c in caps.items():
+        vs = f"  ({c / base - 1:+.1%} vs round_robin)" if base and r != "round_robin" else ""
+        more = "  (met at every rate swept: raise the rates)" if all(row[r]["ttft_p99_s"] <= spec.ttft_slo_s
+                                                                      for row in rows) else ""
+        lines.append(f"  {r:13s} {c:7.2f} req/s{vs}{more}" if c < top or not more else f"  {r:13s} >= {top:g} req/s{more}")
+    if "predictive" in caps and "least_loaded" in caps and caps["least_loaded"]:
+        lines.append(f"  predictive vs least_loaded: {caps['predictive'] / caps['least_loaded'] - 1:+.1%}")
+    if "predictive" in spec.routers:
+        mae = [row["predictive"]["prediction_mae_s"] for row in rows]
+        dec = [row["predictive"]["decision_p99_ms"] for row in rows]
+        lines.append(f"predictive: TTFT prediction MAE {min(mae) * 1e3:.0f} to {max(mae) * 1e3:.0f} ms over the sweep "
+                     f"(mean {np.mean(mae) * 1e3:.0f} ms); decision p99 {max(dec):.2f} ms with {spec.replicas} "
+                     "candidates")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], spec: RoutingSpec, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    rates = [r["rate"] for r in rows]
+    for router, style in zip(spec.routers, ("o-", "s-", "^-", "d-")):
+        ax.plot(rates, [r[router]["ttft_p99_s"] for r in rows], style,
+                label=f"{router} ({capacity(rows, router, spec.ttft_slo_s):.1f} req/s)")
+    ax.axhline(spec.ttft_slo_s, color="grey", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("P99 TTFT (s)")
+    ax.set_title(f"{spec.replicas} x {spec.model.name} on {spec.step_model.tp} x {spec.step_model.gpu.name}, "
+                 f"{spec.workload}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
