@@ -91,9 +91,11 @@ class AttentionNode:
                 "running": self.engine.scheduler.num_running, "waiting": self.engine.scheduler.num_waiting,
                 "timing": {**self.engine.runner.timing, "step": self.step_seconds}}
 
-    def load(self) -> dict:
+    def state(self):
+        """The scheduler's state for the router (a NodeState), with the steps measured and the
+        requests finished since the last call; None while the node is still wiring."""
         with self.lock:
-            return self.engine.scheduler.load() if self.engine is not None else {"capacity_tokens": 0}
+            return self.engine.node_state() if self.engine is not None else None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: dict) -> int:

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+from megainfer.routing.policies import ROUTERS
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("deploy", help="deploy a plan.yaml on Ray and serve it over gRPC",
@@ -18,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="gRPC bind address (default: the plan's serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default: the plan's serve.port)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this HTTP port")
-    p.add_argument("--router", choices=["round_robin", "random", "least_loaded"],
+    p.add_argument("--router", choices=list(ROUTERS),
                    help="how requests are spread over attention nodes (default: the plan's serve.router)")
     p.add_argument("--demo", type=int, default=0, metavar="N",
                    help="send N requests through the server, print the answers, then shut down")
@@ -41,14 +43,21 @@ def run(args: argparse.Namespace) -> int:
         plan.serve.router = args.router
     host = args.host or plan.serve.host
     port = plan.serve.port if args.port is None else args.port
-    deployment = Deployment(plan, address=args.address).start()
+    if plan.autoscale is not None:
+        from deploy.replicas import ReplicaSet
+
+        deployment = ReplicaSet(plan, address=args.address).start()
+    else:
+        deployment = Deployment(plan, address=args.address).start()
     server = None
     try:
         server = Server(deployment, host=host, port=port, metrics_port=args.metrics_port).start()
         if server.metrics_port is not None:
             print(f"metrics on http://{host}:{server.metrics_port}/metrics", file=sys.stderr)
+        scale = "" if plan.autoscale is None else \
+            f", {plan.autoscale.min_replicas} to {plan.autoscale.max_replicas} replicas on predicted TTFT"
         print(f"serving {plan.model} ({plan.attention.nodes} attention x {plan.experts.nodes} expert node(s), "
-              f"m={plan.pipeline.micro_batches}) on {server.address}", file=sys.stderr)
+              f"m={plan.pipeline.micro_batches}{scale}) on {server.address}", file=sys.stderr)
         if args.demo:
             _demo(server.address, args.demo, args.max_tokens)
             return 0

@@ -26,6 +26,7 @@ from deploy.attention_shard import AttentionShard
 from deploy.expert_shard import ExpertShard
 from deploy.node_config import attention_rank_names, node_names, weights_of
 from megainfer.disagg import latency
+from megainfer.disagg.latency import LatencyHistogram
 from megainfer.errors import ConfigError, DataPlaneError, MegaInferError, PlanError
 from megainfer.plan import Plan
 from megainfer.routing.policies import NodeLoad, make_router
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # loading weights can take a while on real clusters
 HEALTH_EVERY_S = 0.5
 LOAD_REFRESH_S = 0.05  # how stale a router's view of the attention nodes may get
+# |predicted - measured| TTFT of requests the predictive router placed, seconds.
+ROUTER_ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def bundles(plan: Plan) -> list[dict]:
@@ -52,7 +55,12 @@ def bundles(plan: Plan) -> list[dict]:
 
 
 class Deployment:
-    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True) -> None:
+    """One replica of a plan. `routed_externally`: a `ReplicaSet` routes over this replica's
+    attention nodes together with its other replicas' (and tracks their state), so this one
+    keeps no router of its own running."""
+
+    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True, *,
+                 routed_externally: bool = False) -> None:
         self.plan = plan
         self.address = address
         self.show_progress = show_progress
@@ -65,8 +73,11 @@ class Deployment:
         self.attention_rank_names = attention_rank_names(plan)
         self.registry = StreamRegistry(max_open=2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
         self._owner: dict[str, int] = {}  # request id -> attention node index
+        self.routed_externally = routed_externally
         self.router = make_router(plan.serve.router)
         self._loads: list[NodeLoad] = []  # per attention node: the last snapshot, plus what was routed since
+        self._predicted: dict[str, tuple[float, float]] = {}  # request id -> (submitted at, predicted TTFT)
+        self.router_error = LatencyHistogram(ROUTER_ERROR_BUCKETS)
         self._route_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -133,8 +144,9 @@ class Deployment:
         self._wire()
         for i, node in enumerate(self.attention):
             self._spawn(self._dispatch, node, i, name=f"dispatch-{i}")
-        self._refresh_loads()
-        self._spawn(self._track_loads, name="loads")
+        if not self.routed_externally:
+            self._refresh_loads()
+            self._spawn(self._track_loads, name="loads")
         self._warm_up()
         self._spawn(self._supervise, name="supervisor")
         return self
@@ -214,13 +226,22 @@ class Deployment:
         self._threads.append(t)
 
     # -- serving ------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt, params: SamplingParams, node: int | None = None) -> RequestStream:
+    def submit(self, request_id: str, prompt, params: SamplingParams, node: int | None = None,
+               predicted_ttft_s: float | None = None) -> RequestStream:
+        """Queue a request on attention node `node`, or where the router sends it."""
         stream = self.registry.open(request_id)
-        # Token ids count exactly; text is estimated at four bytes a token until its node tokenizes it.
-        tokens = len(prompt) if not isinstance(prompt, str) else len(prompt.encode()) // 4 + 1
+        submitted = time.monotonic()
+        tokens = prompt_tokens(prompt)
         with self._route_lock:
-            i = self.router.choose(self._loads, tokens) if node is None else node
-            self._loads[i].add(tokens)
+            if node is None:
+                node = self.router.choose(self._loads, tokens, params.max_tokens)
+                last = getattr(self.router, "last", None)
+                predicted_ttft_s = last.ttft_s if last is not None else None
+            if node < len(self._loads):  # (a replica set tracks loads itself)
+                self._loads[node].add(tokens)
+        if predicted_ttft_s is not None:
+            self._predicted[request_id] = (submitted, predicted_ttft_s)
+        i = node
         self._owner[request_id] = i
         try:
             stream.prompt_tokens = ray.get(
@@ -228,6 +249,7 @@ class Deployment:
         except BaseException as exc:
             self.registry.close(request_id)
             self._owner.pop(request_id, None)
+            self._predicted.pop(request_id, None)
             if isinstance(exc, RayTaskError):
                 raise _cause(exc) from None
             if isinstance(exc, (RayActorError, GetTimeoutError)):
@@ -235,21 +257,43 @@ class Deployment:
             raise
         return stream
 
-    def _refresh_loads(self) -> None:
-        """Every attention node's load now; a node that does not answer keeps its last one."""
-        refs = [n.load.remote() for n in self.attention]
-        fresh = []
-        for i, ref in enumerate(refs):
+    def node_states(self) -> list:
+        """(NodeState or None, when it was asked for) of every attention node; None where the
+        node did not answer or is still wiring."""
+        taken = time.monotonic()
+        refs = [n.state.remote() for n in self.attention]
+        states = []
+        for ref in refs:
             try:
-                fresh.append(NodeLoad(**ray.get(ref, timeout=5)))
-            except (RayActorError, GetTimeoutError, TypeError):
-                fresh.append(self._loads[i] if i < len(self._loads) else NodeLoad(capacity_tokens=0))
+                states.append(ray.get(ref, timeout=5))
+            except (RayActorError, GetTimeoutError):
+                states.append(None)
+        return [(s, taken) for s in states]
+
+    def _refresh_loads(self) -> None:
+        """Every attention node's state to the router; a node that does not answer keeps its last load."""
+        states = self.node_states()
         with self._route_lock:
+            fresh = []
+            for i, (state, taken) in enumerate(states):
+                if state is None:
+                    fresh.append(self._loads[i] if i < len(self._loads) else NodeLoad(capacity_tokens=0))
+                    continue
+                fresh.append(NodeLoad(**state.load()))
+                self.router.observe(i, state, taken)
             self._loads = fresh
 
     def _track_loads(self) -> None:
         while not self._stop.wait(LOAD_REFRESH_S):
             self._refresh_loads()
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._owner
+
+    @property
+    def open_requests(self) -> int:
+        """Requests submitted here that have not finished."""
+        return len(self._owner)
 
     def abort(self, request_id: str) -> bool:
         i = self._owner.pop(request_id, None)
@@ -269,8 +313,13 @@ class Deployment:
                 time.sleep(0.2)  # the supervisor handles the node; keep listening
                 continue
             for d in deltas:
+                rid = d["request_id"]
+                if rid in self._predicted and (d["new_token_ids"] or d["finished"]):
+                    submitted, predicted = self._predicted.pop(rid)
+                    if d["new_token_ids"]:
+                        self.router_error.observe(abs(time.monotonic() - submitted - predicted))
                 if d["finished"]:
-                    self._owner.pop(d["request_id"], None)
+                    self._owner.pop(rid, None)
                 self.registry.deliver(d)
 
     def _supervise(self) -> None:
@@ -348,7 +397,8 @@ class Deployment:
         return {"running": sum(s["num_running"] for s in stats), "waiting": sum(s["num_waiting"] for s in stats),
                 "kv_cache_usage": sum(s["kv_cache_usage"] * s["num_kv_blocks"] for s in stats) / blocks,
                 "expert_bytes_read": sum(s["expert_bytes_read"] for s in stats),
-                "m2n": {k: latency.merge([s["m2n"][k] for s in stats]) for k in ("send", "receive_wait")}}
+                "m2n": {k: latency.merge([s["m2n"][k] for s in stats]) for k in ("send", "receive_wait")},
+                "router_ttft_error": self.router_error.snapshot() if self.router.name == "predictive" else None}
 
     def close(self) -> None:
         self._stop.set()
@@ -364,6 +414,11 @@ class Deployment:
             remove_placement_group(self._pg)
         if self._started_ray:
             ray.shutdown()
+
+
+def prompt_tokens(prompt) -> int:
+    """Token ids count exactly; text is estimated at four bytes a token until its node tokenizes it."""
+    return len(prompt) if not isinstance(prompt, str) else len(prompt.encode()) // 4 + 1
 
 
 def _cause(exc: RayTaskError) -> BaseException:

@@ -16,7 +16,7 @@ def engine_config(plan: Plan, num_threads: int | None) -> EngineConfig:
                         max_num_seqs=plan.scheduler.max_num_seqs,
                         max_num_batched_tokens=plan.scheduler.max_num_batched_tokens,
                         prefill_policy=plan.scheduler.prefill_policy, group_tokens=plan.scheduler.group_tokens,
-                        num_threads=num_threads)
+                        target_step_ms=plan.scheduler.target_step_ms, num_threads=num_threads)
 
 
 def weights_of(plan: Plan) -> tuple[ModelConfig, WeightSource]:

@@ -314,6 +314,7 @@ class EngineConfig:
     group_tokens: int = 512  # layered: prompt tokens per layer group, G = ceil(cohort tokens / this)
     num_layer_groups: int | None = None  # layered: a fixed G instead
     layered_chunk_tokens: int = 8192  # layered: prompt tokens of one cohort (longer prompts go in chunks)
+    target_step_ms: float | None = None  # attention balancing: cap prompt tokens by predicted step time
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     show_progress: bool = False  # progress bar while loading weights
 
@@ -329,6 +330,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"engine option '{name}' must be a positive integer, got {value!r}")
+        if self.target_step_ms is not None and (isinstance(self.target_step_ms, bool) or
+                                                not isinstance(self.target_step_ms, (int, float)) or
+                                                self.target_step_ms <= 0):
+            raise ConfigError(f"engine option 'target_step_ms' must be a positive number or None, "
+                              f"got {self.target_step_ms!r}")
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "num_layer_groups"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
+from collections import deque
 
 from megainfer.config import EngineConfig, resolve_model
 from megainfer.energy import EnergyMeter
@@ -16,6 +18,8 @@ from megainfer.errors import ConfigError, DataPlaneError, RequestError
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepResult
 from megainfer.outputs import EngineStats, ExpertLoad, RequestDelta
+from megainfer.routing.node_state import NodeState, StepSample
+from megainfer.routing.step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
@@ -52,6 +56,13 @@ class Engine:
             [0] * self.model_config.num_experts for _ in range(self.model_config.num_layers)])
         self._expert_bytes = self.model_config.expert_bytes(self.config.dtype)
         self._energy = EnergyMeter(self.config.device)
+        # What a router learns from (drained by node_state()); bounded if nobody asks.
+        self._measured_steps: deque[StepSample] = deque(maxlen=1024)
+        self._finished_lengths: deque[tuple[int, int]] = deque(maxlen=1024)
+        self.step_model: OnlineStepModel | None = None
+        if self.config.target_step_ms is not None:  # attention balancing, on this node's own step times
+            self.step_model = OnlineStepModel()
+            self.scheduler.step_cap = StepTimeBalancer(self.step_model, self.config.target_step_ms / 1e3)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
@@ -111,6 +122,7 @@ class Engine:
             if getattr(self.runner, "steps_when_idle", False):
                 self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
             return []
+        started = time.perf_counter()
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
@@ -119,8 +131,21 @@ class Engine:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
             return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs]
         advanced = self.scheduler.update_from_output(out, result.sampled)
+        measured = StepSample.of(out, time.perf_counter() - started, self.model_config.num_layers)
+        self._measured_steps.append(measured)
+        if self.step_model is not None:
+            self.step_model.observe((measured,))
+        self._finished_lengths.extend((s.num_prompt_tokens, s.num_output_tokens) for s in advanced if s.is_finished)
         self._record(out, result)
         return [self._delta(seq) for seq in advanced]
+
+    def node_state(self, now: float = 0.0) -> NodeState:
+        """The scheduler's state for a router, with the steps measured and the requests
+        finished since the last call."""
+        steps, finished = list(self._measured_steps), list(self._finished_lengths)
+        self._measured_steps.clear()
+        self._finished_lengths.clear()
+        return NodeState.of(self.scheduler, now, steps, finished)
 
     def _delta(self, seq: Sequence) -> RequestDelta:
         token = seq.token_ids[-1]

@@ -16,6 +16,7 @@ import yaml
 
 from megainfer.config import DTYPE_BYTES, ModelConfig
 from megainfer.errors import PlanError
+from megainfer.routing.autoscale import AutoscalePolicy
 from megainfer.routing.policies import ROUTERS
 
 PREFILL_POLICIES = ("chunked", "layered")
@@ -70,8 +71,12 @@ class SchedulerSpec:
     group_tokens: int = 512  # layered prefill: prompt tokens per layer group
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
+    # Attention balancing: admit prompt tokens only while a step's predicted time stays under this.
+    target_step_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.target_step_ms is not None:
+            _positive("scheduler", target_step_ms=self.target_step_ms)
         if self.prefill_policy not in PREFILL_POLICIES:
             raise PlanError(f"scheduler.prefill_policy {self.prefill_policy!r} is not one of "
                             f"{', '.join(PREFILL_POLICIES)}")
@@ -127,7 +132,7 @@ class Prediction:
 
 _SECTIONS = {"attention": AttentionSpec, "experts": ExpertSpec, "pipeline": PipelineSpec,
              "scheduler": SchedulerSpec, "slo": SLOSpec, "transport": TransportSpec, "serve": ServeSpec,
-             "predicted": Prediction}
+             "autoscale": AutoscalePolicy, "predicted": Prediction}
 
 
 @dataclass
@@ -141,6 +146,7 @@ class Plan:
     slo: SLOSpec = field(default_factory=SLOSpec)
     transport: TransportSpec = field(default_factory=TransportSpec)
     serve: ServeSpec = field(default_factory=ServeSpec)
+    autoscale: AutoscalePolicy | None = None  # replicas grown and retired on predicted TTFT
     predicted: Prediction | None = None
 
     def __post_init__(self) -> None:
@@ -150,6 +156,9 @@ class Plan:
             raise PlanError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if (self.attention.gpu == CPU) != (self.experts.gpu == CPU):
             raise PlanError("attention.gpu and experts.gpu must both be 'cpu' or both name GPU types")
+        if self.autoscale is not None and self.serve.router != "predictive":
+            raise PlanError(f"autoscale acts on predicted TTFT: set serve.router to 'predictive' "
+                            f"(it is {self.serve.router!r})")
 
     @property
     def is_cpu(self) -> bool:
@@ -174,8 +183,9 @@ class Plan:
     # -- YAML ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if self.predicted is None:
-            del data["predicted"]
+        for optional in ("autoscale", "predicted"):
+            if data[optional] is None:
+                del data[optional]
         return data
 
     def to_yaml(self) -> str:

@@ -186,10 +186,19 @@ def chunk_work(seqs: list[Sequence], num_tokens: list[int]) -> tuple[int, float,
     return tokens, pairs, kv
 
 
+class StepTimeCap(Protocol):
+    """Attention balancing: how many prompt tokens may join a step that already carries the
+    given decode work before its predicted time passes the target."""
+
+    def prefill_tokens(self, tokens: int, seqs: int, kv_tokens: float) -> int:
+        """Prompt tokens that fit (0 when the decodes alone fill the target)."""
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: PrefillPolicy, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, step_cap: StepTimeCap | None = None) -> None:
+        self.step_cap = step_cap  # None: a step is bounded by its token budget alone
         self.block_manager = block_manager
         self.clock = clock  # token timestamps; the simulator passes its virtual clock
         self.policy = policy
@@ -257,12 +266,17 @@ class Scheduler:
         # the preemption victims taken from the tail are always not-yet-scheduled ones.
         self.running = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))
         layered = isinstance(self.policy, LayeredPrefill)
+        capped = self.step_cap is None or layered
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if layered and (seq.num_uncomputed_tokens > 1 or self.policy.in_cohort(seq)):
                 i += 1  # prompts advance in cohorts, below (a one-token prompt too)
                 continue
+            if seq.num_uncomputed_tokens > 1 and not capped:  # the decodes are in: cap the prompts
+                budget, capped = self._capped(out, budget), True
+                if budget <= 0:
+                    break
             n = 1 if seq.num_uncomputed_tokens == 1 else self.policy.num_prefill_tokens(seq, budget)
             if n <= 0:
                 break
@@ -283,6 +297,8 @@ class Scheduler:
         if layered:
             self._schedule_cohort(out)
             return self._ordered(out)
+        if not capped:
+            budget = self._capped(out, budget)
         # New prompts only when nothing had to be preempted: they would evict each other.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -297,6 +313,13 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
         return self._ordered(out)
+
+    def _capped(self, out: SchedulerOutput, budget: int) -> int:
+        """The token budget left for prompt chunks under the step-time cap. A step with no
+        decodes always takes some prompt: it would otherwise never run."""
+        tokens, _, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
+        cap = self.step_cap.prefill_tokens(tokens, len(out.seqs), kv)
+        return min(budget, cap if out.seqs else max(cap, 1))
 
     def _ordered(self, out: SchedulerOutput) -> SchedulerOutput:
         order = sorted(range(len(out.seqs)), key=lambda j: out.num_scheduled_tokens[j] > 1)

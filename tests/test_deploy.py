@@ -192,3 +192,58 @@ def test_least_loaded_routes_around_a_busy_attention_node():
             assert stream.wait_finished(60)["finished"]
     finally:
         served.close()
+
+
+def test_predictive_routes_on_forecasts_and_reports_its_error():
+    from tests.test_metrics import scrape
+
+    plan = make_plan("tiny-mixtral", 2, 1, 1)
+    plan.serve.router = "predictive"
+    served = Served(plan, metrics=True)
+    try:
+        dep = served.deployment
+        assert dep.router.name == "predictive"
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        busy = [dep.submit(f"busy{i}", list(range(1, 150)), params, node=0) for i in range(2)]
+        time.sleep(0.3)  # a snapshot or two: node 0's queue is in its forecast
+        fresh = dep.submit("fresh", [1, 2, 3], GREEDY)
+        assert dep._owner["fresh"] == 1
+        assert dep.router.forecasts[0] is not None and dep.router.models[0].num_samples > 0
+        for stream in busy + [fresh]:
+            assert stream.wait_finished(60)["finished"]
+        m = scrape(served.server.metrics_port)
+        assert m["megainfer:router_ttft_prediction_error_seconds_count"] == 1  # "fresh": the one it placed
+        assert 0 <= m["megainfer:router_ttft_prediction_error_seconds_sum"] < 5
+    finally:
+        served.close()
+
+
+def test_autoscaler_adds_a_replica_on_predicted_ttft_and_retires_it_when_idle():
+    from deploy.replicas import ReplicaSet
+
+    plan = make_plan("tiny-mixtral", 1, 1, 1)
+    plan.serve.router = "predictive"
+    plan.autoscale = Plan.from_dict({"model": "x", "serve": {"router": "predictive"}, "autoscale": {
+        "min_replicas": 1, "max_replicas": 2, "predicted_ttft_s": 0.2, "idle_s": 1.0}}).autoscale
+    fleet = ReplicaSet(plan, show_progress=False).start()
+    try:
+        assert len(fleet.replicas) == 1
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        streams = [fleet.submit(f"r{i}", list(range(1, 200)), params) for i in range(6)]
+        added = [e for e in fleet.events if e["action"] == "add"]
+        # The decision came from predictions, while the queue it foresaw had barely formed.
+        assert added and added[0]["predicted_ttft_s"] > 0.2 and added[0]["waiting"] <= 6
+        for s in streams:
+            assert s.wait_finished(120)["finished"]
+        deadline = time.monotonic() + 120
+        while not any(e["action"] == "added" for e in fleet.events) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(fleet.replicas) == 2
+        # The new replica serves (the router knows it), then, idle, it retires.
+        assert fleet.submit("after", [1, 2, 3], GREEDY).wait_finished(60)["finished"]
+        while len(fleet.replicas) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(fleet.replicas) == 1 and fleet.events[-1]["action"] == "retired"
+        assert fleet.submit("last", [4, 5, 6], GREEDY).wait_finished(60)["finished"]
+    finally:
+        fleet.close()

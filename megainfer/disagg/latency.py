@@ -23,12 +23,12 @@ class LatencyHistogram:
         self.sum += seconds
 
     def snapshot(self) -> dict:
-        return {"buckets": list(self.counts), "sum": self.sum}
+        return {"bounds": list(self.bounds), "buckets": list(self.counts), "sum": self.sum}
 
 
 def merge(snapshots: list[dict]) -> dict:
     """Sum snapshots of histograms with the same bounds (one per node)."""
     if not snapshots:
-        return {"buckets": [0] * (len(M2N_BUCKETS) + 1), "sum": 0.0}
-    return {"buckets": [sum(c) for c in zip(*(s["buckets"] for s in snapshots))],
+        return {"bounds": list(M2N_BUCKETS), "buckets": [0] * (len(M2N_BUCKETS) + 1), "sum": 0.0}
+    return {"bounds": snapshots[0]["bounds"], "buckets": [sum(c) for c in zip(*(s["buckets"] for s in snapshots))],
             "sum": sum(s["sum"] for s in snapshots)}

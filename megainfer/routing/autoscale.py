@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megainfer.errors import ConfigError
+from megainfer.errors import PlanError
 
 
-@dataclass(frozen=True)
+@dataclass
 class AutoscalePolicy:
+    """plan.yaml's `autoscale` section."""
+
     min_replicas: int = 1
     max_replicas: int = 1
     predicted_ttft_s: float = 2.0  # add a replica when a new request's best predicted TTFT passes this
@@ -24,12 +26,13 @@ class AutoscalePolicy:
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
-            raise ConfigError(f"autoscale.min_replicas must be at least 1, got {self.min_replicas}")
+            raise PlanError(f"autoscale.min_replicas must be at least 1, got {self.min_replicas}")
         if self.max_replicas < self.min_replicas:
-            raise ConfigError(f"autoscale.max_replicas ({self.max_replicas}) must be at least "
-                              f"autoscale.min_replicas ({self.min_replicas})")
-        if self.predicted_ttft_s <= 0 or self.idle_s <= 0:
-            raise ConfigError("autoscale.predicted_ttft_s and autoscale.idle_s must be positive")
+            raise PlanError(f"autoscale.max_replicas ({self.max_replicas}) must be at least "
+                            f"autoscale.min_replicas ({self.min_replicas})")
+        for key in ("predicted_ttft_s", "idle_s"):
+            if getattr(self, key) <= 0:
+                raise PlanError(f"autoscale.{key} must be positive, got {getattr(self, key)}")
 
 
 class Autoscaler:

@@ -84,3 +84,31 @@ class OnlineStepModel:
 
     def describe(self) -> dict[str, float]:
         return dict(zip(FEATURES, map(float, self.coef)))
+
+
+class StepTimeBalancer:
+    """Attention balancing (MegaScale-Infer §8): admit prompt tokens into a step only while its
+    predicted time stays under `target_s`, so attention nodes that meet the experts every layer
+    finish their halves together instead of all waiting on the one that took a long prompt.
+    The node's own calibrated model predicts; the scheduler asks once the decodes are in."""
+
+    def __init__(self, model: OnlineStepModel, target_s: float) -> None:
+        if target_s <= 0:
+            raise ValueError(f"target step time must be positive, got {target_s}")
+        self.model = model
+        self.target_s = target_s
+
+    def prefill_tokens(self, tokens: int, seqs: int, kv_tokens: float) -> int:
+        c = self.model.coef
+        # The decodes (pairs = cached tokens read) plus one more sequence's fixed share.
+        base = c[0] + c[1] * tokens + c[2] * (seqs + 1) + c[3] * kv_tokens + c[4] * kv_tokens
+        room = self.target_s - base
+        if room <= 0:
+            return 0
+        # x prompt tokens from a fresh prefix: linear terms plus x(x+1)/2 score pairs.
+        a, b = c[4] / 2, c[1] + c[3] + c[4] / 2
+        if a > 0:
+            x = (-b + (b * b + 4 * a * room) ** 0.5) / (2 * a)
+        else:
+            x = room / b if b > 0 else float("inf")
+        return int(min(x, 1 << 30))

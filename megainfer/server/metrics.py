@@ -11,6 +11,7 @@ Names follow the `<system>:<metric>` convention vLLM's users already chart:
   megainfer:expert_load_bytes_total           counter, expert-weight bytes read
   megainfer:m2n_send_latency_seconds          histogram, one M2N send (deployments)
   megainfer:m2n_receive_wait_seconds          histogram, waiting for one expert node's answer (deployments)
+  megainfer:router_ttft_prediction_error_seconds  histogram, |predicted - measured| TTFT (predictive router)
 Each registry is the server's own, so several servers in one process do not collide.
 """
 
@@ -30,7 +31,9 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 class MetricsSource(Protocol):
     def metrics_snapshot(self) -> dict:
         """{"running", "waiting", "kv_cache_usage", "expert_bytes_read"} and, for deployments,
-        "m2n": {"send" | "receive_wait": {"buckets": [counts per M2N_BUCKETS edge, then +Inf], "sum": s}}."""
+        "m2n": {"send" | "receive_wait": histogram} and, under the predictive router,
+        "router_ttft_error": histogram; a histogram is {"bounds": [upper edges], "buckets":
+        [counts per edge, then +Inf], "sum": s}."""
 
 
 class _BackendCollector:
@@ -49,14 +52,16 @@ class _BackendCollector:
             yield GaugeMetricFamily(name, doc, value=snap[key])
         yield CounterMetricFamily("megainfer:expert_load_bytes", "Expert-weight bytes read by the experts' GEMMs.",
                                   value=snap["expert_bytes_read"])
-        for key, name, doc in (("send", "megainfer:m2n_send_latency_seconds", "One M2N send."),
-                               ("receive_wait", "megainfer:m2n_receive_wait_seconds",
-                                "Waiting for one expert node's answer over M2N.")):
-            h = (snap.get("m2n") or {}).get(key)
+        m2n = snap.get("m2n") or {}
+        for h, name, doc in ((m2n.get("send"), "megainfer:m2n_send_latency_seconds", "One M2N send."),
+                             (m2n.get("receive_wait"), "megainfer:m2n_receive_wait_seconds",
+                              "Waiting for one expert node's answer over M2N."),
+                             (snap.get("router_ttft_error"), "megainfer:router_ttft_prediction_error_seconds",
+                              "|predicted - measured| TTFT of requests the predictive router placed.")):
             if h is None:
                 continue
             cumulative, running = [], 0
-            for bound, count in zip([*map(str, M2N_BUCKETS), "+Inf"], h["buckets"]):
+            for bound, count in zip([*map(str, h.get("bounds", M2N_BUCKETS)), "+Inf"], h["buckets"]):
                 running += count
                 cumulative.append((bound, running))
             yield HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=h["sum"])
