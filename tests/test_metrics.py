@@ -111,3 +111,44 @@ def test_bench_serve_errors_are_one_line(served, args, message):
 def test_bench_serve_without_a_server():
     out = _bench_serve("--server", "127.0.0.1:1", "--num-prompts", "1")
     assert out.returncode == 2 and "no megainfer server answers" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_router_prediction_error_histogram_is_exported():
+    from prometheus_client import generate_latest
+
+    from megainfer.server.metrics import ServingMetrics
+
+    errors = LatencyHistogram((0.01, 0.1, 1.0))
+    for s in (0.005, 0.05, 0.5, 3.0):
+        errors.observe(s)
+
+    class Source:
+        def metrics_snapshot(self):
+            return {"running": 1, "waiting": 2, "kv_cache_usage": 0.25, "expert_bytes_read": 10,
+                    "router_ttft_error": errors.snapshot()}
+
+    text = generate_latest(ServingMetrics(Source()).registry).decode()
+    name = "megainfer:router_ttft_prediction_error_seconds"
+    assert f'{name}_bucket{{le="0.1"}} 2.0' in text and f'{name}_bucket{{le="+Inf"}} 4.0' in text
+    assert f"{name}_sum 3.555" in text and "megainfer:num_requests_waiting 2.0" in text
+
+
+def test_bench_serve_random_range_ratio_mixes_lengths():
+    from megainfer.bench.serve_bench import ServeBenchSpec, workload
+
+    reqs = workload(ServeBenchSpec(server="", num_prompts=400, input_len=200, output_len=20, random_range_ratio=0.5,
+                                   request_rate=5.0))
+    ins = [r.input_len for r in reqs]
+    assert min(ins) >= 100 and max(ins) <= 300 and len(set(ins)) > 50
+    assert all(10 <= r.output_len <= 30 for r in reqs)
+    with pytest.raises(Exception, match="random-range-ratio"):
+        workload(ServeBenchSpec(server="", random_range_ratio=1.5))
+
+
+def test_bench_routing_needs_two_attention_nodes():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "megainfer", "bench", "routing", "deploy/plans/tiny-cpu.yaml"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "at least 2 attention nodes" in out.stderr and "Traceback" not in out.stderr

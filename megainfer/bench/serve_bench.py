@@ -34,6 +34,7 @@ class ServeBenchSpec:
     num_prompts: int = 100
     input_len: int = 128  # random dataset
     output_len: int = 64
+    random_range_ratio: float = 0.0  # random dataset: lengths uniform in [len*(1-r), len*(1+r)]
     max_model_len: int = 4096  # lengths from sharegpt/arxiv are clipped to fit
     arrival: str = "poisson"
     cv: float = 1.0
@@ -68,7 +69,15 @@ def workload(spec: ServeBenchSpec) -> list[SimRequest]:
         rng = np.random.default_rng(spec.seed)
         times = arrival_times(rng, spec.num_prompts, rate, spec.arrival, spec.cv) if np.isfinite(rate) \
             else np.zeros(spec.num_prompts)
-        reqs = [SimRequest(float(t), spec.input_len, spec.output_len) for t in times]
+        r = spec.random_range_ratio
+        if not 0 <= r < 1:
+            raise ConfigError(f"--random-range-ratio must lie in [0, 1), got {r}")
+
+        def lengths(n: int) -> np.ndarray:
+            return rng.integers(max(1, round(n * (1 - r))), round(n * (1 + r)) + 1, size=spec.num_prompts)
+
+        ins, outs = lengths(spec.input_len), lengths(spec.output_len)
+        reqs = [SimRequest(float(t), int(i), int(o)) for t, i, o in zip(times, ins, outs)]
     else:
         return load_trace(spec.dataset, max_model_len=spec.max_model_len, num_requests=spec.num_prompts)
     if not np.isfinite(rate):

@@ -54,6 +54,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(run=_run_pipeline)
 
+    rt = benches.add_parser("routing", help="the same online load against a deployment under each router",
+                            description="Deploy the plan once per router (one Ray session), send each the same "
+                                        "bench-serve workload, and compare TTFT and E2E latency.")
+    rt.add_argument("plan", help="plan.yaml with at least 2 attention nodes (e.g. deploy/plans/tiny-cpu-2a.yaml)")
+    rt.add_argument("--routers", default="round_robin,predictive", help="comma-separated, the first is the baseline")
+    rt.add_argument("--dataset", default="sharegpt", help="random, sharegpt, arxiv or a JSONL trace")
+    rt.add_argument("--request-rate", type=float, default=2.0)
+    rt.add_argument("--num-prompts", type=positive_int, default=60)
+    rt.add_argument("--input-len", type=positive_int, default=128, help="random dataset")
+    rt.add_argument("--output-len", type=positive_int, default=16, help="random dataset")
+    rt.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="random dataset: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
+    rt.add_argument("--max-model-len", type=positive_int, default=512, help="sharegpt/arxiv lengths are clipped")
+    rt.add_argument("--seed", type=int, default=0)
+    rt.add_argument("--json", metavar="PATH")
+    rt.set_defaults(run=_run_routing)
+
     sv = benches.add_parser("serve", help="online load against a running server, vllm bench serve's summary",
                             description="Send requests to a megainfer gRPC server on a Poisson (or bursty) "
                                         "schedule and report throughput, goodput, TTFT, TPOT, ITL and E2E latency.")
@@ -64,6 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--num-prompts", type=positive_int, default=100)
     sv.add_argument("--input-len", type=positive_int, default=128, help="random dataset: prompt tokens")
     sv.add_argument("--output-len", type=positive_int, default=64, help="random dataset: generated tokens")
+    sv.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="random dataset: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
     sv.add_argument("--max-model-len", type=positive_int, default=4096,
                     help="sharegpt/arxiv lengths are clipped to fit this context")
     sv.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson")
@@ -146,6 +165,21 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     return run(args.plan, counts, args.requests, args.prompt_len, args.output_len, args.json)
 
 
+def _run_routing(args: argparse.Namespace) -> int:
+    from megainfer.bench.serve_bench import ServeBenchSpec
+    from megainfer.errors import ConfigError
+
+    if not args.request_rate > 0:
+        raise ConfigError(f"--request-rate must be positive, got {args.request_rate}")
+    from deploy.bench_routing import run
+
+    spec = ServeBenchSpec(server="", dataset=args.dataset, request_rate=args.request_rate,
+                          num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                          random_range_ratio=args.random_range_ratio, max_model_len=args.max_model_len,
+                          seed=args.seed)
+    return run(args.plan, [r.strip() for r in args.routers.split(",") if r.strip()], spec, args.json)
+
+
 def _run_kernels(args: argparse.Namespace) -> int:
     from megainfer.errors import ConfigError
 
@@ -176,7 +210,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--request-rate must be positive (or inf), got {args.request_rate}")
     spec = ServeBenchSpec(server=args.server, dataset=args.dataset, request_rate=args.request_rate,
                           num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                          max_model_len=args.max_model_len, arrival=args.arrival, cv=args.cv,
+                          random_range_ratio=args.random_range_ratio, max_model_len=args.max_model_len,
+                          arrival=args.arrival, cv=args.cv,
                           goodput_ttft_ms=slo.get("ttft"), goodput_tpot_ms=slo.get("tbt"), seed=args.seed)
     results, duration, peak = run_serve_bench(spec)
     summary = summarize(spec, results, duration, peak)

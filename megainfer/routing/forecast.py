@@ -81,24 +81,23 @@ class NodeForecast:
     def _tail_step_s(self, chunk: int) -> float:
         """A step past the horizon: the decodes then, and a prompt chunk of `chunk` tokens."""
         d = self.tail_decodes
-        return self.model.predict(StepSample(chunk + d, d + 1, self.tail_kv + chunk,
-                                             self.tail_kv + chunk * (chunk + 1) / 2))
+        return self.model.seconds(chunk + d, d + 1, self.tail_kv + chunk, self.tail_kv + chunk * (chunk + 1) / 2)
 
     def _tail_decode_s(self, extra_kv: float) -> float:
         d = self.tail_decodes + 1
         kv = self.tail_kv + extra_kv
-        return self.model.predict(StepSample(d, d, kv, kv))
+        return self.model.seconds(d, d, kv, kv)
 
     def _place(self, now: float, prompt: int) -> tuple[int, int, float]:
         """(first step the newcomer may join, the step its last prompt token is computed in or
         -1 past the horizon, and when -1, the time its last prompt token is computed)."""
         rel = now - self.t0
         n = len(self.dur)
-        i0 = int(np.searchsorted(self.start, rel, side="left"))
+        i0 = int(self.start.searchsorted(rel))
         # Not before the KV cache can keep it to the end (else it would be the one preempted).
-        i0 = max(i0, int(np.searchsorted(self.kv_gate, prompt, side="left")))
+        i0 = max(i0, int(self.kv_gate.searchsorted(prompt)))
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
-        k = int(np.searchsorted(self.cum_spare, before + prompt, side="left")) if i0 < n else n
+        k = int(self.cum_spare.searchsorted(before + prompt)) if i0 < n else n
         if k < n:
             return i0, k, 0.0
         got = int(self.cum_spare[-1]) - before if i0 < n else 0

@@ -27,11 +27,12 @@ def features(s: StepSample) -> tuple[float, float, float, float, float]:
 
 class OnlineStepModel:
     def __init__(self, prior: tuple[float, ...] = (0.02, 1e-4, 0.0, 0.0, 0.0), *, window: int = 512,
-                 prior_weight: float = 4.0, refit_every: int = 16) -> None:
+                 prior_weight: float = 0.05, refit_every: int = 16) -> None:
         if len(prior) != len(FEATURES):
             raise ValueError(f"prior needs {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
         self.prior = np.asarray(prior, dtype=np.float64)
         self.coef = self.prior.copy()
+        self._c = tuple(map(float, self.coef))  # plain floats: predictions run on the routing path
         self.window = window
         self.prior_weight = prior_weight
         self.refit_every = refit_every
@@ -41,13 +42,16 @@ class OnlineStepModel:
         self.num_samples = 0
 
     def predict(self, s: StepSample) -> float:
-        c = self.coef
-        return float(c[0] + c[1] * s.tokens + c[2] * s.seqs + c[3] * s.kv_tokens + c[4] * s.score_pairs)
+        return self.seconds(s.tokens, s.seqs, s.kv_tokens, s.score_pairs)
+
+    def seconds(self, tokens: float, seqs: float, kv_tokens: float, score_pairs: float) -> float:
+        c = self._c
+        return c[0] + c[1] * tokens + c[2] * seqs + c[3] * kv_tokens + c[4] * score_pairs
 
     def marginal(self, tokens: int, kv_tokens: float, score_pairs: float) -> float:
         """Seconds one more sequence adds to a step it joins."""
-        c = self.coef
-        return float(c[1] * tokens + c[2] + c[3] * kv_tokens + c[4] * score_pairs)
+        c = self._c
+        return c[1] * tokens + c[2] + c[3] * kv_tokens + c[4] * score_pairs
 
     def observe(self, samples) -> None:
         for s in samples:
@@ -65,10 +69,13 @@ class OnlineStepModel:
             return
         x = np.asarray(self._x, dtype=np.float64)
         y = np.asarray(self._y, dtype=np.float64)
-        # Scale columns so the ridge weighs every feature alike whatever its units.
+        # Scale columns and seconds so the ridge weighs every feature alike whatever its units,
+        # and the prior counts as `prior_weight` samples' worth.
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        y_scale = max(float(np.abs(y).mean()), 1e-12)
         xs = x / scale
-        prior_s = self.prior * scale
+        y = y / y_scale
+        prior_s = self.prior * scale / y_scale
         active = list(range(len(FEATURES)))
         while True:
             a = xs[:, active]
@@ -79,8 +86,9 @@ class OnlineStepModel:
                 break
             del active[int(np.argmin(sol))]  # one at a time: collinear features trade sign
         coef = np.zeros(len(FEATURES))
-        coef[active] = np.maximum(sol, 0.0) / scale[active]
+        coef[active] = np.maximum(sol, 0.0) / scale[active] * y_scale
         self.coef = coef
+        self._c = tuple(map(float, coef))
 
     def describe(self) -> dict[str, float]:
         return dict(zip(FEATURES, map(float, self.coef)))
@@ -99,7 +107,7 @@ class StepTimeBalancer:
         self.target_s = target_s
 
     def prefill_tokens(self, tokens: int, seqs: int, kv_tokens: float) -> int:
-        c = self.model.coef
+        c = self.model._c
         # The decodes (pairs = cached tokens read) plus one more sequence's fixed share.
         base = c[0] + c[1] * tokens + c[2] * (seqs + 1) + c[3] * kv_tokens + c[4] * kv_tokens
         room = self.target_s - base

@@ -51,6 +51,7 @@ class ClusterResult:
     preemptions: int = 0
     decision_p99_s: float = 0.0
     scale_events: list[dict] = field(default_factory=list)
+    waiting_trace: list[tuple[float, int]] = field(default_factory=list)  # (time, longest queue) at snapshots
     wall_s: float = 0.0
 
     def summary(self) -> dict:
@@ -128,6 +129,7 @@ class ClusterSimulator:
         ttft, e2e, tbt = array("d"), array("d"), array("d")
         pred_ttft, act_ttft = array("d"), array("d")
         events: list[dict] = []
+        waiting_trace: list[tuple[float, int]] = []
         nxt = 0
         unfinished = 0
         while nxt < len(pending) or unfinished:
@@ -142,6 +144,7 @@ class ClusterSimulator:
                     rep.steps, rep.finished = [], []
                     loads[k] = NodeLoad(**state.load())
                     self.router.observe(k, state, self.now)
+                waiting_trace.append((self.now, max(len(rep.sched.waiting) for rep in reps)))
                 self._retire(reps, loads, events)
                 next_snap += self.snapshot_s
                 continue
@@ -191,7 +194,7 @@ class ClusterSimulator:
             predicted_ttft_s=np.frombuffer(pred_ttft), actual_ttft_s=np.frombuffer(act_ttft),
             per_replica=[rep.served for rep in reps], preemptions=sum(rep.sched.num_preemptions for rep in reps),
             decision_p99_s=self.router.decision_p99_s() if isinstance(self.router, PredictiveRouter) else 0.0,
-            scale_events=events, wall_s=time.perf_counter() - started)
+            scale_events=events, waiting_trace=waiting_trace, wall_s=time.perf_counter() - started)
 
     def _start_step(self, k: int, rep: _Replica, steps: list) -> None:
         rep.step = None

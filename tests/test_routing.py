@@ -1,0 +1,319 @@
+"""The predictive router's parts: the length estimator, the online step model, forecasts
+(checked against the real scheduler stepping with the newcomer added), decisions and their
+latency, attention balancing, the autoscaler's decisions, and the fleet simulation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from megainfer.config import PRESETS, EngineConfig
+from megainfer.errors import PlanError
+from megainfer.kv_cache import BlockManager
+from megainfer.plan import Plan
+from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler
+from megainfer.routing.forecast import NodeForecast
+from megainfer.routing.length_estimator import BucketedLengthEstimator, MaxTokensEstimator
+from megainfer.routing.node_state import NodeState, StepSample
+from megainfer.routing.policies import NodeLoad, PredictiveRouter, make_router
+from megainfer.routing.step_model import OnlineStepModel, StepTimeBalancer
+from megainfer.sampling_params import SamplingParams
+from megainfer.scheduler import ChunkedPrefill, Scheduler
+from megainfer.sequence import Sequence
+
+TRUTH = (0.004, 2e-5, 1e-4, 1e-7, 1e-9)  # a step's seconds: fixed, per token, per seq, per KV token, per pair
+
+
+def truth_seconds(s: StepSample) -> float:
+    return TRUTH[0] + TRUTH[1] * s.tokens + TRUTH[2] * s.seqs + TRUTH[3] * s.kv_tokens + TRUTH[4] * s.score_pairs
+
+
+def calibrated() -> OnlineStepModel:
+    m = OnlineStepModel(TRUTH)
+    m.fit()
+    return m
+
+
+def scheduler(num_blocks: int = 400, budget: int = 64, max_num_seqs: int = 32, clock=lambda: 0.0) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, 16), ChunkedPrefill(), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=4096, clock=clock)
+
+
+def add(sched: Scheduler, rid: str, prompt: int, output: int, arrival: float = 0.0) -> Sequence:
+    seq = Sequence(rid, [0] * prompt, SamplingParams(max_tokens=output, ignore_eos=True), arrival_time=arrival)
+    sched.add(seq)
+    return seq
+
+
+def run_steps(sched: Scheduler, clock: list[float], until=lambda: False, limit: int = 10_000) -> None:
+    """Step the scheduler, advancing `clock[0]` by the true step time of each step."""
+    for _ in range(limit):
+        if not sched.has_unfinished or until():
+            return
+        out = sched.schedule()
+        clock[0] += truth_seconds(StepSample.of(out))
+        sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
+
+
+# -- length estimator -------------------------------------------------------------------------------
+def test_bucketed_estimator_learns_per_prompt_length_and_conditions_on_progress():
+    est = BucketedLengthEstimator(prior=100, min_samples=4)
+    assert est.estimate(50, 0, 1000) == 100  # the prior before anything finished
+    assert est.estimate(50, 0, 40) == 40  # never above max_tokens
+    for out in (10, 20, 30, 40):
+        est.observe(50, out)  # short prompts: short answers
+    for out in (400, 500, 600, 700):
+        est.observe(3000, out)  # long prompts: long answers
+    assert est.estimate(60, 0, 10_000) == 25  # the mean of its bucket (32..63)
+    assert est.estimate(2500, 0, 10_000) == 550
+    assert est.estimate(60, 25, 10_000) == 35  # already past 25 tokens: the mean of the longer ones
+    assert est.estimate(60, 80, 10_000) == 120  # past everything seen: half again
+    assert est.estimate(200, 0, 10_000) == 25  # an empty bucket borrows the nearest with data
+    assert MaxTokensEstimator().estimate(60, 5, 77) == 77
+
+
+# -- online step model ------------------------------------------------------------------------------
+def test_online_step_model_recovers_step_times_from_measured_steps():
+    rng = np.random.default_rng(0)
+    model = OnlineStepModel()
+    samples = []
+    for _ in range(300):
+        tokens, seqs = int(rng.integers(1, 512)), int(rng.integers(1, 64))
+        kv = float(rng.integers(seqs, 50_000))
+        pairs = kv + float(rng.integers(0, 200_000))
+        s = StepSample(tokens, seqs, kv, pairs)
+        samples.append(StepSample(tokens, seqs, kv, pairs, truth_seconds(s)))
+    model.observe(samples)
+    assert model.num_samples == 300 and (model.coef >= 0).all()
+    errors = [abs(model.predict(s) - s.seconds) / s.seconds for s in samples]
+    assert np.mean(errors) < 0.02
+    # Collinear features (decode-only steps: tokens == seqs, pairs == kv) never go negative.
+    decode = OnlineStepModel()
+    decode.observe([StepSample(n, n, 100.0 * n, 100.0 * n, 0.003 + 1e-4 * n) for n in range(1, 200)])
+    assert (decode.coef >= 0).all() and decode.predict(StepSample(50, 50, 5000, 5000)) == pytest.approx(0.008, 0.05)
+
+
+# -- forecasts against the real scheduler -------------------------------------------------------------
+def busy_node(clock) -> Scheduler:
+    sched = scheduler(clock=lambda: clock[0])
+    for i in range(6):
+        add(sched, f"d{i}", 40, 30)
+    run_steps(sched, clock, limit=8)  # some decoding, some still prefilling
+    for i in range(4):
+        add(sched, f"w{i}", 90, 12, arrival=clock[0])  # queued behind them
+    return sched
+
+
+@pytest.mark.parametrize("prompt, output", [(20, 5), (150, 20), (700, 3)])
+def test_forecast_predicts_what_the_scheduler_then_does(prompt, output):
+    clock = [0.0]
+    sched = busy_node(clock)
+    state = NodeState.of(sched, clock[0])
+    forecast = NodeForecast.build(state, calibrated(), MaxTokensEstimator())
+    ttft, e2e = forecast.predict(clock[0], prompt, output)
+    # The truth: the same scheduler with the newcomer at the back of its queue, stepped on.
+    arrived = clock[0]
+    new = add(sched, "new", prompt, output, arrival=arrived)
+    run_steps(sched, clock, until=lambda: new.is_finished)
+    true_ttft, true_e2e = new.first_token_time - arrived, new.last_token_time - arrived
+    step = truth_seconds(StepSample(64, 10, 1000, 1000))
+    assert ttft == pytest.approx(true_ttft, abs=1.5 * step)
+    assert e2e == pytest.approx(true_e2e, abs=2 * step + 0.05 * true_e2e)
+
+
+def test_forecast_of_an_idle_node_and_past_the_horizon():
+    model = calibrated()
+    idle = NodeForecast.build(NodeState.of(scheduler(), 5.0), model, MaxTokensEstimator())
+    ttft, _ = idle.predict(7.0, 128, 4)  # two chunks of 64 on an empty node
+    assert ttft == pytest.approx(2 * model.seconds(64, 1, 64, 64 * 65 / 2), rel=0.3)
+    clock = [0.0]
+    sched = busy_node(clock)
+    short = NodeForecast.build(NodeState.of(sched, clock[0]), model, MaxTokensEstimator(), horizon=3)
+    full = NodeForecast.build(NodeState.of(sched, clock[0]), model, MaxTokensEstimator())
+    # Extrapolation past a short horizon stays in the same range as the full forecast.
+    assert short.predict(clock[0], 300, 5)[0] == pytest.approx(full.predict(clock[0], 300, 5)[0], rel=0.5)
+
+
+def test_forecast_waits_for_kv_rather_than_predicting_a_preempted_start():
+    model = calibrated()
+    clock = [0.0]
+    tight = scheduler(num_blocks=30, clock=lambda: clock[0])  # 480 tokens of KV
+    for i in range(4):
+        add(tight, f"d{i}", 80, 60)
+    run_steps(tight, clock, limit=10)
+    roomy = scheduler(num_blocks=400, clock=lambda: clock[0])
+    for i in range(4):
+        add(roomy, f"d{i}", 80, 60)
+    run_steps(roomy, [0.0], limit=10)
+    f_tight = NodeForecast.build(NodeState.of(tight, clock[0]), model, MaxTokensEstimator())
+    f_roomy = NodeForecast.build(NodeState.of(roomy, clock[0]), model, MaxTokensEstimator())
+    t_tight, _ = f_tight.predict(clock[0], 150, 20)
+    t_roomy, _ = f_roomy.predict(clock[0], 150, 20)
+    assert t_tight > 3 * t_roomy  # it can only start once the decodes free their blocks
+
+
+def test_commit_makes_the_next_request_wait_for_the_first():
+    forecast = NodeForecast.build(NodeState.of(scheduler(), 0.0), calibrated(), MaxTokensEstimator())
+    first, _ = forecast.predict(0.0, 256, 10)
+    forecast.commit(0.0, 256, 10)
+    second, _ = forecast.predict(0.0, 256, 10)
+    assert second > 1.8 * first  # its four chunks come after the first's four
+
+
+# -- the router -----------------------------------------------------------------------------------
+def predictive(nodes: list[Scheduler], now: float = 0.0) -> PredictiveRouter:
+    router = PredictiveRouter(MaxTokensEstimator(), clock=lambda: now, step_prior=TRUTH)
+    for i, sched in enumerate(nodes):
+        router.observe(i, NodeState.of(sched, now), now)
+    return router
+
+
+def test_predictive_routes_to_the_lowest_predicted_ttft_and_remembers_what_it_routed():
+    clock = [0.0]
+    busy, idle = busy_node(clock), scheduler()
+    router = predictive([busy, idle], clock[0])
+    loads = [NodeLoad(6400), NodeLoad(6400)]
+    assert router.choose(loads, 100, 10) == 1
+    assert router.last.node == 1 and 0 < router.last.ttft_s < router.predict(0, 100, 10, clock[0])[0]
+    picks = [router.choose(loads, 300, 10) for _ in range(8)]
+    assert picks.count(0) >= 1 and picks.count(1) >= 1  # the idle node fills up until it is the busier
+    # A snapshot taken before those decisions keeps them (replayed onto the new forecast).
+    before = router.predict(1, 100, 10, clock[0])[0]
+    router.observe(1, NodeState.of(idle, clock[0]), clock[0])
+    assert router.predict(1, 100, 10, clock[0])[0] == pytest.approx(before, rel=0.2)
+
+
+def test_predictive_decisions_take_under_a_millisecond_at_p99_with_16_candidates():
+    nodes = []
+    for k in range(16):
+        clock = [0.0]
+        sched = scheduler(num_blocks=2000, budget=512, max_num_seqs=256, clock=lambda: clock[0])
+        for i in range(20 + 3 * k):  # loaded nodes: long forecasts
+            add(sched, f"r{i}", 100 + 37 * i % 900, 50 + i % 200)
+        run_steps(sched, clock, limit=20)
+        nodes.append(sched)
+    router = predictive(nodes)
+    loads = [NodeLoad(32_000)] * 16
+    rng = np.random.default_rng(0)
+    for p in rng.integers(10, 3000, size=50):  # warm up
+        router.choose(loads, int(p), 256)
+    router.decision_s.clear()
+    for p in rng.integers(10, 3000, size=1000):
+        router.choose(loads, int(p), 256)
+    assert router.decision_p99_s() < 1e-3, f"p99 {router.decision_p99_s() * 1e3:.2f} ms"
+
+
+def test_every_router_name_builds_and_heuristics_ignore_snapshots():
+    for name in ("round_robin", "random", "least_loaded", "predictive"):
+        router = make_router(name)
+        router.observe(0, NodeState.of(scheduler(), 0.0), 0.0)
+        assert router.choose([NodeLoad(100), NodeLoad(100)], 10, 10) in (0, 1)
+
+
+# -- attention balancing --------------------------------------------------------------------------
+def test_step_time_cap_limits_prompt_tokens_joining_decodes():
+    model = OnlineStepModel((0.01, 1e-3, 0.0, 0.0, 0.0))  # 10 ms + 1 ms per token
+    balancer = StepTimeBalancer(model, 0.05)
+    assert balancer.prefill_tokens(0, 0, 0) == 40
+    assert balancer.prefill_tokens(30, 30, 3000) == 10
+    assert balancer.prefill_tokens(45, 45, 4500) == 0
+    clock = [0.0]
+    sched = scheduler(budget=512, clock=lambda: clock[0])
+    sched.step_cap = balancer
+    for i in range(30):
+        add(sched, f"d{i}", 1, 100)
+    run_steps(sched, clock, limit=1)  # thirty one-token prompts: they decode from now on
+    add(sched, "long", 400, 5)
+    out = sched.schedule()
+    assert out.num_single_token == 30 and out.num_scheduled_tokens[-1] == 10  # not the 482 the budget allows
+    lone = scheduler(budget=512)
+    lone.step_cap = StepTimeBalancer(model, 0.001)  # below the fixed cost: a lone prompt still progresses
+    add(lone, "p", 100, 5)
+    assert lone.schedule().num_scheduled_tokens == [1]
+
+
+# -- autoscaling ----------------------------------------------------------------------------------
+def test_autoscaler_decisions():
+    scaler = Autoscaler(AutoscalePolicy(min_replicas=1, max_replicas=3, predicted_ttft_s=2.0, idle_s=30.0))
+    assert not scaler.should_add(1.5, 1, 0, 0.0)  # under the threshold
+    assert scaler.should_add(2.5, 1, 0, 1.0)
+    assert not scaler.should_add(9.0, 2, 1, 2.0)  # one is starting: its capacity is not predicted yet
+    assert not scaler.should_add(9.0, 3, 0, 3.0)  # at max_replicas
+    assert not scaler.should_retire(2, 10.0, 4.0) and scaler.should_retire(2, 31.0, 5.0)
+    assert not scaler.should_retire(1, 1e9, 6.0)  # at min_replicas
+    assert [d[1] for d in scaler.decisions] == ["add", "retire"]
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"min_replicas": 0}, "autoscale.min_replicas must be at least 1"),
+    ({"min_replicas": 3, "max_replicas": 2}, "must be at least autoscale.min_replicas"),
+    ({"predicted_ttft_s": 0}, "autoscale.predicted_ttft_s must be positive"),
+    ({"max_replicas": "two"}, "autoscale.max_replicas must be int"),
+])
+def test_autoscale_section_errors_name_the_key(section, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict({"model": "tiny-mixtral", "serve": {"router": "predictive"}, "autoscale": section})
+
+
+def fleet(autoscaler=None, replicas: int = 4):
+    from megainfer.simulator.cluster import ClusterSimulator
+    from planner.catalog import Catalog
+    from planner.step_time import ColocatedStepModel
+
+    model = PRESETS["qwen3-30b-a3b"]
+    step_model = ColocatedStepModel(model, Catalog.load()["H100"], 1)
+    return ClusterSimulator(model, step_model, EngineConfig(max_num_batched_tokens=512), replicas,
+                            make_router("predictive"), autoscaler=autoscaler, start_delay_s=5.0, snapshot_s=0.25)
+
+
+def test_autoscaler_in_the_fleet_adds_before_queues_build_and_retires_when_idle():
+    from megainfer.simulator.workload import generate
+
+    model = PRESETS["qwen3-30b-a3b"]
+    calm = generate("sharegpt", num_requests=60, rate=2.0, max_model_len=model.max_position_embeddings, seed=1)
+    surge = generate("sharegpt", num_requests=700, rate=18.0, max_model_len=model.max_position_embeddings, seed=2)
+    tail = generate("sharegpt", num_requests=40, rate=0.25, max_model_len=model.max_position_embeddings, seed=3)
+    t1 = calm[-1].arrival_s
+    t2 = t1 + surge[-1].arrival_s
+    requests = calm + [type(r)(r.arrival_s + t1, r.input_len, r.output_len) for r in surge] + \
+        [type(r)(r.arrival_s + t2, r.input_len, r.output_len) for r in tail]
+    policy = AutoscalePolicy(min_replicas=1, max_replicas=4, predicted_ttft_s=1.0, idle_s=20.0)
+    result = fleet(Autoscaler(policy)).run(requests)
+    adds = [e for e in result.scale_events if e["action"] == "add"]
+    retires = [e for e in result.scale_events if e["action"] == "retire"]
+    assert adds and all(t1 <= e["time_s"] for e in adds)  # the calm phase needs one replica
+    first = adds[0]
+    assert first["predicted_ttft_s"] > 1.0
+    # Before the queue built: a queue-length trigger (a quarter of the longest queue) would fire later.
+    peak = max(w for _, w in result.waiting_trace)
+    queue_trigger = next(t for t, w in result.waiting_trace if w >= peak / 4)
+    assert first["max_waiting"] < peak / 4 and first["time_s"] < queue_trigger
+    assert retires and retires[-1]["time_s"] > t2  # the quiet tail lets the extra replicas go
+    assert len(result.ttft_s) == len(requests)
+
+
+def test_fleet_simulation_reports_prediction_error_and_the_cli_compares_routers(tmp_path):
+    from megainfer.simulator.workload import generate
+
+    model = PRESETS["qwen3-30b-a3b"]
+    requests = generate("sharegpt", num_requests=300, rate=8.0, max_model_len=model.max_position_embeddings)
+    summary = fleet().run(requests, 8.0).summary()
+    assert summary["requests"] == 300 and sum(summary["per_replica"]) == 300
+    assert 0 <= summary["prediction_mae_s"] < 0.5 * summary["ttft_mean_s"] + 0.05
+    path = tmp_path / "routing.json"
+    out = subprocess.run([sys.executable, "-m", "megainfer", "simulate-routing", "--replicas", "3", "--requests", "150",
+                          "--sweep-rates", "4:6:2", "--json", str(path), "--plot", str(tmp_path / "r.png")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "capacity (highest rate with P99 TTFT <= 3 s)" in out.stdout and "prediction MAE" in out.stdout
+    data = json.loads(path.read_text())
+    assert set(data["capacity"]) == {"round_robin", "least_loaded", "predictive"}
+    assert (tmp_path / "r.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "megainfer", "simulate-routing", "--routers", "fastest"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "choose from" in bad.stderr and "Traceback" not in bad.stderr
