@@ -18,7 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "router over a generated workload at each rate; print P99 TTFT per rate, each router's capacity "
                     "(the highest rate with P99 TTFT under the SLO) and the predictive router's prediction error.")
     p.add_argument("--model", default="qwen3-30b-a3b", help="preset name or checkpoint directory")
-    p.add_argument("--gpu", default="H100", help="GPU type from the catalog")
+    p.add_argument("--gpu", default="H100",
+                   help="GPU type from the catalog; a comma-separated list makes a mixed fleet (replicas take them "
+                        "in turn, e.g. H100,A100)")
     p.add_argument("--tp", type=positive_int, default=1, help="GPUs per replica (tensor parallel)")
     p.add_argument("--catalog", help="GPU catalog YAML (default: the built-in one)")
     p.add_argument("--replicas", type=positive_int, default=12)
@@ -52,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
     if args.ttft_slo_s <= 0 or args.snapshot_s <= 0:
         raise ConfigError("--ttft-slo-s and --snapshot-s must be positive")
     model, _ = resolve_model(args.model)
-    spec = rx.RoutingSpec(model=model, step_model=ColocatedStepModel(model, Catalog.load(args.catalog)[args.gpu],
-                                                                     args.tp),
+    catalog = Catalog.load(args.catalog)
+    gpus = [g.strip() for g in args.gpu.split(",") if g.strip()]
+    step_models = [ColocatedStepModel(model, catalog[g], args.tp) for g in gpus]
+    spec = rx.RoutingSpec(model=model, step_models=step_models,
                           replicas=args.replicas, routers=routers, workload=args.workload,
                           num_requests=args.requests, chunk_size=args.chunk_size, ttft_slo_s=args.ttft_slo_s,
                           snapshot_s=args.snapshot_s, seed=args.seed)
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"plot: {args.plot}")
     print(f"simulated in {time.perf_counter() - started:.0f} s")
     if args.json:
-        config = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("model", "step_model")}
+        config = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("model", "step_models")}
         config.update(model=model.name, gpu=args.gpu, tp=args.tp)
         caps = {r: rx.capacity(rows, r, spec.ttft_slo_s) for r in routers}
         with open(args.json, "w") as f:

@@ -4,6 +4,9 @@ setting): each replica is the real `Scheduler` priced by the planner's step mode
 and the requests it finished since) goes to the router, as a deployment's load tracker does;
 each arrival is routed on what the router knows then.
 
+Replicas may differ in GPU type (a step model each, in turn): a heterogeneous fleet, as the
+planner builds them.
+
 The client does not know a request's output length: the router sees `client_max_tokens`
 (the context left, by default) and must estimate; the replica stops the request at its true
 length. With `length_oracle` the router is told the true length instead.
@@ -87,13 +90,16 @@ class _Replica:
 
 
 class ClusterSimulator:
-    def __init__(self, model: ModelConfig, step_model: ColocatedStepModel, config: EngineConfig, replicas: int,
+    def __init__(self, model: ModelConfig, step_model: ColocatedStepModel | list[ColocatedStepModel],
+                 config: EngineConfig, replicas: int,
                  router: Router, *, snapshot_s: float = 0.05, expert_skew: float = 0.0, seed: int = 0,
                  client_max_tokens: int | None = None, length_oracle: bool = False,
                  autoscaler: Autoscaler | None = None, start_delay_s: float = 30.0) -> None:
         if replicas < 1:
             raise ConfigError(f"--replicas must be at least 1, got {replicas}")
-        self.model, self.step_model, self.config = model, step_model, config
+        # A heterogeneous fleet: replica k runs on step_models[k % len] (its GPU type).
+        self.step_models = step_model if isinstance(step_model, list) else [step_model]
+        self.model, self.config = model, config
         self.router = router
         self.snapshot_s = snapshot_s
         self.expert_skew, self.seed = expert_skew, seed
@@ -105,7 +111,8 @@ class ClusterSimulator:
         self.now = 0.0
 
     def _replica(self, k: int) -> _Replica:
-        return _Replica(Simulator(self.model, self.step_model, self.config, expert_skew=self.expert_skew,
+        step_model = self.step_models[k % len(self.step_models)]
+        return _Replica(Simulator(self.model, step_model, self.config, expert_skew=self.expert_skew,
                                   seed=self.seed + 7919 * k), lambda: self.now)
 
     def run(self, requests: list[SimRequest], rate: float = 0.0) -> ClusterResult:
@@ -205,7 +212,7 @@ class ClusterSimulator:
         if out.is_empty:
             raise ConfigError("a replica can place no work: its KV cache cannot hold the waiting requests")
         samples = out.all_samples()
-        cost = self.step_model.step(rep.sim.describe_step(out), samples.count(True))
+        cost = rep.sim.step_model.step(rep.sim.describe_step(out), samples.count(True))
         rep.step, rep.step_start = out, self.now
         rep.step_sample = StepSample.of(out, num_layers=self.model.num_layers)
         heapq.heappush(steps, (self.now + cost.seconds, k))

@@ -18,7 +18,7 @@ from planner.step_time import ColocatedStepModel
 @dataclass
 class RoutingSpec:
     model: ModelConfig
-    step_model: ColocatedStepModel
+    step_models: list[ColocatedStepModel]  # replica k runs on step_models[k % len]
     replicas: int = 12
     routers: tuple[str, ...] = ("round_robin", "least_loaded", "predictive")
     workload: str = "sharegpt"
@@ -33,7 +33,7 @@ class RoutingSpec:
         requests = generate(self.workload, num_requests=self.num_requests, rate=rate,
                             max_model_len=self.model.max_position_embeddings, seed=self.seed)
         config = EngineConfig(max_num_batched_tokens=self.chunk_size, max_num_seqs=self.max_num_seqs)
-        sim = ClusterSimulator(self.model, self.step_model, config, self.replicas, make_router(router, seed=self.seed),
+        sim = ClusterSimulator(self.model, self.step_models, config, self.replicas, make_router(router, seed=self.seed),
                                snapshot_s=self.snapshot_s, seed=self.seed)
         return sim.run(requests, rate).summary()
 
@@ -111,8 +111,8 @@ def plot(rows: list[dict], spec: RoutingSpec, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("P99 TTFT (s)")
-    ax.set_title(f"{spec.replicas} x {spec.model.name} on {spec.step_model.tp} x {spec.step_model.gpu.name}, "
-                 f"{spec.workload}")
+    ax.set_title(f"{spec.replicas} x {spec.model.name} on {spec.step_models[0].tp} x "
+                 f"{'/'.join(m.gpu.name for m in spec.step_models)}, {spec.workload}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
