@@ -274,14 +274,7 @@ class Deployment:
         """Every attention node's state to the router; a node that does not answer keeps its last load."""
         states = self.node_states()
         with self._route_lock:
-            fresh = []
-            for i, (state, taken) in enumerate(states):
-                if state is None:
-                    fresh.append(self._loads[i] if i < len(self._loads) else NodeLoad(capacity_tokens=0))
-                    continue
-                fresh.append(NodeLoad(**state.load()))
-                self.router.observe(i, state, taken)
-            self._loads = fresh
+            self._loads = observe_states(self.router, states, self._loads)
 
     def _track_loads(self) -> None:
         while not self._stop.wait(LOAD_REFRESH_S):
@@ -414,6 +407,19 @@ class Deployment:
             remove_placement_group(self._pg)
         if self._started_ray:
             ray.shutdown()
+
+
+def observe_states(router, states: list, loads: list[NodeLoad]) -> list[NodeLoad]:
+    """Hand each node's (NodeState, asked-at) to the router and return the loads it implies; a
+    node that did not answer (None) keeps its last load."""
+    fresh = []
+    for i, (state, taken) in enumerate(states):
+        if state is None:
+            fresh.append(loads[i] if i < len(loads) else NodeLoad(capacity_tokens=0))
+            continue
+        fresh.append(NodeLoad(**state.load()))
+        router.observe(i, state, taken)
+    return fresh
 
 
 def prompt_tokens(prompt) -> int:

@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from deploy.launcher import LOAD_REFRESH_S, Deployment, bundles, prompt_tokens
+from deploy.launcher import LOAD_REFRESH_S, Deployment, bundles, observe_states, prompt_tokens
 from megainfer.disagg import latency
 from megainfer.errors import MegaInferError, RequestError
 from megainfer.plan import Plan
@@ -98,14 +98,8 @@ class ReplicaSet:
     def _refresh(self) -> None:
         states = [s for r in list(self.replicas) for s in r.node_states()]
         with self._lock:
-            fresh = []
-            for i, (state, taken) in enumerate(states):
-                if state is None:
-                    fresh.append(self._loads[i] if i < len(self._loads) else NodeLoad(capacity_tokens=0))
-                    continue
-                fresh.append(NodeLoad(**state.load()))
-                self.router.observe(i, state, taken)
-            self._loads = fresh[:len(self._nodes())]
+            # A replica retired while its nodes answered: its states fall off the end.
+            self._loads = observe_states(self.router, states, self._loads)[:len(self._nodes())]
 
     def _track(self) -> None:
         while not self._stop.wait(LOAD_REFRESH_S):

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.errors import ConfigError
+from megainfer.routing.forecast import NodeForecast, Prediction
+from megainfer.routing.length_estimator import BucketedLengthEstimator
+from megainfer.routing.step_model import OnlineStepModel
 
 ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
 OBJECTIVES = ("ttft", "e2e")
@@ -107,8 +110,6 @@ class PredictiveRouter(Router):
 
     def __init__(self, estimator=None, *, objective: str = "ttft", horizon: int = 128,
                  clock=time.monotonic, step_prior: tuple[float, ...] | None = None) -> None:
-        from megainfer.routing.length_estimator import BucketedLengthEstimator
-
         if objective not in OBJECTIVES:
             raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
         self.estimator = estimator if estimator is not None else BucketedLengthEstimator()
@@ -123,16 +124,12 @@ class PredictiveRouter(Router):
         self.decision_s: deque[float] = deque(maxlen=4096)
 
     def _grow(self, n: int) -> None:
-        from megainfer.routing.step_model import OnlineStepModel
-
         while len(self.models) < n:
             self.models.append(OnlineStepModel(self.step_prior) if self.step_prior else OnlineStepModel())
             self.forecasts.append(None)
             self._routed.append([])
 
     def observe(self, node: int, state, taken_at: float) -> None:
-        from megainfer.routing.forecast import NodeForecast
-
         self._grow(node + 1)
         model = self.models[node]
         model.observe(state.steps)
@@ -157,8 +154,6 @@ class PredictiveRouter(Router):
         return f.predict(now, prompt_tokens, output_tokens)
 
     def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
-        from megainfer.routing.forecast import Prediction
-
         started = time.perf_counter()
         self._grow(len(loads))
         now = self.clock()

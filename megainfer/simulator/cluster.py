@@ -131,7 +131,6 @@ class ClusterSimulator:
         steps: list[tuple[float, int]] = []  # (end time, replica) of steps in flight
         loads = [NodeLoad(**NodeState.of(r.sched, self.now).load()) for r in reps]
         next_snap = self.now
-        arrival_of: dict[str, float] = {}
         predicted: dict[str, float] = {}
         ttft, e2e, tbt = array("d"), array("d"), array("d")
         pred_ttft, act_ttft = array("d"), array("d")
@@ -220,8 +219,8 @@ class ClusterSimulator:
     # -- autoscaling ----------------------------------------------------------------------------
     def _scale_up(self, reps: list[_Replica], loads: list[NodeLoad], events: list[dict]) -> None:
         starting = sum(rep.ready_at > self.now for rep in reps)
-        waiting = [len(rep.sched.waiting) for rep in reps if rep.ready_at <= self.now]
         if self.autoscaler.should_add(self.router.last.ttft_s, len(reps), starting, self.now):
+            waiting = [len(rep.sched.waiting) for rep in reps if rep.ready_at <= self.now]
             rep = self._replica(len(reps))
             rep.ready_at = rep.idle_since = self.now + self.start_delay_s
             reps.append(rep)

@@ -29,9 +29,11 @@ class RoutingSpec:
     snapshot_s: float = 0.25
     seed: int = 0
 
-    def run(self, router: str, rate: float) -> dict:
-        requests = generate(self.workload, num_requests=self.num_requests, rate=rate,
-                            max_model_len=self.model.max_position_embeddings, seed=self.seed)
+    def requests(self, rate: float) -> list:
+        return generate(self.workload, num_requests=self.num_requests, rate=rate,
+                        max_model_len=self.model.max_position_embeddings, seed=self.seed)
+
+    def run(self, router: str, rate: float, requests: list) -> dict:
         config = EngineConfig(max_num_batched_tokens=self.chunk_size, max_num_seqs=self.max_num_seqs)
         sim = ClusterSimulator(self.model, self.step_models, config, self.replicas, make_router(router, seed=self.seed),
                                snapshot_s=self.snapshot_s, seed=self.seed)
@@ -42,8 +44,9 @@ def sweep(spec: RoutingSpec, rates: list[float], progress=None) -> list[dict]:
     rows = []
     for rate in rates:
         row = {"rate": rate}
+        requests = spec.requests(rate)  # one workload per rate, every router on it
         for router in spec.routers:
-            row[router] = spec.run(router, rate)
+            row[router] = spec.run(router, rate, requests)
             if progress is not None:
                 progress(rate, router, row[router])
         rows.append(row)
