@@ -144,10 +144,13 @@ class Deployment:
         self._wire()
         for i, node in enumerate(self.attention):
             self._spawn(self._dispatch, node, i, name=f"dispatch-{i}")
+        self._warm_up()
+        # The first steps pay for lazy set-up (allocations, the first messages): a router that
+        # fitted its step model on them would think the nodes slow for a long while.
+        self.node_states()
         if not self.routed_externally:
             self._refresh_loads()
             self._spawn(self._track_loads, name="loads")
-        self._warm_up()
         self._spawn(self._supervise, name="supervisor")
         return self
 
@@ -274,7 +277,7 @@ class Deployment:
         """Every attention node's state to the router; a node that does not answer keeps its last load."""
         states = self.node_states()
         with self._route_lock:
-            self._loads = observe_states(self.router, states, self._loads)
+            self._loads = observe_states(self.router, [states], self._loads)
 
     def _track_loads(self) -> None:
         while not self._stop.wait(LOAD_REFRESH_S):
@@ -409,16 +412,22 @@ class Deployment:
             ray.shutdown()
 
 
-def observe_states(router, states: list, loads: list[NodeLoad]) -> list[NodeLoad]:
-    """Hand each node's (NodeState, asked-at) to the router and return the loads it implies; a
-    node that did not answer (None) keeps its last load."""
+def observe_states(router, replicas: list[list], loads: list[NodeLoad]) -> list[NodeLoad]:
+    """Hand each replica's node states ((NodeState, asked-at) per attention node) to the router
+    and return the loads they imply. A replica's attention nodes run every step together, so
+    the router takes them together; while one of them does not answer (None), the router keeps
+    its last view of them all and that node keeps its last load."""
     fresh = []
-    for i, (state, taken) in enumerate(states):
-        if state is None:
-            fresh.append(loads[i] if i < len(loads) else NodeLoad(capacity_tokens=0))
-            continue
-        fresh.append(NodeLoad(**state.load()))
-        router.observe(i, state, taken)
+    first = 0
+    for states in replicas:
+        for i, (state, _) in enumerate(states, first):
+            if state is None:
+                fresh.append(loads[i] if i < len(loads) else NodeLoad(capacity_tokens=0))
+            else:
+                fresh.append(NodeLoad(**state.load()))
+        if states and all(state is not None for state, _ in states):
+            router.observe_lockstep(first, [state for state, _ in states], states[0][1])
+        first += len(states)
     return fresh
 
 

@@ -96,7 +96,7 @@ class ReplicaSet:
         return [(r, j) for r in self.replicas for j in range(len(r.attention))]
 
     def _refresh(self) -> None:
-        states = [s for r in list(self.replicas) for s in r.node_states()]
+        states = [r.node_states() for r in list(self.replicas)]
         with self._lock:
             # A replica retired while its nodes answered: its states fall off the end.
             self._loads = observe_states(self.router, states, self._loads)[:len(self._nodes())]

@@ -123,6 +123,7 @@ class Engine:
                 self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
             return []
         started = time.perf_counter()
+        step_id = self._step_id()
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
@@ -131,7 +132,7 @@ class Engine:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
             return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs]
         advanced = self.scheduler.update_from_output(out, result.sampled)
-        measured = StepSample.of(out, time.perf_counter() - started, self.model_config.num_layers)
+        measured = StepSample.of(out, time.perf_counter() - started, self.model_config.num_layers, step_id)
         self._measured_steps.append(measured)
         if self.step_model is not None:
             self.step_model.observe((measured,))
@@ -145,7 +146,12 @@ class Engine:
         steps, finished = list(self._measured_steps), list(self._finished_lengths)
         self._measured_steps.clear()
         self._finished_lengths.clear()
-        return NodeState.of(self.scheduler, now, steps, finished)
+        return NodeState.of(self.scheduler, now, steps, finished, self._step_id())
+
+    def _step_id(self) -> int:
+        """A disaggregated runner numbers its steps, and every attention node of the replica runs
+        each number together (the router adds their work up); -1 on a colocated runner."""
+        return getattr(self.runner, "step_id", -1)
 
     def _delta(self, seq: Sequence) -> RequestDelta:
         token = seq.token_ids[-1]

@@ -11,6 +11,11 @@ the step where the cumulative spare covers its prompt (a layered-prefill cohort 
 groups later: `lag`), and its last token `output - 1` steps after that. A prediction is then a
 couple of binary searches, not a simulation: microseconds per candidate.
 
+Nodes that run every step together (the attention nodes of a disaggregated replica, which meet
+the expert nodes every layer) are forecast together on one `Timeline`: each step is priced on
+all of their work in it, so a node idle beside a busy one is predicted at the busy one's pace,
+and a request committed to one lengthens its siblings' steps.
+
 Routing a request there `commit`s it to the forecast (its tokens leave the spare, its decode
 adds to the steps it rides), so the next decision sees it before the next snapshot does.
 Past the horizon the forecast extrapolates: the backlog left then drains at the budget the
@@ -40,13 +45,35 @@ class Prediction:
     output_tokens: int  # the estimate the prediction assumed
 
 
+class Timeline:
+    """When a forecast's steps end. Nodes in lockstep (a disaggregated replica's attention
+    nodes meet the experts every layer) share one: every step lasts as long as all of their
+    work in it takes, so a request committed to one node delays its siblings' steps too."""
+
+    def __init__(self, dur: np.ndarray) -> None:
+        self.dur = dur.astype(np.float64)
+        self.members: list[NodeForecast] = []
+        self.tail_decodes = 0  # the members' tails together: a step past the horizon carries them all
+        self.tail_kv = 0.0
+        self.tail_chunks = 0
+        self.reindex()
+
+    def reindex(self) -> None:
+        self.end = np.cumsum(self.dur)
+        self.start = self.end - self.dur
+        self.tail_decodes = sum(m.tail_decodes for m in self.members)
+        self.tail_kv = sum(m.tail_kv for m in self.members)
+        self.tail_chunks = sum(m.tail_chunk for m in self.members)
+        for m in self.members:
+            m._index()
+
+
 class NodeForecast:
-    def __init__(self, t0: float, dur: np.ndarray, spare: np.ndarray, lag: np.ndarray, kv_free: np.ndarray, *,
-                 budget: int,
-                 tail_backlog: int, tail_decodes: int, tail_kv: float, model: OnlineStepModel,
+    def __init__(self, t0: float, timeline: Timeline, spare: np.ndarray, lag: np.ndarray, kv_free: np.ndarray, *,
+                 budget: int, tail_backlog: int, tail_decodes: int, tail_kv: float, model: OnlineStepModel,
                  cohort_lag: int = 0) -> None:
         self.t0 = t0
-        self.dur = dur.astype(np.float64)
+        self.timeline = timeline
         self.spare = spare.astype(np.int64)
         self.lag = lag.astype(np.int64)
         self.kv_free = kv_free.astype(np.int64)  # KV tokens free after each step's allocation
@@ -57,11 +84,29 @@ class NodeForecast:
         self.cohort_lag = cohort_lag  # layered prefill: extra steps a cohort takes past its first
         self.model = model
         self.tail_free_s = 0.0  # when the tail has computed every prompt token queued in it (relative)
-        self._index()
+        timeline.members.append(self)
+
+    @property
+    def dur(self) -> np.ndarray:
+        return self.timeline.dur
+
+    @property
+    def start(self) -> np.ndarray:
+        return self.timeline.start
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.timeline.end
+
+    @property
+    def tail_chunk(self) -> int:
+        """Prompt tokens this node computes in a step past the horizon while its backlog lasts."""
+        return min(self._tail_rate(), self.tail_backlog)
+
+    def _tail_rate(self) -> int:
+        return self.budget if self.cohort_lag else max(self.budget - self.tail_decodes, 1)
 
     def _index(self) -> None:
-        self.end = np.cumsum(self.dur)
-        self.start = self.end - self.dur
         self.cum_spare = np.cumsum(self.spare)
         # A newcomer admitted at step k holds p + (j - k) tokens at step j: it fits for good when
         # p <= min over j >= k of (kv_free[j] - j) + k. That bound rises with k, so the first
@@ -70,22 +115,26 @@ class NodeForecast:
         g = self.kv_free - steps
         self.kv_gate = np.minimum.accumulate(g[::-1])[::-1] + steps if len(g) else g
         if self.tail_free_s < self.horizon_s:  # the backlog left at the horizon drains at the tail's rate
-            rate = self.budget if self.cohort_lag else max(self.budget - self.tail_decodes, 1)
-            self.tail_free_s = self.horizon_s + -(-self.tail_backlog // rate) * self._tail_step_s(
-                min(rate, self.tail_backlog))
+            rate = self._tail_rate()
+            self.tail_free_s = self.horizon_s + -(-self.tail_backlog // rate) * self._tail_step_s(self.tail_chunk)
 
     @property
     def horizon_s(self) -> float:
-        return float(self.end[-1]) if len(self.end) else 0.0
+        end = self.timeline.end
+        return float(end[-1]) if len(end) else 0.0
 
     def _tail_step_s(self, chunk: int) -> float:
-        """A step past the horizon: the decodes then, and a prompt chunk of `chunk` tokens."""
-        d = self.tail_decodes
-        return self.model.seconds(chunk + d, d + 1, self.tail_kv + chunk, self.tail_kv + chunk * (chunk + 1) / 2)
+        """A step past the horizon: the decodes then (of every node in lockstep), the other
+        nodes' prompt chunks, and a prompt chunk of `chunk` tokens here."""
+        tl = self.timeline
+        d, kv = tl.tail_decodes, tl.tail_kv
+        chunk += tl.tail_chunks - self.tail_chunk
+        return self.model.seconds(chunk + d, d + 1, kv + chunk, kv + chunk * (chunk + 1) / 2)
 
     def _tail_decode_s(self, extra_kv: float) -> float:
-        d = self.tail_decodes + 1
-        kv = self.tail_kv + extra_kv
+        tl = self.timeline
+        d = tl.tail_decodes + 1
+        kv = tl.tail_kv + extra_kv
         return self.model.seconds(d, d, kv, kv)
 
     def _place(self, now: float, prompt: int) -> tuple[int, int, float]:
@@ -101,7 +150,7 @@ class NodeForecast:
         if k < n:
             return i0, k, 0.0
         got = int(self.cum_spare[-1]) - before if i0 < n else 0
-        rate = self.budget if self.cohort_lag else max(self.budget - self.tail_decodes, 1)
+        rate = self._tail_rate()
         left = prompt - got
         step = self._tail_step_s(min(rate, left))
         return i0, -1, max(self.tail_free_s, rel) + -(-left // rate) * step
@@ -112,15 +161,15 @@ class NodeForecast:
         rel = now - self.t0
         i0, k, past = self._place(now, prompt)
         m = self.model
-        prefill_extra = m.marginal(prompt, prompt, prompt * (prompt + 1) / 2)
         n = len(self.dur)
-        if k >= 0:
+        if k >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
             done = k + int(self.lag[k])
             first = self.end[done] if done < n else self.horizon_s + (done - n + 1) * self._tail_step_s(0)
-        else:
+            first += m.marginal(prompt, prompt, prompt * (prompt + 1) / 2)
+        else:  # the tail's steps are priced with the chunks they compute, its own among them
             done = n + self.cohort_lag
             first = past + self.cohort_lag * self._tail_step_s(0)
-        first = max(first + prefill_extra, rel)
+        first = max(first, rel)
         decode_steps = max(output - 1, 0)
         mean_ctx = prompt + output / 2
         decode_extra = decode_steps * m.marginal(1, mean_ctx, mean_ctx)
@@ -142,7 +191,7 @@ class NodeForecast:
             self.tail_free_s = past
             self.tail_decodes += 1
             self.tail_kv += prompt + output / 2
-            self._index()
+            self.timeline.reindex()
             return
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
         self.spare[k] = int(self.cum_spare[k]) - (before + prompt)
@@ -161,19 +210,49 @@ class NodeForecast:
         if last >= n:
             self.tail_decodes += 1
             self.tail_kv += prompt + output / 2
-        self._index()
+        self.timeline.reindex()
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
     def build(cls, state: NodeState, model: OnlineStepModel, estimator: OutputLengthEstimator, *,
               horizon: int = 128) -> "NodeForecast":
+        return cls.build_lockstep([state], model, estimator, horizon=horizon)[0]
+
+    @classmethod
+    def build_lockstep(cls, states: list[NodeState], model: OnlineStepModel, estimator: OutputLengthEstimator, *,
+                       horizon: int = 128) -> list["NodeForecast"]:
+        """Forecasts of nodes that run every step together, on one timeline: each step is
+        priced by the model on all of their work in it (one node alone is the colocated case)."""
+        replays = [_Replay(state, estimator) for state in states]
+        dur = []
+        while len(dur) < horizon and any(r.sched.has_unfinished for r in replays):
+            outs = [r.sched.schedule() if r.sched.has_unfinished else None for r in replays]
+            if any(out is not None and out.is_empty for out in outs):
+                break  # nothing fits (a KV cache full of waiting prompts): the tail takes over
+            work = [StepSample.of(out, num_layers=r.num_layers) for r, out in zip(replays, outs) if out is not None]
+            dur.append(model.predict(StepSample.lockstep(work)))
+            for r, out in zip(replays, outs):
+                r.record(out)
+        timeline = Timeline(np.asarray(dur))
+        forecasts = [r.forecast(state.time, timeline, model) for r, state in zip(replays, states)]
+        timeline.reindex()
+        return forecasts
+
+
+class _Replay:
+    """One node's scheduler rebuilt from its snapshot, stepped forward, and what each step
+    would leave a newcomer."""
+
+    def __init__(self, state: NodeState, estimator: OutputLengthEstimator) -> None:
         k = state.knobs
-        bm = BlockManager(k.num_blocks, k.block_size)
-        layered = k.prefill_policy == "layered"
+        self.num_layers = k.num_layers
+        self.bm = bm = BlockManager(k.num_blocks, k.block_size)
+        self.layered = k.prefill_policy == "layered"
         policy = LayeredPrefill(k.num_layers, k.group_tokens, k.num_layer_groups, k.layered_chunk_tokens) \
-            if layered else ChunkedPrefill()
-        sched = Scheduler(bm, policy, max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens,
-                          max_model_len=k.max_model_len, clock=lambda: 0.0)
+            if self.layered else ChunkedPrefill()
+        self.sched = sched = Scheduler(bm, policy, max_num_seqs=k.max_num_seqs,
+                                       max_num_batched_tokens=k.max_num_batched_tokens,
+                                       max_model_len=k.max_model_len, clock=lambda: 0.0)
         for i, lengths in enumerate(state.running):
             seq = _sequence(f"r{i}", lengths, estimator)
             cached = lengths[2]
@@ -187,28 +266,33 @@ class NodeForecast:
             sched.requests[seq.request_id] = seq
         for i, lengths in enumerate(state.waiting):
             sched.add(_sequence(f"w{i}", lengths, estimator))
-        budget = k.layered_chunk_tokens if layered else k.max_num_batched_tokens
-        group_lag = 0
-        if layered:
-            groups = k.num_layer_groups or max(1, -(-budget // k.group_tokens))
-            group_lag = min(groups, k.num_layers) - 1
-        dur, spare, lag, kv_free = [], [], [], []
-        while len(dur) < horizon and sched.has_unfinished:
-            out = sched.schedule()
-            if out.is_empty:
-                break  # nothing fits (the KV cache is full of waiting prompts): the tail takes over
-            dur.append(model.predict(StepSample.of(out, num_layers=k.num_layers)))
-            room, step_lag = _room(sched, out, layered, budget, group_lag)
-            spare.append(room)
-            lag.append(step_lag)
-            kv_free.append(bm.num_free_blocks * bm.block_size)
-            sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
+        self.budget = k.layered_chunk_tokens if self.layered else k.max_num_batched_tokens
+        self.group_lag = 0
+        if self.layered:
+            groups = k.num_layer_groups or max(1, -(-self.budget // k.group_tokens))
+            self.group_lag = min(groups, k.num_layers) - 1
+        self.spare: list[int] = []
+        self.lag: list[int] = []
+        self.kv_free: list[int] = []
+
+    def record(self, out) -> None:
+        """The step `out` (None: this node has nothing to run in it) and then run it."""
+        room, step_lag = _room(self.sched, out, self.layered, self.budget, self.group_lag)
+        self.spare.append(room)
+        self.lag.append(step_lag)
+        self.kv_free.append(self.bm.num_free_blocks * self.bm.block_size)
+        if out is not None:
+            self.sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
+
+    def forecast(self, t0: float, timeline: Timeline, model: OnlineStepModel) -> NodeForecast:
+        sched = self.sched
         backlog = sum(s.num_uncomputed_tokens for s in sched.waiting) + \
             sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
         decodes = [s for s in sched.running if s.num_uncomputed_tokens <= 1]
-        return cls(state.time, np.asarray(dur), np.asarray(spare), np.asarray(lag), np.asarray(kv_free), budget=budget,
-                   tail_backlog=backlog, tail_decodes=len(decodes),
-                   tail_kv=float(sum(s.num_computed_tokens for s in decodes)), model=model, cohort_lag=group_lag)
+        return NodeForecast(t0, timeline, np.asarray(self.spare), np.asarray(self.lag), np.asarray(self.kv_free),
+                            budget=self.budget, tail_backlog=backlog, tail_decodes=len(decodes),
+                            tail_kv=float(sum(s.num_computed_tokens for s in decodes)), model=model,
+                            cohort_lag=self.group_lag)
 
 
 def _sequence(rid: str, lengths: tuple[int, int, int, int], estimator: OutputLengthEstimator) -> Sequence:
@@ -221,14 +305,14 @@ def _sequence(rid: str, lengths: tuple[int, int, int, int], estimator: OutputLen
 
 def _room(sched: Scheduler, out, layered: bool, budget: int, group_lag: int) -> tuple[int, int]:
     """Prompt tokens this step would give one more request at the back of the queue, and how
-    many steps later those tokens complete."""
-    if sched.waiting or out.preempted or len(sched.running) >= sched.max_num_seqs:
+    many steps later those tokens complete (`out` None: the node is idle in this step)."""
+    if sched.waiting or (out is not None and out.preempted) or len(sched.running) >= sched.max_num_seqs:
         return 0, 0
     bm = sched.block_manager
     kv_room = bm.num_free_blocks * bm.block_size
     if not layered:
-        return max(0, min(budget - out.total_tokens, kv_room)), 0
-    lp = out.layered
+        return max(0, min(budget - (out.total_tokens if out is not None else 0), kv_room)), 0
+    lp = out.layered if out is not None else None
     if lp is None:  # no cohort in flight and nobody waiting: one would form now
         return min(budget, kv_room), group_lag
     if lp.group == 0:  # a cohort formed this step: a newcomer would have joined it

@@ -23,9 +23,12 @@ class StepSample:
     kv_tokens: float  # cached tokens attention reads, summed over sequences
     score_pairs: float  # query-key pairs attention scores (causal inside a chunk)
     seconds: float = 0.0
+    # The replica-wide number of the step on a disaggregated node, whose attention nodes all run
+    # every numbered step together; -1 on a colocated engine.
+    step: int = -1
 
     @classmethod
-    def of(cls, out: SchedulerOutput, seconds: float = 0.0, num_layers: int = 1) -> "StepSample":
+    def of(cls, out: SchedulerOutput, seconds: float = 0.0, num_layers: int = 1, step: int = -1) -> "StepSample":
         """The step's work averaged over layers: a layered-prefill cohort passes only its group."""
         tokens, pairs, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
         seqs = len(out.seqs)
@@ -35,8 +38,15 @@ class StepSample:
             c_tokens, c_pairs, c_kv = chunk_work(lp.seqs, lp.num_tokens)
             tokens, pairs, kv = tokens + share * c_tokens, pairs + share * c_pairs, kv + share * c_kv
             seqs += len(lp.seqs)
-        return cls(round(tokens), seqs, kv, pairs, seconds)
+        return cls(round(tokens), seqs, kv, pairs, seconds, step)
 
+    @classmethod
+    def lockstep(cls, samples: list["StepSample"]) -> "StepSample":
+        """One step of nodes in lockstep: their work adds up (the expert nodes compute it all)
+        and the step lasts as long as the slowest node saw it last."""
+        return cls(sum(s.tokens for s in samples), sum(s.seqs for s in samples),
+                   sum(s.kv_tokens for s in samples), sum(s.score_pairs for s in samples),
+                   max(s.seconds for s in samples), samples[0].step)
 
 
 @dataclass(frozen=True)
@@ -79,16 +89,17 @@ class NodeState:
     steps: list[StepSample] = field(default_factory=list)  # measured since the last snapshot
     finished: list[tuple[int, int]] = field(default_factory=list)  # (prompt, output tokens) since the last one
     time: float = 0.0  # the node's clock when taken (seconds; the router's clock must agree)
+    steps_done: int = -1  # lockstep nodes: every step numbered below this one has run (-1: colocated)
 
     @classmethod
     def of(cls, scheduler: Scheduler, now: float, steps: list[StepSample] = (),
-           finished: list[tuple[int, int]] = ()) -> "NodeState":
+           finished: list[tuple[int, int]] = (), steps_done: int = -1) -> "NodeState":
         def lengths(s: Sequence) -> RequestLengths:
             return (s.num_prompt_tokens, s.num_tokens, s.num_computed_tokens, s.params.max_tokens)
 
         return cls(SchedulingKnobs.of(scheduler), [lengths(s) for s in scheduler.running],
                    [lengths(s) for s in scheduler.waiting], scheduler.block_manager.num_free_blocks,
-                   list(steps), list(finished), now)
+                   list(steps), list(finished), now, steps_done)
 
     def load(self) -> dict:
         """The heuristic routers' view (NodeLoad's fields)."""

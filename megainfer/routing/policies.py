@@ -25,6 +25,7 @@ import numpy as np
 from megainfer.errors import ConfigError
 from megainfer.routing.forecast import NodeForecast, Prediction
 from megainfer.routing.length_estimator import BucketedLengthEstimator
+from megainfer.routing.node_state import StepSample
 from megainfer.routing.step_model import OnlineStepModel
 
 ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
@@ -60,6 +61,12 @@ class Router:
     def observe(self, node: int, state, taken_at: float) -> None:
         """Node `node`'s fresh `NodeState`, asked for at `taken_at` on the router's clock. The
         heuristic policies read only `loads`."""
+
+    def observe_lockstep(self, first: int, states: list, taken_at: float) -> None:
+        """Fresh states of nodes `first`, `first + 1`, ... that run every step together (the
+        attention nodes of one disaggregated replica)."""
+        for j, state in enumerate(states):
+            self.observe(first + j, state, taken_at)
 
     def forget(self, node: int) -> None:
         """Nodes `node` and up are gone (retired replicas)."""
@@ -120,6 +127,8 @@ class PredictiveRouter(Router):
         self.models: list = []
         self.forecasts: list = []
         self._routed: list[list[tuple[float, int, int]]] = []  # per node: (when, prompt, output) since a snapshot
+        # Lockstep replicas, by first node: step number -> the samples of it reported so far.
+        self._unmatched: dict[int, dict[int, list[StepSample]]] = {}
         self.last = None  # the Prediction of the last choice
         self.decision_s: deque[float] = deque(maxlen=4096)
 
@@ -133,19 +142,54 @@ class PredictiveRouter(Router):
         self._grow(node + 1)
         model = self.models[node]
         model.observe(state.steps)
-        for prompt, output in state.finished:
-            self.estimator.observe(prompt, output)
-        state.time = taken_at
-        forecast = NodeForecast.build(state, model, self.estimator, horizon=self.horizon)
-        # What was routed after the snapshot was asked for may not be in it yet.
-        routed = [r for r in self._routed[node] if r[0] >= taken_at]
-        for when, prompt, output in routed:
-            forecast.commit(when, prompt, output)
-        self._routed[node] = routed
-        self.forecasts[node] = forecast
+        self._rebuild(node, [state], model, taken_at)
+
+    def observe_lockstep(self, first: int, states: list, taken_at: float) -> None:
+        """The nodes share every step's time, so they share one step model, fitted on their
+        work added up step by step, and one forecast timeline."""
+        self._grow(first + len(states))
+        model = self.models[first]
+        self.models[first:first + len(states)] = [model] * len(states)
+        model.observe(self._match_steps(first, states))
+        self._rebuild(first, states, model, taken_at)
+
+    def _match_steps(self, first: int, states: list) -> list[StepSample]:
+        """The replica's steps complete in every node's report: the nodes' samples of each step
+        number added up. A node that sat a step out (idle) reports nothing for it."""
+        if any(state.steps_done < 0 for state in states):  # unnumbered steps: nothing to match them by
+            return [s for state in states for s in state.steps]
+        unmatched = self._unmatched.setdefault(first, {})
+        for state in states:
+            for s in state.steps:
+                unmatched.setdefault(s.step, []).append(s)
+        done = min(state.steps_done for state in states)
+        newest = max(state.steps_done for state in states)
+        matched = []
+        for step in sorted(unmatched):
+            if step < done:
+                matched.append(StepSample.lockstep(unmatched.pop(step)))
+            elif step > newest:  # numbered before the replica was re-wired (numbering restarts)
+                del unmatched[step]
+        return matched
+
+    def _rebuild(self, first: int, states: list, model: OnlineStepModel, taken_at: float) -> None:
+        for state in states:
+            for prompt, output in state.finished:
+                self.estimator.observe(prompt, output)
+            state.time = taken_at
+        forecasts = NodeForecast.build_lockstep(states, model, self.estimator, horizon=self.horizon)
+        for node, forecast in enumerate(forecasts, first):
+            # What was routed after the snapshot was asked for may not be in it yet.
+            routed = [r for r in self._routed[node] if r[0] >= taken_at]
+            for when, prompt, output in routed:
+                forecast.commit(when, prompt, output)
+            self._routed[node] = routed
+            self.forecasts[node] = forecast
 
     def forget(self, node: int) -> None:
         del self.models[node:], self.forecasts[node:], self._routed[node:]
+        for first in [f for f in self._unmatched if f >= node]:
+            del self._unmatched[first]
 
     def predict(self, node: int, prompt_tokens: int, output_tokens: int, now: float) -> tuple[float, float]:
         f = self.forecasts[node]

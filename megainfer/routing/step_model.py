@@ -5,9 +5,11 @@ node measured (the predictive router's performance model).
 
 c0 is the fixed cost of a step (weights read once, launches, the expert round trip), c_tok the
 per-token GEMM cost, c_kv attention's cache reads, c_pair its score FLOPs. The fit is least
-squares over the last `window` samples with a small ridge toward the prior, so a node with few
-measurements predicts from the prior and one with many from its own steps; no coefficient goes
-negative (the most negative feature is dropped and the rest refit, until none is).
+squares over the last `window` samples with a ridge toward the prior worth `prior_weight`
+samples, so a node with few measurements predicts near the prior and one with many from its own
+steps; no coefficient goes negative (the most negative feature is dropped and the rest refit,
+until none is). Steps the fit misses by far more than it misses the typical one (a process
+descheduled, a page fault storm: noise, not work) are left out of a second fit.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from megainfer.routing.node_state import StepSample
 
 FEATURES = ("fixed", "tokens", "seqs", "kv_tokens", "score_pairs")
+OUTLIER_MISSES = 8.0  # a step the fit misses by this many typical misses is noise
 
 
 def features(s: StepSample) -> tuple[float, float, float, float, float]:
@@ -27,7 +30,7 @@ def features(s: StepSample) -> tuple[float, float, float, float, float]:
 
 class OnlineStepModel:
     def __init__(self, prior: tuple[float, ...] = (0.02, 1e-4, 0.0, 0.0, 0.0), *, window: int = 512,
-                 prior_weight: float = 0.05, refit_every: int = 16) -> None:
+                 prior_weight: float = 0.5, refit_every: int = 16) -> None:
         if len(prior) != len(FEATURES):
             raise ValueError(f"prior needs {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
         self.prior = np.asarray(prior, dtype=np.float64)
@@ -76,6 +79,17 @@ class OnlineStepModel:
         xs = x / scale
         y = y / y_scale
         prior_s = self.prior * scale / y_scale
+        coef = self._solve(xs, y, prior_s)
+        if len(y) >= 4 * len(FEATURES):
+            miss = np.abs(xs @ coef - y)
+            keep = miss <= OUTLIER_MISSES * max(float(np.median(miss)), 1e-3)
+            if not keep.all():
+                coef = self._solve(xs[keep], y[keep], prior_s)
+        self.coef = coef / scale * y_scale
+        self._c = tuple(map(float, self.coef))
+
+    def _solve(self, xs: np.ndarray, y: np.ndarray, prior_s: np.ndarray) -> np.ndarray:
+        """Non-negative ridge least squares in scaled units."""
         active = list(range(len(FEATURES)))
         while True:
             a = xs[:, active]
@@ -86,9 +100,8 @@ class OnlineStepModel:
                 break
             del active[int(np.argmin(sol))]  # one at a time: collinear features trade sign
         coef = np.zeros(len(FEATURES))
-        coef[active] = np.maximum(sol, 0.0) / scale[active] * y_scale
-        self.coef = coef
-        self._c = tuple(map(float, coef))
+        coef[active] = np.maximum(sol, 0.0)
+        return coef
 
     def describe(self) -> dict[str, float]:
         return dict(zip(FEATURES, map(float, self.coef)))
