@@ -209,7 +209,11 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
         time.sleep(0.2)  # a few snapshots: node 0's queue is in its forecast
         fresh = dep.submit("fresh", [1, 2, 3], GREEDY)
         assert dep._owner["fresh"] == 1
-        assert dep.router.forecasts[0] is not None and dep.router.models[0].num_samples > 0
+        model = dep.router.models[0]
+        assert dep.router.forecasts[0] is not None and model.num_samples > 0
+        # The nodes step together: one model for both, fitted on their steps, not the warm-up's.
+        assert dep.router.models[1] is model and dep.router.forecasts[1].timeline is dep.router.forecasts[0].timeline
+        assert model.seconds(64, 1, 64, 64 * 65 / 2) < 1.0
         for stream in busy + [fresh]:
             assert stream.wait_finished(60)["finished"]
         m = scrape(served.server.metrics_port)
