@@ -271,6 +271,13 @@ class Deployment:
                 states.append(ray.get(ref, timeout=5))
             except (RayActorError, GetTimeoutError):
                 states.append(None)
+        # A node answers between two steps (its step holds the engine), so its state is as of
+        # the answer, not the asking: forecasts start then. Requests routed after the asking
+        # are the ones the router replays onto it.
+        answered = time.monotonic()
+        for state in states:
+            if state is not None:
+                state.time = answered
         return [(s, taken) for s in states]
 
     def _refresh_loads(self) -> None:

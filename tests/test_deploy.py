@@ -204,8 +204,9 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
         dep = served.deployment
         assert dep.router.name == "predictive"
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        # Node 0 gets a queue of prompts (14 steps of prefill at 64 tokens a step), node 1 nothing.
-        busy = [dep.submit(f"busy{i}", list(range(1, 150)), params, node=0) for i in range(6)]
+        # Node 0 gets a queue of prompts (about 40 steps of prefill at 64 tokens a step), node 1
+        # nothing.
+        busy = [dep.submit(f"busy{i}", [1 + t % 250 for t in range(300)], params, node=0) for i in range(8)]
         time.sleep(0.2)  # a few snapshots: node 0's queue is in its forecast
         fresh = dep.submit("fresh", [1, 2, 3], GREEDY)
         assert dep._owner["fresh"] == 1

@@ -176,7 +176,9 @@ class PredictiveRouter(Router):
         for state in states:
             for prompt, output in state.finished:
                 self.estimator.observe(prompt, output)
-            state.time = taken_at
+            # The caller may know the state held later than it was asked for (the node answered
+            # after its step); it never held before.
+            state.time = max(state.time, taken_at)
         forecasts = NodeForecast.build_lockstep(states, model, self.estimator, horizon=self.horizon)
         for node, forecast in enumerate(forecasts, first):
             # What was routed after the snapshot was asked for may not be in it yet.
@@ -208,6 +210,10 @@ class PredictiveRouter(Router):
             pred = self.predict(i, prompt_tokens, output, now)
             if best_pred is None or (pred[key], pred[1 - key]) < (best_pred[key], best_pred[1 - key]):
                 best, best_pred = i, pred
+            elif pred == best_pred and loads[i].freeness() > loads[best].freeness():
+                # Nodes in lockstep predict alike whenever both have room in the next step: the
+                # one with more KV room per request takes it, as least_loaded would.
+                best = i
         f = self.forecasts[best]
         if f is not None:
             f.commit(now, prompt_tokens, output)
