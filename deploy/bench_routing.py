@@ -1,6 +1,11 @@
 """`megainfer bench routing PLAN.yaml --routers round_robin,predictive`: the same online load
-(`bench serve`'s generator, same seed, same arrivals) against the plan deployed under each
-router in turn, one Ray session, and the routers' latencies side by side with the ratio."""
+(`bench serve`'s generator) against one deployment of the plan under each router in turn.
+
+One deployment serves every router (the router is swapped between runs), so placement, warm
+processes and caches are the same for all of them; the routers take turns over `rounds`
+rounds, each round a fresh workload (its own seed) sent to every router, in alternating order
+(A B, B A, ...) so that a machine getting slower or faster over the run does not favour one.
+Latencies are pooled over the rounds; each round's P99 TTFT is shown as well."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import dataclasses
 import os
 import platform
 
+import numpy as np
 import ray
 
 from deploy.launcher import Deployment, bundles
@@ -15,32 +21,63 @@ from megainfer.bench.report import format_table, write_json
 from megainfer.bench.serve_bench import ServeBenchSpec, format_summary, run_serve_bench, summarize
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
-from megainfer.routing.policies import ROUTERS
+from megainfer.routing.policies import ROUTERS, make_router
 from megainfer.server.service import Server
 
 
-def measure(plan: Plan, spec: ServeBenchSpec, show_progress: bool) -> dict:
-    deployment = Deployment(plan, show_progress=False).start()
-    server = Server(deployment, port=0).start()
-    try:
-        results, duration, peak = run_serve_bench(dataclasses.replace(spec, server=server.address), show_progress)
-        summary = summarize(spec, results, duration, peak)
-        if plan.serve.router == "predictive":
-            snap = deployment.router_error.snapshot()
-            count = sum(snap["buckets"])
-            summary["prediction_mae_ms"] = 1e3 * snap["sum"] / count if count else None
-            summary["decision_p99_ms"] = 1e3 * deployment.router.decision_p99_s()
-        return summary
-    finally:
-        server.stop(0)
-        deployment.close()
+@dataclasses.dataclass
+class RouterRuns:
+    """One router's requests over every round."""
+
+    results: list = dataclasses.field(default_factory=list)
+    duration_s: float = 0.0
+    peak: int = 0
+    round_p99_ttft_ms: list[float] = dataclasses.field(default_factory=list)
+    error_sum_s: float = 0.0  # |predicted - measured| TTFT, predictive only
+    error_count: int = 0
 
 
-def run(plan_path: str, routers: list[str], spec: ServeBenchSpec, json_path: str | None,
+def measure(deployment: Deployment, server: Server, routers: list[str], spec: ServeBenchSpec, rounds: int,
+            show_progress: bool) -> dict[str, dict]:
+    instances = {name: make_router(name, seed=spec.seed) for name in routers}
+    runs = {name: RouterRuns() for name in routers}
+    for k in range(rounds):
+        round_spec = dataclasses.replace(spec, server=server.address, seed=spec.seed + k)
+        for name in routers if k % 2 == 0 else routers[::-1]:
+            deployment.use_router(instances[name])
+            before = deployment.router_error.snapshot()
+            results, duration, peak = run_serve_bench(round_spec, show_progress)
+            after = deployment.router_error.snapshot()
+            run = runs[name]
+            run.results += results
+            run.duration_s += duration
+            run.peak = max(run.peak, peak)
+            ttft = [r.ttft_s for r in results if not r.error]
+            run.round_p99_ttft_ms.append(float(np.percentile(ttft, 99)) * 1e3 if ttft else float("nan"))
+            run.error_sum_s += after["sum"] - before["sum"]
+            run.error_count += sum(after["buckets"]) - sum(before["buckets"])
+            print(f"round {k + 1}/{rounds} {name}: P99 TTFT {run.round_p99_ttft_ms[-1]:.0f} ms", flush=True)
+    summaries = {}
+    for name, run in runs.items():
+        s = summarize(spec, run.results, run.duration_s, run.peak)
+        s["rounds"] = rounds
+        s["round_p99_ttft_ms"] = run.round_p99_ttft_ms
+        if name == "predictive":
+            s["prediction_mae_ms"] = 1e3 * run.error_sum_s / run.error_count if run.error_count else None
+            s["decision_p99_ms"] = 1e3 * instances[name].decision_p99_s()
+        summaries[name] = s
+    return summaries
+
+
+def run(plan_path: str, routers: list[str], spec: ServeBenchSpec, json_path: str | None, rounds: int = 3,
         show_progress: bool = True) -> int:
     bad = [r for r in routers if r not in ROUTERS]
     if bad or not routers:
         raise PlanError(f"--routers: {', '.join(bad) or 'none given'}; choose from {', '.join(ROUTERS)}")
+    if len(set(routers)) != len(routers):
+        raise PlanError(f"--routers names a router twice: {', '.join(routers)}")
+    if rounds < 1:
+        raise PlanError(f"--rounds must be at least 1, got {rounds}")
     plan = Plan.load(plan_path)
     if plan.attention.nodes < 2:
         raise PlanError(f"{plan_path}: routing needs at least 2 attention nodes (attention.nodes is "
@@ -49,27 +86,33 @@ def run(plan_path: str, routers: list[str], spec: ServeBenchSpec, json_path: str
     if started:
         need = int(sum(b.get("CPU", 0) for b in bundles(plan)))
         ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False)
-    rows = {}
+    plan = dataclasses.replace(plan, serve=dataclasses.replace(plan.serve, router=routers[0]), autoscale=None)
+    print(f"deploying {plan.attention.nodes} attention x {plan.experts.nodes} expert node(s); {rounds} round(s) of "
+          f"{spec.num_prompts} requests at {spec.request_rate:g} req/s per router ...", flush=True)
     try:
-        for router in routers:
-            variant = dataclasses.replace(plan, serve=dataclasses.replace(plan.serve, router=router),
-                                          autoscale=None)
-            print(f"{router}: deploying {plan.attention.nodes} attention x {plan.experts.nodes} expert node(s) and "
-                  f"sending {spec.num_prompts} requests at {spec.request_rate:g} req/s ...", flush=True)
-            rows[router] = measure(variant, spec, show_progress)
-            print(format_summary(rows[router]), flush=True)
+        deployment = Deployment(plan, show_progress=False).start()
+        server = Server(deployment, port=0).start()
+        try:
+            rows = measure(deployment, server, routers, spec, rounds, show_progress)
+        finally:
+            server.stop(0)
+            deployment.close()
     finally:
         if started:
             ray.shutdown()
+    for router, summary in rows.items():
+        print(f"{router}:")
+        print(format_summary(summary), flush=True)
     base = rows[routers[0]]
     table = []
     for router, r in rows.items():
         ratio = r["p99_ttft_ms"] / base["p99_ttft_ms"] if base["p99_ttft_ms"] else float("nan")
-        table.append([router, r["mean_ttft_ms"], r["p99_ttft_ms"], r["p99_e2el_ms"], r["request_throughput"],
-                      f"{ratio:.2f}x"])
-    print(format_table(["router", "TTFT mean ms", "TTFT p99 ms", "E2E p99 ms", "req/s",
+        table.append([router, r["mean_ttft_ms"], r["p99_ttft_ms"], " ".join(f"{x:.0f}" for x in r["round_p99_ttft_ms"]),
+                      r["p99_e2el_ms"], r["request_throughput"], f"{ratio:.2f}x"])
+    print(format_table(["router", "TTFT mean ms", "TTFT p99 ms", "p99 per round", "E2E p99 ms", "req/s",
                         f"p99 TTFT vs {routers[0]}"], table))
     if json_path:
         write_json(json_path, {"benchmark": "routing", "plan": plan_path, "spec": dataclasses.asdict(spec),
-                               "machine": platform.machine(), "cpus": os.cpu_count(), "results": rows})
+                               "rounds": rounds, "machine": platform.machine(), "cpus": os.cpu_count(),
+                               "results": rows})
     return 0

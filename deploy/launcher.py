@@ -286,6 +286,13 @@ class Deployment:
         with self._route_lock:
             self._loads = observe_states(self.router, [states], self._loads)
 
+    def use_router(self, router) -> None:
+        """Route with `router` from now on (`bench routing` compares routers on one deployment);
+        it sees every node's state at once."""
+        with self._route_lock:
+            self.router = router
+        self._refresh_loads()
+
     def _track_loads(self) -> None:
         while not self._stop.wait(LOAD_REFRESH_S):
             self._refresh_loads()

@@ -58,6 +58,7 @@ class Engine:
         self._energy = EnergyMeter(self.config.device)
         # What a router learns from (drained by node_state()); bounded if nobody asks.
         self._measured_steps: deque[StepSample] = deque(maxlen=1024)
+        self._last_step_end: float | None = None  # while busy: when the last step ended
         self._finished_lengths: deque[tuple[int, int]] = deque(maxlen=1024)
         self.step_model: OnlineStepModel | None = None
         if self.config.target_step_ms is not None:  # attention balancing, on this node's own step times
@@ -119,20 +120,28 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
         if out.is_empty:
+            self._last_step_end = None
             if getattr(self.runner, "steps_when_idle", False):
                 self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
             return []
         started = time.perf_counter()
+        # A step that follows a busy one directly is measured from that one's end: what happens
+        # between steps (scheduling, streaming, the driver's calls waiting on the node) delays
+        # the next token as much as the compute does, and the router predicts wall-clock time.
+        began = self._last_step_end if self._last_step_end is not None else started
         step_id = self._step_id()
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
+            self._last_step_end = None
             code = "unavailable" if isinstance(exc, DataPlaneError) else "internal"
             if code == "internal":
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
             return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs]
         advanced = self.scheduler.update_from_output(out, result.sampled)
-        measured = StepSample.of(out, time.perf_counter() - started, self.model_config.num_layers, step_id)
+        ended = time.perf_counter()
+        self._last_step_end = ended if self.scheduler.has_unfinished else None
+        measured = StepSample.of(out, ended - began, self.model_config.num_layers, step_id)
         self._measured_steps.append(measured)
         if self.step_model is not None:
             self.step_model.observe((measured,))

@@ -220,6 +220,17 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
         m = scrape(served.server.metrics_port)
         assert m["megainfer:router_ttft_prediction_error_seconds_count"] == 1  # "fresh": the one it placed
         assert 0 <= m["megainfer:router_ttft_prediction_error_seconds_sum"] < 5
+        # bench routing: the routers take turns on this deployment, in alternating order.
+        from deploy.bench_routing import measure
+        from megainfer.bench.serve_bench import ServeBenchSpec
+
+        spec = ServeBenchSpec(server="", input_len=40, random_range_ratio=0.5, output_len=4, request_rate=50.0,
+                              num_prompts=5)
+        rows = measure(dep, served.server, ["round_robin", "predictive"], spec, rounds=2, show_progress=False)
+        assert [r["successful_requests"] for r in rows.values()] == [10, 10]
+        assert all(len(r["round_p99_ttft_ms"]) == 2 for r in rows.values())
+        assert rows["predictive"]["decision_p99_ms"] > 0 and rows["predictive"]["prediction_mae_ms"] is not None
+        assert dep.router.name == "round_robin"  # the second round ran predictive first, round_robin last
     finally:
         served.close()
 

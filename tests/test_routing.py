@@ -151,6 +151,27 @@ def test_forecast_of_an_idle_node_and_past_the_horizon():
     assert short.predict(clock[0], 300, 5)[0] == pytest.approx(full.predict(clock[0], 300, 5)[0], rel=0.5)
 
 
+@pytest.mark.parametrize("busy", [False, True])
+def test_forecast_prices_a_long_prompt_chunk_by_chunk_past_the_horizon(busy):
+    """Each chunk of a long prompt reads the prefix before it: the tail prices that too."""
+    heavy = (0.004, 2e-5, 1e-4, 2e-6, 2e-8)  # attention over the prefix matters
+    clock = [0.0]
+    sched = busy_node(clock) if busy else scheduler(clock=lambda: clock[0])
+    model = OnlineStepModel(heavy)
+    forecast = NodeForecast.build(NodeState.of(sched, clock[0]), model, MaxTokensEstimator(), horizon=2)
+    ttft, _ = forecast.predict(clock[0], 1500, 2)
+    arrived = clock[0]
+    new = add(sched, "long", 1500, 2, arrival=arrived)
+    for _ in range(10_000):
+        if new.num_output_tokens:
+            break
+        out = sched.schedule()
+        clock[0] += model.predict(StepSample.of(out))
+        sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
+    true_ttft = new.first_token_time - arrived
+    assert ttft == pytest.approx(true_ttft, rel=0.15)
+
+
 def test_forecast_waits_for_kv_rather_than_predicting_a_preempted_start():
     model = calibrated()
     clock = [0.0]

@@ -55,13 +55,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.set_defaults(run=_run_pipeline)
 
     rt = benches.add_parser("routing", help="the same online load against a deployment under each router",
-                            description="Deploy the plan once per router (one Ray session), send each the same "
-                                        "bench-serve workload, and compare TTFT and E2E latency.")
+                            description="Deploy the plan once and send the same bench-serve workload under each "
+                                        "router in turn (the routers alternate over rounds); compare TTFT and E2E "
+                                        "latency pooled over the rounds.")
     rt.add_argument("plan", help="plan.yaml with at least 2 attention nodes (e.g. deploy/plans/tiny-cpu-2a.yaml)")
     rt.add_argument("--routers", default="round_robin,predictive", help="comma-separated, the first is the baseline")
     rt.add_argument("--dataset", default="sharegpt", help="random, sharegpt, arxiv or a JSONL trace")
     rt.add_argument("--request-rate", type=float, default=2.0)
-    rt.add_argument("--num-prompts", type=positive_int, default=60)
+    rt.add_argument("--num-prompts", type=positive_int, default=60, help="requests per router per round")
+    rt.add_argument("--rounds", type=positive_int, default=3,
+                    help="rounds; each sends a fresh workload to every router, in alternating order")
     rt.add_argument("--input-len", type=positive_int, default=128, help="random dataset")
     rt.add_argument("--output-len", type=positive_int, default=16, help="random dataset")
     rt.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -177,7 +180,7 @@ def _run_routing(args: argparse.Namespace) -> int:
                           num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                           random_range_ratio=args.random_range_ratio, max_model_len=args.max_model_len,
                           seed=args.seed)
-    return run(args.plan, [r.strip() for r in args.routers.split(",") if r.strip()], spec, args.json)
+    return run(args.plan, [r.strip() for r in args.routers.split(",") if r.strip()], spec, args.json, args.rounds)
 
 
 def _run_kernels(args: argparse.Namespace) -> int:

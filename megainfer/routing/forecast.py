@@ -108,6 +108,7 @@ class NodeForecast:
 
     def _index(self) -> None:
         self.cum_spare = np.cumsum(self.spare)
+        self.cum_open = np.cumsum(self.spare > 0)  # steps a newcomer's prompt could take a chunk in
         # A newcomer admitted at step k holds p + (j - k) tokens at step j: it fits for good when
         # p <= min over j >= k of (kv_free[j] - j) + k. That bound rises with k, so the first
         # step it fits is a binary search.
@@ -131,42 +132,59 @@ class NodeForecast:
         chunk += tl.tail_chunks - self.tail_chunk
         return self.model.seconds(chunk + d, d + 1, kv + chunk, kv + chunk * (chunk + 1) / 2)
 
+    def _tail_base_s(self) -> float:
+        """A step past the horizon without the newcomer: the decodes, the other nodes' chunks."""
+        tl = self.timeline
+        d, kv = tl.tail_decodes, tl.tail_kv
+        others = tl.tail_chunks - self.tail_chunk
+        return self.model.seconds(others + d, d + (others > 0), kv + others, kv + others * (others + 1) / 2)
+
+    def _own_prefill_s(self, prompt: int, chunks: int) -> float:
+        """What a prompt of `prompt` tokens computed in `chunks` steps adds to them: its tokens, a
+        sequence in each step, each chunk reading the prefix before it, and the causal pairs."""
+        c = self.model._c
+        return c[1] * prompt + c[2] * chunks + c[3] * prompt * (chunks + 1) / 2 + c[4] * prompt * (prompt + 1) / 2
+
     def _tail_decode_s(self, extra_kv: float) -> float:
         tl = self.timeline
         d = tl.tail_decodes + 1
         kv = tl.tail_kv + extra_kv
         return self.model.seconds(d, d, kv, kv)
 
-    def _place(self, now: float, prompt: int) -> tuple[int, int, float]:
+    def _place(self, now: float, prompt: int) -> tuple[int, int, float, int]:
         """(first step the newcomer may join, the step its last prompt token is computed in or
-        -1 past the horizon, and when -1, the time its last prompt token is computed)."""
+        -1 past the horizon, when -1 the time its last prompt token is computed, and the
+        number of steps its prompt is spread over)."""
         rel = now - self.t0
         n = len(self.dur)
         i0 = int(self.start.searchsorted(rel))
         # Not before the KV cache can keep it to the end (else it would be the one preempted).
         i0 = max(i0, int(self.kv_gate.searchsorted(prompt)))
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
+        opened = int(self.cum_open[i0 - 1]) if i0 > 0 else 0
         k = int(self.cum_spare.searchsorted(before + prompt)) if i0 < n else n
         if k < n:
-            return i0, k, 0.0
+            return i0, k, 0.0, int(self.cum_open[k]) - opened
         got = int(self.cum_spare[-1]) - before if i0 < n else 0
+        chunks_in = int(self.cum_open[-1]) - opened if i0 < n else 0
         rate = self._tail_rate()
-        left = prompt - got
-        step = self._tail_step_s(min(rate, left))
-        return i0, -1, max(self.tail_free_s, rel) + -(-left // rate) * step
+        steps = -(-(prompt - got) // rate)
+        chunks = chunks_in + steps
+        past = max(self.tail_free_s, rel) + steps * self._tail_base_s() + self._own_prefill_s(prompt, chunks)
+        return i0, -1, past, chunks
 
     def predict(self, now: float, prompt: int, output: int) -> tuple[float, float]:
         """(TTFT, end-to-end latency) of a request of `prompt` tokens arriving at `now` that
         generates `output` tokens."""
         rel = now - self.t0
-        i0, k, past = self._place(now, prompt)
+        i0, k, past, chunks = self._place(now, prompt)
         m = self.model
         n = len(self.dur)
         if k >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
             done = k + int(self.lag[k])
             first = self.end[done] if done < n else self.horizon_s + (done - n + 1) * self._tail_step_s(0)
-            first += m.marginal(prompt, prompt, prompt * (prompt + 1) / 2)
-        else:  # the tail's steps are priced with the chunks they compute, its own among them
+            first += self._own_prefill_s(prompt, chunks)
+        else:  # past the horizon: `_place` priced its chunks
             done = n + self.cohort_lag
             first = past + self.cohort_lag * self._tail_step_s(0)
         first = max(first, rel)
@@ -182,7 +200,7 @@ class NodeForecast:
 
     def commit(self, now: float, prompt: int, output: int) -> None:
         """The request was routed here: it takes its spare and rides the steps it decodes in."""
-        i0, k, past = self._place(now, prompt)
+        i0, k, past, chunks = self._place(now, prompt)
         m = self.model
         n = len(self.dur)
         if k < 0:  # its prompt finishes past the horizon: the tail is busy until then
@@ -196,7 +214,7 @@ class NodeForecast:
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
         self.spare[k] = int(self.cum_spare[k]) - (before + prompt)
         self.spare[i0:k] = 0
-        self.dur[k] += m.marginal(prompt, prompt, prompt * (prompt + 1) / 2)
+        self.dur[k] += self._own_prefill_s(prompt, chunks)
         done = k + int(self.lag[k])
         last = done + max(output - 1, 0)
         held = np.minimum(prompt + np.maximum(np.arange(i0, n) - done, 0), prompt + output)
