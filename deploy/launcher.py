@@ -327,7 +327,11 @@ class Deployment:
                 if rid in self._predicted and (d["new_token_ids"] or d["finished"]):
                     submitted, predicted = self._predicted.pop(rid)
                     if d["new_token_ids"]:
-                        self.router_error.observe(abs(time.monotonic() - submitted - predicted))
+                        measured = time.monotonic() - submitted
+                        self.router_error.observe(abs(measured - predicted))
+                        learn = getattr(self.router, "observe_ttft", None)
+                        if learn is not None:
+                            learn(predicted, measured)
                 if d["finished"]:
                     self._owner.pop(rid, None)
                 self.registry.deliver(d)

@@ -74,6 +74,7 @@ class ReplicaSet:
         return Deployment(self.plan, self.address, self.show_progress, routed_externally=True).start()
 
     def _add(self, replica: Deployment) -> None:
+        replica.router = self.router  # its measured TTFTs teach the router that placed them
         with self._lock:
             self.replicas.append(replica)
             self._last_request.append(time.monotonic())

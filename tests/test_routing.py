@@ -16,7 +16,7 @@ from megainfer.errors import PlanError
 from megainfer.kv_cache import BlockManager
 from megainfer.plan import Plan
 from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler
-from megainfer.routing.forecast import NodeForecast
+from megainfer.routing.forecast import NodeForecast, Prediction
 from megainfer.routing.length_estimator import BucketedLengthEstimator, MaxTokensEstimator
 from megainfer.routing.node_state import NodeState, StepSample
 from megainfer.routing.policies import NodeLoad, PredictiveRouter, make_router
@@ -258,6 +258,20 @@ def test_lockstep_nodes_share_one_step_model_and_one_timeline():
     before = router.predict(0, 20, 5, clock[0])[0]
     assert router.choose([NodeLoad(6400), NodeLoad(6400)], 60, 5) == 1
     assert router.predict(0, 20, 5, clock[0])[0] > before  # node 1's prefill lengthens node 0's steps
+
+
+def test_predictive_learns_the_latency_its_forecasts_cannot_see():
+    clock = [0.0]
+    router = predictive([busy_node(clock), scheduler()], clock[0])
+    loads = [NodeLoad(6400), NodeLoad(6400)]
+    first = router.choose(loads, 100, 10)
+    raw = router.last.ttft_s
+    for _ in range(200):  # every first token arrives 30 ms later than forecast
+        router.observe_ttft(router.last.ttft_s, router.predict(first, 100, 10, clock[0])[0] + 0.03)
+        router.last = Prediction(first, router.predict(first, 100, 10, clock[0])[0] + router.ttft_offset_s, 0.0, 10)
+    assert router.ttft_offset_s == pytest.approx(0.03, abs=1e-3)
+    assert router.choose(loads, 100, 10) == first  # the choice does not move
+    assert router.last.ttft_s > raw
 
 
 def test_predictive_decisions_take_under_a_millisecond_at_p99_with_16_candidates():

@@ -151,6 +151,12 @@ class NodeForecast:
         kv = tl.tail_kv + extra_kv
         return self.model.seconds(d, d, kv, kv)
 
+    def room_next(self, now: float) -> int:
+        """The spare budget of the first step that starts after `now` (the whole budget past
+        the horizon)."""
+        i = int(self.start.searchsorted(now - self.t0))
+        return int(self.spare[i]) if i < len(self.spare) else self.budget
+
     def _place(self, now: float, prompt: int) -> tuple[int, int, float, int]:
         """(first step the newcomer may join, the step its last prompt token is computed in or
         -1 past the horizon, when -1 the time its last prompt token is computed, and the

@@ -30,6 +30,7 @@ from megainfer.routing.step_model import OnlineStepModel
 
 ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
 OBJECTIVES = ("ttft", "e2e")
+OFFSET_GAIN = 0.05  # how fast the TTFT offset follows measured errors (about the last 20 requests)
 
 
 @dataclass
@@ -130,6 +131,10 @@ class PredictiveRouter(Router):
         # Lockstep replicas, by first node: step number -> the samples of it reported so far.
         self._unmatched: dict[int, dict[int, list[StepSample]]] = {}
         self.last = None  # the Prediction of the last choice
+        # What the forecasts cannot see and every node pays alike: the request's way to the node
+        # and its first token's way back. Learned from measured TTFTs (`observe_ttft`); it moves
+        # every candidate's prediction by as much, so it changes what is reported, not the choice.
+        self.ttft_offset_s = 0.0
         self.decision_s: deque[float] = deque(maxlen=4096)
 
     def _grow(self, n: int) -> None:
@@ -210,17 +215,33 @@ class PredictiveRouter(Router):
             pred = self.predict(i, prompt_tokens, output, now)
             if best_pred is None or (pred[key], pred[1 - key]) < (best_pred[key], best_pred[1 - key]):
                 best, best_pred = i, pred
-            elif pred == best_pred and loads[i].freeness() > loads[best].freeness():
-                # Nodes in lockstep predict alike whenever both have room in the next step: the
-                # one with more KV room per request takes it, as least_loaded would.
+            elif pred == best_pred and self._lighter(i, best, loads, now):
                 best = i
         f = self.forecasts[best]
         if f is not None:
             f.commit(now, prompt_tokens, output)
         self._routed[best].append((now, prompt_tokens, output))
-        self.last = Prediction(best, best_pred[0], best_pred[1], output)
+        off = self.ttft_offset_s
+        self.last = Prediction(best, max(best_pred[0] + off, 0.0), max(best_pred[1] + off, 0.0), output)
         self.decision_s.append(time.perf_counter() - started)
         return best
+
+    def _lighter(self, i: int, j: int, loads: list[NodeLoad], now: float) -> bool:
+        """Nodes in lockstep predict alike whenever both have room in the next step. Then the
+        one with less work in that step takes the request (the nodes compute their halves side
+        by side, so the step waits on the busier), and between equals the one with more KV room
+        per request, as least_loaded would."""
+        fi, fj = self.forecasts[i], self.forecasts[j]
+        if fi is not None and fj is not None:
+            ri, rj = fi.room_next(now), fj.room_next(now)
+            if ri != rj:
+                return ri > rj
+        return loads[i].freeness() > loads[j].freeness()
+
+    def observe_ttft(self, predicted_s: float, measured_s: float) -> None:
+        """A placed request's first token came `measured_s` after submission; `predicted_s` is
+        what `last.ttft_s` said then."""
+        self.ttft_offset_s += OFFSET_GAIN * (measured_s - predicted_s)
 
     def decision_p99_s(self) -> float:
         return float(np.percentile(np.fromiter(self.decision_s, float), 99)) if self.decision_s else 0.0
