@@ -131,9 +131,10 @@ class PredictiveRouter(Router):
         # Lockstep replicas, by first node: step number -> the samples of it reported so far.
         self._unmatched: dict[int, dict[int, list[StepSample]]] = {}
         self.last = None  # the Prediction of the last choice
-        # What the forecasts cannot see and every node pays alike: the request's way to the node
-        # and its first token's way back. Learned from measured TTFTs (`observe_ttft`); it moves
-        # every candidate's prediction by as much, so it changes what is reported, not the choice.
+        # The mean of what the forecasts miss, mostly what they cannot see and every node pays
+        # alike: the request's way to the node and its first token's way back. Learned from
+        # measured TTFTs (`observe_ttft`); it moves every candidate's prediction by as much, so
+        # it changes what is reported, not the choice.
         self.ttft_offset_s = 0.0
         self.decision_s: deque[float] = deque(maxlen=4096)
 
