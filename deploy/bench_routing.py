@@ -14,9 +14,8 @@ import os
 import platform
 
 import numpy as np
-import ray
 
-from deploy.launcher import Deployment, bundles
+from deploy.launcher import Deployment
 from megainfer.bench.report import format_table, write_json
 from megainfer.bench.serve_bench import ServeBenchSpec, format_summary, run_serve_bench, summarize
 from megainfer.errors import PlanError
@@ -82,24 +81,18 @@ def run(plan_path: str, routers: list[str], spec: ServeBenchSpec, json_path: str
     if plan.attention.nodes < 2:
         raise PlanError(f"{plan_path}: routing needs at least 2 attention nodes (attention.nodes is "
                         f"{plan.attention.nodes})")
-    started = not ray.is_initialized()
-    if started:
-        need = int(sum(b.get("CPU", 0) for b in bundles(plan)))
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False)
     plan = dataclasses.replace(plan, serve=dataclasses.replace(plan.serve, router=routers[0]), autoscale=None)
     print(f"deploying {plan.attention.nodes} attention x {plan.experts.nodes} expert node(s); {rounds} round(s) of "
           f"{spec.num_prompts} requests at {spec.request_rate:g} req/s per router ...", flush=True)
+    deployment = Deployment(plan, show_progress=False).start()  # starts (and at close, stops) Ray if needed
     try:
-        deployment = Deployment(plan, show_progress=False).start()
         server = Server(deployment, port=0).start()
         try:
             rows = measure(deployment, server, routers, spec, rounds, show_progress)
         finally:
             server.stop(0)
-            deployment.close()
     finally:
-        if started:
-            ray.shutdown()
+        deployment.close()
     for router, summary in rows.items():
         print(f"{router}:")
         print(format_summary(summary), flush=True)

@@ -244,11 +244,10 @@ class Deployment:
                 self._loads[node].add(tokens)
         if predicted_ttft_s is not None:
             self._predicted[request_id] = (submitted, predicted_ttft_s)
-        i = node
-        self._owner[request_id] = i
+        self._owner[request_id] = node
         try:
             stream.prompt_tokens = ray.get(
-                self.attention[i].add_request.remote(request_id, prompt, dataclasses.asdict(params)), timeout=30)
+                self.attention[node].add_request.remote(request_id, prompt, dataclasses.asdict(params)), timeout=30)
         except BaseException as exc:
             self.registry.close(request_id)
             self._owner.pop(request_id, None)
@@ -256,7 +255,7 @@ class Deployment:
             if isinstance(exc, RayTaskError):
                 raise _cause(exc) from None
             if isinstance(exc, (RayActorError, GetTimeoutError)):
-                raise DataPlaneError(f"{self.attention_names[i]} is unavailable: {exc}") from None
+                raise DataPlaneError(f"{self.attention_names[node]} is unavailable: {exc}") from None
             raise
         return stream
 
@@ -410,6 +409,7 @@ class Deployment:
         blocks = sum(s["num_kv_blocks"] for s in stats) or 1
         return {"running": sum(s["num_running"] for s in stats), "waiting": sum(s["num_waiting"] for s in stats),
                 "kv_cache_usage": sum(s["kv_cache_usage"] * s["num_kv_blocks"] for s in stats) / blocks,
+                "kv_blocks": blocks,
                 "expert_bytes_read": sum(s["expert_bytes_read"] for s in stats),
                 "m2n": {k: latency.merge([s["m2n"][k] for s in stats]) for k in ("send", "receive_wait")},
                 "router_ttft_error": self.router_error.snapshot() if self.router.name == "predictive" else None}

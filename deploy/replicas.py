@@ -64,10 +64,9 @@ class ReplicaSet:
         except BaseException:
             self.close()
             raise
-        for target, name in ((self._track, "replica-states"),):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        tracker = threading.Thread(target=self._track, name="replica-states", daemon=True)
+        tracker.start()
+        self._threads.append(tracker)
         return self
 
     def _new_replica(self) -> Deployment:
@@ -166,10 +165,10 @@ class ReplicaSet:
 
     def metrics_snapshot(self) -> dict:
         snaps = [r.metrics_snapshot() for r in list(self.replicas)]
-        blocks = [sum(s["num_kv_blocks"] for s in r.stats()) for r in list(self.replicas)]
-        total = sum(blocks) or 1
+        blocks = sum(s["kv_blocks"] for s in snaps) or 1
         return {"running": sum(s["running"] for s in snaps), "waiting": sum(s["waiting"] for s in snaps),
-                "kv_cache_usage": sum(s["kv_cache_usage"] * b for s, b in zip(snaps, blocks)) / total,
+                "kv_cache_usage": sum(s["kv_cache_usage"] * s["kv_blocks"] for s in snaps) / blocks,
+                "kv_blocks": blocks,
                 "expert_bytes_read": sum(s["expert_bytes_read"] for s in snaps),
                 "m2n": {k: latency.merge([s["m2n"][k] for s in snaps]) for k in ("send", "receive_wait")},
                 "router_ttft_error": latency.merge([s["router_ttft_error"] for s in snaps]),
