@@ -4,6 +4,8 @@ latency, attention balancing, the autoscaler's decisions, and the fleet simulati
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -258,6 +260,85 @@ def test_lockstep_nodes_share_one_step_model_and_one_timeline():
     before = router.predict(0, 20, 5, clock[0])[0]
     assert router.choose([NodeLoad(6400), NodeLoad(6400)], 60, 5) == 1
     assert router.predict(0, 20, 5, clock[0])[0] > before  # node 1's prefill lengthens node 0's steps
+
+
+SIDE_BY_SIDE = (0.004, 5e-5, 1e-4, 0.0, 0.0, 2e-4, 0.0, 0.0)  # the experts add the nodes' tokens up, attention waits on the busiest
+
+
+def side_by_side_seconds(rows: list[tuple[int, int]]) -> float:
+    """A lockstep step of nodes doing (tokens, seqs) each."""
+    c = SIDE_BY_SIDE
+    return c[0] + sum(c[1] * t + c[2] * q for t, q in rows) + c[5] * max(t for t, _ in rows)
+
+
+def run_lockstep(nodes: list[Scheduler], clock: list[float], watch: Sequence) -> float:
+    """Step nodes together under the side-by-side truth until `watch` has its first token."""
+    for _ in range(10_000):
+        outs = [n.schedule() if n.has_unfinished else None for n in nodes]
+        rows = [(o.total_tokens, len(o.seqs)) for o in outs if o is not None and not o.is_empty]
+        clock[0] += side_by_side_seconds(rows)
+        for n, o in zip(nodes, outs):
+            if o is not None:
+                n.update_from_output(o, [0 if s else None for s in o.all_samples()])
+        if watch.num_tokens > watch.num_prompt_tokens:
+            return clock[0]
+    raise AssertionError("the watched request never got its first token")
+
+
+def test_lockstep_fit_tells_the_busiest_nodes_share_from_the_sum():
+    """Attention nodes compute their halves side by side and the experts compute every token:
+    fitted on lockstep steps, the model learns both, and a node alone costs their sum."""
+    model = OnlineStepModel()
+    rng = np.random.default_rng(1)
+    samples = []
+    for step in range(300):
+        rows = [(int(t), int(rng.integers(1, 8))) for t in rng.integers(1, 256, size=2)]
+        if step % 3 == 0:
+            rows = rows[:1]  # one node idle in this step
+        per_node = [StepSample(t, q, 0.0, 0.0, 0.0, step) for t, q in rows]
+        seconds = side_by_side_seconds(rows) * rng.uniform(0.98, 1.02)
+        samples.append(dataclasses.replace(StepSample.lockstep(per_node), seconds=seconds))
+    model.observe(samples)
+    c = model.describe()
+    assert c["peak_tokens"] > 2 * c["tokens"]  # the busiest node's tokens, not all of them, set the pace
+    for rows in ([(128, 1), (128, 1)], [(256, 1)], [(200, 4), (20, 2)], [(5, 5), (240, 1)]):
+        step = StepSample.lockstep([StepSample(t, q, 0.0, 0.0) for t, q in rows])
+        assert model.predict(step) == pytest.approx(side_by_side_seconds(rows), rel=0.05)
+    assert model.seconds(100, 1, 0, 0) == pytest.approx(side_by_side_seconds([(100, 1)]), rel=0.05)
+
+
+def test_lockstep_prompt_goes_beside_the_other_nodes_prompt_when_attention_runs_side_by_side():
+    """A long prompt arrives while node 0 prefills another. Queued behind it on node 0 it
+    waits for the whole of it; beside it on node 1 both share steps that cost far less than two
+    steps. The forecast prices both as the lockstep nodes then run, and the router takes node 1;
+    under a model where the nodes' work only adds up, the two would look alike."""
+    clock = [0.0]
+    nodes = [scheduler(budget=128, clock=lambda: clock[0]), scheduler(budget=128, clock=lambda: clock[0])]
+    add(nodes[0], "long0", 1024, 2)
+    for _ in range(2):  # two chunks in
+        out = nodes[0].schedule()
+        clock[0] += side_by_side_seconds([(out.total_tokens, len(out.seqs))])
+        nodes[0].update_from_output(out, [0 if s else None for s in out.all_samples()])
+    now = clock[0]
+    router = PredictiveRouter(MaxTokensEstimator(), clock=lambda: now, step_prior=SIDE_BY_SIDE)
+    router.observe_lockstep(0, [NodeState.of(n, now) for n in nodes], now)
+    predicted = [router.predict(i, 1024, 2, now)[0] for i in range(2)]
+    measured = []
+    for target in range(2):
+        trial = [copy.deepcopy(n) for n in nodes]
+        t = [now]
+        for n in trial:
+            n.clock = lambda: t[0]
+        newcomer = add(trial[target], "long1", 1024, 2, arrival=now)
+        measured.append(run_lockstep(trial, t, newcomer) - now)
+    assert measured[1] < 0.75 * measured[0]  # beside is better
+    for p, m in zip(predicted, measured):
+        assert p == pytest.approx(m, rel=0.1)
+    assert router.choose([NodeLoad(6400), NodeLoad(6400)], 1024, 2) == 1
+    summed = PredictiveRouter(MaxTokensEstimator(), clock=lambda: now,
+                              step_prior=(0.004, 2.5e-4, 1e-4, 0.0, 0.0))  # a node alone priced the same
+    summed.observe_lockstep(0, [NodeState.of(n, now) for n in nodes], now)
+    assert summed.predict(1, 1024, 2, now)[0] > 1.3 * measured[1]
 
 
 def test_predictive_learns_the_latency_its_forecasts_cannot_see():

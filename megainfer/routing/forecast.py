@@ -12,9 +12,11 @@ groups later: `lag`), and its last token `output - 1` steps after that. A predic
 couple of binary searches, not a simulation: microseconds per candidate.
 
 Nodes that run every step together (the attention nodes of a disaggregated replica, which meet
-the expert nodes every layer) are forecast together on one `Timeline`: each step is priced on
-all of their work in it, so a node idle beside a busy one is predicted at the busy one's pace,
-and a request committed to one lengthens its siblings' steps.
+the expert nodes every layer) are forecast together on one `Timeline`: it keeps each node's
+work in each step, and prices a step on all of it (the sums the experts compute, the busiest
+node's share the attention half waits on), so a node idle beside a busy one is predicted at the
+busy one's pace, a request committed to one lengthens its siblings' steps, and a prompt beside
+another node's prompt costs less than one queued behind it on the same node.
 
 Routing a request there `commit`s it to the forecast (its tokens leave the spare, its decode
 adds to the steps it rides), so the next decision sees it before the next snapshot does.
@@ -45,27 +47,47 @@ class Prediction:
     output_tokens: int  # the estimate the prediction assumed
 
 
+PEAK = [0, 2, 3]  # a work row's columns the busiest node bounds: tokens, kv_tokens, score_pairs
+
+
 class Timeline:
     """When a forecast's steps end. Nodes in lockstep (a disaggregated replica's attention
-    nodes meet the experts every layer) share one: every step lasts as long as all of their
-    work in it takes, so a request committed to one node delays its siblings' steps too."""
+    nodes meet the experts every layer) share one: it holds every member's work in every step
+    (rows of tokens, seqs, kv_tokens, score_pairs) and each step lasts as long as the model
+    prices all of it, so a request committed to one node changes its siblings' steps too."""
 
-    def __init__(self, dur: np.ndarray) -> None:
-        self.dur = dur.astype(np.float64)
+    def __init__(self, work: np.ndarray, model: OnlineStepModel) -> None:
+        self.work = np.asarray(work, dtype=np.float64)  # (members, steps, 4)
+        self.model = model
+        self.summed = self.work.sum(axis=0)
+        self.peak = self.work[:, :, PEAK].max(axis=0)
+        self.dur = model.price(self.summed, self.peak)
         self.members: list[NodeForecast] = []
-        self.tail_decodes = 0  # the members' tails together: a step past the horizon carries them all
-        self.tail_kv = 0.0
-        self.tail_chunks = 0
         self.reindex()
 
     def reindex(self) -> None:
         self.end = np.cumsum(self.dur)
         self.start = self.end - self.dur
-        self.tail_decodes = sum(m.tail_decodes for m in self.members)
-        self.tail_kv = sum(m.tail_kv for m in self.members)
-        self.tail_chunks = sum(m.tail_chunk for m in self.members)
         for m in self.members:
             m._index()
+
+    def add(self, member: int, steps: slice, rows: np.ndarray) -> None:
+        """`member` does `rows` more work in `steps`: those steps are repriced."""
+        mine = self.work[member]
+        mine[steps] += rows
+        self.summed[steps] += rows
+        self.peak[steps] = np.maximum(self.peak[steps], mine[steps][:, PEAK])
+        self.dur[steps] = self.model.price(self.summed[steps], self.peak[steps])
+
+    def added_s(self, member: int, steps: slice, rows: np.ndarray) -> float:
+        """Seconds `rows` more work by `member` in `steps` would add to them."""
+        peak = np.maximum(self.peak[steps], self.work[member][steps][:, PEAK] + rows[:, PEAK])
+        return float((self.model.price(self.summed[steps] + rows, peak) - self.dur[steps]).sum())
+
+    def tail_s(self, member: int, row: tuple[float, float, float, float]) -> float:
+        """A step past the horizon with every other member's tail step and `member` doing `row`."""
+        return self.model.lockstep_seconds([row if j == member else m.tail_row(m.tail_chunk)
+                                            for j, m in enumerate(self.members)])
 
 
 class NodeForecast:
@@ -74,6 +96,7 @@ class NodeForecast:
                  cohort_lag: int = 0) -> None:
         self.t0 = t0
         self.timeline = timeline
+        self.member = len(timeline.members)  # this node's row in the timeline's work
         self.spare = spare.astype(np.int64)
         self.lag = lag.astype(np.int64)
         self.kv_free = kv_free.astype(np.int64)  # KV tokens free after each step's allocation
@@ -106,9 +129,16 @@ class NodeForecast:
     def _tail_rate(self) -> int:
         return self.budget if self.cohort_lag else max(self.budget - self.tail_decodes, 1)
 
+    def tail_row(self, chunk: float, decodes: int = 0, extra_kv: float = 0.0) -> tuple[float, float, float, float]:
+        """This node's work in a step past the horizon: its decodes (`decodes` more, reading
+        `extra_kv` more cached tokens) and a prompt chunk of `chunk` tokens (from a fresh prefix:
+        the tail does not track where a backlog's prompts stand)."""
+        d = self.tail_decodes + decodes
+        kv = self.tail_kv + extra_kv
+        return (chunk + d, d + (chunk > 0), kv + chunk, kv + chunk * (chunk + 1) / 2)
+
     def _index(self) -> None:
         self.cum_spare = np.cumsum(self.spare)
-        self.cum_open = np.cumsum(self.spare > 0)  # steps a newcomer's prompt could take a chunk in
         # A newcomer admitted at step k holds p + (j - k) tokens at step j: it fits for good when
         # p <= min over j >= k of (kv_free[j] - j) + k. That bound rises with k, so the first
         # step it fits is a binary search.
@@ -125,31 +155,42 @@ class NodeForecast:
         return float(end[-1]) if len(end) else 0.0
 
     def _tail_step_s(self, chunk: int) -> float:
-        """A step past the horizon: the decodes then (of every node in lockstep), the other
-        nodes' prompt chunks, and a prompt chunk of `chunk` tokens here."""
-        tl = self.timeline
-        d, kv = tl.tail_decodes, tl.tail_kv
-        chunk += tl.tail_chunks - self.tail_chunk
-        return self.model.seconds(chunk + d, d + 1, kv + chunk, kv + chunk * (chunk + 1) / 2)
+        """A step past the horizon: every lockstep node's decodes and prompt chunks then, with a
+        prompt chunk of `chunk` tokens here."""
+        return self.timeline.tail_s(self.member, self.tail_row(chunk))
 
     def _tail_base_s(self) -> float:
         """A step past the horizon without the newcomer: the decodes, the other nodes' chunks."""
-        tl = self.timeline
-        d, kv = tl.tail_decodes, tl.tail_kv
-        others = tl.tail_chunks - self.tail_chunk
-        return self.model.seconds(others + d, d + (others > 0), kv + others, kv + others * (others + 1) / 2)
+        return self.timeline.tail_s(self.member, self.tail_row(0))
 
-    def _own_prefill_s(self, prompt: int, chunks: int) -> float:
-        """What a prompt of `prompt` tokens computed in `chunks` steps adds to them: its tokens, a
-        sequence in each step, each chunk reading the prefix before it, and the causal pairs."""
-        c = self.model._c
-        return c[1] * prompt + c[2] * chunks + c[3] * prompt * (chunks + 1) / 2 + c[4] * prompt * (prompt + 1) / 2
+    def _tail_prefill_s(self, tokens: int, chunks: int, prefix: int) -> float:
+        """What `tokens` prompt tokens past `prefix` computed in `chunks` steps past the horizon
+        add to them: the tokens, a sequence in each step, each chunk reading the prefix before
+        it, and the causal pairs, spread evenly over the chunks."""
+        tl = self.timeline
+        base = self.tail_row(0)
+        share = (tokens / chunks, 1.0, prefix + tokens * (chunks + 1) / 2 / chunks,
+                 (tokens * prefix + tokens * (tokens + 1) / 2) / chunks)
+        with_it = tuple(a + b for a, b in zip(base, share))
+        return chunks * (tl.tail_s(self.member, with_it) - tl.tail_s(self.member, base))
 
     def _tail_decode_s(self, extra_kv: float) -> float:
-        tl = self.timeline
-        d = tl.tail_decodes + 1
-        kv = tl.tail_kv + extra_kv
-        return self.model.seconds(d, d, kv, kv)
+        """A decode step past the horizon, the newcomer decoding here with `extra_kv` cached tokens."""
+        return self.model.lockstep_seconds([m.tail_row(0, decodes=int(m is self), extra_kv=extra_kv if m is self else 0.0)
+                                            for m in self.timeline.members])
+
+    def _chunk_rows(self, i0: int, k: int, prompt: int) -> tuple[slice, np.ndarray]:
+        """The newcomer's work in steps i0..k where its prompt is spread over the steps' spare
+        budget, each chunk reading the prefix before it (k -1: it takes every step's spare up
+        to the horizon and finishes past it)."""
+        stop = k + 1 if k >= 0 else len(self.spare)
+        chunk = self.spare[i0:stop].astype(np.float64)
+        if k >= 0:
+            chunk[-1] = prompt - chunk[:-1].sum()
+        prefix = np.cumsum(chunk) - chunk
+        on = chunk > 0
+        rows = np.column_stack((chunk, on, np.where(on, prefix + chunk, 0.0), chunk * prefix + chunk * (chunk + 1) / 2))
+        return slice(i0, stop), rows
 
     def room_next(self, now: float) -> int:
         """The spare budget of the first step that starts after `now` (the whole budget past
@@ -157,39 +198,36 @@ class NodeForecast:
         i = int(self.start.searchsorted(now - self.t0))
         return int(self.spare[i]) if i < len(self.spare) else self.budget
 
-    def _place(self, now: float, prompt: int) -> tuple[int, int, float, int]:
+    def _place(self, now: float, prompt: int) -> tuple[int, int, float]:
         """(first step the newcomer may join, the step its last prompt token is computed in or
-        -1 past the horizon, when -1 the time its last prompt token is computed, and the
-        number of steps its prompt is spread over)."""
+        -1 past the horizon, and when -1 the time its last prompt token is computed)."""
         rel = now - self.t0
         n = len(self.dur)
         i0 = int(self.start.searchsorted(rel))
         # Not before the KV cache can keep it to the end (else it would be the one preempted).
         i0 = max(i0, int(self.kv_gate.searchsorted(prompt)))
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
-        opened = int(self.cum_open[i0 - 1]) if i0 > 0 else 0
         k = int(self.cum_spare.searchsorted(before + prompt)) if i0 < n else n
         if k < n:
-            return i0, k, 0.0, int(self.cum_open[k]) - opened
+            return i0, k, 0.0
         got = int(self.cum_spare[-1]) - before if i0 < n else 0
-        chunks_in = int(self.cum_open[-1]) - opened if i0 < n else 0
-        rate = self._tail_rate()
-        steps = -(-(prompt - got) // rate)
-        chunks = chunks_in + steps
-        past = max(self.tail_free_s, rel) + steps * self._tail_base_s() + self._own_prefill_s(prompt, chunks)
-        return i0, -1, past, chunks
+        within = self.timeline.added_s(self.member, *self._chunk_rows(i0, -1, prompt)) if got else 0.0
+        steps = -(-(prompt - got) // self._tail_rate())
+        past = max(self.tail_free_s, rel) + within + steps * self._tail_base_s() + \
+            self._tail_prefill_s(prompt - got, steps, got)
+        return i0, -1, past
 
     def predict(self, now: float, prompt: int, output: int) -> tuple[float, float]:
         """(TTFT, end-to-end latency) of a request of `prompt` tokens arriving at `now` that
         generates `output` tokens."""
         rel = now - self.t0
-        i0, k, past, chunks = self._place(now, prompt)
+        i0, k, past = self._place(now, prompt)
         m = self.model
         n = len(self.dur)
         if k >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
             done = k + int(self.lag[k])
             first = self.end[done] if done < n else self.horizon_s + (done - n + 1) * self._tail_step_s(0)
-            first += self._own_prefill_s(prompt, chunks)
+            first += self.timeline.added_s(self.member, *self._chunk_rows(i0, k, prompt))
         else:  # past the horizon: `_place` priced its chunks
             done = n + self.cohort_lag
             first = past + self.cohort_lag * self._tail_step_s(0)
@@ -206,11 +244,11 @@ class NodeForecast:
 
     def commit(self, now: float, prompt: int, output: int) -> None:
         """The request was routed here: it takes its spare and rides the steps it decodes in."""
-        i0, k, past, chunks = self._place(now, prompt)
-        m = self.model
+        i0, k, past = self._place(now, prompt)
         n = len(self.dur)
         if k < 0:  # its prompt finishes past the horizon: the tail is busy until then
             if i0 < n:
+                self.timeline.add(self.member, *self._chunk_rows(i0, -1, prompt))
                 self.spare[i0:] = 0
             self.tail_free_s = past
             self.tail_decodes += 1
@@ -218,9 +256,10 @@ class NodeForecast:
             self.timeline.reindex()
             return
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
+        tl = self.timeline
+        tl.add(self.member, *self._chunk_rows(i0, k, prompt))
         self.spare[k] = int(self.cum_spare[k]) - (before + prompt)
         self.spare[i0:k] = 0
-        self.dur[k] += self._own_prefill_s(prompt, chunks)
         done = k + int(self.lag[k])
         last = done + max(output - 1, 0)
         held = np.minimum(prompt + np.maximum(np.arange(i0, n) - done, 0), prompt + output)
@@ -228,13 +267,13 @@ class NodeForecast:
         if done + 1 < n:
             ride = slice(done + 1, min(last, n - 1) + 1)
             ctx = prompt + output / 2
-            self.dur[ride] += m.marginal(1, ctx, ctx)
+            tl.add(self.member, ride, np.array([[1.0, 1.0, ctx, ctx]]))
             if not self.cohort_lag:
                 self.spare[ride] = np.maximum(self.spare[ride] - 1, 0)
         if last >= n:
             self.tail_decodes += 1
             self.tail_kv += prompt + output / 2
-        self.timeline.reindex()
+        tl.reindex()
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
@@ -248,16 +287,18 @@ class NodeForecast:
         """Forecasts of nodes that run every step together, on one timeline: each step is
         priced by the model on all of their work in it (one node alone is the colocated case)."""
         replays = [_Replay(state, estimator) for state in states]
-        dur = []
-        while len(dur) < horizon and any(r.sched.has_unfinished for r in replays):
+        idle = (0.0, 0.0, 0.0, 0.0)
+        work = []  # per step, every node's row
+        while len(work) < horizon and any(r.sched.has_unfinished for r in replays):
             outs = [r.sched.schedule() if r.sched.has_unfinished else None for r in replays]
             if any(out is not None and out.is_empty for out in outs):
                 break  # nothing fits (a KV cache full of waiting prompts): the tail takes over
-            work = [StepSample.of(out, num_layers=r.num_layers) for r, out in zip(replays, outs) if out is not None]
-            dur.append(model.predict(StepSample.lockstep(work)))
+            work.append([StepSample.of(out, num_layers=r.num_layers).work() if out is not None else idle
+                         for r, out in zip(replays, outs)])
             for r, out in zip(replays, outs):
                 r.record(out)
-        timeline = Timeline(np.asarray(dur))
+        timeline = Timeline(np.asarray(work, dtype=np.float64).reshape(len(work), len(replays), 4).transpose(1, 0, 2),
+                            model)
         forecasts = [r.forecast(state.time, timeline, model) for r, state in zip(replays, states)]
         timeline.reindex()
         return forecasts

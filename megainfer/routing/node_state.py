@@ -26,6 +26,9 @@ class StepSample:
     # The replica-wide number of the step on a disaggregated node, whose attention nodes all run
     # every numbered step together; -1 on a colocated engine.
     step: int = -1
+    # Nodes in lockstep: the largest of any one node's (tokens, kv_tokens, score_pairs), since
+    # the attention nodes compute side by side; None for one node's step (its own work).
+    peak: tuple[float, float, float] | None = None
 
     @classmethod
     def of(cls, out: SchedulerOutput, seconds: float = 0.0, num_layers: int = 1, step: int = -1) -> "StepSample":
@@ -42,11 +45,18 @@ class StepSample:
 
     @classmethod
     def lockstep(cls, samples: list["StepSample"]) -> "StepSample":
-        """One step of nodes in lockstep: their work adds up (the expert nodes compute it all)
-        and the step lasts as long as the slowest node saw it last."""
+        """One step of nodes in lockstep: their work adds up (the expert nodes compute it all),
+        the busiest node's share bounds the attention half, and the step lasts as long as the
+        slowest node saw it last."""
         return cls(sum(s.tokens for s in samples), sum(s.seqs for s in samples),
                    sum(s.kv_tokens for s in samples), sum(s.score_pairs for s in samples),
-                   max(s.seconds for s in samples), samples[0].step)
+                   max(s.seconds for s in samples), samples[0].step,
+                   (float(max(s.tokens for s in samples)), max(s.kv_tokens for s in samples),
+                    max(s.score_pairs for s in samples)))
+
+    def work(self) -> tuple[float, float, float, float]:
+        """(tokens, seqs, kv_tokens, score_pairs): one node's row in a lockstep forecast."""
+        return (float(self.tokens), float(self.seqs), self.kv_tokens, self.score_pairs)
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,22 @@
 node measured (the predictive router's performance model).
 
     seconds = c0 + c_tok * tokens + c_seq * seqs + c_kv * kv_tokens + c_pair * score_pairs
+                 + p_tok * peak_tokens + p_kv * peak_kv_tokens + p_pair * peak_score_pairs
 
 c0 is the fixed cost of a step (weights read once, launches, the expert round trip), c_tok the
-per-token GEMM cost, c_kv attention's cache reads, c_pair its score FLOPs. The fit is least
-squares over the last `window` samples with a ridge toward the prior worth `prior_weight`
-samples, so a node with few measurements predicts near the prior and one with many from its own
-steps; no coefficient goes negative (the most negative feature is dropped and the rest refit,
-until none is). Steps the fit misses by far more than it misses the typical one (a process
-descheduled, a page fault storm: noise, not work) are left out of a second fit.
+per-token GEMM cost, c_kv attention's cache reads, c_pair its score FLOPs. The peak terms are
+for nodes in lockstep (a disaggregated replica's attention nodes): the expert nodes compute
+every node's tokens, so that work adds up, but the attention nodes compute their halves side by
+side, so the step waits on the busiest of them. A lockstep step's features are its nodes' work
+summed and the largest of each node's share (`StepSample.lockstep`); for a node alone the peak
+is its own work, and only the sum of the two coefficients matters (`alone`). The fit tells them
+apart from steps where several nodes worked.
+
+The fit is least squares over the last `window` samples with a ridge toward the prior worth
+`prior_weight` samples, so a node with few measurements predicts near the prior and one with
+many from its own steps; no coefficient goes negative (the most negative feature is dropped and
+the rest refit, until none is). Steps the fit misses by far more than it misses the typical one
+(a process descheduled, a page fault storm: noise, not work) are left out of a second fit.
 """
 
 from __future__ import annotations
@@ -20,22 +28,27 @@ import numpy as np
 
 from megainfer.routing.node_state import StepSample
 
-FEATURES = ("fixed", "tokens", "seqs", "kv_tokens", "score_pairs")
+FEATURES = ("fixed", "tokens", "seqs", "kv_tokens", "score_pairs", "peak_tokens", "peak_kv_tokens",
+            "peak_score_pairs")
+NODE_FEATURES = 5  # the first five: a step's work summed over its nodes
 OUTLIER_MISSES = 8.0  # a step the fit misses by this many typical misses is noise
 
 
-def features(s: StepSample) -> tuple[float, float, float, float, float]:
-    return (1.0, float(s.tokens), float(s.seqs), float(s.kv_tokens), float(s.score_pairs))
+def features(s: StepSample) -> tuple[float, ...]:
+    peak = s.peak if s.peak is not None else (s.tokens, s.kv_tokens, s.score_pairs)
+    return (1.0, float(s.tokens), float(s.seqs), float(s.kv_tokens), float(s.score_pairs), *map(float, peak))
 
 
 class OnlineStepModel:
     def __init__(self, prior: tuple[float, ...] = (0.02, 1e-4, 0.0, 0.0, 0.0), *, window: int = 512,
                  prior_weight: float = 0.5, refit_every: int = 16) -> None:
+        if len(prior) == NODE_FEATURES:  # a node's own step model: no peak terms assumed
+            prior = (*prior, 0.0, 0.0, 0.0)
         if len(prior) != len(FEATURES):
-            raise ValueError(f"prior needs {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
+            raise ValueError(f"prior needs {NODE_FEATURES} or {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
         self.prior = np.asarray(prior, dtype=np.float64)
         self.coef = self.prior.copy()
-        self._c = tuple(map(float, self.coef))  # plain floats: predictions run on the routing path
+        self._set(self.coef)
         self.window = window
         self.prior_weight = prior_weight
         self.refit_every = refit_every
@@ -44,16 +57,55 @@ class OnlineStepModel:
         self._since_fit = 0
         self.num_samples = 0
 
+    def _set(self, coef: np.ndarray) -> None:
+        self.coef = coef
+        # Plain floats and small arrays: predictions run on the routing path.
+        self._c = tuple(map(float, coef))
+        c = self._c
+        self._alone = (c[0], c[1] + c[5], c[2], c[3] + c[6], c[4] + c[7])
+        self.sum_coef = np.asarray(c[1:5])  # on (tokens, seqs, kv_tokens, score_pairs) summed over nodes
+        self.peak_coef = np.asarray(c[5:8])  # on the largest node's (tokens, kv_tokens, score_pairs)
+
+    @property
+    def alone(self) -> tuple[float, float, float, float, float]:
+        """The coefficients of a node stepping by itself, where its work is also the peak."""
+        return self._alone
+
     def predict(self, s: StepSample) -> float:
-        return self.seconds(s.tokens, s.seqs, s.kv_tokens, s.score_pairs)
+        c = self._c
+        if s.peak is None:
+            return self.seconds(s.tokens, s.seqs, s.kv_tokens, s.score_pairs)
+        pt, pk, pp = s.peak
+        return (c[0] + c[1] * s.tokens + c[2] * s.seqs + c[3] * s.kv_tokens + c[4] * s.score_pairs
+                + c[5] * pt + c[6] * pk + c[7] * pp)
 
     def seconds(self, tokens: float, seqs: float, kv_tokens: float, score_pairs: float) -> float:
-        c = self._c
+        """A step of one node alone."""
+        c = self._alone
         return c[0] + c[1] * tokens + c[2] * seqs + c[3] * kv_tokens + c[4] * score_pairs
 
-    def marginal(self, tokens: int, kv_tokens: float, score_pairs: float) -> float:
-        """Seconds one more sequence adds to a step it joins."""
+    def price(self, summed: np.ndarray, peak: np.ndarray) -> np.ndarray:
+        """Steps of lockstep nodes: rows of (tokens, seqs, kv_tokens, score_pairs) summed over the
+        nodes and rows of the largest node's (tokens, kv_tokens, score_pairs)."""
+        return self._c[0] + summed @ self.sum_coef + peak @ self.peak_coef
+
+    def lockstep_seconds(self, rows) -> float:
+        """One step of lockstep nodes, each node's work a row of (tokens, seqs, kv_tokens,
+        score_pairs): `price` for a single step, without numpy's overhead."""
         c = self._c
+        tokens = seqs = kv = pairs = peak_tokens = peak_kv = peak_pairs = 0.0
+        for t, n, k, p in rows:
+            tokens += t
+            seqs += n
+            kv += k
+            pairs += p
+            peak_tokens, peak_kv, peak_pairs = max(peak_tokens, t), max(peak_kv, k), max(peak_pairs, p)
+        return (c[0] + c[1] * tokens + c[2] * seqs + c[3] * kv + c[4] * pairs
+                + c[5] * peak_tokens + c[6] * peak_kv + c[7] * peak_pairs)
+
+    def marginal(self, tokens: int, kv_tokens: float, score_pairs: float) -> float:
+        """Seconds one more sequence adds to a step it joins, on a node alone."""
+        c = self._alone
         return c[1] * tokens + c[2] + c[3] * kv_tokens + c[4] * score_pairs
 
     def observe(self, samples) -> None:
@@ -85,8 +137,7 @@ class OnlineStepModel:
             keep = miss <= OUTLIER_MISSES * max(float(np.median(miss)), 1e-3)
             if not keep.all():
                 coef = self._solve(xs[keep], y[keep], prior_s)
-        self.coef = coef / scale * y_scale
-        self._c = tuple(map(float, self.coef))
+        self._set(coef / scale * y_scale)
 
     def _solve(self, xs: np.ndarray, y: np.ndarray, prior_s: np.ndarray) -> np.ndarray:
         """Non-negative ridge least squares in scaled units."""
@@ -120,7 +171,7 @@ class StepTimeBalancer:
         self.target_s = target_s
 
     def prefill_tokens(self, tokens: int, seqs: int, kv_tokens: float) -> int:
-        c = self.model._c
+        c = self.model.alone
         # The decodes (pairs = cached tokens read) plus one more sequence's fixed share.
         base = c[0] + c[1] * tokens + c[2] * (seqs + 1) + c[3] * kv_tokens + c[4] * kv_tokens
         room = self.target_s - base
