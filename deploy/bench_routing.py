@@ -5,19 +5,23 @@ One deployment serves every router (the router is swapped between runs), so plac
 processes and caches are the same for all of them; the routers take turns over `rounds`
 rounds, each round a fresh workload (its own seed) sent to every router, in alternating order
 (A B, B A, ...) so that a machine getting slower or faster over the run does not favour one.
-Latencies are pooled over the rounds; each round's P99 TTFT is shown as well."""
+Latencies are pooled over the rounds; each round's P99 TTFT is shown as well. The load
+generator runs in a process of its own, as `vllm bench serve` runs beside a server, so its
+threads do not share an interpreter lock with the deployment's router and dispatch threads."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import platform
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
 from deploy.launcher import Deployment
 from megainfer.bench.report import format_table, write_json
-from megainfer.bench.serve_bench import ServeBenchSpec, format_summary, run_serve_bench, summarize
+from megainfer.bench.serve_bench import ServeBenchSpec, format_summary, run_serve_bench, summarize, workload
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
 from megainfer.routing.policies import ROUTERS, make_router
@@ -40,22 +44,23 @@ def measure(deployment: Deployment, server: Server, routers: list[str], spec: Se
             show_progress: bool) -> dict[str, dict]:
     instances = {name: make_router(name, seed=spec.seed) for name in routers}
     runs = {name: RouterRuns() for name in routers}
-    for k in range(rounds):
-        round_spec = dataclasses.replace(spec, server=server.address, seed=spec.seed + k)
-        for name in routers if k % 2 == 0 else routers[::-1]:
-            deployment.use_router(instances[name])
-            before = deployment.router_error.snapshot()
-            results, duration, peak = run_serve_bench(round_spec, show_progress)
-            after = deployment.router_error.snapshot()
-            run = runs[name]
-            run.results += results
-            run.duration_s += duration
-            run.peak = max(run.peak, peak)
-            ttft = [r.ttft_s for r in results if not r.error]
-            run.round_p99_ttft_ms.append(float(np.percentile(ttft, 99)) * 1e3 if ttft else float("nan"))
-            run.error_sum_s += after["sum"] - before["sum"]
-            run.error_count += sum(after["buckets"]) - sum(before["buckets"])
-            print(f"round {k + 1}/{rounds} {name}: P99 TTFT {run.round_p99_ttft_ms[-1]:.0f} ms", flush=True)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as load_generator:
+        for k in range(rounds):
+            round_spec = dataclasses.replace(spec, server=server.address, seed=spec.seed + k)
+            for name in routers if k % 2 == 0 else routers[::-1]:
+                deployment.use_router(instances[name])
+                before = deployment.router_error.snapshot()
+                results, duration, peak = load_generator.submit(run_serve_bench, round_spec, show_progress).result()
+                after = deployment.router_error.snapshot()
+                run = runs[name]
+                run.results += results
+                run.duration_s += duration
+                run.peak = max(run.peak, peak)
+                ttft = [r.ttft_s for r in results if not r.error]
+                run.round_p99_ttft_ms.append(float(np.percentile(ttft, 99)) * 1e3 if ttft else float("nan"))
+                run.error_sum_s += after["sum"] - before["sum"]
+                run.error_count += sum(after["buckets"]) - sum(before["buckets"])
+                print(f"round {k + 1}/{rounds} {name}: P99 TTFT {run.round_p99_ttft_ms[-1]:.0f} ms", flush=True)
     summaries = {}
     for name, run in runs.items():
         s = summarize(spec, run.results, run.duration_s, run.peak)
@@ -82,8 +87,11 @@ def run(plan_path: str, routers: list[str], spec: ServeBenchSpec, json_path: str
         raise PlanError(f"{plan_path}: routing needs at least 2 attention nodes (attention.nodes is "
                         f"{plan.attention.nodes})")
     plan = dataclasses.replace(plan, serve=dataclasses.replace(plan.serve, router=routers[0]), autoscale=None)
+    requests = workload(spec)  # a bad dataset fails here, before anything is deployed
+    pace = f"at {spec.request_rate:g} req/s" if spec.dataset in ("random", "mixed", "sharegpt", "arxiv") \
+        else f"replaying {spec.dataset}"
     print(f"deploying {plan.attention.nodes} attention x {plan.experts.nodes} expert node(s); {rounds} round(s) of "
-          f"{spec.num_prompts} requests at {spec.request_rate:g} req/s per router ...", flush=True)
+          f"{len(requests)} requests {pace} per router ...", flush=True)
     deployment = Deployment(plan, show_progress=False).start()  # starts (and at close, stops) Ray if needed
     try:
         server = Server(deployment, port=0).start()

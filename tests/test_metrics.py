@@ -145,6 +145,19 @@ def test_bench_serve_random_range_ratio_mixes_lengths():
         workload(ServeBenchSpec(server="", random_range_ratio=1.5))
 
 
+def test_bench_serve_mixed_dataset_makes_a_share_of_prompts_long():
+    from megainfer.bench.serve_bench import ServeBenchSpec, workload
+
+    reqs = workload(ServeBenchSpec(server="", dataset="mixed", num_prompts=1000, input_len=48, long_input_len=1024,
+                                   long_fraction=0.3, random_range_ratio=0.25, output_len=16, request_rate=5.0))
+    long = [r.input_len for r in reqs if r.input_len > 60]
+    short = [r.input_len for r in reqs if r.input_len <= 60]
+    assert 0.25 < len(long) / len(reqs) < 0.35
+    assert min(long) >= 768 and max(long) <= 1280 and min(short) >= 36
+    with pytest.raises(Exception, match="long-fraction"):
+        workload(ServeBenchSpec(server="", dataset="mixed", long_fraction=0.0))
+
+
 def test_bench_routing_needs_two_attention_nodes():
     import subprocess
     import sys

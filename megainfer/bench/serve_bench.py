@@ -1,7 +1,8 @@
 """`megainfer bench serve`: an online load generator against a running gRPC server.
 
-Requests arrive on a Poisson (or bursty) schedule with lengths from a workload (random,
-ShareGPT-like, arXiv-like, or a JSONL trace of arrival/input_len/output_len), each a
+Requests arrive on a Poisson (or bursty) schedule with lengths from a workload (random;
+mixed, random prompts of which a share are long, as chat turns among the odd pasted document;
+ShareGPT-like; arXiv-like; or a JSONL trace of arrival/input_len/output_len), each a
 stream of random token ids asking for exactly its output length (EOS ignored). Per request:
 TTFT (arrival to the first streamed tokens), every inter-token latency (between streamed
 chunks, spread over the chunk's tokens), TPOT ((E2E - TTFT) / (tokens - 1)) and E2E. The
@@ -29,12 +30,14 @@ from megainfer.simulator.workload import SimRequest, arrival_times, generate, lo
 @dataclass
 class ServeBenchSpec:
     server: str
-    dataset: str = "random"  # random | sharegpt | arxiv | a JSONL trace
+    dataset: str = "random"  # random | mixed | sharegpt | arxiv | a JSONL trace
     request_rate: float = float("inf")  # requests per second; inf: all at once
     num_prompts: int = 100
     input_len: int = 128  # random dataset
     output_len: int = 64
     random_range_ratio: float = 0.0  # random dataset: lengths uniform in [len*(1-r), len*(1+r)]
+    long_input_len: int = 1024  # mixed dataset: the long prompts' length (the same range ratio)
+    long_fraction: float = 0.2  # mixed dataset: the share of long prompts
     max_model_len: int = 4096  # lengths from sharegpt/arxiv are clipped to fit
     arrival: str = "poisson"
     cv: float = 1.0
@@ -65,7 +68,7 @@ def workload(spec: ServeBenchSpec) -> list[SimRequest]:
     if spec.dataset in ("sharegpt", "arxiv"):
         reqs = generate(spec.dataset, num_requests=spec.num_prompts, rate=rate if np.isfinite(rate) else 1.0,
                         max_model_len=spec.max_model_len, arrival=spec.arrival, cv=spec.cv, seed=spec.seed)
-    elif spec.dataset == "random":
+    elif spec.dataset in ("random", "mixed"):
         rng = np.random.default_rng(spec.seed)
         times = arrival_times(rng, spec.num_prompts, rate, spec.arrival, spec.cv) if np.isfinite(rate) \
             else np.zeros(spec.num_prompts)
@@ -77,6 +80,10 @@ def workload(spec: ServeBenchSpec) -> list[SimRequest]:
             return rng.integers(max(1, round(n * (1 - r))), round(n * (1 + r)) + 1, size=spec.num_prompts)
 
         ins, outs = lengths(spec.input_len), lengths(spec.output_len)
+        if spec.dataset == "mixed":
+            if not 0 < spec.long_fraction <= 1:
+                raise ConfigError(f"--long-fraction must lie in (0, 1], got {spec.long_fraction}")
+            ins = np.where(rng.random(spec.num_prompts) < spec.long_fraction, lengths(spec.long_input_len), ins)
         reqs = [SimRequest(float(t), int(i), int(o)) for t, i, o in zip(times, ins, outs)]
     else:
         return load_trace(spec.dataset, max_model_len=spec.max_model_len, num_requests=spec.num_prompts)

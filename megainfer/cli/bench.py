@@ -60,15 +60,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "latency pooled over the rounds.")
     rt.add_argument("plan", help="plan.yaml with at least 2 attention nodes (e.g. deploy/plans/tiny-cpu-2a.yaml)")
     rt.add_argument("--routers", default="round_robin,predictive", help="comma-separated, the first is the baseline")
-    rt.add_argument("--dataset", default="sharegpt", help="random, sharegpt, arxiv or a JSONL trace")
+    rt.add_argument("--dataset", default="sharegpt", help="random, mixed, sharegpt, arxiv or a JSONL trace")
     rt.add_argument("--request-rate", type=float, default=2.0)
     rt.add_argument("--num-prompts", type=positive_int, default=60, help="requests per router per round")
     rt.add_argument("--rounds", type=positive_int, default=3,
                     help="rounds; each sends a fresh workload to every router, in alternating order")
-    rt.add_argument("--input-len", type=positive_int, default=128, help="random dataset")
+    rt.add_argument("--input-len", type=positive_int, default=128, help="random and mixed datasets")
     rt.add_argument("--output-len", type=positive_int, default=16, help="random dataset")
     rt.add_argument("--random-range-ratio", type=float, default=0.0,
-                    help="random dataset: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
+                    help="random and mixed datasets: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
+    _add_mixed_options(rt)
     rt.add_argument("--max-model-len", type=positive_int, default=512, help="sharegpt/arxiv lengths are clipped")
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--json", metavar="PATH")
@@ -78,14 +79,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                             description="Send requests to a megainfer gRPC server on a Poisson (or bursty) "
                                         "schedule and report throughput, goodput, TTFT, TPOT, ITL and E2E latency.")
     sv.add_argument("--server", required=True, metavar="HOST:PORT")
-    sv.add_argument("--dataset", default="random", help="random, sharegpt, arxiv, or a JSONL trace "
+    sv.add_argument("--dataset", default="random", help="random, mixed, sharegpt, arxiv, or a JSONL trace "
                                                          "({arrival, input_len, output_len} per line)")
     sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (default: all at once)")
     sv.add_argument("--num-prompts", type=positive_int, default=100)
-    sv.add_argument("--input-len", type=positive_int, default=128, help="random dataset: prompt tokens")
+    sv.add_argument("--input-len", type=positive_int, default=128, help="random and mixed datasets: prompt tokens")
     sv.add_argument("--output-len", type=positive_int, default=64, help="random dataset: generated tokens")
     sv.add_argument("--random-range-ratio", type=float, default=0.0,
-                    help="random dataset: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
+                    help="random and mixed datasets: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
+    _add_mixed_options(sv)
     sv.add_argument("--max-model-len", type=positive_int, default=4096,
                     help="sharegpt/arxiv lengths are clipped to fit this context")
     sv.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson")
@@ -178,9 +180,15 @@ def _run_routing(args: argparse.Namespace) -> int:
 
     spec = ServeBenchSpec(server="", dataset=args.dataset, request_rate=args.request_rate,
                           num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                          random_range_ratio=args.random_range_ratio, max_model_len=args.max_model_len,
-                          seed=args.seed)
+                          random_range_ratio=args.random_range_ratio, long_input_len=args.long_input_len,
+                          long_fraction=args.long_fraction, max_model_len=args.max_model_len, seed=args.seed)
     return run(args.plan, [r.strip() for r in args.routers.split(",") if r.strip()], spec, args.json, args.rounds)
+
+
+def _add_mixed_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--long-input-len", type=positive_int, default=1024,
+                   help="mixed dataset: random prompts (--input-len) of which --long-fraction are this long")
+    p.add_argument("--long-fraction", type=float, default=0.2, help="mixed dataset: the share of long prompts")
 
 
 def _run_kernels(args: argparse.Namespace) -> int:
@@ -213,7 +221,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--request-rate must be positive (or inf), got {args.request_rate}")
     spec = ServeBenchSpec(server=args.server, dataset=args.dataset, request_rate=args.request_rate,
                           num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                          random_range_ratio=args.random_range_ratio, max_model_len=args.max_model_len,
+                          random_range_ratio=args.random_range_ratio, long_input_len=args.long_input_len,
+                          long_fraction=args.long_fraction, max_model_len=args.max_model_len,
                           arrival=args.arrival, cv=args.cv,
                           goodput_ttft_ms=slo.get("ttft"), goodput_tpot_ms=slo.get("tbt"), seed=args.seed)
     results, duration, peak = run_serve_bench(spec)

@@ -117,8 +117,9 @@ def load_trace(path: str | os.PathLike, *, max_model_len: int, num_requests: int
                 if not isinstance(value, int) or value < 1:
                     raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
             if n_in + n_out > max_model_len:
-                raise ConfigError(f"{where}: input_len + output_len = {n_in + n_out} exceeds the model's "
-                                  f"context of {max_model_len} tokens")
+                raise ConfigError(f"{where}: input_len + output_len = {n_in + n_out} exceeds the context limit "
+                                  f"of {max_model_len} tokens (the model's, or --max-model-len where a bench "
+                                  f"sets it)")
             requests.append(SimRequest(float(arrival), n_in, n_out))
             if num_requests is not None and len(requests) == num_requests:
                 break
