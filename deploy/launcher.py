@@ -230,8 +230,9 @@ class Deployment:
 
     # -- serving ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams, node: int | None = None,
-               predicted_ttft_s: float | None = None) -> RequestStream:
-        """Queue a request on attention node `node`, or where the router sends it."""
+               predicted_ttft_s: float | None = None, routed: tuple[int, float] | None = None) -> RequestStream:
+        """Queue a request on attention node `node`, or where the router sends it. `routed`:
+        (the router's node index, when it chose) where a replica set chose `node`."""
         stream = self.registry.open(request_id)
         submitted = time.monotonic()
         tokens = prompt_tokens(prompt)
@@ -240,6 +241,7 @@ class Deployment:
                 node = self.router.choose(self._loads, tokens, params.max_tokens)
                 last = getattr(self.router, "last", None)
                 predicted_ttft_s = last.ttft_s if last is not None else None
+                routed = (node, last.at) if last is not None else None
             if node < len(self._loads):  # (a replica set tracks loads itself)
                 self._loads[node].add(tokens)
         if predicted_ttft_s is not None:
@@ -248,7 +250,11 @@ class Deployment:
         try:
             stream.prompt_tokens = ray.get(
                 self.attention[node].add_request.remote(request_id, prompt, dataclasses.asdict(params)), timeout=30)
+            if routed is not None:  # the node's scheduler holds it: snapshots asked from now on show it
+                self.router.placed(*routed, time.monotonic())
         except BaseException as exc:
+            if routed is not None:
+                self.router.placed(*routed, None)
             self.registry.close(request_id)
             self._owner.pop(request_id, None)
             self._predicted.pop(request_id, None)

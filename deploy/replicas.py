@@ -139,7 +139,7 @@ class ReplicaSet:
             nodes = self._nodes()
             i = self.router.choose(self._loads[:len(nodes)], tokens, params.max_tokens)
             self._loads[i].add(tokens)
-            predicted = self.router.last.ttft_s
+            predicted, routed = self.router.last.ttft_s, (i, self.router.last.at)
             replica, node = nodes[i]
             self._last_request[self.replicas.index(replica)] = time.monotonic()
             starting = int(self._starting is not None and self._starting.is_alive())
@@ -148,7 +148,7 @@ class ReplicaSet:
                                     "waiting": sum(load.waiting for load in self._loads)})
                 self._starting = threading.Thread(target=self._grow, name="autoscale-add", daemon=True)
                 self._starting.start()
-        return replica.submit(request_id, prompt, params, node=node, predicted_ttft_s=predicted)
+        return replica.submit(request_id, prompt, params, node=node, predicted_ttft_s=predicted, routed=routed)
 
     def abort(self, request_id: str) -> bool:
         owner = next((r for r in list(self.replicas) if r.owns(request_id)), None)

@@ -341,6 +341,29 @@ def test_lockstep_prompt_goes_beside_the_other_nodes_prompt_when_attention_runs_
     assert summed.predict(1, 1024, 2, now)[0] > 1.3 * measured[1]
 
 
+def test_a_request_on_its_way_stays_in_the_forecast_until_a_snapshot_holds_it():
+    """A snapshot asked for after a request was routed but answered before the request reached
+    the node's scheduler does not hold it: the router keeps it on the forecast until told it
+    arrived before a snapshot was asked for."""
+    clock = [0.0]
+    nodes = [scheduler(budget=128), scheduler(budget=128)]
+    router = PredictiveRouter(MaxTokensEstimator(), clock=lambda: clock[0], step_prior=SIDE_BY_SIDE)
+    router.observe_lockstep(0, [NodeState.of(n, 0.0) for n in nodes], 0.0)
+    loads = [NodeLoad(6400), NodeLoad(6400)]
+    first = router.choose(loads, 1024, 2)
+    routed_at = router.last.at
+    clock[0] = 0.01
+    router.observe_lockstep(0, [NodeState.of(n, 0.01) for n in nodes], 0.01)  # the request is still on its way
+    assert router.choose(loads, 1024, 2) == 1 - first  # not queued behind the first
+    router.placed(first, routed_at, 0.012)
+    router.placed(1 - first, router.last.at, None)  # the second was refused by its node
+    add(nodes[first], "first", 1024, 2)
+    clock[0] = 0.02
+    router.observe_lockstep(0, [NodeState.of(n, 0.02) for n in nodes], 0.02)  # holds the first
+    assert router._routed == [[], []]
+    assert router.predict(first, 1024, 2, 0.02)[0] > 1.5 * router.predict(1 - first, 1024, 2, 0.02)[0]
+
+
 def test_predictive_learns_the_latency_its_forecasts_cannot_see():
     clock = [0.0]
     router = predictive([busy_node(clock), scheduler()], clock[0])

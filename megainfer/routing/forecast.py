@@ -45,6 +45,7 @@ class Prediction:
     ttft_s: float
     e2e_s: float
     output_tokens: int  # the estimate the prediction assumed
+    at: float = 0.0  # when the router chose (its clock)
 
 
 PEAK = [0, 2, 3]  # a work row's columns the busiest node bounds: tokens, kv_tokens, score_pairs

@@ -31,6 +31,7 @@ from megainfer.routing.step_model import OnlineStepModel
 ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
 OBJECTIVES = ("ttft", "e2e")
 OFFSET_GAIN = 0.05  # how fast the TTFT offset follows measured errors (about the last 20 requests)
+IN_FLIGHT_S = 30.0  # a routed request no one said reached its node is forgotten after this
 
 
 @dataclass
@@ -71,6 +72,11 @@ class Router:
 
     def forget(self, node: int) -> None:
         """Nodes `node` and up are gone (retired replicas)."""
+
+    def placed(self, node: int, routed_at: float, reached_at: float | None) -> None:
+        """The request routed to `node` when the router's clock read `routed_at` reached the
+        node's scheduler at `reached_at` (None: it never will, it was refused), so snapshots
+        asked for after `reached_at` hold it."""
 
     def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int) -> int:
         """Index of the node that takes a request of `prompt_tokens` tokens and at most
@@ -127,7 +133,9 @@ class PredictiveRouter(Router):
         self.step_prior = step_prior
         self.models: list = []
         self.forecasts: list = []
-        self._routed: list[list[tuple[float, int, int]]] = []  # per node: (when, prompt, output) since a snapshot
+        # Per node, what was routed there that its last snapshot may not hold:
+        # [when, prompt, output, when it reached the node's scheduler (None: on its way)].
+        self._routed: list[list[list]] = []
         # Lockstep replicas, by first node: step number -> the samples of it reported so far.
         self._unmatched: dict[int, dict[int, list[StepSample]]] = {}
         self.last = None  # the Prediction of the last choice
@@ -187,9 +195,12 @@ class PredictiveRouter(Router):
             state.time = max(state.time, taken_at)
         forecasts = NodeForecast.build_lockstep(states, model, self.estimator, horizon=self.horizon)
         for node, forecast in enumerate(forecasts, first):
-            # What was routed after the snapshot was asked for may not be in it yet.
-            routed = [r for r in self._routed[node] if r[0] >= taken_at]
-            for when, prompt, output in routed:
+            # A snapshot asked for before a request reached the node does not hold it (a request
+            # still on its way when the node answered would otherwise vanish from the forecasts
+            # until the next snapshot, and the next long prompt would queue behind it).
+            routed = [r for r in self._routed[node] if (r[3] is None and r[0] > taken_at - IN_FLIGHT_S)
+                      or (r[3] is not None and r[3] >= taken_at)]
+            for when, prompt, output, _ in routed:
                 forecast.commit(when, prompt, output)
             self._routed[node] = routed
             self.forecasts[node] = forecast
@@ -221,11 +232,23 @@ class PredictiveRouter(Router):
         f = self.forecasts[best]
         if f is not None:
             f.commit(now, prompt_tokens, output)
-        self._routed[best].append((now, prompt_tokens, output))
+        self._routed[best].append([now, prompt_tokens, output, None])
         off = self.ttft_offset_s
-        self.last = Prediction(best, max(best_pred[0] + off, 0.0), max(best_pred[1] + off, 0.0), output)
+        self.last = Prediction(best, max(best_pred[0] + off, 0.0), max(best_pred[1] + off, 0.0), output, now)
         self.decision_s.append(time.perf_counter() - started)
         return best
+
+    def placed(self, node: int, routed_at: float, reached_at: float | None) -> None:
+        if node >= len(self._routed):
+            return
+        routed = self._routed[node]
+        for r in routed:
+            if r[0] == routed_at and r[3] is None:
+                if reached_at is None:
+                    routed.remove(r)
+                else:
+                    r[3] = reached_at
+                return
 
     def _lighter(self, i: int, j: int, loads: list[NodeLoad], now: float) -> bool:
         """Nodes in lockstep predict alike whenever both have room in the next step. Then the

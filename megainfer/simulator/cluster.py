@@ -179,8 +179,9 @@ class ClusterSimulator:
             serving = [k for k, rep in enumerate(reps) if rep.ready_at <= self.now]
             client_max = r.output_len if self.length_oracle else \
                 (self.client_max_tokens or max_len - r.input_len)
-            k = self.router.choose([loads[j] for j in serving], r.input_len, client_max)
-            k = serving[k]
+            choice = self.router.choose([loads[j] for j in serving], r.input_len, client_max)
+            self.router.placed(choice, self.now, self.now)  # the replica's scheduler holds it at once
+            k = serving[choice]
             loads[k].add(r.input_len)
             rep = reps[k]
             rep.served += 1
