@@ -85,6 +85,17 @@ class Timeline:
         peak = np.maximum(self.peak[steps], self.work[member][steps][:, PEAK] + rows[:, PEAK])
         return float((self.model.price(self.summed[steps] + rows, peak) - self.dur[steps]).sum())
 
+    def added_one_s(self, member: int, step: int, prompt: int) -> float:
+        """`added_s` for a whole prompt from a fresh prefix in one step (most placements), in
+        plain floats: numpy's per-call overhead would dominate a single row."""
+        c = self.model._c
+        pairs = prompt * (prompt + 1) / 2
+        peak_tokens, peak_kv, peak_pairs = self.peak[step].tolist()
+        tokens, _, kv, own_pairs = self.work[member, step].tolist()
+        return (c[1] * prompt + c[2] + c[3] * prompt + c[4] * pairs
+                + c[5] * max(tokens + prompt - peak_tokens, 0.0) + c[6] * max(kv + prompt - peak_kv, 0.0)
+                + c[7] * max(own_pairs + pairs - peak_pairs, 0.0))
+
     def tail_s(self, member: int, row: tuple[float, float, float, float]) -> float:
         """A step past the horizon with every other member's tail step and `member` doing `row`."""
         return self.model.lockstep_seconds([row if j == member else m.tail_row(m.tail_chunk)
@@ -228,7 +239,8 @@ class NodeForecast:
         if k >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
             done = k + int(self.lag[k])
             first = self.end[done] if done < n else self.horizon_s + (done - n + 1) * self._tail_step_s(0)
-            first += self.timeline.added_s(self.member, *self._chunk_rows(i0, k, prompt))
+            first += self.timeline.added_one_s(self.member, k, prompt) if k == i0 else \
+                self.timeline.added_s(self.member, *self._chunk_rows(i0, k, prompt))
         else:  # past the horizon: `_place` priced its chunks
             done = n + self.cohort_lag
             first = past + self.cohort_lag * self._tail_step_s(0)
