@@ -98,6 +98,8 @@ class Timeline:
 
     def tail_s(self, member: int, row: tuple[float, float, float, float]) -> float:
         """A step past the horizon with every other member's tail step and `member` doing `row`."""
+        if len(self.members) == 1:  # a node alone (the colocated case): its row is the peak too
+            return self.model.seconds(*row)
         return self.model.lockstep_seconds([row if j == member else m.tail_row(m.tail_chunk)
                                             for j, m in enumerate(self.members)])
 
@@ -157,6 +159,8 @@ class NodeForecast:
         steps = np.arange(len(self.kv_free))
         g = self.kv_free - steps
         self.kv_gate = np.minimum.accumulate(g[::-1])[::-1] + steps if len(g) else g
+        # A step past the horizon without a newcomer here; every prediction past it asks.
+        self.tail_base_s = self.timeline.tail_s(self.member, self.tail_row(0))
         if self.tail_free_s < self.horizon_s:  # the backlog left at the horizon drains at the tail's rate
             rate = self._tail_rate()
             self.tail_free_s = self.horizon_s + -(-self.tail_backlog // rate) * self._tail_step_s(self.tail_chunk)
@@ -171,20 +175,15 @@ class NodeForecast:
         prompt chunk of `chunk` tokens here."""
         return self.timeline.tail_s(self.member, self.tail_row(chunk))
 
-    def _tail_base_s(self) -> float:
-        """A step past the horizon without the newcomer: the decodes, the other nodes' chunks."""
-        return self.timeline.tail_s(self.member, self.tail_row(0))
-
     def _tail_prefill_s(self, tokens: int, chunks: int, prefix: int) -> float:
         """What `tokens` prompt tokens past `prefix` computed in `chunks` steps past the horizon
         add to them: the tokens, a sequence in each step, each chunk reading the prefix before
         it, and the causal pairs, spread evenly over the chunks."""
-        tl = self.timeline
         base = self.tail_row(0)
         share = (tokens / chunks, 1.0, prefix + tokens * (chunks + 1) / 2 / chunks,
                  (tokens * prefix + tokens * (tokens + 1) / 2) / chunks)
         with_it = tuple(a + b for a, b in zip(base, share))
-        return chunks * (tl.tail_s(self.member, with_it) - tl.tail_s(self.member, base))
+        return chunks * (self.timeline.tail_s(self.member, with_it) - self.tail_base_s)
 
     def _tail_decode_s(self, extra_kv: float) -> float:
         """A decode step past the horizon, the newcomer decoding here with `extra_kv` cached tokens."""
@@ -225,7 +224,7 @@ class NodeForecast:
         got = int(self.cum_spare[-1]) - before if i0 < n else 0
         within = self.timeline.added_s(self.member, *self._chunk_rows(i0, -1, prompt)) if got else 0.0
         steps = -(-(prompt - got) // self._tail_rate())
-        past = max(self.tail_free_s, rel) + within + steps * self._tail_base_s() + \
+        past = max(self.tail_free_s, rel) + within + steps * self.tail_base_s + \
             self._tail_prefill_s(prompt - got, steps, got)
         return i0, -1, past
 
