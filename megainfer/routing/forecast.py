@@ -153,6 +153,7 @@ class NodeForecast:
 
     def _index(self) -> None:
         self.cum_spare = np.cumsum(self.spare)
+        self.cum_open = np.cumsum(self.spare > 0)  # steps a newcomer's prompt could take a chunk in
         # A newcomer admitted at step k holds p + (j - k) tokens at step j: it fits for good when
         # p <= min over j >= k of (kv_free[j] - j) + k. That bound rises with k, so the first
         # step it fits is a binary search.
@@ -189,6 +190,16 @@ class NodeForecast:
         """A decode step past the horizon, the newcomer decoding here with `extra_kv` cached tokens."""
         return self.model.lockstep_seconds([m.tail_row(0, decodes=int(m is self), extra_kv=extra_kv if m is self else 0.0)
                                             for m in self.timeline.members])
+
+    def _prefill_added_s(self, i0: int, k: int, prompt: int) -> float:
+        """What the newcomer's prompt, spread over steps i0..k, adds to them."""
+        if len(self.timeline.members) == 1:  # a node alone: its work is linear in the prompt's
+            chunks = int(self.cum_open[k]) - (int(self.cum_open[i0 - 1]) if i0 > 0 else 0)
+            c = self.model.alone
+            return c[1] * prompt + c[2] * chunks + c[3] * prompt * (chunks + 1) / 2 + c[4] * prompt * (prompt + 1) / 2
+        if k == i0:
+            return self.timeline.added_one_s(self.member, k, prompt)
+        return self.timeline.added_s(self.member, *self._chunk_rows(i0, k, prompt))
 
     def _chunk_rows(self, i0: int, k: int, prompt: int) -> tuple[slice, np.ndarray]:
         """The newcomer's work in steps i0..k where its prompt is spread over the steps' spare
@@ -238,8 +249,7 @@ class NodeForecast:
         if k >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
             done = k + int(self.lag[k])
             first = self.end[done] if done < n else self.horizon_s + (done - n + 1) * self._tail_step_s(0)
-            first += self.timeline.added_one_s(self.member, k, prompt) if k == i0 else \
-                self.timeline.added_s(self.member, *self._chunk_rows(i0, k, prompt))
+            first += self._prefill_added_s(i0, k, prompt)
         else:  # past the horizon: `_place` priced its chunks
             done = n + self.cohort_lag
             first = past + self.cohort_lag * self._tail_step_s(0)
@@ -260,7 +270,8 @@ class NodeForecast:
         n = len(self.dur)
         if k < 0:  # its prompt finishes past the horizon: the tail is busy until then
             if i0 < n:
-                self.timeline.add(self.member, *self._chunk_rows(i0, -1, prompt))
+                if len(self.timeline.members) > 1:  # (alone, `past` priced these chunks)
+                    self.timeline.add(self.member, *self._chunk_rows(i0, -1, prompt))
                 self.spare[i0:] = 0
             self.tail_free_s = past
             self.tail_decodes += 1
@@ -269,7 +280,11 @@ class NodeForecast:
             return
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
         tl = self.timeline
-        tl.add(self.member, *self._chunk_rows(i0, k, prompt))
+        alone = len(tl.members) == 1  # then only the steps' times matter, not who did what in them
+        if alone:
+            self.dur[k] += self._prefill_added_s(i0, k, prompt)
+        else:
+            tl.add(self.member, *self._chunk_rows(i0, k, prompt))
         self.spare[k] = int(self.cum_spare[k]) - (before + prompt)
         self.spare[i0:k] = 0
         done = k + int(self.lag[k])
@@ -279,7 +294,10 @@ class NodeForecast:
         if done + 1 < n:
             ride = slice(done + 1, min(last, n - 1) + 1)
             ctx = prompt + output / 2
-            tl.add(self.member, ride, np.array([[1.0, 1.0, ctx, ctx]]))
+            if alone:
+                self.dur[ride] += self.model.marginal(1, ctx, ctx)
+            else:
+                tl.add(self.member, ride, np.array([[1.0, 1.0, ctx, ctx]]))
             if not self.cohort_lag:
                 self.spare[ride] = np.maximum(self.spare[ride] - 1, 0)
         if last >= n:
