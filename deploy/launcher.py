@@ -237,9 +237,10 @@ class Deployment:
         submitted = time.monotonic()
         tokens = prompt_tokens(prompt)
         with self._route_lock:
+            router = self.router  # the one to tell where the request went, even if swapped meanwhile
             if node is None:
-                node = self.router.choose(self._loads, tokens, params.max_tokens)
-                last = getattr(self.router, "last", None)
+                node = router.choose(self._loads, tokens, params.max_tokens)
+                last = getattr(router, "last", None)
                 predicted_ttft_s = last.ttft_s if last is not None else None
                 routed = (node, last.at) if last is not None else None
             if node < len(self._loads):  # (a replica set tracks loads itself)
@@ -251,10 +252,10 @@ class Deployment:
             stream.prompt_tokens = ray.get(
                 self.attention[node].add_request.remote(request_id, prompt, dataclasses.asdict(params)), timeout=30)
             if routed is not None:  # the node's scheduler holds it: snapshots asked from now on show it
-                self.router.placed(*routed, time.monotonic())
+                router.placed(*routed, time.monotonic())
         except BaseException as exc:
             if routed is not None:
-                self.router.placed(*routed, None)
+                router.placed(*routed, None)
             self.registry.close(request_id)
             self._owner.pop(request_id, None)
             self._predicted.pop(request_id, None)

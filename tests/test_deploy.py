@@ -210,6 +210,8 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
         time.sleep(0.2)  # a few snapshots: node 0's queue is in its forecast
         fresh = dep.submit("fresh", [1, 2, 3], GREEDY)
         assert dep._owner["fresh"] == 1
+        # The router was told when node 1 took it: the next snapshot asked for after that drops it.
+        assert not any(r[3] is None for routed in dep.router._routed for r in routed)
         model = dep.router.models[0]
         assert dep.router.forecasts[0] is not None and model.num_samples > 0
         # The nodes step together: one model for both, fitted on their steps, not the warm-up's.
