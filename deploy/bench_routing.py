@@ -21,7 +21,8 @@ import numpy as np
 
 from deploy.launcher import Deployment
 from megainfer.bench.report import format_table, write_json
-from megainfer.bench.serve_bench import ServeBenchSpec, format_summary, run_serve_bench, summarize, workload
+from megainfer.bench.serve_bench import (GENERATED_DATASETS, ServeBenchSpec, format_summary, run_serve_bench,
+                                         summarize, workload)
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
 from megainfer.routing.policies import ROUTERS, make_router
@@ -88,8 +89,7 @@ def run(plan_path: str, routers: list[str], spec: ServeBenchSpec, json_path: str
                         f"{plan.attention.nodes})")
     plan = dataclasses.replace(plan, serve=dataclasses.replace(plan.serve, router=routers[0]), autoscale=None)
     requests = workload(spec)  # a bad dataset fails here, before anything is deployed
-    pace = f"at {spec.request_rate:g} req/s" if spec.dataset in ("random", "mixed", "sharegpt", "arxiv") \
-        else f"replaying {spec.dataset}"
+    pace = f"at {spec.request_rate:g} req/s" if spec.dataset in GENERATED_DATASETS else f"replaying {spec.dataset}"
     print(f"deploying {plan.attention.nodes} attention x {plan.experts.nodes} expert node(s); {rounds} round(s) of "
           f"{len(requests)} requests {pace} per router ...", flush=True)
     deployment = Deployment(plan, show_progress=False).start()  # starts (and at close, stops) Ray if needed

@@ -61,6 +61,9 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
+GENERATED_DATASETS = ("random", "mixed", "sharegpt", "arxiv")  # any other --dataset is a trace file
+
+
 def workload(spec: ServeBenchSpec) -> list[SimRequest]:
     if spec.num_prompts <= 0:
         raise ConfigError(f"--num-prompts must be positive, got {spec.num_prompts}")

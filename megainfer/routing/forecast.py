@@ -96,11 +96,18 @@ class Timeline:
                 + c[5] * max(tokens + prompt - peak_tokens, 0.0) + c[6] * max(kv + prompt - peak_kv, 0.0)
                 + c[7] * max(own_pairs + pairs - peak_pairs, 0.0))
 
-    def tail_s(self, member: int, row: tuple[float, float, float, float]) -> float:
-        """A step past the horizon with every other member's tail step and `member` doing `row`."""
-        if len(self.members) == 1:  # a node alone (the colocated case): its row is the peak too
+    @property
+    def alone(self) -> bool:
+        """One node (a colocated engine, a simulated replica): its work is every step's peak
+        too, so a step's time is linear in its work and who did what need not be tracked."""
+        return len(self.members) == 1
+
+    def tail_s(self, member: int, row: tuple[float, float, float, float], others_prefill: bool = True) -> float:
+        """A step past the horizon with `member` doing `row` and every other member its tail
+        step (its decodes, and its prompt chunk unless `others_prefill` is False)."""
+        if self.alone:
             return self.model.seconds(*row)
-        return self.model.lockstep_seconds([row if j == member else m.tail_row(m.tail_chunk)
+        return self.model.lockstep_seconds([row if j == member else m.tail_row(m.tail_chunk if others_prefill else 0)
                                             for j, m in enumerate(self.members)])
 
 
@@ -188,12 +195,11 @@ class NodeForecast:
 
     def _tail_decode_s(self, extra_kv: float) -> float:
         """A decode step past the horizon, the newcomer decoding here with `extra_kv` cached tokens."""
-        return self.model.lockstep_seconds([m.tail_row(0, decodes=int(m is self), extra_kv=extra_kv if m is self else 0.0)
-                                            for m in self.timeline.members])
+        return self.timeline.tail_s(self.member, self.tail_row(0, decodes=1, extra_kv=extra_kv), others_prefill=False)
 
     def _prefill_added_s(self, i0: int, k: int, prompt: int) -> float:
         """What the newcomer's prompt, spread over steps i0..k, adds to them."""
-        if len(self.timeline.members) == 1:  # a node alone: its work is linear in the prompt's
+        if self.timeline.alone:
             chunks = int(self.cum_open[k]) - (int(self.cum_open[i0 - 1]) if i0 > 0 else 0)
             c = self.model.alone
             return c[1] * prompt + c[2] * chunks + c[3] * prompt * (chunks + 1) / 2 + c[4] * prompt * (prompt + 1) / 2
@@ -270,7 +276,7 @@ class NodeForecast:
         n = len(self.dur)
         if k < 0:  # its prompt finishes past the horizon: the tail is busy until then
             if i0 < n:
-                if len(self.timeline.members) > 1:  # (alone, `past` priced these chunks)
+                if not self.timeline.alone:  # (alone, `past` priced these chunks)
                     self.timeline.add(self.member, *self._chunk_rows(i0, -1, prompt))
                 self.spare[i0:] = 0
             self.tail_free_s = past
@@ -280,7 +286,7 @@ class NodeForecast:
             return
         before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
         tl = self.timeline
-        alone = len(tl.members) == 1  # then only the steps' times matter, not who did what in them
+        alone = tl.alone
         if alone:
             self.dur[k] += self._prefill_added_s(i0, k, prompt)
         else:
