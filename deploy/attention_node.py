@@ -1,14 +1,15 @@
 """The AttentionNode actor: its requests, its KV cache, its scheduler, and a step loop that
 runs the attention halves and ping-pongs micro-batches with the expert nodes.
 
-The step loop runs in a thread of its own; the driver's calls (add_request, abort, poll)
-share the engine with it under one lock, so a bad request raises to its caller at once.
-Token deltas wait in an outbox the driver polls: tokens ride Ray, activations never do.
+The step loop runs in a thread of its own. Requests and aborts enter through the engine
+core's input queue, drained between steps: a bad request raises to its caller at once, a good
+one is queued without waiting for the running step. The router's snapshots and the stats read
+the engine between steps (under the step's lock). Token deltas wait in an outbox the driver
+polls: tokens ride Ray, activations never do.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -18,7 +19,9 @@ from deploy.node_config import (PEER_TIMEOUT_S, bind_host, engine_config, join_t
                                 tp_master_address, weights_of)
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
+from megainfer.engine_core import EngineCore
 from megainfer.errors import DataPlaneError
+from megainfer.messages import ErrorCode, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus, RequestDelta
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
 IDLE_S = 0.002  # pause between steps while the whole deployment is idle
@@ -28,17 +31,18 @@ class AttentionNode:
     """Rank 0 of an attention node (the only rank when attention.tp is 1): it schedules,
     samples and streams; with tp > 1 its followers (AttentionShard) hold the other heads."""
 
-    def __init__(self, plan: dict, index: int, secret: bytes, host: str, num_threads: int | None = None) -> None:
-        self.plan = Plan.from_dict(plan)
+    def __init__(self, plan: Plan, index: int, secret: bytes, host: str, num_threads: int | None = None) -> None:
+        self.plan = plan
         self.index = index
         self.name = node_names(self.plan)[0][index]
         self._build_args = (secret, host, num_threads)
         self.engine: Engine | None = None
+        self.core: EngineCore | None = None
         if self.plan.attention.tp == 1:
             self._build()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by each step: readers of the engine wait for its end
         self.outbox_ready = threading.Condition()
-        self.outbox: list[dict] = []
+        self.outbox: list[RequestDelta] = []
         self.loop = NodeLoop(self.name, lambda: self.link, self._step, self._fail_queue)
         self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
 
@@ -58,6 +62,7 @@ class AttentionNode:
                                         tp_size=self.plan.attention.tp)
 
         self.engine = Engine(self.plan.model, engine_config(self.plan, num_threads), runner_factory=runner)
+        self.core = EngineCore(self.engine)
 
     # -- wiring (called by the driver) -------------------------------------------------------
     def ready(self) -> str:
@@ -84,32 +89,32 @@ class AttentionNode:
     def interrupt(self) -> None:
         self.loop.interrupt()
 
-    def health(self) -> dict:
+    def health(self) -> NodeHealth:
         if self.engine is None:
-            return {"name": self.name, "state": "wiring", "error": None}
-        return {"name": self.name, "state": self.loop.state, "error": self.loop.error,
-                "running": self.engine.scheduler.num_running, "waiting": self.engine.scheduler.num_waiting,
-                "timing": {**self.engine.runner.timing, "step": self.step_seconds}}
+            return NodeHealth(self.name, NodeRole.ATTENTION, NodeStatus.WIRING)
+        scheduler = self.engine.scheduler
+        return NodeHealth(self.name, NodeRole.ATTENTION, self.loop.state, error=self.loop.error,
+                          running=scheduler.num_running, waiting=scheduler.num_waiting + self.core.num_queued,
+                          timing={**self.engine.runner.timing, "step": self.step_seconds})
 
-    def state(self):
+    def state(self) -> NodeState | None:
         """The scheduler's state for the router (a NodeState), with the steps measured and the
         requests finished since the last call; None while the node is still wiring."""
         with self.lock:
             return self.engine.node_state() if self.engine is not None else None
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, params: dict) -> int:
-        """Queue a request; raises RequestError for a bad one. Returns its prompt length."""
-        with self.lock:
-            if self.loop.state != "serving":
-                raise DataPlaneError(f"{self.name} is {self.loop.state}: the deployment is re-wiring, retry shortly")
-            return self.engine.add_request(request_id, prompt, SamplingParams(**params)).num_prompt_tokens
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> int:
+        """Queue a request for the next step; raises RequestError for a bad one. Returns its
+        prompt length."""
+        if self.loop.state is not NodeStatus.SERVING:
+            raise DataPlaneError(f"{self.name} is {self.loop.state}: the deployment is re-wiring, retry shortly")
+        return self.core.submit(request_id, prompt, params).num_prompt_tokens
 
     def abort(self, request_id: str) -> bool:
-        with self.lock:
-            return self.engine.abort(request_id)
+        return self.core.abort(request_id)
 
-    def poll(self, timeout: float = 0.05) -> list[dict]:
+    def poll(self, timeout: float = 0.05) -> list[RequestDelta]:
         """Token deltas since the last poll (waits up to `timeout` for the first)."""
         with self.outbox_ready:
             if not self.outbox:
@@ -117,11 +122,10 @@ class AttentionNode:
             out, self.outbox = self.outbox, []
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> NodeStats:
         with self.lock:
-            stats = dataclasses.asdict(self.engine.stats())
-            stats["m2n"] = {k: h.snapshot() for k, h in self.engine.runner.m2n.items()}
-            return stats
+            m2n = self.engine.runner.m2n
+            return NodeStats(self.engine.stats(), m2n["send"].snapshot(), m2n["receive_wait"].snapshot())
 
     def stop(self) -> None:
         self.loop.stop()
@@ -130,18 +134,18 @@ class AttentionNode:
     def _emit(self, deltas) -> None:
         if deltas:
             with self.outbox_ready:
-                self.outbox.extend(dataclasses.asdict(d) for d in deltas)
+                self.outbox.extend(deltas)
                 self.outbox_ready.notify_all()
 
     def _step(self) -> None:
         with self.lock:
             t0 = time.perf_counter()
-            deltas = self.engine.step()
+            deltas = self.core.step()
             if deltas:
                 self.step_seconds += time.perf_counter() - t0
-            idle = not self.engine.has_unfinished_requests()
+            idle = not self.core.has_work()
         self._emit(deltas)
-        failed = [d for d in deltas if d.error_code == "unavailable"]
+        failed = [d for d in deltas if d.error_code is ErrorCode.UNAVAILABLE]
         if failed:  # the data plane broke mid-step: nothing else can be served now
             raise DataPlaneError(failed[0].error)
         if idle and not self.engine.runner.deployment_busy:
@@ -149,4 +153,4 @@ class AttentionNode:
 
     def _fail_queue(self, exc: Exception) -> None:
         with self.lock:
-            self._emit(self.engine.fail_all(f"{self.name}: {exc}"))
+            self._emit(self.core.fail_all(f"{self.name}: {exc}"))

@@ -9,13 +9,16 @@ from deploy.node_loop import LoopActor, NodeLoop
 from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_name, bind_host, engine_config, join_tp_group,
                                 node_names, slot_sizes, weights_of)
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
+from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
 
 class AttentionShard(LoopActor):
-    def __init__(self, plan: dict, index: int, rank: int, secret: bytes, host: str,
+    role = NodeRole.ATTENTION
+
+    def __init__(self, plan: Plan, index: int, rank: int, secret: bytes, host: str,
                  num_threads: int | None = None) -> None:
-        self.plan = Plan.from_dict(plan)
+        self.plan = plan
         self.index, self.rank = index, rank
         self.name = attention_rank_name(index, rank)
         self._build_args = (secret, host, num_threads)

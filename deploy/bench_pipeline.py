@@ -12,7 +12,7 @@ import time
 
 import ray
 
-from deploy.launcher import Deployment
+from deploy.deployment import Deployment
 from megainfer.bench.report import format_table, write_json
 from megainfer.errors import PlanError
 from megainfer.plan import PipelineSpec, Plan
@@ -32,10 +32,10 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, seed: i
             stream.wait_finished(120.0)
         elapsed = time.perf_counter() - start
         stats = deployment.stats()
-        timing = {h["name"]: h.get("timing") for h in deployment.health()}
+        timing = {h.name: h.timing for h in deployment.health()}
         return {"micro_batches": plan.pipeline.micro_batches, "requests": requests, "output_tokens": requests * output_len,
                 "seconds": elapsed, "tokens_per_s": requests * output_len / elapsed,
-                "steps": sum(s["num_steps"] for s in stats), "timing": timing}
+                "steps": sum(s.engine.num_steps for s in stats), "timing": timing}
     finally:
         deployment.close()
 

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from deploy.launcher import Deployment
+from deploy.deployment import Deployment
 from megainfer.bench.report import format_table, write_json
 from megainfer.bench.serve_bench import (GENERATED_DATASETS, ServeBenchSpec, format_summary, run_serve_bench,
                                          summarize, workload)
@@ -59,8 +59,8 @@ def measure(deployment: Deployment, server: Server, routers: list[str], spec: Se
                 run.peak = max(run.peak, peak)
                 ttft = [r.ttft_s for r in results if not r.error]
                 run.round_p99_ttft_ms.append(float(np.percentile(ttft, 99)) * 1e3 if ttft else float("nan"))
-                run.error_sum_s += after["sum"] - before["sum"]
-                run.error_count += sum(after["buckets"]) - sum(before["buckets"])
+                run.error_sum_s += after.sum - before.sum
+                run.error_count += sum(after.buckets) - sum(before.buckets)
                 print(f"round {k + 1}/{rounds} {name}: P99 TTFT {run.round_p99_ttft_ms[-1]:.0f} ms", flush=True)
     summaries = {}
     for name, run in runs.items():

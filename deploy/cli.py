@@ -34,7 +34,7 @@ DEMO_PROMPTS = ["The experts of a mixture", "Attention and experts, disaggregate
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.launcher import Deployment
+    from deploy.deployment import Deployment
     from megainfer.plan import Plan
     from megainfer.server.service import Server
 

@@ -10,6 +10,7 @@ from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_names, bind_host,
                                 slot_sizes, tp_master_address, weights_of)
 from deploy.node_loop import LoopActor, NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
+from megainfer.messages import NodeHealth, NodeRole
 from megainfer.plan import Plan
 
 
@@ -22,12 +23,14 @@ def build_expert_worker(plan: Plan, index: int, link: SwitchableLink | None, ran
 
 
 class ExpertNode(LoopActor):
-    def __init__(self, plan: dict, index: int, secret: bytes, host: str, num_threads: int | None = None) -> None:
+    role = NodeRole.EXPERT
+
+    def __init__(self, plan: Plan, index: int, secret: bytes, host: str, num_threads: int | None = None) -> None:
         import torch
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.plan = Plan.from_dict(plan)
+        self.plan = plan
         self.index = index
         self.name = node_names(self.plan)[1][index]
         self._host = host
@@ -55,7 +58,9 @@ class ExpertNode(LoopActor):
     def connect(self, peers: dict[str, str]) -> None:
         self.link.connect(peers)
 
-    def health(self) -> dict:
-        w = self.worker
-        return {**super().health(), "experts": self.expert_ids, "steps": w.steps if w else 0,
-                "tokens": w.tokens if w else 0, "timing": dict(w.timing) if w else {}}
+    def health(self) -> NodeHealth:
+        health = super().health()
+        health.experts = list(self.expert_ids)
+        if self.worker is not None:
+            health.steps, health.tokens, health.timing = self.worker.steps, self.worker.tokens, dict(self.worker.timing)
+        return health

@@ -9,17 +9,20 @@ from deploy.expert_node import build_expert_worker
 from deploy.node_config import join_tp_group, node_names
 from deploy.node_loop import LoopActor, NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
+from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
 
 class ExpertShard(LoopActor):
-    def __init__(self, plan: dict, index: int, rank: int, secret: bytes, host: str,
+    role = NodeRole.EXPERT
+
+    def __init__(self, plan: Plan, index: int, rank: int, secret: bytes, host: str,
                  num_threads: int | None = None) -> None:
         import torch
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.plan = Plan.from_dict(plan)
+        self.plan = plan
         self.index, self.rank = index, rank
         self.name = f"{node_names(self.plan)[1][index]}.{rank}"
         self.worker: ExpertWorker | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megainfer.config import EngineConfig, ModelConfig, resolve_model
-from megainfer.disagg.link import dispatch_bytes
+from megainfer.disagg.expert_link import dispatch_bytes
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint, WeightSource
 from megainfer.plan import Plan
 

@@ -9,6 +9,7 @@ import threading
 from typing import Callable
 
 from deploy.link import SwitchableLink
+from megainfer.messages import NodeHealth, NodeRole, NodeStatus
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +24,12 @@ class NodeLoop:
         self._on_failure = on_failure
         self.wired = threading.Event()
         self.stopping = threading.Event()
-        self.state = "wiring"  # wiring | serving | broken
+        self.state = NodeStatus.WIRING
         self.error: str | None = None
         self.thread: threading.Thread | None = None
 
     def serve(self) -> None:
-        self.state, self.error = "serving", None
+        self.state, self.error = NodeStatus.SERVING, None
         self.wired.set()
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name=f"{self.name}-steps", daemon=True)
@@ -43,10 +44,10 @@ class NodeLoop:
 
     def broken(self, error: str, exc: BaseException | None = None) -> None:
         link = self._link_of()
-        if self.state == "serving" and not (link is not None and link.interrupt.is_set()):
+        if self.state is NodeStatus.SERVING and not (link is not None and link.interrupt.is_set()):
             # The traceback goes to the actor's log: a peer's death reads the same as a bug here.
             logger.warning("%s: data plane failed (%s); waiting to be re-wired", self.name, error, exc_info=exc)
-        self.state, self.error = "broken", error
+        self.state, self.error = NodeStatus.BROKEN, error
         self.wired.clear()
 
     def stop(self) -> None:
@@ -75,6 +76,8 @@ class LoopActor:
     """The lifecycle calls a node actor answers through its loop (mixed into the actors)."""
 
     name: str
+    role: NodeRole
+    rank: int = 0  # within the node's tensor-parallel group
     loop: NodeLoop
 
     def ready(self) -> str:
@@ -86,8 +89,8 @@ class LoopActor:
     def interrupt(self) -> None:
         self.loop.interrupt()
 
-    def health(self) -> dict:
-        return {"name": self.name, "state": self.loop.state, "error": self.loop.error}
+    def health(self) -> NodeHealth:
+        return NodeHealth(self.name, self.role, self.loop.state, self.rank, self.loop.error)
 
     def stop(self) -> None:
         self.loop.stop()

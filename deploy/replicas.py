@@ -1,31 +1,37 @@
 """`ReplicaSet`: replicas of one plan behind one predictive router, grown and retired by the
-autoscaler (plan.yaml's `autoscale` section).
+autoscaler (plan.yaml's `autoscale` section): a frontend over several node groups, plus the
+autoscaler's decisions.
 
-Each replica is a `Deployment` (its attention and expert nodes, its own placement group). The
-set routes over every attention node of every replica as one list, replicas in the order they
-started, so retiring only the newest keeps every other node's index. A new request whose
-best predicted TTFT passes `autoscale.predicted_ttft_s` starts another replica in the
-background if the cluster has room (Ray places it, or says what is missing); the newest
-replica retires after `autoscale.idle_s` without a request.
+Each replica is a node group with its own placement group and supervisor. The frontend routes
+over every attention node of every replica as one list, replicas in the order they started, so
+retiring only the newest keeps every other node's index. A new request whose best predicted
+TTFT passes `autoscale.predicted_ttft_s` starts another replica in the background if the
+cluster has room (Ray places it, or says what is missing); the newest replica retires after
+`autoscale.idle_s` without a request.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 import ray
 
-from deploy.launcher import LOAD_REFRESH_S, Deployment, bundles, observe_states, prompt_tokens
-from megainfer.disagg import latency
+from deploy.deployment import check_plan
+from deploy.frontend import LOAD_REFRESH_S, Frontend, prompt_tokens
+from deploy.node_group import NodeGroup
+from deploy.placement import Placement, connect_ray, cpus_needed
+from deploy.status import metrics_snapshot, node_infos
+from deploy.supervisor import Supervisor
 from megainfer.errors import MegaInferError, RequestError
+from megainfer.messages import NodeHealth
 from megainfer.plan import Plan
 from megainfer.routing.autoscale import Autoscaler
-from megainfer.routing.policies import NodeLoad, make_router
+from megainfer.routing.policies import make_router
 from megainfer.sampling_params import SamplingParams
-from megainfer.server.backend import RequestStream
+from megainfer.server.backend import BackendInfo, RequestStream
+from megainfer.server.metrics import MetricsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -37,74 +43,67 @@ class ReplicaSet:
         self.plan = plan
         self.address = address
         self.show_progress = show_progress
+        self.model = check_plan(plan)
         self.autoscaler = Autoscaler(plan.autoscale)
-        self.router = make_router("predictive")
-        self.replicas: list[Deployment] = []
+        self.frontend = Frontend(make_router("predictive"), 2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
+        self.replicas: list[NodeGroup] = []
+        self._supervisors: list[Supervisor] = []
         self._last_request: list[float] = []  # per replica: when it last got a request (or started)
         self._starting: threading.Thread | None = None
-        self._loads: list[NodeLoad] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # replicas and their bookkeeping
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._tracker: threading.Thread | None = None
         self._started_ray = False
-        self.events: list[dict] = []  # scale decisions and their outcome, for info() and tests
+
+    @property
+    def events(self):
+        """Scale decisions and their outcomes (`ScaleEvent`s)."""
+        return self.autoscaler.events
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "ReplicaSet":
-        try:
-            if not ray.is_initialized():
-                if self.address:
-                    ray.init(address=self.address, log_to_driver=False)
-                else:  # room for the largest fleet the plan allows
-                    need = int(sum(b.get("CPU", 0) for b in bundles(self.plan))) * self.plan.autoscale.max_replicas
-                    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False)
-                    self._started_ray = True
+        try:  # room for the largest fleet the plan allows
+            self._started_ray = connect_ray(self.address, cpus_needed(self.plan, self.plan.autoscale.max_replicas))
             for _ in range(self.plan.autoscale.min_replicas):
                 self._add(self._new_replica())
         except BaseException:
             self.close()
             raise
-        tracker = threading.Thread(target=self._track, name="replica-states", daemon=True)
-        tracker.start()
-        self._threads.append(tracker)
+        self._tracker = threading.Thread(target=self._track, name="replica-states", daemon=True)
+        self._tracker.start()
         return self
 
-    def _new_replica(self) -> Deployment:
-        return Deployment(self.plan, self.address, self.show_progress, routed_externally=True).start()
+    def _new_replica(self) -> NodeGroup:
+        group = NodeGroup(self.plan, Placement(self.plan), self.show_progress)
+        try:
+            return group.start(local=self._started_ray or self.address is None)
+        except BaseException:
+            group.stop()
+            raise
 
-    def _add(self, replica: Deployment) -> None:
-        replica.router = self.router  # its measured TTFTs teach the router that placed them
+    def _add(self, group: NodeGroup) -> None:
+        self.frontend.add_group(group)
         with self._lock:
-            self.replicas.append(replica)
+            self.replicas.append(group)
+            self._supervisors.append(Supervisor(group, self.frontend))
             self._last_request.append(time.monotonic())
-        self._refresh()
 
     def _grow(self) -> None:
         """Start one more replica (in this background thread); a cluster without room says so."""
         try:
-            replica = self._new_replica()
+            group = self._new_replica()
         except MegaInferError as exc:
             logger.warning("autoscale: could not add a replica: %s", exc)
-            self.events.append({"time": time.monotonic(), "action": "add_failed", "error": str(exc)})
+            self.autoscaler.add_failed(time.monotonic(), str(exc))
             return
-        self._add(replica)
-        self.events.append({"time": time.monotonic(), "action": "added", "replicas": len(self.replicas)})
+        self._add(group)
+        self.autoscaler.added(time.monotonic(), len(self.replicas))
         logger.info("autoscale: replica %d serving", len(self.replicas))
-
-    # -- state ----------------------------------------------------------------------------------
-    def _nodes(self) -> list[tuple[Deployment, int]]:
-        return [(r, j) for r in self.replicas for j in range(len(r.attention))]
-
-    def _refresh(self) -> None:
-        states = [r.node_states() for r in list(self.replicas)]
-        with self._lock:
-            # A replica retired while its nodes answered: its states fall off the end.
-            self._loads = observe_states(self.router, states, self._loads)[:len(self._nodes())]
 
     def _track(self) -> None:
         while not self._stop.wait(LOAD_REFRESH_S):
             try:
-                self._refresh()
+                self.frontend.refresh()
                 self._maybe_retire()
             except Exception:
                 logger.exception("replica state refresh failed; retrying")
@@ -114,74 +113,62 @@ class ReplicaSet:
             if len(self.replicas) <= 1:
                 return
             newest = self.replicas[-1]
-            busy = any(load.running or load.waiting for load in self._loads[-len(newest.attention):])
-            if busy or newest.open_requests:  # requests still streaming from it
-                self._last_request[-1] = time.monotonic()
+            busy = any(load.running or load.waiting for load in self.frontend.loads_of(newest))
+            if busy or self.frontend.open_requests_on(self.frontend.nodes_of(newest)):
+                self._last_request[-1] = time.monotonic()  # requests still streaming from it
                 return
-            if not self.autoscaler.should_retire(len(self.replicas), time.monotonic() - self._last_request[-1],
-                                                 time.monotonic()):
+            now = time.monotonic()
+            if not self.autoscaler.should_retire(len(self.replicas), now - self._last_request[-1], now):
                 return
             self.replicas.pop()
             self._last_request.pop()
-            first = len(self._nodes())
-            self.router.forget(first)
-            self._loads = self._loads[:first]
-        self.events.append({"time": time.monotonic(), "action": "retired", "replicas": len(self.replicas)})
+            supervisor = self._supervisors.pop()
+            self.frontend.remove_last_group()
         logger.info("autoscale: retiring idle replica %d", len(self.replicas) + 1)
-        newest.close()
+        supervisor.stop()
+        newest.stop()
 
     # -- serving --------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
-        tokens = prompt_tokens(prompt)
+        if self.frontend.owner_of(request_id) is not None:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        routed = self.frontend.route(prompt_tokens(prompt), params.max_tokens)
         with self._lock:
-            if any(r.owns(request_id) for r in self.replicas):
-                raise RequestError(f"request id {request_id!r} is already in use")
-            nodes = self._nodes()
-            i = self.router.choose(self._loads[:len(nodes)], tokens, params.max_tokens)
-            self._loads[i].add(tokens)
-            predicted, routed = self.router.last.ttft_s, (i, self.router.last.at)
-            replica, node = nodes[i]
-            self._last_request[self.replicas.index(replica)] = time.monotonic()
+            for k, group in enumerate(self.replicas):
+                if routed.node in self.frontend.nodes_of(group):
+                    self._last_request[k] = time.monotonic()
             starting = int(self._starting is not None and self._starting.is_alive())
-            if self.autoscaler.should_add(predicted, len(self.replicas), starting, time.monotonic()):
-                self.events.append({"time": time.monotonic(), "action": "add", "predicted_ttft_s": predicted,
-                                    "waiting": sum(load.waiting for load in self._loads)})
+            waiting = max((sum(load.waiting for load in self.frontend.loads_of(group)) for group in self.replicas),
+                          default=0)  # on the busiest replica
+            if self.autoscaler.should_add(routed.predicted_ttft_s, len(self.replicas), starting, time.monotonic(),
+                                          waiting):
                 self._starting = threading.Thread(target=self._grow, name="autoscale-add", daemon=True)
                 self._starting.start()
-        return replica.submit(request_id, prompt, params, node=node, predicted_ttft_s=predicted, routed=routed)
+        return self.frontend.submit(request_id, prompt, params, routed)
 
     def abort(self, request_id: str) -> bool:
-        owner = next((r for r in list(self.replicas) if r.owns(request_id)), None)
-        return owner.abort(request_id) if owner is not None else False
+        return self.frontend.abort(request_id)
 
-    def info(self) -> dict:
-        infos = [r.info() for r in list(self.replicas)]
-        nodes = [{**n, "name": f"replica{k}.{n['name']}"} for k, info in enumerate(infos) for n in info["nodes"]]
-        return {"model": infos[0]["model"] if infos else self.plan.model, "plan_yaml": self.plan.to_yaml(),
-                "nodes": nodes}
+    def info(self) -> BackendInfo:
+        return BackendInfo(self.model.name, self.plan.to_yaml(), node_infos(list(self.replicas), prefix_replicas=True))
 
-    def health(self) -> list[dict]:
-        return [s for r in list(self.replicas) for s in r.health()]
+    def health(self) -> list[NodeHealth]:
+        return [h for group in list(self.replicas) for h in group.health()]
 
-    def metrics_snapshot(self) -> dict:
-        snaps = [r.metrics_snapshot() for r in list(self.replicas)]
-        blocks = sum(s["kv_blocks"] for s in snaps) or 1
-        return {"running": sum(s["running"] for s in snaps), "waiting": sum(s["waiting"] for s in snaps),
-                "kv_cache_usage": sum(s["kv_cache_usage"] * s["kv_blocks"] for s in snaps) / blocks,
-                "kv_blocks": blocks,
-                "expert_bytes_read": sum(s["expert_bytes_read"] for s in snaps),
-                "m2n": {k: latency.merge([s["m2n"][k] for s in snaps]) for k in ("send", "receive_wait")},
-                "router_ttft_error": latency.merge([s["router_ttft_error"] for s in snaps]),
-                "replicas": len(snaps)}
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        return metrics_snapshot(list(self.replicas), self.frontend.router_error)
 
     def close(self) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(5)
+        if self._tracker is not None:
+            self._tracker.join(5)
         if self._starting is not None:
             self._starting.join(60)
-        for r in self.replicas:
-            r.close()
+        for supervisor in self._supervisors:
+            supervisor.stop()
+        self.frontend.close()
+        for group in self.replicas:
+            group.stop()
         self.replicas = []
         if self._started_ray:
             ray.shutdown()

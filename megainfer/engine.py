@@ -15,11 +15,10 @@ from collections import deque
 from megainfer.config import EngineConfig, resolve_model
 from megainfer.energy import EnergyMeter
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
+from megainfer.messages import EngineStats, ErrorCode, ExpertLoad, NodeState, RequestDelta, StepSample
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepResult
-from megainfer.outputs import EngineStats, ExpertLoad, RequestDelta
-from megainfer.routing.node_state import NodeState, StepSample
-from megainfer.routing.step_model import OnlineStepModel, StepTimeBalancer
+from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
@@ -68,24 +67,35 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
         """Queue a request. A bad one raises RequestError and leaves the engine untouched."""
+        if request_id in self.scheduler.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = self.prepare_request(request_id, prompt, params)
+        self.add_sequence(seq)
+        return seq
+
+    def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+        """Check and tokenize a request into a sequence the scheduler can take, raising
+        RequestError for a bad one. Reads only what never changes while serving (tokenizer,
+        lengths, the cache's size), so any thread may call it while a step runs; the caller
+        keeps request ids unique."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
-        if request_id in self.scheduler.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt, request_id)
         if len(token_ids) >= self.max_model_len:
             raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens; the model's max "
                                f"length is {self.max_model_len} (prompt plus at least one generated token)")
-        bm = self.scheduler.block_manager
-        needed = bm.blocks_for_tokens(min(len(token_ids) + params.max_tokens, self.max_model_len))
-        if needed > bm.num_blocks:
+        blocks = self.scheduler.block_manager
+        needed = blocks.blocks_for_tokens(min(len(token_ids) + params.max_tokens, self.max_model_len))
+        if needed > blocks.num_blocks:
             raise RequestError(f"request {request_id!r}: needs {needed} KV blocks for its prompt and max_tokens, "
-                               f"the cache holds {bm.num_blocks}; lower max_tokens or raise num_kv_blocks")
-        seq = Sequence(request_id, token_ids, params)
+                               f"the cache holds {blocks.num_blocks}; lower max_tokens or raise num_kv_blocks")
+        return Sequence(request_id, token_ids, params)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Hand a prepared request to the scheduler (between steps)."""
         self.scheduler.add(seq)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
-        return seq
+        self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
 
     def encode_prompt(self, prompt: Prompt, request_id: str = "") -> list[int]:
         where = f"request {request_id!r}: " if request_id else ""
@@ -134,8 +144,8 @@ class Engine:
             result = self.runner.execute(out)
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
             self._last_step_end = None
-            code = "unavailable" if isinstance(exc, DataPlaneError) else "internal"
-            if code == "internal":
+            code = ErrorCode.UNAVAILABLE if isinstance(exc, DataPlaneError) else ErrorCode.INTERNAL
+            if code is ErrorCode.INTERNAL:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
             return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs]
         advanced = self.scheduler.update_from_output(out, result.sampled)
@@ -173,16 +183,15 @@ class Engine:
             return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
         if seq.is_finished:
             self._forget(seq.request_id)
-        return RequestDelta(seq.request_id, [token], text, seq.is_finished,
-                            str(seq.finish_reason) if seq.finish_reason else None)
+        return RequestDelta(seq.request_id, [token], text, seq.is_finished, seq.finish_reason)
 
     def _fail(self, seq: Sequence, error: str, new_token_ids: list[int] | None = None,
-              code: str = "internal") -> RequestDelta:
+              code: ErrorCode = ErrorCode.INTERNAL) -> RequestDelta:
         self.scheduler.fail(seq, error)
         self._forget(seq.request_id)
-        return RequestDelta(seq.request_id, new_token_ids or [], "", True, "error", error, code)
+        return RequestDelta.failure(seq.request_id, error, code, new_token_ids)
 
-    def fail_all(self, error: str, code: str = "unavailable") -> list[RequestDelta]:
+    def fail_all(self, error: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> list[RequestDelta]:
         """Fail every unfinished request (their blocks are freed): the node cannot serve them."""
         return [self._fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
 

@@ -1,7 +1,8 @@
 """Paged KV-cache block manager: owns every block id; sequences hold only their tables.
 
 Plain Python with no tensors, so the scheduler (and the simulator driving it) can use it
-without a model. The tensors the blocks index live in `megainfer.kv_store`.
+without a model. The tensors the blocks index are allocated by the runners
+(`megainfer.model_runner.allocate_kv_caches`).
 """
 
 from __future__ import annotations

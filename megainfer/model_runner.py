@@ -14,6 +14,7 @@ from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
+from megainfer.step_layout import MicroBatchLayout, StepLayout
 
 logger = logging.getLogger(__name__)
 
@@ -39,95 +40,160 @@ class ModelRunner:
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
                                                              model_config.num_kv_heads)
         self.sampler = Sampler(config.seed, self.device)
-        # Layered prefill: hidden states of cohort members between layer groups, by request id.
-        self.layered_hidden: dict[str, torch.Tensor] = {}
+        self.cohort_hidden = CohortHiddenStates()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)
 
     @property
     def layered_hidden_bytes(self) -> int:
         """Memory held by prompts in flight between layer groups."""
-        return sum(t.numel() * t.element_size() for t in self.layered_hidden.values())
+        return self.cohort_hidden.num_bytes
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        if out.layered is not None:
-            return self._execute_layered(out)
+        layout = StepLayout.of(out, 1)
+        self.cohort_hidden.forget_departed(out.all_seqs, layout)
+        if layout.has_cohort:
+            return self._execute_layered(out, layout)
         input_ids, positions, batch = self._prepare(out)
         fwd = self.model(input_ids, positions, self.kv_caches, batch)
-        samples = out.samples()
-        rows = [batch.query_start_host[i + 1] - 1 for i, s in enumerate(samples) if s]
-        sampled: list[int | None] = [None] * len(out.seqs)
-        if rows:
-            logits = self.model.compute_logits(fwd.hidden[torch.tensor(rows, device=self.device)])
-            seqs = [s for s, flag in zip(out.seqs, samples) if flag]
-            tokens = iter(self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs]))
-            sampled = [next(tokens) if flag else None for flag in samples]
+        sampled: list[int | None] = [None] * layout.num_sequences
+        if layout.sampled_rows:
+            rows = torch.tensor([r.row for r in layout.sampled_rows], device=self.device)
+            logits = self.model.compute_logits(fwd.hidden[rows])
+            sampled = sample_tokens(self.sampler, logits, out.all_seqs, layout)
         return StepResult(sampled, fwd.expert_counts.tolist())
 
-    def _execute_layered(self, out: SchedulerOutput) -> StepResult:
+    def _execute_layered(self, out: SchedulerOutput, layout: StepLayout) -> StepResult:
         """Decodes through every layer; the cohort's chunks through this step's layer group only,
         entering from the embedding (first group) or from where the last step left them."""
-        lp = out.layered
         cfg = self.model_config
-        model = self.model
-        first, end = lp.layers
-        cohort_ids = [s.request_id for s in lp.seqs]
-        for rid in list(self.layered_hidden):  # members that left the cohort (preempted, aborted)
-            if rid not in cohort_ids:
-                del self.layered_hidden[rid]
-        bs = self.config.block_size
-        nd = len(out.seqs)
-        dec = prepare_batch(out.seqs, out.num_scheduled_tokens, out.num_single_token, bs, self.device) if nd else None
-        every = out.seqs + lp.seqs
-        counts = out.num_scheduled_tokens + lp.num_tokens
-        ids_all, pos_all, batch_all = prepare_batch(every, counts, sum(1 for n in counts if n == 1), bs, self.device)
-        nd_tokens = sum(out.num_scheduled_tokens)
-        h_dec = model.embed(dec[0]) if nd else None
-        if first == 0:
-            h_cohort = model.embed(ids_all[nd_tokens:])
-        else:
-            h_cohort = torch.cat([self.layered_hidden[rid] for rid in cohort_ids])
+        seqs = out.all_seqs
+        state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[0], self.cohort_hidden,
+                                        self.config.block_size, self.device)
         expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
         for layer in range(cfg.num_layers):
-            if first <= layer < end:
-                both = torch.cat([h_dec, h_cohort]) if nd else h_cohort
-                both, c = model.layer(layer, both, pos_all, self.kv_caches[layer], batch_all)
-                h_dec, h_cohort = (both[:nd_tokens], both[nd_tokens:]) if nd else (None, both)
-            elif nd:
-                h_dec, c = model.layer(layer, h_dec, dec[1], self.kv_caches[layer], dec[2])
-            else:
+            state.cross(layout, layer)
+            if state.hidden is None:
                 continue
-            expert_counts[layer] += c.cpu()
-        # Rows that sample: every decode; a cohort chunk that completes its prompt, after the last group.
-        starts = batch_all.query_start_host
-        rows, seqs = [], []
-        for i, seq in enumerate(out.seqs):
-            if seq.num_computed_tokens + out.num_scheduled_tokens[i] == seq.num_tokens:
-                rows.append(h_dec[starts[i + 1] - 1])
-                seqs.append(seq)
-        cohort_offsets = [starts[nd + j] - nd_tokens for j in range(len(lp.seqs) + 1)]
-        for j, seq in enumerate(lp.seqs):
-            part = h_cohort[cohort_offsets[j]:cohort_offsets[j + 1]]
-            if not lp.last:
-                self.layered_hidden[seq.request_id] = part
-            else:
-                self.layered_hidden.pop(seq.request_id, None)
-                if seq.num_computed_tokens + lp.num_tokens[j] == seq.num_tokens:
-                    rows.append(part[-1])
-                    seqs.append(seq)
-        sampled: list[int | None] = [None] * (nd + len(lp.seqs))
-        if rows:
-            logits = model.compute_logits(model.norm(torch.stack(rows)))
-            tokens = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
-            index = {id(s): i for i, s in enumerate(every)}
-            for seq, token in zip(seqs, tokens):
-                sampled[index[id(seq)]] = token
-        return StepResult(sampled, expert_counts.tolist())
+            _, positions, batch = state.inputs_at(layout, layer)
+            state.hidden, counts = self.model.layer(layer, state.hidden, positions, self.kv_caches[layer], batch)
+            expert_counts[layer] += counts.cpu()
+        state.cross(layout, cfg.num_layers)
+        self.cohort_hidden.keep(seqs, layout, state)
+        return StepResult(sample_step(self.model, self.sampler, seqs, layout, [state]), expert_counts.tolist())
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
         return prepare_batch(out.seqs, out.num_scheduled_tokens, out.num_single_token, self.config.block_size,
                              self.device)
+
+
+BatchInputs = tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]  # input ids, positions, metadata
+
+
+class CohortHiddenStates:
+    """Layered prefill: each cohort member's hidden states between two of its layer groups, by
+    request id (a tensor-parallel follower rank names members by the leader's key)."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.by_request.values())
+
+    def forget_departed(self, seqs: list, layout: StepLayout) -> None:
+        """Drop members that left the cohort (preempted, aborted) since the last step."""
+        members = {seqs[i].request_id for batch in layout.micro_batches for i in batch.cohort_sequences}
+        for request_id in list(self.by_request):
+            if request_id not in members:
+                del self.by_request[request_id]
+
+    def entering(self, model: MoEModel, seqs: list, layout: StepLayout, batch: MicroBatchLayout,
+                 combined: BatchInputs | None) -> torch.Tensor | None:
+        """A micro-batch's cohort rows as they enter this step's group: embedded in the first
+        group, else as the previous group left them. None when it carries no cohort member."""
+        if not batch.cohort_sequences:
+            return None
+        if layout.cohort_join_layer == 0:
+            return model.embed(combined[0][batch.num_decode_rows:])
+        return torch.cat([self.by_request[seqs[i].request_id] for i in batch.cohort_sequences])
+
+    def keep(self, seqs: list, layout: StepLayout, state: MicroBatchState) -> None:
+        """After the step: keep each member's rows for its next group; after its last group, let
+        them go."""
+        for i, (begin, end) in zip(state.layout.cohort_sequences, state.layout.cohort_row_ranges):
+            request_id = seqs[i].request_id
+            if layout.cohort_last_group:
+                self.by_request.pop(request_id, None)
+            else:
+                self.by_request[request_id] = state.cohort[begin:end]
+
+
+@dataclass
+class MicroBatchState:
+    """One micro-batch's tensors through a step: the runner's side of a `MicroBatchLayout`."""
+
+    layout: MicroBatchLayout
+    decode_inputs: BatchInputs | None  # the decode-only batch; None when the micro-batch has no decodes
+    combined_inputs: BatchInputs | None  # decodes + cohort, run inside the group; decode_inputs without a cohort
+    hidden: torch.Tensor | None  # rows passing the current layer: the decodes, plus the cohort inside its group
+    cohort: torch.Tensor | None  # the cohort's rows while outside its group (before it joins, after it leaves)
+
+    @classmethod
+    def prepare(cls, model: MoEModel, seqs: list, layout: StepLayout, batch: MicroBatchLayout,
+                cohort_hidden: CohortHiddenStates, block_size: int, device: torch.device) -> "MicroBatchState":
+        """Inputs of both batches, the decodes' embeddings and the cohort's entering rows."""
+        decode = _prepare_rows(seqs, layout, batch.decode_sequences, block_size, device)
+        combined = _prepare_rows(seqs, layout, batch.sequences, block_size, device) \
+            if batch.cohort_sequences else decode
+        hidden = model.embed(decode[0]) if decode is not None else None
+        return cls(batch, decode, combined, hidden, cohort_hidden.entering(model, seqs, layout, batch, combined))
+
+    def inputs_at(self, layout: StepLayout, layer: int) -> BatchInputs | None:
+        """The batch `hidden` is at `layer`: the combined one inside the cohort's group."""
+        inside = self.layout.cohort_sequences and layout.cohort_inside(layer)
+        return self.combined_inputs if inside else self.decode_inputs
+
+    def cross(self, layout: StepLayout, layer: int) -> None:
+        """Before `layer` (or after the last, with layer = the layer count): the cohort's rows
+        leave the decodes at its group's end layer and join them at its first layer."""
+        if not self.layout.cohort_sequences:
+            return
+        if layer == layout.cohort_leave_layer:
+            decode_rows = self.layout.num_decode_rows
+            self.cohort = self.hidden[decode_rows:]
+            self.hidden = self.hidden[:decode_rows] if decode_rows else None
+        if layer == layout.cohort_join_layer:
+            self.hidden = self.cohort if self.hidden is None else torch.cat([self.hidden, self.cohort])
+
+
+def _prepare_rows(seqs: list, layout: StepLayout, indices: tuple[int, ...], block_size: int,
+                  device: torch.device) -> BatchInputs | None:
+    """`prepare_batch` of the step's sequences at these sequence indices; None for none."""
+    if not indices:
+        return None
+    counts = [layout.num_tokens[i] for i in indices]
+    return prepare_batch([seqs[i] for i in indices], counts, sum(1 for n in counts if n == 1), block_size, device)
+
+
+def sample_step(model: MoEModel, sampler: Sampler, seqs: list, layout: StepLayout,
+                states: list[MicroBatchState]) -> list[int | None]:
+    """Sample the step's sampling rows from the micro-batches' final hidden states (not yet
+    normed); one entry per sequence index."""
+    if not layout.sampled_rows:
+        return [None] * layout.num_sequences
+    rows = [(states[r.micro_batch].cohort if r.in_cohort else states[r.micro_batch].hidden)[r.row]
+            for r in layout.sampled_rows]
+    logits = model.compute_logits(model.norm(torch.stack(rows)))
+    return sample_tokens(sampler, logits, seqs, layout)
+
+
+def sample_tokens(sampler: Sampler, logits: torch.Tensor, seqs: list, layout: StepLayout) -> list[int | None]:
+    """Tokens from `logits` (one row per sampled row, in order), placed by sequence index."""
+    owners = [seqs[r.sequence] for r in layout.sampled_rows]
+    tokens = sampler.sample(logits, [s.request_id for s in owners], [s.params for s in owners])
+    return layout.place_samples(tokens)
 
 
 def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,

@@ -115,9 +115,9 @@ class ServeSpec:
 
 
 @dataclass
-class Prediction:
-    """What the planner's performance model predicts for this plan (per layer and micro-batch
-    for the T's, per iteration for tbt)."""
+class PredictedPerformance:
+    """plan.yaml's `predicted` section: what the planner's performance model predicts for this
+    plan (per layer and micro-batch for the T's, per iteration for tbt)."""
 
     t_a_ms: float = 0.0  # attention time of one micro-batch on one node, one layer
     t_e_ms: float = 0.0  # expert time of one micro-batch on one node, one layer
@@ -132,7 +132,7 @@ class Prediction:
 
 _SECTIONS = {"attention": AttentionSpec, "experts": ExpertSpec, "pipeline": PipelineSpec,
              "scheduler": SchedulerSpec, "slo": SLOSpec, "transport": TransportSpec, "serve": ServeSpec,
-             "autoscale": AutoscalePolicy, "predicted": Prediction}
+             "autoscale": AutoscalePolicy, "predicted": PredictedPerformance}
 
 
 @dataclass
@@ -147,7 +147,7 @@ class Plan:
     transport: TransportSpec = field(default_factory=TransportSpec)
     serve: ServeSpec = field(default_factory=ServeSpec)
     autoscale: AutoscalePolicy | None = None  # replicas grown and retired on predicted TTFT
-    predicted: Prediction | None = None
+    predicted: PredictedPerformance | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

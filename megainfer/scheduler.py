@@ -5,8 +5,10 @@ compute; `update_from_output()` takes the sampled tokens back, applies stop cond
 frees finished sequences' blocks. The simulator drives this same class with a
 performance model in place of a model.
 
-Policy (Sarathi-style): running decodes first, one token each, then the prefill chunks of
-running and newly admitted sequences until the step's token budget is spent. When the
+Every step: running decodes first, one token each, then the prompt work of the prefill
+policy (`PrefillPolicy`): under `ChunkedPrefill` (Sarathi-style) the prefill chunks of
+running and newly admitted sequences until the step's token budget is spent, under
+`LayeredPrefill` a cohort of prompt chunks through one layer group. When the
 KV cache runs out, the most recently admitted running sequence is preempted by
 recompute: its blocks are freed, it returns to the front of the waiting queue, and later
 recomputes its prompt and generated tokens as one prompt. Nothing is lost or repeated.
@@ -25,15 +27,44 @@ from megainfer.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class PrefillPolicy(Protocol):
-    """Decides how many not-yet-computed tokens of a prefilling sequence run this step."""
+    """How prompts advance. `Scheduler.schedule` calls every policy the same way: its running
+    loop schedules decodes and every running sequence the policy does not schedule itself
+    (asking `num_prefill_tokens` for prompt chunks), then `schedule_prompts` adds the policy's
+    own work to the step."""
 
     name: str
+
+    def schedules_itself(self, seq: Sequence) -> bool:
+        """Whether the running `seq` is left out of the scheduler's running loop because
+        `schedule_prompts` schedules it."""
 
     def num_prefill_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens of `seq` to compute now; at most `token_budget`, at least 1 if the budget allows."""
 
+    def schedule_prompts(self, scheduler: Scheduler, out: SchedulerOutput, token_budget: int) -> None:
+        """After the running loop: add this step's prompt work to `out`, admitting waiting prompts
+        with `scheduler.admit`. `token_budget`: tokens the step may still take (under the
+        step-time cap when there is one)."""
+
+    def step_done(self, out: SchedulerOutput) -> None:
+        """The step `out` ran (`Scheduler.update_from_output`)."""
+
     def drop(self, seq: Sequence) -> None:
         """`seq` left the running set (preempted, finished, failed): forget any state about it."""
+
+    def layered_settings(self) -> LayeredSettings | None:
+        """The layered-prefill settings (what a replay needs to rebuild the policy), None for a
+        policy that is not layered."""
+
+
+@dataclass(frozen=True)
+class LayeredSettings:
+    """A layered-prefill policy's settings."""
+
+    num_layers: int  # layers of the model, which the groups cut
+    group_tokens: int  # cohort tokens per layer group when the group count is derived
+    num_layer_groups: int | None  # fixed number of groups; None: derived from the cohort's tokens
+    chunk_tokens: int  # most prompt tokens one cohort carries
 
 
 class ChunkedPrefill:
@@ -41,11 +72,33 @@ class ChunkedPrefill:
 
     name = "chunked"
 
+    def schedules_itself(self, seq: Sequence) -> bool:
+        return False  # running prompts take their next chunk in the running loop
+
     def num_prefill_tokens(self, seq: Sequence, token_budget: int) -> int:
         return min(seq.num_uncomputed_tokens, token_budget)
 
+    def schedule_prompts(self, scheduler: Scheduler, out: SchedulerOutput, token_budget: int) -> None:
+        """Admit waiting prompts in order while the budget, `max_num_seqs` and free blocks allow,
+        and only when nothing had to be preempted: they would evict each other."""
+        while not out.preempted and scheduler.waiting and token_budget > 0 and scheduler.has_room:
+            seq = scheduler.waiting[0]
+            n = self.num_prefill_tokens(seq, token_budget)
+            if n <= 0 or not scheduler.block_manager.can_allocate(seq, n):
+                break
+            scheduler.admit(seq, n)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(n)
+            token_budget -= n
+
+    def step_done(self, out: SchedulerOutput) -> None:
+        """Nothing to advance: chunked prefill keeps no state across steps."""
+
     def drop(self, seq: Sequence) -> None:
         """Nothing to forget: chunked prefill keeps no state across steps."""
+
+    def layered_settings(self) -> None:
+        return None
 
 
 class LayeredPrefill:
@@ -56,7 +109,8 @@ class LayeredPrefill:
 
     G = num_layer_groups, or max(1, ceil(cohort tokens / group_tokens)), at most the layers.
     Short prompts admitted together share a cohort; a prompt longer than the chunk limit
-    passes in several cohorts, each layer group by layer group."""
+    passes in several cohorts, each layer group by layer group. Prompts never take the step's
+    token budget: a cohort is bounded by `chunk_tokens` instead."""
 
     name = "layered"
 
@@ -74,11 +128,48 @@ class LayeredPrefill:
         self.bounds: list[tuple[int, int]] = []  # layer range of each group
         self._member_ids: set[int] = set()  # id() of each cohort member
 
+    def schedules_itself(self, seq: Sequence) -> bool:
+        """Prompts advance in cohorts (a one-token prompt too), never in the running loop."""
+        return seq.num_uncomputed_tokens > 1 or self.in_cohort(seq)
+
     def num_prefill_tokens(self, seq: Sequence, token_budget: int) -> int:
         return min(seq.num_uncomputed_tokens, token_budget)
 
     def in_cohort(self, seq: Sequence) -> bool:
         return id(seq) in self._member_ids
+
+    def schedule_prompts(self, scheduler: Scheduler, out: SchedulerOutput, token_budget: int) -> None:
+        """Form a cohort when none is in flight (and nothing had to be preempted), then pass its
+        next group. The token budget does not apply."""
+        if not self.cohort and not out.preempted:
+            self._form_cohort(scheduler)
+        if self.cohort:
+            order = sorted(range(len(self.cohort)), key=lambda j: self.chunk[j] > 1)
+            out.layered = LayeredPass([self.cohort[j] for j in order], [self.chunk[j] for j in order],
+                                      self.bounds[self.group], self.group, len(self.bounds))
+
+    def _form_cohort(self, scheduler: Scheduler) -> None:
+        members, chunk, total = [], [], 0
+        # Long prompts already running (their next chunk) first, then waiting prompts in order.
+        candidates = [s for s in scheduler.running if s.num_uncomputed_tokens > 1]
+        for seq in candidates + list(scheduler.waiting):
+            n = min(seq.num_uncomputed_tokens, self.chunk_tokens - total)
+            waiting = seq.status is SequenceStatus.WAITING
+            # Only the first member may be cut to fit: a prompt split over two cohorts would
+            # wait for both, and a smaller cohort passes its groups sooner.
+            if members and n < seq.num_uncomputed_tokens:
+                break
+            if n <= 0 or (waiting and not scheduler.has_room) or not scheduler.block_manager.can_allocate(seq, n):
+                break
+            if waiting:
+                scheduler.admit(seq, n)
+            else:
+                scheduler.block_manager.allocate(seq, n)
+            members.append(seq)
+            chunk.append(n)
+            total += n
+        if members:
+            self.start(members, chunk)
 
     def start(self, seqs: list[Sequence], chunk: list[int]) -> None:
         groups = self.num_layer_groups or max(1, -(-sum(chunk) // self.group_tokens))
@@ -87,6 +178,11 @@ class LayeredPrefill:
         self.cohort, self.chunk, self.group = list(seqs), list(chunk), 0
         self._member_ids = {id(s) for s in seqs}
         self.bounds = list(zip(cuts, cuts[1:]))
+
+    def step_done(self, out: SchedulerOutput) -> None:
+        """A step that carried the cohort moves it on to its next group."""
+        if out.layered is not None:
+            self.advance()
 
     def advance(self) -> None:
         self.group += 1
@@ -102,6 +198,9 @@ class LayeredPrefill:
                 break
         if not self.cohort:
             self._clear()
+
+    def layered_settings(self) -> LayeredSettings:
+        return LayeredSettings(self.num_layers, self.group_tokens, self.num_layer_groups, self.chunk_tokens)
 
     def _clear(self) -> None:
         self.cohort, self.chunk, self.bounds, self.group = [], [], [], 0
@@ -121,8 +220,8 @@ class LayeredPass:
     seqs: list[Sequence]  # cohort members, one-token chunks first
     num_tokens: list[int]  # chunk tokens of each, from seq.num_computed_tokens on
     layers: tuple[int, int]  # [start, end) layers this step
-    group: int
-    num_groups: int
+    group: int  # which of the cohort's groups this is, from 0
+    num_groups: int  # groups the cohort passes in all
 
     @property
     def last(self) -> bool:
@@ -168,9 +267,10 @@ class SchedulerOutput:
         """`samples()` for `all_seqs`: a cohort's chunks that end their prompt sample a first
         token when its last group runs (and not before)."""
         samples = self.samples()
-        lp = self.layered
-        if lp is not None:
-            samples += [lp.last and s.num_computed_tokens + n == s.num_tokens for s, n in zip(lp.seqs, lp.num_tokens)]
+        cohort = self.layered
+        if cohort is not None:
+            samples += [cohort.last and s.num_computed_tokens + n == s.num_tokens
+                        for s, n in zip(cohort.seqs, cohort.num_tokens)]
         return samples
 
 
@@ -261,17 +361,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        blocks = self.block_manager
         # Decodes before prefill chunks (stable): decodes never wait behind a prompt, and
         # the preemption victims taken from the tail are always not-yet-scheduled ones.
         self.running = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))
-        layered = isinstance(self.policy, LayeredPrefill)
-        capped = self.step_cap is None or layered
+        capped = self.step_cap is None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if layered and (seq.num_uncomputed_tokens > 1 or self.policy.in_cohort(seq)):
-                i += 1  # prompts advance in cohorts, below (a one-token prompt too)
+            if self.policy.schedules_itself(seq):
+                i += 1
                 continue
             if seq.num_uncomputed_tokens > 1 and not capped:  # the decodes are in: cap the prompts
                 budget, capped = self._capped(out, budget), True
@@ -280,39 +379,36 @@ class Scheduler:
             n = 1 if seq.num_uncomputed_tokens == 1 else self.policy.num_prefill_tokens(seq, budget)
             if n <= 0:
                 break
-            while not bm.can_allocate(seq, n):
+            while not blocks.can_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq, n)
+                blocks.allocate(seq, n)
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
                 budget -= n
                 i += 1
                 continue
             break
-        if layered:
-            self._schedule_cohort(out)
-            return self._ordered(out)
         if not capped:
             budget = self._capped(out, budget)
-        # New prompts only when nothing had to be preempted: they would evict each other.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = self.policy.num_prefill_tokens(seq, budget)
-            if n <= 0 or not bm.can_allocate(seq, n):
-                break
-            self.waiting.popleft()
-            bm.allocate(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_scheduled_tokens.append(n)
-            budget -= n
+        self.policy.schedule_prompts(self, out, budget)
         return self._ordered(out)
+
+    @property
+    def has_room(self) -> bool:
+        """Whether one more sequence may start running (`max_num_seqs`)."""
+        return len(self.running) < self.max_num_seqs
+
+    def admit(self, seq: Sequence, num_tokens: int) -> None:
+        """A waiting prompt starts running: blocks for its first `num_tokens`, to the running set."""
+        self.block_manager.allocate(seq, num_tokens)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _capped(self, out: SchedulerOutput, budget: int) -> int:
         """The token budget left for prompt chunks under the step-time cap. A step with no
@@ -328,38 +424,6 @@ class Scheduler:
         out.num_single_token = sum(1 for n in out.num_scheduled_tokens if n == 1)
         return out
 
-    def _schedule_cohort(self, out: SchedulerOutput) -> None:
-        """Layered prefill: form a cohort when none is in flight, then pass its next group."""
-        policy: LayeredPrefill = self.policy
-        bm = self.block_manager
-        if not policy.cohort and not out.preempted:
-            members, chunk, total = [], [], 0
-            # Long prompts already running (their next chunk) first, then waiting prompts in order.
-            candidates = [s for s in self.running if s.num_uncomputed_tokens > 1]
-            for seq in candidates + list(self.waiting):
-                n = min(seq.num_uncomputed_tokens, policy.chunk_tokens - total)
-                waiting = seq.status is SequenceStatus.WAITING
-                # Only the first member may be cut to fit: a prompt split over two cohorts would
-                # wait for both, and a smaller cohort passes its groups sooner.
-                if members and n < seq.num_uncomputed_tokens:
-                    break
-                if n <= 0 or (waiting and len(self.running) >= self.max_num_seqs) or not bm.can_allocate(seq, n):
-                    break
-                bm.allocate(seq, n)
-                if waiting:
-                    self.waiting.remove(seq)
-                    seq.status = SequenceStatus.RUNNING
-                    self.running.append(seq)
-                members.append(seq)
-                chunk.append(n)
-                total += n
-            if members:
-                policy.start(members, chunk)
-        if policy.cohort:
-            order = sorted(range(len(policy.cohort)), key=lambda j: policy.chunk[j] > 1)
-            out.layered = LayeredPass([policy.cohort[j] for j in order], [policy.chunk[j] for j in order],
-                                      policy.bounds[policy.group], policy.group, len(policy.bounds))
-
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """Advance each scheduled sequence; `sampled[i]` is the new token of `out.seqs[i]`, or
         None where that sequence was mid-prompt. Returns the sequences that gained a token."""
@@ -371,7 +435,7 @@ class Scheduler:
             if out.layered.last:  # the chunks are now complete in every layer
                 for seq, n, token in zip(out.layered.seqs, out.layered.num_tokens, sampled[len(out.seqs):]):
                     self._advance(seq, n, token, now, advanced)
-            self.policy.advance()
+        self.policy.step_done(out)
         return advanced
 
     def _advance(self, seq: Sequence, n: int, token: int | None, now: float, advanced: list[Sequence]) -> None:

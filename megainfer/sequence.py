@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from megainfer.messages import FinishReason
 from megainfer.sampling_params import SamplingParams
 
 
@@ -13,16 +14,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds KV blocks, scheduled step by step
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens or the model's max length reached
-    ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # this request failed; the others go on
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ import numpy as np
 
 from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
-from megainfer.plan import AttentionSpec, ExpertSpec, PipelineSpec, Plan, Prediction, SchedulerSpec, SLOSpec
+from megainfer.plan import AttentionSpec, ExpertSpec, PipelineSpec, Plan, PredictedPerformance, SchedulerSpec, SLOSpec
 from planner.catalog import GPU, Catalog
 from planner.perf_model import PerfModel, Side
 
@@ -102,7 +102,6 @@ class Candidate(Throughput):
         return self.m * self.t_f >= 2 * (self.t_f + self.t_c) * (1 - 1e-9)
 
     def to_plan(self, model: str, dtype: str, tbt_slo_ms: float, seq_len: int) -> Plan:
-        r = lambda x: round(x, 4)  # noqa: E731
         return Plan(
             model=model, dtype=dtype,
             attention=AttentionSpec(gpu=self.attention_gpu, tp=self.tp_a, nodes=self.n_a),
@@ -112,10 +111,11 @@ class Candidate(Throughput):
             # Each attention node must admit its share of the global batch.
             scheduler=SchedulerSpec(max_num_seqs=-(-self.batch // self.n_a)),
             slo=SLOSpec(tbt_ms=tbt_slo_ms),
-            predicted=Prediction(t_a_ms=r(self.t_a * 1e3), t_e_ms=r(self.t_e * 1e3), t_c_ms=r(self.t_c * 1e3),
-                                 tbt_ms=r(self.tbt * 1e3), tokens_per_s=round(self.tokens_per_s, 1),
-                                 tokens_per_s_per_cost=round(self.per_cost, 2), seq_len=seq_len, gpus=self.gpus,
-                                 cost_per_hour=r(self.cost_per_hour)))
+            predicted=PredictedPerformance(
+                t_a_ms=round(self.t_a * 1e3, 4), t_e_ms=round(self.t_e * 1e3, 4), t_c_ms=round(self.t_c * 1e3, 4),
+                tbt_ms=round(self.tbt * 1e3, 4), tokens_per_s=round(self.tokens_per_s, 1),
+                tokens_per_s_per_cost=round(self.per_cost, 2), seq_len=seq_len, gpus=self.gpus,
+                cost_per_hour=round(self.cost_per_hour, 4)))
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "balance": self.balance, "network_hidden": self.network_hidden,

@@ -11,7 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from deploy.launcher import Deployment  # noqa: E402
+from deploy.deployment import Deployment  # noqa: E402
 from megainfer import Engine, SamplingParams  # noqa: E402
 from megainfer.config import EngineConfig  # noqa: E402
 from megainfer.plan import Plan  # noqa: E402
@@ -135,7 +135,7 @@ def test_client_disconnect_frees_blocks_and_limits_refuse_overload():
         deadline = time.monotonic() + 20
         usage = None
         while time.monotonic() < deadline:
-            usage = served.deployment.stats()[0]["kv_cache_usage"]
+            usage = served.deployment.stats()[0].engine.kv_cache_usage
             if usage == 0.0:
                 break
             time.sleep(0.2)
@@ -187,9 +187,9 @@ def test_least_loaded_routes_around_a_busy_attention_node():
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         busy = [dep.submit(f"busy{i}", list(range(1, 150)), params, node=0) for i in range(2)]
         fresh = dep.submit("fresh", [1, 2, 3], GREEDY)  # round robin would say node 0: its first routed request
-        assert dep._owner["fresh"] == 1
+        assert dep.frontend.owner_of("fresh") == 1
         for stream in busy + [fresh]:
-            assert stream.wait_finished(60)["finished"]
+            assert stream.wait_finished(60).finished
     finally:
         served.close()
 
@@ -207,18 +207,22 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
         # Node 0 gets a queue of prompts (about 40 steps of prefill at 64 tokens a step), node 1
         # nothing.
         busy = [dep.submit(f"busy{i}", [1 + t % 250 for t in range(300)], params, node=0) for i in range(8)]
-        time.sleep(0.2)  # a few snapshots: node 0's queue is in its forecast
+        # Submission no longer waits for a step: wait for a few of node 0's steps to reach the
+        # router, so node 0's queue and its measured steps are in its forecast.
+        deadline = time.monotonic() + 30
+        while dep.router.models[0].num_samples < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         fresh = dep.submit("fresh", [1, 2, 3], GREEDY)
-        assert dep._owner["fresh"] == 1
+        assert dep.frontend.owner_of("fresh") == 1
         # The router was told when node 1 took it: the next snapshot asked for after that drops it.
-        assert not any(r[3] is None for routed in dep.router._routed for r in routed)
+        assert not any(r.reached_at is None for routed in dep.router._routed for r in routed)
         model = dep.router.models[0]
         assert dep.router.forecasts[0] is not None and model.num_samples > 0
         # The nodes step together: one model for both, fitted on their steps, not the warm-up's.
         assert dep.router.models[1] is model and dep.router.forecasts[1].timeline is dep.router.forecasts[0].timeline
         assert model.seconds(64, 1, 64, 64 * 65 / 2) < 1.0
         for stream in busy + [fresh]:
-            assert stream.wait_finished(60)["finished"]
+            assert stream.wait_finished(60).finished
         m = scrape(served.server.metrics_port)
         assert m["megainfer:router_ttft_prediction_error_seconds_count"] == 1  # "fresh": the one it placed
         assert 0 <= m["megainfer:router_ttft_prediction_error_seconds_sum"] < 5
@@ -239,6 +243,7 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
 
 def test_autoscaler_adds_a_replica_on_predicted_ttft_and_retires_it_when_idle():
     from deploy.replicas import ReplicaSet
+    from megainfer.routing.autoscale import ScaleAction
 
     plan = make_plan("tiny-mixtral", 1, 1, 1)
     plan.serve.router = "predictive"
@@ -249,20 +254,20 @@ def test_autoscaler_adds_a_replica_on_predicted_ttft_and_retires_it_when_idle():
         assert len(fleet.replicas) == 1
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         streams = [fleet.submit(f"r{i}", list(range(1, 200)), params) for i in range(6)]
-        added = [e for e in fleet.events if e["action"] == "add"]
+        added = [e for e in fleet.events if e.action is ScaleAction.ADD]
         # The decision came from predictions, while the queue it foresaw had barely formed.
-        assert added and added[0]["predicted_ttft_s"] > 0.2 and added[0]["waiting"] <= 6
+        assert added and added[0].predicted_ttft_s > 0.2 and added[0].waiting <= 6
         for s in streams:
-            assert s.wait_finished(120)["finished"]
+            assert s.wait_finished(120).finished
         deadline = time.monotonic() + 120
-        while not any(e["action"] == "added" for e in fleet.events) and time.monotonic() < deadline:
+        while not any(e.action is ScaleAction.ADDED for e in fleet.events) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(fleet.replicas) == 2
         # The new replica serves (the router knows it), then, idle, it retires.
-        assert fleet.submit("after", [1, 2, 3], GREEDY).wait_finished(60)["finished"]
+        assert fleet.submit("after", [1, 2, 3], GREEDY).wait_finished(60).finished
         while len(fleet.replicas) > 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(fleet.replicas) == 1 and fleet.events[-1]["action"] == "retired"
-        assert fleet.submit("last", [4, 5, 6], GREEDY).wait_finished(60)["finished"]
+        assert len(fleet.replicas) == 1 and fleet.events[-1].action is ScaleAction.RETIRE
+        assert fleet.submit("last", [4, 5, 6], GREEDY).wait_finished(60).finished
     finally:
         fleet.close()

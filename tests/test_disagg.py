@@ -11,10 +11,11 @@ import torch
 from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
 from megainfer.config import EngineConfig
+from megainfer.disagg.expert_link import dispatch_bytes, pack_dispatch, unpack_dispatch
 from megainfer.disagg.expert_worker import ExpertWorker
-from megainfer.disagg.link import dispatch_bytes, pack_dispatch, unpack_dispatch
-from megainfer.disagg.pipelined_runner import PipelinedModelRunner, split_micro_batches
+from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.model.weights import SafetensorsCheckpoint
+from megainfer.step_layout import split_micro_batches
 from tests.test_transport import connect_all
 
 SECRET = b"d" * 32
@@ -143,6 +144,7 @@ def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
     from megainfer.disagg import step_sync
     from megainfer.scheduler import LayeredPass, SchedulerOutput
     from megainfer.sequence import Sequence
+    from megainfer.step_layout import StepLayout
 
     dec = Sequence("d", [1, 2, 3], GREEDY, token_ids=[1, 2, 3, 9], num_computed_tokens=3, block_table=[4])
     a = Sequence("a", list(range(10, 30)), GREEDY, num_computed_tokens=8, block_table=[5, 6, 7])
@@ -160,3 +162,5 @@ def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
     assert [v.request_id for v in again.layered.seqs] == [v.request_id for v in lp.seqs]
     assert len({v.request_id for v in lp.seqs}) == 2
     assert step_sync.decode(step_sync.encode(SchedulerOutput())).layered is None
+    for m in (1, 2, 3):  # every rank lays the step out alike, down to the rows that sample
+        assert StepLayout.of(got, m) == StepLayout.of(out, m)

@@ -66,9 +66,9 @@ def test_latency_histograms_bucket_and_merge():
     for s in (0.0005, 0.001, 0.005, 2.0):
         a.observe(s)
     b.observe(0.02)
-    assert a.snapshot()["buckets"] == [2, 1, 1]
+    assert a.snapshot().buckets == [2, 1, 1]
     merged = merge([a.snapshot(), b.snapshot()])
-    assert merged["buckets"] == [2, 1, 2] and merged["sum"] == pytest.approx(2.0265)
+    assert merged.buckets == [2, 1, 2] and merged.sum == pytest.approx(2.0265)
 
 
 def _bench_serve(*args):
@@ -116,7 +116,7 @@ def test_bench_serve_without_a_server():
 def test_router_prediction_error_histogram_is_exported():
     from prometheus_client import generate_latest
 
-    from megainfer.server.metrics import ServingMetrics
+    from megainfer.server.metrics import MetricsSnapshot, ServingMetrics
 
     errors = LatencyHistogram((0.01, 0.1, 1.0))
     for s in (0.005, 0.05, 0.5, 3.0):
@@ -124,8 +124,8 @@ def test_router_prediction_error_histogram_is_exported():
 
     class Source:
         def metrics_snapshot(self):
-            return {"running": 1, "waiting": 2, "kv_cache_usage": 0.25, "expert_bytes_read": 10,
-                    "router_ttft_error": errors.snapshot()}
+            return MetricsSnapshot(running=1, waiting=2, kv_cache_usage=0.25, expert_bytes_read=10,
+                                   router_ttft_error=errors.snapshot())
 
     text = generate_latest(ServingMetrics(Source()).registry).decode()
     name = "megainfer:router_ttft_prediction_error_seconds"

@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 
 from megainfer.errors import ConfigError
-from megainfer.routing.policies import ROUTERS, LeastLoaded, NodeLoad, make_router
+from megainfer.messages import NodeLoad
+from megainfer.routing.policies import ROUTERS, LeastLoaded, make_router
 
 
 def loads(*specs):

@@ -16,13 +16,13 @@ import pytest
 from megainfer.config import PRESETS, EngineConfig
 from megainfer.errors import PlanError
 from megainfer.kv_cache import BlockManager
+from megainfer.messages import NodeLoad, NodeState, StepSample
 from megainfer.plan import Plan
-from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler
-from megainfer.routing.forecast import NodeForecast, Prediction
+from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler, ScaleAction
+from megainfer.routing.forecast import NodeForecast, RequestForecast
 from megainfer.routing.length_estimator import BucketedLengthEstimator, MaxTokensEstimator
-from megainfer.routing.node_state import NodeState, StepSample
-from megainfer.routing.policies import NodeLoad, PredictiveRouter, make_router
-from megainfer.routing.step_model import OnlineStepModel, StepTimeBalancer
+from megainfer.routing.policies import PredictiveRouter, make_router
+from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import ChunkedPrefill, Scheduler
 from megainfer.sequence import Sequence
@@ -372,7 +372,8 @@ def test_predictive_learns_the_latency_its_forecasts_cannot_see():
     raw = router.last.ttft_s
     for _ in range(200):  # every first token arrives 30 ms later than forecast
         router.observe_ttft(router.last.ttft_s, router.predict(first, 100, 10, clock[0])[0] + 0.03)
-        router.last = Prediction(first, router.predict(first, 100, 10, clock[0])[0] + router.ttft_offset_s, 0.0, 10)
+        predicted = router.predict(first, 100, 10, clock[0])[0] + router.ttft_offset_s
+        router.last = RequestForecast(first, predicted, 0.0, 10)
     assert router.ttft_offset_s == pytest.approx(0.03, abs=1e-3)
     assert router.choose(loads, 100, 10) == first  # the choice does not move
     assert router.last.ttft_s > raw
@@ -436,7 +437,16 @@ def test_autoscaler_decisions():
     assert not scaler.should_add(9.0, 3, 0, 3.0)  # at max_replicas
     assert not scaler.should_retire(2, 10.0, 4.0) and scaler.should_retire(2, 31.0, 5.0)
     assert not scaler.should_retire(1, 1e9, 6.0)  # at min_replicas
-    assert [d[1] for d in scaler.decisions] == ["add", "retire"]
+    assert [e.action for e in scaler.events] == [ScaleAction.ADD, ScaleAction.RETIRE]
+    assert [(e.time_s, e.replicas, e.predicted_ttft_s) for e in scaler.events] == [(1.0, 2, 2.5), (5.0, 1, None)]
+    scaler.should_add(3.0, 1, 0, 7.0, waiting=4)
+    scaler.add_failed(8.0, "no room")  # the fleet stays as it was
+    scaler.should_add(3.0, 1, 0, 9.0)
+    scaler.added(10.0, 2)
+    assert [(str(e.action), e.replicas) for e in scaler.events[2:]] == [("add", 2), ("add_failed", 1), ("add", 2),
+                                                                         ("added", 2)]
+    assert scaler.events[2].waiting == 4 and scaler.events[3].error == "no room"
+    assert scaler.events[3].as_dict() == {"time_s": 8.0, "action": "add_failed", "replicas": 1, "error": "no room"}
 
 
 @pytest.mark.parametrize("section, message", [
@@ -453,7 +463,7 @@ def test_autoscale_section_errors_name_the_key(section, message):
 def fleet(autoscaler=None, replicas: int = 4):
     from megainfer.simulator.cluster import ClusterSimulator
     from planner.catalog import Catalog
-    from planner.step_time import ColocatedStepModel
+    from planner.step_cost_model import ColocatedStepModel
 
     model = PRESETS["qwen3-30b-a3b"]
     step_model = ColocatedStepModel(model, Catalog.load()["H100"], 1)
@@ -474,17 +484,20 @@ def test_autoscaler_in_the_fleet_adds_before_queues_build_and_retires_when_idle(
         [type(r)(r.arrival_s + t2, r.input_len, r.output_len) for r in tail]
     policy = AutoscalePolicy(min_replicas=1, max_replicas=4, predicted_ttft_s=1.0, idle_s=20.0)
     result = fleet(Autoscaler(policy)).run(requests)
-    adds = [e for e in result.scale_events if e["action"] == "add"]
-    retires = [e for e in result.scale_events if e["action"] == "retire"]
-    assert adds and all(t1 <= e["time_s"] for e in adds)  # the calm phase needs one replica
+    adds = [e for e in result.scale_events if e.action is ScaleAction.ADD]
+    retires = [e for e in result.scale_events if e.action is ScaleAction.RETIRE]
+    assert adds and all(t1 <= e.time_s for e in adds)  # the calm phase needs one replica
     first = adds[0]
-    assert first["predicted_ttft_s"] > 1.0
+    assert first.predicted_ttft_s > 1.0
     # Before the queue built: a queue-length trigger (a quarter of the longest queue) would fire later.
     peak = max(w for _, w in result.waiting_trace)
     queue_trigger = next(t for t, w in result.waiting_trace if w >= peak / 4)
-    assert first["max_waiting"] < peak / 4 and first["time_s"] < queue_trigger
-    assert retires and retires[-1]["time_s"] > t2  # the quiet tail lets the extra replicas go
+    assert first.waiting < peak / 4 and first.time_s < queue_trigger
+    assert retires and retires[-1].time_s > t2  # the quiet tail lets the extra replicas go
     assert len(result.ttft_s) == len(requests)
+    reported = json.loads(json.dumps(result.summary()))["scale_events"]
+    assert reported[0] == {"time_s": first.time_s, "action": "add", "replicas": 2,
+                           "predicted_ttft_s": first.predicted_ttft_s, "waiting": first.waiting}
 
 
 def test_fleet_simulation_reports_prediction_error_and_the_cli_compares_routers(tmp_path):

@@ -19,7 +19,7 @@ from megainfer.simulator.experiment import SimulationSpec, rate_range, ratios
 from megainfer.simulator.sim import Simulator
 from megainfer.simulator.workload import SimRequest, arrival_times, describe, generate, load_trace
 from planner.catalog import Catalog
-from planner.step_time import ColocatedStepModel, LayerClass
+from planner.step_cost_model import ColocatedStepModel, LayerClass
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = PRESETS["qwen3-30b-a3b"]

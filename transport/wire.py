@@ -8,7 +8,9 @@ Message header (32 bytes), in front of every payload (TCP stream, shm slot, RDMA
     8       2     layer          model layer
     10      2     micro_batch    micro-batch index; selects the receiver's slot (mod slots)
     12      2     sender         the sending endpoint's rank
-    14      2     flags          reserved, 0
+    14      2     flags          the sender's bit flags, passed through untouched (the
+                                 transport reads none; megainfer's expert answers set
+                                 BUSY = 1, see megainfer/disagg/expert_link.py); 0 by default
     16      4     token_count    tokens carried (0 for an empty message)
     20      4     seq            per-channel sequence number, from 0
     24      8     byte_length    payload bytes that follow

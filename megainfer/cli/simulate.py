@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.errors import ConfigError
     from megainfer.simulator import experiment as ex
     from planner.catalog import Catalog
-    from planner.step_time import ColocatedStepModel
+    from planner.step_cost_model import ColocatedStepModel
 
     if args.tbt_slo_ms <= 0 or args.ttft_slo_s <= 0:
         raise ConfigError("--tbt-slo-ms and --ttft-slo-s must be positive")

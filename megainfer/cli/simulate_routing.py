@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.simulator import routing_experiment as rx
     from megainfer.simulator.experiment import rate_range
     from planner.catalog import Catalog
-    from planner.step_time import ColocatedStepModel
+    from planner.step_cost_model import ColocatedStepModel
 
     routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
     bad = [r for r in routers if r not in ROUTERS]

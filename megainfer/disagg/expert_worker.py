@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from megainfer.config import ModelConfig
-from megainfer.disagg.link import BUSY, ExpertLink, unpack_dispatch
+from megainfer.disagg.expert_link import BUSY, ExpertLink, unpack_dispatch
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 

@@ -3,6 +3,8 @@ own process) as plain bucket counts, merged by the serving process when Promethe
 
 from __future__ import annotations
 
+from megainfer.messages import HistogramSnapshot
+
 # M2N messages: tens of microseconds on shared memory up to milliseconds over TCP/RDMA.
 M2N_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
 
@@ -22,13 +24,13 @@ class LatencyHistogram:
             self.counts[-1] += 1
         self.sum += seconds
 
-    def snapshot(self) -> dict:
-        return {"bounds": list(self.bounds), "buckets": list(self.counts), "sum": self.sum}
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(list(self.bounds), list(self.counts), self.sum)
 
 
-def merge(snapshots: list[dict]) -> dict:
+def merge(snapshots: list[HistogramSnapshot]) -> HistogramSnapshot:
     """Sum snapshots of histograms with the same bounds (one per node)."""
     if not snapshots:
-        return {"bounds": list(M2N_BUCKETS), "buckets": [0] * (len(M2N_BUCKETS) + 1), "sum": 0.0}
-    return {"bounds": snapshots[0]["bounds"], "buckets": [sum(c) for c in zip(*(s["buckets"] for s in snapshots))],
-            "sum": sum(s["sum"] for s in snapshots)}
+        return HistogramSnapshot(list(M2N_BUCKETS), [0] * (len(M2N_BUCKETS) + 1))
+    return HistogramSnapshot(snapshots[0].bounds, [sum(c) for c in zip(*(s.buckets for s in snapshots))],
+                             sum(s.sum for s in snapshots))

@@ -20,28 +20,18 @@ import torch
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
+from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_dispatch
 from megainfer.disagg.latency import LatencyHistogram
-from megainfer.disagg.link import BUSY, ExpertLink, pack_dispatch
 from megainfer.errors import DataPlaneError
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
-from megainfer.model_runner import StepResult, allocate_kv_caches, prepare_batch
+from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, allocate_kv_caches,
+                                    sample_step)
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
+from megainfer.step_layout import StepLayout
 
 logger = logging.getLogger(__name__)
-
-
-def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
-    """Indices of the step's sequences for each of m micro-batches, balanced by tokens; each
-    keeps the step's order (one-token sequences first), as attention kernels expect."""
-    groups: list[list[int]] = [[] for _ in range(m)]
-    load = [0] * m
-    for i, n in enumerate(num_tokens):
-        j = min(range(m), key=load.__getitem__)
-        groups[j].append(i)
-        load[j] += n
-    return groups
 
 
 class PipelinedModelRunner:
@@ -84,8 +74,7 @@ class PipelinedModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
-        # Layered prefill: the cohort's hidden states between layer groups, by request id.
-        self.layered_hidden: dict[str, torch.Tensor] = {}
+        self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
         # Seconds spent, summed over steps: where this node's step time goes.
         self.timing = {"attention": 0.0, "send": 0.0, "wait_experts": 0.0}
         # Per message, for the metrics endpoint: one send, and the wait for one expert node's answer.
@@ -106,107 +95,42 @@ class PipelinedModelRunner:
         """Every micro-batch through every layer, ping-ponging with the expert nodes. With layered
         prefill, micro-batch j also carries its share of the cohort inside this step's layer
         group: it joins j's tokens at the group's first layer and leaves after its last."""
+        layout = StepLayout.of(out, self.m)
+        seqs = out.all_seqs
+        self.cohort_hidden.forget_departed(seqs, layout)
+        states = [MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden, self.config.block_size,
+                                          self.device) for batch in layout.micro_batches]
+        expert_counts = self._pass_layers(layout, states)
+        # Every rank keeps the cohort's hidden states for the next group (followers too: each
+        # rank's attention needs them whole); after the last group, completed prompts sample.
+        for state in states:
+            self.cohort_hidden.keep(seqs, layout, state)
+        if self.tp_rank:  # followers: the leader samples
+            return StepResult([None] * layout.num_sequences, [])
+        return StepResult(sample_step(self.model, self.sampler, seqs, layout, states), expert_counts.tolist())
+
+    def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState]) -> torch.Tensor:
+        """The ping-pong: per layer, each micro-batch takes its expert answers of the layer
+        before, then runs this layer's attention and dispatches. Returns tokens routed to each
+        expert, [layer, expert]."""
         cfg = self.model_config
-        lp = out.layered
-        first, end = lp.layers if lp else (0, 0)
-        bs = self.config.block_size
-        dec_groups = split_micro_batches(out.num_scheduled_tokens, self.m)
-        coh_groups = split_micro_batches(lp.num_tokens, self.m) if lp else [[] for _ in range(self.m)]
-        dec_inputs, all_inputs, n_dec = [], [], []
-        for dec_idx, coh_idx in zip(dec_groups, coh_groups):
-            seqs = [out.seqs[i] for i in dec_idx]
-            counts = [out.num_scheduled_tokens[i] for i in dec_idx]
-            dec = prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), bs, self.device) if seqs else None
-            if coh_idx:
-                seqs = seqs + [lp.seqs[i] for i in coh_idx]
-                counts = counts + [lp.num_tokens[i] for i in coh_idx]
-                both = prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), bs, self.device)
-            else:
-                both = dec
-            dec_inputs.append(dec)
-            all_inputs.append(both)
-            n_dec.append(sum(out.num_scheduled_tokens[i] for i in dec_idx))
-        cohort_rids = {s.request_id for s in lp.seqs} if lp else set()
-        for rid in list(self.layered_hidden):  # members that left the cohort
-            if rid not in cohort_rids:
-                del self.layered_hidden[rid]
-        hidden = [self.model.embed(d[0]) if d else None for d in dec_inputs]
-        cohort = []
-        for j, coh_idx in enumerate(coh_groups):
-            if not coh_idx:
-                cohort.append(None)
-            elif first == 0:
-                cohort.append(self.model.embed(all_inputs[j][0][n_dec[j]:]))
-            else:
-                cohort.append(torch.cat([self.layered_hidden[lp.seqs[i].request_id] for i in coh_idx]))
         residual: list[torch.Tensor | None] = [None] * self.m
         routes: list[list[torch.Tensor] | None] = [None] * self.m
         expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
         self._busy = False
-
-        def leave(j: int) -> None:  # the cohort's rows go back to waiting for the next group
-            cohort[j] = hidden[j][n_dec[j]:]
-            hidden[j] = hidden[j][:n_dec[j]] if n_dec[j] else None
-
         for layer in range(cfg.num_layers):
-            for j in range(self.m):
+            for j, state in enumerate(states):
                 if layer:
-                    hidden[j] = self._combine(layer - 1, j, residual[j], routes[j])
-                if cohort[j] is not None and layer == end:
-                    leave(j)
-                if cohort[j] is not None and layer == first:
-                    hidden[j] = cohort[j] if hidden[j] is None else torch.cat([hidden[j], cohort[j]])
-                inp = all_inputs[j] if cohort[j] is not None and first <= layer < end else dec_inputs[j]
-                residual[j], routes[j] = self._attend_and_dispatch(layer, j, hidden[j], inp, expert_counts)
-        for j in range(self.m):
-            hidden[j] = self._combine(cfg.num_layers - 1, j, residual[j], routes[j])
-            if cohort[j] is not None and end == cfg.num_layers:
-                leave(j)
+                    state.hidden = self._combine(layer - 1, j, residual[j], routes[j])
+                state.cross(layout, layer)
+                residual[j], routes[j] = self._attend_and_dispatch(layer, j, state.hidden,
+                                                                   state.inputs_at(layout, layer), expert_counts)
+        for j, state in enumerate(states):
+            state.hidden = self._combine(cfg.num_layers - 1, j, residual[j], routes[j])
+            state.cross(layout, cfg.num_layers)
         self.deployment_busy = self._busy
         self.step_id = (self.step_id + 1) & 0xFFFFFFFF
-
-        # Every rank keeps the cohort's hidden states for the next group (followers too: each
-        # rank's attention needs them whole); after the last group, completed prompts sample.
-        last_rows = []  # after the last group: (index into the cohort, its chunk's last hidden row)
-        for j, coh_idx in enumerate(coh_groups):
-            if not coh_idx:
-                continue
-            starts = all_inputs[j][2].query_start_host
-            offset = len(dec_groups[j])
-            for pos, i in enumerate(coh_idx):
-                seq = lp.seqs[i]
-                part = cohort[j][starts[offset + pos] - n_dec[j]:starts[offset + pos + 1] - n_dec[j]]
-                if not lp.last:
-                    self.layered_hidden[seq.request_id] = part
-                    continue
-                self.layered_hidden.pop(seq.request_id, None)
-                last_rows.append((i, part[-1]))
-
-        n_all = len(out.seqs) + (len(lp.seqs) if lp else 0)
-        sampled: list[int | None] = [None] * n_all
-        if self.tp_rank:  # followers: the leader samples
-            return StepResult(sampled, [])
-        samples = out.samples()
-        rows, owners = [], []  # owners: index into out.seqs, then into the cohort after them
-        for j, idx in enumerate(dec_groups):
-            starts = dec_inputs[j][2].query_start_host if idx else []
-            for pos, i in enumerate(idx):
-                if samples[i]:
-                    rows.append(hidden[j][starts[pos + 1] - 1])
-                    owners.append(i)
-        for i, row in last_rows:  # a chunk that completes its prompt samples the first token
-            seq = lp.seqs[i]
-            if seq.num_computed_tokens + lp.num_tokens[i] == seq.num_tokens:
-                rows.append(row)
-                owners.append(len(out.seqs) + i)
-        if rows:
-            every = out.seqs + (lp.seqs if lp else [])
-            logits = self.model.compute_logits(self.model.norm(torch.stack(rows)))
-            seqs = [every[o] for o in owners]
-            tokens = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
-            for o, token in zip(owners, tokens):
-                sampled[o] = token
-        return StepResult(sampled, expert_counts.tolist())
+        return expert_counts
 
     def _attend_and_dispatch(self, layer: int, j: int, hidden, inp, expert_counts):
         if hidden is None:

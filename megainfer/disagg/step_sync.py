@@ -1,11 +1,19 @@
 """A tensor-parallel attention node's step, sent from its leader rank (which schedules and
 samples) to its follower ranks (which hold the other heads), over the node's own
 torch.distributed group. Layout of the int64 payload:
-    [num_seqs, num_single_token, per sequence: SEQ,
-     has_layered, (if 1) group, num_groups, first_layer, end_layer, num_members, per member: SEQ]
-    SEQ = key, num_computed_tokens, num_new_tokens, num_blocks, new token ids..., block ids...
+    [num_seqs, num_single_token, has_layered, group, num_groups, first_layer, end_layer,
+     num_members, then per sequence of `SchedulerOutput.all_seqs`: SEQ]
+    SEQ = key, num_computed_tokens, num_new_tokens, num_tokens, num_blocks,
+          new token ids (num_new_tokens of them)..., block ids (num_blocks of them)...
+`all_seqs` is the step's own `num_seqs` sequences, then the layered cohort's `num_members`;
+without a layered pass (`has_layered` 0) the five cohort fields are 0. `num_tokens` is the
+sequence's whole length, so a follower knows which sequences complete this step.
 `key` names a sequence for as long as it lives on the leader (its object id), so a follower
 can keep a layered-prefill cohort's hidden states between steps under the same name.
+
+A follower rebuilds the leader's `SchedulerOutput` from this (one `SequenceView` per sequence)
+and derives the step's `StepLayout` with the same constructor as the leader, so every rank
+splits micro-batches and offsets rows identically.
 """
 
 from __future__ import annotations
@@ -17,62 +25,51 @@ import torch.distributed as dist
 
 from megainfer.scheduler import LayeredPass, SchedulerOutput
 
+_HEADER = 8  # int64 fields before the first SEQ
+
 
 @dataclass
 class SequenceView:
-    """What a follower needs of a sequence to prepare its batch."""
+    """What a follower needs of a sequence to prepare its batch and lay out its rows."""
 
     request_id: str  # the leader's key for the sequence, not its request id
     token_ids: list[int]  # only [num_computed_tokens, num_computed_tokens + n) are meaningful
-    num_computed_tokens: int
-    block_table: list[int]
-
-
-def _put(flat: list[int], seq, n: int) -> None:
-    begin = seq.num_computed_tokens
-    flat += [id(seq), begin, n, len(seq.block_table), *seq.token_ids[begin:begin + n], *seq.block_table]
-
-
-def _take(flat: list[int], pos: int) -> tuple[SequenceView, int, int]:
-    key, begin, n, nb = flat[pos:pos + 4]
-    pos += 4
-    tokens, blocks = flat[pos:pos + n], flat[pos + n:pos + n + nb]
-    return SequenceView(str(key), [0] * begin + tokens, begin, blocks), n, pos + n + nb
+    num_computed_tokens: int  # tokens already in the KV cache, where this step's begin
+    num_tokens: int  # the sequence's length on the leader (prompt and generated tokens)
+    block_table: list[int]  # KV-cache block ids, in order, as the leader allocated them
 
 
 def encode(out: SchedulerOutput) -> torch.Tensor:
-    flat = [len(out.seqs), out.num_single_token]
-    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-        _put(flat, seq, n)
-    lp = out.layered
-    if lp is None:
-        flat.append(0)
+    cohort = out.layered
+    if cohort is None:
+        flat = [len(out.seqs), out.num_single_token, 0, 0, 0, 0, 0, 0]
+        counts = out.num_scheduled_tokens
     else:
-        flat += [1, lp.group, lp.num_groups, lp.layers[0], lp.layers[1], len(lp.seqs)]
-        for seq, n in zip(lp.seqs, lp.num_tokens):
-            _put(flat, seq, n)
+        flat = [len(out.seqs), out.num_single_token, 1, cohort.group, cohort.num_groups, *cohort.layers,
+                len(cohort.seqs)]
+        counts = out.num_scheduled_tokens + cohort.num_tokens
+    for seq, n in zip(out.all_seqs, counts):
+        begin = seq.num_computed_tokens
+        flat += [id(seq), begin, n, seq.num_tokens, len(seq.block_table), *seq.token_ids[begin:begin + n],
+                 *seq.block_table]
     return torch.tensor(flat, dtype=torch.int64)
 
 
 def decode(payload: torch.Tensor) -> SchedulerOutput:
     flat = payload.tolist()
-    num_seqs, num_single = flat[0], flat[1]
-    pos = 2
-    seqs, counts = [], []
-    for _ in range(num_seqs):
-        view, n, pos = _take(flat, pos)
-        seqs.append(view)
+    num_seqs, num_single, has_layered, group, num_groups, first, end, members = flat[:_HEADER]
+    pos = _HEADER
+    views, counts = [], []
+    for _ in range(num_seqs + members):
+        key, begin, n, length, num_blocks = flat[pos:pos + 5]
+        pos += 5
+        tokens, blocks = flat[pos:pos + n], flat[pos + n:pos + n + num_blocks]
+        pos += n + num_blocks
+        views.append(SequenceView(str(key), [0] * begin + tokens, begin, length, blocks))
         counts.append(n)
-    out = SchedulerOutput(seqs=seqs, num_scheduled_tokens=counts, num_single_token=num_single)
-    if flat[pos]:
-        group, num_groups, first, end, members = flat[pos + 1:pos + 6]
-        pos += 6
-        views, chunk = [], []
-        for _ in range(members):
-            view, n, pos = _take(flat, pos)
-            views.append(view)
-            chunk.append(n)
-        out.layered = LayeredPass(views, chunk, (first, end), group, num_groups)
+    out = SchedulerOutput(seqs=views[:num_seqs], num_scheduled_tokens=counts[:num_seqs], num_single_token=num_single)
+    if has_layered:
+        out.layered = LayeredPass(views[num_seqs:], counts[num_seqs:], (first, end), group, num_groups)
     return out
 
 

@@ -31,16 +31,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.kv_cache import BlockManager
+from megainfer.messages import NodeState, StepSample
 from megainfer.routing.length_estimator import OutputLengthEstimator
-from megainfer.routing.node_state import NodeState, StepSample
-from megainfer.routing.step_model import OnlineStepModel
+from megainfer.routing.online_step_model import OnlineStepModel
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import ChunkedPrefill, LayeredPrefill, Scheduler
 from megainfer.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
-class Prediction:
+class RequestForecast:
+    """What the forecasts predicted for a request on the node the router placed it on
+    (`PredictiveRouter.last`)."""
+
     node: int
     ttft_s: float
     e2e_s: float
@@ -48,7 +51,9 @@ class Prediction:
     at: float = 0.0  # when the router chose (its clock)
 
 
-PEAK = [0, 2, 3]  # a work row's columns the busiest node bounds: tokens, kv_tokens, score_pairs
+# A work row: one node's (tokens, seqs, kv_tokens, score_pairs) in one step.
+TOKENS, SEQS, KV_TOKENS, SCORE_PAIRS = range(4)
+PEAK_COLUMNS = [TOKENS, KV_TOKENS, SCORE_PAIRS]  # the columns the busiest node bounds
 
 
 class Timeline:
@@ -61,7 +66,7 @@ class Timeline:
         self.work = np.asarray(work, dtype=np.float64)  # (members, steps, 4)
         self.model = model
         self.summed = self.work.sum(axis=0)
-        self.peak = self.work[:, :, PEAK].max(axis=0)
+        self.peak = self.work[:, :, PEAK_COLUMNS].max(axis=0)
         self.dur = model.price(self.summed, self.peak)
         self.members: list[NodeForecast] = []
         self.reindex()
@@ -77,24 +82,25 @@ class Timeline:
         mine = self.work[member]
         mine[steps] += rows
         self.summed[steps] += rows
-        self.peak[steps] = np.maximum(self.peak[steps], mine[steps][:, PEAK])
+        self.peak[steps] = np.maximum(self.peak[steps], mine[steps][:, PEAK_COLUMNS])
         self.dur[steps] = self.model.price(self.summed[steps], self.peak[steps])
 
     def added_s(self, member: int, steps: slice, rows: np.ndarray) -> float:
         """Seconds `rows` more work by `member` in `steps` would add to them."""
-        peak = np.maximum(self.peak[steps], self.work[member][steps][:, PEAK] + rows[:, PEAK])
+        peak = np.maximum(self.peak[steps], self.work[member][steps][:, PEAK_COLUMNS] + rows[:, PEAK_COLUMNS])
         return float((self.model.price(self.summed[steps] + rows, peak) - self.dur[steps]).sum())
 
     def added_one_s(self, member: int, step: int, prompt: int) -> float:
         """`added_s` for a whole prompt from a fresh prefix in one step (most placements), in
         plain floats: numpy's per-call overhead would dominate a single row."""
-        c = self.model._c
+        cost = self.model.coefficients
         pairs = prompt * (prompt + 1) / 2
         peak_tokens, peak_kv, peak_pairs = self.peak[step].tolist()
         tokens, _, kv, own_pairs = self.work[member, step].tolist()
-        return (c[1] * prompt + c[2] + c[3] * prompt + c[4] * pairs
-                + c[5] * max(tokens + prompt - peak_tokens, 0.0) + c[6] * max(kv + prompt - peak_kv, 0.0)
-                + c[7] * max(own_pairs + pairs - peak_pairs, 0.0))
+        return (cost.tokens * prompt + cost.seqs + cost.kv_tokens * prompt + cost.score_pairs * pairs
+                + cost.peak_tokens * max(tokens + prompt - peak_tokens, 0.0)
+                + cost.peak_kv_tokens * max(kv + prompt - peak_kv, 0.0)
+                + cost.peak_score_pairs * max(own_pairs + pairs - peak_pairs, 0.0))
 
     @property
     def alone(self) -> bool:
@@ -154,9 +160,9 @@ class NodeForecast:
         """This node's work in a step past the horizon: its decodes (`decodes` more, reading
         `extra_kv` more cached tokens) and a prompt chunk of `chunk` tokens (from a fresh prefix:
         the tail does not track where a backlog's prompts stand)."""
-        d = self.tail_decodes + decodes
+        decoding = self.tail_decodes + decodes
         kv = self.tail_kv + extra_kv
-        return (chunk + d, d + (chunk > 0), kv + chunk, kv + chunk * (chunk + 1) / 2)
+        return (chunk + decoding, decoding + (chunk > 0), kv + chunk, kv + chunk * (chunk + 1) / 2)
 
     def _index(self) -> None:
         self.cum_spare = np.cumsum(self.spare)
@@ -165,8 +171,8 @@ class NodeForecast:
         # p <= min over j >= k of (kv_free[j] - j) + k. That bound rises with k, so the first
         # step it fits is a binary search.
         steps = np.arange(len(self.kv_free))
-        g = self.kv_free - steps
-        self.kv_gate = np.minimum.accumulate(g[::-1])[::-1] + steps if len(g) else g
+        headroom = self.kv_free - steps
+        self.kv_gate = np.minimum.accumulate(headroom[::-1])[::-1] + steps if len(headroom) else headroom
         # A step past the horizon without a newcomer here; every prediction past it asks.
         self.tail_base_s = self.timeline.tail_s(self.member, self.tail_row(0))
         if self.tail_free_s < self.horizon_s:  # the backlog left at the horizon drains at the tail's rate
@@ -197,28 +203,30 @@ class NodeForecast:
         """A decode step past the horizon, the newcomer decoding here with `extra_kv` cached tokens."""
         return self.timeline.tail_s(self.member, self.tail_row(0, decodes=1, extra_kv=extra_kv), others_prefill=False)
 
-    def _prefill_added_s(self, i0: int, k: int, prompt: int) -> float:
-        """What the newcomer's prompt, spread over steps i0..k, adds to them."""
+    def _prefill_added_s(self, first: int, last: int, prompt: int) -> float:
+        """What the newcomer's prompt, spread over steps first..last, adds to them."""
         if self.timeline.alone:
-            chunks = int(self.cum_open[k]) - (int(self.cum_open[i0 - 1]) if i0 > 0 else 0)
-            c = self.model.alone
-            return c[1] * prompt + c[2] * chunks + c[3] * prompt * (chunks + 1) / 2 + c[4] * prompt * (prompt + 1) / 2
-        if k == i0:
-            return self.timeline.added_one_s(self.member, k, prompt)
-        return self.timeline.added_s(self.member, *self._chunk_rows(i0, k, prompt))
+            chunks = int(self.cum_open[last]) - (int(self.cum_open[first - 1]) if first > 0 else 0)
+            cost = self.model.alone
+            return (cost.tokens * prompt + cost.seqs * chunks + cost.kv_tokens * prompt * (chunks + 1) / 2
+                    + cost.score_pairs * prompt * (prompt + 1) / 2)
+        if last == first:
+            return self.timeline.added_one_s(self.member, last, prompt)
+        return self.timeline.added_s(self.member, *self._chunk_rows(first, last, prompt))
 
-    def _chunk_rows(self, i0: int, k: int, prompt: int) -> tuple[slice, np.ndarray]:
-        """The newcomer's work in steps i0..k where its prompt is spread over the steps' spare
-        budget, each chunk reading the prefix before it (k -1: it takes every step's spare up
-        to the horizon and finishes past it)."""
-        stop = k + 1 if k >= 0 else len(self.spare)
-        chunk = self.spare[i0:stop].astype(np.float64)
-        if k >= 0:
+    def _chunk_rows(self, first: int, last: int, prompt: int) -> tuple[slice, np.ndarray]:
+        """The newcomer's work in steps first..last where its prompt is spread over the steps'
+        spare budget, each chunk reading the prefix before it (last -1: it takes every step's
+        spare up to the horizon and finishes past it)."""
+        stop = last + 1 if last >= 0 else len(self.spare)
+        chunk = self.spare[first:stop].astype(np.float64)
+        if last >= 0:
             chunk[-1] = prompt - chunk[:-1].sum()
         prefix = np.cumsum(chunk) - chunk
-        on = chunk > 0
-        rows = np.column_stack((chunk, on, np.where(on, prefix + chunk, 0.0), chunk * prefix + chunk * (chunk + 1) / 2))
-        return slice(i0, stop), rows
+        computing = chunk > 0
+        rows = np.column_stack((chunk, computing, np.where(computing, prefix + chunk, 0.0),
+                                chunk * prefix + chunk * (chunk + 1) / 2))
+        return slice(first, stop), rows
 
     def room_next(self, now: float) -> int:
         """The spare budget of the first step that starts after `now` (the whole budget past
@@ -227,89 +235,89 @@ class NodeForecast:
         return int(self.spare[i]) if i < len(self.spare) else self.budget
 
     def _place(self, now: float, prompt: int) -> tuple[int, int, float]:
-        """(first step the newcomer may join, the step its last prompt token is computed in or
-        -1 past the horizon, and when -1 the time its last prompt token is computed)."""
+        """(first step the newcomer may join, the step its last prompt token is computed in or -1
+        past the horizon, and when -1 the time its last prompt token is computed)."""
         rel = now - self.t0
-        n = len(self.dur)
-        i0 = int(self.start.searchsorted(rel))
+        horizon = len(self.dur)  # steps forecast
+        join_step = int(self.start.searchsorted(rel))
         # Not before the KV cache can keep it to the end (else it would be the one preempted).
-        i0 = max(i0, int(self.kv_gate.searchsorted(prompt)))
-        before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
-        k = int(self.cum_spare.searchsorted(before + prompt)) if i0 < n else n
-        if k < n:
-            return i0, k, 0.0
-        got = int(self.cum_spare[-1]) - before if i0 < n else 0
-        within = self.timeline.added_s(self.member, *self._chunk_rows(i0, -1, prompt)) if got else 0.0
+        join_step = max(join_step, int(self.kv_gate.searchsorted(prompt)))
+        before = int(self.cum_spare[join_step - 1]) if join_step > 0 else 0
+        prompt_step = int(self.cum_spare.searchsorted(before + prompt)) if join_step < horizon else horizon
+        if prompt_step < horizon:
+            return join_step, prompt_step, 0.0
+        got = int(self.cum_spare[-1]) - before if join_step < horizon else 0
+        within = self.timeline.added_s(self.member, *self._chunk_rows(join_step, -1, prompt)) if got else 0.0
         steps = -(-(prompt - got) // self._tail_rate())
         past = max(self.tail_free_s, rel) + within + steps * self.tail_base_s + \
             self._tail_prefill_s(prompt - got, steps, got)
-        return i0, -1, past
+        return join_step, -1, past
 
     def predict(self, now: float, prompt: int, output: int) -> tuple[float, float]:
         """(TTFT, end-to-end latency) of a request of `prompt` tokens arriving at `now` that
         generates `output` tokens."""
         rel = now - self.t0
-        i0, k, past = self._place(now, prompt)
-        m = self.model
-        n = len(self.dur)
-        if k >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
-            done = k + int(self.lag[k])
-            first = self.end[done] if done < n else self.horizon_s + (done - n + 1) * self._tail_step_s(0)
-            first += self._prefill_added_s(i0, k, prompt)
+        join_step, prompt_step, past = self._place(now, prompt)
+        horizon = len(self.dur)
+        if prompt_step >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
+            done = prompt_step + int(self.lag[prompt_step])
+            first_token = self.end[done] if done < horizon else \
+                self.horizon_s + (done - horizon + 1) * self._tail_step_s(0)
+            first_token += self._prefill_added_s(join_step, prompt_step, prompt)
         else:  # past the horizon: `_place` priced its chunks
-            done = n + self.cohort_lag
-            first = past + self.cohort_lag * self._tail_step_s(0)
-        first = max(first, rel)
+            done = horizon + self.cohort_lag
+            first_token = past + self.cohort_lag * self._tail_step_s(0)
+        first_token = max(first_token, rel)
         decode_steps = max(output - 1, 0)
         mean_ctx = prompt + output / 2
-        decode_extra = decode_steps * m.marginal(1, mean_ctx, mean_ctx)
-        last_in = min(done + decode_steps, n - 1)
-        within = max(last_in - done, 0) if done < n else 0
+        decode_extra = decode_steps * self.model.marginal(1, mean_ctx, mean_ctx)
+        last_in = min(done + decode_steps, horizon - 1)
+        within = max(last_in - done, 0) if done < horizon else 0
         ride = (self.end[last_in] - self.end[done]) if within else 0.0
         ride += (decode_steps - within) * self._tail_decode_s(mean_ctx)
-        ttft = first - rel
+        ttft = first_token - rel
         return ttft, ttft + ride + decode_extra
 
     def commit(self, now: float, prompt: int, output: int) -> None:
         """The request was routed here: it takes its spare and rides the steps it decodes in."""
-        i0, k, past = self._place(now, prompt)
-        n = len(self.dur)
-        if k < 0:  # its prompt finishes past the horizon: the tail is busy until then
-            if i0 < n:
+        join_step, prompt_step, past = self._place(now, prompt)
+        horizon = len(self.dur)
+        if prompt_step < 0:  # its prompt finishes past the horizon: the tail is busy until then
+            if join_step < horizon:
                 if not self.timeline.alone:  # (alone, `past` priced these chunks)
-                    self.timeline.add(self.member, *self._chunk_rows(i0, -1, prompt))
-                self.spare[i0:] = 0
+                    self.timeline.add(self.member, *self._chunk_rows(join_step, -1, prompt))
+                self.spare[join_step:] = 0
             self.tail_free_s = past
             self.tail_decodes += 1
             self.tail_kv += prompt + output / 2
             self.timeline.reindex()
             return
-        before = int(self.cum_spare[i0 - 1]) if i0 > 0 else 0
-        tl = self.timeline
-        alone = tl.alone
+        before = int(self.cum_spare[join_step - 1]) if join_step > 0 else 0
+        timeline = self.timeline
+        alone = timeline.alone
         if alone:
-            self.dur[k] += self._prefill_added_s(i0, k, prompt)
+            self.dur[prompt_step] += self._prefill_added_s(join_step, prompt_step, prompt)
         else:
-            tl.add(self.member, *self._chunk_rows(i0, k, prompt))
-        self.spare[k] = int(self.cum_spare[k]) - (before + prompt)
-        self.spare[i0:k] = 0
-        done = k + int(self.lag[k])
+            timeline.add(self.member, *self._chunk_rows(join_step, prompt_step, prompt))
+        self.spare[prompt_step] = int(self.cum_spare[prompt_step]) - (before + prompt)
+        self.spare[join_step:prompt_step] = 0
+        done = prompt_step + int(self.lag[prompt_step])
         last = done + max(output - 1, 0)
-        held = np.minimum(prompt + np.maximum(np.arange(i0, n) - done, 0), prompt + output)
-        self.kv_free[i0:] -= np.where(np.arange(i0, n) <= last, held, 0)
-        if done + 1 < n:
-            ride = slice(done + 1, min(last, n - 1) + 1)
+        held = np.minimum(prompt + np.maximum(np.arange(join_step, horizon) - done, 0), prompt + output)
+        self.kv_free[join_step:] -= np.where(np.arange(join_step, horizon) <= last, held, 0)
+        if done + 1 < horizon:
+            ride = slice(done + 1, min(last, horizon - 1) + 1)
             ctx = prompt + output / 2
             if alone:
                 self.dur[ride] += self.model.marginal(1, ctx, ctx)
             else:
-                tl.add(self.member, ride, np.array([[1.0, 1.0, ctx, ctx]]))
+                timeline.add(self.member, ride, np.array([[1.0, 1.0, ctx, ctx]]))
             if not self.cohort_lag:
                 self.spare[ride] = np.maximum(self.spare[ride] - 1, 0)
-        if last >= n:
+        if last >= horizon:
             self.tail_decodes += 1
             self.tail_kv += prompt + output / 2
-        tl.reindex()
+        timeline.reindex()
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
@@ -325,17 +333,17 @@ class NodeForecast:
         replays = [_Replay(state, estimator) for state in states]
         idle = (0.0, 0.0, 0.0, 0.0)
         work = []  # per step, every node's row
-        while len(work) < horizon and any(r.sched.has_unfinished for r in replays):
-            outs = [r.sched.schedule() if r.sched.has_unfinished else None for r in replays]
+        while len(work) < horizon and any(replay.scheduler.has_unfinished for replay in replays):
+            outs = [replay.scheduler.schedule() if replay.scheduler.has_unfinished else None for replay in replays]
             if any(out is not None and out.is_empty for out in outs):
                 break  # nothing fits (a KV cache full of waiting prompts): the tail takes over
-            work.append([StepSample.of(out, num_layers=r.num_layers).work() if out is not None else idle
-                         for r, out in zip(replays, outs)])
-            for r, out in zip(replays, outs):
-                r.record(out)
+            work.append([StepSample.of(out, num_layers=replay.num_layers).work() if out is not None else idle
+                         for replay, out in zip(replays, outs)])
+            for replay, out in zip(replays, outs):
+                replay.record(out)
         timeline = Timeline(np.asarray(work, dtype=np.float64).reshape(len(work), len(replays), 4).transpose(1, 0, 2),
                             model)
-        forecasts = [r.forecast(state.time, timeline, model) for r, state in zip(replays, states)]
+        forecasts = [replay.forecast(state.time, timeline, model) for replay, state in zip(replays, states)]
         timeline.reindex()
         return forecasts
 
@@ -345,77 +353,77 @@ class _Replay:
     would leave a newcomer."""
 
     def __init__(self, state: NodeState, estimator: OutputLengthEstimator) -> None:
-        k = state.knobs
-        self.num_layers = k.num_layers
-        self.bm = bm = BlockManager(k.num_blocks, k.block_size)
-        self.layered = k.prefill_policy == "layered"
-        policy = LayeredPrefill(k.num_layers, k.group_tokens, k.num_layer_groups, k.layered_chunk_tokens) \
-            if self.layered else ChunkedPrefill()
-        self.sched = sched = Scheduler(bm, policy, max_num_seqs=k.max_num_seqs,
-                                       max_num_batched_tokens=k.max_num_batched_tokens,
-                                       max_model_len=k.max_model_len, clock=lambda: 0.0)
+        knobs = state.knobs
+        self.num_layers = knobs.num_layers
+        self.block_manager = block_manager = BlockManager(knobs.num_blocks, knobs.block_size)
+        self.layered = knobs.prefill_policy == "layered"
+        policy = LayeredPrefill(knobs.num_layers, knobs.group_tokens, knobs.num_layer_groups,
+                                knobs.layered_chunk_tokens) if self.layered else ChunkedPrefill()
+        self.scheduler = scheduler = Scheduler(block_manager, policy, max_num_seqs=knobs.max_num_seqs,
+                                               max_num_batched_tokens=knobs.max_num_batched_tokens,
+                                               max_model_len=knobs.max_model_len, clock=lambda: 0.0)
         for i, lengths in enumerate(state.running):
             seq = _sequence(f"r{i}", lengths, estimator)
             cached = lengths[2]
-            if bm.blocks_for_tokens(cached) > bm.num_free_blocks:
-                sched.add(seq)  # the snapshot raced a preemption: it recomputes, as the node will
+            if block_manager.blocks_for_tokens(cached) > block_manager.num_free_blocks:
+                scheduler.add(seq)  # the snapshot raced a preemption: it recomputes, as the node will
                 continue
-            bm.allocate(seq, cached)
+            block_manager.allocate(seq, cached)
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
-            sched.running.append(seq)
-            sched.requests[seq.request_id] = seq
+            scheduler.running.append(seq)
+            scheduler.requests[seq.request_id] = seq
         for i, lengths in enumerate(state.waiting):
-            sched.add(_sequence(f"w{i}", lengths, estimator))
-        self.budget = k.layered_chunk_tokens if self.layered else k.max_num_batched_tokens
+            scheduler.add(_sequence(f"w{i}", lengths, estimator))
+        self.budget = knobs.layered_chunk_tokens if self.layered else knobs.max_num_batched_tokens
         self.group_lag = 0
         if self.layered:
-            groups = k.num_layer_groups or max(1, -(-self.budget // k.group_tokens))
-            self.group_lag = min(groups, k.num_layers) - 1
+            groups = knobs.num_layer_groups or max(1, -(-self.budget // knobs.group_tokens))
+            self.group_lag = min(groups, knobs.num_layers) - 1
         self.spare: list[int] = []
         self.lag: list[int] = []
         self.kv_free: list[int] = []
 
     def record(self, out) -> None:
         """The step `out` (None: this node has nothing to run in it) and then run it."""
-        room, step_lag = _room(self.sched, out, self.layered, self.budget, self.group_lag)
+        room, step_lag = _room(self.scheduler, out, self.layered, self.budget, self.group_lag)
         self.spare.append(room)
         self.lag.append(step_lag)
-        self.kv_free.append(self.bm.num_free_blocks * self.bm.block_size)
+        self.kv_free.append(self.block_manager.num_free_blocks * self.block_manager.block_size)
         if out is not None:
-            self.sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
+            self.scheduler.update_from_output(out, [0 if sampled else None for sampled in out.all_samples()])
 
     def forecast(self, t0: float, timeline: Timeline, model: OnlineStepModel) -> NodeForecast:
-        sched = self.sched
-        backlog = sum(s.num_uncomputed_tokens for s in sched.waiting) + \
-            sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
-        decodes = [s for s in sched.running if s.num_uncomputed_tokens <= 1]
+        scheduler = self.scheduler
+        backlog = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + \
+            sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
+        decodes = [s for s in scheduler.running if s.num_uncomputed_tokens <= 1]
         return NodeForecast(t0, timeline, np.asarray(self.spare), np.asarray(self.lag), np.asarray(self.kv_free),
                             budget=self.budget, tail_backlog=backlog, tail_decodes=len(decodes),
                             tail_kv=float(sum(s.num_computed_tokens for s in decodes)), model=model,
                             cohort_lag=self.group_lag)
 
 
-def _sequence(rid: str, lengths: tuple[int, int, int, int], estimator: OutputLengthEstimator) -> Sequence:
+def _sequence(request_id: str, lengths: tuple[int, int, int, int], estimator: OutputLengthEstimator) -> Sequence:
     prompt, num_tokens, _, max_tokens = lengths
     generated = num_tokens - prompt
     total = estimator.estimate(prompt, generated, max_tokens)
-    return Sequence(rid, [0] * prompt, SamplingParams(max_tokens=max(total, generated + 1), ignore_eos=True),
+    return Sequence(request_id, [0] * prompt, SamplingParams(max_tokens=max(total, generated + 1), ignore_eos=True),
                     token_ids=[0] * num_tokens, arrival_time=0.0)
 
 
-def _room(sched: Scheduler, out, layered: bool, budget: int, group_lag: int) -> tuple[int, int]:
+def _room(scheduler: Scheduler, out, layered: bool, budget: int, group_lag: int) -> tuple[int, int]:
     """Prompt tokens this step would give one more request at the back of the queue, and how
     many steps later those tokens complete (`out` None: the node is idle in this step)."""
-    if sched.waiting or (out is not None and out.preempted) or len(sched.running) >= sched.max_num_seqs:
+    if scheduler.waiting or (out is not None and out.preempted) or len(scheduler.running) >= scheduler.max_num_seqs:
         return 0, 0
-    bm = sched.block_manager
-    kv_room = bm.num_free_blocks * bm.block_size
+    block_manager = scheduler.block_manager
+    kv_room = block_manager.num_free_blocks * block_manager.block_size
     if not layered:
         return max(0, min(budget - (out.total_tokens if out is not None else 0), kv_room)), 0
-    lp = out.layered if out is not None else None
-    if lp is None:  # no cohort in flight and nobody waiting: one would form now
+    cohort = out.layered if out is not None else None
+    if cohort is None:  # no cohort in flight and nobody waiting: one would form now
         return min(budget, kv_room), group_lag
-    if lp.group == 0:  # a cohort formed this step: a newcomer would have joined it
-        return max(0, min(budget - sum(lp.num_tokens), kv_room)), lp.num_groups - 1
+    if cohort.group == 0:  # a cohort formed this step: a newcomer would have joined it
+        return max(0, min(budget - sum(cohort.num_tokens), kv_room)), cohort.num_groups - 1
     return 0, 0

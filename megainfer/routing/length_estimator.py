@@ -53,26 +53,27 @@ class BucketedLengthEstimator:
         return max(int(prompt_tokens), 1).bit_length()
 
     def observe(self, prompt_tokens: int, output_tokens: int) -> None:
-        b = self.bucket(prompt_tokens)
-        self._lengths.setdefault(b, deque(maxlen=self.window)).append(int(output_tokens))
-        self._sorted.pop(b, None)
+        bucket = self.bucket(prompt_tokens)
+        self._lengths.setdefault(bucket, deque(maxlen=self.window)).append(int(output_tokens))
+        self._sorted.pop(bucket, None)
 
-    def _samples(self, b: int) -> np.ndarray | None:
-        ready = [k for k, v in self._lengths.items() if len(v) >= self.min_samples]
+    def _samples(self, bucket: int) -> np.ndarray | None:
+        """The sorted output lengths of `bucket`, or of the nearest bucket with enough of them."""
+        ready = [b for b, lengths in self._lengths.items() if len(lengths) >= self.min_samples]
         if not ready:
             return None
-        k = min(ready, key=lambda k: (abs(k - b), k))
-        arr = self._sorted.get(k)
-        if arr is None:
-            arr = self._sorted[k] = np.sort(np.fromiter(self._lengths[k], dtype=np.int64))
-        return arr
+        nearest = min(ready, key=lambda b: (abs(b - bucket), b))
+        lengths = self._sorted.get(nearest)
+        if lengths is None:
+            lengths = self._sorted[nearest] = np.sort(np.fromiter(self._lengths[nearest], dtype=np.int64))
+        return lengths
 
     def estimate(self, prompt_tokens: int, generated: int, max_tokens: int) -> int:
-        arr = self._samples(self.bucket(prompt_tokens))
-        if arr is None:
+        lengths = self._samples(self.bucket(prompt_tokens))
+        if lengths is None:
             guess = self.prior
         else:
-            longer = arr[np.searchsorted(arr, generated, side="right"):]
+            longer = lengths[np.searchsorted(lengths, generated, side="right"):]
             # A request already past every length seen: it goes on a while longer (half again).
             guess = float(longer.mean()) if len(longer) else generated * 1.5
         return int(min(max(round(guess), generated + 1), max(max_tokens, generated + 1)))

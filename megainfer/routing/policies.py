@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.errors import ConfigError
-from megainfer.routing.forecast import NodeForecast, Prediction
+from megainfer.messages import NodeLoad, StepSample
+from megainfer.routing.forecast import NodeForecast, RequestForecast
 from megainfer.routing.length_estimator import BucketedLengthEstimator
-from megainfer.routing.node_state import StepSample
-from megainfer.routing.step_model import OnlineStepModel
+from megainfer.routing.online_step_model import OnlineStepModel
 
 ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
 OBJECTIVES = ("ttft", "e2e")
@@ -34,25 +34,14 @@ OFFSET_GAIN = 0.05  # how fast the TTFT offset follows measured errors (about th
 IN_FLIGHT_S = 30.0  # a routed request no one said reached its node is forgotten after this
 
 
-@dataclass
-class NodeLoad:
-    """What a heuristic router knows of one node."""
+@dataclass(slots=True)
+class _Routed:
+    """A request routed to a node that the node's last snapshot may not hold."""
 
-    capacity_tokens: int  # KV-cache tokens the node holds in all
-    used_tokens: int = 0  # tokens cached now
-    pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
-    running: int = 0
-    waiting: int = 0
-
-    def add(self, prompt_tokens: int) -> None:
-        """A request routed here since the last snapshot."""
-        self.pending_prefill_tokens += prompt_tokens
-        self.waiting += 1
-
-    def freeness(self) -> float:
-        """Llumnix: (capacity - cached - pending prefill) / requests carried (one more: the new one)."""
-        free = self.capacity_tokens - self.used_tokens - self.pending_prefill_tokens
-        return free / (self.running + self.waiting + 1)
+    routed_at: float  # the router's clock when it chose
+    prompt: int  # tokens
+    output: int  # the output tokens the router estimated
+    reached_at: float | None = None  # when it reached the node's scheduler (None: on its way)
 
 
 class Router:
@@ -133,12 +122,11 @@ class PredictiveRouter(Router):
         self.step_prior = step_prior
         self.models: list = []
         self.forecasts: list = []
-        # Per node, what was routed there that its last snapshot may not hold:
-        # [when, prompt, output, when it reached the node's scheduler (None: on its way)].
-        self._routed: list[list[list]] = []
+        # Per node, what was routed there that its last snapshot may not hold.
+        self._routed: list[list[_Routed]] = []
         # Lockstep replicas, by first node: step number -> the samples of it reported so far.
         self._unmatched: dict[int, dict[int, list[StepSample]]] = {}
-        self.last = None  # the Prediction of the last choice
+        self.last = None  # the RequestForecast of the last choice
         # The mean of what the forecasts miss, mostly what they cannot see and every node pays
         # alike: the request's way to the node and its first token's way back. Learned from
         # measured TTFTs (`observe_ttft`); it moves every candidate's prediction by as much, so
@@ -198,10 +186,10 @@ class PredictiveRouter(Router):
             # A snapshot asked for before a request reached the node does not hold it (a request
             # still on its way when the node answered would otherwise vanish from the forecasts
             # until the next snapshot, and the next long prompt would queue behind it).
-            routed = [r for r in self._routed[node] if (r[3] is None and r[0] > taken_at - IN_FLIGHT_S)
-                      or (r[3] is not None and r[3] >= taken_at)]
-            for when, prompt, output, _ in routed:
-                forecast.commit(when, prompt, output)
+            routed = [r for r in self._routed[node] if (r.reached_at is None and r.routed_at > taken_at - IN_FLIGHT_S)
+                      or (r.reached_at is not None and r.reached_at >= taken_at)]
+            for r in routed:
+                forecast.commit(r.routed_at, r.prompt, r.output)
             self._routed[node] = routed
             self.forecasts[node] = forecast
 
@@ -211,30 +199,32 @@ class PredictiveRouter(Router):
             del self._unmatched[first]
 
     def predict(self, node: int, prompt_tokens: int, output_tokens: int, now: float) -> tuple[float, float]:
-        f = self.forecasts[node]
-        if f is None:  # no snapshot yet: nothing known, so nothing queued
+        forecast = self.forecasts[node]
+        if forecast is None:  # no snapshot yet: nothing known, so nothing queued
             return 0.0, 0.0
-        return f.predict(now, prompt_tokens, output_tokens)
+        return forecast.predict(now, prompt_tokens, output_tokens)
 
     def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
         started = time.perf_counter()
         self._grow(len(loads))
         now = self.clock()
         output = self.estimator.estimate(prompt_tokens, 0, max(max_tokens, 1))
-        key = 0 if self.objective == "ttft" else 1
-        best, best_pred = 0, None
+        primary = 0 if self.objective == "ttft" else 1  # which of (TTFT, e2e) decides; the other breaks ties
+        best, best_latency = 0, None
         for i in range(len(loads)):
-            pred = self.predict(i, prompt_tokens, output, now)
-            if best_pred is None or (pred[key], pred[1 - key]) < (best_pred[key], best_pred[1 - key]):
-                best, best_pred = i, pred
-            elif pred == best_pred and self._lighter(i, best, loads, now):
+            latency = self.predict(i, prompt_tokens, output, now)
+            if best_latency is None or \
+                    (latency[primary], latency[1 - primary]) < (best_latency[primary], best_latency[1 - primary]):
+                best, best_latency = i, latency
+            elif latency == best_latency and self._lighter(i, best, loads, now):
                 best = i
-        f = self.forecasts[best]
-        if f is not None:
-            f.commit(now, prompt_tokens, output)
-        self._routed[best].append([now, prompt_tokens, output, None])
-        off = self.ttft_offset_s
-        self.last = Prediction(best, max(best_pred[0] + off, 0.0), max(best_pred[1] + off, 0.0), output, now)
+        forecast = self.forecasts[best]
+        if forecast is not None:
+            forecast.commit(now, prompt_tokens, output)
+        self._routed[best].append(_Routed(now, prompt_tokens, output))
+        offset = self.ttft_offset_s
+        ttft_s, e2e_s = best_latency
+        self.last = RequestForecast(best, max(ttft_s + offset, 0.0), max(e2e_s + offset, 0.0), output, now)
         self.decision_s.append(time.perf_counter() - started)
         return best
 
@@ -243,11 +233,11 @@ class PredictiveRouter(Router):
             return
         routed = self._routed[node]
         for r in routed:
-            if r[0] == routed_at and r[3] is None:
+            if r.routed_at == routed_at and r.reached_at is None:
                 if reached_at is None:
                     routed.remove(r)
                 else:
-                    r[3] = reached_at
+                    r.reached_at = reached_at
                 return
 
     def _lighter(self, i: int, j: int, loads: list[NodeLoad], now: float) -> bool:
@@ -255,11 +245,11 @@ class PredictiveRouter(Router):
         one with less work in that step takes the request (the nodes compute their halves side
         by side, so the step waits on the busier), and between equals the one with more KV room
         per request, as least_loaded would."""
-        fi, fj = self.forecasts[i], self.forecasts[j]
-        if fi is not None and fj is not None:
-            ri, rj = fi.room_next(now), fj.room_next(now)
-            if ri != rj:
-                return ri > rj
+        forecast_i, forecast_j = self.forecasts[i], self.forecasts[j]
+        if forecast_i is not None and forecast_j is not None:
+            room_i, room_j = forecast_i.room_next(now), forecast_j.room_next(now)
+            if room_i != room_j:
+                return room_i > room_j
         return loads[i].freeness() > loads[j].freeness()
 
     def observe_ttft(self, predicted_s: float, measured_s: float) -> None:

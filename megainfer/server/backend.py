@@ -1,8 +1,8 @@
-"""What the gRPC service needs from whatever generates: submit, abort, stream deltas, info.
+"""What the servers need from whatever generates: submit, abort, stream deltas, info.
 
-`deploy.launcher.Deployment` (attention and expert nodes on Ray) and `EngineBackend` (one
-colocated engine in a thread) both provide it; `StreamRegistry` is the per-request queue
-plumbing they share.
+`deploy.deployment.Deployment` (attention and expert nodes on Ray), `deploy.replicas.ReplicaSet`
+and `EngineBackend` (one colocated engine in a thread) provide it; `StreamRegistry` is the
+per-request queue plumbing they share.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from megainfer.messages import FinishReason, NodeRole, NodeStatus, RequestDelta
 from megainfer.sampling_params import SamplingParams
 
 
@@ -21,15 +22,15 @@ class RequestStream:
     request_id: str
     prompt_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
-    deltas: queue.Queue = field(default_factory=queue.Queue)  # RequestDelta fields as dicts
+    deltas: queue.Queue[RequestDelta] = field(default_factory=queue.Queue)
 
-    def get(self, timeout: float) -> dict | None:
+    def get(self, timeout: float) -> RequestDelta | None:
         try:
             return self.deltas.get(timeout=timeout)
         except queue.Empty:
             return None
 
-    def wait_finished(self, stall_s: float) -> dict:
+    def wait_finished(self, stall_s: float) -> RequestDelta:
         """Consume deltas until the last one and return it. Raises DataPlaneError if the
         request failed, or if no delta came for `stall_s` seconds."""
         from megainfer.errors import DataPlaneError
@@ -38,10 +39,27 @@ class RequestStream:
             delta = self.get(stall_s)
             if delta is None:
                 raise DataPlaneError(f"request {self.request_id} stalled: nothing for {stall_s:g} s")
-            if delta["finished"]:
-                if delta["finish_reason"] == "error":
-                    raise DataPlaneError(f"request {self.request_id} failed: {delta['error']}")
+            if delta.finished:
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise DataPlaneError(f"request {self.request_id} failed: {delta.error}")
                 return delta
+
+
+@dataclass
+class NodeInfo:
+    """One node (or rank) as ServerInfo shows it."""
+
+    name: str
+    role: NodeRole
+    state: NodeStatus
+    detail: str = ""
+
+
+@dataclass
+class BackendInfo:
+    model: str
+    plan_yaml: str  # "" for a colocated engine
+    nodes: list[NodeInfo]
 
 
 class GenerationBackend(Protocol):
@@ -51,11 +69,10 @@ class GenerationBackend(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
-    def info(self) -> dict:
-        """{"model": str, "plan_yaml": str, "nodes": [{"name", "role", "state", "detail"}]}"""
+    def info(self) -> BackendInfo: ...
 
-    def metrics_snapshot(self) -> dict:
-        """What the metrics endpoint reads at each scrape (see megainfer.server.metrics)."""
+    def metrics_snapshot(self):
+        """A `megainfer.server.metrics.MetricsSnapshot`, read at each scrape."""
 
     def close(self) -> None: ...
 
@@ -83,11 +100,11 @@ class StreamRegistry:
         with self._lock:
             self._streams.pop(request_id, None)
 
-    def deliver(self, delta: dict) -> None:
+    def deliver(self, delta: RequestDelta) -> None:
         with self._lock:
-            stream = self._streams.get(delta["request_id"])
-            if stream is not None and delta.get("finished"):
-                del self._streams[delta["request_id"]]
+            stream = self._streams.get(delta.request_id)
+            if stream is not None and delta.finished:
+                del self._streams[delta.request_id]
         if stream is not None:
             stream.deltas.put(delta)
 

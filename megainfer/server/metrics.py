@@ -17,23 +17,36 @@ Each registry is the server's own, so several servers in one process do not coll
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from megainfer.disagg.latency import M2N_BUCKETS
+from megainfer.messages import HistogramSnapshot
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+@dataclass
+class MetricsSnapshot:
+    """What a backend reports at each scrape: the engine's state (attention nodes summed in a
+    deployment) and, where they exist, the histograms kept in other processes."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use over all nodes, 0..1
+    expert_bytes_read: int  # cumulative
+    kv_blocks: int = 0  # blocks the usage is a fraction of (to weigh replicas when summing)
+    m2n_send: HistogramSnapshot | None = None  # deployments: one M2N send
+    m2n_receive_wait: HistogramSnapshot | None = None  # deployments: the wait for one expert node's answer
+    router_ttft_error: HistogramSnapshot | None = None  # predictive router: |predicted - measured| TTFT
+    replicas: int = 1
+
+
 class MetricsSource(Protocol):
-    def metrics_snapshot(self) -> dict:
-        """{"running", "waiting", "kv_cache_usage", "expert_bytes_read"} and, for deployments,
-        "m2n": {"send" | "receive_wait": histogram} and, under the predictive router,
-        "router_ttft_error": histogram; a histogram is {"bounds": [upper edges], "buckets":
-        [counts per edge, then +Inf], "sum": s}."""
+    def metrics_snapshot(self) -> MetricsSnapshot: ...
 
 
 class _BackendCollector:
@@ -45,26 +58,25 @@ class _BackendCollector:
 
     def collect(self):
         snap = self.source.metrics_snapshot()
-        for name, doc, key in (("megainfer:num_requests_running", "Requests holding KV blocks and decoding.", "running"),
-                               ("megainfer:num_requests_waiting", "Requests queued for admission.", "waiting"),
-                               ("megainfer:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                                "kv_cache_usage")):
-            yield GaugeMetricFamily(name, doc, value=snap[key])
+        for name, doc, value in (
+                ("megainfer:num_requests_running", "Requests holding KV blocks and decoding.", snap.running),
+                ("megainfer:num_requests_waiting", "Requests queued for admission.", snap.waiting),
+                ("megainfer:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", snap.kv_cache_usage)):
+            yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("megainfer:expert_load_bytes", "Expert-weight bytes read by the experts' GEMMs.",
-                                  value=snap["expert_bytes_read"])
-        m2n = snap.get("m2n") or {}
-        for h, name, doc in ((m2n.get("send"), "megainfer:m2n_send_latency_seconds", "One M2N send."),
-                             (m2n.get("receive_wait"), "megainfer:m2n_receive_wait_seconds",
+                                  value=snap.expert_bytes_read)
+        for h, name, doc in ((snap.m2n_send, "megainfer:m2n_send_latency_seconds", "One M2N send."),
+                             (snap.m2n_receive_wait, "megainfer:m2n_receive_wait_seconds",
                               "Waiting for one expert node's answer over M2N."),
-                             (snap.get("router_ttft_error"), "megainfer:router_ttft_prediction_error_seconds",
+                             (snap.router_ttft_error, "megainfer:router_ttft_prediction_error_seconds",
                               "|predicted - measured| TTFT of requests the predictive router placed.")):
             if h is None:
                 continue
             cumulative, running = [], 0
-            for bound, count in zip([*map(str, h.get("bounds", M2N_BUCKETS)), "+Inf"], h["buckets"]):
+            for bound, count in zip([*map(str, h.bounds), "+Inf"], h.buckets):
                 running += count
                 cumulative.append((bound, running))
-            yield HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=h["sum"])
+            yield HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=h.sum)
 
 
 class ServingMetrics:

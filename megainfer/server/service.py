@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 import megainfer
 from megainfer.errors import DataPlaneError, Overloaded, RequestError
+from megainfer.messages import ErrorCode, FinishReason
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import GenerationBackend
 from megainfer.server.metrics import ServingMetrics
@@ -74,25 +75,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     return
                 continue
             now = time.monotonic()
-            if delta["new_token_ids"]:
-                completion += len(delta["new_token_ids"])
+            if delta.new_token_ids:
+                completion += len(delta.new_token_ids)
                 first = first or now
                 last = now
-            if not delta["finished"]:
-                yield pb.GenerateResponse(request_id=rid, token_ids=delta["new_token_ids"], text=delta["new_text"])
+            if not delta.finished:
+                yield pb.GenerateResponse(request_id=rid, token_ids=delta.new_token_ids, text=delta.new_text)
                 continue
             finished = True
-            if delta["finish_reason"] == "error":
-                code = grpc.StatusCode.UNAVAILABLE if delta.get("error_code") == "unavailable" \
+            if delta.finish_reason is FinishReason.ERROR:
+                code = grpc.StatusCode.UNAVAILABLE if delta.error_code is ErrorCode.UNAVAILABLE \
                     else grpc.StatusCode.INTERNAL
-                context.abort(code, delta["error"] or "request failed")
+                context.abort(code, delta.error or "request failed")
             ttft_s, e2e_s = (first or now) - stream.arrival, now - stream.arrival
             tpot_s = (last - first) / (completion - 1) if completion > 1 else None
             if self.metrics is not None:
                 self.metrics.observe_request(ttft_s, tpot_s, e2e_s)
             timings = pb.Timings(ttft_ms=ttft_s * 1e3, mean_tbt_ms=(tpot_s or 0.0) * 1e3, e2e_ms=e2e_s * 1e3)
-            yield pb.GenerateResponse(request_id=rid, token_ids=delta["new_token_ids"], text=delta["new_text"],
-                                      finish_reason=delta["finish_reason"],
+            yield pb.GenerateResponse(request_id=rid, token_ids=delta.new_token_ids, text=delta.new_text,
+                                      finish_reason=delta.finish_reason.value,
                                       usage=pb.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=completion),
                                       timings=timings)
             return
@@ -102,8 +103,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoResponse:
         info = self.backend.info()
-        return pb.ServerInfoResponse(version=megainfer.__version__, model=info["model"], plan_yaml=info["plan_yaml"],
-                                     nodes=[pb.NodeInfo(**n) for n in info["nodes"]])
+        return pb.ServerInfoResponse(version=megainfer.__version__, model=info.model, plan_yaml=info.plan_yaml,
+                                     nodes=[pb.NodeInfo(name=n.name, role=n.role.value, state=n.state.value,
+                                                        detail=n.detail) for n in info.nodes])
 
 
 class Server:

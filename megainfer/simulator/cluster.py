@@ -26,17 +26,17 @@ import numpy as np
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
-from megainfer.routing.autoscale import Autoscaler
-from megainfer.routing.node_state import NodeState, StepSample
-from megainfer.routing.policies import NodeLoad, PredictiveRouter, Router
+from megainfer.messages import NodeLoad, NodeState, StepSample
+from megainfer.routing.autoscale import Autoscaler, ScaleEvent
+from megainfer.routing.policies import PredictiveRouter, Router
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
 from megainfer.simulator.sim import Simulator
 from megainfer.simulator.workload import SimRequest
-from planner.step_time import ColocatedStepModel
+from planner.step_cost_model import ColocatedStepModel
 
-_TOKEN = 0
+_TOKEN = 0  # every simulated token: only lengths matter
 
 
 @dataclass
@@ -48,37 +48,38 @@ class ClusterResult:
     ttft_s: np.ndarray
     e2e_s: np.ndarray
     tbt_s: np.ndarray
-    predicted_ttft_s: np.ndarray  # predictive only: the prediction for each request, arrival order
+    predicted_ttft_s: np.ndarray  # predictive only: the prediction for each request, in first-token order
     actual_ttft_s: np.ndarray  # the same requests' simulated TTFT
     per_replica: list[int]  # requests each replica served
     preemptions: int = 0
     decision_p99_s: float = 0.0
-    scale_events: list[dict] = field(default_factory=list)
+    scale_events: list[ScaleEvent] = field(default_factory=list)  # the autoscaler's, this run
     waiting_trace: list[tuple[float, int]] = field(default_factory=list)  # (time, longest queue) at snapshots
     wall_s: float = 0.0
 
     def summary(self) -> dict:
-        def pct(a: np.ndarray, q: float) -> float:
-            return float(np.percentile(a, q)) if len(a) else 0.0
+        def pct(values: np.ndarray, q: float) -> float:
+            return float(np.percentile(values, q)) if len(values) else 0.0
 
-        err = np.abs(self.predicted_ttft_s - self.actual_ttft_s)
+        error = np.abs(self.predicted_ttft_s - self.actual_ttft_s)
         return {"router": self.router, "rate": self.rate, "requests": self.num_requests,
                 "duration_s": self.duration_s,
                 "ttft_mean_s": float(self.ttft_s.mean()), "ttft_p50_s": pct(self.ttft_s, 50),
                 "ttft_p99_s": pct(self.ttft_s, 99), "e2e_mean_s": float(self.e2e_s.mean()),
                 "e2e_p99_s": pct(self.e2e_s, 99), "tbt_p99_s": pct(self.tbt_s, 99),
-                "prediction_mae_s": float(err.mean()) if len(err) else None,
-                "prediction_bias_s": float((self.predicted_ttft_s - self.actual_ttft_s).mean()) if len(err) else None,
-                "preemptions": self.preemptions, "decision_p99_ms": self.decision_p99_s * 1e3, "per_replica": self.per_replica,
-                "scale_events": self.scale_events, "wall_s": self.wall_s}
+                "prediction_mae_s": float(error.mean()) if len(error) else None,
+                "prediction_bias_s": float((self.predicted_ttft_s - self.actual_ttft_s).mean()) if len(error) else None,
+                "preemptions": self.preemptions, "decision_p99_ms": self.decision_p99_s * 1e3,
+                "per_replica": self.per_replica,
+                "scale_events": [event.as_dict() for event in self.scale_events], "wall_s": self.wall_s}
 
 
 class _Replica:
     def __init__(self, sim: Simulator, clock) -> None:
         self.sim = sim
-        self.sched = Scheduler.from_config(sim.config, num_blocks=sim.num_blocks, max_model_len=sim.max_model_len,
-                                           eos_token_ids=(), num_layers=sim.model.num_layers)
-        self.sched.clock = clock
+        self.scheduler = Scheduler.from_config(sim.config, num_blocks=sim.num_blocks, max_model_len=sim.max_model_len,
+                                               eos_token_ids=(), num_layers=sim.model.num_layers)
+        self.scheduler.clock = clock
         self.step: SchedulerOutput | None = None  # in flight
         self.step_sample: StepSample | None = None
         self.step_start = 0.0
@@ -87,6 +88,23 @@ class _Replica:
         self.served = 0
         self.ready_at = 0.0
         self.idle_since = 0.0
+
+    def serving(self, now: float) -> bool:
+        """Started (its weights loaded) by `now`."""
+        return self.ready_at <= now
+
+
+@dataclass
+class _Measured:
+    """What one run measures, appended as requests progress."""
+
+    ttft_s: array = field(default_factory=lambda: array("d"))
+    e2e_s: array = field(default_factory=lambda: array("d"))
+    tbt_s: array = field(default_factory=lambda: array("d"))
+    predicted_ttft_s: array = field(default_factory=lambda: array("d"))  # with actual_ttft_s, once it is known
+    actual_ttft_s: array = field(default_factory=lambda: array("d"))
+    predictions: dict[str, float] = field(default_factory=dict)  # request id -> predicted TTFT, until its first token
+    waiting_trace: list[tuple[float, int]] = field(default_factory=list)
 
 
 class ClusterSimulator:
@@ -109,6 +127,13 @@ class ClusterSimulator:
         self.start_delay_s = start_delay_s
         self.initial = autoscaler.policy.min_replicas if autoscaler else replicas
         self.now = 0.0
+        # One run's state (`run` resets it).
+        self.fleet: list[_Replica] = []
+        self.loads: list[NodeLoad] = []  # the router's view: each replica's last snapshot plus what it routed since
+        self.steps_in_flight: list[tuple[float, int]] = []  # heap of (end time, replica)
+        self.unfinished = 0  # requests arrived and not finished
+        self.max_model_len = 0  # tokens, the first replica's
+        self.measured = _Measured()
 
     def _replica(self, k: int) -> _Replica:
         step_model = self.step_models[k % len(self.step_models)]
@@ -116,126 +141,152 @@ class ClusterSimulator:
                                   seed=self.seed + 7919 * k), lambda: self.now)
 
     def run(self, requests: list[SimRequest], rate: float = 0.0) -> ClusterResult:
+        """Every request through the fleet, events in time order: a snapshot to the router, a
+        step that ends, an arrival (ties go in that order)."""
         started = time.perf_counter()
+        pending = self._start(requests)
+        first_arrival = self.now
+        first_event = len(self.autoscaler.events) if self.autoscaler is not None else 0
+        next_snapshot = self.now
+        arrived = 0
+        while arrived < len(pending) or self.unfinished:
+            arrival_s = pending[arrived].arrival_s if arrived < len(pending) else float("inf")
+            step_end_s = self.steps_in_flight[0][0] if self.steps_in_flight else float("inf")
+            if next_snapshot <= min(arrival_s, step_end_s):
+                self.now = next_snapshot
+                self._snapshot()
+                next_snapshot += self.snapshot_s
+            elif step_end_s <= arrival_s:
+                self._finish_step()
+            else:
+                self.now = arrival_s
+                self._arrive(f"r{arrived}", pending[arrived])
+                arrived += 1
+        return self._result(len(requests), rate, self.now - first_arrival, first_event, time.perf_counter() - started)
+
+    def _start(self, requests: list[SimRequest]) -> list[SimRequest]:
+        """A fresh fleet of the initial replicas, the clock at the first arrival; the requests
+        in arrival order."""
         if isinstance(self.router, PredictiveRouter):
             self.router.clock = lambda: self.now  # predictions on the simulated clock
-        reps = [self._replica(k) for k in range(self.initial)]
-        max_len = reps[0].sim.max_model_len
-        for r in requests:
-            if r.input_len + r.output_len > max_len:
-                raise ConfigError(f"a request of {r.input_len} + {r.output_len} tokens exceeds the model's context "
-                                  f"of {max_len}")
-        pending = sorted(requests, key=lambda r: r.arrival_s)
+        self.fleet = [self._replica(k) for k in range(self.initial)]
+        self.max_model_len = self.fleet[0].sim.max_model_len
+        for request in requests:
+            if request.input_len + request.output_len > self.max_model_len:
+                raise ConfigError(f"a request of {request.input_len} + {request.output_len} tokens exceeds the "
+                                  f"model's context of {self.max_model_len}")
+        pending = sorted(requests, key=lambda request: request.arrival_s)
         self.now = pending[0].arrival_s if pending else 0.0
-        first = self.now
-        steps: list[tuple[float, int]] = []  # (end time, replica) of steps in flight
-        loads = [NodeLoad(**NodeState.of(r.sched, self.now).load()) for r in reps]
-        next_snap = self.now
-        predicted: dict[str, float] = {}
-        ttft, e2e, tbt = array("d"), array("d"), array("d")
-        pred_ttft, act_ttft = array("d"), array("d")
-        events: list[dict] = []
-        waiting_trace: list[tuple[float, int]] = []
-        nxt = 0
-        unfinished = 0
-        while nxt < len(pending) or unfinished:
-            t_arr = pending[nxt].arrival_s if nxt < len(pending) else float("inf")
-            t_step = steps[0][0] if steps else float("inf")
-            if next_snap <= min(t_arr, t_step):
-                self.now = next_snap
-                for k, rep in enumerate(reps):
-                    if rep.ready_at > self.now:
-                        continue
-                    state = NodeState.of(rep.sched, self.now, rep.steps, rep.finished)
-                    rep.steps, rep.finished = [], []
-                    loads[k] = NodeLoad(**state.load())
-                    self.router.observe(k, state, self.now)
-                waiting_trace.append((self.now, max(len(rep.sched.waiting) for rep in reps)))
-                self._retire(reps, loads, events)
-                next_snap += self.snapshot_s
-                continue
-            if t_step <= t_arr:
-                self.now, k = heapq.heappop(steps)
-                rep = reps[k]
-                out = rep.step
-                rep.steps.append(StepSample(**{**rep.step_sample.__dict__, "seconds": self.now - rep.step_start}))
-                for seq in rep.sched.update_from_output(out, [_TOKEN if s else None for s in out.all_samples()]):
-                    if seq.num_output_tokens == 1:
-                        ttft.append(seq.first_token_time - seq.arrival_time)
-                        if seq.request_id in predicted:
-                            pred_ttft.append(predicted.pop(seq.request_id))
-                            act_ttft.append(ttft[-1])
-                    if seq.is_finished:
-                        unfinished -= 1
-                        e2e.append(seq.last_token_time - seq.arrival_time)
-                        tbt.extend(seq.tbt_s)
-                        rep.finished.append((seq.num_prompt_tokens, seq.num_output_tokens))
-                self._start_step(k, rep, steps)
-                continue
-            self.now = t_arr
-            r = pending[nxt]
-            rid = f"r{nxt}"
-            nxt += 1
-            serving = [k for k, rep in enumerate(reps) if rep.ready_at <= self.now]
-            client_max = r.output_len if self.length_oracle else \
-                (self.client_max_tokens or max_len - r.input_len)
-            choice = self.router.choose([loads[j] for j in serving], r.input_len, client_max)
-            self.router.placed(choice, self.now, self.now)  # the replica's scheduler holds it at once
-            k = serving[choice]
-            loads[k].add(r.input_len)
-            rep = reps[k]
-            rep.served += 1
-            seq = Sequence(rid, [_TOKEN] * r.input_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                           arrival_time=self.now)
-            rep.sched.add(seq)
-            unfinished += 1
-            if isinstance(self.router, PredictiveRouter):
-                predicted[rid] = self.router.last.ttft_s
-                if self.autoscaler is not None:
-                    self._scale_up(reps, loads, events)
-            if rep.step is None:
-                self._start_step(k, rep, steps)
-        return ClusterResult(
-            router=self.router.name, rate=rate, num_requests=len(requests), duration_s=self.now - first,
-            ttft_s=np.frombuffer(ttft), e2e_s=np.frombuffer(e2e), tbt_s=np.frombuffer(tbt),
-            predicted_ttft_s=np.frombuffer(pred_ttft), actual_ttft_s=np.frombuffer(act_ttft),
-            per_replica=[rep.served for rep in reps], preemptions=sum(rep.sched.num_preemptions for rep in reps),
-            decision_p99_s=self.router.decision_p99_s() if isinstance(self.router, PredictiveRouter) else 0.0,
-            scale_events=events, waiting_trace=waiting_trace, wall_s=time.perf_counter() - started)
+        self.loads = [NodeState.of(rep.scheduler, self.now).load() for rep in self.fleet]
+        self.steps_in_flight = []
+        self.unfinished = 0
+        self.measured = _Measured()
+        return pending
 
-    def _start_step(self, k: int, rep: _Replica, steps: list) -> None:
+    def _snapshot(self) -> None:
+        """Every serving replica's state to the router (as a deployment's load tracker does);
+        then the newest replica may retire."""
+        for k, rep in enumerate(self.fleet):
+            if not rep.serving(self.now):
+                continue
+            state = NodeState.of(rep.scheduler, self.now, rep.steps, rep.finished)
+            rep.steps, rep.finished = [], []
+            self.loads[k] = state.load()
+            self.router.observe(k, state, self.now)
+        self.measured.waiting_trace.append((self.now, max(len(rep.scheduler.waiting) for rep in self.fleet)))
+        self._retire()
+
+    def _finish_step(self) -> None:
+        """The earliest step in flight ends: its tokens land, and its replica starts the next."""
+        self.now, k = heapq.heappop(self.steps_in_flight)
+        rep = self.fleet[k]
+        out = rep.step
+        rep.steps.append(StepSample(**{**rep.step_sample.__dict__, "seconds": self.now - rep.step_start}))
+        measured = self.measured
+        tokens = [_TOKEN if sampled else None for sampled in out.all_samples()]
+        for seq in rep.scheduler.update_from_output(out, tokens):
+            if seq.num_output_tokens == 1:
+                measured.ttft_s.append(seq.first_token_time - seq.arrival_time)
+                if seq.request_id in measured.predictions:
+                    measured.predicted_ttft_s.append(measured.predictions.pop(seq.request_id))
+                    measured.actual_ttft_s.append(measured.ttft_s[-1])
+            if seq.is_finished:
+                self.unfinished -= 1
+                measured.e2e_s.append(seq.last_token_time - seq.arrival_time)
+                measured.tbt_s.extend(seq.tbt_s)
+                rep.finished.append((seq.num_prompt_tokens, seq.num_output_tokens))
+        self._start_step(k, rep)
+
+    def _arrive(self, request_id: str, request: SimRequest) -> None:
+        """A request arrives: the router places it on a serving replica, whose scheduler holds
+        it at once."""
+        serving = [k for k, rep in enumerate(self.fleet) if rep.serving(self.now)]
+        client_max = request.output_len if self.length_oracle else \
+            (self.client_max_tokens or self.max_model_len - request.input_len)
+        choice = self.router.choose([self.loads[k] for k in serving], request.input_len, client_max)
+        self.router.placed(choice, self.now, self.now)
+        k = serving[choice]
+        self.loads[k].add(request.input_len)
+        rep = self.fleet[k]
+        rep.served += 1
+        seq = Sequence(request_id, [_TOKEN] * request.input_len,
+                       SamplingParams(max_tokens=request.output_len, ignore_eos=True), arrival_time=self.now)
+        rep.scheduler.add(seq)
+        self.unfinished += 1
+        if isinstance(self.router, PredictiveRouter):
+            self.measured.predictions[request_id] = self.router.last.ttft_s
+            if self.autoscaler is not None:
+                self._scale_up()
+        if rep.step is None:
+            self._start_step(k, rep)
+
+    def _start_step(self, k: int, rep: _Replica) -> None:
         rep.step = None
-        if not rep.sched.has_unfinished:
+        if not rep.scheduler.has_unfinished:
             rep.idle_since = self.now
             return
-        out = rep.sched.schedule()
+        out = rep.scheduler.schedule()
         if out.is_empty:
             raise ConfigError("a replica can place no work: its KV cache cannot hold the waiting requests")
         samples = out.all_samples()
         cost = rep.sim.step_model.step(rep.sim.describe_step(out), samples.count(True))
         rep.step, rep.step_start = out, self.now
         rep.step_sample = StepSample.of(out, num_layers=self.model.num_layers)
-        heapq.heappush(steps, (self.now + cost.seconds, k))
+        heapq.heappush(self.steps_in_flight, (self.now + cost.seconds, k))
+
+    def _result(self, num_requests: int, rate: float, duration_s: float, first_event: int,
+                wall_s: float) -> ClusterResult:
+        measured = self.measured
+        predictive = isinstance(self.router, PredictiveRouter)
+        return ClusterResult(
+            router=self.router.name, rate=rate, num_requests=num_requests, duration_s=duration_s,
+            ttft_s=np.frombuffer(measured.ttft_s), e2e_s=np.frombuffer(measured.e2e_s),
+            tbt_s=np.frombuffer(measured.tbt_s), predicted_ttft_s=np.frombuffer(measured.predicted_ttft_s),
+            actual_ttft_s=np.frombuffer(measured.actual_ttft_s),
+            per_replica=[rep.served for rep in self.fleet],
+            preemptions=sum(rep.scheduler.num_preemptions for rep in self.fleet),
+            decision_p99_s=self.router.decision_p99_s() if predictive else 0.0,
+            scale_events=self.autoscaler.events[first_event:] if self.autoscaler is not None else [],
+            waiting_trace=measured.waiting_trace, wall_s=wall_s)
 
     # -- autoscaling ----------------------------------------------------------------------------
-    def _scale_up(self, reps: list[_Replica], loads: list[NodeLoad], events: list[dict]) -> None:
-        starting = sum(rep.ready_at > self.now for rep in reps)
-        if self.autoscaler.should_add(self.router.last.ttft_s, len(reps), starting, self.now):
-            waiting = [len(rep.sched.waiting) for rep in reps if rep.ready_at <= self.now]
-            rep = self._replica(len(reps))
+    def _scale_up(self) -> None:
+        """The autoscaler may start a replica on the last prediction; it serves after
+        `start_delay_s`."""
+        starting = sum(not rep.serving(self.now) for rep in self.fleet)
+        waiting = max((len(rep.scheduler.waiting) for rep in self.fleet if rep.serving(self.now)), default=0)
+        if self.autoscaler.should_add(self.router.last.ttft_s, len(self.fleet), starting, self.now, waiting):
+            rep = self._replica(len(self.fleet))
             rep.ready_at = rep.idle_since = self.now + self.start_delay_s
-            reps.append(rep)
-            loads.append(NodeLoad(**NodeState.of(rep.sched, self.now).load()))
-            events.append({"time_s": self.now, "action": "add", "replicas": len(reps),
-                           "predicted_ttft_s": self.router.last.ttft_s, "max_waiting": max(waiting, default=0)})
+            self.fleet.append(rep)
+            self.loads.append(NodeState.of(rep.scheduler, self.now).load())
 
-    def _retire(self, reps: list[_Replica], loads: list[NodeLoad], events: list[dict]) -> None:
-        if self.autoscaler is None or len(reps) <= 1:
+    def _retire(self) -> None:
+        if self.autoscaler is None or len(self.fleet) <= 1:
             return
-        newest = reps[-1]
-        idle = newest.step is None and not newest.sched.has_unfinished and newest.ready_at <= self.now
-        if idle and self.autoscaler.should_retire(len(reps), self.now - newest.idle_since, self.now):
-            reps.pop()
-            loads.pop()
-            self.router.forget(len(reps))
-            events.append({"time_s": self.now, "action": "retire", "replicas": len(reps)})
+        newest = self.fleet[-1]
+        idle = newest.step is None and not newest.scheduler.has_unfinished and newest.serving(self.now)
+        if idle and self.autoscaler.should_retire(len(self.fleet), self.now - newest.idle_since, self.now):
+            self.fleet.pop()
+            self.loads.pop()
+            self.router.forget(len(self.fleet))

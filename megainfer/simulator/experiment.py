@@ -10,7 +10,7 @@ from megainfer.config import EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
 from megainfer.simulator.sim import Simulator
 from megainfer.simulator.workload import WORKLOADS, SimRequest, describe, generate, load_trace
-from planner.step_time import ColocatedStepModel
+from planner.step_cost_model import ColocatedStepModel
 
 
 @dataclass
@@ -76,9 +76,9 @@ def ratios(results: dict[str, dict]) -> dict[str, float]:
     """layered / chunked for the figures the paper compares (absent unless both ran)."""
     if not {"chunked", "layered"} <= set(results):
         return {}
-    c, l = results["chunked"], results["layered"]
+    chunked, layered = results["chunked"], results["layered"]
     keys = ("expert_bytes", "ttft_mean_s", "ttft_p99_s", "tbt_p99_s", "energy_per_output_token_j")
-    return {k: (l[k] / c[k] if c[k] else float("nan")) for k in keys}
+    return {key: (layered[key] / chunked[key] if chunked[key] else float("nan")) for key in keys}
 
 
 def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[float] | None = None) -> str:
@@ -86,10 +86,11 @@ def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[
     rate = f"{spec.rate:g} req/s" if rates is None else f"{rates[0]:g} to {rates[-1]:g} req/s"
     arrivals = "trace arrivals" if spec.from_trace else (
         f"Poisson {rate}" if spec.arrival == "poisson" else f"bursty {rate}, CV {spec.cv:g}")
-    sm = spec.step_model
+    step_model = spec.step_model
     routing = "uniform routing" if spec.expert_skew == 0 else f"expert popularity ~ rank^-{spec.expert_skew:g}"
     lines = [
-        f"{spec.model.name} on {sm.tp} x {sm.gpu.name} (TP {sm.tp}); chunk {spec.chunk_size} tokens, "
+        f"{spec.model.name} on {step_model.tp} x {step_model.gpu.name} (TP {step_model.tp}); "
+        f"chunk {spec.chunk_size} tokens, "
         f"group tokens {spec.group_tokens}; {routing}",
         f"workload {spec.workload}: {len(requests)} requests, {arrivals}",
     ]
@@ -115,10 +116,10 @@ def format_results(results: dict[str, dict], spec: SimulationSpec) -> str:
                     f"{r['energy_per_output_token_j']:9.3f}  {r['steps']:9,d}")
     rows.append(f"SLO: TTFT <= {spec.ttft_slo_s:g} s and every time between tokens <= {spec.tbt_slo_s * 1e3:g} ms; "
                 "energy is the step model's estimate")
-    q = ratios(results)
-    if q:
+    layered_vs_chunked = ratios(results)
+    if layered_vs_chunked:
         rows.append("layered vs chunked: " + ", ".join(
-            f"{label} {q[key]:.2f}x ({q[key] - 1:+.0%})" for label, key in (
+            f"{label} {layered_vs_chunked[key]:.2f}x ({layered_vs_chunked[key] - 1:+.0%})" for label, key in (
                 ("expert bytes", "expert_bytes"), ("mean TTFT", "ttft_mean_s"), ("p99 TTFT", "ttft_p99_s"),
                 ("p99 TBT", "tbt_p99_s"), ("energy/token", "energy_per_output_token_j"))))
     return "\n".join(rows)

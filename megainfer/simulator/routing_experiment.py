@@ -12,7 +12,7 @@ from megainfer.config import EngineConfig, ModelConfig
 from megainfer.routing.policies import make_router
 from megainfer.simulator.cluster import ClusterSimulator
 from megainfer.simulator.workload import generate
-from planner.step_time import ColocatedStepModel
+from planner.step_cost_model import ColocatedStepModel
 
 
 @dataclass
@@ -79,22 +79,23 @@ def format_sweep(rows: list[dict], spec: RoutingSpec) -> str:
 
 
 def format_capacity(rows: list[dict], spec: RoutingSpec) -> str:
-    caps = {r: capacity(rows, r, spec.ttft_slo_s) for r in spec.routers}
-    base = caps.get("round_robin")
+    capacities = {router: capacity(rows, router, spec.ttft_slo_s) for router in spec.routers}
+    base = capacities.get("round_robin")
     lines = [f"capacity (highest rate with P99 TTFT <= {spec.ttft_slo_s:g} s):"]
     top = rows[-1]["rate"]
-    for r, c in caps.items():
-        vs = f"  ({c / base - 1:+.1%} vs round_robin)" if base and r != "round_robin" else ""
-        more = "  (met at every rate swept: raise the rates)" if all(row[r]["ttft_p99_s"] <= spec.ttft_slo_s
+    for router, rate in capacities.items():
+        vs = f"  ({rate / base - 1:+.1%} vs round_robin)" if base and router != "round_robin" else ""
+        more = "  (met at every rate swept: raise the rates)" if all(row[router]["ttft_p99_s"] <= spec.ttft_slo_s
                                                                       for row in rows) else ""
-        lines.append(f"  {r:13s} {c:7.2f} req/s{vs}{more}" if c < top or not more else f"  {r:13s} >= {top:g} req/s{more}")
-    if "predictive" in caps and "least_loaded" in caps and caps["least_loaded"]:
-        lines.append(f"  predictive vs least_loaded: {caps['predictive'] / caps['least_loaded'] - 1:+.1%}")
+        lines.append(f"  {router:13s} {rate:7.2f} req/s{vs}{more}" if rate < top or not more
+                     else f"  {router:13s} >= {top:g} req/s{more}")
+    if "predictive" in capacities and "least_loaded" in capacities and capacities["least_loaded"]:
+        lines.append(f"  predictive vs least_loaded: {capacities['predictive'] / capacities['least_loaded'] - 1:+.1%}")
     if "predictive" in spec.routers:
         mae = [row["predictive"]["prediction_mae_s"] for row in rows]
-        dec = [row["predictive"]["decision_p99_ms"] for row in rows]
+        decision_ms = [row["predictive"]["decision_p99_ms"] for row in rows]
         lines.append(f"predictive: TTFT prediction MAE {min(mae) * 1e3:.0f} to {max(mae) * 1e3:.0f} ms over the sweep "
-                     f"(mean {np.mean(mae) * 1e3:.0f} ms); decision p99 {max(dec):.2f} ms with {spec.replicas} "
+                     f"(mean {np.mean(mae) * 1e3:.0f} ms); decision p99 {max(decision_ms):.2f} ms with {spec.replicas} "
                      "candidates")
     return "\n".join(lines)
 

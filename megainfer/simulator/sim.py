@@ -22,9 +22,10 @@ from megainfer.errors import ConfigError
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput, chunk_work
 from megainfer.sequence import Sequence
+from megainfer.step_layout import StepLayout
 from megainfer.simulator.expert_load import ExpertActivation
 from megainfer.simulator.workload import SimRequest
-from planner.step_time import ColocatedStepModel, LayerClass
+from planner.step_cost_model import ColocatedStepModel, LayerClass
 
 _TOKEN = 0  # the simulator's stand-in token id: no model reads it, no stop condition matches it
 
@@ -92,24 +93,15 @@ class Simulator:
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         started = time.perf_counter()
-        L = self.model.num_layers
+        self._check_fits(requests)
         sched = Scheduler.from_config(self.config, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-                                      eos_token_ids=(), num_layers=L)
+                                      eos_token_ids=(), num_layers=self.model.num_layers)
         sched.clock = lambda: self.now
-        for r in requests:
-            if r.input_len + r.output_len > self.max_model_len:
-                raise ConfigError(f"a request of {r.input_len} + {r.output_len} tokens exceeds the model's context "
-                                  f"of {self.max_model_len}")
-            if -(-(r.input_len + r.output_len) // self.config.block_size) > self.num_blocks:
-                raise ConfigError(f"a request of {r.input_len + r.output_len} tokens needs more KV blocks than "
-                                  f"the instance holds ({self.num_blocks})")
         pending = sorted(requests, key=lambda r: r.arrival_s)
         self.now = pending[0].arrival_s if pending else 0.0
         first_arrival = self.now
         nxt = 0
-        ttft, max_tbt = array("d"), array("d")
-        tbts = array("d")
-        steps, busy, expert_bytes, energy = 0, 0.0, 0.0, 0.0
+        totals = _Totals()
         while nxt < len(pending) or sched.has_unfinished:
             while nxt < len(pending) and pending[nxt].arrival_s <= self.now:
                 r = pending[nxt]
@@ -125,40 +117,67 @@ class Simulator:
                     self.now = max(self.now, pending[nxt].arrival_s)
                     continue
                 raise ConfigError("the scheduler can place no work: the KV cache cannot hold the waiting requests")
-            samples = out.all_samples()
-            cost = self.step_model.step(self.describe_step(out), samples.count(True))
-            self.now += cost.seconds
-            steps += 1
-            busy += cost.seconds
-            expert_bytes += cost.expert_bytes
-            energy += cost.energy_j
-            # The cohort's entries follow the step's own sequences when its last group ran.
-            sampled = [_TOKEN if s else None for s in samples]
-            for seq in sched.update_from_output(out, sampled):
-                if seq.is_finished:
-                    ttft.append(seq.first_token_time - seq.arrival_time)
-                    gaps = seq.tbt_s
-                    tbts.extend(gaps)
-                    max_tbt.append(max(gaps, default=0.0))
+            self._run_step(sched, out, totals)
         return SimResult(
             policy=self.config.prefill_policy, num_requests=len(requests), duration_s=self.now - first_arrival,
-            steps=steps, busy_s=busy, ttft_s=np.frombuffer(ttft), tbt_s=np.frombuffer(tbts),
-            max_tbt_s=np.frombuffer(max_tbt), input_tokens=sum(r.input_len for r in requests),
-            output_tokens=sum(r.output_len for r in requests), expert_bytes=expert_bytes, energy_j=energy,
-            preemptions=sched.num_preemptions, wall_s=time.perf_counter() - started)
+            steps=totals.steps, busy_s=totals.busy_s, ttft_s=np.frombuffer(totals.ttft_s),
+            tbt_s=np.frombuffer(totals.tbt_s), max_tbt_s=np.frombuffer(totals.max_tbt_s),
+            input_tokens=sum(r.input_len for r in requests), output_tokens=sum(r.output_len for r in requests),
+            expert_bytes=totals.expert_bytes, energy_j=totals.energy_j, preemptions=sched.num_preemptions,
+            wall_s=time.perf_counter() - started)
 
-    def describe_step(self, out: SchedulerOutput) -> list[LayerClass]:
+    def _check_fits(self, requests: list[SimRequest]) -> None:
+        """Every request must fit the model's context and the instance's KV cache on its own."""
+        for r in requests:
+            if r.input_len + r.output_len > self.max_model_len:
+                raise ConfigError(f"a request of {r.input_len} + {r.output_len} tokens exceeds the model's context "
+                                  f"of {self.max_model_len}")
+            if -(-(r.input_len + r.output_len) // self.config.block_size) > self.num_blocks:
+                raise ConfigError(f"a request of {r.input_len + r.output_len} tokens needs more KV blocks than "
+                                  f"the instance holds ({self.num_blocks})")
+
+    def _run_step(self, sched: Scheduler, out: SchedulerOutput, totals: _Totals) -> None:
+        """Price the step, advance the clock by it, and hand the scheduler its stand-in tokens."""
+        layout = StepLayout.of(out, 1)
+        num_sampled = len(layout.sampled_rows)
+        cost = self.step_model.step(self.describe_step(out, layout), num_sampled)
+        self.now += cost.seconds
+        totals.steps += 1
+        totals.busy_s += cost.seconds
+        totals.expert_bytes += cost.expert_bytes
+        totals.energy_j += cost.energy_j
+        for seq in sched.update_from_output(out, layout.place_samples([_TOKEN] * num_sampled)):
+            if seq.is_finished:
+                totals.ttft_s.append(seq.first_token_time - seq.arrival_time)
+                gaps = seq.tbt_s
+                totals.tbt_s.extend(gaps)
+                totals.max_tbt_s.append(max(gaps, default=0.0))
+
+    def describe_step(self, out: SchedulerOutput, layout: StepLayout | None = None) -> list[LayerClass]:
         """The step as layer classes: every layer's share (decodes, chunked prefill) and, under
-        layered prefill, the cohort's extra work in its layer group."""
-        L = self.model.num_layers
+        layered prefill, the cohort's extra work in its layer group. `layout`: the step's
+        (m = 1) layout, when the caller has it already."""
+        layout = layout or StepLayout.of(out, 1)
+        layers = self.model.num_layers
         tokens, pairs, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
-        if out.layered is None:
-            return [LayerClass(L, tokens, pairs, kv, self.activation.draw(tokens, L))]
-        lp = out.layered
-        c_tokens, c_pairs, c_kv = chunk_work(lp.seqs, lp.num_tokens)
-        start, end = lp.layers
-        g = end - start
-        group = LayerClass(g, tokens + c_tokens, pairs + c_pairs, kv + c_kv, self.activation.draw(tokens + c_tokens, g))
-        rest = LayerClass(L - g, tokens, pairs, kv, self.activation.draw(tokens, L - g))
+        if not layout.has_cohort:
+            return [LayerClass(layers, tokens, pairs, kv, self.activation.draw(tokens, layers))]
+        cohort_tokens, cohort_pairs, cohort_kv = chunk_work(out.layered.seqs, out.layered.num_tokens)
+        inside = layout.cohort_group_layers
+        group = LayerClass(inside, tokens + cohort_tokens, pairs + cohort_pairs, kv + cohort_kv,
+                           self.activation.draw(tokens + cohort_tokens, inside))
+        rest = LayerClass(layers - inside, tokens, pairs, kv, self.activation.draw(tokens, layers - inside))
         return [group, rest]
 
+
+@dataclass
+class _Totals:
+    """What a run adds up, step by step."""
+
+    steps: int = 0  # steps run
+    busy_s: float = 0.0  # seconds the instance spent in steps
+    expert_bytes: float = 0.0  # expert-weight bytes read
+    energy_j: float = 0.0  # joules
+    ttft_s: array = field(default_factory=lambda: array("d"))  # per finished request, seconds
+    tbt_s: array = field(default_factory=lambda: array("d"))  # every time between tokens, seconds
+    max_tbt_s: array = field(default_factory=lambda: array("d"))  # per finished request, seconds

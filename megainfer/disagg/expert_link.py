@@ -1,4 +1,5 @@
-"""What attention and expert nodes say to each other, and the link they say it over.
+"""The link from an attention node to the expert nodes (`ExpertLink`) and what travels over it:
+the dispatch payload, its packing, and the BUSY flag on answers.
 
 Per (step, layer, micro-batch) each attention node sends each expert node one message:
 the tokens that chose at least one of that node's experts, once per token, as

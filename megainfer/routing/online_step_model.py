@@ -1,5 +1,6 @@
 """A node's step time as a function of the step's work, calibrated online from the steps the
-node measured (the predictive router's performance model).
+node measured (the predictive router's performance model). The planner's
+`planner.step_cost_model` prices steps from the hardware roofline instead, before any ran.
 
     seconds = c0 + c_tok * tokens + c_seq * seqs + c_kv * kv_tokens + c_pair * score_pairs
                  + p_tok * peak_tokens + p_kv * peak_kv_tokens + p_pair * peak_score_pairs
@@ -23,15 +24,40 @@ the rest refit, until none is). Steps the fit misses by far more than it misses 
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
-from megainfer.routing.node_state import StepSample
+from megainfer.messages import StepSample
 
 FEATURES = ("fixed", "tokens", "seqs", "kv_tokens", "score_pairs", "peak_tokens", "peak_kv_tokens",
             "peak_score_pairs")
 NODE_FEATURES = 5  # the first five: a step's work summed over its nodes
 OUTLIER_MISSES = 8.0  # a step the fit misses by this many typical misses is noise
+
+
+class Coefficients(NamedTuple):
+    """Seconds per unit of each of `FEATURES` (`fixed`: per step)."""
+
+    fixed: float
+    tokens: float
+    seqs: float
+    kv_tokens: float
+    score_pairs: float
+    peak_tokens: float
+    peak_kv_tokens: float
+    peak_score_pairs: float
+
+
+class AloneCoefficients(NamedTuple):
+    """A node stepping by itself: its work is also the peak, so each peak coefficient adds to
+    the summed one it bounds."""
+
+    fixed: float
+    tokens: float
+    seqs: float
+    kv_tokens: float
+    score_pairs: float
 
 
 def features(s: StepSample) -> tuple[float, ...]:
@@ -60,53 +86,59 @@ class OnlineStepModel:
     def _set(self, coef: np.ndarray) -> None:
         self.coef = coef
         # Plain floats and small arrays: predictions run on the routing path.
-        self._c = tuple(map(float, coef))
-        c = self._c
-        self._alone = (c[0], c[1] + c[5], c[2], c[3] + c[6], c[4] + c[7])
-        self.sum_coef = np.asarray(c[1:5])  # on (tokens, seqs, kv_tokens, score_pairs) summed over nodes
-        self.peak_coef = np.asarray(c[5:8])  # on the largest node's (tokens, kv_tokens, score_pairs)
+        self.coefficients = cost = Coefficients(*map(float, coef))
+        self._alone = AloneCoefficients(cost.fixed, cost.tokens + cost.peak_tokens, cost.seqs,
+                                        cost.kv_tokens + cost.peak_kv_tokens, cost.score_pairs + cost.peak_score_pairs)
+        # On (tokens, seqs, kv_tokens, score_pairs) summed over nodes, and on the largest node's
+        # (tokens, kv_tokens, score_pairs).
+        self.sum_coef = np.asarray((cost.tokens, cost.seqs, cost.kv_tokens, cost.score_pairs))
+        self.peak_coef = np.asarray((cost.peak_tokens, cost.peak_kv_tokens, cost.peak_score_pairs))
 
     @property
-    def alone(self) -> tuple[float, float, float, float, float]:
+    def alone(self) -> AloneCoefficients:
         """The coefficients of a node stepping by itself, where its work is also the peak."""
         return self._alone
 
     def predict(self, s: StepSample) -> float:
-        c = self._c
+        cost = self.coefficients
         if s.peak is None:
             return self.seconds(s.tokens, s.seqs, s.kv_tokens, s.score_pairs)
-        pt, pk, pp = s.peak
-        return (c[0] + c[1] * s.tokens + c[2] * s.seqs + c[3] * s.kv_tokens + c[4] * s.score_pairs
-                + c[5] * pt + c[6] * pk + c[7] * pp)
+        peak_tokens, peak_kv_tokens, peak_score_pairs = s.peak
+        return (cost.fixed + cost.tokens * s.tokens + cost.seqs * s.seqs + cost.kv_tokens * s.kv_tokens
+                + cost.score_pairs * s.score_pairs + cost.peak_tokens * peak_tokens
+                + cost.peak_kv_tokens * peak_kv_tokens + cost.peak_score_pairs * peak_score_pairs)
 
     def seconds(self, tokens: float, seqs: float, kv_tokens: float, score_pairs: float) -> float:
         """A step of one node alone."""
-        c = self._alone
-        return c[0] + c[1] * tokens + c[2] * seqs + c[3] * kv_tokens + c[4] * score_pairs
+        cost = self._alone
+        return (cost.fixed + cost.tokens * tokens + cost.seqs * seqs + cost.kv_tokens * kv_tokens
+                + cost.score_pairs * score_pairs)
 
     def price(self, summed: np.ndarray, peak: np.ndarray) -> np.ndarray:
         """Steps of lockstep nodes: rows of (tokens, seqs, kv_tokens, score_pairs) summed over the
         nodes and rows of the largest node's (tokens, kv_tokens, score_pairs)."""
-        return self._c[0] + summed @ self.sum_coef + peak @ self.peak_coef
+        return self.coefficients.fixed + summed @ self.sum_coef + peak @ self.peak_coef
 
     def lockstep_seconds(self, rows) -> float:
         """One step of lockstep nodes, each node's work a row of (tokens, seqs, kv_tokens,
         score_pairs): `price` for a single step, without numpy's overhead."""
-        c = self._c
+        cost = self.coefficients
         tokens = seqs = kv = pairs = peak_tokens = peak_kv = peak_pairs = 0.0
-        for t, n, k, p in rows:
-            tokens += t
-            seqs += n
-            kv += k
-            pairs += p
-            peak_tokens, peak_kv, peak_pairs = max(peak_tokens, t), max(peak_kv, k), max(peak_pairs, p)
-        return (c[0] + c[1] * tokens + c[2] * seqs + c[3] * kv + c[4] * pairs
-                + c[5] * peak_tokens + c[6] * peak_kv + c[7] * peak_pairs)
+        for node_tokens, node_seqs, node_kv, node_pairs in rows:
+            tokens += node_tokens
+            seqs += node_seqs
+            kv += node_kv
+            pairs += node_pairs
+            peak_tokens = max(peak_tokens, node_tokens)
+            peak_kv = max(peak_kv, node_kv)
+            peak_pairs = max(peak_pairs, node_pairs)
+        return (cost.fixed + cost.tokens * tokens + cost.seqs * seqs + cost.kv_tokens * kv + cost.score_pairs * pairs
+                + cost.peak_tokens * peak_tokens + cost.peak_kv_tokens * peak_kv + cost.peak_score_pairs * peak_pairs)
 
     def marginal(self, tokens: int, kv_tokens: float, score_pairs: float) -> float:
         """Seconds one more sequence adds to a step it joins, on a node alone."""
-        c = self._alone
-        return c[1] * tokens + c[2] + c[3] * kv_tokens + c[4] * score_pairs
+        cost = self._alone
+        return cost.tokens * tokens + cost.seqs + cost.kv_tokens * kv_tokens + cost.score_pairs * score_pairs
 
     def observe(self, samples) -> None:
         for s in samples:
@@ -143,15 +175,15 @@ class OnlineStepModel:
         """Non-negative ridge least squares in scaled units."""
         active = list(range(len(FEATURES)))
         while True:
-            a = xs[:, active]
-            lam = self.prior_weight * np.eye(len(active))
-            rhs = a.T @ y + self.prior_weight * prior_s[active]
-            sol = np.linalg.solve(a.T @ a + lam, rhs)
-            if (sol >= 0).all() or len(active) == 1:
+            columns = xs[:, active]
+            ridge = self.prior_weight * np.eye(len(active))
+            rhs = columns.T @ y + self.prior_weight * prior_s[active]
+            solution = np.linalg.solve(columns.T @ columns + ridge, rhs)
+            if (solution >= 0).all() or len(active) == 1:
                 break
-            del active[int(np.argmin(sol))]  # one at a time: collinear features trade sign
+            del active[int(np.argmin(solution))]  # one at a time: collinear features trade sign
         coef = np.zeros(len(FEATURES))
-        coef[active] = np.maximum(sol, 0.0)
+        coef[active] = np.maximum(solution, 0.0)
         return coef
 
     def describe(self) -> dict[str, float]:
@@ -171,16 +203,18 @@ class StepTimeBalancer:
         self.target_s = target_s
 
     def prefill_tokens(self, tokens: int, seqs: int, kv_tokens: float) -> int:
-        c = self.model.alone
+        cost = self.model.alone
         # The decodes (pairs = cached tokens read) plus one more sequence's fixed share.
-        base = c[0] + c[1] * tokens + c[2] * (seqs + 1) + c[3] * kv_tokens + c[4] * kv_tokens
+        base = (cost.fixed + cost.tokens * tokens + cost.seqs * (seqs + 1) + cost.kv_tokens * kv_tokens
+                + cost.score_pairs * kv_tokens)
         room = self.target_s - base
         if room <= 0:
             return 0
-        # x prompt tokens from a fresh prefix: linear terms plus x(x+1)/2 score pairs.
-        a, b = c[4] / 2, c[1] + c[3] + c[4] / 2
-        if a > 0:
-            x = (-b + (b * b + 4 * a * room) ** 0.5) / (2 * a)
+        # x prompt tokens from a fresh prefix cost quadratic * x^2 + linear * x: the linear
+        # terms plus x(x+1)/2 score pairs.
+        quadratic, linear = cost.score_pairs / 2, cost.tokens + cost.kv_tokens + cost.score_pairs / 2
+        if quadratic > 0:
+            x = (-linear + (linear * linear + 4 * quadratic * room) ** 0.5) / (2 * quadratic)
         else:
-            x = room / b if b > 0 else float("inf")
+            x = room / linear if linear > 0 else float("inf")
         return int(min(x, 1 << 30))

@@ -7,7 +7,8 @@ how many cached tokens it reads, and how many distinct experts its tokens activa
 module turns that into seconds with the same roofline as `perf_model` (every phase is the
 larger of its FLOPs over the achievable FLOP rate and its bytes over the achievable HBM
 bandwidth, plus launch overhead and the tensor-parallel all-reduce), so the planner, the
-simulator and the router predict with one set of formulas.
+simulator and the router predict with one set of formulas. (A live node's step times are
+fitted online instead, from the steps it measured: `megainfer.routing.online_step_model`.)
 
 Expert weights dominate an MoE step's bytes: a layer reads every expert any of its tokens
 chose, once per step. That is the traffic layered prefill saves.
@@ -54,66 +55,64 @@ class ColocatedStepModel:
         if tp < 1 or tp > gpu.gpus_per_node:
             raise PlanError(f"--tp {tp}: a colocated instance uses 1..{gpu.gpus_per_node} GPUs of one {gpu.name} node")
         self.model, self.gpu, self.tp, self.dtype_bytes = model, gpu, tp, dtype_bytes
-        eff = efficiency
-        self.overhead_s = eff.layer_overhead_s
-        flops = tp * gpu.flops * eff.compute
-        hbm = tp * gpu.hbm_bytes_per_s * eff.memory
+        self.overhead_s = efficiency.layer_overhead_s
+        flops = tp * gpu.flops * efficiency.compute
+        hbm = tp * gpu.hbm_bytes_per_s * efficiency.memory
         # Seconds per unit of work, the whole instance together.
         self.s_per_flop = 1.0 / flops
         self.s_per_byte = 1.0 / hbm
-        m = model
-        self.attn_params = m.attention_params_per_layer
-        self.expert_bytes_each = m.expert_params * dtype_bytes
+        self.attn_params = model.attention_params_per_layer
+        self.expert_bytes_each = model.expert_params * dtype_bytes
         # A layer with tokens activates at least top_k experts: below this compute time its
         # expert half is memory-bound whatever the count.
-        self.min_expert_read_s = m.top_k * self.expert_bytes_each * self.s_per_byte
-        self.kv_bytes_per_token_layer = 2 * m.kv_size * dtype_bytes
+        self.min_expert_read_s = model.top_k * self.expert_bytes_each * self.s_per_byte
+        self.kv_bytes_per_token_layer = 2 * model.kv_size * dtype_bytes
         # Two all-reduces per layer (after attention, after the experts): ring traffic per GPU.
-        token_bytes = m.hidden_size * dtype_bytes
+        token_bytes = model.hidden_size * dtype_bytes
         self.allreduce_s_per_token = 0.0 if tp == 1 else \
-            2 * 2 * (tp - 1) / tp * token_bytes / (gpu.link_bytes_per_s * eff.link)
-        self.allreduce_fixed_s = 0.0 if tp == 1 else 2 * eff.allreduce_latency_s
-        self.head_bytes = m.vocab_size * m.hidden_size * dtype_bytes
+            2 * 2 * (tp - 1) / tp * token_bytes / (gpu.link_bytes_per_s * efficiency.link)
+        self.allreduce_fixed_s = 0.0 if tp == 1 else 2 * efficiency.allreduce_latency_s
+        self.head_bytes = model.vocab_size * model.hidden_size * dtype_bytes
         self.power_w = tp * gpu.power_w
         self.idle_w = self.power_w * idle_power_fraction
 
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache that fit beside the weights on the instance's GPUs."""
-        m = self.model
-        weights = m.num_params * self.dtype_bytes
+        model = self.model
+        weights = model.num_params * self.dtype_bytes
         free = self.tp * self.gpu.memory_bytes * MEMORY_HEADROOM - weights
-        per_token = self.kv_bytes_per_token_layer * m.num_layers
+        per_token = self.kv_bytes_per_token_layer * model.num_layers
         if free < per_token:
-            raise PlanError(f"{m.name} ({weights / 1e9:.1f} GB of weights) does not fit on {self.tp} x {self.gpu.name} "
-                            f"({self.gpu.memory_gb:g} GB each); raise --tp")
+            raise PlanError(f"{model.name} ({weights / 1e9:.1f} GB of weights) does not fit on {self.tp} x "
+                            f"{self.gpu.name} ({self.gpu.memory_gb:g} GB each); raise --tp")
         return int(free // per_token)
 
     def step(self, layer_classes: list[LayerClass], sampled_tokens: int) -> StepCost:
-        m = self.model
+        model = self.model
         busy = 0.0  # time at the roofline (not launch gaps): what draws power beyond idle
         seconds = 0.0
         expert_bytes = 0.0
-        for c in layer_classes:
-            if c.layers == 0 or c.tokens == 0:
+        for group in layer_classes:  # layers that see the same work
+            if group.layers == 0 or group.tokens == 0:
                 continue  # layers no token passes this step (layered prefill with no decodes)
-            attn_flops = 2 * self.attn_params * c.tokens + 4 * m.q_size * c.score_pairs
-            attn_bytes = self.attn_params * self.dtype_bytes + c.kv_tokens * self.kv_bytes_per_token_layer
+            attn_flops = 2 * self.attn_params * group.tokens + 4 * model.q_size * group.score_pairs
+            attn_bytes = self.attn_params * self.dtype_bytes + group.kv_tokens * self.kv_bytes_per_token_layer
             t_attn = max(attn_flops * self.s_per_flop, attn_bytes * self.s_per_byte)
-            t_moe_flops = 2 * m.expert_params * m.top_k * c.tokens * self.s_per_flop
-            if isinstance(c.active_experts, int):
-                read = c.layers * c.active_experts * self.expert_bytes_each
-                t_moe = c.layers * max(t_moe_flops, c.active_experts * self.expert_bytes_each * self.s_per_byte)
+            t_moe_flops = 2 * model.expert_params * model.top_k * group.tokens * self.s_per_flop
+            if isinstance(group.active_experts, int):
+                read = group.layers * group.active_experts * self.expert_bytes_each
+                t_moe = group.layers * max(t_moe_flops, group.active_experts * self.expert_bytes_each * self.s_per_byte)
             else:
-                read = float(c.active_experts.sum()) * self.expert_bytes_each
+                read = float(group.active_experts.sum()) * self.expert_bytes_each
                 if t_moe_flops <= self.min_expert_read_s:  # memory-bound in every layer
                     t_moe = read * self.s_per_byte
                 else:
-                    t_moe = float(np.maximum(t_moe_flops, c.active_experts * self.expert_bytes_each
+                    t_moe = float(np.maximum(t_moe_flops, group.active_experts * self.expert_bytes_each
                                              * self.s_per_byte).sum())
-            t_ar = self.allreduce_s_per_token * c.tokens + self.allreduce_fixed_s
-            layer_busy = c.layers * (t_attn + t_ar) + t_moe
+            t_allreduce = self.allreduce_s_per_token * group.tokens + self.allreduce_fixed_s
+            layer_busy = group.layers * (t_attn + t_allreduce) + t_moe
             busy += layer_busy
-            seconds += layer_busy + c.layers * 2 * self.overhead_s
+            seconds += layer_busy + group.layers * 2 * self.overhead_s
             expert_bytes += read
         if sampled_tokens:
             t_head = max(2 * self.head_bytes / self.dtype_bytes * sampled_tokens * self.s_per_flop,

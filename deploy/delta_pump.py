@@ -1,0 +1,42 @@
+"""A thread per attention node that long-polls the node's outbox and hands each token delta
+to the frontend: tokens ride Ray's control plane, a few bytes per request and step."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from megainfer.messages import RequestDelta
+
+POLL_S = 0.05  # the node answers a poll after this long with nothing to say
+POLL_TIMEOUT_S = 10.0
+RETRY_S = 0.2  # after a failed poll: the supervisor handles the node, the pump keeps listening
+
+
+class DeltaPump:
+    def __init__(self, node, name: str, deliver: Callable[[RequestDelta], None]) -> None:
+        self.node = node
+        self.deliver = deliver
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"deltas-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                deltas = ray.get(self.node.poll.remote(POLL_S), timeout=POLL_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError):
+                time.sleep(RETRY_S)
+                continue
+            for delta in deltas:
+                self.deliver(delta)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)

@@ -1,0 +1,117 @@
+"""`Deployment`: a plan brought up on Ray and served as a generation backend.
+
+Ray is the control plane: placement (`placement`), the nodes' actors and their lifecycle
+(`node_group`), health and recovery (`supervisor`), and the small messages of requests and
+token deltas (`frontend`). The data plane is the M2N transport between the node actors;
+per-layer activations never touch Ray's object store. This class only puts those parts
+together for one replica; `replicas.ReplicaSet` puts them together for many.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from deploy.frontend import Frontend, prompt_tokens
+from deploy.node_config import weights_of
+from deploy.node_group import NodeGroup
+from deploy.placement import Placement, connect_ray, cpus_needed
+from deploy.status import metrics_snapshot, node_infos
+from deploy.supervisor import Supervisor
+from megainfer.errors import PlanError
+from megainfer.messages import NodeHealth, NodeStats
+from megainfer.plan import Plan
+from megainfer.routing.policies import make_router
+from megainfer.sampling_params import SamplingParams
+from megainfer.server.backend import BackendInfo, RequestStream
+from megainfer.server.metrics import MetricsSnapshot
+
+
+def check_plan(plan: Plan):
+    """The plan's model, checked against the plan (before anything starts)."""
+    model, _ = weights_of(plan)
+    plan.check_model(model)
+    if model.expert_intermediate_size % plan.experts.tp:
+        raise PlanError(f"experts.tp = {plan.experts.tp} does not divide the experts' intermediate size "
+                        f"({model.expert_intermediate_size}); choose a tp that divides it")
+    return model
+
+
+class Deployment:
+    """One replica of a plan behind its own router."""
+
+    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True) -> None:
+        self.plan = plan
+        self.address = address
+        self.show_progress = show_progress
+        self.model = check_plan(plan)
+        self.frontend = Frontend(make_router(plan.serve.router), 2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
+        self.group: NodeGroup | None = None
+        self.supervisor: Supervisor | None = None
+        self._started_ray = False
+
+    def start(self) -> "Deployment":
+        """Bring the plan up; on any failure, release what was started and re-raise."""
+        try:
+            self._started_ray = connect_ray(self.address, cpus_needed(self.plan))
+            local = self._started_ray or self.address is None
+            self.group = NodeGroup(self.plan, Placement(self.plan), self.show_progress)
+            self.group.start(local)
+            self.frontend.add_group(self.group)
+            self.frontend.start_tracking()
+            self.supervisor = Supervisor(self.group, self.frontend)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    # -- serving ------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt, params: SamplingParams, node: int | None = None) -> RequestStream:
+        """Queue a request on attention node `node`, or where the router sends it."""
+        routed = None if node is None else self.frontend.pin(node, prompt_tokens(prompt))
+        return self.frontend.submit(request_id, prompt, params, routed)
+
+    def abort(self, request_id: str) -> bool:
+        return self.frontend.abort(request_id)
+
+    @property
+    def router(self):
+        return self.frontend.router
+
+    @property
+    def router_error(self):
+        return self.frontend.router_error
+
+    @property
+    def registry(self):
+        return self.frontend.registry
+
+    @property
+    def experts(self) -> list:
+        return self.group.experts
+
+    def use_router(self, router) -> None:
+        """Route with `router` from now on (`bench routing` compares routers on one deployment)."""
+        self.frontend.use_router(router)
+
+    # -- what it reports ----------------------------------------------------------------------
+    def health(self) -> list[NodeHealth]:
+        return self.group.health()
+
+    def stats(self) -> list[NodeStats]:
+        return self.group.stats()
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(self.model.name, self.plan.to_yaml(), node_infos([self.group]))
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        predictive = self.router.name == "predictive"
+        return metrics_snapshot([self.group], self.router_error if predictive else None)
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        self.frontend.close()
+        if self.group is not None:
+            self.group.stop()
+        if self._started_ray:
+            ray.shutdown()

@@ -1,0 +1,174 @@
+"""One replica's node actors: spawned into its placement, formed into tensor-parallel groups,
+waited for, wired over M2N, asked for health, re-wired after a failure, stopped. Every call
+to the nodes goes to all of them at once (`ray.get` on a list, `ray.wait`).
+
+Ranks, in the order every list here keeps: attention leaders (index = attention node), their
+followers node by node, expert leaders, their followers node by node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import ray
+from ray.exceptions import RayTaskError
+from tqdm.auto import tqdm
+
+from deploy.attention_node import AttentionNode
+from deploy.attention_shard import AttentionShard
+from deploy.expert_node import ExpertNode
+from deploy.expert_shard import ExpertShard
+from deploy.node_config import attention_rank_name, attention_rank_names, node_names
+from deploy.placement import Placement
+from deploy.ray_calls import cause, gather, get_all
+from megainfer.errors import DataPlaneError, PlanError
+from megainfer.messages import NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus
+from megainfer.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # loading weights can take a while on real clusters
+CALL_TIMEOUT_S = 5.0  # a node that does not answer health or state within this is taken as dead
+STOP_TIMEOUT_S = 10.0
+
+
+def _followers(leaders: list, shards: list, tp: int) -> list[list]:
+    """Each leader's follower ranks."""
+    return [shards[i * (tp - 1):(i + 1) * (tp - 1)] for i in range(len(leaders))]
+
+
+class NodeGroup:
+    def __init__(self, plan: Plan, placement: Placement, show_progress: bool = True) -> None:
+        self.plan = plan
+        self.placement = placement
+        self.show_progress = show_progress
+        self.attention_names, self.expert_names = node_names(plan)
+        self.attention: list = []  # rank 0 of each attention node
+        self.shards: list = []  # the other ranks of tensor-parallel attention nodes, node by node
+        self.experts: list = []  # rank 0 of each expert node
+        self.expert_shards: list = []  # the other ranks of tensor-parallel expert nodes, node by node
+
+    @property
+    def actors(self) -> list:
+        return self.attention + self.shards + self.experts + self.expert_shards
+
+    def rank_names(self) -> list[str]:
+        """Names of `actors`, in their order."""
+        tp_a, tp_e = self.plan.attention.tp, self.plan.experts.tp
+        return (self.attention_names
+                + [attention_rank_name(i, r) for i in range(len(self.attention_names)) for r in range(1, tp_a)]
+                + self.expert_names + [f"{e}.{r}" for e in self.expert_names for r in range(1, tp_e)])
+
+    # -- bring-up -----------------------------------------------------------------------------
+    def start(self, local: bool) -> "NodeGroup":
+        """Spawn, group, load and wire every rank. `local`: Ray runs on this machine alone, so
+        endpoints listen on loopback."""
+        self._spawn(os.urandom(32), "127.0.0.1" if local else "")
+        self._form_tp_groups()
+        self.wait_ready(self.actors)
+        self.wire()
+        return self
+
+    def _spawn(self, secret: bytes, host: str) -> None:
+        plan, tp_a, tp_e = self.plan, self.plan.attention.tp, self.plan.experts.tp
+        threads = 1 if plan.attention.gpu == "cpu" else None
+
+        def actor(cls, side, bundle: int, *args):
+            return ray.remote(cls).options(**self.placement.actor_options(side, bundle)).remote(
+                plan, *args, secret, host, threads)
+
+        n_a, n_e = plan.attention.nodes, plan.experts.nodes
+        self.attention = [actor(AttentionNode, plan.attention, i, i) for i in range(n_a)]
+        self.shards = [actor(AttentionShard, plan.attention, i, i, r) for i in range(n_a) for r in range(1, tp_a)]
+        self.experts = [actor(ExpertNode, plan.experts, n_a + k, k) for k in range(n_e)]
+        self.expert_shards = [actor(ExpertShard, plan.experts, n_a + k, k, r)
+                              for k in range(n_e) for r in range(1, tp_e)]
+
+    def _form_tp_groups(self) -> None:
+        """Each tensor-parallel node's ranks join a torch.distributed group of their own."""
+        groups = []
+        if self.plan.attention.tp > 1:
+            groups += zip(self.attention, _followers(self.attention, self.shards, self.plan.attention.tp))
+        if self.plan.experts.tp > 1:
+            groups += zip(self.experts, _followers(self.experts, self.expert_shards, self.plan.experts.tp))
+        if not groups:
+            return
+        masters = get_all([leader.tp_master.remote() for leader, _ in groups], READY_TIMEOUT_S)
+        get_all([rank.join_group.remote(master) for (leader, followers), master in zip(groups, masters)
+                 for rank in [leader, *followers]], READY_TIMEOUT_S)
+
+    def wait_ready(self, actors: list) -> None:
+        """Until every actor has loaded its weights, in the order they finish (with progress)."""
+        pending = {a.ready.remote(): a for a in actors}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with tqdm(total=len(actors), desc="starting nodes (loading weights)", unit="node",
+                  disable=not self.show_progress) as bar:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise PlanError(f"{len(pending)} node(s) did not start within {READY_TIMEOUT_S:g} s")
+                try:
+                    bar.set_postfix_str(ray.get(done[0]))
+                except RayTaskError as exc:
+                    raise cause(exc) from None
+                pending.pop(done[0])
+                bar.update(1)
+
+    def wire(self) -> None:
+        """Fresh endpoints on every rank, every attention rank connected to every expert node."""
+        tp_a = self.plan.attention.tp
+        ranks = [rank for leader, followers in zip(self.attention, _followers(self.attention, self.shards, tp_a))
+                 for rank in [leader, *followers]]
+        nodes = ranks + self.experts
+        addresses = get_all([n.open_endpoint.remote() for n in nodes], READY_TIMEOUT_S)
+        attention_addresses = dict(zip(attention_rank_names(self.plan), addresses[:len(ranks)]))
+        expert_addresses = dict(zip(self.expert_names, addresses[len(ranks):]))
+        get_all([n.connect.remote(expert_addresses) for n in ranks]
+                + [n.connect.remote(attention_addresses) for n in self.experts], READY_TIMEOUT_S)
+        get_all([n.serve.remote() for n in nodes + self.expert_shards], READY_TIMEOUT_S)
+
+    # -- while serving ------------------------------------------------------------------------
+    def health(self) -> list[NodeHealth]:
+        """Every rank's health, in `actors` order; a rank that does not answer is DEAD."""
+        answers = gather([n.health.remote() for n in self.actors], CALL_TIMEOUT_S)
+        return [a if isinstance(a, NodeHealth) else
+                NodeHealth(name, NodeRole.ATTENTION if name.startswith("attention") else NodeRole.EXPERT,
+                           NodeStatus.DEAD, rank=int(name.partition(".")[2] or 0), error=str(a))
+                for name, a in zip(self.rank_names(), answers)]
+
+    def states(self) -> tuple[float, list[NodeState | None]]:
+        """(when they were asked for, every attention node's scheduler state); None where a node
+        did not answer or is still wiring. A node answers between two steps, so its state is as
+        of the answer: forecasts start when the answers arrived."""
+        asked_at = time.monotonic()
+        answers = gather([n.state.remote() for n in self.attention], CALL_TIMEOUT_S)
+        answered = time.monotonic()
+        states = [a if isinstance(a, NodeState) else None for a in answers]
+        for state in states:
+            if state is not None:
+                state.time = answered
+        return asked_at, states
+
+    def stats(self) -> list[NodeStats]:
+        return get_all([n.stats.remote() for n in self.attention], STOP_TIMEOUT_S)
+
+    def recover(self, health: list[NodeHealth]) -> None:
+        """Re-wire after a failure: every node stops stepping, restarted ones reload their
+        weights, then the data plane is built anew."""
+        if max(self.plan.attention.tp, self.plan.experts.tp) > 1 and any(
+                h.status is NodeStatus.DEAD for h in health):
+            raise DataPlaneError("a rank of a tensor-parallel deployment died; re-forming its group is not "
+                                 "supported yet: redeploy")
+        nodes = self.attention + self.shards + self.experts
+        gather([n.interrupt.remote() for n in nodes], CALL_TIMEOUT_S)
+        self.wait_ready(nodes)
+        self.wire()
+        logger.info("deployment re-wired and serving")
+
+    def stop(self) -> None:
+        gather([n.stop.remote() for n in self.actors], STOP_TIMEOUT_S)
+        for n in self.actors:
+            ray.kill(n, no_restart=True)
+        self.placement.release()

@@ -1,0 +1,32 @@
+"""What a deployment reports about itself, read from its node groups: the nodes for
+ServerInfo, and the engine state and latency histograms for the metrics endpoint."""
+
+from __future__ import annotations
+
+from deploy.node_group import NodeGroup
+from megainfer.disagg import latency
+from megainfer.messages import NodeStats
+from megainfer.server.backend import NodeInfo
+from megainfer.server.metrics import MetricsSnapshot
+
+
+def node_infos(groups: list[NodeGroup], prefix_replicas: bool = False) -> list[NodeInfo]:
+    """Every rank of every group; `prefix_replicas` names them replica0.attention0, ..."""
+    return [NodeInfo(f"replica{k}.{h.name}" if prefix_replicas else h.name, h.role, h.status, h.detail())
+            for k, group in enumerate(groups) for h in group.health()]
+
+
+def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHistogram | None) -> MetricsSnapshot:
+    """Attention nodes summed (KV usage over all their blocks), M2N latencies merged over every
+    attention leader; `router_error` where a predictive router places requests."""
+    stats: list[NodeStats] = [s for group in groups for s in group.stats()]
+    engines = [s.engine for s in stats]
+    blocks = sum(e.num_kv_blocks for e in engines) or 1
+    return MetricsSnapshot(
+        running=sum(e.num_running for e in engines), waiting=sum(e.num_waiting for e in engines),
+        kv_cache_usage=sum(e.kv_cache_usage * e.num_kv_blocks for e in engines) / blocks,
+        expert_bytes_read=sum(e.expert_bytes_read for e in engines), kv_blocks=blocks,
+        m2n_send=latency.merge([s.m2n_send for s in stats]),
+        m2n_receive_wait=latency.merge([s.m2n_receive_wait for s in stats]),
+        router_ttft_error=router_error.snapshot() if router_error is not None else None,
+        replicas=len(groups))

@@ -1,0 +1,302 @@
+"""Every type that crosses a process boundary, declared here and nowhere else (as SGLang's
+`io_struct.py`). Each crosses as the dataclass or enum it is: Ray pickles it, the driver reads
+attributes, never keys.
+
+| type             | from                         | to                                  | carries                                   |
+|------------------|------------------------------|-------------------------------------|-------------------------------------------|
+| `Plan`           | driver (deploy)              | every node actor, at construction   | the plan (megainfer/plan.py)              |
+| `SamplingParams` | driver frontend              | attention node (`add_request`)      | a request's sampling settings             |
+| `RequestDelta`   | attention node / engine loop | frontend -> the request's stream    | one request's tokens of one step, or its end |
+| `NodeHealth`     | every node actor (`health`)  | node group (supervision, info)      | status, error, what the node is doing     |
+| `NodeStats`      | attention leader (`stats`)   | frontend (metrics endpoint, benches)| engine counters and M2N histograms        |
+| `NodeState`      | attention leader (`state`)   | frontend -> router                  | scheduler snapshot, measured steps        |
+| `StepSample`     | inside `NodeState`           | router's step-time model            | one step's work and seconds               |
+| `SchedulingKnobs`| inside `NodeState`           | router's forecast                   | the scheduler settings to reproduce       |
+| `HistogramSnapshot` | inside `NodeStats`        | metrics endpoint                    | bucket counts of a latency histogram      |
+
+Enums used in them: `FinishReason`, `ErrorCode`, `NodeStatus`, `NodeRole`. `NodeLoad` is what the
+frontend derives from a `NodeState` for the heuristic routers (it stays in the driver).
+
+Declared elsewhere because their packages must not import megainfer:
+- the M2N message header (`transport/wire.py`): attention rank <-> expert node, every
+  (layer, micro-batch); its byte layout is documented there;
+- a tensor-parallel step (`megainfer/disagg/step_sync.py`): attention leader -> its follower
+  ranks over the node's torch.distributed group, an int64 tensor whose layout is documented
+  there (torch.distributed carries tensors, not objects);
+- the gRPC messages (`megainfer/v1/inference.proto`): client <-> server.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the constructors below read engine objects; the types themselves need none
+    from megainfer.scheduler import Scheduler, SchedulerOutput
+    from megainfer.sequence import Sequence
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the model's max length reached
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # this request failed; the others go on
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a request failed (with FinishReason.ERROR)."""
+
+    UNAVAILABLE = "unavailable"  # the deployment could not serve it now: retry later
+    INTERNAL = "internal"  # a bug or a request the model could not process
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class RequestDelta:
+    """One request's progress in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # text completed by these tokens ("" while a character is incomplete)
+    finished: bool = False
+    finish_reason: FinishReason | None = None  # once finished
+    error: str | None = None  # why it failed, when finish_reason is ERROR
+    error_code: ErrorCode | None = None  # when it failed
+
+    @classmethod
+    def failure(cls, request_id: str, error: str, code: ErrorCode = ErrorCode.UNAVAILABLE,
+                new_token_ids: list[int] | None = None) -> "RequestDelta":
+        """The last delta of a request that failed."""
+        return cls(request_id, new_token_ids or [], "", True, FinishReason.ERROR, error, code)
+
+
+class NodeStatus(str, enum.Enum):
+    WIRING = "wiring"  # starting, loading weights or waiting for its data plane
+    SERVING = "serving"
+    BROKEN = "broken"  # its data plane failed; waiting to be re-wired
+    DEAD = "dead"  # did not answer (the actor died or hangs); Ray may be restarting it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NodeRole(str, enum.Enum):
+    ATTENTION = "attention"
+    EXPERT = "expert"
+    ENGINE = "engine"  # a colocated engine: both halves in one process
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class NodeHealth:
+    """A node actor's answer to `health()` (one per rank; followers have rank > 0)."""
+
+    name: str
+    role: NodeRole
+    status: NodeStatus
+    rank: int = 0  # within the node's tensor-parallel group; 0 leads
+    error: str | None = None  # why it is broken or dead
+    running: int = 0  # attention leader: requests running, waiting
+    waiting: int = 0
+    experts: list[int] = field(default_factory=list)  # expert node: the expert ids it holds
+    steps: int = 0  # expert node: steps served, tokens computed
+    tokens: int = 0
+    timing: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over steps
+
+    @property
+    def serving(self) -> bool:
+        return self.status is NodeStatus.SERVING
+
+    def detail(self) -> str:
+        """One line for ServerInfo."""
+        if not self.serving:
+            return self.error or ""
+        if self.rank:
+            return "tensor-parallel follower"
+        if self.role is NodeRole.ATTENTION:
+            return f"running {self.running}, waiting {self.waiting}"
+        return f"experts {self.experts}, steps {self.steps}"
+
+
+@dataclass
+class HistogramSnapshot:
+    """Bucket counts of a latency histogram (seconds), summable across nodes with the same bounds."""
+
+    bounds: list[float]
+    buckets: list[int]  # len(bounds) + 1: the last counts everything above the last bound
+    sum: float = 0.0
+
+
+@dataclass
+class ExpertLoad:
+    """Experts one step activated and the expert-weight bytes that step had to read."""
+
+    activated: list[list[int]]  # per layer, the expert ids that received at least one token
+    bytes_read: int  # activated (layer, expert) pairs x bytes of one expert's weights
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # prompt, recomputed and decode tokens run through the model
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_kv_blocks: int = 0
+    expert_tokens: list[list[int]] = field(default_factory=list)  # cumulative [layer][expert] routed tokens
+    expert_activations: int = 0  # cumulative activated (layer, expert) pairs over steps
+    expert_bytes_read: int = 0  # cumulative expert-weight bytes read
+    last_step_expert_load: ExpertLoad | None = None
+    energy_j: float | None = None  # GPU energy since the engine started (None: unavailable, see below)
+    energy_per_token_j: float | None = None
+    energy_unavailable: str = ""  # why energy is unavailable, where it is
+
+
+@dataclass
+class NodeStats:
+    """An attention leader's counters: its engine's, and its M2N latencies per message."""
+
+    engine: EngineStats
+    m2n_send: HistogramSnapshot  # one send to one expert node
+    m2n_receive_wait: HistogramSnapshot  # the wait for one expert node's answer
+
+
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step's work (what the step-time model reads) and, once run, its seconds."""
+
+    tokens: int  # tokens computed, every sequence together
+    seqs: int  # sequences in the step
+    kv_tokens: float  # cached tokens attention reads, summed over sequences
+    score_pairs: float  # query-key pairs attention scores (causal inside a chunk)
+    seconds: float = 0.0
+    # The replica-wide number of the step on a disaggregated node, whose attention nodes all run
+    # every numbered step together; -1 on a colocated engine.
+    step: int = -1
+    # Nodes in lockstep: the largest of any one node's (tokens, kv_tokens, score_pairs), since
+    # the attention nodes compute side by side; None for one node's step (its own work).
+    peak: tuple[float, float, float] | None = None
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, seconds: float = 0.0, num_layers: int = 1, step: int = -1) -> "StepSample":
+        """The step's work averaged over layers: a layered-prefill cohort passes only its group."""
+        from megainfer.scheduler import chunk_work
+
+        tokens, pairs, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
+        seqs = len(out.seqs)
+        lp = out.layered
+        if lp is not None:
+            share = (lp.layers[1] - lp.layers[0]) / max(num_layers, 1)
+            c_tokens, c_pairs, c_kv = chunk_work(lp.seqs, lp.num_tokens)
+            tokens, pairs, kv = tokens + share * c_tokens, pairs + share * c_pairs, kv + share * c_kv
+            seqs += len(lp.seqs)
+        return cls(round(tokens), seqs, kv, pairs, seconds, step)
+
+    @classmethod
+    def lockstep(cls, samples: list["StepSample"]) -> "StepSample":
+        """One step of nodes in lockstep: their work adds up (the expert nodes compute it all),
+        the busiest node's share bounds the attention half, and the step lasts as long as the
+        slowest node saw it last."""
+        return cls(sum(s.tokens for s in samples), sum(s.seqs for s in samples),
+                   sum(s.kv_tokens for s in samples), sum(s.score_pairs for s in samples),
+                   max(s.seconds for s in samples), samples[0].step,
+                   (float(max(s.tokens for s in samples)), max(s.kv_tokens for s in samples),
+                    max(s.score_pairs for s in samples)))
+
+    def work(self) -> tuple[float, float, float, float]:
+        """(tokens, seqs, kv_tokens, score_pairs): one node's row in a lockstep forecast."""
+        return (float(self.tokens), float(self.seqs), self.kv_tokens, self.score_pairs)
+
+
+@dataclass(frozen=True)
+class SchedulingKnobs:
+    """The scheduler settings a forecast must reproduce."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    prefill_policy: str = "chunked"
+    num_layers: int = 1
+    group_tokens: int = 512
+    num_layer_groups: int | None = None
+    layered_chunk_tokens: int = 512
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> "SchedulingKnobs":
+        bm, policy = scheduler.block_manager, scheduler.policy
+        common = (bm.num_blocks, bm.block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+                  scheduler.max_model_len, policy.name)
+        layered = policy.layered_settings()
+        if layered is None:
+            return cls(*common)
+        return cls(*common, num_layers=layered.num_layers, group_tokens=layered.group_tokens,
+                   num_layer_groups=layered.num_layer_groups, layered_chunk_tokens=layered.chunk_tokens)
+
+
+# A request as (prompt tokens, tokens so far (prompt + generated), tokens cached, max_tokens).
+RequestLengths = tuple[int, int, int, int]
+
+
+@dataclass
+class NodeState:
+    knobs: SchedulingKnobs
+    running: list[RequestLengths] = field(default_factory=list)  # in the scheduler's order
+    waiting: list[RequestLengths] = field(default_factory=list)  # queue order
+    free_blocks: int = 0
+    steps: list[StepSample] = field(default_factory=list)  # measured since the last snapshot
+    finished: list[tuple[int, int]] = field(default_factory=list)  # (prompt, output tokens) since the last one
+    time: float = 0.0  # the node's clock when taken (seconds; the router's clock must agree)
+    steps_done: int = -1  # lockstep nodes: every step numbered below this one has run (-1: colocated)
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, now: float, steps: list[StepSample] = (),
+           finished: list[tuple[int, int]] = (), steps_done: int = -1) -> "NodeState":
+        def lengths(s: Sequence) -> RequestLengths:
+            return (s.num_prompt_tokens, s.num_tokens, s.num_computed_tokens, s.params.max_tokens)
+
+        return cls(SchedulingKnobs.of(scheduler), [lengths(s) for s in scheduler.running],
+                   [lengths(s) for s in scheduler.waiting], scheduler.block_manager.num_free_blocks,
+                   list(steps), list(finished), now, steps_done)
+
+    def load(self) -> "NodeLoad":
+        """The heuristic routers' view."""
+        k = self.knobs
+        pending = sum(n - c for _, n, c, _ in self.waiting) + sum(n - c for _, n, c, _ in self.running if n - c > 1)
+        return NodeLoad(capacity_tokens=k.num_blocks * k.block_size,
+                        used_tokens=sum(c for _, _, c, _ in self.running), pending_prefill_tokens=pending,
+                        running=len(self.running), waiting=len(self.waiting))
+
+
+@dataclass
+class NodeLoad:
+    """What a heuristic router knows of one node."""
+
+    capacity_tokens: int  # KV-cache tokens the node holds in all
+    used_tokens: int = 0  # tokens cached now
+    pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
+    running: int = 0
+    waiting: int = 0
+
+    def add(self, prompt_tokens: int) -> None:
+        """A request routed here since the last snapshot."""
+        self.pending_prefill_tokens += prompt_tokens
+        self.waiting += 1
+
+    def freeness(self) -> float:
+        """Llumnix: (capacity - cached - pending prefill) / requests carried (one more: the new one)."""
+        free = self.capacity_tokens - self.used_tokens - self.pending_prefill_tokens
+        return free / (self.running + self.waiting + 1)

@@ -1,0 +1,200 @@
+"""Where every row of a step sits: computed once from a `SchedulerOutput`, read by the colocated
+runner, the pipelined (attention node) runner, a tensor-parallel node's follower ranks and the
+simulator, so none of them re-derives it. Plain Python, no torch.
+
+A step computes tokens for two kinds of sequences:
+- its own sequences (`SchedulerOutput.seqs`, called *decodes* here: decodes, and under chunked
+  prefill also prompt chunks), which pass every layer;
+- under layered prefill, a *cohort* of prompt chunks (`SchedulerOutput.layered`), which passes
+  only this step's layer group: it joins the decodes at the group's first layer and leaves
+  them at the group's end layer.
+
+Both are split into `m` micro-batches, each balanced by tokens separately and each keeping the
+step's order (one-token sequences first), as the attention kernels expect. The colocated
+runner and the simulator are the m = 1 case.
+
+Names used throughout:
+- *sequence index*: a position in `SchedulerOutput.all_seqs` (the decodes, then the cohort),
+  which is also the position of its token in `StepResult.sampled`;
+- *row*: one token's hidden state. A micro-batch's rows are its decodes' rows, then, while the
+  cohort is inside its group, its cohort members' rows (the *combined* batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megainfer.scheduler import SchedulerOutput
+
+
+def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
+    """Indices into `num_tokens` for each of m micro-batches, balanced by tokens (each entry goes
+    to the least loaded one so far, the first of equals); each keeps the input's order. Some
+    may be empty."""
+    if m == 1:
+        return [list(range(len(num_tokens)))]
+    groups: list[list[int]] = [[] for _ in range(m)]
+    load = [0] * m
+    for i, n in enumerate(num_tokens):
+        j = load.index(min(load))
+        groups[j].append(i)
+        load[j] += n
+    return groups
+
+
+def _query_starts(num_tokens: tuple[int, ...], indices: list[int], start: int = 0) -> list[int]:
+    """Offsets (rows) at which each of `indices` begins, from `start`, plus the end."""
+    return list(accumulate((num_tokens[i] for i in indices), initial=start))
+
+
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """One micro-batch of a step: its sequences and where their rows sit."""
+
+    # Sequence indices of the decodes in this micro-batch (all below the step's number of
+    # decodes), in the step's order.
+    decode_sequences: tuple[int, ...]
+    # Sequence indices of the cohort members in this micro-batch (all at or past the step's
+    # number of decodes), in the cohort's order; empty without a cohort.
+    cohort_sequences: tuple[int, ...]
+    # Query start offsets (rows from 0) of the decode-only batch: one per decode, then the end;
+    # entry k + 1 minus entry k is the k-th decode's tokens this step.
+    decode_query_starts: tuple[int, ...]
+    # Query start offsets (rows from 0) of the combined batch (the decodes, then the cohort
+    # members) that runs inside the cohort's group; equals `decode_query_starts` without a cohort.
+    combined_query_starts: tuple[int, ...]
+
+    @property
+    def sequences(self) -> tuple[int, ...]:
+        """Sequence indices of the combined batch: decodes, then cohort members."""
+        return self.decode_sequences + self.cohort_sequences
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Rows (tokens) of the decode-only batch."""
+        return self.decode_query_starts[-1]
+
+    @property
+    def num_cohort_rows(self) -> int:
+        """Rows (tokens) the cohort members add inside their group."""
+        return self.combined_query_starts[-1] - self.num_decode_rows
+
+    @property
+    def cohort_row_ranges(self) -> list[tuple[int, int]]:
+        """Each cohort member's [start, end) rows within the cohort's own rows (the combined
+        batch's rows past the decodes), in `cohort_sequences` order."""
+        offsets = self.combined_query_starts[len(self.decode_sequences):]
+        base = self.num_decode_rows
+        return [(begin - base, end - base) for begin, end in zip(offsets, offsets[1:])]
+
+
+@dataclass(slots=True)  # not frozen: a step makes one per sampling sequence, and frozen ones cost 4x
+class SampledRow:
+    """A row whose hidden state, after the last layer, gives a sequence its next token. Read-only
+    by convention."""
+
+    # Sequence index of the sequence that samples (its entry in `StepResult.sampled`).
+    sequence: int
+    # Micro-batch whose rows hold it.
+    micro_batch: int
+    # True: the row is among the micro-batch's cohort rows (counted from the first cohort row,
+    # after the cohort left the decodes); False: among its decode rows.
+    in_cohort: bool
+    # Index of the row (the sequence's last token this step) within those rows.
+    row: int
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """A step's micro-batches, the cohort's passage through its layer group, and the rows that
+    sample. Build it with `StepLayout.of(scheduler_output, m)`."""
+
+    # The m micro-batches, in the order they run; any may be empty (the node still exchanges a
+    # zero-token message for it with every expert node).
+    micro_batches: tuple[MicroBatchLayout, ...]
+    # Tokens each sequence computes this step, by sequence index.
+    num_tokens: tuple[int, ...]
+    # How many of the step's sequences are decodes (`len(SchedulerOutput.seqs)`); the sequence
+    # indices from here on are the cohort's.
+    num_decode_sequences: int
+    # First layer of the cohort's group this step: before this layer's attention its rows join
+    # the decodes. 0 when the step has no cohort.
+    cohort_join_layer: int
+    # End layer (exclusive) of the cohort's group: before this layer's attention (or after the
+    # last layer, when it equals the model's layer count) its rows leave the decodes.
+    # 0 when the step has no cohort.
+    cohort_leave_layer: int
+    # The group is the cohort's last: its members' hidden states are not kept for a next group,
+    # and those whose chunk completes their prompt sample their first token.
+    cohort_last_group: bool
+    # The rows that sample: decode rows micro-batch by micro-batch (each in the step's order),
+    # then cohort rows micro-batch by micro-batch. This is the order of the sampler's rows.
+    sampled_rows: tuple[SampledRow, ...]
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, m: int) -> "StepLayout":
+        """The layout of `out` split into `m` micro-batches. A sequence samples where
+        `out.all_samples()` says so: decodes that reach their last token, and cohort chunks that
+        complete their prompt in the cohort's last group."""
+        if m < 1:
+            raise ValueError(f"a step needs at least one micro-batch, got {m}")
+        cohort = out.layered
+        cohort_tokens = list(cohort.num_tokens) if cohort is not None else []
+        num_tokens = tuple(out.num_scheduled_tokens) + tuple(cohort_tokens)
+        num_decodes = len(out.seqs)
+        batches = []
+        for decodes, members in zip(split_micro_batches(out.num_scheduled_tokens, m),
+                                    split_micro_batches(cohort_tokens, m)):
+            members = [num_decodes + i for i in members]
+            decode_starts = _query_starts(num_tokens, decodes)
+            combined_starts = decode_starts + _query_starts(num_tokens, members, decode_starts[-1])[1:]
+            batches.append(MicroBatchLayout(tuple(decodes), tuple(members), tuple(decode_starts),
+                                            tuple(combined_starts)))
+        join, leave = cohort.layers if cohort is not None else (0, 0)
+        last = cohort is not None and cohort.last
+        return cls(tuple(batches), num_tokens, num_decodes, join, leave, last,
+                   _sampled_rows(batches, out.all_samples()))
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences in the step, decodes and cohort members."""
+        return len(self.num_tokens)
+
+    @property
+    def has_cohort(self) -> bool:
+        return self.num_sequences > self.num_decode_sequences
+
+    @property
+    def cohort_group_layers(self) -> int:
+        """Layers the cohort passes this step (0 without a cohort)."""
+        return self.cohort_leave_layer - self.cohort_join_layer
+
+    def cohort_inside(self, layer: int) -> bool:
+        """Whether `layer` is in the cohort's group: micro-batches with cohort members run their
+        combined batch there, and their decode-only batch everywhere else."""
+        return self.cohort_join_layer <= layer < self.cohort_leave_layer
+
+    def place_samples(self, tokens: list[int]) -> list[int | None]:
+        """One entry per sequence index: the token sampled from its row (`tokens` in
+        `sampled_rows` order), None for a sequence that did not sample."""
+        if len(tokens) != len(self.sampled_rows):
+            raise ValueError(f"{len(tokens)} tokens for {len(self.sampled_rows)} sampled rows")
+        placed: list[int | None] = [None] * self.num_sequences
+        for row, token in zip(self.sampled_rows, tokens):
+            placed[row.sequence] = token
+        return placed
+
+
+def _sampled_rows(batches: list[MicroBatchLayout], samples: list[bool]) -> tuple[SampledRow, ...]:
+    """Each sampling sequence's last row: all decodes first, then all cohort members."""
+    rows = []
+    for j, batch in enumerate(batches):
+        ends = batch.decode_query_starts[1:]
+        rows += [SampledRow(i, j, False, end - 1) for i, end in zip(batch.decode_sequences, ends) if samples[i]]
+    for j, batch in enumerate(batches):
+        ranges = batch.cohort_row_ranges
+        rows += [SampledRow(i, j, True, end - 1) for i, (_, end) in zip(batch.cohort_sequences, ranges) if samples[i]]
+    return tuple(rows)

@@ -1,0 +1,82 @@
+"""The engine core's input queue: a request submitted while a step runs is queued at once (it
+does not wait for the step), a bad one fails at once to its caller, aborts free blocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megainfer import Engine, SamplingParams
+from megainfer.config import EngineConfig
+from megainfer.errors import RequestError
+from megainfer.server.engine_backend import EngineBackend
+
+SLOW_STEP_S = 0.5
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def slow_backend():
+    """A colocated engine whose every non-empty step takes at least SLOW_STEP_S; `in_step` is
+    set while one runs."""
+    engine = Engine("tiny-mixtral", EngineConfig(max_num_batched_tokens=64))
+    in_step = threading.Event()
+    execute = engine.runner.execute
+
+    def slow_execute(out):
+        in_step.set()
+        time.sleep(SLOW_STEP_S)
+        try:
+            return execute(out)
+        finally:
+            in_step.clear()
+
+    engine.runner.execute = slow_execute
+    backend = EngineBackend(engine)
+    backend.in_step = in_step
+    yield backend
+    backend.close()
+
+
+def test_a_request_submitted_during_a_slow_step_is_queued_in_under_5_ms(slow_backend):
+    first = slow_backend.submit("first", [1, 2, 3], PARAMS)
+    assert slow_backend.in_step.wait(5)
+    started = time.perf_counter()
+    second = slow_backend.submit("second", [4, 5, 6], PARAMS)
+    queued_s = time.perf_counter() - started
+    assert slow_backend.in_step.is_set()  # the step was still running when submit returned
+    assert queued_s < 0.005, f"submit took {queued_s * 1e3:.1f} ms during a {SLOW_STEP_S} s step"
+    assert second.prompt_tokens == 3
+    for stream in (first, second):
+        assert stream.wait_finished(30).finished
+    assert slow_backend.core.num_queued == 0
+
+
+def test_a_bad_request_fails_at_once_during_a_slow_step_and_others_go_on(slow_backend):
+    first = slow_backend.submit("first", [1, 2, 3], PARAMS)
+    assert slow_backend.in_step.wait(5)
+    for bad, message in ((lambda: slow_backend.submit("bad", [], PARAMS), "empty"),
+                         (lambda: slow_backend.submit("first", [1], PARAMS), "already in use")):
+        started = time.perf_counter()
+        with pytest.raises(RequestError, match=message):
+            bad()
+        assert time.perf_counter() - started < 0.005
+    assert first.wait_finished(30).finished
+
+
+def test_an_abort_during_a_step_frees_the_request_before_the_next_one(slow_backend):
+    engine = slow_backend.engine
+    stream = slow_backend.submit("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+    assert slow_backend.in_step.wait(5)
+    started = time.perf_counter()
+    assert slow_backend.abort("long")
+    assert time.perf_counter() - started < 0.005
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    assert not slow_backend.abort("long")  # ended: unknown now
+    assert stream.prompt_tokens == 3
