@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-NEW_TOKENS = 32
-PROMPT_LENGTHS = (5, 17, 33, 1, 24)
+from tests.helpers import NEW_TOKENS, PROMPT_LENGTHS
 
 
 @dataclass

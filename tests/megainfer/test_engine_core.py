@@ -1,5 +1,7 @@
 """The engine core's input queue: a request submitted while a step runs is queued at once (it
-does not wait for the step), a bad one fails at once to its caller, aborts free blocks."""
+does not wait for the step), a bad one fails at once to its caller, aborts free blocks. The
+strict 5 ms timing is `slow` (a timing assertion); the default tests hold submission against
+a step 100x longer."""
 
 from __future__ import annotations
 
@@ -40,18 +42,33 @@ def slow_backend():
     backend.close()
 
 
-def test_a_request_submitted_during_a_slow_step_is_queued_in_under_5_ms(slow_backend):
+def test_a_request_submitted_during_a_slow_step_is_queued_without_waiting_for_it(slow_backend):
     first = slow_backend.submit("first", [1, 2, 3], PARAMS)
     assert slow_backend.in_step.wait(5)
     started = time.perf_counter()
     second = slow_backend.submit("second", [4, 5, 6], PARAMS)
     queued_s = time.perf_counter() - started
     assert slow_backend.in_step.is_set()  # the step was still running when submit returned
-    assert queued_s < 0.005, f"submit took {queued_s * 1e3:.1f} ms during a {SLOW_STEP_S} s step"
+    assert queued_s < SLOW_STEP_S / 10, f"submit took {queued_s * 1e3:.1f} ms during a {SLOW_STEP_S} s step"
     assert second.prompt_tokens == 3
     for stream in (first, second):
         assert stream.wait_finished(30).finished
     assert slow_backend.core.num_queued == 0
+
+
+@pytest.mark.slow
+def test_submission_during_a_slow_step_takes_under_5_ms(slow_backend):
+    """The bar, as a timing: every one of 20 submissions made while a step runs is queued in
+    under 5 ms (the step takes SLOW_STEP_S)."""
+    slow_backend.submit("first", [1, 2, 3], PARAMS)
+    assert slow_backend.in_step.wait(5)
+    took = []
+    for i in range(20):
+        started = time.perf_counter()
+        slow_backend.submit(f"r{i}", [4, 5, 6, i + 7], PARAMS)
+        took.append(time.perf_counter() - started)
+    assert slow_backend.in_step.is_set()
+    assert max(took) < 0.005, f"slowest submission {max(took) * 1e3:.2f} ms"
 
 
 def test_a_bad_request_fails_at_once_during_a_slow_step_and_others_go_on(slow_backend):
@@ -62,7 +79,7 @@ def test_a_bad_request_fails_at_once_during_a_slow_step_and_others_go_on(slow_ba
         started = time.perf_counter()
         with pytest.raises(RequestError, match=message):
             bad()
-        assert time.perf_counter() - started < 0.005
+        assert time.perf_counter() - started < SLOW_STEP_S / 10  # failed at once, not after the step
     assert first.wait_finished(30).finished
 
 
@@ -72,7 +89,7 @@ def test_an_abort_during_a_step_frees_the_request_before_the_next_one(slow_backe
     assert slow_backend.in_step.wait(5)
     started = time.perf_counter()
     assert slow_backend.abort("long")
-    assert time.perf_counter() - started < 0.005
+    assert time.perf_counter() - started < SLOW_STEP_S / 10
     deadline = time.monotonic() + 10
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)

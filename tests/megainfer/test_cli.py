@@ -5,16 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def megainfer(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megainfer", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+from tests.helpers import ROOT, megainfer
 
 
 def test_help_does_not_import_torch():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.test_cli import megainfer
+from tests.helpers import megainfer
 from transport.bench import BenchSpec, measure
 
 

@@ -118,6 +118,7 @@ def test_objectives_rank_by_their_metric(objective, attr):
     assert values == sorted(values, reverse=True)
 
 
+@pytest.mark.slow  # a timing assertion
 def test_whole_catalog_search_is_fast():
     names = CATALOG.names()
     start = time.perf_counter()

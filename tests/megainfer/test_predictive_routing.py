@@ -379,6 +379,7 @@ def test_predictive_learns_the_latency_its_forecasts_cannot_see():
     assert router.last.ttft_s > raw
 
 
+@pytest.mark.slow  # a timing assertion
 def test_predictive_decisions_take_under_a_millisecond_at_p99_with_16_candidates():
     nodes = []
     for k in range(16):

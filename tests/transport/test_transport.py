@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import connect_all
 from transport import (Endpoint, EndpointSpec, HandshakeError, Header, PayloadTooLarge, PeerClosed, PeerTimeout,
                        TransportError)
 from transport import rdma as rdma_backend
@@ -21,25 +22,6 @@ from transport.wire import (IMM_CREDIT, IMM_DATA, QPInfo, check_header_fields, p
                             unpack_tag)
 
 SECRET = b"x" * 32
-
-
-def connect_all(endpoints: dict[str, Endpoint], links: dict[str, list[str]]) -> None:
-    """Connect every endpoint to its listed peers concurrently (as separate processes would)."""
-    errors = []
-
-    def run(name):
-        try:
-            endpoints[name].connect({p: endpoints[p].address for p in links[name]})
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(n,)) for n in endpoints]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,8 @@ from megainfer.simulator.sim import Simulator
 from megainfer.simulator.workload import SimRequest, arrival_times, describe, generate, load_trace
 from planner.catalog import Catalog
 from planner.step_cost_model import ColocatedStepModel, LayerClass
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 QWEN = PRESETS["qwen3-30b-a3b"]
 
 

@@ -8,7 +8,7 @@ import torch
 
 from megainfer import LLM, SamplingParams
 from megainfer.sampler import Sampler
-from tests.conftest import NEW_TOKENS
+from tests.helpers import NEW_TOKENS
 
 CONFIGS = {
     "whole-prompts": {},

@@ -160,7 +160,7 @@ def test_bad_requests_are_invalid_argument_and_the_server_serves_on():
 
 
 def test_metrics_endpoint_of_a_deployment_reports_m2n_latencies():
-    from tests.test_metrics import scrape
+    from tests.helpers import scrape
 
     served = Served(make_plan("tiny-mixtral", 1, 1, 2), metrics=True)
     try:
@@ -195,7 +195,7 @@ def test_least_loaded_routes_around_a_busy_attention_node():
 
 
 def test_predictive_routes_on_forecasts_and_reports_its_error():
-    from tests.test_metrics import scrape
+    from tests.helpers import scrape
 
     plan = make_plan("tiny-mixtral", 2, 1, 1)
     plan.serve.router = "predictive"

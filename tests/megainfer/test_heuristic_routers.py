@@ -1,4 +1,4 @@
-"""Routing policies over node loads (the deployment feeds them; see tests/test_deploy.py)."""
+"""Routing policies over node loads (the deployment feeds them; see tests/deploy/test_deploy.py)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 
 from megainfer import Engine, SamplingParams
@@ -12,17 +10,7 @@ from megainfer.disagg.latency import LatencyHistogram, merge
 from megainfer.server.client import Client
 from megainfer.server.engine_backend import EngineBackend
 from megainfer.server.service import Server
-
-
-def scrape(port: int) -> dict[str, float]:
-    """name{labels} -> value, from the text exposition format."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            values[key] = float(value)
-    return values
+from tests.helpers import scrape
 
 
 @pytest.fixture()

@@ -1,0 +1,51 @@
+"""Helpers several test modules share (tests never import each other)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+from transport import Endpoint
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+NEW_TOKENS = 32  # greedy tokens generated per prompt by the transformers references (conftest)
+PROMPT_LENGTHS = (5, 17, 33, 1, 24)  # the references' prompts
+
+
+def megainfer(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the `megainfer` CLI from the checkout's root, capturing its output."""
+    return subprocess.run([sys.executable, "-m", "megainfer", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def connect_all(endpoints: dict[str, Endpoint], links: dict[str, list[str]]) -> None:
+    """Connect every endpoint to its listed peers concurrently (as separate processes would)."""
+    errors = []
+
+    def run(name):
+        try:
+            endpoints[name].connect({p: endpoints[p].address for p in links[name]})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in endpoints]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """name{labels} -> value, from the text exposition format."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
