@@ -99,9 +99,14 @@ class AttentionNode:
 
     def state(self) -> NodeState | None:
         """The scheduler's state for the router (a NodeState), with the steps measured and the
-        requests finished since the last call; None while the node is still wiring."""
+        requests finished since the last call; None while the node is still wiring. Requests
+        queued since the last step join the scheduler first: the frontend has told the router
+        they reached this node, so a snapshot from now on must hold them."""
+        if self.engine is None:
+            return None
         with self.lock:
-            return self.engine.node_state() if self.engine is not None else None
+            self._emit(self.core.drain())
+            return self.engine.node_state()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> int:
@@ -124,6 +129,7 @@ class AttentionNode:
 
     def stats(self) -> NodeStats:
         with self.lock:
+            self._emit(self.core.drain())  # queued requests count as waiting
             m2n = self.engine.runner.m2n
             return NodeStats(self.engine.stats(), m2n["send"].snapshot(), m2n["receive_wait"].snapshot())
 

@@ -7,7 +7,7 @@ rounds, each round a fresh workload (its own seed) sent to every router, in alte
 (A B, B A, ...) so that a machine getting slower or faster over the run does not favour one.
 Latencies are pooled over the rounds; each round's P99 TTFT is shown as well. The load
 generator runs in a process of its own, as `vllm bench serve` runs beside a server, so its
-threads do not share an interpreter lock with the deployment's router and dispatch threads."""
+threads do not share an interpreter lock with the deployment's router and delta pumps."""
 
 from __future__ import annotations
 

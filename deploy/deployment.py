@@ -11,29 +11,18 @@ from __future__ import annotations
 
 import ray
 
-from deploy.frontend import Frontend, prompt_tokens
-from deploy.node_config import weights_of
+from deploy.frontend import Frontend, max_open_requests, prompt_tokens
+from deploy.node_config import checked_model
 from deploy.node_group import NodeGroup
 from deploy.placement import Placement, connect_ray, cpus_needed
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
-from megainfer.errors import PlanError
 from megainfer.messages import NodeHealth, NodeStats
 from megainfer.plan import Plan
 from megainfer.routing.policies import make_router
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import BackendInfo, RequestStream
 from megainfer.server.metrics import MetricsSnapshot
-
-
-def check_plan(plan: Plan):
-    """The plan's model, checked against the plan (before anything starts)."""
-    model, _ = weights_of(plan)
-    plan.check_model(model)
-    if model.expert_intermediate_size % plan.experts.tp:
-        raise PlanError(f"experts.tp = {plan.experts.tp} does not divide the experts' intermediate size "
-                        f"({model.expert_intermediate_size}); choose a tp that divides it")
-    return model
 
 
 class Deployment:
@@ -43,8 +32,8 @@ class Deployment:
         self.plan = plan
         self.address = address
         self.show_progress = show_progress
-        self.model = check_plan(plan)
-        self.frontend = Frontend(make_router(plan.serve.router), 2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
+        self.model = checked_model(plan)
+        self.frontend = Frontend(make_router(plan.serve.router), max_open_requests(plan))
         self.group: NodeGroup | None = None
         self.supervisor: Supervisor | None = None
         self._started_ray = False

@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from deploy.delta_pump import DeltaPump
-from deploy.node_group import NodeGroup
+from deploy.node_group import NodeGroup, states_of
 from deploy.ray_calls import cause
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.errors import DataPlaneError
@@ -37,8 +37,14 @@ class Routed:
     """The router's choice for one request."""
 
     node: int  # attention node, numbered across the groups
+    router: object = None  # the router that chose (told where the request went, even if swapped meanwhile)
     predicted_ttft_s: float | None = None  # predictive router only
-    routed_at: float | None = None  # when it chose (predictive router only: it is told where the request went)
+    routed_at: float | None = None  # when it chose (predictive router only)
+
+
+def max_open_requests(plan) -> int:
+    """Requests one replica may have open before new ones are refused (backpressure)."""
+    return 2 * plan.attention.nodes * plan.scheduler.max_num_seqs
 
 
 class Frontend:
@@ -59,22 +65,21 @@ class Frontend:
 
     # -- node groups ----------------------------------------------------------------------------
     def add_group(self, group: NodeGroup) -> None:
-        """Serve through `group`'s attention nodes from now on (after it warms up)."""
-        first = len(self._nodes)
-        pumps = [DeltaPump(node, f"{first + i}", self._deliver) for i, node in enumerate(group.attention)]
+        """Serve through `group`'s attention nodes from now on (a started, warmed-up group)."""
         with self._lock:
+            first = len(self._nodes)
             self.groups.append(group)
             self._nodes += group.attention
-            self._pumps += pumps
+            self._pumps += [DeltaPump(node, f"{first + i}", self._deliver) for i, node in enumerate(group.attention)]
             self.registry.max_open = self.max_open_per_group * len(self.groups)
-        self._warm_up(range(first, first + len(group.attention)))
-        group.states()  # drained: the first steps pay for lazy set-up and would mislead a step model
         self.refresh()
 
-    def remove_last_group(self) -> NodeGroup:
-        """Stop routing to the newest group; its nodes' indices fall off the end."""
+    def remove_group(self, group: NodeGroup) -> None:
+        """Stop routing to `group`, the newest one: its nodes' indices fall off the end."""
         with self._lock:
-            group = self.groups.pop()
+            if not self.groups or self.groups[-1] is not group:
+                raise ValueError("only the newest node group can be removed")
+            self.groups.pop()
             first = len(self._nodes) - len(group.attention)
             self.router.forget(first)
             self._nodes, self._loads = self._nodes[:first], self._loads[:first]
@@ -82,7 +87,6 @@ class Frontend:
             self.registry.max_open = self.max_open_per_group * len(self.groups)
         for pump in pumps:
             pump.stop()
-        return group
 
     def nodes_of(self, group: NodeGroup) -> range:
         first = 0
@@ -92,22 +96,17 @@ class Frontend:
             first += len(g.attention)
         return range(0)
 
-    def _warm_up(self, nodes: range) -> None:
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        streams = [self.submit(f"warmup-{i}", [1, 2, 3], params, self.pin(i, 3)) for i in nodes]
-        for stream in streams:
-            stream.wait_finished(60.0)
-
     # -- routing ------------------------------------------------------------------------------
     def route(self, prompt_tokens: int, max_tokens: int) -> Routed:
         with self._lock:
-            node = self.router.choose(self._loads, prompt_tokens, max_tokens)
+            router = self.router
+            node = router.choose(self._loads, prompt_tokens, max_tokens)
             self._loads[node].add(prompt_tokens)
-            last = getattr(self.router, "last", None)  # the predictive router's forecast of this choice
-        return Routed(node, last.ttft_s, last.at) if last is not None else Routed(node)
+            last = getattr(router, "last", None)  # the predictive router's forecast of this choice
+        return Routed(node, router, last.ttft_s, last.at) if last is not None else Routed(node, router)
 
     def pin(self, node: int, prompt_tokens: int) -> Routed:
-        """Send a request to `node`, whatever the router would say (tests, benches, warm-up)."""
+        """Send a request to `node`, whatever the router would say (tests, benches)."""
         with self._lock:
             if node < len(self._loads):
                 self._loads[node].add(prompt_tokens)
@@ -121,7 +120,7 @@ class Frontend:
 
     def refresh(self) -> None:
         """Every group's node states to the router; a node that does not answer keeps its last load."""
-        states = [group.states() for group in list(self.groups)]  # (asked at, node states) per group
+        states = states_of(list(self.groups))  # (asked at, node states) per group, asked all at once
         with self._lock:
             self._loads = observe_states(self.router, states, self._loads)[:len(self._nodes)]
 
@@ -141,27 +140,39 @@ class Frontend:
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams, routed: Routed | None = None) -> RequestStream:
         """Queue a request where `routed` says, or where the router sends it."""
-        stream = self.registry.open(request_id)
-        submitted = time.monotonic()
-        with self._lock:
-            router = self.router  # the one to tell where the request went, even if swapped meanwhile
+        stream = self.open(request_id)
         if routed is None:
             try:
                 routed = self.route(prompt_tokens(prompt), params.max_tokens)
             except BaseException:
                 self.registry.close(request_id)
                 raise
+        return self.send(stream, prompt, params, routed)
+
+    def open(self, request_id: str) -> RequestStream:
+        """The request's stream, before it is routed: a duplicate id or a full registry is refused
+        before any router counts the request."""
+        return self.registry.open(request_id)
+
+    def send(self, stream: RequestStream, prompt, params: SamplingParams, routed: Routed) -> RequestStream:
+        """Queue an opened request on the node the router chose."""
+        request_id = stream.request_id
+        submitted = time.monotonic()
         if routed.predicted_ttft_s is not None:
             self._predicted[request_id] = (submitted, routed.predicted_ttft_s)
         self._owner[request_id] = routed.node
         try:
-            stream.prompt_tokens = ray.get(self._nodes[routed.node].add_request.remote(request_id, prompt, params),
+            with self._lock:
+                if routed.node >= len(self._nodes):  # its group retired meanwhile
+                    raise DataPlaneError(f"attention node {routed.node} was retired; retry")
+                node = self._nodes[routed.node]
+            stream.prompt_tokens = ray.get(node.add_request.remote(request_id, prompt, params),
                                            timeout=SUBMIT_TIMEOUT_S)
             if routed.routed_at is not None:  # the node holds it: snapshots asked for from now on show it
-                router.placed(routed.node, routed.routed_at, time.monotonic())
+                routed.router.placed(routed.node, routed.routed_at, time.monotonic())
         except BaseException as exc:
             if routed.routed_at is not None:
-                router.placed(routed.node, routed.routed_at, None)
+                routed.router.placed(routed.node, routed.routed_at, None)
             self._forget(request_id)
             if isinstance(exc, RayTaskError):
                 raise cause(exc) from None
@@ -171,13 +182,15 @@ class Frontend:
         return stream
 
     def abort(self, request_id: str) -> bool:
-        node = self._owner.pop(request_id, None)
-        self.registry.close(request_id)
+        node = self._owner.get(request_id)
+        self._forget(request_id)
         if node is None:
             return False
         try:
-            return ray.get(self._nodes[node].abort.remote(request_id), timeout=ABORT_TIMEOUT_S)
-        except (RayActorError, GetTimeoutError, IndexError):
+            with self._lock:
+                actor = self._nodes[node] if node < len(self._nodes) else None
+            return actor is not None and ray.get(actor.abort.remote(request_id), timeout=ABORT_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError):
             return False
 
     def owner_of(self, request_id: str) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megainfer.config import EngineConfig, ModelConfig, resolve_model
 from megainfer.disagg.expert_link import dispatch_bytes
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint, WeightSource
+from megainfer.errors import PlanError
 from megainfer.plan import Plan
 
 # Seconds a node waits on a peer before declaring it gone.
@@ -17,6 +18,16 @@ def engine_config(plan: Plan, num_threads: int | None) -> EngineConfig:
                         max_num_batched_tokens=plan.scheduler.max_num_batched_tokens,
                         prefill_policy=plan.scheduler.prefill_policy, group_tokens=plan.scheduler.group_tokens,
                         target_step_ms=plan.scheduler.target_step_ms, num_threads=num_threads)
+
+
+def checked_model(plan: Plan) -> ModelConfig:
+    """The plan's model, checked against the plan before anything starts."""
+    model, _ = weights_of(plan)
+    plan.check_model(model)
+    if model.expert_intermediate_size % plan.experts.tp:
+        raise PlanError(f"experts.tp = {plan.experts.tp} does not divide the experts' intermediate size "
+                        f"({model.expert_intermediate_size}); choose a tp that divides it")
+    return model
 
 
 def weights_of(plan: Plan) -> tuple[ModelConfig, WeightSource]:

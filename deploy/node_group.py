@@ -24,14 +24,18 @@ from deploy.node_config import attention_rank_name, attention_rank_names, node_n
 from deploy.placement import Placement
 from deploy.ray_calls import cause, gather, get_all
 from megainfer.errors import DataPlaneError, PlanError
-from megainfer.messages import NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus
+from megainfer.messages import FinishReason, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus
 from megainfer.plan import Plan
+from megainfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # loading weights can take a while on real clusters
 CALL_TIMEOUT_S = 5.0  # a node that does not answer health or state within this is taken as dead
+STATS_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
+WARM_UP_TIMEOUT_S = 60.0
+WARM_UP_POLL_S = 0.05
 
 
 def _followers(leaders: list, shards: list, tp: int) -> list[list]:
@@ -54,37 +58,46 @@ class NodeGroup:
     def actors(self) -> list:
         return self.attention + self.shards + self.experts + self.expert_shards
 
-    def rank_names(self) -> list[str]:
-        """Names of `actors`, in their order."""
-        tp_a, tp_e = self.plan.attention.tp, self.plan.experts.tp
-        return (self.attention_names
-                + [attention_rank_name(i, r) for i in range(len(self.attention_names)) for r in range(1, tp_a)]
-                + self.expert_names + [f"{e}.{r}" for e in self.expert_names for r in range(1, tp_e)])
+    def ranks(self) -> list[tuple[str, NodeRole, int]]:
+        """(name, role, rank within its node) of each of `actors`, in their order."""
+        attention_tp, expert_tp = self.plan.attention.tp, self.plan.experts.tp
+        return ([(name, NodeRole.ATTENTION, 0) for name in self.attention_names]
+                + [(attention_rank_name(i, rank), NodeRole.ATTENTION, rank)
+                   for i in range(len(self.attention_names)) for rank in range(1, attention_tp)]
+                + [(name, NodeRole.EXPERT, 0) for name in self.expert_names]
+                + [(f"{name}.{rank}", NodeRole.EXPERT, rank) for name in self.expert_names
+                   for rank in range(1, expert_tp)])
 
     # -- bring-up -----------------------------------------------------------------------------
     def start(self, local: bool) -> "NodeGroup":
-        """Spawn, group, load and wire every rank. `local`: Ray runs on this machine alone, so
-        endpoints listen on loopback."""
-        self._spawn(os.urandom(32), "127.0.0.1" if local else "")
-        self._form_tp_groups()
-        self.wait_ready(self.actors)
-        self.wire()
+        """Spawn, group, load, wire and warm up every rank; on any failure, stop what started and
+        re-raise. `local`: Ray runs on this machine alone, so endpoints listen on loopback."""
+        try:
+            self._spawn(os.urandom(32), "127.0.0.1" if local else "")
+            self._form_tp_groups()
+            self.wait_ready(self.actors)
+            self.wire()
+            self._warm_up()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _spawn(self, secret: bytes, host: str) -> None:
-        plan, tp_a, tp_e = self.plan, self.plan.attention.tp, self.plan.experts.tp
+        plan, attention_tp, expert_tp = self.plan, self.plan.attention.tp, self.plan.experts.tp
         threads = 1 if plan.attention.gpu == "cpu" else None
 
         def actor(cls, side, bundle: int, *args):
             return ray.remote(cls).options(**self.placement.actor_options(side, bundle)).remote(
                 plan, *args, secret, host, threads)
 
-        n_a, n_e = plan.attention.nodes, plan.experts.nodes
-        self.attention = [actor(AttentionNode, plan.attention, i, i) for i in range(n_a)]
-        self.shards = [actor(AttentionShard, plan.attention, i, i, r) for i in range(n_a) for r in range(1, tp_a)]
-        self.experts = [actor(ExpertNode, plan.experts, n_a + k, k) for k in range(n_e)]
-        self.expert_shards = [actor(ExpertShard, plan.experts, n_a + k, k, r)
-                              for k in range(n_e) for r in range(1, tp_e)]
+        attention_nodes, expert_nodes = plan.attention.nodes, plan.experts.nodes
+        self.attention = [actor(AttentionNode, plan.attention, i, i) for i in range(attention_nodes)]
+        self.shards = [actor(AttentionShard, plan.attention, i, i, rank)
+                       for i in range(attention_nodes) for rank in range(1, attention_tp)]
+        self.experts = [actor(ExpertNode, plan.experts, attention_nodes + k, k) for k in range(expert_nodes)]
+        self.expert_shards = [actor(ExpertShard, plan.experts, attention_nodes + k, k, rank)
+                              for k in range(expert_nodes) for rank in range(1, expert_tp)]
 
     def _form_tp_groups(self) -> None:
         """Each tensor-parallel node's ranks join a torch.distributed group of their own."""
@@ -118,9 +131,8 @@ class NodeGroup:
 
     def wire(self) -> None:
         """Fresh endpoints on every rank, every attention rank connected to every expert node."""
-        tp_a = self.plan.attention.tp
-        ranks = [rank for leader, followers in zip(self.attention, _followers(self.attention, self.shards, tp_a))
-                 for rank in [leader, *followers]]
+        followers = _followers(self.attention, self.shards, self.plan.attention.tp)
+        ranks = [rank for leader, own in zip(self.attention, followers) for rank in [leader, *own]]
         nodes = ranks + self.experts
         addresses = get_all([n.open_endpoint.remote() for n in nodes], READY_TIMEOUT_S)
         attention_addresses = dict(zip(attention_rank_names(self.plan), addresses[:len(ranks)]))
@@ -129,30 +141,38 @@ class NodeGroup:
                 + [n.connect.remote(attention_addresses) for n in self.experts], READY_TIMEOUT_S)
         get_all([n.serve.remote() for n in nodes + self.expert_shards], READY_TIMEOUT_S)
 
+    def _warm_up(self) -> None:
+        """Two tokens through every attention node before the group serves: the first steps pay
+        for lazy set-up (allocations, the first messages). Their measured steps are drained, so
+        no router fits its step model on them."""
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        get_all([node.add_request.remote(f"warmup-{i}", [1, 2, 3], params) for i, node in enumerate(self.attention)],
+                WARM_UP_TIMEOUT_S)
+        pending = set(range(len(self.attention)))
+        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        while pending:
+            if time.monotonic() > deadline:
+                raise PlanError(f"nodes {sorted(pending)} did not answer a warm-up request in {WARM_UP_TIMEOUT_S:g} s")
+            order = sorted(pending)
+            for i, deltas in zip(order, get_all([self.attention[i].poll.remote(WARM_UP_POLL_S) for i in order],
+                                                WARM_UP_TIMEOUT_S)):
+                for delta in deltas:
+                    if delta.finished and delta.finish_reason is FinishReason.ERROR:
+                        raise PlanError(f"{self.attention_names[i]} failed its warm-up request: {delta.error}")
+                    if delta.finished:
+                        pending.discard(i)
+        self.states()
+
     # -- while serving ------------------------------------------------------------------------
     def health(self) -> list[NodeHealth]:
         """Every rank's health, in `actors` order; a rank that does not answer is DEAD."""
-        answers = gather([n.health.remote() for n in self.actors], CALL_TIMEOUT_S)
-        return [a if isinstance(a, NodeHealth) else
-                NodeHealth(name, NodeRole.ATTENTION if name.startswith("attention") else NodeRole.EXPERT,
-                           NodeStatus.DEAD, rank=int(name.partition(".")[2] or 0), error=str(a))
-                for name, a in zip(self.rank_names(), answers)]
+        return health_of([self])[0]
 
     def states(self) -> tuple[float, list[NodeState | None]]:
-        """(when they were asked for, every attention node's scheduler state); None where a node
-        did not answer or is still wiring. A node answers between two steps, so its state is as
-        of the answer: forecasts start when the answers arrived."""
-        asked_at = time.monotonic()
-        answers = gather([n.state.remote() for n in self.attention], CALL_TIMEOUT_S)
-        answered = time.monotonic()
-        states = [a if isinstance(a, NodeState) else None for a in answers]
-        for state in states:
-            if state is not None:
-                state.time = answered
-        return asked_at, states
+        return states_of([self])[0]
 
     def stats(self) -> list[NodeStats]:
-        return get_all([n.stats.remote() for n in self.attention], STOP_TIMEOUT_S)
+        return get_all([n.stats.remote() for n in self.attention], STATS_TIMEOUT_S)
 
     def recover(self, health: list[NodeHealth]) -> None:
         """Re-wire after a failure: every node stops stepping, restarted ones reload their
@@ -168,7 +188,47 @@ class NodeGroup:
         logger.info("deployment re-wired and serving")
 
     def stop(self) -> None:
-        gather([n.stop.remote() for n in self.actors], STOP_TIMEOUT_S)
-        for n in self.actors:
+        """Stop every rank and free the placement (again is harmless)."""
+        actors = self.actors
+        gather([n.stop.remote() for n in actors], STOP_TIMEOUT_S)
+        for n in actors:
             ray.kill(n, no_restart=True)
+        self.attention, self.shards, self.experts, self.expert_shards = [], [], [], []
         self.placement.release()
+
+
+def _split(flat: list, groups: list[NodeGroup], count) -> list[list]:
+    """`flat` (answers of every group's nodes, group after group) cut back into one list per group."""
+    out, start = [], 0
+    for group in groups:
+        out.append(flat[start:start + count(group)])
+        start += count(group)
+    return out
+
+
+def health_of(groups: list[NodeGroup]) -> list[list[NodeHealth]]:
+    """Every rank's health in each group, all asked at once (one node that hangs delays no
+    other group's answer); a rank that does not answer is DEAD."""
+    answers = gather([n.health.remote() for group in groups for n in group.actors], CALL_TIMEOUT_S)
+    return [[answer if isinstance(answer, NodeHealth) else NodeHealth(name, role, NodeStatus.DEAD, rank, str(answer))
+             for (name, role, rank), answer in zip(group.ranks(), answers_of_group)]
+            for group, answers_of_group in zip(groups, _split(answers, groups, lambda g: len(g.actors)))]
+
+
+def states_of(groups: list[NodeGroup]) -> list[tuple[float, list[NodeState | None]]]:
+    """(when they were asked for, every attention node's scheduler state) of each group, all
+    asked at once; None where a node did not answer or is still wiring. A node answers between
+    two steps, so its state is as of the answer: forecasts start when the answers arrived."""
+    asked_at = time.monotonic()
+    answers = gather([n.state.remote() for group in groups for n in group.attention], CALL_TIMEOUT_S)
+    answered = time.monotonic()
+    states = [answer if isinstance(answer, NodeState) else None for answer in answers]
+    for state in states:
+        if state is not None:
+            state.time = answered
+    return [(asked_at, part) for part in _split(states, groups, lambda g: len(g.attention))]
+
+
+def stats_of(groups: list[NodeGroup]) -> list[NodeStats]:
+    """Every attention leader's stats, all groups asked at once."""
+    return get_all([n.stats.remote() for group in groups for n in group.attention], STATS_TIMEOUT_S)

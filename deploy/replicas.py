@@ -18,13 +18,12 @@ import time
 
 import ray
 
-from deploy.deployment import check_plan
-from deploy.frontend import LOAD_REFRESH_S, Frontend, prompt_tokens
-from deploy.node_group import NodeGroup
+from deploy.frontend import LOAD_REFRESH_S, Frontend, max_open_requests, prompt_tokens
+from deploy.node_config import checked_model
+from deploy.node_group import NodeGroup, health_of
 from deploy.placement import Placement, connect_ray, cpus_needed
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
-from megainfer.errors import MegaInferError, RequestError
 from megainfer.messages import NodeHealth
 from megainfer.plan import Plan
 from megainfer.routing.autoscale import Autoscaler
@@ -43,9 +42,9 @@ class ReplicaSet:
         self.plan = plan
         self.address = address
         self.show_progress = show_progress
-        self.model = check_plan(plan)
+        self.model = checked_model(plan)
         self.autoscaler = Autoscaler(plan.autoscale)
-        self.frontend = Frontend(make_router("predictive"), 2 * plan.attention.nodes * plan.scheduler.max_num_seqs)
+        self.frontend = Frontend(make_router("predictive"), max_open_requests(plan))
         self.replicas: list[NodeGroup] = []
         self._supervisors: list[Supervisor] = []
         self._last_request: list[float] = []  # per replica: when it last got a request (or started)
@@ -74,16 +73,13 @@ class ReplicaSet:
         return self
 
     def _new_replica(self) -> NodeGroup:
-        group = NodeGroup(self.plan, Placement(self.plan), self.show_progress)
-        try:
-            return group.start(local=self._started_ray or self.address is None)
-        except BaseException:
-            group.stop()
-            raise
+        """A started, warmed-up replica (one that fails to start stops what it started)."""
+        return NodeGroup(self.plan, Placement(self.plan), self.show_progress).start(
+            local=self._started_ray or self.address is None)
 
     def _add(self, group: NodeGroup) -> None:
-        self.frontend.add_group(group)
-        with self._lock:
+        with self._lock:  # the frontend's groups and these lists change together
+            self.frontend.add_group(group)
             self.replicas.append(group)
             self._supervisors.append(Supervisor(group, self.frontend))
             self._last_request.append(time.monotonic())
@@ -92,7 +88,7 @@ class ReplicaSet:
         """Start one more replica (in this background thread); a cluster without room says so."""
         try:
             group = self._new_replica()
-        except MegaInferError as exc:
+        except Exception as exc:  # the cluster has no room, or the replica failed to start
             logger.warning("autoscale: could not add a replica: %s", exc)
             self.autoscaler.add_failed(time.monotonic(), str(exc))
             return
@@ -120,19 +116,27 @@ class ReplicaSet:
             now = time.monotonic()
             if not self.autoscaler.should_retire(len(self.replicas), now - self._last_request[-1], now):
                 return
+            self.frontend.remove_group(newest)
             self.replicas.pop()
             self._last_request.pop()
             supervisor = self._supervisors.pop()
-            self.frontend.remove_last_group()
         logger.info("autoscale: retiring idle replica %d", len(self.replicas) + 1)
         supervisor.stop()
         newest.stop()
 
     # -- serving --------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
-        if self.frontend.owner_of(request_id) is not None:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        routed = self.frontend.route(prompt_tokens(prompt), params.max_tokens)
+        stream = self.frontend.open(request_id)  # a duplicate id or a full registry is refused here
+        try:
+            routed = self.frontend.route(prompt_tokens(prompt), params.max_tokens)
+        except BaseException:
+            self.frontend.registry.close(request_id)
+            raise
+        self._after_routing(routed)
+        return self.frontend.send(stream, prompt, params, routed)
+
+    def _after_routing(self, routed) -> None:
+        """The chosen replica was asked for now; a slow prediction may start another one."""
         with self._lock:
             for k, group in enumerate(self.replicas):
                 if routed.node in self.frontend.nodes_of(group):
@@ -144,7 +148,6 @@ class ReplicaSet:
                                           waiting):
                 self._starting = threading.Thread(target=self._grow, name="autoscale-add", daemon=True)
                 self._starting.start()
-        return self.frontend.submit(request_id, prompt, params, routed)
 
     def abort(self, request_id: str) -> bool:
         return self.frontend.abort(request_id)
@@ -153,7 +156,7 @@ class ReplicaSet:
         return BackendInfo(self.model.name, self.plan.to_yaml(), node_infos(list(self.replicas), prefix_replicas=True))
 
     def health(self) -> list[NodeHealth]:
-        return [h for group in list(self.replicas) for h in group.health()]
+        return [h for health in health_of(list(self.replicas)) for h in health]
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         return metrics_snapshot(list(self.replicas), self.frontend.router_error)

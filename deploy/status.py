@@ -3,7 +3,7 @@ ServerInfo, and the engine state and latency histograms for the metrics endpoint
 
 from __future__ import annotations
 
-from deploy.node_group import NodeGroup
+from deploy.node_group import NodeGroup, health_of, stats_of
 from megainfer.disagg import latency
 from megainfer.messages import NodeStats
 from megainfer.server.backend import NodeInfo
@@ -13,13 +13,13 @@ from megainfer.server.metrics import MetricsSnapshot
 def node_infos(groups: list[NodeGroup], prefix_replicas: bool = False) -> list[NodeInfo]:
     """Every rank of every group; `prefix_replicas` names them replica0.attention0, ..."""
     return [NodeInfo(f"replica{k}.{h.name}" if prefix_replicas else h.name, h.role, h.status, h.detail())
-            for k, group in enumerate(groups) for h in group.health()]
+            for k, health in enumerate(health_of(groups)) for h in health]
 
 
 def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHistogram | None) -> MetricsSnapshot:
     """Attention nodes summed (KV usage over all their blocks), M2N latencies merged over every
     attention leader; `router_error` where a predictive router places requests."""
-    stats: list[NodeStats] = [s for group in groups for s in group.stats()]
+    stats: list[NodeStats] = stats_of(groups)
     engines = [s.engine for s in stats]
     blocks = sum(e.num_kv_blocks for e in engines) or 1
     return MetricsSnapshot(

@@ -16,23 +16,23 @@ from dataclasses import dataclass
 
 from megainfer.engine import Engine, Prompt
 from megainfer.errors import RequestError
-from megainfer.messages import RequestDelta
+from megainfer.messages import ErrorCode, RequestDelta
 from megainfer.sampling_params import SamplingParams
 from megainfer.sequence import Sequence
 
 
 @dataclass(frozen=True)
 class _Abort:
-    request_id: str
+    seq: Sequence  # the request to cancel (not just its id: the id may be reused once it ended)
 
 
 class EngineCore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[Sequence | _Abort] = queue.SimpleQueue()
-        # Ids submitted and not yet ended, queued or in the engine: ids stay unique without
-        # asking the engine (which the step holds).
-        self._live: set[str] = set()
+        # Requests submitted and not yet ended or aborted, queued or in the engine, by id: ids
+        # stay unique without asking the engine (which the step holds).
+        self._live: dict[str, Sequence] = {}
         self._live_lock = threading.Lock()
         self._arrived = threading.Event()  # something was queued since the loop last drained
 
@@ -44,20 +44,20 @@ class EngineCore:
         with self._live_lock:
             if request_id in self._live:
                 raise RequestError(f"request id {request_id!r} is already in use")
-            self._live.add(request_id)
+            self._live[request_id] = seq
         self._inbox.put(seq)
         self._arrived.set()
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request (its KV blocks are freed before the next step). False if it is
-        unknown or already ended."""
+        """Cancel a request (its KV blocks are freed before the next step; its id may be used
+        again at once). False if it is unknown or already ended."""
         with self._live_lock:
-            known = request_id in self._live
-        if known:
-            self._inbox.put(_Abort(request_id))
+            seq = self._live.pop(request_id, None)
+        if seq is not None:
+            self._inbox.put(_Abort(seq))
             self._arrived.set()
-        return known
+        return seq is not None
 
     def wait_for_work(self, timeout: float) -> bool:
         """Block until something is queued or `timeout` passes (an idle loop's sleep)."""
@@ -77,31 +77,51 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Drain the queue into the engine, then one engine step."""
-        self.drain()
-        return self._ended(self.engine.step())
+        refused = self.drain()
+        return refused + self._ended(self._current(self.engine.step()))
 
-    def drain(self) -> None:
+    def drain(self) -> list[RequestDelta]:
+        """Hand what was queued to the engine, in order (between steps; the caller holds the
+        engine). Returns the last deltas of requests the scheduler refused."""
         self._arrived.clear()
+        refused = []
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return refused
             if isinstance(item, _Abort):
-                self.engine.abort(item.request_id)
-                with self._live_lock:
-                    self._live.discard(item.request_id)
-            else:
+                if self.engine.scheduler.requests.get(item.seq.request_id) is item.seq:
+                    self.engine.abort(item.seq.request_id)
+                continue
+            try:
                 self.engine.add_sequence(item)
+            except ValueError as exc:  # the scheduler refused it: this request alone fails
+                with self._live_lock:
+                    if self._live.get(item.request_id) is item:
+                        del self._live[item.request_id]
+                refused.append(RequestDelta.failure(item.request_id, str(exc), ErrorCode.INTERNAL))
 
     def fail_all(self, error: str) -> list[RequestDelta]:
         """Fail every request, queued or running (the node cannot serve them)."""
-        self.drain()
-        return self._ended(self.engine.fail_all(error))
+        refused = self.drain()
+        return refused + self._ended(self.engine.fail_all(error))
+
+    def _current(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Deltas of the requests the callers still hold: not of one aborted while the step ran
+        (whose id a new request may already have taken)."""
+        requests = self.engine.scheduler.requests
+        with self._live_lock:
+            return [d for d in deltas if (seq := self._live.get(d.request_id)) is not None
+                    and (seq.is_finished or requests.get(d.request_id) is seq)]
 
     def _ended(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Forget the ids of requests that ended (unless the id was since taken by a new request)."""
         finished = [d.request_id for d in deltas if d.finished]
         if finished:
             with self._live_lock:
-                self._live.difference_update(finished)
+                for request_id in finished:
+                    seq = self._live.get(request_id)
+                    if seq is not None and seq.is_finished:  # not a new request that took the id since
+                        del self._live[request_id]
         return deltas

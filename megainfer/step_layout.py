@@ -23,6 +23,7 @@ Names used throughout:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -110,11 +111,12 @@ class SampledRow:
 @dataclass(frozen=True)
 class StepLayout:
     """A step's micro-batches, the cohort's passage through its layer group, and the rows that
-    sample. Build it with `StepLayout.of(scheduler_output, m)`."""
+    sample. Build it with `StepLayout.of(scheduler_output, m)`. The micro-batches and the
+    sampled rows are worked out when first read: the simulator prices millions of steps and
+    reads neither."""
 
-    # The m micro-batches, in the order they run; any may be empty (the node still exchanges a
-    # zero-token message for it with every expert node).
-    micro_batches: tuple[MicroBatchLayout, ...]
+    # Micro-batches the step is split into (m).
+    num_micro_batches: int
     # Tokens each sequence computes this step, by sequence index.
     num_tokens: tuple[int, ...]
     # How many of the step's sequences are decodes (`len(SchedulerOutput.seqs)`); the sequence
@@ -130,9 +132,8 @@ class StepLayout:
     # The group is the cohort's last: its members' hidden states are not kept for a next group,
     # and those whose chunk completes their prompt sample their first token.
     cohort_last_group: bool
-    # The rows that sample: decode rows micro-batch by micro-batch (each in the step's order),
-    # then cohort rows micro-batch by micro-batch. This is the order of the sampler's rows.
-    sampled_rows: tuple[SampledRow, ...]
+    # Whether each sequence (by sequence index) samples a token this step.
+    samples: tuple[bool, ...]
 
     @classmethod
     def of(cls, out: SchedulerOutput, m: int) -> "StepLayout":
@@ -142,21 +143,36 @@ class StepLayout:
         if m < 1:
             raise ValueError(f"a step needs at least one micro-batch, got {m}")
         cohort = out.layered
-        cohort_tokens = list(cohort.num_tokens) if cohort is not None else []
-        num_tokens = tuple(out.num_scheduled_tokens) + tuple(cohort_tokens)
-        num_decodes = len(out.seqs)
-        batches = []
-        for decodes, members in zip(split_micro_batches(out.num_scheduled_tokens, m),
-                                    split_micro_batches(cohort_tokens, m)):
-            members = [num_decodes + i for i in members]
-            decode_starts = _query_starts(num_tokens, decodes)
-            combined_starts = decode_starts + _query_starts(num_tokens, members, decode_starts[-1])[1:]
-            batches.append(MicroBatchLayout(tuple(decodes), tuple(members), tuple(decode_starts),
-                                            tuple(combined_starts)))
+        num_tokens = tuple(out.num_scheduled_tokens) + (tuple(cohort.num_tokens) if cohort is not None else ())
         join, leave = cohort.layers if cohort is not None else (0, 0)
         last = cohort is not None and cohort.last
-        return cls(tuple(batches), num_tokens, num_decodes, join, leave, last,
-                   _sampled_rows(batches, out.all_samples()))
+        return cls(m, num_tokens, len(out.seqs), join, leave, last, tuple(out.all_samples()))
+
+    @cached_property
+    def micro_batches(self) -> tuple[MicroBatchLayout, ...]:
+        """The m micro-batches, in the order they run; any may be empty (the node still
+        exchanges a zero-token message for it with every expert node)."""
+        num_decodes, m = self.num_decode_sequences, self.num_micro_batches
+        batches = []
+        for decodes, members in zip(split_micro_batches(list(self.num_tokens[:num_decodes]), m),
+                                    split_micro_batches(list(self.num_tokens[num_decodes:]), m)):
+            members = [num_decodes + i for i in members]
+            decode_starts = _query_starts(self.num_tokens, decodes)
+            combined_starts = decode_starts + _query_starts(self.num_tokens, members, decode_starts[-1])[1:]
+            batches.append(MicroBatchLayout(tuple(decodes), tuple(members), tuple(decode_starts),
+                                            tuple(combined_starts)))
+        return tuple(batches)
+
+    @cached_property
+    def sampled_rows(self) -> tuple[SampledRow, ...]:
+        """The rows that sample: decode rows micro-batch by micro-batch (each in the step's
+        order), then cohort rows micro-batch by micro-batch. This is the order of the sampler's
+        rows."""
+        return _sampled_rows(self.micro_batches, self.samples)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.samples)
 
     @property
     def num_sequences(self) -> int:
@@ -188,7 +204,7 @@ class StepLayout:
         return placed
 
 
-def _sampled_rows(batches: list[MicroBatchLayout], samples: list[bool]) -> tuple[SampledRow, ...]:
+def _sampled_rows(batches: tuple[MicroBatchLayout, ...], samples: tuple[bool, ...]) -> tuple[SampledRow, ...]:
     """Each sampling sequence's last row: all decodes first, then all cohort members."""
     rows = []
     for j, batch in enumerate(batches):

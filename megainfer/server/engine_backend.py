@@ -40,14 +40,15 @@ class EngineBackend:
         return aborted
 
     def info(self) -> BackendInfo:
-        with self.lock:
-            s = self.engine.stats()
+        s = self.engine.stats()  # counters read without the step's lock: ServerInfo never waits for a step
         return BackendInfo(self.engine.model_config.name, "", [NodeInfo(
             "engine", NodeRole.ENGINE, NodeStatus.SERVING,
             f"running {s.num_running}, waiting {s.num_waiting}, KV {s.kv_cache_usage:.0%}")])
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         with self.lock:
+            for delta in self.core.drain():  # queued requests count as waiting
+                self.registry.deliver(delta)
             s = self.engine.stats()
         return MetricsSnapshot(running=s.num_running, waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                                expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks)

@@ -139,14 +139,13 @@ class Simulator:
     def _run_step(self, sched: Scheduler, out: SchedulerOutput, totals: _Totals) -> None:
         """Price the step, advance the clock by it, and hand the scheduler its stand-in tokens."""
         layout = StepLayout.of(out, 1)
-        num_sampled = len(layout.sampled_rows)
-        cost = self.step_model.step(self.describe_step(out, layout), num_sampled)
+        cost = self.step_model.step(self.describe_step(out, layout), layout.num_sampled)
         self.now += cost.seconds
         totals.steps += 1
         totals.busy_s += cost.seconds
         totals.expert_bytes += cost.expert_bytes
         totals.energy_j += cost.energy_j
-        for seq in sched.update_from_output(out, layout.place_samples([_TOKEN] * num_sampled)):
+        for seq in sched.update_from_output(out, [_TOKEN if sampled else None for sampled in layout.samples]):
             if seq.is_finished:
                 totals.ttft_s.append(seq.first_token_time - seq.arrival_time)
                 gaps = seq.tbt_s

@@ -97,3 +97,18 @@ def test_an_abort_during_a_step_frees_the_request_before_the_next_one(slow_backe
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
     assert not slow_backend.abort("long")  # ended: unknown now
     assert stream.prompt_tokens == 3
+
+
+def test_an_aborted_id_can_be_used_again_at_once(slow_backend):
+    slow_backend.submit("again", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+    assert slow_backend.in_step.wait(5)
+    assert slow_backend.abort("again")
+    stream = slow_backend.submit("again", [4, 5, 6], PARAMS)  # the old one is still in the running step
+    tokens = []
+    while True:
+        delta = stream.get(30)
+        tokens += delta.new_token_ids
+        if delta.finished:
+            break
+    assert len(tokens) == PARAMS.max_tokens  # none of the aborted request's tokens reached the new one
+    assert not slow_backend.engine.has_unfinished_requests()
