@@ -33,6 +33,9 @@ class PrefillPolicy(Protocol):
     own work to the step."""
 
     name: str
+    # Whether `schedule_prompts` spends the step's token budget (and so the step-time cap, which
+    # is worked out only for policies that read it).
+    uses_token_budget: bool
 
     def schedules_itself(self, seq: Sequence) -> bool:
         """Whether the running `seq` is left out of the scheduler's running loop because
@@ -71,6 +74,7 @@ class ChunkedPrefill:
     """Sarathi chunked prefill: a prompt takes whatever the step's token budget has left."""
 
     name = "chunked"
+    uses_token_budget = True
 
     def schedules_itself(self, seq: Sequence) -> bool:
         return False  # running prompts take their next chunk in the running loop
@@ -113,6 +117,7 @@ class LayeredPrefill:
     token budget: a cohort is bounded by `chunk_tokens` instead."""
 
     name = "layered"
+    uses_token_budget = False  # a cohort is bounded by its chunk limit, not the step's budget
 
     def __init__(self, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_tokens: int) -> None:
         self.num_layers = num_layers
@@ -365,7 +370,7 @@ class Scheduler:
         # Decodes before prefill chunks (stable): decodes never wait behind a prompt, and
         # the preemption victims taken from the tail are always not-yet-scheduled ones.
         self.running = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))
-        capped = self.step_cap is None
+        capped = self.step_cap is None or not self.policy.uses_token_budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
