@@ -140,22 +140,23 @@ class Frontend:
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams, routed: Routed | None = None) -> RequestStream:
         """Queue a request where `routed` says, or where the router sends it."""
-        stream = self.open(request_id)
+        return self.send(*self.admit(request_id, prompt, params, routed), prompt, params)
+
+    def admit(self, request_id: str, prompt, params: SamplingParams,
+              routed: Routed | None = None) -> tuple[RequestStream, Routed]:
+        """Open the request's stream, then route it (unless `routed` says where it goes): a
+        duplicate id or a full registry is refused before any router counts the request."""
+        stream = self.registry.open(request_id)
         if routed is None:
             try:
                 routed = self.route(prompt_tokens(prompt), params.max_tokens)
             except BaseException:
                 self.registry.close(request_id)
                 raise
-        return self.send(stream, prompt, params, routed)
+        return stream, routed
 
-    def open(self, request_id: str) -> RequestStream:
-        """The request's stream, before it is routed: a duplicate id or a full registry is refused
-        before any router counts the request."""
-        return self.registry.open(request_id)
-
-    def send(self, stream: RequestStream, prompt, params: SamplingParams, routed: Routed) -> RequestStream:
-        """Queue an opened request on the node the router chose."""
+    def send(self, stream: RequestStream, routed: Routed, prompt, params: SamplingParams) -> RequestStream:
+        """Queue an admitted request on the node the router chose."""
         request_id = stream.request_id
         submitted = time.monotonic()
         if routed.predicted_ttft_s is not None:
@@ -196,10 +197,6 @@ class Frontend:
     def owner_of(self, request_id: str) -> int | None:
         """The attention node a request went to, while it is open."""
         return self._owner.get(request_id)
-
-    @property
-    def open_requests(self) -> int:
-        return len(self._owner)
 
     def open_requests_on(self, nodes: range) -> int:
         return sum(1 for node in list(self._owner.values()) if node in nodes)

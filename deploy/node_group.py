@@ -172,7 +172,7 @@ class NodeGroup:
         return states_of([self])[0]
 
     def stats(self) -> list[NodeStats]:
-        return get_all([n.stats.remote() for n in self.attention], STATS_TIMEOUT_S)
+        return stats_of([self])
 
     def recover(self, health: list[NodeHealth]) -> None:
         """Re-wire after a failure: every node stops stepping, restarted ones reload their

@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from deploy.frontend import LOAD_REFRESH_S, Frontend, max_open_requests, prompt_tokens
+from deploy.frontend import LOAD_REFRESH_S, Frontend, max_open_requests
 from deploy.node_config import checked_model
 from deploy.node_group import NodeGroup, health_of
 from deploy.placement import Placement, connect_ray, cpus_needed
@@ -126,14 +126,9 @@ class ReplicaSet:
 
     # -- serving --------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
-        stream = self.frontend.open(request_id)  # a duplicate id or a full registry is refused here
-        try:
-            routed = self.frontend.route(prompt_tokens(prompt), params.max_tokens)
-        except BaseException:
-            self.frontend.registry.close(request_id)
-            raise
+        stream, routed = self.frontend.admit(request_id, prompt, params)
         self._after_routing(routed)
-        return self.frontend.send(stream, prompt, params, routed)
+        return self.frontend.send(stream, routed, prompt, params)
 
     def _after_routing(self, routed) -> None:
         """The chosen replica was asked for now; a slow prediction may start another one."""

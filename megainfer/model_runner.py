@@ -104,6 +104,8 @@ class CohortHiddenStates:
 
     def forget_departed(self, seqs: list, layout: StepLayout) -> None:
         """Drop members that left the cohort (preempted, aborted) since the last step."""
+        if not self.by_request:  # no cohort in flight (every step without layered prefill)
+            return
         members = {seqs[i].request_id for batch in layout.micro_batches for i in batch.cohort_sequences}
         for request_id in list(self.by_request):
             if request_id not in members:
