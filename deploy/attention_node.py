@@ -15,15 +15,19 @@ import time
 
 from deploy.link import SwitchableLink
 from deploy.node_loop import NodeLoop
-from deploy.node_config import (PEER_TIMEOUT_S, bind_host, engine_config, join_tp_group, node_names, slot_sizes,
-                                tp_master_address, weights_of)
+from deploy.placement import rank_placement
+from deploy.node_config import PEER_TIMEOUT_S, bind_host, join_tp_group, node_names, tp_master_address, weights_of
+from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
 from megainfer.errors import DataPlaneError
-from megainfer.messages import ErrorCode, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus, RequestDelta
+from megainfer.messages import (ErrorCode, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus, RankPlacement,
+                                RequestDelta)
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
+from megainfer.tensor_parallel import TensorParallelGroup
+
 IDLE_S = 0.002  # pause between steps while the whole deployment is idle
 
 
@@ -31,50 +35,51 @@ class AttentionNode:
     """Rank 0 of an attention node (the only rank when attention.tp is 1): it schedules,
     samples and streams; with tp > 1 its followers (AttentionShard) hold the other heads."""
 
-    def __init__(self, plan: Plan, index: int, secret: bytes, host: str, num_threads: int | None = None) -> None:
-        self.plan = plan
-        self.index = index
-        self.name = node_names(self.plan)[0][index]
-        self._build_args = (secret, host, num_threads)
+    def __init__(self, plan: Plan, runtime: AttentionRuntime, secret: bytes, host: str) -> None:
+        self.plan, self.runtime = plan, runtime
+        self.index, self.name = runtime.index, runtime.name
+        self._build_args = (secret, host)
         self.engine: Engine | None = None
         self.core: EngineCore | None = None
         if self.plan.attention.tp == 1:
-            self._build()
+            self._build(None)
         self.lock = threading.Lock()  # held by each step: readers of the engine wait for its end
         self.outbox_ready = threading.Condition()
         self.outbox: list[RequestDelta] = []
         self.loop = NodeLoop(self.name, lambda: self.link, self._step, self._fail_queue)
         self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
 
-    def _build(self) -> None:
-        secret, host, num_threads = self._build_args
+    def _build(self, tp_group: TensorParallelGroup | None) -> None:
+        secret, host = self._build_args
         experts = node_names(self.plan)[1]
         model, _ = weights_of(self.plan)
-        receive_slot, _ = slot_sizes(self.plan, model)
+        runtime = self.runtime
         self.link = SwitchableLink(self.name, self.index * self.plan.attention.tp, secret, bind_host(host),
-                                   receive_slot, self.plan.pipeline.micro_batches, self.plan.transport.backend,
+                                   runtime.receive_slot_bytes, runtime.num_slots, self.plan.transport.backend,
                                    PEER_TIMEOUT_S)
         assignment = self.plan.expert_assignment(model)
 
         def runner(mc, cfg, w, max_len):
             return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts,
                                         expert_assignment=assignment, micro_batches=self.plan.pipeline.micro_batches,
-                                        tp_size=self.plan.attention.tp)
+                                        tp_group=tp_group)
 
-        self.engine = Engine(self.plan.model, engine_config(self.plan, num_threads), runner_factory=runner)
+        self.engine = Engine(self.plan.model, runtime.engine, runner_factory=runner)
         self.core = EngineCore(self.engine)
 
     # -- wiring (called by the driver) -------------------------------------------------------
     def ready(self) -> str:
         return self.name
 
+    def placement(self) -> RankPlacement:
+        return rank_placement(self.name)
+
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._build_args[1]))
 
     def join_group(self, master: str) -> None:
         """Form the node's tensor-parallel group with its followers, then load this rank."""
-        join_tp_group(master, 0, self.plan.attention.tp, on_gpu=self.plan.attention.gpu != "cpu")
-        self._build()
+        self._build(join_tp_group(master, 0, self.plan.attention.tp, self.runtime.engine.device))
 
     def open_endpoint(self) -> str:
         return self.link.open()

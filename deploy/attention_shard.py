@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from deploy.link import SwitchableLink
 from deploy.node_loop import LoopActor, NodeLoop
-from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_name, bind_host, engine_config, join_tp_group,
-                                node_names, slot_sizes, weights_of)
+from deploy.node_config import PEER_TIMEOUT_S, bind_host, join_tp_group, node_names, weights_of
+from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.messages import NodeRole
 from megainfer.plan import Plan
@@ -16,29 +16,27 @@ from megainfer.plan import Plan
 class AttentionShard(LoopActor):
     role = NodeRole.ATTENTION
 
-    def __init__(self, plan: Plan, index: int, rank: int, secret: bytes, host: str,
-                 num_threads: int | None = None) -> None:
-        self.plan = plan
-        self.index, self.rank = index, rank
-        self.name = attention_rank_name(index, rank)
-        self._build_args = (secret, host, num_threads)
+    def __init__(self, plan: Plan, runtime: AttentionRuntime, rank: int, secret: bytes, host: str) -> None:
+        self.plan, self.runtime = plan, runtime
+        self.index, self.rank = runtime.index, rank
+        self.name = runtime.ranks[rank]
+        self._build_args = (secret, host)
         self.runner: PipelinedModelRunner | None = None
         self.link: SwitchableLink | None = None
         self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.runner.execute_follower())
 
     def join_group(self, master: str) -> None:
-        join_tp_group(master, self.rank, self.plan.attention.tp, on_gpu=self.plan.attention.gpu != "cpu")
-        secret, host, num_threads = self._build_args
+        config = self.runtime.engine
+        group = join_tp_group(master, self.rank, self.plan.attention.tp, config.device)
+        secret, host = self._build_args
         model, weights = weights_of(self.plan)
-        receive_slot, _ = slot_sizes(self.plan, model)
         self.link = SwitchableLink(self.name, self.index * self.plan.attention.tp + self.rank, secret,
-                                   bind_host(host), receive_slot, self.plan.pipeline.micro_batches, self.plan.transport.backend,
-                                   PEER_TIMEOUT_S)
-        config = engine_config(self.plan, num_threads)
+                                   bind_host(host), self.runtime.receive_slot_bytes, self.runtime.num_slots,
+                                   self.plan.transport.backend, PEER_TIMEOUT_S)
         self.runner = PipelinedModelRunner(
             model, config, weights, config.resolved_max_model_len(model), link=self.link,
             expert_nodes=node_names(self.plan)[1], expert_assignment=self.plan.expert_assignment(model),
-            micro_batches=self.plan.pipeline.micro_batches, tp_rank=self.rank, tp_size=self.plan.attention.tp)
+            micro_batches=self.plan.pipeline.micro_batches, tp_group=group)
 
     def open_endpoint(self) -> str:
         return self.link.open()

@@ -25,6 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo", type=int, default=0, metavar="N",
                    help="send N requests through the server, print the answers, then shut down")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per --demo request")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where tensors live (default: the plan's); 'cpu' rehearses a GPU plan with its real "
+                        "placement (GPU counts, GPU types, TP groups) on a cluster that declares those resources")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each node's runtime configuration, bundles and groups without starting anything; "
+                        "exit 1 when the runtime would not reach the plan's predicted batch")
     p.set_defaults(run=run)
 
 
@@ -39,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.server.service import Server
 
     plan = Plan.load(args.plan)
+    if args.dry_run:
+        from deploy import dry_run
+        from deploy.runtime_config import runtime_of
+
+        return dry_run.run(runtime_of(plan, args.device))
     if args.router:
         plan.serve.router = args.router
     host = args.host or plan.serve.host
@@ -46,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     if plan.autoscale is not None:
         from deploy.replicas import ReplicaSet
 
-        deployment = ReplicaSet(plan, address=args.address).start()
+        deployment = ReplicaSet(plan, address=args.address, device=args.device).start()
     else:
-        deployment = Deployment(plan, address=args.address).start()
+        deployment = Deployment(plan, address=args.address, device=args.device).start()
     server = None
     try:
         server = Server(deployment, host=host, port=port, metrics_port=args.metrics_port).start()

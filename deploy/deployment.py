@@ -14,7 +14,8 @@ import ray
 from deploy.frontend import Frontend, max_open_requests, prompt_tokens
 from deploy.node_config import checked_model
 from deploy.node_group import NodeGroup
-from deploy.placement import Placement, connect_ray, cpus_needed
+from deploy.placement import Placement, connect_ray
+from deploy.runtime_config import runtime_of
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
 from megainfer.messages import NodeHealth, NodeStats
@@ -28,11 +29,15 @@ from megainfer.server.metrics import MetricsSnapshot
 class Deployment:
     """One replica of a plan behind its own router."""
 
-    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True) -> None:
+    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True,
+                 device: str | None = None) -> None:
+        """`device`: where tensors live, default the plan's; "cpu" rehearses a GPU plan (its
+        placement, GPU types and groups) with CPU tensors."""
         self.plan = plan
         self.address = address
         self.show_progress = show_progress
         self.model = checked_model(plan)
+        self.runtime = runtime_of(plan, device)
         self.frontend = Frontend(make_router(plan.serve.router), max_open_requests(plan))
         self.group: NodeGroup | None = None
         self.supervisor: Supervisor | None = None
@@ -41,9 +46,9 @@ class Deployment:
     def start(self) -> "Deployment":
         """Bring the plan up; on any failure, release what was started and re-raise."""
         try:
-            self._started_ray = connect_ray(self.address, cpus_needed(self.plan))
+            self._started_ray = connect_ray(self.address, self.plan, rehearsal=self.runtime.is_rehearsal)
             local = self._started_ray or self.address is None
-            self.group = NodeGroup(self.plan, Placement(self.plan), self.show_progress)
+            self.group = NodeGroup(self.runtime, Placement(self.plan), self.show_progress)
             self.group.start(local)
             self.frontend.add_group(self.group)
             self.frontend.start_tracking()

@@ -6,7 +6,8 @@ endpoint of its own (attention nodes talk to the leader only)."""
 from __future__ import annotations
 
 from deploy.expert_node import build_expert_worker
-from deploy.node_config import join_tp_group, node_names
+from deploy.node_config import join_tp_group
+from deploy.runtime_config import ExpertRuntime
 from deploy.node_loop import LoopActor, NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.messages import NodeRole
@@ -16,18 +17,17 @@ from megainfer.plan import Plan
 class ExpertShard(LoopActor):
     role = NodeRole.EXPERT
 
-    def __init__(self, plan: Plan, index: int, rank: int, secret: bytes, host: str,
-                 num_threads: int | None = None) -> None:
+    def __init__(self, plan: Plan, runtime: ExpertRuntime, rank: int, secret: bytes, host: str) -> None:
         import torch
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.plan = plan
-        self.index, self.rank = index, rank
-        self.name = f"{node_names(self.plan)[1][index]}.{rank}"
+        if runtime.num_threads:
+            torch.set_num_threads(runtime.num_threads)
+        self.plan, self.runtime = plan, runtime
+        self.index, self.rank = runtime.index, rank
+        self.name = runtime.ranks[rank]
         self.worker: ExpertWorker | None = None
         self.loop = NodeLoop(self.name, lambda: None, lambda: self.worker.run_follower_step())
 
     def join_group(self, master: str) -> None:
-        join_tp_group(master, self.rank, self.plan.experts.tp, on_gpu=self.plan.experts.gpu != "cpu")
-        self.worker = build_expert_worker(self.plan, self.index, None, self.rank)
+        group = join_tp_group(master, self.rank, self.plan.experts.tp, self.runtime.device)
+        self.worker = build_expert_worker(self.plan, self.runtime, None, group)

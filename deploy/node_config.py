@@ -1,23 +1,22 @@
-"""What a node actor derives from the plan: its engine configuration, weights and slot sizes."""
+"""What every node actor shares: its weights, names, where it listens, its tensor-parallel group.
+(Its runtime configuration comes from deploy/runtime_config.py.)"""
 
 from __future__ import annotations
 
-from megainfer.config import EngineConfig, ModelConfig, resolve_model
-from megainfer.disagg.expert_link import dispatch_bytes
+from megainfer.config import ModelConfig, resolve_model
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint, WeightSource
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
+from megainfer import tensor_parallel
+from megainfer.tensor_parallel import TensorParallelGroup
 
 # Seconds a node waits on a peer before declaring it gone.
 PEER_TIMEOUT_S = 20.0
-
-
-def engine_config(plan: Plan, num_threads: int | None) -> EngineConfig:
-    return EngineConfig(dtype=plan.dtype, device="cpu" if plan.attention.gpu == "cpu" else "cuda",
-                        max_num_seqs=plan.scheduler.max_num_seqs,
-                        max_num_batched_tokens=plan.scheduler.max_num_batched_tokens,
-                        prefill_policy=plan.scheduler.prefill_policy, group_tokens=plan.scheduler.group_tokens,
-                        target_step_ms=plan.scheduler.target_step_ms, num_threads=num_threads)
+# A follower rank waits for its leader's next step in the control group's broadcast. Long
+# enough for a re-wire (every endpoint re-opened and re-connected, PEER_TIMEOUT_S each way,
+# plus a restarted expert node reloading its weights); a dead rank is found by the health
+# checks within seconds, and this only bounds how long its group's survivors hang.
+TP_GROUP_TIMEOUT_S = 300.0
 
 
 def checked_model(plan: Plan) -> ModelConfig:
@@ -33,17 +32,6 @@ def checked_model(plan: Plan) -> ModelConfig:
 def weights_of(plan: Plan) -> tuple[ModelConfig, WeightSource]:
     model, checkpoint = resolve_model(plan.model)
     return model, SafetensorsCheckpoint(checkpoint) if checkpoint else RandomWeights(0)
-
-
-def slot_sizes(plan: Plan, model: ModelConfig) -> tuple[int, int]:
-    """(attention node's receive slot, expert node's receive slot) in bytes: one micro-batch
-    may carry the whole step's tokens."""
-    import torch
-
-    tokens = plan.scheduler.max_num_batched_tokens
-    dtype = getattr(torch, plan.dtype)
-    return (tokens * model.hidden_size * torch.empty(0, dtype=dtype).element_size(),
-            dispatch_bytes(tokens, model.hidden_size, model.top_k, dtype))
 
 
 def bind_host(host: str) -> str:
@@ -80,11 +68,6 @@ def tp_master_address(host: str) -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
-def join_tp_group(master: str, rank: int, world_size: int, on_gpu: bool) -> None:
-    """The node's own group: gloo for CPU ranks, nccl for GPU ranks; never across nodes."""
-    import datetime
-
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{master}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S * 3))
+def join_tp_group(master: str, rank: int, world_size: int, device: str) -> TensorParallelGroup:
+    """The node's own group (never across nodes): gloo for control, NCCL for activations on GPUs."""
+    return tensor_parallel.join(master, rank, world_size, device, TP_GROUP_TIMEOUT_S)

@@ -22,10 +22,10 @@ from deploy.expert_node import ExpertNode
 from deploy.expert_shard import ExpertShard
 from deploy.node_config import attention_rank_name, attention_rank_names, node_names
 from deploy.placement import Placement
+from deploy.runtime_config import DeploymentRuntime
 from deploy.ray_calls import cause, gather, get_all
 from megainfer.errors import DataPlaneError, PlanError
-from megainfer.messages import FinishReason, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus
-from megainfer.plan import Plan
+from megainfer.messages import FinishReason, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus, RankPlacement
 from megainfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,9 @@ def _followers(leaders: list, shards: list, tp: int) -> list[list]:
 
 
 class NodeGroup:
-    def __init__(self, plan: Plan, placement: Placement, show_progress: bool = True) -> None:
-        self.plan = plan
+    def __init__(self, runtime: DeploymentRuntime, placement: Placement, show_progress: bool = True) -> None:
+        self.runtime = runtime
+        self.plan = plan = runtime.plan
         self.placement = placement
         self.show_progress = show_progress
         self.attention_names, self.expert_names = node_names(plan)
@@ -84,20 +85,20 @@ class NodeGroup:
         return self
 
     def _spawn(self, secret: bytes, host: str) -> None:
-        plan, attention_tp, expert_tp = self.plan, self.plan.attention.tp, self.plan.experts.tp
-        threads = 1 if plan.attention.gpu == "cpu" else None
+        plan, runtime = self.plan, self.runtime
 
         def actor(cls, side, bundle: int, *args):
             return ray.remote(cls).options(**self.placement.actor_options(side, bundle)).remote(
-                plan, *args, secret, host, threads)
+                plan, *args, secret, host)
 
-        attention_nodes, expert_nodes = plan.attention.nodes, plan.experts.nodes
-        self.attention = [actor(AttentionNode, plan.attention, i, i) for i in range(attention_nodes)]
-        self.shards = [actor(AttentionShard, plan.attention, i, i, rank)
-                       for i in range(attention_nodes) for rank in range(1, attention_tp)]
-        self.experts = [actor(ExpertNode, plan.experts, attention_nodes + k, k) for k in range(expert_nodes)]
-        self.expert_shards = [actor(ExpertShard, plan.experts, attention_nodes + k, k, rank)
-                              for k in range(expert_nodes) for rank in range(1, expert_tp)]
+        attention_nodes = plan.attention.nodes
+        self.attention = [actor(AttentionNode, plan.attention, node.index, node) for node in runtime.attention]
+        self.shards = [actor(AttentionShard, plan.attention, node.index, node, rank)
+                       for node in runtime.attention for rank in range(1, plan.attention.tp)]
+        self.experts = [actor(ExpertNode, plan.experts, attention_nodes + node.index, node)
+                        for node in runtime.experts]
+        self.expert_shards = [actor(ExpertShard, plan.experts, attention_nodes + node.index, node, rank)
+                              for node in runtime.experts for rank in range(1, plan.experts.tp)]
 
     def _form_tp_groups(self) -> None:
         """Each tensor-parallel node's ranks join a torch.distributed group of their own."""
@@ -173,6 +174,10 @@ class NodeGroup:
 
     def stats(self) -> list[NodeStats]:
         return stats_of([self])
+
+    def placements(self) -> list[RankPlacement]:
+        """Where every rank runs, in `actors` order."""
+        return get_all([n.placement.remote() for n in self.actors], CALL_TIMEOUT_S)
 
     def recover(self, health: list[NodeHealth]) -> None:
         """Re-wire after a failure: every node stops stepping, restarted ones reload their

@@ -9,7 +9,8 @@ import threading
 from typing import Callable
 
 from deploy.link import SwitchableLink
-from megainfer.messages import NodeHealth, NodeRole, NodeStatus
+from deploy.placement import rank_placement
+from megainfer.messages import NodeHealth, NodeRole, NodeStatus, RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class LoopActor:
 
     def ready(self) -> str:
         return self.name
+
+    def placement(self) -> RankPlacement:
+        return rank_placement(self.name)
 
     def serve(self) -> None:
         self.loop.serve()

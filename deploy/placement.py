@@ -12,6 +12,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megainfer.errors import PlanError
+from megainfer.messages import RankPlacement
 from megainfer.plan import AttentionSpec, ExpertSpec, Plan
 
 NodeSpec = AttentionSpec | ExpertSpec
@@ -20,36 +21,53 @@ PLACEMENT_TIMEOUT_S = 60.0
 ACTOR_CONCURRENCY = 16  # a node actor answers the driver (requests, polls, health) while it steps
 
 
+def bundle_of(side: NodeSpec) -> dict:
+    """One node's bundle: a CPU per rank, and on GPUs a GPU per rank on a host of the node's
+    GPU type (the accelerator_type resource Ray declares for it; a token amount, so the
+    bundle pins the type without using it up)."""
+    if side.gpu == "cpu":
+        return {"CPU": side.tp}
+    return {"CPU": side.tp, "GPU": side.tp, f"accelerator_type:{side.gpu}": 0.001}
+
+
 def bundles(plan: Plan) -> list[dict]:
-    """One placement bundle per node, attention nodes first: tp GPUs each (and the GPU type
-    pinned in heterogeneous plans), or one CPU per rank in a CPU plan."""
-    def bundle(side: NodeSpec) -> dict:
-        if side.gpu == "cpu":
-            return {"CPU": side.tp}
-        return {"CPU": 1, "GPU": side.tp, f"accelerator_type:{side.gpu}": 0.001}
-
-    return [bundle(plan.attention)] * plan.attention.nodes + [bundle(plan.experts)] * plan.experts.nodes
+    """One placement bundle per node, attention nodes first."""
+    return [bundle_of(plan.attention)] * plan.attention.nodes + [bundle_of(plan.experts)] * plan.experts.nodes
 
 
-def cpus_needed(plan: Plan, replicas: int = 1) -> int:
-    return int(sum(b.get("CPU", 0) for b in bundles(plan))) * replicas
+def resources_needed(plan: Plan, replicas: int = 1) -> dict[str, float]:
+    """The cluster's resources `replicas` copies of the plan take, summed over their bundles."""
+    need: dict[str, float] = {}
+    for b in bundles(plan):
+        for key, amount in b.items():
+            need[key] = need.get(key, 0.0) + amount * replicas
+    return need
 
 
-def connect_ray(address: str | None, cpus: int) -> bool:
-    """Join the cluster at `address`, or start a local Ray with at least `cpus` CPUs, unless
-    this process is already connected. True when this call started Ray (the caller stops it)."""
+def connect_ray(address: str | None, plan: Plan, replicas: int = 1, rehearsal: bool = False) -> bool:
+    """Join the cluster at `address`, or start a local Ray with room for `replicas` copies of
+    the plan, unless this process is already connected. A rehearsal (a GPU plan with CPU
+    tensors) declares the plan's GPUs and GPU types on the local Ray, as `ray start
+    --num-gpus N --resources '{"accelerator_type:H20": 1}'` would. True when this call
+    started Ray (the caller stops it)."""
     if ray.is_initialized():
         return False
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False, log_to_driver=False)
+    need = resources_needed(plan, replicas)
+    options: dict = {}
+    if rehearsal:
+        options = dict(num_gpus=int(need.get("GPU", 0)),
+                       resources={key: 1.0 for key in need if key.startswith("accelerator_type:")})
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(need.get("CPU", 0))), include_dashboard=False,
+             log_to_driver=False, **options)
     return True
 
 
 def describe_needs(plan: Plan) -> str:
     def nodes(side: NodeSpec) -> str:
-        return f"{side.nodes} x {'1 CPU' if side.gpu == 'cpu' else f'{side.tp} {side.gpu} GPU(s)'}"
+        return f"{side.nodes} x {f'{side.tp} CPU(s)' if side.gpu == 'cpu' else f'{side.tp} {side.gpu} GPU(s)'}"
 
     return f"attention {nodes(plan.attention)}, experts {nodes(plan.experts)}"
 
@@ -57,16 +75,39 @@ def describe_needs(plan: Plan) -> str:
 def check_capacity(plan: Plan) -> None:
     """Fail at once, naming what is missing, when the cluster as a whole lacks the resources
     (placement would otherwise wait for them until its timeout)."""
-    need: dict[str, float] = {}
-    for b in bundles(plan):
-        for key, amount in b.items():
-            need[key] = need.get(key, 0.0) + amount
+    need = resources_needed(plan)
     have = ray.cluster_resources()
-    missing = {k: v for k, v in need.items() if have.get(k, 0.0) < v}
+    missing = [f"{k} (needs {v:g}, has {have.get(k, 0.0):g})" for k, v in need.items() if have.get(k, 0.0) < v]
+    if not plan.is_cpu:
+        missing += gpu_type_shortfalls(plan, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     if missing:
         raise PlanError(f"the cluster cannot place this plan ({describe_needs(plan)}): it lacks "
-                        + ", ".join(f"{k} (needs {v:g}, has {have.get(k, 0.0):g})" for k, v in missing.items())
-                        + "; join a cluster with these GPUs (--address) or plan for what you have")
+                        + ", ".join(missing) + "; join a cluster with these GPUs (--address) or plan for what you have")
+
+
+def gpu_type_shortfalls(plan: Plan, hosts: list[dict]) -> list[str]:
+    """Per GPU type: the plan's GPUs against those of the hosts of that type, and each node's
+    tp GPUs against the largest such host (a node's ranks share one host)."""
+    shortfalls = []
+    for side in {plan.attention.gpu: plan.attention, plan.experts.gpu: plan.experts}.values():
+        wanted = sum(s.tp * s.nodes for s in (plan.attention, plan.experts) if s.gpu == side.gpu)
+        typed = [h.get("GPU", 0.0) for h in hosts if f"accelerator_type:{side.gpu}" in h]
+        if sum(typed) < wanted:
+            shortfalls.append(f"{side.gpu} GPUs (needs {wanted}, its hosts have {sum(typed):g})")
+        elif max(typed, default=0.0) < side.tp:
+            shortfalls.append(f"a host with {side.tp} {side.gpu} GPUs for a tp-{side.tp} node "
+                              f"(the largest has {max(typed, default=0.0):g})")
+    return shortfalls
+
+
+def rank_placement(name: str) -> RankPlacement:
+    """Called inside a node actor: the Ray node it runs on, that node's GPU type, its GPUs."""
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    resources = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
+    types = [key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")]
+    return RankPlacement(name, node_id, types[0] if types else None,
+                         [str(i) for i in context.get_accelerator_ids().get("GPU", [])])
 
 
 class Placement:
@@ -84,9 +125,10 @@ class Placement:
                             f"({describe_needs(plan)}); available: {ray.available_resources()}") from None
 
     def actor_options(self, side: NodeSpec, bundle: int) -> dict:
-        """Ray options of one rank's actor in node `bundle`: one CPU, and one GPU of the node's
-        bundle on GPUs. A restarted rank reloads its weights; a tensor-parallel group cannot be
-        re-formed around one restarted rank (yet), so those ranks are not restarted."""
+        """Ray options of one rank's actor in node `bundle`: one of the bundle's CPUs, and one of
+        its GPUs on GPUs (Ray then shows the actor that GPU alone, as cuda:0). A restarted rank
+        reloads its weights; a tensor-parallel group cannot be re-formed around one restarted
+        rank (yet), so those ranks are not restarted."""
         return dict(num_cpus=1, num_gpus=0 if side.gpu == "cpu" else 1, max_restarts=-1 if side.tp == 1 else 0,
                     max_concurrency=ACTOR_CONCURRENCY,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.group,

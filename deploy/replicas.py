@@ -21,7 +21,8 @@ import ray
 from deploy.frontend import LOAD_REFRESH_S, Frontend, max_open_requests
 from deploy.node_config import checked_model
 from deploy.node_group import NodeGroup, health_of
-from deploy.placement import Placement, connect_ray, cpus_needed
+from deploy.placement import Placement, connect_ray
+from deploy.runtime_config import runtime_of
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
 from megainfer.messages import NodeHealth
@@ -36,13 +37,15 @@ logger = logging.getLogger(__name__)
 
 
 class ReplicaSet:
-    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True) -> None:
+    def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True,
+                 device: str | None = None) -> None:
         if plan.autoscale is None:
             raise ValueError("ReplicaSet needs a plan with an autoscale section")
         self.plan = plan
         self.address = address
         self.show_progress = show_progress
         self.model = checked_model(plan)
+        self.runtime = runtime_of(plan, device)
         self.autoscaler = Autoscaler(plan.autoscale)
         self.frontend = Frontend(make_router("predictive"), max_open_requests(plan))
         self.replicas: list[NodeGroup] = []
@@ -62,7 +65,8 @@ class ReplicaSet:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "ReplicaSet":
         try:  # room for the largest fleet the plan allows
-            self._started_ray = connect_ray(self.address, cpus_needed(self.plan, self.plan.autoscale.max_replicas))
+            self._started_ray = connect_ray(self.address, self.plan, self.plan.autoscale.max_replicas,
+                                            rehearsal=self.runtime.is_rehearsal)
             for _ in range(self.plan.autoscale.min_replicas):
                 self._add(self._new_replica())
         except BaseException:
@@ -74,7 +78,7 @@ class ReplicaSet:
 
     def _new_replica(self) -> NodeGroup:
         """A started, warmed-up replica (one that fails to start stops what it started)."""
-        return NodeGroup(self.plan, Placement(self.plan), self.show_progress).start(
+        return NodeGroup(self.runtime, Placement(self.plan), self.show_progress).start(
             local=self._started_ray or self.address is None)
 
     def _add(self, group: NodeGroup) -> None:

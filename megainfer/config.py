@@ -88,6 +88,13 @@ class ModelConfig:
         h = self.hidden_size
         return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + h * self.num_experts
 
+    def attention_rank_weight_bytes(self, value_bytes: int, tp=1):
+        """One tensor-parallel attention rank's weights: 1/tp of every layer's attention half
+        (router included) and, on every rank whole, the embedding and the LM head. `tp` may be a
+        numpy array (the planner sizes many configurations at once)."""
+        head = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return (head + self.num_layers * self.attention_params_per_layer / tp) * value_bytes
+
     @property
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
@@ -293,6 +300,10 @@ def resolve_model(model: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
                       f"presets: {', '.join(PRESETS)}")
 
 
+# The share of a GPU's memory left free after loading weights that the KV cache takes (the rest
+# is for activations); the planner and the dry run size KV caches the same way.
+KV_MEMORY_FRACTION = 0.9
+KV_BLOCK_TOKENS = 16  # tokens per KV-cache block by default: a sequence's KV comes in blocks of these
 PREFILL_POLICIES = ("chunked", "layered")
 DEVICES = ("cpu", "cuda")
 
@@ -304,7 +315,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    block_size: int = 16  # tokens per KV-cache block
+    block_size: int = KV_BLOCK_TOKENS  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 90% of free memory on CUDA
     max_num_seqs: int = 256  # running sequences at once
@@ -348,12 +359,15 @@ class EngineConfig:
                               f"max_position_embeddings ({model.max_position_embeddings})")
         return self.max_model_len
 
-    def resolved_num_kv_blocks(self, model: ModelConfig, max_model_len: int, free_bytes: int | None) -> int:
-        """Blocks of the paged KV cache: the explicit count, else what the byte budget holds."""
+    def resolved_num_kv_blocks(self, model: ModelConfig, max_model_len: int, free_bytes: int | None,
+                               tp_size: int = 1) -> int:
+        """Blocks of the paged KV cache: the explicit count, else what the byte budget holds.
+        With tensor parallelism a rank stores 1/tp_size of the KV heads, so a block costs it
+        1/tp_size of the whole model's; `free_bytes` is then the least any rank has free."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        block_bytes = self.block_size * model.kv_bytes_per_token(self.dtype)
-        budget = self.kv_cache_bytes or (int(free_bytes * 0.9) if free_bytes else 2 << 30)
+        block_bytes = self.block_size * model.kv_bytes_per_token(self.dtype) // tp_size
+        budget = self.kv_cache_bytes or (int(free_bytes * KV_MEMORY_FRACTION) if free_bytes else 2 << 30)
         budget -= self.layered_hidden_reserve(model)
         # Never more than every running sequence at full length could use.
         wanted = self.max_num_seqs * math.ceil(max_model_len / self.block_size)

@@ -8,6 +8,7 @@ attributes, never keys.
 | `SamplingParams` | driver frontend              | attention node (`add_request`)      | a request's sampling settings             |
 | `RequestDelta`   | attention node / engine loop | frontend -> the request's stream    | one request's tokens of one step, or its end |
 | `NodeHealth`     | every node actor (`health`)  | node group (supervision, info)      | status, error, what the node is doing     |
+| `RankPlacement`  | every node actor (`placement`) | node group (`placements`, tests)  | the Ray node, GPU type and GPUs of a rank |
 | `NodeStats`      | attention leader (`stats`)   | frontend (metrics endpoint, benches)| engine counters and M2N histograms        |
 | `NodeState`      | attention leader (`state`)   | frontend -> router                  | scheduler snapshot, measured steps        |
 | `StepSample`     | inside `NodeState`           | router's step-time model            | one step's work and seconds               |
@@ -21,8 +22,10 @@ Declared elsewhere because their packages must not import megainfer:
 - the M2N message header (`transport/wire.py`): attention rank <-> expert node, every
   (layer, micro-batch); its byte layout is documented there;
 - a tensor-parallel step (`megainfer/disagg/step_sync.py`): attention leader -> its follower
-  ranks over the node's torch.distributed group, an int64 tensor whose layout is documented
-  there (torch.distributed carries tensors, not objects);
+  ranks over the node's gloo control group, an int64 tensor whose layout is documented there
+  (torch.distributed carries tensors, not objects);
+- each node's runtime configuration (`deploy/runtime_config.py`: `AttentionRuntime`,
+  `ExpertRuntime`): driver -> node actor at construction, beside the plan;
 - the gRPC messages (`megainfer/v1/inference.proto`): client <-> server.
 """
 
@@ -124,6 +127,16 @@ class NodeHealth:
         if self.role is NodeRole.ATTENTION:
             return f"running {self.running}, waiting {self.waiting}"
         return f"experts {self.experts}, steps {self.steps}"
+
+
+@dataclass
+class RankPlacement:
+    """Where one rank's actor runs, as Ray placed it."""
+
+    name: str
+    node_id: str  # the Ray node (host) it runs on
+    accelerator_type: str | None  # that host's GPU type as Ray declares it (accelerator_type:<GPU>)
+    gpu_ids: list[str] = field(default_factory=list)  # the GPUs Ray gave it (CUDA_VISIBLE_DEVICES)
 
 
 @dataclass

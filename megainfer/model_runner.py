@@ -15,6 +15,7 @@ from megainfer.model.weights import WeightSource
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import MicroBatchLayout, StepLayout
+from megainfer.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ class ModelRunner:
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len)
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
-        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
-                                                             model_config.num_kv_heads)
+        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.cohort_hidden = CohortHiddenStates()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
@@ -233,13 +233,18 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
 
 
 def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_model_len: int, device: torch.device,
-                       num_kv_heads: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(blocks, per-layer (K, V) caches of [blocks, block_size, num_kv_heads, head_dim]); the
-    block count comes from the config (or the memory free after loading weights)."""
+                       tp_group: TensorParallelGroup | None = None) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(blocks, per-layer (K, V) caches of [blocks, block_size, this rank's KV heads, head_dim]);
+    the block count comes from the config, or from the memory free after loading weights. The
+    ranks of a tensor-parallel node size from the least free memory among them, so they all
+    hold the same blocks (the leader's scheduler allocates block ids for every rank)."""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free)
+    tp_size = 1 if tp_group is None else tp_group.size
+    if free is not None and tp_size > 1:
+        free = tp_group.min_over_ranks(free)
+    num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free, tp_size)
     dtype = getattr(torch, config.dtype)
-    shape = (num_blocks, config.block_size, num_kv_heads, model_config.head_dim)
+    shape = (num_blocks, config.block_size, model_config.num_kv_heads // tp_size, model_config.head_dim)
     return num_blocks, [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
                         for _ in range(model_config.num_layers)]
 

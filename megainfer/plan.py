@@ -71,6 +71,7 @@ class SchedulerSpec:
     group_tokens: int = 512  # layered prefill: prompt tokens per layer group
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
+    layered_chunk_tokens: int = 8192  # layered prefill: prompt tokens of one cohort (longer prompts go in chunks)
     # Attention balancing: admit prompt tokens only while a step's predicted time stays under this.
     target_step_ms: float | None = None
 
@@ -81,7 +82,7 @@ class SchedulerSpec:
             raise PlanError(f"scheduler.prefill_policy {self.prefill_policy!r} is not one of "
                             f"{', '.join(PREFILL_POLICIES)}")
         _positive("scheduler", group_tokens=self.group_tokens, max_num_seqs=self.max_num_seqs,
-                  max_num_batched_tokens=self.max_num_batched_tokens)
+                  max_num_batched_tokens=self.max_num_batched_tokens, layered_chunk_tokens=self.layered_chunk_tokens)
 
 
 @dataclass

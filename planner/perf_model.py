@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from megainfer.config import ModelConfig
+from megainfer.config import KV_BLOCK_TOKENS, KV_MEMORY_FRACTION, ModelConfig
 from megainfer.errors import PlanError
 
 # Fraction of GPU memory plans may fill; the rest is activations, workspace, fragmentation.
@@ -240,12 +240,18 @@ class PerfModel:
         return (m.num_layers * self.attn_weight_params + head) * self.dtype_bytes
 
     def kv_bytes_per_sequence(self) -> float:
-        return self.seq_len * self.kv_bytes_per_token_layer * self.model.num_layers
+        """A sequence's KV cache in whole blocks, as the runtime allocates it."""
+        tokens = math.ceil(self.seq_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+        return tokens * self.kv_bytes_per_token_layer * self.model.num_layers
 
     def max_sequences_per_attention_node(self, memory_bytes, tp):
-        """Sequences whose KV cache fits beside the weights on one attention node (may be <= 0)."""
-        free = memory_bytes * MEMORY_HEADROOM * tp - self.attention_weight_bytes()
-        return np.floor(free / self.kv_bytes_per_sequence())
+        """Sequences whose KV cache fits beside the weights on one attention node (may be <= 0),
+        sized as the runtime sizes them: each rank holds the embedding and LM head whole and 1/tp
+        of the layers, its KV cache takes KV_MEMORY_FRACTION of what that leaves, and holds 1/tp
+        of every sequence's KV."""
+        rank_weights = self.model.attention_rank_weight_bytes(self.dtype_bytes, tp)
+        free_per_rank = (memory_bytes - rank_weights) * KV_MEMORY_FRACTION
+        return np.floor(free_per_rank * tp / self.kv_bytes_per_sequence())
 
     def expert_node_fits(self, memory_bytes, tp, experts_per_node):
         need = experts_per_node * self.model.expert_params * self.model.num_layers * self.dtype_bytes

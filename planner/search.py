@@ -28,6 +28,9 @@ MAX_BATCH = 1 << 17  # sequences; the binary search's upper end
 # Attention replica counts tried: every count up to 12, then coarser steps.
 ATTENTION_NODES = tuple(range(1, 13)) + (14, 16, 20, 24, 32, 40, 48, 64, 96, 128)
 SEARCH_STEPS = 18  # > log2(MAX_BATCH)
+# Prompt tokens a step may add beside its decodes in the plans written (the scheduler's
+# default group size): the token budget is the decodes plus this.
+PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass
@@ -108,8 +111,10 @@ class Candidate(Throughput):
             experts=ExpertSpec(gpu=self.expert_gpu, tp=self.tp_e, nodes=self.expert_nodes,
                                experts_per_node=self.experts_per_node),
             pipeline=PipelineSpec(micro_batches=self.m, global_batch=self.batch),
-            # Each attention node must admit its share of the global batch.
-            scheduler=SchedulerSpec(max_num_seqs=-(-self.batch // self.n_a)),
+            # Each attention node must admit its share of the global batch, and one step must carry
+            # every one of its decodes plus a prefill chunk.
+            scheduler=SchedulerSpec(max_num_seqs=-(-self.batch // self.n_a),
+                                    max_num_batched_tokens=-(-self.batch // self.n_a) + PREFILL_CHUNK_TOKENS),
             slo=SLOSpec(tbt_ms=tbt_slo_ms),
             predicted=PredictedPerformance(
                 t_a_ms=round(self.t_a * 1e3, 4), t_e_ms=round(self.t_e * 1e3, 4), t_c_ms=round(self.t_c * 1e3, 4),

@@ -63,3 +63,14 @@ def qwen3_ref(tmp_path_factory) -> HFReference:
 @pytest.fixture(scope="session", params=["mixtral", "qwen3_moe"])
 def hf_ref(request) -> HFReference:
     return request.getfixturevalue("mixtral_ref" if request.param == "mixtral" else "qwen3_ref")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: where there is none they are skipped, saying so."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `python -m pytest "
+                                   "-m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -276,8 +276,12 @@ class Endpoint:
         ack = {"ok": True, "name": self.spec.name, "backend": kind, "slot_bytes": self.spec.slot_bytes,
                "num_slots": self.spec.num_slots}
         if kind == "shm":
-            channel = ShmInbound(name, next(self._inbound_ids), self.spec.slot_bytes, self.spec.num_slots,
-                                 self.doorbell)
+            try:  # a /dev/shm too small for the slots: the peer is told why, not left to time out
+                channel = ShmInbound(name, next(self._inbound_ids), self.spec.slot_bytes, self.spec.num_slots,
+                                     self.doorbell)
+            except BackendUnavailable as exc:
+                send_json(sock, {"ok": False, "error": str(exc)})
+                raise
             channel.bind_peer(hello, sock)
             ack["shm"] = channel.handshake_info()
             send_json(sock, ack)

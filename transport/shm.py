@@ -1,7 +1,8 @@
 """Shared-memory channels: peers on one host.
 
 The receiver owns one segment per sending peer (a 0600 file under /dev/shm, named with a
-random token sent only over the authenticated handshake). Layout:
+random token sent only over the authenticated handshake, its bytes allocated when it is made
+so that a /dev/shm too small fails at connect rather than with SIGBUS on a write). Layout:
     0   4  receiver asleep (1 while the receiver sleeps on its doorbell)
     4   4  sender asleep   (1 while the sender sleeps waiting for a free slot)
     8   56 reserved
@@ -18,6 +19,8 @@ side's word is fenced (x86 may otherwise reorder the two), so no wakeup is lost.
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import secrets
@@ -28,7 +31,11 @@ import threading
 from transport.errors import BackendUnavailable
 from transport.wire import DOORBELL, DOORBELL_DATA, DOORBELL_FREE, Header
 
-SHM_DIR = "/dev/shm"
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"  # where segments live; a module constant so tests can point it at a small tmpfs
+# posix_fallocate's errors for a file system that cannot preallocate (EINVAL included: len > 0 here)
+FALLOCATE_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 STATE = struct.Struct("<I")
 FREE, FULL = 0, 1
 PAYLOAD_OFFSET = 96  # within a slot
@@ -82,6 +89,41 @@ class Doorbell:
         self._out.close()
 
 
+def allocate(fd: int, path: str, size: int) -> None:
+    """Gives the segment its `size` bytes of shared memory now. A sparse file would take its
+    pages on first touch, and where /dev/shm is too small (Docker's default is 64 MB) that touch
+    is a SIGBUS in whichever process writes, not an error here."""
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise BackendUnavailable(no_space_message(path, size)) from None
+        if exc.errno not in FALLOCATE_UNSUPPORTED:
+            raise
+        _warn_sparse(path, exc)
+
+
+def no_space_message(path: str, size: int) -> str:
+    stats = os.statvfs(os.path.dirname(path))
+    free = stats.f_bavail * stats.f_frsize
+    return (f"shared-memory segment {path} needs {size:,} bytes but {os.path.dirname(path)} has "
+            f"{free:,} bytes free: enlarge /dev/shm (Docker: `docker run --shm-size=...`; Ray's cluster "
+            f"launcher: `--shm-size=...` in docker run_options; Kubernetes/KubeRay: an emptyDir volume with "
+            f"medium: Memory mounted at /dev/shm), use fewer or smaller slots, or use the tcp backend")
+
+
+_warned_sparse: set[str] = set()  # file systems already reported as unable to preallocate
+
+
+def _warn_sparse(path: str, exc: OSError) -> None:
+    folder = os.path.dirname(path)
+    if folder not in _warned_sparse:
+        _warned_sparse.add(folder)
+        logger.warning("%s cannot preallocate (%s): shared-memory segments there stay sparse, and a full "
+                       "file system shows as SIGBUS on first write instead of an error at connect", folder, exc)
+
+
 class _Segment:
     def __init__(self, path: str, size: int, create: bool) -> None:
         self.path = path
@@ -89,8 +131,12 @@ class _Segment:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                allocate(fd, path, size)
             self.map = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                os.unlink(path)  # a partial segment must not outlive its failed creation
+            raise
         finally:
             os.close(fd)
         self.view = memoryview(self.map)

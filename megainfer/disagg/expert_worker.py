@@ -13,17 +13,21 @@ from megainfer.config import ModelConfig
 from megainfer.disagg.expert_link import BUSY, ExpertLink, unpack_dispatch
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
+from megainfer.tensor_parallel import TensorParallelGroup
 
 
 class ExpertWorker:
     def __init__(self, model_config: ModelConfig, expert_ids: list[int], dtype: str, device: str,
                  weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink | None,
-                 show_progress: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
-        """With tp_size > 1 this is one rank of a tensor-parallel expert node (the default
-        torch.distributed group is the node's ranks): rank 0 exchanges every message with the
-        attention nodes and broadcasts each (layer, micro-batch)'s tokens to the others; every
-        rank runs its slice of each expert and the partial outputs are summed on rank 0."""
+                 show_progress: bool = False, tp_group: TensorParallelGroup | None = None) -> None:
+        """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
+        every message with the attention nodes and broadcasts each (layer, micro-batch)'s tokens
+        to the others (a header over the control group, the tensors over the activations'
+        group); every rank runs its slice of each expert and the partial outputs are summed on
+        rank 0."""
         self.cfg = model_config
+        self.tp_group = tp_group
+        tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.expert_ids = list(expert_ids)
         self.dtype = getattr(torch, dtype)
@@ -87,25 +91,23 @@ class ExpertWorker:
     def _experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         y = self.layers[layer](x, ids, weights)
         if self.tp_size > 1:  # each rank holds a slice of every expert: their outputs add up
-            torch.distributed.reduce(y, dst=0)
+            self.tp_group.reduce(y, dst=0)
         return y.cpu()
 
     def _share(self, layer: int, j: int, total: int, x, ids, weights) -> None:
         """Leader: this (layer, micro-batch)'s tokens to the other ranks (a header, then the tensors)."""
-        dist = torch.distributed
-        dist.broadcast(torch.tensor([layer, j, total], dtype=torch.int64), src=0)
+        self.tp_group.broadcast_control(torch.tensor([layer, j, total], dtype=torch.int64))
         if total:
             for t in (x, ids, weights):
-                dist.broadcast(t.to(self.device), src=0)
+                self.tp_group.broadcast(t.to(self.device))
 
     @torch.inference_mode()
     def run_follower_step(self) -> None:
         """A follower rank's unit of work: one (layer, micro-batch) the leader shares. The header
         names the layer, so a leader that restarts its step after a re-wire needs no resync."""
-        dist = torch.distributed
         cfg = self.cfg
         header = torch.zeros(3, dtype=torch.int64)
-        dist.broadcast(header, src=0)
+        self.tp_group.broadcast_control(header)
         layer, _, total = header.tolist()
         if not 0 <= layer < cfg.num_layers:
             raise RuntimeError(f"expert rank {self.tp_rank}: the leader shared layer {layer}")
@@ -114,6 +116,6 @@ class ExpertWorker:
             ids = torch.empty(total, cfg.top_k, dtype=torch.int64, device=self.device)
             weights = torch.empty(total, cfg.top_k, dtype=torch.float32, device=self.device)
             for t in (x, ids, weights):
-                dist.broadcast(t, src=0)
+                self.tp_group.broadcast(t)
             self._experts(layer, x, ids, weights)
             self.tokens += total

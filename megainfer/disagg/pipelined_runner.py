@@ -30,6 +30,7 @@ from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepRes
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import StepLayout
+from megainfer.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,10 @@ class PipelinedModelRunner:
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
                  *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
-                 micro_batches: int, tp_rank: int = 0, tp_size: int = 1) -> None:
-        """With tp_size > 1 this is one rank of a tensor-parallel node (the default
-        torch.distributed group is the node's ranks): rank 0 schedules and samples and sends
-        each step to the others; every rank runs its heads and dispatches its share of the
-        routed tokens."""
+                 micro_batches: int, tp_group: TensorParallelGroup | None = None) -> None:
+        """With a `tp_group` this is one rank of a tensor-parallel node: rank 0 schedules and
+        samples and sends each step to the others; every rank runs its heads and dispatches its
+        share of the routed tokens."""
         if len(expert_nodes) != len(expert_assignment):
             raise ValueError("one expert-id list per expert node")
         self.model_config = model_config
@@ -61,6 +61,8 @@ class PipelinedModelRunner:
         if (node_of < 0).any():
             raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
         node_of = node_of.to(self.device)
+        self.tp_group = tp_group
+        tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
                               tp_rank=tp_rank, tp_size=tp_size)
@@ -70,7 +72,7 @@ class PipelinedModelRunner:
             self.model.load_weights(weights, show_progress=config.show_progress)
         # Each rank caches its own KV heads; all ranks agree on the block count.
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
-                                                             model_config.num_kv_heads // tp_size)
+                                                             tp_group)
         self.sampler = Sampler(config.seed, self.device)
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
@@ -83,13 +85,13 @@ class PipelinedModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         if self.tp_size > 1:
-            step_sync.broadcast_step(out)  # the follower ranks run the same step
+            step_sync.broadcast_step(self.tp_group, out)  # the follower ranks run the same step
         return self._run(out)
 
     @torch.inference_mode()
     def execute_follower(self) -> None:
         """A follower rank's step: the leader's batch, this rank's heads, no sampling."""
-        self._run(step_sync.receive_step())
+        self._run(step_sync.receive_step(self.tp_group))
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         """Every micro-batch through every layer, ping-ponging with the expert nodes. With layered
@@ -193,5 +195,5 @@ class PipelinedModelRunner:
         if residual is None:
             return None
         if self.tp_size > 1:  # every rank added its share of the answers: sum them
-            torch.distributed.all_reduce(y)
+            self.tp_group.all_reduce(y)
         return residual + y

@@ -1,6 +1,6 @@
 """A tensor-parallel attention node's step, sent from its leader rank (which schedules and
-samples) to its follower ranks (which hold the other heads), over the node's own
-torch.distributed group. Layout of the int64 payload:
+samples) to its follower ranks (which hold the other heads), over the node's control group
+(gloo: host tensors; see megainfer/tensor_parallel.py). Layout of the int64 payload:
     [num_seqs, num_single_token, has_layered, group, num_groups, first_layer, end_layer,
      num_members, then per sequence of `SchedulerOutput.all_seqs`: SEQ]
     SEQ = key, num_computed_tokens, num_new_tokens, num_tokens, num_blocks,
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megainfer.scheduler import LayeredPass, SchedulerOutput
+from megainfer.tensor_parallel import TensorParallelGroup
 
 _HEADER = 8  # int64 fields before the first SEQ
 
@@ -73,15 +73,15 @@ def decode(payload: torch.Tensor) -> SchedulerOutput:
     return out
 
 
-def broadcast_step(out: SchedulerOutput) -> None:
+def broadcast_step(group: TensorParallelGroup, out: SchedulerOutput) -> None:
     payload = encode(out)
-    dist.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src=0)
-    dist.broadcast(payload, src=0)
+    group.broadcast_control(torch.tensor([payload.numel()], dtype=torch.int64))
+    group.broadcast_control(payload)
 
 
-def receive_step() -> SchedulerOutput:
+def receive_step(group: TensorParallelGroup) -> SchedulerOutput:
     size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0)
+    group.broadcast_control(size)
     payload = torch.empty(int(size.item()), dtype=torch.int64)
-    dist.broadcast(payload, src=0)
+    group.broadcast_control(payload)
     return decode(payload)

@@ -18,6 +18,7 @@ from megainfer.model.checkpoint_names import attention_tensors
 from megainfer.model.rms_norm import RMSNorm
 from megainfer.model.rotary import RotaryEmbedding
 from megainfer.model.weights import WeightSource
+from megainfer import tensor_parallel
 
 
 @dataclass
@@ -83,7 +84,7 @@ class AttentionLayer(nn.Module):
         attn = kernels.paged_attention(q, key_cache, value_cache, batch, self.scale)
         out = self.o_proj(attn.reshape(t, self.q_size))
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            tensor_parallel.current().all_reduce(out)
         residual = hidden + out
         expert_input = self.post_norm(residual)
         return AttentionOutput(residual, expert_input, self.route(expert_input))

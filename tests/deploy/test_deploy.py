@@ -7,6 +7,7 @@ import threading
 import time
 
 import grpc
+import torch
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -271,3 +272,30 @@ def test_autoscaler_adds_a_replica_on_predicted_ttft_and_retires_it_when_idle():
         assert fleet.submit("last", [4, 5, 6], GREEDY).wait_finished(60).finished
     finally:
         fleet.close()
+
+
+def test_a_4k_token_prompt_through_a_layered_deployment_matches_colocated():
+    """A cohort of 4,088 prompt tokens crosses the transport layer by layer: the slots must hold
+    it (they are sized from the layered chunk, not the token budget) and the tokens must equal
+    the colocated engine's. 4,088 + 8 new tokens fill tiny-mixtral's 4,096 positions."""
+    plan = Plan.from_dict({
+        "model": "tiny-mixtral", "dtype": "float32",
+        "attention": {"gpu": "cpu", "tp": 1, "nodes": 1}, "experts": {"gpu": "cpu", "tp": 1, "nodes": 1},
+        "pipeline": {"micro_batches": 2, "global_batch": 4},
+        "scheduler": {"prefill_policy": "layered", "group_tokens": 1024, "max_num_seqs": 4,
+                      "max_num_batched_tokens": 64},
+    })
+    prompt = torch.randint(0, 256, (4088,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = Engine("tiny-mixtral", EngineConfig(prefill_policy="layered", group_tokens=1024, max_num_seqs=4))
+    engine.add_request("long", prompt, params)
+    expected = []
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            expected.extend(d.new_token_ids)
+    served = Served(plan)
+    try:
+        assert served.generate(prompt, params) == expected
+        assert len(expected) == 8
+    finally:
+        served.close()

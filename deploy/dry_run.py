@@ -1,0 +1,85 @@
+"""`megainfer deploy PLAN --dry-run`: what every node would run with, where it would be placed
+and which groups it would form, without starting anything; and whether the runtime reaches
+the batch the plan's `predicted:` section assumed."""
+
+from __future__ import annotations
+
+from deploy.placement import bundle_of
+from deploy.runtime_config import BatchCheck, DeploymentRuntime, check_batch
+from megainfer.bench.report import format_table
+
+
+def gpu_memory_bytes(runtime: DeploymentRuntime) -> float | None:
+    """The attention GPU's memory from the planner's catalog (None on CPUs)."""
+    if runtime.plan.is_cpu:
+        return None
+    from planner.catalog import Catalog
+
+    return Catalog.load()[runtime.plan.attention.gpu].memory_bytes
+
+
+def describe(runtime: DeploymentRuntime, check: BatchCheck) -> str:
+    plan = runtime.plan
+    lines = [f"plan: {plan.model} ({plan.dtype}) on {runtime.device}"
+             + (" (rehearsal: the plan's GPU placement with CPU tensors)" if runtime.is_rehearsal else ""),
+             f"micro-batches m = {plan.pipeline.micro_batches}; one micro-batch carries up to "
+             f"{runtime.micro_batch_tokens} tokens", ""]
+    data_backend = "nccl" if runtime.device == "cuda" else "gloo"
+    rows = []
+    for node in runtime.attention:
+        e = node.engine
+        rows.append([node.name, "attention", len(node.ranks), _bundle(bundle_of(plan.attention)),
+                     _group(node.ranks, data_backend), e.max_num_batched_tokens, e.max_num_seqs,
+                     e.prefill_policy + (f" (chunk {e.layered_chunk_tokens})" if e.prefill_policy == "layered" else ""),
+                     f"{node.kv_heads_per_rank}/rank", _kv_blocks(check), _mib(node.receive_slot_bytes)])
+    for node in runtime.experts:
+        ids = node.expert_ids
+        rows.append([node.name, f"experts {ids[0]}..{ids[-1]}", len(node.ranks), _bundle(bundle_of(plan.experts)),
+                     _group(node.ranks, data_backend), "-", "-", "-", "-", "-", _mib(node.receive_slot_bytes)])
+    lines.append(format_table(["node", "role", "ranks", "bundle", "tp group", "token budget", "max seqs", "prefill",
+                               "kv heads", "kv blocks/rank", "recv slot"], rows))
+    lines += ["", _batch_line(check, runtime)]
+    return "\n".join(lines)
+
+
+def _bundle(bundle: dict) -> str:
+    return ", ".join(f"{key}: {value:g}" for key, value in bundle.items())
+
+
+def _group(ranks: tuple[str, ...], data_backend: str) -> str:
+    return "-" if len(ranks) == 1 else f"{len(ranks)} ranks: control gloo, activations {data_backend}"
+
+
+def _kv_blocks(check: BatchCheck) -> str:
+    return "from free memory" if check.kv_blocks_per_rank is None else f"~{check.kv_blocks_per_rank:,} (estimate)"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _batch_line(check: BatchCheck, runtime: DeploymentRuntime) -> str:
+    limits = [f"max_num_seqs {check.sequence_limit}", f"decodes per step {check.decode_budget}"]
+    if check.kv_sequences is not None:
+        limits.append(f"KV for {check.kv_sequences} sequences")
+    held = f"runtime batch per attention node: {check.runtime_batch} ({', '.join(limits)})"
+    if check.predicted is None:
+        return held + "; the plan has no predicted: section to compare with"
+    if check.reaches_prediction:
+        return held + f" >= predicted {check.predicted}: the runtime reaches the plan"
+    fixes = []
+    if check.sequence_limit < check.predicted:
+        fixes.append(f"scheduler.max_num_seqs >= {check.predicted}")
+    if check.decode_budget < check.predicted:
+        fixes.append(f"scheduler.max_num_batched_tokens >= {check.predicted + runtime.plan.scheduler.group_tokens} "
+                     "(every decode plus a prefill chunk)")
+    if check.kv_sequences is not None and check.kv_sequences < check.predicted:
+        fixes.append("more attention nodes or GPUs with more memory (the KV cache is short)")
+    return held + f" < predicted {check.predicted}: the runtime caps the plan; set " + "; ".join(fixes)
+
+
+def run(runtime: DeploymentRuntime) -> int:
+    check = check_batch(runtime, gpu_memory_bytes(runtime))
+    print(describe(runtime, check))
+    return 0 if check.reaches_prediction else 1
+

@@ -1,0 +1,156 @@
+"""A plan turned into what each node runs with: one function (`runtime_of`) that the node
+actors start from and that `megainfer deploy PLAN --dry-run` prints.
+
+Per attention node: the token budget, the sequence limit, the layered chunk size, the KV
+heads each rank holds, the receive-slot size; per expert node: its experts and its slot
+size. Slots hold the largest message a step can produce: every token one micro-batch may
+carry (a whole chunked step, or the decodes plus a whole layered cohort), divided among the
+attention ranks that share the sending. KV blocks are sized on the nodes themselves, from
+the free memory all ranks of a node agree on (`allocate_kv_caches`); for a dry run they are
+estimated from the GPU catalog's memory, and the batch the runtime can hold is compared
+with the batch the plan's `predicted:` section assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megainfer.config import DTYPE_BYTES, KV_MEMORY_FRACTION, EngineConfig, ModelConfig, resolve_model
+from megainfer.errors import PlanError
+from megainfer.plan import Plan
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class AttentionRuntime:
+    index: int
+    name: str  # rank 0's name; the others are name.1, name.2, ...
+    ranks: tuple[str, ...]
+    engine: EngineConfig  # token budget, sequence limit, layered chunk, device, dtype
+    kv_heads_per_rank: int
+    receive_slot_bytes: int  # one expert node's answer to one micro-batch, this rank's share
+    num_slots: int  # per peer: the micro-batches in flight
+
+
+@dataclass(frozen=True)
+class ExpertRuntime:
+    index: int
+    name: str
+    ranks: tuple[str, ...]
+    device: str
+    expert_ids: tuple[int, ...]
+    receive_slot_bytes: int  # one attention rank's dispatch of one micro-batch
+    num_slots: int
+    num_threads: int | None
+
+
+@dataclass(frozen=True)
+class DeploymentRuntime:
+    plan: Plan
+    model: ModelConfig
+    device: str
+    attention: tuple[AttentionRuntime, ...]
+    experts: tuple[ExpertRuntime, ...]
+
+    @property
+    def is_rehearsal(self) -> bool:
+        """A GPU plan's placement with CPU tensors."""
+        return self.device == "cpu" and not self.plan.is_cpu
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The most tokens one micro-batch can carry (what the slots are sized for)."""
+        return step_tokens(self.attention[0].engine)
+
+
+def step_tokens(engine: EngineConfig) -> int:
+    """The most tokens of one step: chunked steps stop at the token budget; layered steps carry
+    every running sequence's decode (the budget is not theirs to spend) plus one cohort."""
+    if engine.prefill_policy == "layered":
+        return engine.max_num_seqs + engine.layered_chunk_tokens
+    return engine.max_num_batched_tokens
+
+
+def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
+    """Every node's runtime configuration. `device`: where tensors live ("cpu" runs a GPU plan's
+    placement with CPU tensors, the cluster rehearsal); default: the plan's own."""
+    device = device or ("cpu" if plan.is_cpu else "cuda")
+    if device not in DEVICES:
+        raise PlanError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+    if plan.is_cpu and device != "cpu":
+        raise PlanError("a CPU plan (attention.gpu: cpu) runs on the CPU; drop --device or plan for GPUs")
+    model, _ = resolve_model(plan.model)
+    plan.check_model(model)
+    threads = 1 if device == "cpu" else None  # CPU ranks share the machine's cores
+    s = plan.scheduler
+    engine = EngineConfig(dtype=plan.dtype, device=device, max_num_seqs=s.max_num_seqs,
+                          max_num_batched_tokens=s.max_num_batched_tokens, prefill_policy=s.prefill_policy,
+                          group_tokens=s.group_tokens, layered_chunk_tokens=s.layered_chunk_tokens,
+                          target_step_ms=s.target_step_ms, num_threads=threads)
+    tokens, tp_a = step_tokens(engine), plan.attention.tp
+    share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens
+    value_bytes = DTYPE_BYTES[plan.dtype]
+    answer_bytes = share * model.hidden_size * value_bytes
+    dispatch_bytes = share * (model.hidden_size * value_bytes + model.top_k * 8)  # x, int32 ids, float32 weights
+    m = plan.pipeline.micro_batches
+    attention = tuple(AttentionRuntime(i, f"attention{i}", rank_names(f"attention{i}", tp_a), engine,
+                                       model.num_kv_heads // tp_a, answer_bytes, m)
+                      for i in range(plan.attention.nodes))
+    experts = tuple(ExpertRuntime(k, f"expert{k}", rank_names(f"expert{k}", plan.experts.tp), device, tuple(ids),
+                                  dispatch_bytes, m, threads)
+                    for k, ids in enumerate(plan.expert_assignment(model)))
+    return DeploymentRuntime(plan, model, device, attention, experts)
+
+
+def rank_names(node: str, tp: int) -> tuple[str, ...]:
+    return tuple(node if rank == 0 else f"{node}.{rank}" for rank in range(tp))
+
+
+@dataclass(frozen=True)
+class BatchCheck:
+    """What one attention node can hold against what the plan predicted for it."""
+
+    predicted: int | None  # sequences per attention node the plan's prediction assumed
+    sequence_limit: int  # max_num_seqs
+    decode_budget: int  # decodes one step can carry (the token budget, for chunked prefill)
+    kv_blocks_per_rank: int | None  # estimated from the GPU catalog; None on CPUs
+    kv_sequences: int | None  # sequences of the predicted length those blocks hold
+
+    @property
+    def runtime_batch(self) -> int:
+        limits = [self.sequence_limit, self.decode_budget]
+        if self.kv_sequences is not None:
+            limits.append(self.kv_sequences)
+        return min(limits)
+
+    @property
+    def reaches_prediction(self) -> bool:
+        return self.predicted is None or self.runtime_batch >= self.predicted
+
+
+def check_batch(runtime: DeploymentRuntime, gpu_memory_bytes: float | None) -> BatchCheck:
+    """The batch one attention node can run (the least of its sequence limit, its per-step
+    decode budget and the sequences its KV blocks hold at the predicted length)."""
+    plan, model, engine = runtime.plan, runtime.model, runtime.attention[0].engine
+    predicted = math.ceil(plan.pipeline.global_batch / plan.attention.nodes) if plan.predicted else None
+    decode_budget = engine.max_num_seqs if engine.prefill_policy == "layered" else engine.max_num_batched_tokens
+    blocks = sequences = None
+    if gpu_memory_bytes is not None:
+        blocks = estimated_kv_blocks(runtime, gpu_memory_bytes)
+        seq_len = plan.predicted.seq_len if plan.predicted and plan.predicted.seq_len else \
+            model.max_position_embeddings
+        sequences = blocks // math.ceil(seq_len / engine.block_size)
+    return BatchCheck(predicted, engine.max_num_seqs, decode_budget, blocks, sequences)
+
+
+def estimated_kv_blocks(runtime: DeploymentRuntime, gpu_memory_bytes: float) -> int:
+    """KV blocks of one attention rank: the share of the memory its weights leave that the
+    nodes give the KV cache, in blocks of the rank's share of the KV heads."""
+    plan, model, engine = runtime.plan, runtime.model, runtime.attention[0].engine
+    tp = plan.attention.tp
+    weights = model.attention_rank_weight_bytes(DTYPE_BYTES[plan.dtype], tp)
+    free = (gpu_memory_bytes - weights) * KV_MEMORY_FRACTION - engine.layered_hidden_reserve(model)
+    block_bytes = engine.block_size * model.kv_bytes_per_token(plan.dtype) // tp
+    return max(0, int(free // block_bytes))

@@ -1,0 +1,82 @@
+"""One function turns a plan into every node's runtime configuration; the dry run prints it
+and fails when the runtime would not reach the plan's predicted batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from deploy.runtime_config import check_batch, runtime_of
+from megainfer.config import PRESETS
+from megainfer.errors import PlanError
+from megainfer.plan import Plan
+from tests.helpers import ROOT, megainfer
+
+GPU_PLANS = sorted(p for p in (ROOT / "deploy" / "plans").glob("*.yaml") if "cpu" not in p.name)
+
+
+def plan(**scheduler) -> Plan:
+    return Plan.from_dict({"model": "tiny-mixtral", "dtype": "bfloat16",
+                           "attention": {"gpu": "H20", "tp": 2, "nodes": 1},
+                           "experts": {"gpu": "L40S", "tp": 1, "nodes": 2},
+                           "pipeline": {"micro_batches": 2, "global_batch": 8},
+                           "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, **scheduler}})
+
+
+def test_slots_hold_a_layered_cohort_and_each_attention_rank_carries_its_share():
+    model = PRESETS["tiny-mixtral"]
+    chunked = runtime_of(plan())
+    assert chunked.micro_batch_tokens == 64
+    share = 64 // 2  # tp 2: each attention rank sends and receives half of a node's tokens
+    assert chunked.attention[0].receive_slot_bytes == share * model.hidden_size * 2
+    assert chunked.experts[0].receive_slot_bytes == share * (model.hidden_size * 2 + model.top_k * 8)
+    layered = runtime_of(plan(prefill_policy="layered", layered_chunk_tokens=4096))
+    assert layered.micro_batch_tokens == 8 + 4096  # every decode plus a whole cohort
+    assert layered.attention[0].engine.layered_chunk_tokens == 4096
+    assert layered.attention[0].receive_slot_bytes == math.ceil(4104 / 2) * model.hidden_size * 2
+
+
+def test_each_rank_holds_its_share_of_the_kv_heads_and_the_blocks_follow():
+    runtime = runtime_of(plan())
+    model, engine = runtime.model, runtime.attention[0].engine
+    assert runtime.attention[0].kv_heads_per_rank == model.num_kv_heads // 2
+    assert runtime.attention[0].ranks == ("attention0", "attention0.1")
+    free = 8 << 30
+    whole = engine.resolved_num_kv_blocks(model, 1 << 20, free)
+    per_rank = engine.resolved_num_kv_blocks(model, 1 << 20, free, tp_size=2)
+    assert per_rank // 2 == whole  # a block costs a rank half of what it costs the whole node
+
+
+def test_devices_a_plan_can_run_on():
+    assert runtime_of(plan()).device == "cuda"
+    rehearsal = runtime_of(plan(), "cpu")
+    assert rehearsal.is_rehearsal and rehearsal.attention[0].engine.device == "cpu"
+    cpu_plan = Plan.load(ROOT / "deploy" / "plans" / "tiny-cpu.yaml")
+    with pytest.raises(PlanError, match="CPU plan"):
+        runtime_of(cpu_plan, "cuda")
+
+
+def test_the_batch_check_names_the_cap():
+    runtime = runtime_of(Plan.from_dict({**plan().to_dict(), "predicted": {"seq_len": 730},
+                                         "pipeline": {"micro_batches": 2, "global_batch": 200}}))
+    check = check_batch(runtime, 80e9)
+    assert check.predicted == 200 and check.decode_budget == 64 and check.runtime_batch == 8
+    assert not check.reaches_prediction
+
+
+@pytest.mark.parametrize("path", GPU_PLANS, ids=lambda p: p.stem)
+def test_every_shipped_gpu_plan_dry_runs_and_reaches_its_predicted_batch(path):
+    out = megainfer("deploy", str(path), "--dry-run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the runtime reaches the plan" in out.stdout
+    assert "control gloo, activations nccl" in out.stdout or "tp group" in out.stdout
+
+
+def test_a_dry_run_exits_1_when_the_runtime_caps_the_plan(tmp_path):
+    capped = Plan.load(GPU_PLANS[0])
+    capped.scheduler.max_num_batched_tokens = capped.scheduler.max_num_seqs // 2
+    path = capped.save(tmp_path / "capped.yaml")
+    out = megainfer("deploy", str(path), "--dry-run")
+    assert out.returncode == 1
+    assert "scheduler.max_num_batched_tokens >=" in out.stdout
