@@ -62,6 +62,7 @@ class AttentionNode:
         def runner(mc, cfg, w, max_len):
             return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts,
                                         expert_assignment=assignment, micro_batches=self.plan.pipeline.micro_batches,
+                                        staging_bytes=runtime.staging_bytes,
                                         tp_group=tp_group)
 
         self.engine = Engine(self.plan.model, runtime.engine, runner_factory=runner)

@@ -36,7 +36,7 @@ class AttentionShard(LoopActor):
         self.runner = PipelinedModelRunner(
             model, config, weights, config.resolved_max_model_len(model), link=self.link,
             expert_nodes=node_names(self.plan)[1], expert_assignment=self.plan.expert_assignment(model),
-            micro_batches=self.plan.pipeline.micro_batches, tp_group=group)
+            micro_batches=self.plan.pipeline.micro_batches, staging_bytes=self.runtime.staging_bytes, tp_group=group)
 
     def open_endpoint(self) -> str:
         return self.link.open()

@@ -23,7 +23,11 @@ def describe(runtime: DeploymentRuntime, check: BatchCheck) -> str:
     lines = [f"plan: {plan.model} ({plan.dtype}) on {runtime.device}"
              + (" (rehearsal: the plan's GPU placement with CPU tensors)" if runtime.is_rehearsal else ""),
              f"micro-batches m = {plan.pipeline.micro_batches}; one micro-batch carries up to "
-             f"{runtime.micro_batch_tokens} tokens", ""]
+             f"{runtime.micro_batch_tokens} tokens"]
+    if runtime.device == "cuda":
+        lines.append(f"pinned staging per micro-batch and direction: {_mib(runtime.attention[0].staging_bytes)} per "
+                     f"attention rank, {_mib(runtime.experts[0].staging_bytes)} per expert node")
+    lines.append("")
     data_backend = "nccl" if runtime.device == "cuda" else "gloo"
     rows = []
     for node in runtime.attention:

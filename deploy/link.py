@@ -38,6 +38,8 @@ class SwitchableLink:
 
     def send(self, peer: str, payload: torch.Tensor, *, step: int, layer: int, micro_batch: int,
              token_count: int, flags: int = 0) -> None:
+        """`payload`: a host tensor (device tensors are staged through pinned memory by the
+        runner; the endpoint refuses them)."""
         if self.interrupt.is_set():
             raise LinkInterrupted("the deployment is re-wiring")
         self.endpoint.send(peer, payload.contiguous(), step=step, layer=layer, micro_batch=micro_batch,
@@ -54,6 +56,16 @@ class SwitchableLink:
                 waited += self.POLL_S
                 if waited >= self.timeout_s:
                     raise
+
+    def poll(self, peer: str, *, micro_batch: int) -> Message | None:
+        """The message `recv` would return, if it has arrived; None at once otherwise (the
+        runner sends dispatches as their device copies land while it awaits an answer)."""
+        if self.interrupt.is_set():
+            raise LinkInterrupted("the deployment is re-wiring")
+        try:
+            return self.endpoint.recv(peer, micro_batch=micro_batch, timeout=0)
+        except PeerTimeout:
+            return None
 
     def close(self) -> None:
         if self.endpoint is not None:

@@ -21,6 +21,7 @@ from megainfer.errors import PlanError
 from megainfer.plan import Plan
 
 DEVICES = ("cpu", "cuda")
+STAGING_SLACK_BYTES = 1 << 16  # per-node offsets and alignment beside the records
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class AttentionRuntime:
     kv_heads_per_rank: int
     receive_slot_bytes: int  # one expert node's answer to one micro-batch, this rank's share
     num_slots: int  # per peer: the micro-batches in flight
+    staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ExpertRuntime:
     receive_slot_bytes: int  # one attention rank's dispatch of one micro-batch
     num_slots: int
     num_threads: int | None
+    staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,18 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens
     value_bytes = DTYPE_BYTES[plan.dtype]
     answer_bytes = share * model.hidden_size * value_bytes
-    dispatch_bytes = share * (model.hidden_size * value_bytes + model.top_k * 8)  # x, int32 ids, float32 weights
+    record = model.hidden_size * value_bytes + model.top_k * 8  # one token's x, int32 ids, float32 weights
+    dispatch_bytes = share * record
+    # Staged through pinned memory on CUDA: an attention rank copies its whole micro-batch's
+    # records out (and its answers in); an expert node takes every attention node's tokens.
+    attention_staging = tokens * record + STAGING_SLACK_BYTES
+    expert_staging = plan.attention.nodes * tokens * record + STAGING_SLACK_BYTES
     m = plan.pipeline.micro_batches
     attention = tuple(AttentionRuntime(i, f"attention{i}", rank_names(f"attention{i}", tp_a), engine,
-                                       model.num_kv_heads // tp_a, answer_bytes, m)
+                                       model.num_kv_heads // tp_a, answer_bytes, m, attention_staging)
                       for i in range(plan.attention.nodes))
     experts = tuple(ExpertRuntime(k, f"expert{k}", rank_names(f"expert{k}", plan.experts.tp), device, tuple(ids),
-                                  dispatch_bytes, m, threads)
+                                  dispatch_bytes, m, threads, expert_staging)
                     for k, ids in enumerate(plan.expert_assignment(model)))
     return DeploymentRuntime(plan, model, device, attention, experts)
 

@@ -2,8 +2,10 @@
 
 This module is the one import point the engine uses. Each kernel has a torch reference
 (`*_ref.py`) and a Triton implementation (`*_triton.py`) of the same signature;
-`kernels.dispatch` picks one per call: Triton on CUDA, the reference elsewhere,
-`MEGAINFER_KERNELS=reference|triton` to override.
+`kernels.dispatch` picks one per call: on CUDA, per shape bucket, whichever of the two
+measured faster the first time (`kernels.choice`); the reference elsewhere;
+`MEGAINFER_KERNELS=reference|triton` to override. Tile sizes come from `kernels.tiles`;
+`python -m kernels.compile_check` compiles every tile row for NVIDIA GPUs without one.
 """
 
 from kernels.dispatch import (KernelUnavailable, backend, decode_attention, fused_gating, grouped_expert_gemm,

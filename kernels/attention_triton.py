@@ -1,300 +1,115 @@
-"""Triton paged attention: split-KV decode (flash-decoding) with a merge step, causal
-prefill over a paged cache, and a POD-style fused kernel that computes a hybrid batch's
-prefill and decode work in one launch.
+"""Triton paged attention: split-KV decode (flash-decoding) with a merge step, causal prefill
+over a paged cache, and a POD-style fused kernel that computes a hybrid batch's prefill and
+decode work in one launch (then the decodes' split merge). The programs live in
+`attention_jit`; this module plans the work and launches them.
 
 Layouts as in `paged_attention_ref`: query [T, Hq, D]; caches [num_blocks, page, Hkv, D];
-block_tables [S, max_blocks] int32; seq_lens [S] (tokens cached, this step's included);
+block_tables [S, max_blocks]; seq_lens [S] (tokens cached, this step's included);
 query_start_loc [S+1]. GQA: query head q reads kv head q // (Hq / Hkv).
 
-Decode work is small tiles of element-wise products and row sums (one query token per
-head: a tensor-core tile would be mostly padding, POD's point about decode tiles); prefill
-work is `tl.dot` tiles. The POD kernel gives every program one work item, prefill or
-decode: on NVIDIA each program reads the SM it landed on and takes a role from that SM's
-counter in proportion to the two kinds' work, so both kinds share every SM; where the SM
-id cannot be read (Triton's interpreter) the program id stands in for it.
+Every program works on all the query heads of one kv head, so a K/V tile is read once per
+group: prefill tiles stack BLOCK_M tokens x the group's heads as rows of one `tl.dot`;
+decode tiles stack the group's heads (padded to 16 rows on tensor cores for groups of 4 and
+more, element-wise products below that: POD's point that decode tiles are mostly padding).
+The POD kernel gives every program one work item, prefill or decode: on NVIDIA each program
+reads the SM it landed on and takes a role from that SM's counter in proportion to the two
+kinds' work, so both kinds share every SM.
+
+Nothing here reads a device tensor back to the host: split sizes come from host-known
+lengths (or the block tables' width), work tiles from the host's query offsets, copied
+without a stream synchronisation. A plan (`plan_pod`, `plan_prefill`) depends only on the
+batch's host metadata, so a caller builds it once per step and every layer reuses it.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
-import triton
-import triton.language as tl
 
+from kernels import attention_jit as jit
 from kernels.dispatch import interpreted
+from kernels.launch import check_attention, device_ints
+from kernels.tiles import AttentionTiles, attention_tiles, pow2
 
-
-@triton.jit
-def _kv_tile(cache_ptr, bt_ptr, s, kv_head, start, seq_len, stride_bt, HKV: tl.constexpr, D: tl.constexpr,
-             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Keys (or values) of positions [start, start + BLOCK_N) of sequence s: [BLOCK_N, BLOCK_D]."""
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < seq_len
-    block = tl.load(bt_ptr + s * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
-    slot = block * PAGE + pos % PAGE
-    d = tl.arange(0, BLOCK_D)
-    ptrs = cache_ptr + (slot[:, None] * HKV + kv_head) * D + d[None, :]
-    return tl.load(ptrs, mask=valid[:, None] & (d[None, :] < D), other=0.0), valid
-
-
-@triton.jit
-def _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, q_row, s, kv_head, start, end, scale, stride_bt,
-                  HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One decode query (row q_row of `query`), the GROUP query heads of kv_head, over cached
-    positions [start, end): the unnormalised accumulator, running max and sum (online softmax)."""
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
-    q = tl.load(q_ptr + (q_row * HQ + heads[:, None]) * D + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        k, valid = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, end, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, end, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale, stride_bt,
-                         split_len, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    s = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + s)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    acc, m_i, l_i = _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, s, s, kv_head, start, end, scale, stride_bt, HQ, HKV, D, PAGE, GROUP, BLOCK_G, BLOCK_N, BLOCK_D)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    nonempty = l_i > 0
-    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    row = (s * HQ + heads) * NUM_SPLITS + split
-    tl.store(part_out_ptr + row[:, None] * D + d[None, :], out, mask=(g[:, None] < GROUP) & (d[None, :] < D))
-    tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
-
-
-@triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Combine a head's per-split results with their log-sum-exps (flash-decoding's reduce)."""
-    s = tl.program_id(0)
-    head = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    base = (s * HQ + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
-    part = tl.load(part_out_ptr + (base + sp[:, None]) * D + d[None, :],
-                   mask=(sp[:, None] < NUM_SPLITS) & (d[None, :] < D), other=0.0)
-    m = tl.max(lse, axis=0)
-    w = tl.exp(lse - m)
-    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + (s * HQ + head) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
-
-
-@triton.jit
-def _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s, q_head, tile_start, scale,
-                  stride_bt, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """Queries [tile_start, tile_start + BLOCK_M) of sequence s's chunk, one query head, attending
-    causally to the sequence's cached prefix and to the chunk itself."""
-    seq_len = tl.load(lens_ptr + s)
-    q_begin = tl.load(qstart_ptr + s)
-    n = tl.load(qstart_ptr + s + 1) - q_begin
-    kv_head = q_head // GROUP
-    i = tile_start + tl.arange(0, BLOCK_M)
-    rows = i < n
-    q_pos = seq_len - n + i
-    d = tl.arange(0, BLOCK_D)
-    q_ptrs = q_ptr + ((q_begin + i[:, None]) * HQ + q_head) * D + d[None, :]
-    q = tl.load(q_ptrs, mask=rows[:, None] & (d[None, :] < D), other=0.0)
-    if IEEE:  # float32 in, exact float32 products; also the interpreter's way through half precision
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(seq_len, seq_len - n + tile_start + BLOCK_M)  # the tile's last query sees no further
-    for n0 in range(0, kv_end, BLOCK_N):
-        k, valid = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        if IEEE:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        k_pos = n0 + tl.arange(0, BLOCK_N)
-        seen = valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & rows[:, None]
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the chunk see nothing
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + ((q_begin + i[:, None]) * HQ + q_head) * D + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & (d[None, :] < D))
-
-
-@triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr, tile_start_ptr, out_ptr, scale,
-                    stride_bt, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    IEEE: tl.constexpr):
-    tile = tl.program_id(0)
-    q_head = tl.program_id(1)
-    s = tl.load(tile_seq_ptr + tile)
-    start = tl.load(tile_start_ptr + tile)
-    _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s, q_head, start, scale, stride_bt,
-                  HQ, HKV, D, PAGE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
-
-
-@triton.jit
-def _sm_id(pid, NUM_SMS: tl.constexpr, USE_SMID: tl.constexpr):
-    if USE_SMID:
-        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return pid % NUM_SMS
-
-
-@triton.jit
-def _pod_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr, tile_start_ptr, out_ptr,
-                sm_count_ptr, tickets_ptr, num_prefill_items, num_decode_items, scale, stride_bt,
-                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
-                PREFILL_SHARE: tl.constexpr, DECODE_SHARE: tl.constexpr, NUM_SMS: tl.constexpr,
-                USE_SMID: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """One program, one work item. Prefill items are (query tile, query head); decode items are
-    (decode sequence, kv head), the decodes being the batch's first sequences. A program's k-th
-    arrival on its SM prefers prefill when k falls in the prefill share of the cycle
-    PREFILL_SHARE + DECODE_SHARE; it takes a ticket of its preferred kind, or of the other kind
-    once that is exhausted. There are exactly as many programs as items, so every item is done once."""
-    pid = tl.program_id(0)
-    sm = _sm_id(pid, NUM_SMS, USE_SMID)
-    arrival = tl.atomic_add(sm_count_ptr + sm, 1)
-    prefer_prefill = (arrival % (PREFILL_SHARE + DECODE_SHARE)) < PREFILL_SHARE
-    kind = tl.where(prefer_prefill, 0, 1)  # 0: prefill, 1: decode
-    ticket = tl.atomic_add(tickets_ptr + kind, 1)
-    limit = tl.where(prefer_prefill, num_prefill_items, num_decode_items)
-    if ticket >= limit:  # this kind is used up: the other kind has an item left for this program
-        kind = 1 - kind
-        ticket = tl.atomic_add(tickets_ptr + kind, 1)
-    if kind == 0:
-        tile = ticket // HQ
-        q_head = ticket % HQ
-        s = tl.load(tile_seq_ptr + tile)
-        start = tl.load(tile_start_ptr + tile)
-        _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s, q_head, start, scale,
-                      stride_bt, HQ, HKV, D, PAGE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
-    else:
-        s = ticket // HKV
-        kv_head = ticket % HKV
-        seq_len = tl.load(lens_ptr + s)
-        acc, m_i, l_i = _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, s, s, kv_head, 0, seq_len, scale, stride_bt, HQ, HKV, D, PAGE, GROUP, BLOCK_G, BLOCK_N, BLOCK_D)
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
-        heads = kv_head * GROUP + g
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (s * HQ + heads[:, None]) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(g[:, None] < GROUP) & (d[None, :] < D))
-
-
-# -- host side -------------------------------------------------------------------------------------
-BLOCK_N = 16  # cached positions per tile
-BLOCK_M = 16  # prefill queries per tile
-MAX_SPLITS = 16
 INTERPRETED = interpreted()
+LOG2E = 1.4426950408889634  # the kernels' softmax is base 2: scores are scaled by scale * log2(e)
+MAX_SPLITS = 16  # KV splits per decode sequence (the merge kernel's tile)
+# Cached tokens per KV split at least: shorter splits cost more in partial writes and the
+# merge than the parallelism they add.
+MIN_SPLIT_LEN = 256
 
 
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(int(n)))
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Prefill work tiles of a batch, built from its host-side query offsets."""
+    seq: torch.Tensor  # [count] int32: the sequence of each tile
+    start: torch.Tensor  # [count] int32: the tile's first query within its sequence's chunk
+    count: int  # tiles
+    block_m: int  # query tokens per tile
 
 
-def _shape(query: torch.Tensor, key_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
-    _, hq, d = query.shape
-    _, page, hkv, _ = key_cache.shape
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads do not group over {hkv} kv heads")
-    return hq, hkv, d, page, hq // hkv
+@dataclass(frozen=True)
+class DecodeSplits:
+    count: int  # KV splits per decode sequence
+    length: int  # cached tokens per split, a multiple of the decode K/V tile
 
 
-def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int | None = None) -> torch.Tensor:
-    """One query token per sequence ([S, Hq, D]) over its cached keys: split-KV, then a merge."""
-    s_count = query.shape[0]
-    hq, hkv, d, page, group = _shape(query, key_cache)
-    out = torch.empty_like(query)
-    if s_count == 0:
-        return out
-    max_len = int(seq_lens.max())
-    splits = num_splits or min(MAX_SPLITS, max(1, -(-max_len // 256)))
-    split_len = -(-max(max_len, 1) // splits)
-    split_len = -(-split_len // BLOCK_N) * BLOCK_N
-    part_out = torch.empty(s_count, hq, splits, d, dtype=torch.float32, device=query.device)
-    part_lse = torch.empty(s_count, hq, splits, dtype=torch.float32, device=query.device)
-    _decode_split_kernel[(s_count, hkv, splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, part_out, part_lse, scale, block_tables.stride(0),
-        split_len, HQ=hq, HKV=hkv, D=d, PAGE=page, GROUP=group, NUM_SPLITS=splits, BLOCK_G=_pow2(group),
-        BLOCK_N=BLOCK_N, BLOCK_D=_pow2(d))
-    _decode_merge_kernel[(s_count, hq)](part_out, part_lse, out, HQ=hq, D=d, NUM_SPLITS=splits,
-                                        BLOCK_S=_pow2(splits), BLOCK_D=_pow2(d))
-    return out
+@dataclass(frozen=True)
+class PodPlan:
+    """A hybrid batch's launch: its prefill tiles, decode splits and the POD work shares."""
+    tiles: AttentionTiles
+    prefill: PrefillTiles
+    splits: DecodeSplits
+    prefill_items: int  # (prefill tile, kv head) items
+    decode_items: int  # (decode sequence, kv head, split) items
+    prefill_share: int  # of every prefill_share + decode_share arrivals on an SM, this many prefer prefill
+    decode_share: int
 
 
-def _tiles(query_start_host: list[int], first_seq: int) -> tuple[list[int], list[int]]:
+def tiles_for(query: torch.Tensor, key_cache: torch.Tensor, fused: bool = False) -> AttentionTiles:
+    hq, hkv, d = query.shape[1], key_cache.shape[2], query.shape[2]
+    return attention_tiles(d, hq // hkv, query.dtype, INTERPRETED, fused, arch(query.device))
+
+
+def plan_prefill(query_start_host: list[int], first_seq: int, block_m: int, device: torch.device) -> PrefillTiles:
+    """Tiles of block_m queries over sequences first_seq.. ; a chunk's last tile comes first:
+    later queries see more keys, so the longest items start earliest."""
     seqs, starts = [], []
     for s in range(first_seq, len(query_start_host) - 1):
-        for start in range(0, query_start_host[s + 1] - query_start_host[s], BLOCK_M):
+        for start in reversed(range(0, query_start_host[s + 1] - query_start_host[s], block_m)):
             seqs.append(s)
             starts.append(start)
-    return seqs, starts
+    return PrefillTiles(device_ints(seqs or [0], device), device_ints(starts or [0], device), len(seqs), block_m)
 
 
-def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      query_start_host: list[int], scale: float) -> torch.Tensor:
-    """Each sequence's chunk of new queries (its last tokens) attending causally to its cache."""
-    hq, hkv, d, page, group = _shape(query, key_cache)
-    out = torch.empty_like(query)
-    seqs, starts = _tiles(query_start_host, 0)
-    if not seqs:
-        return out
-    dev = query.device
-    tile_seq = torch.tensor(seqs, dtype=torch.int32, device=dev)
-    tile_start = torch.tensor(starts, dtype=torch.int32, device=dev)
-    _prefill_kernel[(len(seqs), hq)](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, out, scale,
-        block_tables.stride(0), HQ=hq, HKV=hkv, D=d, PAGE=page, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=_pow2(d, 16), IEEE=_ieee(query))
-    return out
+def plan_splits(items: int, max_len: int, block_n: int, num_sms: int, num_splits: int | None = None) -> DecodeSplits:
+    """Enough KV splits that `items` (sequence, kv head) pairs fill every SM about twice, none
+    shorter than MIN_SPLIT_LEN; `num_splits` forces a count."""
+    if num_splits is None:
+        wanted = -(-2 * num_sms // max(items, 1))
+        num_splits = max(1, min(wanted, MAX_SPLITS, -(-max_len // MIN_SPLIT_LEN)))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: want 1..{MAX_SPLITS}, got {num_splits}")
+    length = -(-max(max_len, 1) // num_splits)
+    return DecodeSplits(num_splits, -(-length // block_n) * block_n)
 
 
-def _ieee(t: torch.Tensor) -> bool:
-    """Exact float32 tile products: for float32 inputs, and for every input in the interpreter,
-    whose dot has no half-precision path (GPUs take bf16/fp16 tiles on tensor cores)."""
-    return t.dtype == torch.float32 or INTERPRETED
+def plan_pod(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor, query_start_host: list[int],
+             num_single: int, max_decode_len: int | None = None, num_splits: int | None = None) -> PodPlan:
+    """The launch of a hybrid batch whose first `num_single` sequences decode. max_decode_len:
+    the longest decode's cached tokens, known on the host (default: the block tables' width)."""
+    tiles = tiles_for(query, key_cache, fused=True)
+    hkv = key_cache.shape[2]
+    prefill = plan_prefill(query_start_host, num_single, tiles.block_m, query.device)
+    max_len = max_decode_len if max_decode_len is not None else block_tables.shape[1] * key_cache.shape[1]
+    splits = plan_splits(num_single * hkv, max_len, tiles.decode_n, num_sms(query.device), num_splits)
+    prefill_items, decode_items = prefill.count * hkv, num_single * hkv * splits.count
+    return PodPlan(tiles, prefill, splits, prefill_items, decode_items, *shares(prefill_items, decode_items))
 
 
-def _shares(prefill_items: int, decode_items: int, cycle: int = 8) -> tuple[int, int]:
+def shares(prefill_items: int, decode_items: int, cycle: int = 8) -> tuple[int, int]:
     """POD's proportional policy: of every `cycle` arrivals on an SM, this many prefer each kind."""
     if not decode_items:
         return 1, 0
@@ -304,33 +119,112 @@ def _shares(prefill_items: int, decode_items: int, cycle: int = 8) -> tuple[int,
     return p, cycle - p
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda" and not INTERPRETED:
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: a virtual SM count, so the per-SM policy still runs
 
 
+@functools.lru_cache(maxsize=None)
+def arch(device: torch.device) -> int:
+    """Compute capability x10 of a CUDA device (90: Hopper); elsewhere the table's default."""
+    if device.type == "cuda" and not INTERPRETED:
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return 90
+
+
+def _ieee(t: torch.Tensor) -> bool:
+    """Exact float32 tile products: for float32 inputs, and for every input in the interpreter,
+    whose dot has no half-precision path (GPUs take bf16/fp16 tiles on tensor cores)."""
+    return t.dtype == torch.float32 or INTERPRETED
+
+
+def _partials(num_decodes: int, hq: int, d: int, splits: DecodeSplits, device: torch.device):
+    """Split-KV scratch: per-split outputs and log-sum-exps (unused with one split)."""
+    if splits.count == 1:
+        empty = torch.empty(1, dtype=torch.float32, device=device)
+        return empty, empty
+    return (torch.empty(num_decodes, hq, splits.count, d, dtype=torch.float32, device=device),
+            torch.empty(num_decodes, hq, splits.count, dtype=torch.float32, device=device))
+
+
+def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_decodes: int,
+           splits: DecodeSplits) -> None:
+    if splits.count > 1 and num_decodes:
+        hq, d = out.shape[1:]
+        jit.merge_kernel[(num_decodes, hq)](part_out, part_lse, out, splits.count, HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS,
+                                            BLOCK_D=pow2(d))
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                     max_seq_len: int | None = None) -> torch.Tensor:
+    """One query token per sequence ([S, Hq, D]) over its cached keys: split-KV, then a merge.
+    max_seq_len: the longest sequence, known on the host (default: the block tables' width)."""
+    hq, hkv, d, page, group = check_attention(query, key_cache, value_cache, block_tables)
+    s_count = query.shape[0]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if s_count == 0:
+        return out
+    tiles = tiles_for(query, key_cache)
+    max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
+    splits = plan_splits(s_count * hkv, max_len, tiles.decode_n, num_sms(query.device), num_splits)
+    part_out, part_lse = _partials(s_count, hq, d, splits, query.device)
+    jit.decode_kernel[(s_count, hkv, splits.count)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        block_tables.stride(0), query.stride(0), query.stride(1), splits.length, splits.count, HQ=hq, HKV=hkv, D=d,
+        PAGE=page, GROUP=group, BLOCK_G=tiles.decode_rows(group), BLOCK_N=tiles.decode_n, BLOCK_D=pow2(max(d, 16)),
+        DOT=tiles.decode_dot, IEEE=_ieee(query), num_warps=4, num_stages=tiles.num_stages)
+    _merge(part_out, part_lse, out, s_count, splits)
+    return out
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      query_start_host: list[int], scale: float, plan: PrefillTiles | None = None) -> torch.Tensor:
+    """Each sequence's chunk of new queries (its last tokens) attending causally to its cache.
+    plan: this batch's tiles from `plan_prefill` (built here when not given)."""
+    hq, hkv, d, page, group = check_attention(query, key_cache, value_cache, block_tables)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    tiles = tiles_for(query, key_cache)
+    plan = plan or plan_prefill(query_start_host, 0, tiles.block_m, query.device)
+    if plan.block_m != tiles.block_m:
+        raise ValueError(f"plan: tiles of {plan.block_m} queries, these shapes take {tiles.block_m}")
+    if not plan.count:
+        return out
+    jit.prefill_kernel[(plan.count, hkv)](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan.seq, plan.start, out,
+        scale * LOG2E, block_tables.stride(0), query.stride(0), query.stride(1), HQ=hq, HKV=hkv, D=d, PAGE=page,
+        GROUP=group, GROUP_PAD=pow2(group), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=pow2(max(d, 16)),
+        IEEE=_ieee(query), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
 def pod_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, query_start_host: list[int],
-                  num_single: int, scale: float) -> torch.Tensor:
-    """A hybrid batch (the first `num_single` sequences decode, the rest prefill) in one launch."""
-    hq, hkv, d, page, group = _shape(query, key_cache)
-    out = torch.empty_like(query)
-    seqs, starts = _tiles(query_start_host, num_single)
-    n_prefill, n_decode = len(seqs) * hq, num_single * hkv
-    if n_prefill + n_decode == 0:
+                  num_single: int, scale: float, max_decode_len: int | None = None, num_splits: int | None = None,
+                  plan: PodPlan | None = None) -> torch.Tensor:
+    """A hybrid batch (the first `num_single` sequences decode, the rest prefill) in one launch,
+    then the merge of the decodes' KV splits. plan: from `plan_pod` (built here when not given)."""
+    hq, hkv, d, page, group = check_attention(query, key_cache, value_cache, block_tables)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    plan = plan or plan_pod(query, key_cache, block_tables, query_start_host, num_single, max_decode_len, num_splits)
+    if plan.prefill_items + plan.decode_items == 0:
         return out
     dev = query.device
-    tile_seq = torch.tensor(seqs or [0], dtype=torch.int32, device=dev)
-    tile_start = torch.tensor(starts or [0], dtype=torch.int32, device=dev)
-    num_sms = _num_sms(dev)
-    sm_count = torch.zeros(num_sms, dtype=torch.int32, device=dev)
-    tickets = torch.zeros(2, dtype=torch.int32, device=dev)
-    p_share, d_share = _shares(n_prefill, n_decode)
-    _pod_kernel[(n_prefill + n_decode,)](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, out,
-        sm_count, tickets, n_prefill, n_decode, scale, block_tables.stride(0), HQ=hq, HKV=hkv, D=d, PAGE=page,
-        GROUP=group, PREFILL_SHARE=p_share, DECODE_SHARE=d_share, NUM_SMS=num_sms,
-        USE_SMID=dev.type == "cuda" and not INTERPRETED, BLOCK_G=_pow2(group), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=_pow2(d, 16), IEEE=_ieee(query))
+    sms = num_sms(dev)
+    counters = torch.zeros(sms + 2, dtype=torch.int32, device=dev)  # per-SM arrivals, then the two tickets
+    part_out, part_lse = _partials(num_single, hq, d, plan.splits, dev)
+    t = plan.tiles
+    jit.pod_kernel[(plan.prefill_items + plan.decode_items,)](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan.prefill.seq, plan.prefill.start,
+        out, part_out, part_lse, counters, plan.prefill_items, plan.decode_items, plan.splits.count,
+        plan.splits.length, plan.prefill_share, plan.decode_share, scale * LOG2E, block_tables.stride(0),
+        query.stride(0), query.stride(1), HQ=hq, HKV=hkv, D=d, PAGE=page, GROUP=group, GROUP_PAD=pow2(group),
+        NUM_SMS=sms, USE_SMID=dev.type == "cuda" and not INTERPRETED, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        DECODE_G=t.decode_rows(group), DECODE_N=t.decode_n, DECODE_DOT=t.decode_dot, BLOCK_D=pow2(max(d, 16)),
+        IEEE=_ieee(query), num_warps=t.num_warps, num_stages=t.num_stages)
+    _merge(part_out, part_lse, out, num_single, plan.splits)
     return out

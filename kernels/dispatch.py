@@ -1,6 +1,7 @@
-"""The one place that picks an implementation for each kernel: Triton on CUDA tensors, the
-torch reference elsewhere; `MEGAINFER_KERNELS=reference|triton` overrides (Triton on CPU
-tensors needs `TRITON_INTERPRET=1`, Triton's interpreter: correct and slow, for tests).
+"""The one place that picks an implementation for each kernel call: on CUDA, per shape
+bucket, the faster of the Triton kernel and the torch reference (`kernels.choice` times both
+once); elsewhere the reference. `MEGAINFER_KERNELS=reference|triton` overrides (Triton on
+CPU tensors needs `TRITON_INTERPRET=1`, Triton's interpreter: correct and slow, for tests).
 
 The Triton modules are imported on first use, so CPU-only runs never import Triton."""
 
@@ -11,8 +12,12 @@ import os
 
 import torch
 
+from kernels.choice import ShapeChoice, bucket
+
 BACKENDS = ("reference", "triton")
 ENV = "MEGAINFER_KERNELS"
+FASTEST = "fastest"  # what `backend` answers on CUDA without an override: per shape, timed
+_choice = ShapeChoice()
 
 
 class KernelUnavailable(RuntimeError):
@@ -34,7 +39,8 @@ def _triton_available() -> bool:
 
 
 def backend(device: torch.device) -> str:
-    """The backend kernels on `device` use now."""
+    """How kernels on `device` are picked now: "reference", "triton", or FASTEST (on CUDA: per
+    shape bucket, whichever of the two measured faster)."""
     choice = os.environ.get(ENV, "").strip().lower()
     if choice and choice not in BACKENDS:
         raise KernelUnavailable(f"{ENV}={choice!r}: choose one of {', '.join(BACKENDS)} (or leave it unset)")
@@ -47,52 +53,113 @@ def backend(device: torch.device) -> str:
             raise KernelUnavailable(f"{ENV}=triton on {device.type} tensors needs Triton's interpreter: set "
                                     "TRITON_INTERPRET=1 (slow; meant for tests), or unset " + ENV)
         return "triton"
-    return "triton" if device.type == "cuda" and _triton_available() else "reference"
+    return FASTEST if device.type == "cuda" and _triton_available() else "reference"
 
 
-def _module(device: torch.device, name: str):
-    """kernels.<name>_triton or kernels.<name>_ref for `device`."""
-    suffix = "triton" if backend(device) == "triton" else "ref"
-    return importlib.import_module(f"kernels.{name}_{suffix}")
+def _pick(device: torch.device, key, triton_fn, reference_fn):
+    """Run the implementation `backend` picks; `key` (a shape bucket) is built only when timing."""
+    mode = backend(device)
+    if mode == "reference":
+        return reference_fn()
+    if mode == "triton":
+        return triton_fn()
+    return _choice.run(key(), triton_fn, reference_fn)
+
+
+def _attention_shape(query, key_cache) -> tuple:
+    """dtype, query heads, kv heads, head dim, page size: fixed by the model."""
+    return query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1]
 
 
 def paged_attention(query, key_cache, value_cache, batch, scale: float):
-    """A hybrid batch's attention (decodes first, then prefill chunks): POD's fused kernel on Triton."""
-    if backend(query.device) == "triton":
-        from kernels import attention_triton as t
-
-        return t.pod_attention(query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                               batch.query_start_loc, batch.query_start_host, batch.num_single, scale)
+    """A hybrid batch's attention (decodes first, then prefill chunks): POD's fused kernel on
+    Triton, its plan and shape bucket built once per batch and reused by every layer."""
     from kernels import paged_attention_ref as r
 
-    return r.paged_attention(query, key_cache, value_cache, batch, scale)
+    shape = _attention_shape(query, key_cache)
+
+    def triton_fn():
+        from kernels import attention_triton as t
+
+        plan = batch.memo(("pod", shape, query.device), lambda: t.plan_pod(
+            query, key_cache, batch.block_tables, batch.query_start_host, batch.num_single,
+            max(batch.seq_lens_host[:batch.num_single], default=0)))
+        return t.pod_attention(query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                               batch.query_start_loc, batch.query_start_host, batch.num_single, scale, plan=plan)
+
+    def key():
+        return batch.memo(("bucket", shape), lambda: (
+            "paged_attention", *shape, bucket(batch.num_single),
+            bucket(batch.query_start_host[-1] - batch.num_single), bucket(max(batch.seq_lens_host, default=0))))
+
+    return _pick(query.device, key, triton_fn, lambda: r.paged_attention(query, key_cache, value_cache, batch, scale))
 
 
 def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale: float):
-    if backend(query.device) == "triton":
+    from kernels import paged_attention_ref as r
+
+    def triton_fn():
         from kernels import attention_triton as t
 
         return t.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    from kernels import paged_attention_ref as r
 
-    return r.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    def key():
+        return ("decode_attention", *_attention_shape(query, key_cache), bucket(query.shape[0]),
+                bucket(block_tables.shape[1] * key_cache.shape[1]))
+
+    return _pick(query.device, key, triton_fn,
+                 lambda: r.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale))
 
 
 def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                       query_start_host: list[int], scale: float):
-    if backend(query.device) == "triton":
+    from kernels import paged_attention_ref as r
+
+    def triton_fn():
         from kernels import attention_triton as t
 
         return t.prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                    query_start_host, scale)
-    from kernels import paged_attention_ref as r
 
-    return r.prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale)
+    def key():
+        return ("prefill_attention", *_attention_shape(query, key_cache), bucket(query.shape[0]),
+                bucket(block_tables.shape[1] * key_cache.shape[1]))
+
+    return _pick(query.device, key, triton_fn, lambda: r.prefill_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale))
 
 
 def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0):
-    return _module(logits.device, "moe").fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
+    from kernels import moe_ref as r
+
+    def triton_fn():
+        from kernels import moe_triton as t
+
+        return t.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
+
+    def key():
+        nodes = num_nodes if expert_node is not None else 0
+        return "fused_gating", logits.dtype, bucket(logits.shape[0]), logits.shape[1], top_k, renormalize, nodes
+
+    return _pick(logits.device, key, triton_fn,
+                 lambda: r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes))
 
 
-def grouped_expert_gemm(x, expert_offsets: list[int], w_gate_up, w_down, row_weights):
-    return _module(x.device, "moe").grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights)
+def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights):
+    """`expert_offsets`: a list, or an int64 tensor [E + 1] on x's device (the Triton kernel reads
+    it there; the torch reference, which loops over experts on the host, reads it back)."""
+    from kernels import moe_ref as r
+
+    def triton_fn():
+        from kernels import moe_triton as t
+
+        return t.grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights)
+
+    def key():
+        return "grouped_expert_gemm", x.dtype, bucket(x.shape[0]), *w_gate_up.shape, w_down.shape[2]
+
+    def reference():
+        offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else expert_offsets
+        return r.grouped_expert_gemm(x, offsets, w_gate_up, w_down, row_weights)
+
+    return _pick(x.device, key, triton_fn, reference)

@@ -16,7 +16,9 @@ class Gating:
     expert_counts: torch.Tensor  # [E] int64 (token, choice) pairs per expert
     node_counts: torch.Tensor | None = None  # [N] int64 tokens each expert node receives (a token once per node)
     node_offsets: torch.Tensor | None = None  # [N + 1] int64
-    node_token_ids: torch.Tensor | None = None  # tokens in send order, node after node
+    # Tokens in send order, node after node: node n's are [node_offsets[n], node_offsets[n + 1]); the
+    # Triton kernel sizes the tensor by a host-known bound, so entries past node_offsets[-1] are spare.
+    node_token_ids: torch.Tensor | None = None
     # The pairs' layout by expert; a kernel fills it, the reference derives it when first asked.
     _pair_order: torch.Tensor | None = None
     _pair_positions: torch.Tensor | None = None

@@ -3,11 +3,18 @@
 
 Gating is two launches around a prefix sum: the first computes, per token, softmax, top-k
 (ties to the lower expert id, as the reference), the renormalised weights, and adds to the
-per-expert and per-node counts; the host turns counts into offsets; the second scatters
+per-expert and per-node counts; a device cumsum turns counts into offsets (nothing is read
+back to the host); the second scatters
 each (token, choice) pair to its expert's segment and each token to every destination
 node it hits (MegaScale-Infer §6's fused gating and dispatch layout). Within a segment the
 order is the atomics' order: on a GPU it varies run to run, and `pair_positions` is the
 inverse that combining uses.
+
+The grouped GEMM cuts each expert's rows into BLOCK_M-row tiles; every program finds its
+expert and rows from the offsets itself (a prefix sum over the experts' tile counts), so no
+work table is built per layer and device-side offsets need no trip to the host: the grid is
+then a bound known on the host, and programs past the last tile return at once. Tile sizes
+come from `kernels.tiles` by the mean rows per expert.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreted
+from kernels.launch import check_experts, device_ints
 from kernels.moe_ref import Gating
+from kernels.tiles import gemm_tiles, pow2
 
 INTERPRETED = interpreted()
 
@@ -93,7 +102,9 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
     node_offsets[1:] = torch.cumsum(node_counts[:nodes], 0)
     pair_order = torch.empty(t * top_k, dtype=torch.int64, device=dev)
     pair_positions = torch.empty_like(pair_order)
-    node_tokens = torch.empty(int(node_offsets[-1]) if nodes else 1, dtype=torch.int64, device=dev)
+    # Sized by a bound known on the host (a token goes to at most min(k, nodes) nodes), not by
+    # node_offsets[-1], which would read the device back (a synchronisation per layer).
+    node_tokens = torch.empty(max(1, t * min(top_k, nodes)), dtype=torch.int64, device=dev)
     if t:
         _scatter_kernel[(t,)](ids, expert_offsets, torch.zeros(e, dtype=torch.int32, device=dev), pair_order,
                               pair_positions, node_of, node_offsets, torch.zeros(max(nodes, 1), dtype=torch.int32,
@@ -106,35 +117,36 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
 
 
 @triton.jit
-def _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's expert, its rows (one tile of the expert's segment, ending at row_end) and
-    its output columns."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return e, rows, tl.load(offsets_ptr + e + 1), cols
+def _expert_tile(offsets_ptr, tile, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile `tile` of the experts' row segments laid end to end, each cut into BLOCK_M-row tiles:
+    (its expert, NUM_EXPERTS or more past the last tile; its first row; the expert's row end)."""
+    e = tl.arange(0, BLOCK_E)
+    lo = tl.load(offsets_ptr + e, mask=e < NUM_EXPERTS, other=0)
+    hi = tl.load(offsets_ptr + e + 1, mask=e < NUM_EXPERTS, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, axis=0)
+    expert = tl.sum((ends <= tile).to(tl.int32), axis=0)  # experts whose tiles all come before this one
+    mine = e == expert
+    first_row = tl.sum(tl.where(mine, lo + (tile - ends + tiles) * BLOCK_M, 0), axis=0)
+    return expert, first_row, tl.sum(tl.where(mine, hi, 0), axis=0)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr, H: tl.constexpr,
-                    I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr):
+def _gate_up_tile(x_ptr, w_ptr, h_ptr, e, rows, row_end, cols, H: tl.constexpr, I: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """h[rows, cols] = silu(x @ W_gate^T) * (x @ W_up^T) for one expert's row tile."""
-    e, rows, row_end, cols = _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_base = w_ptr + e * (2 * I * H)
+    row_mask = rows[:, None] < row_end
     for k0 in range(0, H, BLOCK_K):
         kmask = k0 + k < H
-        x = tl.load(x_ptr + rows[:, None] * H + k0 + k[None, :], mask=(rows[:, None] < row_end) & kmask[None, :],
-                    other=0.0)
-        wg = tl.load(w_base + cols[None, :] * H + k0 + k[:, None], mask=(cols[None, :] < I) & kmask[:, None],
-                     other=0.0)
-        wu = tl.load(w_base + (I + cols[None, :]) * H + k0 + k[:, None], mask=(cols[None, :] < I) & kmask[:, None],
-                     other=0.0)
-        if IEEE:
+        x = tl.load(x_ptr + rows[:, None] * H + k0 + k[None, :], mask=row_mask & kmask[None, :], other=0.0)
+        w_mask = (cols[None, :] < I) & kmask[:, None]
+        wg = tl.load(w_base + cols[None, :] * H + k0 + k[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_base + (I + cols[None, :]) * H + k0 + k[:, None], mask=w_mask, other=0.0)
+        if IEEE:  # float32 in, exact products; also the interpreter's way through half precision
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             gate += tl.dot(x, wg, input_precision="ieee")
             up += tl.dot(x, wu, input_precision="ieee")
@@ -143,64 +155,93 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_
             up += tl.dot(x, wu)
     h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(h_ptr + rows[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=(rows[:, None] < row_end) & (cols[None, :] < I))
+             mask=row_mask & (cols[None, :] < I))
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, out_ptr, row_weight_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr, H: tl.constexpr,
-                 I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr):
+def _down_tile(h_ptr, w_ptr, out_ptr, row_weight_ptr, e, rows, row_end, cols, H: tl.constexpr, I: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """out[rows, cols] = routing weight * (h @ W_down^T) for one expert's row tile."""
-    e, rows, row_end, cols = _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_base = w_ptr + e * (H * I)
+    row_mask = rows[:, None] < row_end
     for k0 in range(0, I, BLOCK_K):
         kmask = k0 + k < I
-        h = tl.load(h_ptr + rows[:, None] * I + k0 + k[None, :], mask=(rows[:, None] < row_end) & kmask[None, :],
-                    other=0.0)
+        h = tl.load(h_ptr + rows[:, None] * I + k0 + k[None, :], mask=row_mask & kmask[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * I + k0 + k[:, None], mask=(cols[None, :] < H) & kmask[:, None],
                     other=0.0)
         if IEEE:
-            h, w = h.to(tl.float32), w.to(tl.float32)
-            acc += tl.dot(h, w, input_precision="ieee")
+            acc += tl.dot(h.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(h, w)
-    scale = tl.load(row_weight_ptr + rows, mask=rows < row_end, other=0.0)
-    acc = acc * scale[:, None]
+    acc = acc * tl.load(row_weight_ptr + rows, mask=rows < row_end, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < row_end) & (cols[None, :] < H))
+             mask=row_mask & (cols[None, :] < H))
 
 
-GEMM_BLOCK_M = 16
-GEMM_BLOCK_N = 32
-GEMM_BLOCK_K = 32
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, H: tl.constexpr, I: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """Grid (row tile, column tile); row tiles past the experts' last do nothing."""
+    e, first_row, row_end = _expert_tile(offsets_ptr, tl.program_id(0), NUM_EXPERTS, BLOCK_E, BLOCK_M)
+    if e < NUM_EXPERTS:
+        rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _gate_up_tile(x_ptr, w_ptr, h_ptr, e.to(tl.int64), rows, row_end, cols, H, I, BLOCK_M, BLOCK_N, BLOCK_K,
+                      IEEE)
 
 
-def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                        row_weights: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, out_ptr, row_weight_ptr, offsets_ptr, H: tl.constexpr, I: tl.constexpr,
+                 NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """Grid (row tile, column tile); row tiles past the experts' last do nothing."""
+    e, first_row, row_end = _expert_tile(offsets_ptr, tl.program_id(0), NUM_EXPERTS, BLOCK_E, BLOCK_M)
+    if e < NUM_EXPERTS:
+        rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _down_tile(h_ptr, w_ptr, out_ptr, row_weight_ptr, e.to(tl.int64), rows, row_end, cols, H, I, BLOCK_M,
+                   BLOCK_N, BLOCK_K, IEEE)
+
+
+def _row_tiles(expert_offsets: list[int] | torch.Tensor, pairs: int, experts: int, block_m: int) -> int:
+    """Row tiles to launch: exact from host offsets, else a bound (each expert wastes at most one
+    partial tile) that needs nothing from the device."""
+    if isinstance(expert_offsets, torch.Tensor):
+        return triton.cdiv(pairs, block_m) + min(experts, pairs)
+    return sum(triton.cdiv(b - a, block_m) for a, b in zip(expert_offsets, expert_offsets[1:]))
+
+
+def _device_offsets(expert_offsets: list[int] | torch.Tensor, experts: int, device: torch.device) -> torch.Tensor:
+    count = expert_offsets.numel() if isinstance(expert_offsets, torch.Tensor) else len(expert_offsets)
+    if count != experts + 1:
+        raise ValueError(f"expert_offsets: want {experts + 1} offsets (one per expert, then the end), got {count}")
+    if isinstance(expert_offsets, torch.Tensor):
+        return expert_offsets.to(device=device, dtype=torch.int32)
+    return device_ints(expert_offsets, device)
+
+
+def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int] | torch.Tensor, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert (as `moe_ref.grouped_expert_gemm`); the offsets
+    may also be a device tensor [E + 1] (then nothing is read back to the host)."""
+    check_experts(x, w_gate_up, w_down, row_weights)
     p, h_dim = x.shape
-    i_dim = w_down.shape[2]
-    out = torch.empty_like(x)
-    experts, rows = [], []
-    for e, (a, b) in enumerate(zip(expert_offsets, expert_offsets[1:])):
-        for r in range(a, b, GEMM_BLOCK_M):
-            experts.append(e)
-            rows.append(r)
-    if not experts:
+    experts, i_dim = w_down.shape[0], w_down.shape[2]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's strides
+    offsets = _device_offsets(expert_offsets, experts, x.device)
+    tiles = gemm_tiles(p / experts, x.dtype, INTERPRETED)
+    row_tiles = _row_tiles(expert_offsets, p, experts, tiles.block_m)
+    if not p or not row_tiles:
         return out
-    dev = x.device
-    tile_expert = torch.tensor(experts, dtype=torch.int32, device=dev)
-    tile_row = torch.tensor(rows, dtype=torch.int32, device=dev)
-    offsets = torch.tensor(expert_offsets, dtype=torch.int32, device=dev)
-    hidden = torch.empty(p, i_dim, dtype=x.dtype, device=dev)
-    # Exact float32 tiles for float32 inputs, and in the interpreter, whose dot has no
-    # half-precision path (GPUs take bf16/fp16 tiles on tensor cores).
-    ieee = x.dtype == torch.float32 or INTERPRETED
-    _gate_up_kernel[(len(experts), triton.cdiv(i_dim, GEMM_BLOCK_N))](
-        x.contiguous(), w_gate_up, hidden, tile_expert, tile_row, offsets, H=h_dim, I=i_dim, BLOCK_M=GEMM_BLOCK_M,
-        BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K, IEEE=ieee)
-    _down_kernel[(len(experts), triton.cdiv(h_dim, GEMM_BLOCK_N))](
-        hidden, w_down, out, row_weights.float().contiguous(), tile_expert, tile_row, offsets, H=h_dim, I=i_dim,
-        BLOCK_M=GEMM_BLOCK_M, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K, IEEE=ieee)
+    hidden = torch.empty(p, i_dim, dtype=x.dtype, device=x.device)
+    common = dict(H=h_dim, I=i_dim, NUM_EXPERTS=experts, BLOCK_E=pow2(experts), BLOCK_M=tiles.block_m,
+                  BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32 or INTERPRETED,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    _gate_up_kernel[(row_tiles, triton.cdiv(i_dim, tiles.block_n))](x.contiguous(), w_gate_up, hidden, offsets,
+                                                                     **common)
+    _down_kernel[(row_tiles, triton.cdiv(h_dim, tiles.block_n))](hidden, w_down, out, row_weights.float().contiguous(),
+                                                                 offsets, **common)
     return out

@@ -13,7 +13,9 @@ prefill chunks whose queries are the last tokens of their sequence, attending ca
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +31,19 @@ class PagedAttentionBatch:
     # The same lengths on the host, so the reference needs no device-to-host syncs.
     seq_lens_host: list[int]
     query_start_host: list[int]
+    # What kernels derive from the host lists above (launch plans, shape buckets), kept so every
+    # layer of the step reuses it; not part of the batch's value.
+    derived: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """build() on the first call with `key`, its result afterwards."""
+        if key not in self.derived:
+            self.derived[key] = build()
+        return self.derived[key]
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -54,7 +65,9 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, slot: int) -> torch
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     numel = s * nb * block_size * num_kv_heads * head_dim
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    key = (cache.device, cache.dtype, slot)
+    # Inference-mode tensors cannot be written outside inference mode (nor the reverse), so
+    # each mode keeps its own buffers.
+    key = (cache.device, cache.dtype, slot, torch.is_inference_mode_enabled())
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         buf = buffers[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)

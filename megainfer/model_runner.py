@@ -71,14 +71,15 @@ class ModelRunner:
         seqs = out.all_seqs
         state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[0], self.cohort_hidden,
                                         self.config.block_size, self.device)
-        expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        # Summed on the device and read once, after sampling: no host sync inside a layer.
+        expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
         for layer in range(cfg.num_layers):
             state.cross(layout, layer)
             if state.hidden is None:
                 continue
             _, positions, batch = state.inputs_at(layout, layer)
             state.hidden, counts = self.model.layer(layer, state.hidden, positions, self.kv_caches[layer], batch)
-            expert_counts[layer] += counts.cpu()
+            expert_counts[layer] += counts
         state.cross(layout, cfg.num_layers)
         self.cohort_hidden.keep(seqs, layout, state)
         return StepResult(sample_step(self.model, self.sampler, seqs, layout, [state]), expert_counts.tolist())

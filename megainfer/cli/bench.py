@@ -98,11 +98,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     sv.set_defaults(run=_run_serve)
 
-    k = benches.add_parser("kernels", help="Triton kernels on a GPU: POD fused attention, grouped expert GEMM",
-                           description="POD fused attention against the decode and prefill kernels run one after "
-                                       "the other and against torch SDPA on hybrid batches, and the grouped expert "
-                                       "GEMM against a per-expert loop, in bf16. Needs a CUDA GPU.")
+    k = benches.add_parser("kernels", help="Triton kernels on a GPU: POD fused attention, decode attention, "
+                                           "grouped expert GEMM",
+                           description="POD fused attention against the prefill and decode kernels run one after "
+                                       "the other and against torch SDPA on hybrid batches, decode attention "
+                                       "against torch SDPA on gathered pages, and the grouped expert GEMM against a "
+                                       "per-expert cuBLAS loop, in bf16, each with its ratio. Needs a CUDA GPU "
+                                       "(--smoke: tiny shapes, also on a CPU with TRITON_INTERPRET=1).")
     k.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    k.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, to check the benchmark runs (its times mean nothing)")
     k.set_defaults(run=_run_kernels)
 
 
@@ -197,7 +202,7 @@ def _run_kernels(args: argparse.Namespace) -> int:
     from kernels.bench import NoGPU, run
 
     try:
-        return run(args.json)
+        return run(args.json, smoke=args.smoke)
     except NoGPU as exc:
         raise ConfigError(str(exc)) from None
 

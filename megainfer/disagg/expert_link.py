@@ -1,16 +1,24 @@
 """The link from an attention node to the expert nodes (`ExpertLink`) and what travels over it:
-the dispatch payload, its packing, and the BUSY flag on answers.
+the dispatch payload, its record layout, and the BUSY flag on answers.
 
-Per (step, layer, micro-batch) each attention node sends each expert node one message:
-the tokens that chose at least one of that node's experts, once per token, as
-    x        [n, hidden]   model dtype   post-attention-normed hidden states
-    ids      [n, top_k]    int32         global expert ids (the node ignores others')
-    weights  [n, top_k]    float32       routing weights
-packed back to back in that order, n in the header's token count. The expert node answers
-with [n, hidden] in the model dtype: for each token, the routing-weighted sum of its
-experts' outputs. A node with nothing to say sends n = 0, so nobody waits on silence.
-The header flag BUSY on an answer says some attention node had tokens for that
-(layer, micro-batch), so idle attention nodes know to keep pace.
+Per (step, layer, micro-batch) each attention node sends each expert node one message: the
+tokens that chose at least one of that node's experts, once per token, as `n` records (n in
+the header's token count) laid end to end, one per token:
+
+    offset 0                 hidden * itemsize   x        post-attention-normed hidden state, model dtype
+    hidden * itemsize        top_k * 4           ids      global expert ids, int32 (the node ignores others')
+    hidden * itemsize + 4k   top_k * 4           weights  routing weights, float32
+
+so a record is `record_bytes(hidden, top_k, dtype)` bytes, and any run of tokens (one expert
+node's, or one tensor-parallel rank's share of it) is one contiguous byte range of a buffer
+holding every node's tokens in node order: the attention node builds that buffer once per
+(layer, micro-batch) on its device and sends slices of it. `hidden * itemsize` must be a
+multiple of 4 so the int32 and float32 fields stay aligned.
+
+The expert node answers with [n, hidden] in the model dtype, row i for record i: the
+routing-weighted sum of that token's outputs from the node's experts. A node with nothing to
+say sends n = 0, so nobody waits on silence. The header flag BUSY on an answer says some
+attention node had tokens for that (layer, micro-batch), so idle attention nodes keep pace.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Protocol
 import torch
 
 BUSY = 1  # header flag on expert answers
+FIELD_BYTES = 4  # an id (int32) or a weight (float32)
 
 
 class LinkMessage(Protocol):
@@ -31,36 +40,66 @@ class LinkMessage(Protocol):
 
 
 class ExpertLink(Protocol):
-    """A node's view of its peers (deploy/ binds it to a transport Endpoint)."""
+    """A node's view of its peers (deploy/ binds it to a transport Endpoint). Payloads are
+    host tensors: the runner stages device tensors through pinned memory first."""
 
     def send(self, peer: str, payload: torch.Tensor, *, step: int, layer: int, micro_batch: int,
              token_count: int, flags: int = 0) -> None: ...
 
     def recv(self, peer: str, *, micro_batch: int) -> LinkMessage: ...
 
+    def poll(self, peer: str, *, micro_batch: int) -> LinkMessage | None:
+        """The message `recv` would return if it has arrived, else None at once."""
+        ...
+
+
+def record_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's dispatch record."""
+    x_bytes = hidden * dtype.itemsize
+    if x_bytes % FIELD_BYTES:
+        raise ValueError(f"a hidden state of {hidden} x {dtype} is {x_bytes} bytes; the record layout needs a "
+                         f"multiple of {FIELD_BYTES}")
+    return x_bytes + 2 * top_k * FIELD_BYTES
+
 
 def dispatch_bytes(tokens: int, hidden: int, top_k: int, dtype: torch.dtype) -> int:
-    return tokens * (hidden * torch.empty(0, dtype=dtype).element_size() + top_k * 8)
+    return tokens * record_bytes(hidden, top_k, dtype)
+
+
+def pack_records(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[n, record_bytes] uint8 on x's device: row i is token i's record (x, int32 ids, float32
+    weights). Runs as device kernels: nothing is read back to the host."""
+    n, top_k = ids.shape
+    if n == 0:
+        return torch.empty(0, record_bytes(x.shape[1], top_k, x.dtype), dtype=torch.uint8, device=x.device)
+    parts = [x.contiguous().view(torch.uint8), ids.to(torch.int32).contiguous().view(torch.uint8),
+             weights.to(torch.float32).contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=1)
 
 
 def pack_dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One contiguous byte tensor: x, then ids as int32, then weights as float32."""
-    if x.shape[0] == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    parts = [x.contiguous().view(-1).view(torch.uint8), ids.to(torch.int32).contiguous().view(-1).view(torch.uint8),
-             weights.to(torch.float32).contiguous().view(-1).view(torch.uint8)]
-    return torch.cat(parts)
+    """One message's payload: the records of these tokens as flat bytes."""
+    return pack_records(x, ids, weights).view(-1)
 
 
 def unpack_dispatch(buf: torch.Tensor, tokens: int, hidden: int, top_k: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views (no copy) of x [n, hidden], ids [n, top_k] int32, weights [n, top_k] float32."""
-    x_bytes = tokens * hidden * torch.empty(0, dtype=dtype).element_size()
-    k_bytes = tokens * top_k * 4
-    if buf.numel() != x_bytes + 2 * k_bytes:
+    """Views (no copy, strided by the record) of x [n, hidden], ids [n, top_k] int32 and
+    weights [n, top_k] float32 in `buf`, the flat bytes of n records."""
+    size = record_bytes(hidden, top_k, dtype)
+    if buf.numel() != tokens * size:
         raise ValueError(f"dispatch payload of {buf.numel()} bytes does not hold {tokens} tokens "
-                         f"(expected {x_bytes + 2 * k_bytes})")
-    x = buf[:x_bytes].view(dtype).view(tokens, hidden)
-    ids = buf[x_bytes:x_bytes + k_bytes].view(torch.int32).view(tokens, top_k)
-    weights = buf[x_bytes + k_bytes:].view(torch.float32).view(tokens, top_k)
-    return x, ids, weights
+                         f"(expected {tokens * size})")
+    records = buf.view(tokens, size)
+    x_end = hidden * dtype.itemsize
+    ids_end = x_end + top_k * FIELD_BYTES
+    return (records[:, :x_end].view(dtype), records[:, x_end:ids_end].view(torch.int32),
+            records[:, ids_end:].view(torch.float32))
+
+
+def rank_share(count: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """[begin, end) of `count` tokens carried by rank `tp_rank` of `tp_size`: the split
+    `torch.tensor_split(count, tp_size)` makes (the first count % tp_size ranks take one more)."""
+    base, extra = divmod(count, tp_size)
+    begin = tp_rank * base + min(tp_rank, extra)
+    return begin, begin + base + (tp_rank < extra)

@@ -1,6 +1,13 @@
 """An expert node's work: for each (layer, micro-batch), in the fixed order every node
 follows, take the tokens of every attention node, run this node's experts on their union,
-and answer each attention node with its slice."""
+and answer each attention node with its slice.
+
+The messages' records (expert_link.py) enter the device in one copy per (layer, micro-batch)
+through a pinned buffer (device_staging.py), so the transport slots are released at once;
+the answers leave on the copy stream, and only that copy is waited for before they are sent.
+Token counts come from the headers: nothing is read back from the device to size anything.
+On the CPU the same code runs with the copies elided.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +17,26 @@ import torch
 from tqdm.auto import tqdm
 
 from megainfer.config import ModelConfig
-from megainfer.disagg.expert_link import BUSY, ExpertLink, unpack_dispatch
+from megainfer.disagg.device_staging import DeviceStaging
+from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
+
+CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
 
 
 class ExpertWorker:
     def __init__(self, model_config: ModelConfig, expert_ids: list[int], dtype: str, device: str,
                  weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink | None,
-                 show_progress: bool = False, tp_group: TensorParallelGroup | None = None) -> None:
+                 show_progress: bool = False, tp_group: TensorParallelGroup | None = None,
+                 staging_bytes: int = 0) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
-        every message with the attention nodes and broadcasts each (layer, micro-batch)'s tokens
-        to the others (a header over the control group, the tensors over the activations'
+        every message with the attention nodes and broadcasts each (layer, micro-batch)'s records
+        to the others (a header over the control group, the records over the activations'
         group); every rank runs its slice of each expert and the partial outputs are summed on
-        rank 0."""
+        rank 0. `staging_bytes`: pinned host memory reserved up front per micro-batch and
+        direction on CUDA (0: allocated in the first steps, as they need it)."""
         self.cfg = model_config
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
@@ -35,6 +47,8 @@ class ExpertWorker:
         self.attention_nodes = list(attention_nodes)
         self.m = micro_batches
         self.link = link
+        self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
+        self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids, tp_rank, tp_size)
                        for layer in range(model_config.num_layers)]
         with torch.inference_mode():
@@ -43,79 +57,85 @@ class ExpertWorker:
                 layer.load_weights(weights)
         self.steps = 0
         self.tokens = 0  # tokens processed (per layer, summed), for stats
-        self.timing = {"experts": 0.0, "wait_attention": 0.0}  # seconds, summed over steps
+        # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
+        # holding its answers on the host (on CUDA: the copies and the experts' device time).
+        self.timing = {"experts": 0.0, "wait_attention": 0.0}
 
     @torch.inference_mode()
     def run_step(self) -> int:
         """One engine step of every attention node: all layers, all micro-batches. Returns the
         tokens this node processed in it."""
-        cfg = self.cfg
-        step_tokens = 0
-        for layer in range(cfg.num_layers):
-            for j in range(self.m):
-                t0 = time.perf_counter()
-                msgs = [self.link.recv(a, micro_batch=j) for a in self.attention_nodes]
-                t1 = time.perf_counter()
-                self.timing["wait_attention"] += t1 - t0
-                step = msgs[0].header.step
-                for a, msg in zip(self.attention_nodes, msgs):
-                    if msg.header.layer != layer or msg.header.step != step:
-                        raise RuntimeError(f"attention node {a} sent (step {msg.header.step}, layer "
-                                           f"{msg.header.layer}) where (step {step}, layer {layer}) was due")
-                counts = [msg.header.token_count for msg in msgs]
-                total = sum(counts)
-                x = ids = weights = None
-                if total:
-                    parts = [unpack_dispatch(msg.tensor(torch.uint8), n, cfg.hidden_size, cfg.top_k, self.dtype)
-                             for msg, n in zip(msgs, counts) if n]
-                    x = torch.cat([p[0] for p in parts]).to(self.device)
-                    ids = torch.cat([p[1] for p in parts]).to(self.device, torch.int64)
-                    weights = torch.cat([p[2] for p in parts]).to(self.device)
-                if self.tp_size > 1:
-                    self._share(layer, j, total, x, ids, weights)
-                for msg in msgs:  # everything needed is copied out: the senders may reuse their slots
-                    msg.release()
-                y = self._experts(layer, x, ids, weights) if total else None
-                self.timing["experts"] += time.perf_counter() - t1
-                flags = BUSY if total else 0
-                offset = 0
-                for a, n in zip(self.attention_nodes, counts):
-                    payload = y[offset:offset + n] if n else torch.empty(0, dtype=torch.uint8)
-                    self.link.send(a, payload, step=step, layer=layer, micro_batch=j, token_count=n, flags=flags)
-                    offset += n
-                step_tokens += total
+        step_tokens = sum(self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m))
         self.steps += 1
         self.tokens += step_tokens
         return step_tokens
 
-    def _experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        y = self.layers[layer](x, ids, weights)
+    def _serve(self, layer: int, j: int) -> int:
+        """(layer, j): every attention node's tokens through this node's experts, each node
+        answered with its rows. Returns the tokens served."""
+        t0 = time.perf_counter()
+        msgs = [self.link.recv(a, micro_batch=j) for a in self.attention_nodes]
+        t1 = time.perf_counter()
+        self.timing["wait_attention"] += t1 - t0
+        step = self._check(msgs, layer)
+        counts = [msg.header.token_count for msg in msgs]
+        total = sum(counts)
+        records = self.staging.to_device([msg.tensor(torch.uint8) for msg, n in zip(msgs, counts) if n],
+                                         slot=j) if total else None
+        if self.tp_size > 1:
+            self._share(layer, j, total, records)
+        y = self._experts(layer, records, total) if total else None
+        for msg in msgs:  # the kernels that read them are launched (on the CPU: done)
+            msg.release()
+        answers = self.staging.to_host([y], slot=j).wait()[0] if total else None  # waits for this copy only
+        self.timing["experts"] += time.perf_counter() - t1
+        flags = BUSY if total else 0
+        offset = 0
+        for a, n in zip(self.attention_nodes, counts):
+            payload = answers[offset:offset + n] if n else torch.empty(0, dtype=torch.uint8)
+            self.link.send(a, payload, step=step, layer=layer, micro_batch=j, token_count=n, flags=flags)
+            offset += n
+        return total
+
+    def _check(self, msgs: list, layer: int) -> int:
+        """The step every attention node's message belongs to; each must be (that step, `layer`)
+        and hold exactly its header's records."""
+        step = msgs[0].header.step
+        for a, msg in zip(self.attention_nodes, msgs):
+            header = msg.header
+            if header.layer != layer or header.step != step:
+                raise RuntimeError(f"attention node {a} sent (step {header.step}, layer {header.layer}) where "
+                                   f"(step {step}, layer {layer}) was due")
+            if len(msg.data) != header.token_count * self.record_size:
+                raise RuntimeError(f"attention node {a} sent {len(msg.data)} bytes for {header.token_count} tokens "
+                                   f"of {self.record_size}-byte records (layer {layer})")
+        return step
+
+    def _experts(self, layer: int, records: torch.Tensor, total: int) -> torch.Tensor:
+        cfg = self.cfg
+        x, ids, weights = unpack_dispatch(records, total, cfg.hidden_size, cfg.top_k, self.dtype)
+        y = self.layers[layer](x, ids.to(torch.int64), weights)
         if self.tp_size > 1:  # each rank holds a slice of every expert: their outputs add up
             self.tp_group.reduce(y, dst=0)
-        return y.cpu()
+        return y
 
-    def _share(self, layer: int, j: int, total: int, x, ids, weights) -> None:
-        """Leader: this (layer, micro-batch)'s tokens to the other ranks (a header, then the tensors)."""
+    def _share(self, layer: int, j: int, total: int, records: torch.Tensor) -> None:
+        """Leader: this (layer, micro-batch)'s records to the other ranks (a header, then the bytes)."""
         self.tp_group.broadcast_control(torch.tensor([layer, j, total], dtype=torch.int64))
         if total:
-            for t in (x, ids, weights):
-                self.tp_group.broadcast(t.to(self.device))
+            self.tp_group.broadcast(records)
 
     @torch.inference_mode()
     def run_follower_step(self) -> None:
         """A follower rank's unit of work: one (layer, micro-batch) the leader shares. The header
         names the layer, so a leader that restarts its step after a re-wire needs no resync."""
-        cfg = self.cfg
-        header = torch.zeros(3, dtype=torch.int64)
+        header = torch.zeros(CONTROL_FIELDS, dtype=torch.int64)
         self.tp_group.broadcast_control(header)
-        layer, _, total = header.tolist()
-        if not 0 <= layer < cfg.num_layers:
+        layer, _, total = header.tolist()  # a host tensor from the control group: no device access
+        if not 0 <= layer < self.cfg.num_layers:
             raise RuntimeError(f"expert rank {self.tp_rank}: the leader shared layer {layer}")
         if total:
-            x = torch.empty(total, cfg.hidden_size, dtype=self.dtype, device=self.device)
-            ids = torch.empty(total, cfg.top_k, dtype=torch.int64, device=self.device)
-            weights = torch.empty(total, cfg.top_k, dtype=torch.float32, device=self.device)
-            for t in (x, ids, weights):
-                self.tp_group.broadcast(t)
-            self._experts(layer, x, ids, weights)
+            records = torch.empty(total * self.record_size, dtype=torch.uint8, device=self.device)
+            self.tp_group.broadcast(records)
+            self._experts(layer, records, total)
             self.tokens += total

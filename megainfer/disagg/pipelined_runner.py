@@ -7,6 +7,16 @@ then j+1. While the experts work on j, this node computes j+1: the ping-pong. Ev
 even an empty one, exchanges one message per (layer, micro-batch, expert node), so expert
 nodes never wait on a node with nothing to say.
 
+No host synchronisation inside a layer. A dispatch is one device buffer of records (every
+expert node's tokens in node order, see expert_link.py) plus the node offsets, copied to
+pinned memory on a copy stream (device_staging.py); it waits in the outbox while the host
+launches the next micro-batch's work, and goes out once its copy has landed, when the host
+first reads the offsets. The node offsets are the only counts the host needs, and they
+arrive with the records; answers say their token counts in their headers. Answers enter the
+device in one copy per micro-batch and are added with one `index_add_`. Tokens routed per
+expert are summed on the device and read once per step. On the CPU the same code runs with
+the copies elided.
+
 Same `execute(SchedulerOutput) -> StepResult` as `ModelRunner`, so `Engine` drives it
 unchanged; `steps_when_idle` tells the engine to step even with nothing scheduled.
 """
@@ -15,12 +25,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
-from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_dispatch
+from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
+from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, rank_share
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.errors import DataPlaneError
 from megainfer.model.moe_model import MoEModel
@@ -35,15 +48,38 @@ from megainfer.tensor_parallel import TensorParallelGroup
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class PendingDispatch:
+    """One (layer, micro-batch)'s routed tokens on their way to the host, not yet sent."""
+
+    layer: int
+    micro_batch: int
+    copy: HostCopy | None = None  # records [rows, record bytes] uint8 and node offsets [N + 1]; None: no tokens
+    token_ids: torch.Tensor | None = None  # [rows] device: the tokens of the records, in send order
+
+    def landed(self) -> bool:
+        return self.copy is None or self.copy.landed()
+
+
+@dataclass
+class RoutedTokens:
+    """What one (layer, micro-batch)'s dispatch sent each expert node: the answers' destination."""
+
+    layer: int
+    rows: list[torch.Tensor]  # per expert node: device indices of the tokens sent (this rank's share)
+    counts: list[int]  # per expert node: how many
+
+
 class PipelinedModelRunner:
     steps_when_idle = True
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
                  *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
-                 micro_batches: int, tp_group: TensorParallelGroup | None = None) -> None:
+                 micro_batches: int, tp_group: TensorParallelGroup | None = None, staging_bytes: int = 0) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel node: rank 0 schedules and
         samples and sends each step to the others; every rank runs its heads and dispatches its
-        share of the routed tokens."""
+        share of the routed tokens. `staging_bytes`: pinned host memory reserved up front per
+        micro-batch and direction on CUDA (0: allocated in the first steps, as they need it)."""
         if len(expert_nodes) != len(expert_assignment):
             raise ValueError("one expert-id list per expert node")
         self.model_config = model_config
@@ -74,11 +110,17 @@ class PipelinedModelRunner:
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
                                                              tp_group)
         self.sampler = Sampler(config.seed, self.device)
+        self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
-        # Seconds spent, summed over steps: where this node's step time goes.
+        self._outbox: deque[PendingDispatch] = deque()  # dispatches copying to the host, oldest first
+        self._routed: list[RoutedTokens | None] = [None] * micro_batches  # per micro-batch: its last dispatch sent
+        # Seconds, summed over steps: "attention" is device time of the attention halves (CUDA events;
+        # wall time on the CPU); "send" the host's time getting dispatches out (waiting for their
+        # copies included); "wait_experts" its time waiting for answers.
         self.timing = {"attention": 0.0, "send": 0.0, "wait_experts": 0.0}
+        self.attention_timer = ComputeTimer(self.device)
         # Per message, for the metrics endpoint: one send, and the wait for one expert node's answer.
         self.m2n = {"send": LatencyHistogram(), "receive_wait": LatencyHistogram()}
 
@@ -109,52 +151,89 @@ class PipelinedModelRunner:
             self.cohort_hidden.keep(seqs, layout, state)
         if self.tp_rank:  # followers: the leader samples
             return StepResult([None] * layout.num_sequences, [])
-        return StepResult(sample_step(self.model, self.sampler, seqs, layout, states), expert_counts.tolist())
+        sampled = sample_step(self.model, self.sampler, seqs, layout, states)
+        return StepResult(sampled, expert_counts.tolist())  # the step's one read of the counts
 
     def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState]) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer
         before, then runs this layer's attention and dispatches. Returns tokens routed to each
-        expert, [layer, expert]."""
+        expert, [layer, expert], on the device."""
         cfg = self.model_config
         residual: list[torch.Tensor | None] = [None] * self.m
-        routes: list[list[torch.Tensor] | None] = [None] * self.m
-        expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
         self._busy = False
+        self._outbox.clear()  # a failed step's dispatches are not this step's
+        self._routed = [None] * self.m
         for layer in range(cfg.num_layers):
             for j, state in enumerate(states):
                 if layer:
-                    state.hidden = self._combine(layer - 1, j, residual[j], routes[j])
+                    state.hidden = self._combine(layer - 1, j, residual[j])
                 state.cross(layout, layer)
-                residual[j], routes[j] = self._attend_and_dispatch(layer, j, state.hidden,
-                                                                   state.inputs_at(layout, layer), expert_counts)
+                residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer),
+                                                        expert_counts)
         for j, state in enumerate(states):
-            state.hidden = self._combine(cfg.num_layers - 1, j, residual[j], routes[j])
+            state.hidden = self._combine(cfg.num_layers - 1, j, residual[j])
             state.cross(layout, cfg.num_layers)
+        self.timing["attention"] += self.attention_timer.collect()
         self.deployment_busy = self._busy
         self.step_id = (self.step_id + 1) & 0xFFFFFFFF
         return expert_counts
 
-    def _attend_and_dispatch(self, layer: int, j: int, hidden, inp, expert_counts):
+    def _attend_and_dispatch(self, layer: int, j: int, hidden, inp, expert_counts: torch.Tensor):
+        """Launch micro-batch j's attention half of `layer` and the copy of its routed tokens to
+        the host; the dispatch leaves once that copy has landed. Returns the residual stream."""
         if hidden is None:
-            for node in self.expert_nodes:
-                self._send(node, torch.empty(0, dtype=torch.uint8), layer, j, 0)
-            return None, None
+            self._outbox.append(PendingDispatch(layer, j))
+            self._flush_landed()
+            return None
         _, positions, batch = inp
-        t0 = time.perf_counter()
+        self.attention_timer.start()
         a = self.model.attention_layers[layer](hidden, positions, self.model.rotary, self.kv_caches[layer], batch)
-        self.timing["attention"] += time.perf_counter() - t0
+        self.attention_timer.stop()
         g = a.gating
-        expert_counts[layer] += g.expert_counts.cpu()
-        bounds = g.node_offsets.tolist()
-        routes = []
+        expert_counts[layer] += g.expert_counts
+        # Past node_offsets[-1] the entries are spare (uninitialised on the Triton path): clamped
+        # so the gather stays in bounds. Those records are copied but never sent.
+        token_ids = g.node_token_ids.clamp(0, hidden.shape[0] - 1)
+        records = pack_records(a.expert_input[token_ids], a.topk_ids[token_ids], a.topk_weights[token_ids])
+        copy = self.staging.to_host([records, g.node_offsets], slot=j)
+        self._outbox.append(PendingDispatch(layer, j, copy, token_ids))
+        self._flush_landed()
+        return a.residual
+
+    def _flush_landed(self) -> None:
+        """Send, oldest first, every dispatch whose copy has reached the host; never waits."""
+        while self._outbox and self._outbox[0].landed():
+            self._send_dispatch(self._outbox.popleft())
+
+    def _flush_through(self, layer: int, j: int) -> RoutedTokens:
+        """Send (layer, j)'s dispatch and every older one, waiting for their copies: its answers
+        cannot come before it leaves."""
+        while (routed := self._routed[j]) is None or routed.layer != layer:
+            if not self._outbox:
+                raise RuntimeError(f"no dispatch of layer {layer}, micro-batch {j} to combine")
+            self._send_dispatch(self._outbox.popleft())
+        return routed
+
+    def _send_dispatch(self, pending: PendingDispatch) -> None:
+        """Each expert node's records, this rank's share of them: a contiguous byte range each."""
+        t0 = time.perf_counter()
+        layer, j = pending.layer, pending.micro_batch
+        if pending.copy is None:
+            bounds, records = [0] * (len(self.expert_nodes) + 1), None
+        else:
+            records, offsets = pending.copy.wait()
+            bounds = offsets.tolist()  # pinned host memory, landed: no device access
+        rows, counts = [], []
         for k, node in enumerate(self.expert_nodes):
-            idx = g.node_token_ids[bounds[k]:bounds[k + 1]]  # each token once per node, in send order
-            if self.tp_size > 1:  # each rank carries its share of the traffic
-                idx = idx.tensor_split(self.tp_size)[self.tp_rank]
-            routes.append(idx)
-            payload = pack_dispatch(a.expert_input[idx], a.topk_ids[idx], a.topk_weights[idx])
-            self._send(node, payload, layer, j, idx.numel())
-        return a.residual, routes
+            begin, end = rank_share(bounds[k + 1] - bounds[k], self.tp_size, self.tp_rank)
+            begin, end = bounds[k] + begin, bounds[k] + end
+            payload = records[begin:end].view(-1) if records is not None else torch.empty(0, dtype=torch.uint8)
+            self._send(node, payload, layer, j, end - begin)
+            counts.append(end - begin)
+            rows.append(pending.token_ids[begin:end] if end > begin else None)
+        self._routed[j] = RoutedTokens(layer, rows, counts)
+        self.timing["send"] += time.perf_counter() - t0
 
     def _send(self, node: str, payload: torch.Tensor, layer: int, j: int, tokens: int) -> None:
         t0 = time.perf_counter()
@@ -162,38 +241,63 @@ class PipelinedModelRunner:
             self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=tokens)
         except Exception as exc:
             raise DataPlaneError(f"cannot reach expert node {node} (layer {layer}): {exc}") from exc
-        elapsed = time.perf_counter() - t0
-        self.timing["send"] += elapsed
-        self.m2n["send"].observe(elapsed)
+        self.m2n["send"].observe(time.perf_counter() - t0)
 
     def reset(self) -> None:
         """After the deployment re-wired: every node starts again from step 0."""
         self.step_id = 0
         self.deployment_busy = False
+        self._outbox.clear()
 
-    def _combine(self, layer: int, j: int, residual, routes):
-        h = self.model_config.hidden_size
-        y = torch.zeros_like(residual) if residual is not None else None
-        for k, node in enumerate(self.expert_nodes):
-            t0 = time.perf_counter()
-            try:
-                msg = self.link.recv(node, micro_batch=j)
-                waited = time.perf_counter() - t0
-                self.timing["wait_experts"] += waited
-                self.m2n["receive_wait"].observe(waited)
-            except Exception as exc:
-                raise DataPlaneError(f"expert node {node} did not answer (layer {layer}): {exc}") from exc
-            header = msg.header
-            if header.layer != layer or header.step != self.step_id:
-                raise DataPlaneError(f"expert node {node} answered (step {header.step}, layer {header.layer}) where "
-                                 f"(step {self.step_id}, layer {layer}) was due: the nodes are out of step")
-            self._busy |= bool(header.flags & BUSY)
-            n = header.token_count
-            if n:
-                y.index_add_(0, routes[k], msg.tensor(self.dtype).view(n, h).to(self.device))
+    def _combine(self, layer: int, j: int, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """Micro-batch j's answers of `layer` added into its residual stream: one copy to the
+        device and one `index_add_` over every routed token, in expert-node order."""
+        routed = self._flush_through(layer, j)
+        msgs = [self._receive(node, layer, j) for node in self.expert_nodes]
+        answers, rows = [], []
+        for node, msg, sent, routed_rows in zip(self.expert_nodes, msgs, routed.counts, routed.rows):
+            if msg.header.token_count != sent:
+                raise DataPlaneError(f"expert node {node} answered {msg.header.token_count} tokens of layer "
+                                     f"{layer}, micro-batch {j}, where {sent} were sent")
+            if sent:
+                answers.append(msg.tensor(torch.uint8))
+                rows.append(routed_rows)
+        y = None
+        if residual is not None:
+            y = torch.zeros_like(residual)
+            if answers:
+                values = self.staging.to_device(answers, slot=j).view(self.dtype).view(-1, y.shape[1])
+                y.index_add_(0, rows[0] if len(rows) == 1 else torch.cat(rows), values)
+        for msg in msgs:  # the kernels that read them are launched (on the CPU: done)
             msg.release()
-        if residual is None:
+        if y is None:
             return None
         if self.tp_size > 1:  # every rank added its share of the answers: sum them
             self.tp_group.all_reduce(y)
         return residual + y
+
+    def _receive(self, node: str, layer: int, j: int):
+        """Expert node `node`'s answer for (layer, j), checked against the step; while it is
+        awaited, dispatches whose copies land are sent."""
+        t0, sending = time.perf_counter(), self.timing["send"]
+        try:
+            msg = None
+            while msg is None and self._outbox:
+                msg = self.link.poll(node, micro_batch=j)
+                if msg is None:
+                    self._flush_landed()
+            if msg is None:
+                msg = self.link.recv(node, micro_batch=j)
+        except DataPlaneError:
+            raise
+        except Exception as exc:
+            raise DataPlaneError(f"expert node {node} did not answer (layer {layer}): {exc}") from exc
+        waited = time.perf_counter() - t0 - (self.timing["send"] - sending)  # dispatches sent meanwhile are "send"
+        self.timing["wait_experts"] += waited
+        self.m2n["receive_wait"].observe(waited)
+        header = msg.header
+        if header.layer != layer or header.step != self.step_id:
+            raise DataPlaneError(f"expert node {node} answered (step {header.step}, layer {header.layer}) where "
+                                 f"(step {self.step_id}, layer {layer}) was due: the nodes are out of step")
+        self._busy |= bool(header.flags & BUSY)
+        return msg

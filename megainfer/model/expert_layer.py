@@ -60,10 +60,10 @@ class ExpertLayer(nn.Module):
         # stable sort keeps token order inside an expert, as transformers' loop does.
         local, order = torch.sort(local, stable=True)
         token_ids = pair_ids[order] // k
-        counts = torch.bincount(local, minlength=len(self.expert_ids)).tolist()
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
+        # Offsets stay on the device: the Triton GEMM reads them there (no host sync per layer);
+        # the torch reference reads them back itself.
+        counts = torch.bincount(local, minlength=len(self.expert_ids))
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down, weights[order])
         return torch.zeros_like(x).index_add_(0, token_ids, out)
 

@@ -5,6 +5,8 @@ colocated engine's. One Ray cluster for the module."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -85,10 +87,17 @@ def test_heterogeneous_plan_rehearsed_on_cpus_lands_by_gpu_type_and_matches_colo
 
 def test_a_plan_the_cluster_cannot_place_fails_before_any_actor_starts(cluster, mixtral_ref):
     """Two H20 attention nodes of tp 2 need four H20 GPUs; the cluster has two."""
-    before = ray.available_resources().get("GPU", 0)
+    all_free(timeout_s=30)  # an earlier test's placement group is removed asynchronously
     with pytest.raises(PlanError, match=r"H20 GPUs \(needs 4, its hosts have 2\)"):
         Deployment(heterogeneous_plan(mixtral_ref.path, attention_nodes=2), show_progress=False, device="cpu").start()
-    assert ray.available_resources().get("GPU", 0) == before  # no placement group or actor holds any
+    assert ray.available_resources().get("GPU", 0) == 4  # no placement group or actor holds any
+
+
+def all_free(timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) < 4:
+        assert time.monotonic() < deadline, f"GPUs still held: {ray.available_resources()}"
+        time.sleep(0.2)
 
 
 def test_gpu_types_are_counted_per_host_type():

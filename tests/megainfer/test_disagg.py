@@ -3,7 +3,10 @@ connected by real M2N endpoints, produce exactly the colocated engine's greedy t
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,10 @@ import torch
 from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
 from megainfer.config import EngineConfig
-from megainfer.disagg.expert_link import dispatch_bytes, pack_dispatch, unpack_dispatch
+from megainfer.disagg import expert_worker, pipelined_runner
+from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
+from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
+                                          unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.model.weights import SafetensorsCheckpoint
@@ -22,9 +28,10 @@ SECRET = b"d" * 32
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", **engine_options):
+def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", device="cpu", **engine_options):
     """Wire a deployment in threads; return each prompt's greedy tokens."""
-    engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, **engine_options)
+    engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, device=device,
+                                 **engine_options)
     probe = Engine(str(path), engine_config)
     model_config = probe.model_config
     per = model_config.num_experts // n_expert
@@ -43,7 +50,7 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
         link.open()
     endpoints = {name: link.endpoint for name, link in links.items()}
     connect_all(endpoints, {**{a: expert_names for a in attn_names}, **{e: attn_names for e in expert_names}})
-    workers = [ExpertWorker(model_config, assignment[k], "float32", "cpu", SafetensorsCheckpoint(path),
+    workers = [ExpertWorker(model_config, assignment[k], "float32", device, SafetensorsCheckpoint(path),
                             attention_nodes=attn_names, micro_batches=m, link=links[name])
                for k, name in enumerate(expert_names)]
     engines = []
@@ -90,8 +97,9 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
     return [results[f"r{i}"] for i in range(len(prompts))], [e.stats() for e in engines]
 
 
-def colocated(path, prompts):
-    llm_engine = Engine(str(path), EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64))
+def colocated(path, prompts, device="cpu"):
+    llm_engine = Engine(str(path), EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64,
+                                                device=device))
     for i, p in enumerate(prompts):
         llm_engine.add_request(f"r{i}", p, GREEDY)
     out = {f"r{i}": [] for i in range(len(prompts))}
@@ -108,6 +116,16 @@ def test_two_by_two_deployment_matches_colocated(hf_ref, m):
     got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts)
     assert got == expected
     assert all(s.kv_cache_usage == 0.0 for s in stats)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_two_by_two_deployment_on_cuda_matches_colocated(mixtral_ref, m):
+    """The CUDA path: dispatches staged through pinned memory on a copy stream, answers in
+    through pinned memory, expert answers out on the expert's copy stream."""
+    prompts = mixtral_ref.prompts
+    got, _ = run_local_deployment(mixtral_ref.path, 2, 2, m, prompts, device="cuda")
+    assert got == colocated(mixtral_ref.path, prompts, device="cuda")
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -136,6 +154,208 @@ def test_dispatch_payload_round_trip():
     assert torch.equal(x, x2) and torch.equal(ids.int(), ids2) and torch.equal(w, w2)
     with pytest.raises(ValueError, match="does not hold 4 tokens"):
         unpack_dispatch(buf, 4, 16, 2, torch.float32)
+
+
+def routed_tokens(n=9, hidden=16, top_k=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(n, hidden, generator=g).to(dtype), torch.randint(0, 8, (n, top_k), generator=g),
+            torch.rand(n, top_k, generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_records_hold_one_token_each_in_the_documented_layout(dtype):
+    x, ids, w = routed_tokens(dtype=dtype)
+    records = pack_records(x, ids, w)
+    size = record_bytes(16, 2, dtype)
+    assert records.shape == (9, size) and size == 16 * dtype.itemsize + 2 * 2 * 4
+    row = records[4]  # x bytes | int32 ids | float32 weights
+    assert torch.equal(row[:16 * dtype.itemsize].view(dtype), x[4])
+    assert torch.equal(row[16 * dtype.itemsize:size - 8].view(torch.int32), ids[4].int())
+    assert torch.equal(row[size - 8:].view(torch.float32), w[4])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        record_bytes(3, 2, torch.bfloat16)
+
+
+def test_a_nodes_tokens_are_one_contiguous_byte_range():
+    """Records of every node in node order: node k's message is bytes [o_k, o_k+1) x record."""
+    x, ids, w = routed_tokens()
+    offsets = [0, 4, 4, 9]  # node 1 gets nothing
+    flat = pack_dispatch(x, ids, w)
+    size = record_bytes(16, 2, torch.float32)
+    for k in range(3):
+        begin, end = offsets[k], offsets[k + 1]
+        got = unpack_dispatch(flat[begin * size:end * size], end - begin, 16, 2, torch.float32)
+        assert torch.equal(got[0], x[begin:end]) and torch.equal(got[1], ids[begin:end].int())
+        assert torch.equal(got[2], w[begin:end])
+
+
+def test_a_tensor_parallel_ranks_share_is_tensor_splits_and_contiguous():
+    for count in range(12):
+        for tp in (1, 2, 3, 4):
+            shares = [rank_share(count, tp, r) for r in range(tp)]
+            assert [end - begin for begin, end in shares] == [len(t) for t in torch.arange(count).tensor_split(tp)]
+            assert shares[0][0] == 0 and shares[-1][1] == count
+            assert all(shares[r][1] == shares[r + 1][0] for r in range(tp - 1))
+    x, ids, w = routed_tokens(n=7)
+    records = pack_records(x, ids, w)
+    begin, end = rank_share(7, 3, 1)  # rank 1 of 3 carries tokens 3 and 4
+    got = unpack_dispatch(records[begin:end].view(-1), end - begin, 16, 2, torch.float32)
+    assert (begin, end) == (3, 5) and torch.equal(got[0], x[3:5]) and torch.equal(got[2], w[3:5])
+
+
+def test_cpu_staging_elides_every_copy():
+    staging = DeviceStaging("cpu", slots=2)
+    records, offsets = torch.arange(12, dtype=torch.uint8).view(3, 4), torch.tensor([0, 1, 3])
+    copy = staging.to_host([records, offsets], slot=1)
+    assert copy.landed() and copy.event is None
+    host_records, host_offsets = copy.wait()
+    assert host_records.data_ptr() == records.data_ptr() and host_offsets.data_ptr() == offsets.data_ptr()
+    one = torch.arange(5, dtype=torch.uint8)
+    assert staging.to_device([one], slot=0) is one
+    assert torch.equal(staging.to_device([one, one[:2]], slot=0), torch.cat([one, one[:2]]))
+    assert staging.to_device([], slot=0).numel() == 0
+    timer = ComputeTimer("cpu")
+    timer.start()
+    timer.stop()
+    assert timer.collect() >= 0.0 and timer.collect() == 0.0
+
+
+SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time: work still running when the host looks
+
+
+@pytest.mark.gpu
+def test_cuda_staging_copies_what_the_compute_stream_produced_without_waiting_for_it():
+    staging = DeviceStaging("cuda", slots=2)
+    x = torch.zeros(1000, device="cuda")
+    torch.cuda._sleep(SLEEP_CYCLES)
+    x.fill_(5.0)
+    offsets = torch.arange(4, device="cuda")
+    copy = staging.to_host([x, offsets], slot=0)
+    assert not copy.landed()  # the host went on while the device works
+    host_x, host_offsets = copy.wait()
+    assert host_x.is_pinned() and torch.equal(host_x, torch.full((1000,), 5.0))
+    assert host_offsets.tolist() == [0, 1, 2, 3]
+    chunks = [torch.arange(10, dtype=torch.uint8), torch.arange(10, 30, dtype=torch.uint8)]
+    on_device = staging.to_device(chunks, slot=1)
+    chunks[0].fill_(0)  # copied out already: the transport slot may be reused
+    assert on_device.is_cuda and torch.equal(on_device.cpu(), torch.arange(30, dtype=torch.uint8))
+    grown = staging.to_host([torch.ones(1 << 20, device="cuda")], slot=0).wait()[0]
+    assert torch.equal(grown, torch.ones(1 << 20)) and staging.outbound[0].data.numel() >= 4 << 20
+
+
+@pytest.mark.gpu
+def test_compute_timer_measures_device_time_not_launches():
+    timer = ComputeTimer("cuda")
+    torch.cuda.synchronize()  # CUDA is initialised: the launch below is a launch only
+    t0 = time.perf_counter()
+    timer.start()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    timer.stop()
+    launched = time.perf_counter() - t0
+    measured = timer.collect()
+    assert measured > 10 * launched and measured > 0.005
+    assert timer.collect() == 0.0
+
+
+HOT_PATH_FILES = {Path(pipelined_runner.__file__).name, Path(expert_worker.__file__).name}
+
+
+def test_the_hot_path_reads_nothing_back_from_the_device(mixtral_ref, monkeypatch):
+    """The runner and the expert worker read tensors to the host only where a staged copy landed
+    (device_staging.HostCopy), never a compute tensor directly, except once per step: the
+    expert counts, after sampling."""
+    staged: dict[int, torch.Tensor] = {}  # host tensors the staging handed out, by id (held: ids stay unique)
+    to_host = DeviceStaging.to_host
+
+    dispatches = [0]
+
+    def staged_to_host(self, tensors, slot):
+        if Path(sys._getframe(1).f_code.co_filename).name == Path(pipelined_runner.__file__).name:
+            dispatches[0] += 1
+        copy = to_host(self, tensors, slot)
+        staged.update((id(t), t) for t in copy.parts)
+        return copy
+
+    direct: dict[str, int] = {}
+    reads_of_staged = [0]
+    for method in ("tolist", "item", "cpu", "numpy"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(tensor, *args, _original=original, **kwargs):
+            caller = sys._getframe(1).f_code
+            if Path(caller.co_filename).name in HOT_PATH_FILES:
+                if id(tensor) in staged:
+                    reads_of_staged[0] += 1
+                else:
+                    direct[caller.co_name] = direct.get(caller.co_name, 0) + 1
+            return _original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    monkeypatch.setattr(DeviceStaging, "to_host", staged_to_host)
+    steps = [0]
+    run = PipelinedModelRunner._run
+
+    def counted_run(self, out):
+        steps[0] += 1
+        return run(self, out)
+
+    monkeypatch.setattr(PipelinedModelRunner, "_run", counted_run)
+    prompts = mixtral_ref.prompts[:3]
+    got, _ = run_local_deployment(mixtral_ref.path, 1, 2, 2, prompts)
+    monkeypatch.undo()
+    assert got == colocated(mixtral_ref.path, prompts)
+    assert direct == {"_run": steps[0]}, direct  # the expert counts, once per step
+    assert reads_of_staged[0] == dispatches[0] > 0  # each dispatch's node offsets, once landed
+
+
+class SlowCopy:
+    """Stands in for a CUDA copy and its event on the CPU: the host parts hold garbage until
+    the copy lands, after `looks` queries or at synchronize(), as DMA into pinned memory would."""
+
+    def __init__(self, sources: list[torch.Tensor], looks: int, log: list) -> None:
+        self.sources = [t.clone() for t in sources]  # what the compute stream had produced
+        self.parts = [torch.full_like(t, -1) if t.dtype != torch.uint8 else torch.full_like(t, 0xAB)
+                      for t in sources]
+        self.looks, self.log = looks, log
+
+    def query(self) -> bool:
+        self.looks -= 1
+        if self.looks <= 0:
+            self._land()
+        return self.looks <= 0
+
+    def synchronize(self) -> None:
+        if self.looks > 0:
+            self.log.append("waited for a copy in flight")
+        self.looks = 0
+        self._land()
+
+    def _land(self) -> None:
+        for part, source in zip(self.parts, self.sources):
+            part.copy_(source)
+
+
+@pytest.mark.parametrize("looks", [1, 4, 1000])
+def test_dispatches_wait_for_their_copies_and_keep_their_order(mixtral_ref, monkeypatch, looks):
+    """The control flow of the CUDA path on the CPU: each dispatch's copy lands only after
+    `looks` queries (1000: never before its answer is due), so dispatches leave from the
+    outbox while answers are awaited, or are forced out by their own combine. A dispatch sent
+    before its copy landed would carry garbage; the tokens equal the colocated engine's."""
+    log: list[str] = []
+    to_host = DeviceStaging.to_host
+
+    def slow_to_host(self, tensors, slot):
+        if Path(sys._getframe(1).f_code.co_filename).name != Path(pipelined_runner.__file__).name:
+            return to_host(self, tensors, slot)  # the expert worker waits for its copies at once
+        copy = SlowCopy(list(tensors), looks, log)
+        return HostCopy(copy.parts, copy)
+
+    monkeypatch.setattr(DeviceStaging, "to_host", slow_to_host)
+    prompts = mixtral_ref.prompts[:3]
+    got, _ = run_local_deployment(mixtral_ref.path, 2, 2, 2, prompts)
+    monkeypatch.undo()
+    assert got == colocated(mixtral_ref.path, prompts)
+    assert bool(log) == (looks > 1)  # the combine forced out its own dispatch only when copies were slow
 
 
 def test_step_sync_carries_the_layered_cohort_to_follower_ranks():

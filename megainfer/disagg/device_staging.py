@@ -1,0 +1,178 @@
+"""Activations between the compute device and the host memory the transport reads and writes.
+
+On CUDA, a tensor leaves the GPU on a copy stream that first waits on an event recorded on
+the compute stream (so it copies exactly what the kernels launched so far produced), into a
+pinned host buffer; the host reads that buffer only after the copy's own event completed
+(`HostCopy.landed`/`wait`), so the compute stream and the rest of the device never stop. A
+message enters the GPU by a host memcpy out of the transport slot into a pinned buffer (the
+slot can be released at once) and one non-blocking host-to-device copy on the compute stream,
+which kernels launched after it on that stream see in order. A pinned buffer is written again
+only after the copy that last used it completed (its event), so nothing is read half-written.
+
+On the CPU the same calls elide the copies: `to_host` returns views of the tensors
+themselves, `to_device` returns the message bytes (concatenated when there are several).
+
+Pinned buffers, one per micro-batch slot and direction, are allocated on first use and grow by
+doubling (allocating pinned memory is slow, so this happens in the first steps, not per layer);
+`reserve_bytes` allocates them up front.
+
+`ComputeTimer` measures device time between two points of the host's program: CUDA events on
+the compute stream, read once per step; on the CPU, where the host runs the kernels itself,
+wall time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes: each part of a staged copy starts aligned (any dtype view of it is valid)
+
+
+@dataclass
+class HostCopy:
+    """Tensors on their way to the host: `parts` are valid once `event` completed (None: already)."""
+
+    parts: list[torch.Tensor]
+    event: torch.cuda.Event | None = None
+
+    def landed(self) -> bool:
+        """True once the copy completed; never waits."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> list[torch.Tensor]:
+        """The host tensors, after waiting for this copy only (not for the device)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.parts
+
+
+class PinnedBuffer:
+    """Page-locked host bytes that the DMA engines read and write; grows by doubling."""
+
+    def __init__(self, name: str, reserve_bytes: int = 0) -> None:
+        self.name = name
+        self.data = _pinned(reserve_bytes)
+        self.last_use: torch.cuda.Event | None = None  # the copy that last read or wrote `data`
+
+    def claim(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` bytes, once the copy that last used the buffer completed."""
+        if self.last_use is not None:
+            self.last_use.synchronize()  # already complete in steady state: the slot's last use was a layer ago
+            self.last_use = None
+        if nbytes > self.data.numel():
+            size = max(ALIGN, 1 << (nbytes - 1).bit_length())
+            logger.info("pinned staging %s grows to %.1f MiB", self.name, size / 2 ** 20)
+            self.data = _pinned(size)
+        return self.data[:nbytes]
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+
+
+class DeviceStaging:
+    """Stream-ordered copies between `device` and pinned host buffers, one per slot (micro-batch)
+    and direction; on a CPU device every method is a no-copy identity."""
+
+    def __init__(self, device: torch.device | str, slots: int, reserve_bytes: int = 0) -> None:
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.outbound = [PinnedBuffer(f"to host #{i}", reserve_bytes) for i in range(slots)]
+            self.inbound = [PinnedBuffer(f"to device #{i}", reserve_bytes) for i in range(slots)]
+
+    def to_host(self, tensors: Sequence[torch.Tensor], slot: int) -> HostCopy:
+        """Copy `tensors` (as the compute stream's launched work leaves them) to slot `slot`'s
+        pinned buffer on the copy stream. The returned views stay valid until the next
+        `to_host` on the same slot."""
+        if not self.on_cuda:
+            return HostCopy([t.view(t.shape) for t in tensors])
+        flats = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]  # contiguous: on the compute stream
+        offsets, total = _layout([f.numel() for f in flats])
+        host = self.outbound[slot].claim(total)
+        produced = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(produced)
+            for flat, begin in zip(flats, offsets):
+                host[begin:begin + flat.numel()].copy_(flat, non_blocking=True)
+                # The allocator may hand this memory to the compute stream again only after the copy read it.
+                flat.record_stream(self.copy_stream)
+            copied = self.copy_stream.record_event()
+        self.outbound[slot].last_use = copied
+        parts = [host[begin:begin + f.numel()].view(t.dtype).view(t.shape)
+                 for t, f, begin in zip(tensors, flats, offsets)]
+        return HostCopy(parts, copied)
+
+    def to_device(self, chunks: Sequence[torch.Tensor], slot: int) -> torch.Tensor:
+        """The host byte tensors `chunks` (message payloads) end to end, as one uint8 tensor on
+        the device, ordered on the compute stream. On CUDA the chunks are copied out before this
+        returns; on the CPU the result may be `chunks[0]` itself, so release the messages only
+        after the kernels that read the result were launched (on the CPU: ran)."""
+        if not self.on_cuda:
+            if len(chunks) == 1:
+                return chunks[0]
+            return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        total = sum(c.numel() for c in chunks)
+        host = self.inbound[slot].claim(total)
+        begin = 0
+        for chunk in chunks:
+            host[begin:begin + chunk.numel()].copy_(chunk)  # host memcpy out of the transport slot
+            begin += chunk.numel()
+        compute = torch.cuda.current_stream(self.device)
+        on_device = host.to(self.device, non_blocking=True)
+        self.inbound[slot].last_use = compute.record_event()
+        return on_device
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of parts of these byte sizes laid end to end at ALIGN boundaries, and the total."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // ALIGN) * ALIGN
+    return offsets, end
+
+
+class ComputeTimer:
+    """Device time spent between `start()` and `stop()` calls, summed; `collect()` (once per
+    step) returns it in seconds and starts again. On CUDA each interval is a pair of timing
+    events on the compute stream, read only in `collect`, which waits for the last one."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # reused step after step
+        self._used = 0
+        self._started = 0.0
+        self._seconds = 0.0
+
+    def start(self) -> None:
+        if not self.on_cuda:
+            self._started = time.perf_counter()
+            return
+        if self._used == len(self._events):
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        self._events[self._used][0].record(torch.cuda.current_stream(self.device))
+
+    def stop(self) -> None:
+        if not self.on_cuda:
+            self._seconds += time.perf_counter() - self._started
+            return
+        self._events[self._used][1].record(torch.cuda.current_stream(self.device))
+        self._used += 1
+
+    def collect(self) -> float:
+        if self.on_cuda and self._used:
+            self._events[self._used - 1][1].synchronize()  # stream order: every earlier pair is done too
+            self._seconds += sum(begin.elapsed_time(end) for begin, end in self._events[:self._used]) / 1e3
+            self._used = 0
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
