@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         scale = "" if plan.autoscale is None else \
             f", {plan.autoscale.min_replicas} to {plan.autoscale.max_replicas} replicas on predicted TTFT"
         print(f"serving {plan.model} ({plan.attention.nodes} attention x {plan.experts.nodes} expert node(s), "
-              f"m={plan.pipeline.micro_batches}{scale}) on {server.address}", file=sys.stderr)
+              f"m={plan.pipeline.micro_batches}{scale}) on {server.address}"
+              + (" (rehearsal: the plan's GPU placement, tensors on the CPU)" if deployment.runtime.is_rehearsal else ""),
+              file=sys.stderr)
         if args.demo:
             _demo(server.address, args.demo, args.max_tokens)
             return 0
