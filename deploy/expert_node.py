@@ -21,7 +21,8 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
     model, weights = weights_of(plan)
     return ExpertWorker(model, list(runtime.expert_ids), plan.dtype, runtime.device, weights,
                         attention_nodes=attention_rank_names(plan), micro_batches=plan.pipeline.micro_batches,
-                        link=link, tp_group=tp_group, staging_bytes=runtime.staging_bytes)
+                        link=link, tp_group=tp_group,
+                        staging_bytes=runtime.staging_bytes if link is not None else 0)  # followers stage nothing
 
 
 class ExpertNode(LoopActor):

@@ -182,10 +182,14 @@ class NodeGroup:
     def recover(self, health: list[NodeHealth]) -> None:
         """Re-wire after a failure: every node stops stepping, restarted ones reload their
         weights, then the data plane is built anew."""
-        if max(self.plan.attention.tp, self.plan.experts.tp) > 1 and any(
-                h.status is NodeStatus.DEAD for h in health):
-            raise DataPlaneError("a rank of a tensor-parallel deployment died; re-forming its group is not "
-                                 "supported yet: redeploy")
+        if max(self.plan.attention.tp, self.plan.experts.tp) > 1:
+            # The ranks of a node may have left the failed step at different collectives, and
+            # their groups pair collectives by order: resuming would pair a stale one with a new
+            # one (a hang or wrong sums). Re-forming the groups on every rank is not built yet.
+            dead = [h.name for h in health if h.status is NodeStatus.DEAD]
+            raise DataPlaneError(f"a tensor-parallel deployment cannot resume after a failed step "
+                                 f"({'dead: ' + ', '.join(dead) if dead else 'its groups may be out of step'}): "
+                                 "redeploy")
         nodes = self.attention + self.shards + self.experts
         gather([n.interrupt.remote() for n in nodes], CALL_TIMEOUT_S)
         self.wait_ready(nodes)

@@ -89,13 +89,14 @@ def gpu_type_shortfalls(plan: Plan, hosts: list[dict]) -> list[str]:
     """Per GPU type: the plan's GPUs against those of the hosts of that type, and each node's
     tp GPUs against the largest such host (a node's ranks share one host)."""
     shortfalls = []
-    for side in {plan.attention.gpu: plan.attention, plan.experts.gpu: plan.experts}.values():
-        wanted = sum(s.tp * s.nodes for s in (plan.attention, plan.experts) if s.gpu == side.gpu)
-        typed = [h.get("GPU", 0.0) for h in hosts if f"accelerator_type:{side.gpu}" in h]
+    for gpu in dict.fromkeys((plan.attention.gpu, plan.experts.gpu)):  # one or two types, in order
+        sides = [s for s in (plan.attention, plan.experts) if s.gpu == gpu]
+        wanted, tp = sum(s.tp * s.nodes for s in sides), max(s.tp for s in sides)
+        typed = [h.get("GPU", 0.0) for h in hosts if f"accelerator_type:{gpu}" in h]
         if sum(typed) < wanted:
-            shortfalls.append(f"{side.gpu} GPUs (needs {wanted}, its hosts have {sum(typed):g})")
-        elif max(typed, default=0.0) < side.tp:
-            shortfalls.append(f"a host with {side.tp} {side.gpu} GPUs for a tp-{side.tp} node "
+            shortfalls.append(f"{gpu} GPUs (needs {wanted}, its hosts have {sum(typed):g})")
+        elif max(typed, default=0.0) < tp:
+            shortfalls.append(f"a host with {tp} {gpu} GPUs for a tp-{tp} node "
                               f"(the largest has {max(typed, default=0.0):g})")
     return shortfalls
 

@@ -99,8 +99,9 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     record = model.hidden_size * value_bytes + model.top_k * 8  # one token's x, int32 ids, float32 weights
     dispatch_bytes = share * record
     # Staged through pinned memory on CUDA: an attention rank copies its whole micro-batch's
-    # records out (and its answers in); an expert node takes every attention node's tokens.
-    attention_staging = tokens * record + STAGING_SLACK_BYTES
+    # records out, a token once for each expert node it chose (at most min(top_k, nodes)), and
+    # its answers in; an expert node takes every attention node's tokens.
+    attention_staging = tokens * min(model.top_k, plan.experts.nodes) * record + STAGING_SLACK_BYTES
     expert_staging = plan.attention.nodes * tokens * record + STAGING_SLACK_BYTES
     m = plan.pipeline.micro_batches
     attention = tuple(AttentionRuntime(i, f"attention{i}", rank_names(f"attention{i}", tp_a), engine,

@@ -2,10 +2,13 @@
 
 A bucket is the op, the dtype and the sizes that decide the work, each rounded up to a power
 of two. The first call in a bucket runs both implementations (warm-up, which absorbs
-Triton's compile, then a few reps timed with CUDA events), keeps the faster for the rest of
-the process, logs the choice with both times, and returns the winner's output. That first
-call synchronises once; later calls in the bucket cost a dict lookup. A Triton kernel that
-fails to build for this GPU (a tile over its shared memory, say) loses, and the log says why.
+Triton's compile, then a few reps timed), keeps the faster for the rest of the process, logs
+the choice with both times, and returns the winner's output. Time is wall time between two
+device synchronisations, so a reference that synchronises the host itself (a `.tolist()`, a
+`nonzero`) pays for it. That first call synchronises; later calls in the bucket cost a dict
+lookup. A Triton kernel that fails to build for this GPU (a tile over its shared memory,
+say) loses, and the log says why; a reference that fails (out of memory gathering a large
+batch's pages) loses the same way.
 While a CUDA graph is being captured nothing is timed (timing synchronises): the reference
 runs and nothing is decided.
 """
@@ -13,6 +16,7 @@ runs and nothing is decided.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -29,17 +33,17 @@ def bucket(n: int) -> int:
 
 
 def cuda_time_ms(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[float, Any]:
-    """(mean milliseconds per call over `reps` after `warmup` calls, the last call's output)."""
+    """(mean milliseconds per call over `reps` after `warmup` calls, the last call's output):
+    wall time from an idle device to the last call's end, host stalls included."""
     out = None
     for _ in range(warmup):
         out = fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     for _ in range(reps):
         out = fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps, out
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / reps, out
 
 
 def _capturing() -> bool:
@@ -62,8 +66,28 @@ class ShapeChoice:
             return reference_fn()
         return self._decide(key, triton_fn, reference_fn)
 
+    def fixed(self, key: Hashable, triton_fn: Callable[[], Any], reference_fn: Callable[[], Any]) -> Any:
+        """The Triton kernel without timing (ops whose choice must not vary between processes);
+        the reference only where Triton cannot build for this GPU."""
+        if self.choices.get(key) == REFERENCE:
+            return reference_fn()
+        try:
+            out = triton_fn()
+        except Exception as exc:
+            self.choices[key] = REFERENCE
+            log.warning("kernels %s: the Triton kernel failed (%s: %s); the torch reference runs instead", key,
+                        type(exc).__name__, exc)
+            return reference_fn()
+        self.choices[key] = TRITON
+        return out
+
     def _decide(self, key: Hashable, triton_fn: Callable[[], Any], reference_fn: Callable[[], Any]) -> Any:
-        reference_ms, reference_out = self.timer(reference_fn, self.reps, self.warmup)
+        try:
+            reference_ms, reference_out = self.timer(reference_fn, self.reps, self.warmup)
+        except torch.cuda.OutOfMemoryError as exc:  # a large batch's gathered pages: Triton pages in place
+            self.choices[key] = TRITON
+            log.warning("kernels %s: the torch reference ran out of memory (%s); the Triton kernel runs", key, exc)
+            return triton_fn()
         try:
             triton_ms, triton_out = self.timer(triton_fn, self.reps, self.warmup)
         except Exception as exc:  # compile or launch failures on this GPU: the reference stays correct

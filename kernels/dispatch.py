@@ -130,6 +130,9 @@ def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, que
 
 
 def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0):
+    """On CUDA always the Triton kernel (not timed): every rank of a tensor-parallel node must
+    route its tokens alike, and a per-process timed choice could pick differently on two ranks
+    (ties rounded differently); the reference also synchronises the host (`nonzero`)."""
     from kernels import moe_ref as r
 
     def triton_fn():
@@ -141,8 +144,12 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
         nodes = num_nodes if expert_node is not None else 0
         return "fused_gating", logits.dtype, bucket(logits.shape[0]), logits.shape[1], top_k, renormalize, nodes
 
-    return _pick(logits.device, key, triton_fn,
-                 lambda: r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes))
+    def reference():
+        return r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
+
+    if backend(logits.device) == FASTEST:
+        return _choice.fixed(key(), triton_fn, reference)
+    return _pick(logits.device, key, triton_fn, reference)
 
 
 def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights):

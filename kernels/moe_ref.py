@@ -78,8 +78,15 @@ def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int], w_gate_up: t
                         row_weights: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts over rows grouped by expert: rows [off[e], off[e+1]) of x [P, H] go through
     expert e (w_gate_up [E, 2I, H], gate rows first; w_down [E, H, I]); each output row is
-    scaled by its routing weight. -> [P, H] in x's dtype."""
+    scaled by its routing weight. -> [P, H] in x's dtype. Rows past the last offset (pairs of
+    experts held elsewhere) are not computed; here they come out zero."""
     counts = [b - a for a, b in zip(expert_offsets, expert_offsets[1:])]
+    total = expert_offsets[-1] if expert_offsets else 0
+    if total < x.shape[0]:
+        out = x.new_zeros(x.shape)
+        if total:
+            out[:total] = grouped_expert_gemm(x[:total], expert_offsets, w_gate_up, w_down, row_weights[:total])
+        return out
     if not x.shape[0]:
         return torch.empty_like(x)
     active = sum(1 for c in counts if c)

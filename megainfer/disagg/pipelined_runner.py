@@ -70,6 +70,17 @@ class RoutedTokens:
     counts: list[int]  # per expert node: how many
 
 
+def tokens_in_node_order(token_ids: torch.Tensor, node_offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each expert node's segment of `token_ids` in ascending token order, spare entries (past
+    the last offset) last. The Triton gating kernel fills a segment with atomics, so its order
+    varies from run to run, and the ranks of a tensor-parallel node, which each run it, would
+    split a segment into overlapping shares. Sorting on the device needs no host sync."""
+    positions = torch.arange(token_ids.numel(), device=token_ids.device)
+    node = torch.searchsorted(node_offsets[1:].to(torch.int64), positions, right=True)  # spare: past the last
+    keys = node * num_tokens + token_ids.to(torch.int64)
+    return (keys.sort().values % num_tokens).to(token_ids.dtype)
+
+
 class PipelinedModelRunner:
     steps_when_idle = True
 
@@ -195,6 +206,8 @@ class PipelinedModelRunner:
         # Past node_offsets[-1] the entries are spare (uninitialised on the Triton path): clamped
         # so the gather stays in bounds. Those records are copied but never sent.
         token_ids = g.node_token_ids.clamp(0, hidden.shape[0] - 1)
+        if self.tp_size > 1:  # the ranks split each node's tokens by position: they must agree on the order
+            token_ids = tokens_in_node_order(token_ids, g.node_offsets, hidden.shape[0])
         records = pack_records(a.expert_input[token_ids], a.topk_ids[token_ids], a.topk_weights[token_ids])
         copy = self.staging.to_host([records, g.node_offsets], slot=j)
         self._outbox.append(PendingDispatch(layer, j, copy, token_ids))

@@ -42,29 +42,30 @@ class ExpertLayer(nn.Module):
         # [local expert, 2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection.
         self.w_gate_up = nn.Parameter(torch.empty(n, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(n, h, i, dtype=dtype, device=device), requires_grad=False)
-        local = torch.full((cfg.num_experts,), -1, dtype=torch.int64)
+        # Global id -> local id; experts held elsewhere map to n, past the last local expert, so
+        # their pairs sort last and no boolean mask (a host sync on a GPU) drops them.
+        local = torch.full((cfg.num_experts,), n, dtype=torch.int64)
         local[self.expert_ids] = torch.arange(n)
-        self.register_buffer("local_index", local.to(device), persistent=False)  # global id -> local, -1 if absent
+        self.register_buffer("local_index", local.to(device), persistent=False)
         self.holds_all = n == cfg.num_experts
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] global ids, topk_weights [T, k] -> [T, H]."""
-        k = topk_ids.shape[1]
+        k, n = topk_ids.shape[1], len(self.expert_ids)
         local = self.local_index[topk_ids.reshape(-1)]
-        weights = topk_weights.reshape(-1)
-        pair_ids = torch.arange(local.numel(), device=x.device)
-        if not self.holds_all:
-            held = local >= 0
-            local, weights, pair_ids = local[held], weights[held], pair_ids[held]
         # Sort (token, choice) pairs by expert so each expert runs one contiguous GEMM; the
-        # stable sort keeps token order inside an expert, as transformers' loop does.
+        # stable sort keeps token order inside an expert, as transformers' loop does. Pairs of
+        # experts held elsewhere (id n) come last, past the last offset.
         local, order = torch.sort(local, stable=True)
-        token_ids = pair_ids[order] // k
-        # Offsets stay on the device: the Triton GEMM reads them there (no host sync per layer);
-        # the torch reference reads them back itself.
-        counts = torch.bincount(local, minlength=len(self.expert_ids))
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down, weights[order])
+        token_ids = order // k
+        # Counts and offsets stay on the device (scatter_add: bincount reads its range back):
+        # the Triton GEMM reads them there; the torch reference reads them back itself.
+        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
+        offsets = torch.cat([counts.new_zeros(1), counts[:n].cumsum(0)])
+        out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down,
+                                          topk_weights.reshape(-1)[order])
+        if not self.holds_all:  # rows past the last offset were never computed (uninitialised)
+            out = torch.where((local < n)[:, None], out, 0)
         return torch.zeros_like(x).index_add_(0, token_ids, out)
 
     def load_weights(self, source: WeightSource) -> None:

@@ -110,6 +110,11 @@ def test_gpu_types_are_counted_per_host_type():
     assert gpu_type_shortfalls(plan, [{"GPU": 4.0, "accelerator_type:H20": 1.0}] + l40s) == []
     # four H20 GPUs in all, but a tp-4 node's ranks must share one host
     assert gpu_type_shortfalls(plan, h20_pair + l40s) == ["a host with 4 H20 GPUs for a tp-4 node (the largest has 2)"]
+    # one GPU type for both sides: the attention side's tp-4 node still needs a 4-GPU host
+    homogeneous = Plan.from_dict({"model": "tiny-mixtral", "attention": {"gpu": "H800", "tp": 4, "nodes": 1},
+                                  "experts": {"gpu": "H800", "tp": 1, "nodes": 2}})
+    assert gpu_type_shortfalls(homogeneous, [{"GPU": 1.0, "accelerator_type:H800": 1.0}] * 8) == [
+        "a host with 4 H800 GPUs for a tp-4 node (the largest has 1)"]
     # eight GPUs, none of them L40S
     assert gpu_type_shortfalls(plan, [{"GPU": 8.0, "accelerator_type:H20": 1.0}]) == [
         "L40S GPUs (needs 2, its hosts have 0)"]

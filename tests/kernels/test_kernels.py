@@ -441,3 +441,29 @@ def test_bench_kernels_says_no_gpu_and_fails():
     out = subprocess.run([sys.executable, "-m", "megainfer", "bench", "kernels"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0 and "no CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_shape_choice_takes_triton_when_the_reference_runs_out_of_memory(caplog):
+    def timer(fn, reps, warmup):
+        return 1.0, fn()
+
+    def gathers_too_much():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory gathering pages")
+
+    choice = ShapeChoice(timer=timer)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        assert choice.run("op", lambda: TRITON, gathers_too_much) == TRITON
+    assert choice.choices == {"op": TRITON} and "out of memory" in caplog.text
+
+
+def test_gating_takes_triton_untimed_so_every_rank_routes_alike(monkeypatch):
+    """A timed choice is per process; gating's must not differ between a node's ranks."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device: dispatch.FASTEST)
+    timed = []
+    monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=lambda fn, reps, warmup: timed.append(fn)))
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    out = dispatch.fused_gating(logits, 2, True)
+    expected = moe_ref.fused_gating(logits, 2, True)
+    assert torch.equal(out.topk_ids, expected.topk_ids) and not timed
+    assert set(dispatch._choice.choices.values()) == {TRITON}

@@ -384,3 +384,15 @@ def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
     assert step_sync.decode(step_sync.encode(SchedulerOutput())).layered is None
     for m in (1, 2, 3):  # every rank lays the step out alike, down to the rows that sample
         assert StepLayout.of(got, m) == StepLayout.of(out, m)
+
+
+def test_each_nodes_tokens_come_in_token_order_whatever_order_gating_wrote():
+    """Tensor-parallel ranks split each node's segment by position; their gating kernels may
+    fill a segment in any order, so the runner sorts each segment by token."""
+    from megainfer.disagg.pipelined_runner import tokens_in_node_order
+
+    offsets = torch.tensor([0, 3, 3, 5], dtype=torch.int32)  # node 1 gets nothing; 2 spare entries
+    written = torch.tensor([4, 0, 2, 3, 1, 7, 7], dtype=torch.int32)  # as one run's atomics left it
+    again = torch.tensor([2, 4, 0, 1, 3, 0, 0], dtype=torch.int32)  # another run (or rank)
+    assert tokens_in_node_order(written, offsets, 8).tolist()[:5] == [0, 2, 4, 1, 3]
+    assert tokens_in_node_order(again, offsets, 8).tolist()[:5] == [0, 2, 4, 1, 3]
