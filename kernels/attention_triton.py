@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import attention_jit as jit
-from kernels.dispatch import interpreted
+from kernels.launch import interpreted
 from kernels.launch import check_attention, device_ints
 from kernels.tiles import AttentionTiles, attention_tiles, pow2
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels.dispatch import interpreted
+from kernels.launch import interpreted
 from kernels.paged_attention_ref import PagedAttentionBatch
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import interpreted
+from kernels.launch import interpreted
 from kernels.tiles import attention_tiles, gemm_tiles, pow2
 
 # Attention heads (query, kv, head dim): Mixtral 8x7B (GQA 4), Qwen3-MoE at GQA 4 and 16,

@@ -13,6 +13,7 @@ import os
 import torch
 
 from kernels.choice import ShapeChoice, bucket
+from kernels.launch import interpreted
 
 BACKENDS = ("reference", "triton")
 ENV = "MEGAINFER_KERNELS"
@@ -24,10 +25,6 @@ class KernelUnavailable(RuntimeError):
     """The requested kernel backend cannot run here (the message says why and what to do)."""
 
 
-def interpreted() -> bool:
-    """Whether Triton runs its interpreter (read when a kernel module is imported: `@triton.jit`
-    picks interpreted or compiled functions then)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _triton_available() -> bool:

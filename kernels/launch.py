@@ -1,9 +1,18 @@
-"""What the Triton launchers share: argument checks that name the offending argument, and
-host-to-device copies of small index tables that do not synchronise the stream."""
+"""What the Triton launchers share: whether Triton interprets, argument checks that name the
+offending argument, and host-to-device copies of small index tables that do not synchronise
+the stream."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its interpreter (read when a kernel module is imported: `@triton.jit`
+    picks interpreted or compiled functions then)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def device_ints(values: list[int], device: torch.device) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpreted
+from kernels.launch import interpreted
 from kernels.launch import check_experts, device_ints
 from kernels.moe_ref import Gating
 from kernels.tiles import gemm_tiles, pow2
