@@ -13,7 +13,8 @@ from megainfer.errors import PlanError
 from megainfer.plan import Plan
 from tests.helpers import ROOT, megainfer
 
-GPU_PLANS = sorted(p for p in (ROOT / "deploy" / "plans").glob("*.yaml") if "cpu" not in p.name)
+PLANS = sorted((ROOT / "deploy" / "plans").glob("*.yaml"))
+GPU_PLANS = [p for p in PLANS if not Plan.load(p).is_cpu]
 
 
 def plan(**scheduler) -> Plan:
@@ -65,12 +66,18 @@ def test_the_batch_check_names_the_cap():
     assert not check.reaches_prediction
 
 
-@pytest.mark.parametrize("path", GPU_PLANS, ids=lambda p: p.stem)
-def test_every_shipped_gpu_plan_dry_runs_and_reaches_its_predicted_batch(path):
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
+def test_every_shipped_plan_dry_runs_and_a_gpu_plan_reaches_its_predicted_batch(path):
     out = megainfer("deploy", str(path), "--dry-run")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "the runtime reaches the plan" in out.stdout
-    assert "control gloo, activations nccl" in out.stdout or "tp group" in out.stdout
+    plan = Plan.load(path)
+    for i in range(plan.attention.nodes):
+        assert f"attention{i} " in out.stdout
+    for k in range(plan.experts.nodes):
+        assert f"expert{k} " in out.stdout
+    if not plan.is_cpu:
+        assert "the runtime reaches the plan" in out.stdout
+        assert f"accelerator_type:{plan.attention.gpu}" in out.stdout
 
 
 def test_a_dry_run_exits_1_when_the_runtime_caps_the_plan(tmp_path):
