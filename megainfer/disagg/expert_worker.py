@@ -4,26 +4,48 @@ and answer each attention node with its slice.
 
 The messages' records (expert_link.py) enter the device in one copy per (layer, micro-batch)
 through a pinned buffer (device_staging.py), so the transport slots are released at once;
-the answers leave on the copy stream, and only that copy is waited for before they are sent.
-Token counts come from the headers: nothing is read back from the device to size anything.
-On the CPU the same code runs with the copies elided.
+the answers leave on the copy stream and wait in an outbox until that copy has landed: they
+are sent while the node waits for its next messages (or at the step's end), so the host never
+waits for the device inside a layer and the next micro-batch's experts are launched while the
+last one's answers are still copying. Token counts come from the headers: nothing is read
+back from the device to size anything. On the CPU the same code runs with the copies elided.
+
+An answer of (layer, j) is always sent before slot j's pinned buffer is written again: the
+next use of slot j is (layer + 1, j), whose messages cannot come before the attention nodes
+have (layer, j)'s answers.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from megainfer.config import ModelConfig
-from megainfer.disagg.device_staging import DeviceStaging
+from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
 
 CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
+
+
+@dataclass
+class PendingAnswer:
+    """One (layer, micro-batch)'s answers on their way to the host, not yet sent."""
+
+    step: int
+    layer: int
+    micro_batch: int
+    counts: list[int]  # tokens of each attention node, in `attention_nodes` order
+    copy: HostCopy | None  # [total, hidden] answers; None: no tokens
+
+    def landed(self) -> bool:
+        return self.copy is None or self.copy.landed()
 
 
 class ExpertWorker:
@@ -49,6 +71,7 @@ class ExpertWorker:
         self.link = link
         self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
+        self._answers: deque[PendingAnswer] = deque()
         self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids, tp_rank, tp_size)
                        for layer in range(model_config.num_layers)]
         with torch.inference_mode():
@@ -65,7 +88,10 @@ class ExpertWorker:
     def run_step(self) -> int:
         """One engine step of every attention node: all layers, all micro-batches. Returns the
         tokens this node processed in it."""
+        self._answers.clear()  # a failed step's answers are not this step's
         step_tokens = sum(self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m))
+        while self._answers:  # the attention nodes end their step on these
+            self._send_answer(self._answers.popleft())
         self.steps += 1
         self.tokens += step_tokens
         return step_tokens
@@ -74,7 +100,7 @@ class ExpertWorker:
         """(layer, j): every attention node's tokens through this node's experts, each node
         answered with its rows. Returns the tokens served."""
         t0 = time.perf_counter()
-        msgs = [self.link.recv(a, micro_batch=j) for a in self.attention_nodes]
+        msgs = [self._receive(a, j) for a in self.attention_nodes]
         t1 = time.perf_counter()
         self.timing["wait_attention"] += t1 - t0
         step = self._check(msgs, layer)
@@ -87,15 +113,39 @@ class ExpertWorker:
         y = self._experts(layer, records, total) if total else None
         for msg in msgs:  # the kernels that read them are launched (on the CPU: done)
             msg.release()
-        answers = self.staging.to_host([y], slot=j).wait()[0] if total else None  # waits for this copy only
+        copy = self.staging.to_host([y], slot=j) if total else None
+        self._answers.append(PendingAnswer(step, layer, j, counts, copy))
         self.timing["experts"] += time.perf_counter() - t1
-        flags = BUSY if total else 0
-        offset = 0
-        for a, n in zip(self.attention_nodes, counts):
-            payload = answers[offset:offset + n] if n else torch.empty(0, dtype=torch.uint8)
-            self.link.send(a, payload, step=step, layer=layer, micro_batch=j, token_count=n, flags=flags)
-            offset += n
+        self._flush_landed()
         return total
+
+    def _receive(self, attention_node: str, j: int):
+        """The next message of `attention_node` for micro-batch j; while it is awaited, answers
+        whose copies land are sent (the message may be waiting on one of them)."""
+        while self._answers:
+            msg = self.link.poll(attention_node, micro_batch=j)
+            if msg is not None:
+                return msg
+            if self._answers[0].landed():
+                self._send_answer(self._answers.popleft())
+        return self.link.recv(attention_node, micro_batch=j)
+
+    def _flush_landed(self) -> None:
+        """Send, oldest first, every answer whose copy has reached the host; never waits."""
+        while self._answers and self._answers[0].landed():
+            self._send_answer(self._answers.popleft())
+
+    def _send_answer(self, pending: PendingAnswer) -> None:
+        """Each attention node's rows of one (layer, micro-batch)'s answers (waiting for their
+        copy only if it has not landed)."""
+        answers = pending.copy.wait()[0] if pending.copy is not None else None
+        flags = BUSY if answers is not None else 0
+        offset = 0
+        for a, n in zip(self.attention_nodes, pending.counts):
+            payload = answers[offset:offset + n] if n else torch.empty(0, dtype=torch.uint8)
+            self.link.send(a, payload, step=pending.step, layer=pending.layer, micro_batch=pending.micro_batch,
+                           token_count=n, flags=flags)
+            offset += n
 
     def _check(self, msgs: list, layer: int) -> int:
         """The step every attention node's message belongs to; each must be (that step, `layer`)
