@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import selectors
 import socket
 import threading
@@ -66,6 +67,7 @@ class EndpointSpec:
     backend: str = "auto"  # "auto" | "shm" | "tcp" | "rdma"
     timeout_s: float = 30.0  # longest wait for a peer (connect, send slot, receive)
     spin_us: float = 50.0  # busy-poll this long before sleeping on a wakeup
+    tcp_buffer_bytes: int | None = None  # tcp socket buffers; None leaves them to the kernel's autotuning
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -80,6 +82,9 @@ class EndpointSpec:
             raise ValueError(f"EndpointSpec.rank must fit 16 bits, got {self.rank}")
         if self.timeout_s <= 0 or self.spin_us < 0:
             raise ValueError("EndpointSpec.timeout_s must be positive and spin_us non-negative")
+        if self.tcp_buffer_bytes is not None and self.tcp_buffer_bytes <= 0:
+            raise ValueError(f"EndpointSpec.tcp_buffer_bytes must be positive or None (autotuning), got "
+                             f"{self.tcp_buffer_bytes}")
         parse_address(self.listen)
 
 
@@ -231,7 +236,7 @@ class Endpoint:
                 channel = rdma.RdmaOutbound.connect(self._rdma_context(), peer, channel_id, slot_bytes, num_slots,
                                                     sock, ack["rdma"])
             else:
-                tune(sock, slot_bytes)
+                tune(sock, self.spec.tcp_buffer_bytes)
                 channel = TcpOutbound(peer, slot_bytes, num_slots, sock)
             sock.settimeout(None)
             logger.info("endpoint %s -> %s over %s", self.spec.name, peer, kind)
@@ -289,7 +294,7 @@ class Endpoint:
             channel = rdma.RdmaInbound.accept(self._rdma_context(), name, self.spec.slot_bytes, self.spec.num_slots,
                                               sock, ack)
         else:
-            tune(sock, self.spec.slot_bytes)
+            tune(sock, self.spec.tcp_buffer_bytes)
             channel = TcpInbound(name, self.spec.slot_bytes, self.spec.num_slots, sock)
             send_json(sock, ack)
         sock.settimeout(None)
@@ -346,9 +351,30 @@ class Endpoint:
         check_header_fields(step, layer, micro_batch, self.spec.rank, token_count)
         seq = self._seq[peer]
         header = Header(step, layer, micro_batch, self.spec.rank, flags & 0xFFFF, token_count, seq, n)
+        limit = self.spec.timeout_s if timeout is None else timeout
         if not channel.try_send(header, data):
-            self._send_when_free(channel, header, data, self.spec.timeout_s if timeout is None else timeout)
+            self._send_when_free(channel, header, data, limit)
+        if getattr(channel, "unsent", 0):
+            self._finish_send(channel, limit)
         self._seq[peer] = seq + 1
+
+    def _finish_send(self, channel, limit: float) -> None:
+        """The rest of a tcp message the kernel could not take at once: written as the socket
+        drains, while every inbound tcp connection is read into its slots, so a peer that is
+        sending to this endpoint at the same time is never left waiting for a reader (full
+        duplex: two senders never block each other). Returns once the message is all out, so
+        the caller may reuse its buffer."""
+        peer = channel.peer
+        deadline = time.monotonic() + limit
+        readers = {ch.sock: name for name, ch in self.inbound.items() if isinstance(ch, TcpInbound)}
+        while not channel.flush():
+            self._check_alive((peer,))
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(f"endpoint {self.spec.name}: peer {peer} has not read {channel.unsent} bytes of a "
+                                  f"message within {limit:g} s (it stopped reading, or its host is unreachable)")
+            readable, _, _ = select.select(list(readers), [channel.sock], [], MAX_SLEEP_S)
+            for sock in readable:
+                self._collect(readers[sock])
 
     def _send_when_free(self, channel, header: Header, data: memoryview, limit: float) -> None:
         """The slow path of send: the peer still holds the slot. Spin, then sleep, until it frees."""

@@ -1,13 +1,19 @@
 """TCP channels: peers on other hosts (or anywhere, when asked for).
 
 One persistent connection per direction and peer; the authenticated control connection
-becomes the data connection. The sender writes header and payload with one `sendmsg`;
-the receiver reads the header, then the payload straight into the slot its micro-batch
+becomes the data connection. The sender writes header and payload with `sendmsg`; the
+receiver reads the header, then the payload straight into the slot its micro-batch
 selects. Released slots flow back as credit frames on the same connection, so a sender
 never overwrites a slot its consumer still holds.
 
-Both ends read without blocking (a small state machine), so the endpoint's single
-thread can wait on many connections at once.
+Full duplex by construction: nothing here blocks on the network. A send writes what the
+kernel takes now and keeps the rest (`unsent`); the endpoint finishes it while reading
+every inbound connection (`Endpoint._finish_send`), so two nodes sending each other
+multi-megabyte messages at once (the ping-pong with m >= 2) both make progress instead of
+both waiting in `sendmsg` for a reader. Reads are non-blocking too (a small state
+machine), so the endpoint's single thread can wait on many connections at once. Socket
+buffers are left to the kernel's autotuning unless a size is configured: setting them
+turns autotuning off and caps them near the kernel's maximum (about 200 KB by default).
 """
 
 from __future__ import annotations
@@ -18,14 +24,13 @@ from transport.errors import PeerClosed
 from transport.wire import CREDIT, CREDIT_MAGIC, HEADER_BYTES, Header
 
 
-def tune(sock: socket.socket, slot_bytes: int) -> None:
+def tune(sock: socket.socket, buffer_bytes: int | None) -> None:
+    """No Nagle delay (headers are small and latency-bound); socket buffers of `buffer_bytes`
+    when given, else the kernel's autotuning."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    # Room for a couple of slots in flight without the sender stalling on the kernel.
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, max(4 * slot_bytes, 1 << 20))
-        except OSError:
-            pass
+    if buffer_bytes:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
 
 
 def read_available(sock: socket.socket, into: memoryview, peer: str) -> int | None:
@@ -116,6 +121,11 @@ class TcpOutbound:
         self.busy = [False] * num_slots  # slot sent into and not yet credited back
         self._credits = bytearray(CREDIT.size * 64)
         self._pending = b""
+        self._unsent: list[memoryview] = []  # the current message's bytes the kernel has not taken yet
+
+    @property
+    def unsent(self) -> int:
+        return sum(len(part) for part in self._unsent)
 
     def drain_credits(self) -> None:
         while True:
@@ -132,22 +142,38 @@ class TcpOutbound:
             self._pending = data[whole:]
 
     def try_send(self, header: Header, payload) -> bool:
+        """Start sending a message into its slot: False while the peer holds the slot; True once
+        started, with what the kernel did not take yet left in `unsent` (see `flush`)."""
+        if self._unsent:
+            raise RuntimeError(f"a message to {self.peer} is still being sent: flush it first")
         slot = header.micro_batch % self.num_slots
         if self.busy[slot]:
             self.drain_credits()
             if self.busy[slot]:
                 return False
-        head = header.pack()
-        try:
-            sent = self.sock.sendmsg([head, payload] if header.byte_length else [head])
-            if sent < HEADER_BYTES + header.byte_length:  # the kernel took part: finish in place
-                if sent < HEADER_BYTES:
-                    self.sock.sendall(head[sent:])
-                    sent = HEADER_BYTES
-                self.sock.sendall(payload[sent - HEADER_BYTES:])
-        except (BrokenPipeError, ConnectionError) as exc:
-            raise PeerClosed(f"peer {self.peer} is gone ({exc})") from None
         self.busy[slot] = True
+        self._unsent = [memoryview(header.pack())] + ([memoryview(payload)] if header.byte_length else [])
+        self.flush()
+        return True
+
+    def flush(self) -> bool:
+        """Write what the kernel takes now of the current message, never waiting; True once it
+        is all out."""
+        while self._unsent:
+            try:
+                sent = self.sock.sendmsg(self._unsent, [], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except (BrokenPipeError, ConnectionError) as exc:
+                raise PeerClosed(f"peer {self.peer} is gone ({exc})") from None
+            while sent and self._unsent:
+                part = self._unsent[0]
+                if sent >= len(part):
+                    sent -= len(part)
+                    self._unsent.pop(0)
+                else:
+                    self._unsent[0] = part[sent:]
+                    sent = 0
         return True
 
     def close(self) -> None:
