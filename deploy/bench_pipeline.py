@@ -13,6 +13,7 @@ import time
 import ray
 
 from deploy.deployment import Deployment
+from deploy.placement import connect_ray
 from megainfer.bench.report import format_table, write_json
 from megainfer.errors import DataPlaneError, PlanError
 from megainfer.messages import FinishReason
@@ -80,10 +81,7 @@ def run(plan_path: str, micro_batches: list[int], requests: int | None, prompt_l
     if requests > plan.attention.nodes * plan.scheduler.max_num_seqs:
         raise PlanError(f"--requests {requests} exceeds what the attention nodes run at once "
                         f"({plan.attention.nodes} x scheduler.max_num_seqs {plan.scheduler.max_num_seqs})")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=max(os.cpu_count() or 1, plan.attention.nodes + plan.experts.nodes),
-                 include_dashboard=False, log_to_driver=False)
+    started = connect_ray(None, plan)  # one Ray session for every micro-batch count
     try:
         rows = []
         for m in micro_batches:

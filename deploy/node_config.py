@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from deploy.runtime_config import rank_name
 from megainfer.config import ModelConfig, resolve_model
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint, WeightSource
 from megainfer.errors import PlanError
@@ -51,7 +52,7 @@ def node_names(plan: Plan) -> tuple[list[str], list[str]]:
 
 
 def attention_rank_name(node: int, rank: int) -> str:
-    return f"attention{node}" if rank == 0 else f"attention{node}.{rank}"
+    return rank_name(f"attention{node}", rank)
 
 
 def attention_rank_names(plan: Plan) -> list[str]:

@@ -22,7 +22,7 @@ from deploy.expert_node import ExpertNode
 from deploy.expert_shard import ExpertShard
 from deploy.node_config import attention_rank_name, attention_rank_names, node_names
 from deploy.placement import Placement
-from deploy.runtime_config import DeploymentRuntime
+from deploy.runtime_config import DeploymentRuntime, rank_name
 from deploy.ray_calls import cause, gather, get_all
 from megainfer.errors import DataPlaneError, PlanError
 from megainfer.messages import FinishReason, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus, RankPlacement
@@ -66,7 +66,7 @@ class NodeGroup:
                 + [(attention_rank_name(i, rank), NodeRole.ATTENTION, rank)
                    for i in range(len(self.attention_names)) for rank in range(1, attention_tp)]
                 + [(name, NodeRole.EXPERT, 0) for name in self.expert_names]
-                + [(f"{name}.{rank}", NodeRole.EXPERT, rank) for name in self.expert_names
+                + [(rank_name(name, rank), NodeRole.EXPERT, rank) for name in self.expert_names
                    for rank in range(1, expert_tp)])
 
     # -- bring-up -----------------------------------------------------------------------------

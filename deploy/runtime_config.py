@@ -113,8 +113,13 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     return DeploymentRuntime(plan, model, device, attention, experts)
 
 
+def rank_name(node: str, rank: int) -> str:
+    """A rank's name: the node's own for its leader (rank 0), node.rank for the others."""
+    return node if rank == 0 else f"{node}.{rank}"
+
+
 def rank_names(node: str, tp: int) -> tuple[str, ...]:
-    return tuple(node if rank == 0 else f"{node}.{rank}" for rank in range(tp))
+    return tuple(rank_name(node, rank) for rank in range(tp))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,19 @@ def megainfer(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
+def generate_all(engine, prompts, params) -> list[list[int]]:
+    """Every prompt's generated tokens, in order: the engine (a megainfer Engine) is stepped
+    until all of its requests finished."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    out: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out[d.request_id].extend(d.new_token_ids)
+    return [out[request_id] for request_id in ids]
+
+
 def connect_all(endpoints: dict[str, Endpoint], links: dict[str, list[str]]) -> None:
     """Connect every endpoint to its listed peers concurrently (as separate processes would)."""
     errors = []

@@ -19,6 +19,7 @@ from megainfer.plan import Plan  # noqa: E402
 from megainfer.server.client import Client, request_message  # noqa: E402
 from megainfer.server.service import Server  # noqa: E402
 from megainfer.v1 import inference_pb2 as pb  # noqa: E402
+from tests.helpers import generate_all  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -58,14 +59,7 @@ class Served:
 
 
 def colocated(path, prompts) -> list[list[int]]:
-    engine = Engine(str(path), EngineConfig(max_num_batched_tokens=64))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for d in engine.step():
-            out[d.request_id].extend(d.new_token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    return generate_all(Engine(str(path), EngineConfig(max_num_batched_tokens=64)), prompts, GREEDY)
 
 
 @pytest.mark.parametrize("m, tp_a, policy, tp_e", [(1, 1, "chunked", 1), (2, 1, "chunked", 1),
@@ -288,11 +282,7 @@ def test_a_4k_token_prompt_through_a_layered_deployment_matches_colocated():
     prompt = torch.randint(0, 256, (4088,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine = Engine("tiny-mixtral", EngineConfig(prefill_policy="layered", group_tokens=1024, max_num_seqs=4))
-    engine.add_request("long", prompt, params)
-    expected = []
-    while engine.has_unfinished_requests():
-        for d in engine.step():
-            expected.extend(d.new_token_ids)
+    (expected,) = generate_all(engine, [prompt], params)
     served = Served(plan)
     try:
         assert served.generate(prompt, params) == expected

@@ -20,6 +20,7 @@ from megainfer.errors import PlanError  # noqa: E402
 from megainfer.plan import Plan  # noqa: E402
 from megainfer.server.client import Client  # noqa: E402
 from megainfer.server.service import Server  # noqa: E402
+from tests.helpers import generate_all  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -49,14 +50,7 @@ def heterogeneous_plan(path, attention_nodes: int = 1) -> Plan:
 
 
 def colocated(path, prompts) -> list[list[int]]:
-    engine = Engine(str(path), EngineConfig(max_num_batched_tokens=64))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for d in engine.step():
-            out[d.request_id].extend(d.new_token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    return generate_all(Engine(str(path), EngineConfig(max_num_batched_tokens=64)), prompts, GREEDY)
 
 
 def test_heterogeneous_plan_rehearsed_on_cpus_lands_by_gpu_type_and_matches_colocated(cluster, mixtral_ref):

@@ -22,7 +22,7 @@ from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.model.weights import SafetensorsCheckpoint
 from megainfer.step_layout import split_micro_batches
-from tests.helpers import connect_all
+from tests.helpers import connect_all, generate_all
 
 SECRET = b"d" * 32
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -98,15 +98,8 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
 
 
 def colocated(path, prompts, device="cpu"):
-    llm_engine = Engine(str(path), EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64,
-                                                device=device))
-    for i, p in enumerate(prompts):
-        llm_engine.add_request(f"r{i}", p, GREEDY)
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    while llm_engine.has_unfinished_requests():
-        for d in llm_engine.step():
-            out[d.request_id].extend(d.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, device=device)
+    return generate_all(Engine(str(path), config), prompts, GREEDY)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3])

@@ -21,6 +21,7 @@ from megainfer.disagg.expert_link import dispatch_bytes
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.model.weights import SafetensorsCheckpoint
+from tests.helpers import generate_all
 from transport import PeerClosed
 
 SECRET = b"two-process-pair" * 2
@@ -144,14 +145,7 @@ def run_pair(path: str, device: str, backend: str, prompts: list[list[int]], max
 
 
 def colocated(path: str, device: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    engine = Engine(path, engine_config(device))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy(max_tokens))
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for d in engine.step():
-            out[d.request_id].extend(d.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return generate_all(Engine(path, engine_config(device)), prompts, greedy(max_tokens))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
