@@ -2,8 +2,9 @@
 
 An endpoint is built from a plain description (its name and rank, where it listens, its
 peers' addresses, its slot sizes, a shared secret). `connect()` authenticates one control
-connection to and from every peer and picks a backend per peer (shm on one host, rdma
-where verbs devices exist on both ends, tcp otherwise); after that, `send()` writes a
+connection to and from every peer and picks a backend per peer pair (shm on one host,
+rdma where both ends have a working verbs port, nixl where both have NIXL, tcp otherwise;
+see transport/selection.py), logging the choice and its reason; after that, `send()` writes a
 message into the peer's slot for its micro-batch and `recv()` returns the next message as
 a view on this endpoint's own slot, with no copy, until `Message.release()`.
 
@@ -14,6 +15,7 @@ waits (back-pressure), and every wait ends in `PeerTimeout` after `timeout_s` or
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,16 +26,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from transport import rdma
+from transport import nixl, rdma
 from transport.errors import BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, PeerTimeout, TransportError
 from transport.handshake import authenticate
+from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
+from transport.selection import BACKENDS, Capabilities, Choice, NoBackend, choose
 from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
 from transport.tcp import TcpInbound, TcpOutbound, tune
 from transport.wire import Header, check_header_fields, recv_json, send_json
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "shm", "tcp", "rdma")
 # Longest single sleep: a safety net should a wakeup ever be lost (see transport/shm.py).
 MAX_SLEEP_S = 0.05
 
@@ -64,7 +67,7 @@ class EndpointSpec:
     peers: dict[str, str] = field(default_factory=dict)  # peer name -> its listen address
     slot_bytes: int = 1 << 20  # payload capacity of each of this endpoint's receive slots
     num_slots: int = 2  # receive slots per sending peer: micro-batches in flight
-    backend: str = "auto"  # "auto" | "shm" | "tcp" | "rdma"
+    backend: str = "auto"  # "auto" | "shm" | "tcp" | "rdma" | "nixl" (transport/selection.py: how auto chooses)
     timeout_s: float = 30.0  # longest wait for a peer (connect, send slot, receive)
     spin_us: float = 50.0  # busy-poll this long before sleeping on a wakeup
     tcp_buffer_bytes: int | None = None  # tcp socket buffers; None leaves them to the kernel's autotuning
@@ -152,17 +155,23 @@ class Endpoint:
         self._inbound_ids = itertools.count()
         self._max_sleep: float | None = None
         self._selector = selectors.DefaultSelector()
-        self._host = host_id()
-        ok, self._shm_reason = shm_available()
-        self.doorbell = Doorbell() if ok else None
+        self.choices: dict[str, Choice] = {}  # peer -> the backend its pair uses and why
+        self.capabilities = self._capabilities()
+        self.doorbell = Doorbell() if self.capabilities.shm else None
         self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
-        self._rdma_ok, self._rdma_reason = rdma.available() if spec.backend in ("auto", "rdma") else (False, "")
-        if spec.backend == "rdma" and not self._rdma_ok:
-            raise BackendUnavailable(f"backend 'rdma' requested but unavailable: {self._rdma_reason}")
-        if spec.backend == "shm" and not ok:
-            raise BackendUnavailable(f"backend 'shm' requested but unavailable: {self._shm_reason}")
-        if spec.backend == "auto" and not self._rdma_ok:
-            logger.info("endpoint %s: rdma not chosen: %s", spec.name, self._rdma_reason)
+        self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
+        wanted = spec.backend
+        if wanted not in ("auto", "tcp") and not getattr(self.capabilities, wanted):
+            raise BackendUnavailable(f"backend {wanted!r} requested but unavailable: "
+                                     f"{getattr(self.capabilities, wanted + '_reason')}")
+
+    def _capabilities(self) -> Capabilities:
+        """What this endpoint can offer a peer; rdma and nixl are probed only when they may be used."""
+        wanted = self.spec.backend
+        shm_ok, shm_reason = shm_available()
+        rdma_ok, rdma_reason = rdma.available() if wanted in ("auto", "rdma") else (False, f"{wanted} was requested")
+        nixl_ok, nixl_reason = nixl.available() if wanted in ("auto", "nixl") else (False, f"{wanted} was requested")
+        return Capabilities(host_id(), shm_ok, rdma_ok, nixl_ok, shm_reason, rdma_reason, nixl_reason)
 
     @property
     def address(self) -> str:
@@ -200,8 +209,9 @@ class Endpoint:
                               f"{self.spec.timeout_s:g} s (not started, wrong address, or a different secret)")
         self.inbound.update(accepted)
         self._register()
-        # RDMA completions do not wake a selector: with RDMA peers, wake often and poll the queues.
-        if any(ch.kind == "rdma" for ch in list(self.inbound.values()) + list(self.outbound.values())):
+        # RDMA completions and NIXL notifications do not wake a selector: with such peers, wake
+        # often and poll them.
+        if any(ch.kind in ("rdma", "nixl") for ch in list(self.inbound.values()) + list(self.outbound.values())):
             self._max_sleep = 0.0002
         return self
 
@@ -222,24 +232,27 @@ class Endpoint:
             channel_id = len(self.outbound)
             send_json(sock, {
                 "name": self.spec.name, "rank": self.spec.rank, "backend": self.spec.backend,
-                "host": self._host, "rdma": self._rdma_ok,
-                "doorbell": self.doorbell.name if self.doorbell else "", "channel": channel_id})
+                **self.capabilities.hello_fields(), "doorbell": self.doorbell.name if self.doorbell else "",
+                "channel": channel_id})
             ack = recv_json(sock)
             if not ack.get("ok"):
                 raise HandshakeError(f"peer {peer} refused endpoint {self.spec.name}: {ack.get('error')}")
             if ack.get("name") != peer:
                 raise HandshakeError(f"the endpoint at {address} is {ack.get('name')!r}, not {peer!r}")
             slot_bytes, num_slots, kind = int(ack["slot_bytes"]), int(ack["num_slots"]), ack["backend"]
+            self.choices[peer] = Choice(kind, str(ack.get("reason", "")))
             if kind == "shm":
                 channel = ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
             elif kind == "rdma":
                 channel = rdma.RdmaOutbound.connect(self._rdma_context(), peer, channel_id, slot_bytes, num_slots,
                                                     sock, ack["rdma"])
+            elif kind == "nixl":
+                channel = NixlOutbound.connect(self._nixl_agent(), peer, slot_bytes, num_slots, sock, ack["nixl"])
             else:
                 tune(sock, self.spec.tcp_buffer_bytes)
                 channel = TcpOutbound(peer, slot_bytes, num_slots, sock)
             sock.settimeout(None)
-            logger.info("endpoint %s -> %s over %s", self.spec.name, peer, kind)
+            logger.info("endpoint %s -> %s over %s (%s)", self.spec.name, peer, kind, self.choices[peer].reason)
             return channel
         except (OSError, KeyError, ValueError) as exc:
             sock.close()
@@ -273,13 +286,19 @@ class Endpoint:
         if name not in expected:
             send_json(sock, {"ok": False, "error": f"{name!r} is not an expected peer of {self.spec.name}"})
             raise HandshakeError(f"unexpected peer {name!r}")
+        peer_can = Capabilities.from_hello(hello)
+        if not hello.get("doorbell"):
+            peer_can = dataclasses.replace(peer_can, shm=False, shm_reason=peer_can.shm_reason or "no doorbell")
         try:
-            kind = self._choose_backend(name, hello)
-        except BackendUnavailable as exc:
+            choice = choose(self.spec.backend, str(hello.get("backend", "auto")), self.capabilities, peer_can,
+                            self.spec.name, name)
+        except NoBackend as exc:
             send_json(sock, {"ok": False, "error": str(exc)})
-            raise
-        ack = {"ok": True, "name": self.spec.name, "backend": kind, "slot_bytes": self.spec.slot_bytes,
-               "num_slots": self.spec.num_slots}
+            raise BackendUnavailable(str(exc)) from None
+        kind = choice.backend
+        logger.info("endpoint %s <- %s over %s (%s)", self.spec.name, name, kind, choice.reason)
+        ack = {"ok": True, "name": self.spec.name, "backend": kind, "reason": choice.reason,
+               "slot_bytes": self.spec.slot_bytes, "num_slots": self.spec.num_slots}
         if kind == "shm":
             try:  # a /dev/shm too small for the slots: the peer is told why, not left to time out
                 channel = ShmInbound(name, next(self._inbound_ids), self.spec.slot_bytes, self.spec.num_slots,
@@ -293,6 +312,9 @@ class Endpoint:
         elif kind == "rdma":
             channel = rdma.RdmaInbound.accept(self._rdma_context(), name, self.spec.slot_bytes, self.spec.num_slots,
                                               sock, ack)
+        elif kind == "nixl":
+            channel = NixlInbound.accept(self._nixl_agent(), name, self.spec.slot_bytes, self.spec.num_slots, sock,
+                                         ack)
         else:
             tune(sock, self.spec.tcp_buffer_bytes)
             channel = TcpInbound(name, self.spec.slot_bytes, self.spec.num_slots, sock)
@@ -300,30 +322,15 @@ class Endpoint:
         sock.settimeout(None)
         return name, channel
 
-    def _choose_backend(self, peer: str, hello: dict) -> str:
-        mine, theirs = self.spec.backend, hello.get("backend", "auto")
-        if mine != "auto" and theirs != "auto" and mine != theirs:
-            raise BackendUnavailable(f"backend mismatch: {self.spec.name} uses {mine}, {peer} uses {theirs}")
-        wanted = mine if mine != "auto" else theirs
-        same_host = hello.get("host") == self._host
-        shm_ok = same_host and self.doorbell is not None and bool(hello.get("doorbell"))
-        rdma_ok = self._rdma_ok and bool(hello.get("rdma"))
-        if wanted == "shm" and not shm_ok:
-            raise BackendUnavailable(f"shm between {peer} and {self.spec.name} needs both on one host "
-                                     f"({'different hosts' if not same_host else self._shm_reason or 'no doorbell'})")
-        if wanted == "rdma" and not rdma_ok:
-            raise BackendUnavailable(f"rdma between {peer} and {self.spec.name} is unavailable: "
-                                     f"{self._rdma_reason or 'the peer has no RDMA device'}")
-        if wanted != "auto":
-            return wanted
-        if shm_ok:
-            return "shm"
-        return "rdma" if rdma_ok else "tcp"
-
     def _rdma_context(self):
         if self._rdma is None:
             self._rdma = rdma.RdmaContext.open()
         return self._rdma
+
+    def _nixl_agent(self) -> NixlAgent:
+        if self._nixl is None:
+            self._nixl = NixlAgent(self.spec.name)
+        return self._nixl
 
     def _register(self) -> None:
         if self.doorbell is not None:
@@ -359,20 +366,29 @@ class Endpoint:
         self._seq[peer] = seq + 1
 
     def _finish_send(self, channel, limit: float) -> None:
-        """The rest of a tcp message the kernel could not take at once: written as the socket
-        drains, while every inbound tcp connection is read into its slots, so a peer that is
-        sending to this endpoint at the same time is never left waiting for a reader (full
-        duplex: two senders never block each other). Returns once the message is all out, so
-        the caller may reuse its buffer."""
+        """The rest of a message: for tcp, what the kernel could not take at once, written as
+        the socket drains, while every inbound tcp connection is read into its slots, so a
+        peer that is sending to this endpoint at the same time is never left waiting for a
+        reader (full duplex: two senders never block each other); for nixl, the write until
+        it completes. Returns once the message is all out, so the caller may reuse its buffer."""
         peer = channel.peer
         deadline = time.monotonic() + limit
         readers = {ch.sock: name for name, ch in self.inbound.items() if isinstance(ch, TcpInbound)}
+        writing = [channel.sock] if channel.kind == "tcp" else []
+        # A NIXL write completes without this thread (UCX's progress thread moves the bytes):
+        # poll it briefly, then sleep in small steps.
+        step = MAX_SLEEP_S if writing else 0.0
+        spin_until = time.monotonic() + self.spec.spin_us * 1e-6
         while not channel.flush():
             self._check_alive((peer,))
-            if time.monotonic() >= deadline:
-                raise PeerTimeout(f"endpoint {self.spec.name}: peer {peer} has not read {channel.unsent} bytes of a "
-                                  f"message within {limit:g} s (it stopped reading, or its host is unreachable)")
-            readable, _, _ = select.select(list(readers), [channel.sock], [], MAX_SLEEP_S)
+            now = time.monotonic()
+            if now >= deadline:
+                what = f"read {channel.unsent} bytes of" if writing else "completed the write of"
+                raise PeerTimeout(f"endpoint {self.spec.name}: peer {peer} has not {what} a message within "
+                                  f"{limit:g} s (it stopped reading, or its host is unreachable)")
+            if not writing:
+                step = 0.0 if now < spin_until else 0.0002
+            readable, _, _ = select.select(list(readers), writing, [], step)
             for sock in readable:
                 self._collect(readers[sock])
 
@@ -511,21 +527,36 @@ class Endpoint:
                     self._dead[peer] = f"peer {peer} closed its connection (process exited or shut down)"
                     self._selector.unregister(key.fileobj)
 
-    def close(self) -> None:
+    def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":
+        """Drop every channel and handshake again (same listener, same name): after a peer
+        failed (`PeerClosed`, `PeerTimeout`) or a link came back. Messages not yet received
+        are lost; both ends must reconnect, as both connected."""
+        self._drop_channels()
+        self._selector = selectors.DefaultSelector()
+        self._max_sleep = None
+        return self.connect(peers)
+
+    def _drop_channels(self) -> None:
         self._pending.clear()
         self._selector.close()
         for ch in list(self.outbound.values()) + list(self.inbound.values()):
             ch.close()
-        for ch in self.outbound.values():
             if getattr(ch, "control", None) is not None and ch.kind != "tcp":
                 ch.control.close()
-        for ch in self.inbound.values():
-            if getattr(ch, "control", None) is not None and ch.kind != "tcp":
-                ch.control.close()
+        self.outbound.clear()
+        self.inbound.clear()
+        self._seq.clear()
+        self._dead.clear()
+        self.choices.clear()
+
+    def close(self) -> None:
+        self._drop_channels()
         if self.doorbell is not None:
             self.doorbell.close()
         if self._rdma is not None:
             self._rdma.close()
+        if self._nixl is not None:
+            self._nixl.close()
         self.listener.close()
 
     def __enter__(self) -> "Endpoint":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import re
 import socket
 import threading
 import time
@@ -16,12 +17,16 @@ import torch
 from tests.helpers import connect_all
 from transport import (Endpoint, EndpointSpec, HandshakeError, Header, PayloadTooLarge, PeerClosed, PeerTimeout,
                        TransportError)
+from transport import nixl as nixl_backend
 from transport import rdma as rdma_backend
 from transport.handshake import authenticate
 from transport.wire import (IMM_CREDIT, IMM_DATA, QPInfo, check_header_fields, pack_tag, recv_frame, send_frame,
                             unpack_tag)
 
 SECRET = b"x" * 32
+NIXL_OK, NIXL_REASON = nixl_backend.available()
+# Every backend that runs on this machine (rdma needs a verbs device: tests/transport/test_rdma*.py).
+BACKENDS = ["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(not NIXL_OK, reason=NIXL_REASON))]
 
 
 @pytest.fixture
@@ -45,7 +50,7 @@ def mesh():
         ep.close()
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("m, n", [(1, 1), (2, 3), (3, 2)])
 def test_m2n_exchange_delivers_exact_bytes_and_tags(mesh, backend, m, n):
     senders, receivers = mesh(backend, m, n)
@@ -93,7 +98,7 @@ def test_m2n_exchange_delivers_exact_bytes_and_tags(mesh, backend, m, n):
     assert all(ep.backend_of(e) == backend for ep in senders.values() for e in receivers)
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_slot_is_reused_only_after_release(mesh, backend):
     senders, receivers = mesh(backend, 1, 1, num_slots=1)
     a, e = senders["a0"], receivers["e0"]
@@ -120,14 +125,14 @@ def test_zero_copy_view_on_the_slot(mesh):
     msg.release()
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_oversize_payload_is_refused_with_sizes(mesh, backend):
     senders, _ = mesh(backend, 1, 1, slot_bytes=1024)
     with pytest.raises(PayloadTooLarge, match="payload of 2048 bytes exceeds the 1024-byte slot of peer e0"):
         senders["a0"].send("e0", bytes(2048))
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_receive_timeout_names_the_peer(mesh, backend):
     _, receivers = mesh(backend, 1, 1)
     start = time.monotonic()
@@ -199,7 +204,7 @@ def _serve_then_die(address_queue, peer_queue, backend):
     os._exit(0)  # dies without closing anything
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_dead_peer_is_reported_promptly_not_after_the_timeout(backend):
     ctx = mp.get_context("fork")
     addresses, peers = ctx.Queue(), ctx.Queue()
@@ -219,20 +224,21 @@ def test_dead_peer_is_reported_promptly_not_after_the_timeout(backend):
         ep.close()
 
 
-def test_auto_picks_shm_on_one_host_and_says_why_not_rdma(mesh, caplog):
+def test_auto_picks_shm_on_one_host_and_logs_why(mesh, caplog):
     with caplog.at_level(logging.INFO, logger="transport.endpoint"):
-        senders, _ = mesh("auto", 1, 1)
+        senders, receivers = mesh("auto", 1, 1)
     assert senders["a0"].backend_of("e0") == "shm"
-    ok, reason = rdma_backend.available()
-    if not ok:
-        assert reason and any("rdma not chosen" in r.message for r in caplog.records)
+    choice = senders["a0"].choices["e0"]
+    assert choice.backend == "shm" and "both ends are on one host" in choice.reason
+    assert receivers["e0"].choices["a0"] == choice  # the acceptor decided; the initiator was told
+    assert any("a0 -> e0 over shm (both ends are on one host" in r.message for r in caplog.records)
 
 
 def test_rdma_requested_without_a_device_is_a_clear_error():
     ok, reason = rdma_backend.available()
     if ok:
         pytest.skip("this machine has an RDMA device")
-    with pytest.raises(TransportError, match="backend 'rdma' requested but unavailable"):
+    with pytest.raises(TransportError, match="backend .rdma. requested but unavailable: " + re.escape(reason)):
         Endpoint(EndpointSpec(name="a0", secret=SECRET, backend="rdma"))
 
 

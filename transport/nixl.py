@@ -1,0 +1,330 @@
+"""NIXL channels: one-sided writes through NVIDIA's Inference Xfer Library (UCX underneath).
+
+Each endpoint owns one NIXL agent (`NixlAgent`), made when the first peer pair chooses nixl.
+The receiver of a channel registers its slot region with the agent once; the sender
+registers a staging region of the same shape once. Their agents' metadata and the slot
+region's address cross over the authenticated control connection, then:
+
+    sender                                   receiver
+    copy payload into staging slot k
+    WRITE staging[k] -> region[k],
+      notification = DATA | header  ----->   notification arrives after the bytes:
+                                             the message is in slot k, read in place
+                                   <-----    release: notification CREDIT | k
+    slot k may be written again
+
+A header-only message (no payload) is a bare notification. Notifications are the only
+signal either way; they carry 1 kind byte, then the 32-byte message header (DATA) or the
+u16 slot (CREDIT). A receiver hands messages out in sequence order (a header-only
+notification can overtake the notification of a large write still in flight).
+
+Here NIXL runs on host memory over UCX's shared-memory and TCP transports; on a cluster
+UCX picks RDMA verbs (and GPU memory, for regions on a CUDA device) without code changes.
+Completions and notifications do not wake a selector: an endpoint with nixl peers polls
+(see `Endpoint._max_sleep`). The control connection stays open only to notice a peer
+that goes away.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import struct
+from collections import deque
+
+from transport.errors import BackendUnavailable, HandshakeError, PeerClosed
+from transport.shm import PAYLOAD_OFFSET, slot_stride
+from transport.wire import HEADER_BYTES, Header, recv_json, send_json
+
+NOTIF_DATA, NOTIF_CREDIT = b"D", b"C"
+CREDIT_SLOT = struct.Struct("<H")
+
+
+def _api():
+    """NIXL's Python API: the `nixl` meta package where installed, else the CUDA 12 build."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") where NIXL imports with a UCX plugin; otherwise (False, the reason)."""
+    try:
+        _api()
+    except ImportError:
+        return False, 'NIXL is not installed (pip install -e ".[nixl]", which installs nixl-cu12)'
+    except OSError as exc:  # a shared library the wheel needs is missing
+        return False, f"NIXL does not load ({exc})"
+    return True, ""
+
+
+class NixlAgent:
+    """This endpoint's agent: registers regions, knows its peers' agents, sorts notifications
+    into per-peer queues (data for inbound channels, credits for outbound ones)."""
+
+    def __init__(self, endpoint_name: str) -> None:
+        ok, reason = available()
+        if not ok:
+            raise BackendUnavailable(f"nixl: {reason}")
+        nixl_agent, nixl_agent_config = _api()
+        # Agent names must be unique among the agents that meet: an endpoint name plus a token.
+        self.name = f"{endpoint_name}.{secrets.token_hex(4)}"
+        try:
+            self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        except RuntimeError as exc:
+            raise BackendUnavailable(f"nixl: cannot start an agent with the UCX backend ({exc})") from None
+        if "UCX" not in self.agent.backends:
+            raise BackendUnavailable("nixl: the UCX plugin is missing from this NIXL installation")
+        self.data: dict[str, deque[bytes]] = {}
+        self.credits: dict[str, list[int]] = {}
+        self._channels: dict[str, int] = {}  # peer agent -> channels using it (in and out share one)
+        self._registered = []
+
+    def metadata_hex(self) -> str:
+        return self.agent.get_agent_metadata().hex()
+
+    def add_peer(self, metadata_hex: str) -> str:
+        try:
+            name = self.agent.add_remote_agent(bytes.fromhex(metadata_hex))
+        except ValueError as exc:
+            raise HandshakeError(f"nixl: malformed agent metadata ({exc})") from None
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self.data.setdefault(name, deque())
+        self.credits.setdefault(name, [])
+        self._channels[name] = self._channels.get(name, 0) + 1
+        return name
+
+    def register(self, region) -> None:
+        self._registered.append(self.agent.register_memory(region))
+
+    def pump(self) -> None:
+        """Move every notification that has arrived into its peer's queue."""
+        for remote, notes in self.agent.get_new_notifs().items():
+            remote = remote.decode() if isinstance(remote, bytes) else remote
+            for note in notes:
+                kind, body = note[:1], note[1:]
+                if kind == NOTIF_DATA:
+                    self.data.setdefault(remote, deque()).append(body)
+                elif kind == NOTIF_CREDIT and len(body) == CREDIT_SLOT.size:
+                    self.credits.setdefault(remote, []).append(CREDIT_SLOT.unpack(body)[0])
+                else:
+                    raise PeerClosed(f"nixl: agent {remote} sent a malformed notification; connection dropped")
+
+    def write(self, local: tuple[int, int, int], remote: tuple[int, int, int], peer_agent: str, remote_type: str,
+              note: bytes):
+        """Post one WRITE of local host memory (addr, len, device) to the peer's (addr, len,
+        device) of `remote_type` (DRAM or VRAM) with a notification; returns the handle."""
+        agent = self.agent
+        try:
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs([local], "DRAM"),
+                                           agent.get_xfer_descs([remote], remote_type), peer_agent, note)
+        except Exception as exc:  # nixl's own error types (nixlNotFoundError, ...): the peer is unknown or gone
+            raise PeerClosed(f"nixl: cannot write to agent {peer_agent} ({type(exc).__name__}: {exc})") from None
+        if agent.transfer(handle) == "ERR":
+            agent.release_xfer_handle(handle)
+            raise PeerClosed(f"nixl: a write to agent {peer_agent} failed to post")
+        return handle
+
+    def done(self, handle, peer: str) -> bool:
+        state = self.agent.check_xfer_state(handle)
+        if state == "ERR":
+            raise PeerClosed(f"nixl: a write to {peer} failed (the peer or its link is gone)")
+        return state == "DONE"
+
+    def release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # a transfer still failing against a dead peer: its handle goes with the agent
+            pass
+
+    def notify(self, peer_agent: str, note: bytes) -> None:
+        try:
+            self.agent.send_notif(peer_agent, note)
+        except Exception as exc:  # nixl's own error types
+            raise PeerClosed(f"nixl: cannot notify agent {peer_agent} ({type(exc).__name__}: {exc})") from None
+
+    def forget(self, peer_agent: str) -> None:
+        """One channel to `peer_agent` closed; the agent is removed with the last."""
+        left = self._channels.get(peer_agent, 0) - 1
+        if left > 0:
+            self._channels[peer_agent] = left
+            return
+        self._channels.pop(peer_agent, None)
+        self.data.pop(peer_agent, None)
+        self.credits.pop(peer_agent, None)
+        try:
+            self.agent.remove_remote_agent(peer_agent)
+        except Exception:  # nixl raises its own error types; the peer is going away either way
+            pass
+
+    def close(self) -> None:
+        for descs in self._registered:
+            try:
+                self.agent.deregister_memory(descs)
+            except Exception:  # best effort at shutdown
+                pass
+        self._registered.clear()
+
+
+def slot_region(num_slots: int, slot_bytes: int, device=None):
+    """A contiguous region of `num_slots` slots (torch uint8; host memory unless `device`)."""
+    import torch
+
+    return torch.zeros(slot_stride(slot_bytes) * num_slots, dtype=torch.uint8, device=device or "cpu")
+
+
+def _where(region) -> tuple[int, int, str]:
+    """(base address, device id, NIXL memory type) of a region tensor."""
+    return region.data_ptr(), max(region.get_device(), 0), "VRAM" if region.is_cuda else "DRAM"
+
+
+class NixlInbound:
+    """peer -> this endpoint: owns the registered slot region the peer writes into."""
+
+    kind = "nixl"
+
+    def __init__(self, peer: str, slot_bytes: int, num_slots: int, agent: NixlAgent, control: socket.socket,
+                 device=None) -> None:
+        self.peer, self.slot_bytes, self.num_slots, self.agent, self.control = peer, slot_bytes, num_slots, agent, \
+            control
+        self.stride = slot_stride(slot_bytes)
+        self.region = slot_region(num_slots, slot_bytes, device)
+        agent.register(self.region)
+        self.view = memoryview(self.region.numpy()) if not self.region.is_cuda else None
+        self.peer_agent = ""
+        self._next_seq = 0
+        self._early: dict[int, Header] = {}  # arrived ahead of an earlier message still in flight
+
+    @classmethod
+    def accept(cls, agent: NixlAgent, peer: str, slot_bytes: int, num_slots: int, sock: socket.socket,
+               ack: dict) -> "NixlInbound":
+        """Registers the slots, sends their place and this agent's metadata (taken after the
+        registration, so it covers them), and learns the sender's agent for credits."""
+        channel = cls(peer, slot_bytes, num_slots, agent, sock)
+        addr, device, mem_type = _where(channel.region)
+        send_json(sock, {**ack, "nixl": {"metadata": agent.metadata_hex(), "addr": addr, "device": device,
+                                         "mem_type": mem_type, "stride": channel.stride}})
+        try:
+            channel.peer_agent = agent.add_peer(str(recv_json(sock)["nixl"]["metadata"]))
+        except (KeyError, TypeError) as exc:
+            raise HandshakeError(f"nixl: malformed agent metadata from {peer} ({exc!r})") from None
+        return channel
+
+    def poll(self) -> list[tuple[int, Header]]:
+        self.agent.pump()
+        queue = self.agent.data.get(self.peer_agent)
+        while queue:
+            body = queue.popleft()
+            if len(body) != HEADER_BYTES:
+                raise PeerClosed(f"nixl: {self.peer} sent a {len(body)}-byte header; connection dropped")
+            header = Header.unpack_from(body)
+            self._early[header.seq] = header
+        done = []
+        while self._next_seq in self._early:
+            header = self._early.pop(self._next_seq)
+            done.append((header.micro_batch % self.num_slots, header))
+            self._next_seq += 1
+        return done
+
+    def payload(self, slot: int, length: int) -> memoryview:
+        start = slot * self.stride + PAYLOAD_OFFSET
+        return self.view[start:start + length]
+
+    def release(self, slot: int) -> None:
+        try:
+            self.agent.notify(self.peer_agent, NOTIF_CREDIT + CREDIT_SLOT.pack(slot))
+        except Exception:  # the peer is gone; its own side reports it
+            pass
+
+    def close(self) -> None:
+        self.agent.forget(self.peer_agent)
+
+
+class NixlOutbound:
+    """this endpoint -> peer: a registered staging region, one WRITE per message."""
+
+    kind = "nixl"
+
+    def __init__(self, peer: str, slot_bytes: int, num_slots: int, agent: NixlAgent, control: socket.socket,
+                 remote: dict) -> None:
+        self.peer, self.slot_bytes, self.num_slots, self.agent, self.control = peer, slot_bytes, num_slots, agent, \
+            control
+        self.stride = slot_stride(slot_bytes)
+        if int(remote["stride"]) != self.stride:
+            raise HandshakeError(f"nixl: {peer}'s slot stride {remote['stride']} differs from {self.stride}")
+        self.peer_agent = agent.add_peer(str(remote["metadata"]))
+        self.remote_addr, self.remote_device = int(remote["addr"]), int(remote["device"])
+        self.mem_type = str(remote["mem_type"])
+        self.staging = slot_region(num_slots, slot_bytes)
+        agent.register(self.staging)
+        self.staging_view = memoryview(self.staging.numpy())
+        self.busy = [False] * num_slots
+        self._writing = None  # the current message's write, until NIXL reports it done
+
+    @classmethod
+    def connect(cls, agent: NixlAgent, peer: str, slot_bytes: int, num_slots: int, sock: socket.socket,
+                remote: dict) -> "NixlOutbound":
+        try:
+            channel = cls(peer, slot_bytes, num_slots, agent, sock, remote)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HandshakeError(f"nixl: malformed region info from {peer} ({exc!r})") from None
+        send_json(sock, {"nixl": {"metadata": agent.metadata_hex()}})
+        return channel
+
+    def _take_credits(self) -> None:
+        self.agent.pump()
+        credits = self.agent.credits.get(self.peer_agent)
+        while credits:
+            slot = credits.pop()
+            if slot >= self.num_slots:
+                raise PeerClosed(f"nixl: {self.peer} credited slot {slot} of {self.num_slots}; connection dropped")
+            self.busy[slot] = False
+
+    @property
+    def unsent(self) -> int:
+        """Nonzero while the current message's write is in flight (see `flush`)."""
+        return 1 if self._writing is not None else 0
+
+    def try_send(self, header: Header, payload) -> bool:
+        """Start a message into its slot: False while the peer holds the slot; True once the
+        write is posted (or the header-only notification sent). The endpoint then calls
+        `flush` until the write is done: NIXL sends a write's notification only once the
+        initiator has seen it complete, and the staging slot is free again only then."""
+        if self._writing is not None:
+            raise RuntimeError(f"a message to {self.peer} is still being written: flush it first")
+        slot = header.micro_batch % self.num_slots
+        if self.busy[slot]:
+            self._take_credits()
+            if self.busy[slot]:
+                return False
+        note = NOTIF_DATA + header.pack()
+        n = header.byte_length
+        if n == 0:
+            self.agent.notify(self.peer_agent, note)
+        else:
+            start = slot * self.stride + PAYLOAD_OFFSET
+            self.staging_view[start:start + n] = payload
+            local = (self.staging.data_ptr() + start, n, 0)
+            remote = (self.remote_addr + start, n, self.remote_device)
+            self._writing = self.agent.write(local, remote, self.peer_agent, self.mem_type, note)
+            self.flush()
+        self.busy[slot] = True
+        return True
+
+    def flush(self) -> bool:
+        """True once the current write is done (its notification then goes out); never waits."""
+        if self._writing is None:
+            return True
+        if not self.agent.done(self._writing, self.peer):
+            return False
+        self.agent.release(self._writing)
+        self._writing = None
+        return True
+
+    def close(self) -> None:
+        if self._writing is not None:
+            self.agent.release(self._writing)
+            self._writing = None
+        self.agent.forget(self.peer_agent)
