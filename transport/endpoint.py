@@ -49,13 +49,20 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def host_id() -> str:
-    """Names this machine: two endpoints with equal ids share memory."""
+    """Names this machine and network namespace: two endpoints with equal ids can use shm.
+    The namespace counts because the doorbells are abstract UNIX sockets, which are private
+    to a network namespace (two containers on one host without a shared network namespace
+    are two hosts to M2N)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot}/{netns}"
 
 
 @dataclass
