@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 # Longest single sleep: a safety net should a wakeup ever be lost (see transport/shm.py).
 MAX_SLEEP_S = 0.05
+# Peers that signal nothing a selector sees (rdma completions, nixl notifications) are polled,
+# napping POLLED_NAP_S between looks. rdma spins at least POLLED_SPIN_S first: its queues
+# progress only while polled. NIXL has a progress thread of its own (transport/nixl.py).
+POLLED_SPIN_S = 0.002
+POLLED_NAP_S = 0.0002
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -161,6 +166,7 @@ class Endpoint:
         self._dead: dict[str, str] = {}
         self._inbound_ids = itertools.count()
         self._max_sleep: float | None = None
+        self._spin_s = spec.spin_us * 1e-6  # busy-poll this long before sleeping (longer for polled peers)
         self._selector = selectors.DefaultSelector()
         self.choices: dict[str, Choice] = {}  # peer -> the backend its pair uses and why
         self.capabilities = self._capabilities()
@@ -176,7 +182,11 @@ class Endpoint:
         """What this endpoint can offer a peer; rdma and nixl are probed only when they may be used."""
         wanted = self.spec.backend
         shm_ok, shm_reason = shm_available()
-        rdma_ok, rdma_reason = rdma.available() if wanted in ("auto", "rdma") else (False, f"{wanted} was requested")
+        if wanted in ("auto", "rdma"):  # an ACTIVE port that passes a loopback write, not just a device
+            probe = rdma.probe()
+            rdma_ok, rdma_reason = probe.ok, probe.reason
+        else:
+            rdma_ok, rdma_reason = False, f"{wanted} was requested"
         nixl_ok, nixl_reason = nixl.available() if wanted in ("auto", "nixl") else (False, f"{wanted} was requested")
         return Capabilities(host_id(), shm_ok, rdma_ok, nixl_ok, shm_reason, rdma_reason, nixl_reason)
 
@@ -216,10 +226,13 @@ class Endpoint:
                               f"{self.spec.timeout_s:g} s (not started, wrong address, or a different secret)")
         self.inbound.update(accepted)
         self._register()
-        # RDMA completions and NIXL notifications do not wake a selector: with such peers, wake
-        # often and poll them.
-        if any(ch.kind in ("rdma", "nixl") for ch in list(self.inbound.values()) + list(self.outbound.values())):
-            self._max_sleep = 0.0002
+        # RDMA completions and NIXL notifications do not wake a selector: with such peers, spin
+        # longer, then wake often and poll them.
+        kinds = {ch.kind for ch in list(self.inbound.values()) + list(self.outbound.values())}
+        if kinds & {"rdma", "nixl"}:
+            self._max_sleep = POLLED_NAP_S
+        if "rdma" in kinds:
+            self._spin_s = max(self._spin_s, POLLED_SPIN_S)
         return self
 
     def _connect_to(self, peer: str, address: str, deadline: float):
@@ -385,7 +398,7 @@ class Endpoint:
         # A NIXL write completes without this thread (UCX's progress thread moves the bytes):
         # poll it briefly, then sleep in small steps.
         step = MAX_SLEEP_S if writing else 0.0
-        spin_until = time.monotonic() + self.spec.spin_us * 1e-6
+        spin_until = time.monotonic() + self._spin_s
         while not channel.flush():
             self._check_alive((peer,))
             now = time.monotonic()
@@ -394,7 +407,7 @@ class Endpoint:
                 raise PeerTimeout(f"endpoint {self.spec.name}: peer {peer} has not {what} a message within "
                                   f"{limit:g} s (it stopped reading, or its host is unreachable)")
             if not writing:
-                step = 0.0 if now < spin_until else 0.0002
+                step = 0.0 if now < spin_until else POLLED_NAP_S
             readable, _, _ = select.select(list(readers), writing, [], step)
             for sock in readable:
                 self._collect(readers[sock])
@@ -403,7 +416,7 @@ class Endpoint:
         """The slow path of send: the peer still holds the slot. Spin, then sleep, until it frees."""
         peer = channel.peer
         deadline = time.monotonic() + limit
-        spin_until = time.monotonic() + self.spec.spin_us * 1e-6
+        spin_until = time.monotonic() + self._spin_s
         while True:
             self._check_alive((peer,))
             now = time.monotonic()
@@ -427,7 +440,7 @@ class Endpoint:
             raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.inbound)}")
         limit = self.spec.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
-        spin_until = time.monotonic() + self.spec.spin_us * 1e-6
+        spin_until = time.monotonic() + self._spin_s
         peers = (peer,) if peer is not None else tuple(self.inbound)
         spins = 0
         while True:
@@ -511,8 +524,14 @@ class Endpoint:
     def _wait(self, deadline: float) -> None:
         timeout = max(0.0, deadline - time.monotonic())
         if self._max_sleep is not None:
-            timeout = min(timeout, self._max_sleep)
-        for key, _ in self._selector.select(timeout=min(timeout, MAX_SLEEP_S)):
+            # Polled peers (rdma, nixl): epoll counts whole milliseconds, so a 200 us nap there is
+            # 1 ms; look at the sockets without waiting, then nap with nanosleep.
+            events = self._selector.select(timeout=0)
+            if not events:
+                time.sleep(min(timeout, self._max_sleep))
+        else:
+            events = self._selector.select(timeout=min(timeout, MAX_SLEEP_S))
+        for key, _ in events:
             kind, peer = key.data
             if kind == "doorbell":
                 self.doorbell.drain()
@@ -539,8 +558,10 @@ class Endpoint:
         failed (`PeerClosed`, `PeerTimeout`) or a link came back. Messages not yet received
         are lost; both ends must reconnect, as both connected."""
         self._drop_channels()
+        self._nixl = None  # a fresh NIXL agent: reusing one whose UCX link to a peer failed crashes NIXL (SIGSEGV)
         self._selector = selectors.DefaultSelector()
         self._max_sleep = None
+        self._spin_s = self.spec.spin_us * 1e-6
         return self.connect(peers)
 
     def _drop_channels(self) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import secrets
 import socket
 import struct
+import threading
 from collections import deque
 
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed
@@ -40,13 +41,45 @@ NOTIF_DATA, NOTIF_CREDIT = b"D", b"C"
 CREDIT_SLOT = struct.Struct("<H")
 
 
+PROGRESS_THREAD_DELAY_US = 100  # the progress thread's nap between polls of the UCX worker
+
+
 def _api():
-    """NIXL's Python API: the `nixl` meta package where installed, else the CUDA 12 build."""
+    """NIXL's Python module: the `nixl` meta package where installed, else the CUDA 12 build."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        import nixl._api as api
     except ImportError:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    return nixl_agent, nixl_agent_config
+        import nixl_cu12._api as api
+    return api
+
+
+_CONSTRUCTING = threading.Lock()
+
+
+def _new_agent(name: str):
+    """A NIXL agent with UCX and a progress thread that naps PROGRESS_THREAD_DELAY_US between
+    polls. NIXL's Python wrapper hard-codes a delay of 0, a busy-spinning thread: measured on
+    this 2-core host a notification then took 6 ms (p50), against 80 us with the nap. The
+    wrapper builds its config object and hands it to the binding's agent constructor; that
+    one call is intercepted to set the delay."""
+    api = _api()
+    binding = api.nixlBind
+    make_agent = binding.nixlAgent
+
+    def with_delay(agent_name, config):
+        config.pthrDelay = PROGRESS_THREAD_DELAY_US
+        return make_agent(agent_name, config)
+
+    # Strict sync: an endpoint's connector and acceptor threads handshake at once, beside the
+    # progress thread.
+    config = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
+                                   sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with _CONSTRUCTING:
+        binding.nixlAgent = with_delay
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            binding.nixlAgent = make_agent
 
 
 def available() -> tuple[bool, str]:
@@ -68,11 +101,10 @@ class NixlAgent:
         ok, reason = available()
         if not ok:
             raise BackendUnavailable(f"nixl: {reason}")
-        nixl_agent, nixl_agent_config = _api()
         # Agent names must be unique among the agents that meet: an endpoint name plus a token.
         self.name = f"{endpoint_name}.{secrets.token_hex(4)}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+            self.agent = _new_agent(self.name)
         except RuntimeError as exc:
             raise BackendUnavailable(f"nixl: cannot start an agent with the UCX backend ({exc})") from None
         if "UCX" not in self.agent.backends:
@@ -80,24 +112,53 @@ class NixlAgent:
         self.data: dict[str, deque[bytes]] = {}
         self.credits: dict[str, list[int]] = {}
         self._channels: dict[str, int] = {}  # peer agent -> channels using it (in and out share one)
+        self._setup = threading.Lock()  # handshakes run on two threads (Endpoint.connect)
         self._registered = []
 
-    def metadata_hex(self) -> str:
-        return self.agent.get_agent_metadata().hex()
+    def add_peer(self, metadata_hex: str, regions_hex: str = "") -> str:
+        """Learn a peer's agent from its full metadata the first time; after that only load
+        `regions_hex` (partial metadata of newly registered regions, no connection info):
+        loading full metadata again re-creates the UCX endpoints and cancels what is in
+        flight on them (seen as "UCX AM send failed ... Request canceled" and lost
+        notifications)."""
+        with self._setup:
+            try:
+                name, full = self._split(metadata_hex)
+                if self._channels.get(name, 0) == 0:
+                    self.agent.add_remote_agent(full)
+                elif regions_hex:
+                    self.agent.add_remote_agent(bytes.fromhex(regions_hex))
+            except ValueError as exc:
+                raise HandshakeError(f"nixl: malformed agent metadata ({exc})") from None
+            self.data.setdefault(name, deque())
+            self.credits.setdefault(name, [])
+            self._channels[name] = self._channels.get(name, 0) + 1
+            return name
 
-    def add_peer(self, metadata_hex: str) -> str:
-        try:
-            name = self.agent.add_remote_agent(bytes.fromhex(metadata_hex))
-        except ValueError as exc:
-            raise HandshakeError(f"nixl: malformed agent metadata ({exc})") from None
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        self.data.setdefault(name, deque())
-        self.credits.setdefault(name, [])
-        self._channels[name] = self._channels.get(name, 0) + 1
-        return name
+    @staticmethod
+    def _split(metadata: str) -> tuple[str, bytes]:
+        """'name:hex' (see `metadata`) -> (the agent's name, its metadata)."""
+        name, sep, body = metadata.partition(":")
+        if not sep or not name:
+            raise ValueError("no agent name before the metadata")
+        return name, bytes.fromhex(body)
 
-    def register(self, region) -> None:
-        self._registered.append(self.agent.register_memory(region))
+    def metadata(self) -> str:
+        """This agent's name and full metadata (connection info and every registered region)."""
+        with self._setup:
+            return f"{self.name}:{self.agent.get_agent_metadata().hex()}"
+
+    def region_metadata(self, descs) -> str:
+        """Partial metadata: the regions `descs` only, no connection info."""
+        with self._setup:
+            return self.agent.get_partial_agent_metadata(descs, False).hex()
+
+    def register(self, region):
+        """Registers `region` once; returns its descriptor list (for `region_metadata`)."""
+        with self._setup:
+            descs = self.agent.register_memory(region)
+            self._registered.append(descs)
+            return descs
 
     def pump(self) -> None:
         """Move every notification that has arrived into its peer's queue."""
@@ -128,7 +189,10 @@ class NixlAgent:
         return handle
 
     def done(self, handle, peer: str) -> bool:
-        state = self.agent.check_xfer_state(handle)
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception as exc:  # nixl's own error types (nixlRemoteDisconnectError, ...)
+            raise PeerClosed(f"nixl: a write to {peer} failed ({type(exc).__name__}: {exc})") from None
         if state == "ERR":
             raise PeerClosed(f"nixl: a write to {peer} failed (the peer or its link is gone)")
         return state == "DONE"
@@ -147,6 +211,10 @@ class NixlAgent:
 
     def forget(self, peer_agent: str) -> None:
         """One channel to `peer_agent` closed; the agent is removed with the last."""
+        with self._setup:
+            self._forget(peer_agent)
+
+    def _forget(self, peer_agent: str) -> None:
         left = self._channels.get(peer_agent, 0) - 1
         if left > 0:
             self._channels[peer_agent] = left
@@ -191,7 +259,7 @@ class NixlInbound:
             control
         self.stride = slot_stride(slot_bytes)
         self.region = slot_region(num_slots, slot_bytes, device)
-        agent.register(self.region)
+        self.descs = agent.register(self.region)
         self.view = memoryview(self.region.numpy()) if not self.region.is_cuda else None
         self.peer_agent = ""
         self._next_seq = 0
@@ -204,8 +272,9 @@ class NixlInbound:
         registration, so it covers them), and learns the sender's agent for credits."""
         channel = cls(peer, slot_bytes, num_slots, agent, sock)
         addr, device, mem_type = _where(channel.region)
-        send_json(sock, {**ack, "nixl": {"metadata": agent.metadata_hex(), "addr": addr, "device": device,
-                                         "mem_type": mem_type, "stride": channel.stride}})
+        send_json(sock, {**ack, "nixl": {"metadata": agent.metadata(), "regions": agent.region_metadata(channel.descs),
+                                         "addr": addr, "device": device, "mem_type": mem_type,
+                                         "stride": channel.stride}})
         try:
             channel.peer_agent = agent.add_peer(str(recv_json(sock)["nixl"]["metadata"]))
         except (KeyError, TypeError) as exc:
@@ -254,7 +323,7 @@ class NixlOutbound:
         self.stride = slot_stride(slot_bytes)
         if int(remote["stride"]) != self.stride:
             raise HandshakeError(f"nixl: {peer}'s slot stride {remote['stride']} differs from {self.stride}")
-        self.peer_agent = agent.add_peer(str(remote["metadata"]))
+        self.peer_agent = agent.add_peer(str(remote["metadata"]), str(remote.get("regions", "")))
         self.remote_addr, self.remote_device = int(remote["addr"]), int(remote["device"])
         self.mem_type = str(remote["mem_type"])
         self.staging = slot_region(num_slots, slot_bytes)
@@ -270,7 +339,7 @@ class NixlOutbound:
             channel = cls(peer, slot_bytes, num_slots, agent, sock, remote)
         except (KeyError, TypeError, ValueError) as exc:
             raise HandshakeError(f"nixl: malformed region info from {peer} ({exc!r})") from None
-        send_json(sock, {"nixl": {"metadata": agent.metadata_hex()}})
+        send_json(sock, {"nixl": {"metadata": agent.metadata()}})
         return channel
 
     def _take_credits(self) -> None:

@@ -30,17 +30,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Spawns M sender and N receiver processes and measures latency and throughput per message "
                     "size; with --baseline torch the same exchange over torch.distributed, and always the "
                     "protocol-free floor of the backend.")
-    m.add_argument("--backend", choices=["shm", "tcp", "rdma", "torch"], default="shm")
+    m.add_argument("--backend", default="shm", metavar="BACKENDS",
+                   help="shm, tcp, rdma, nixl, or several comma-separated (e.g. shm,tcp,nixl: one run each, one "
+                        "chart); torch alone runs only the torch.distributed exchange")
     m.add_argument("--senders", type=positive_int, default=1)
     m.add_argument("--receivers", type=positive_int, default=1)
-    m.add_argument("--sizes", default="4K,64K,256K,1M", help="message sizes, e.g. 4K,64K,256K,1M")
-    m.add_argument("--iters", type=positive_int, default=500)
+    m.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M", help="message sizes, e.g. 4K,64K,256K,1M,4M,16M")
+    m.add_argument("--iters", type=positive_int, default=500,
+                   help="timed iterations per size up to 1M; larger sizes move the same bytes (at least 50)")
     m.add_argument("--warmup", type=int, default=50)
     m.add_argument("--pattern", choices=["m2n", "one-to-n", "ping-pong"], default="m2n")
+    m.add_argument("--duplex", action="store_true",
+                   help="both directions at once: every process sends to each peer, then receives (as the "
+                        "ping-pong pipeline overlaps dispatch and answers)")
     m.add_argument("--slots", type=positive_int, default=2, help="receive slots per peer (micro-batches in flight)")
     m.add_argument("--baseline", choices=["torch"], help="also run the torch.distributed exchange")
+    m.add_argument("--no-floor", action="store_true", help="skip the protocol-free floor runs")
     m.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    m.add_argument("--plot", metavar="PATH", help="draw latency and throughput against size (PNG)")
+    m.add_argument("--plot", metavar="PATH", help="draw latency and throughput against size, every backend on one "
+                                                  "chart (PNG)")
     m.set_defaults(run=_run_m2n)
 
     pl = benches.add_parser("pipeline", help="decode throughput of a deployment for several micro-batch counts",
@@ -127,36 +135,41 @@ def _run_m2n(args: argparse.Namespace) -> int:
     from megainfer.errors import ConfigError, MegaInferError
     from transport.bench import BenchSpec, measure
     from transport.errors import TransportError
-    from transport.rdma import available as rdma_available
 
     try:
         sizes = m2n_report.parse_sizes(args.sizes)
-        spec = BenchSpec(backend=args.backend, senders=args.senders, receivers=args.receivers, sizes=sizes,
-                         iters=args.iters, warmup=args.warmup, pattern=args.pattern, slots=args.slots)
+        backends = m2n_report.parse_backends(args.backend)
+        specs = {backend: BenchSpec(backend=backend, senders=args.senders, receivers=args.receivers, sizes=sizes,
+                                    iters=args.iters, warmup=args.warmup, pattern=args.pattern, slots=args.slots,
+                                    duplex=args.duplex)
+                 for backend in backends}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if args.backend == "rdma":
-        ok, reason = rdma_available()
-        if not ok:
-            raise ConfigError(f"--backend rdma: {reason}; use --backend shm or tcp here")
-    main = "torch" if args.backend == "torch" else "m2n"
-    systems = [main] + (["floor"] if main == "m2n" else []) + (["torch"] if args.baseline and main != "torch" else [])
-    out: dict[str, list] = {}
-    with tqdm(total=len(systems) * len(sizes), desc="bench m2n", unit="size") as bar:
-        for system in systems:
-            bar.set_postfix_str(system)
+    for backend in backends:
+        reason = m2n_report.unavailable(backend)
+        if reason:
+            raise ConfigError(f"--backend {backend}: {reason}; use --backend shm or tcp here")
+    runs = [(backend, "m2n" if backend != "torch" else "torch") for backend in backends]
+    if not args.no_floor:
+        runs += [(backend, "floor") for backend in backends if backend != "torch"]
+    if args.baseline and "torch" not in backends:
+        runs.append((backends[0], "torch"))
+    out: list = []
+    with tqdm(total=len(runs) * len(sizes), desc="bench m2n", unit="size") as bar:
+        for backend, system in runs:
+            bar.set_postfix_str(f"{system} {backend}")
             try:
-                out[system] = measure(system, spec, progress=lambda _: bar.update(1))
-            except (TransportError, RuntimeError, TimeoutError, OSError) as exc:
-                raise MegaInferError(f"{system} run failed: {exc}") from None
-    results, floor, baseline = out[main], out.get("floor", []), out.get("torch", []) if main != "torch" else []
-    print(f"backend {args.backend}, {args.pattern} {args.senders}x{args.receivers}, {args.iters} iterations "
-          f"(+{args.warmup} warm-up), machine: {m2n_report.machine()['cpu']}, {m2n_report.machine()['cores']} cores")
-    print(m2n_report.table(results, baseline, floor))
+                out += measure(system, specs[backend], progress=lambda _: bar.update(1))
+            except (TransportError, RuntimeError, TimeoutError, OSError, ValueError) as exc:
+                raise MegaInferError(f"{system} run over {backend} failed: {exc}") from None
+    machine = m2n_report.machine()
+    print(f"{args.pattern}{' duplex' if args.duplex else ''} {args.senders}x{args.receivers}, {args.iters} "
+          f"iterations (+{args.warmup} warm-up) up to 1M, machine: {machine['cpu']}, {machine['cores']} cores")
+    print(m2n_report.tables(out))
     if args.json:
-        m2n_report.save_json(args.json, args.backend, results, baseline, floor)
+        m2n_report.save_json(args.json, backends, out)
     if args.plot:
-        m2n_report.plot(args.plot, args.backend, results, baseline, floor)
+        m2n_report.plot(args.plot, out)
         print(f"plot: {args.plot}")
     return 0
 

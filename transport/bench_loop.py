@@ -1,0 +1,176 @@
+"""The benchmark processes: one measurement loop, and how M2N and torch.distributed plug
+into it (the floors, in transport/bench_floor.py, plug in the same way).
+
+Each iteration, by pattern:
+  m2n / one-to-n  every sender writes one message to every receiver, then waits for an
+                  empty acknowledgement from each; a receiver records one-way latency
+                  (receive time minus the send time in the message's first 8 bytes).
+  ping-pong       1x1: A sends, B echoes the same bytes back; latency is half the round trip.
+  --duplex (m2n)  every process sends a message to each peer, then receives one from each:
+                  both directions of every pair at once, as the ping-pong pipeline runs
+                  (dispatch of micro-batch j+1 beside the answer for j).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+from transport.bench_spec import STAMP, BenchSpec, Role, names, now_ns
+
+
+def worker(role_json: str, conn) -> None:
+    """A benchmark process's entry point: run the role, report, never hang the parent."""
+    role = Role(**json.loads(role_json))
+    spec = BenchSpec(**role.spec)
+    try:
+        if role.system == "floor":
+            from transport.bench_floor import FLOOR_RUNNERS
+
+            runner = FLOOR_RUNNERS[spec.backend]
+        else:
+            runner = {"m2n": run_m2n, "torch": run_torch}[role.system]
+        runner(role, spec, conn)
+    except BaseException as exc:
+        conn.send_bytes(json.dumps({"error": f"{role.name}: {type(exc).__name__}: {exc}"}).encode())
+    finally:
+        conn.close()
+
+
+def send(conn, obj) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def recv(conn) -> dict:
+    return json.loads(conn.recv_bytes().decode())
+
+
+def loop(role: Role, spec: BenchSpec, conn, send_all: Callable, receive_all: Callable, ack_all: Callable,
+         wait_acks: Callable) -> None:
+    """The shared measurement loop: the system supplies how to send, receive and acknowledge.
+    In duplex mode every process runs send_all then receive_all, and no acknowledgements."""
+    for size in spec.sizes:
+        warmup, iters = spec.iterations(size)
+        payload = bytearray(os.urandom(size))
+        send(conn, {"ready": size})
+        recv(conn)  # go: every process is at this size
+        latencies = []
+        start = 0
+        for it in range(warmup + iters):
+            if it == warmup:
+                start = now_ns()
+            timed = it >= warmup
+            if spec.duplex:
+                send_all(payload, it)
+                stamps = receive_all(it, size)
+                if timed:
+                    latencies.extend(stamps)
+            elif role.sender:
+                send_all(payload, it)
+                rtt = wait_acks(it, size)
+                if spec.pattern == "ping-pong" and timed:
+                    latencies.append(rtt / 2)
+            else:
+                stamps = receive_all(it, size)
+                if spec.pattern != "ping-pong" and timed:
+                    latencies.extend(stamps)
+                ack_all(it, payload if spec.pattern == "ping-pong" else None)
+        send(conn, {"size": size, "iters": iters, "latencies_ns": latencies, "start": start, "end": now_ns()})
+    recv(conn)  # done: every process has finished, so closing now disturbs no one
+
+
+def run_m2n(role: Role, spec: BenchSpec, conn) -> None:
+    from transport.endpoint import Endpoint, EndpointSpec
+
+    senders, receivers = names(spec)
+    ep = Endpoint(EndpointSpec(name=role.name, secret=bytes.fromhex(role.extra["secret"]), rank=role.index,
+                               slot_bytes=max(spec.sizes), num_slots=spec.slots, backend=spec.backend,
+                               timeout_s=spec.timeout_s))
+    send(conn, {"address": ep.address})
+    peers = recv(conn)["peers"]
+    others = receivers if role.sender else senders
+    ep.connect({p: peers[p] for p in others})
+    sent_at = {}
+
+    def send_all(payload, it):
+        for peer in others:
+            sent_at[peer] = now_ns()
+            STAMP.pack_into(payload, 0, sent_at[peer])
+            ep.send(peer, payload, micro_batch=it % spec.slots, step=it)
+
+    def wait_acks(it, size):
+        for _ in others:
+            ep.recv().release()
+        return now_ns() - sent_at[others[0]]
+
+    def receive_all(it, size):
+        stamps = []
+        for _ in others:
+            msg = ep.recv()
+            stamps.append(now_ns() - STAMP.unpack_from(msg.data, 0)[0])
+            msg.release()
+        return stamps
+
+    def ack_all(it, echo):
+        for peer in others:
+            ep.send(peer, echo if echo is not None else b"", micro_batch=it % spec.slots, step=it)
+
+    loop(role, spec, conn, send_all, receive_all, ack_all, wait_acks)
+    ep.close()
+
+
+def run_torch(role: Role, spec: BenchSpec, conn) -> None:
+    import torch
+
+    from transport.baseline import TorchP2PExchange
+
+    rank = role.index if role.sender else spec.senders + role.index
+    ex = TorchP2PExchange(rank, spec.senders + spec.receivers, "127.0.0.1", role.extra["port"],
+                          timeout_s=spec.timeout_s)
+    others = list(range(spec.senders, spec.senders + spec.receivers)) if role.sender else list(range(spec.senders))
+    acks = {p: torch.zeros(8, dtype=torch.uint8) for p in others}
+    inbox: dict[tuple[int, int], torch.Tensor] = {}  # (peer, size) -> receive buffer
+    sent_at = [0]
+
+    def buffer(peer: int, size: int) -> torch.Tensor:
+        return inbox.setdefault((peer, size), torch.empty(size, dtype=torch.uint8))
+
+    def stamps_of(recvs) -> list[int]:
+        t1 = now_ns()
+        return [t1 - STAMP.unpack_from(recvs[p].numpy(), 0)[0] for p in others]
+
+    def send_all(payload, it):
+        sent_at[0] = now_ns()
+        STAMP.pack_into(payload, 0, sent_at[0])
+        tensor = torch.frombuffer(payload, dtype=torch.uint8)
+        if spec.duplex:  # both directions in one batch, as M2N's duplex exchange overlaps them
+            recvs = {p: buffer(p, len(payload)) for p in others}
+            ex.exchange({p: tensor for p in others}, recvs)
+            pending[:] = stamps_of(recvs)
+        else:
+            ex.exchange({p: tensor for p in others}, {})
+
+    pending: list[int] = []
+
+    def wait_acks(it, size):
+        echo = spec.pattern == "ping-pong"
+        ex.exchange({}, {p: buffer(p, size) if echo else acks[p] for p in others})
+        return now_ns() - sent_at[0]
+
+    def receive_all(it, size):
+        if spec.duplex:
+            return list(pending)
+        recvs = {p: buffer(p, size) for p in others}
+        ex.exchange({}, recvs)
+        return stamps_of(recvs)
+
+    def ack_all(it, echo):
+        if echo is not None:
+            tensor = torch.frombuffer(echo, dtype=torch.uint8)
+            ex.exchange({p: tensor for p in others}, {})
+        else:
+            ex.exchange({p: acks[p] for p in others}, {})
+
+    loop(role, spec, conn, send_all, receive_all, ack_all, wait_acks)
+    ex.close()
