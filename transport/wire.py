@@ -30,9 +30,12 @@ Doorbell datagram (shm, UNIX datagram socket), 8 bytes:
 RDMA immediate data (32 bits, network byte order on the wire), the tag of a write:
     bits 31..30  kind (0 = data, 1 = credit)   bits 29..16  channel   bits 15..0  slot
 
-RDMA queue-pair info (exchanged over the control connection), 44 bytes:
-    0 4 qp_num   4 4 psn   8 2 lid   10 1 port   11 1 gid_index   12 16 gid
-    28 4 rkey    32 8 addr (base of this side's slot region)   40 4 slot_stride
+RDMA queue-pair info (exchanged over the control connection), 46 bytes:
+    0 4 qp_num   4 4 psn (the first PSN this side sends)   8 2 lid   10 1 port
+    11 1 gid_index   12 16 gid   28 4 rkey   32 8 addr (base of this side's registered
+    region; layout in transport/rdma.py)   40 4 slot_stride
+    44 1 mtu (this port's active MTU, enum ibv_mtu: 1 = 256 ... 5 = 4096; 0 = not stated)
+    45 1 link_layer (1 InfiniBand, 2 Ethernet; 0 = not stated)
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ HEADER_BYTES = HEADER.size  # 32
 CREDIT = struct.Struct("<IHH")
 DOORBELL = struct.Struct("<BBHHH")
 DOORBELL_DATA, DOORBELL_FREE = 1, 2
-QP_INFO = struct.Struct("<IIHBB16sIQI")
+QP_INFO = struct.Struct("<IIHBB16sIQIBB")
 MAX_FRAME = 1 << 16  # handshake frames are small; anything larger is not a peer of ours
 
 
@@ -120,10 +123,12 @@ class QPInfo:
     rkey: int
     addr: int
     slot_stride: int
+    mtu: int = 0  # enum ibv_mtu; 0 = not stated (an RDMA channel refuses it)
+    link_layer: int = 0  # 1 InfiniBand, 2 Ethernet; 0 = not stated
 
     def pack(self) -> bytes:
         return QP_INFO.pack(self.qp_num, self.psn, self.lid, self.port, self.gid_index, self.gid, self.rkey,
-                            self.addr, self.slot_stride)
+                            self.addr, self.slot_stride, self.mtu, self.link_layer)
 
     @classmethod
     def unpack(cls, data: bytes) -> "QPInfo":

@@ -267,10 +267,10 @@ def test_qp_info_exchange_format():
     info = QPInfo(qp_num=0x1234, psn=0xABCDE, lid=7, port=1, gid_index=3, gid=bytes(range(16)), rkey=0xDEADBEEF,
                   addr=0x7F00_0000_1000, slot_stride=262240)
     packed = info.pack()
-    assert len(packed) == 44
+    assert len(packed) == 46
     assert QPInfo.unpack(packed) == info
     assert info.gid_text == "0001:0203:0405:0607:0809:0a0b:0c0d:0e0f"
-    with pytest.raises(HandshakeError, match="44"):
+    with pytest.raises(HandshakeError, match="46"):
         QPInfo.unpack(packed[:-1])
 
 
