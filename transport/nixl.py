@@ -18,11 +18,15 @@ signal either way; they carry 1 kind byte, then the 32-byte message header (DATA
 u16 slot (CREDIT). A receiver hands messages out in sequence order (a header-only
 notification can overtake the notification of a large write still in flight).
 
+`send` returns once the write is done (the staging slot is then free again). Each agent
+runs NIXL's progress thread, napping 100 us between polls (`_new_agent` says why), so a
+message moves while either end computes; the endpoint also polls while it waits, since
+notifications do not wake a selector. The control connection stays open only to notice a
+peer that goes away.
+
 Here NIXL runs on host memory over UCX's shared-memory and TCP transports; on a cluster
-UCX picks RDMA verbs (and GPU memory, for regions on a CUDA device) without code changes.
-Completions and notifications do not wake a selector: an endpoint with nixl peers polls
-(see `Endpoint._max_sleep`). The control connection stays open only to notice a peer
-that goes away.
+UCX picks RDMA verbs without code changes. A receive region may be placed on a CUDA device
+(registered as VRAM); `Endpoint` keeps slots in host memory today.
 """
 
 from __future__ import annotations
