@@ -292,7 +292,7 @@ class Endpoint:
                 try:
                     name, channel = self._accept_one(sock, expected - set(accepted), deadline)
                     accepted[name] = channel
-                except (HandshakeError, OSError, KeyError, ValueError) as exc:
+                except (HandshakeError, BackendUnavailable, OSError, KeyError, ValueError) as exc:
                     logger.warning("endpoint %s refused a connection from %s: %s", self.spec.name, addr, exc)
                     sock.close()
         except BaseException as exc:  # surfaced by connect()
@@ -558,7 +558,9 @@ class Endpoint:
         failed (`PeerClosed`, `PeerTimeout`) or a link came back. Messages not yet received
         are lost; both ends must reconnect, as both connected."""
         self._drop_channels()
-        self._nixl = None  # a fresh NIXL agent: reusing one whose UCX link to a peer failed crashes NIXL (SIGSEGV)
+        if self._nixl is not None:  # a fresh NIXL agent: reusing one whose UCX link to a peer failed crashes NIXL
+            self._nixl.close()      # (SIGSEGV in transfer or get_new_notifs, 2 runs in 3)
+            self._nixl = None
         self._selector = selectors.DefaultSelector()
         self._max_sleep = None
         self._spin_s = self.spec.spin_us * 1e-6

@@ -166,7 +166,11 @@ class NixlAgent:
 
     def pump(self) -> None:
         """Move every notification that has arrived into its peer's queue."""
-        for remote, notes in self.agent.get_new_notifs().items():
+        try:
+            arrived = self.agent.get_new_notifs()
+        except Exception as exc:  # nixl's own error types
+            raise PeerClosed(f"nixl: reading notifications failed ({type(exc).__name__}: {exc})") from None
+        for remote, notes in arrived.items():
             remote = remote.decode() if isinstance(remote, bytes) else remote
             for note in notes:
                 kind, body = note[:1], note[1:]
