@@ -73,7 +73,8 @@ class AttentionNode:
         return self.name
 
     def placement(self) -> RankPlacement:
-        return rank_placement(self.name)
+        link = getattr(self, "link", None)  # tensor-parallel followers have none
+        return rank_placement(self.name, link.backends() if link is not None else {})
 
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._build_args[1]))

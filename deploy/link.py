@@ -36,6 +36,10 @@ class SwitchableLink:
     def connect(self, peers: dict[str, str]) -> None:
         self.endpoint.connect(peers)
 
+    def backends(self) -> dict[str, str]:
+        """Peer -> the M2N backend its pair chose (the reason is in this actor's log)."""
+        return {peer: choice.backend for peer, choice in self.endpoint.choices.items()} if self.endpoint else {}
+
     def send(self, peer: str, payload: torch.Tensor, *, step: int, layer: int, micro_batch: int,
              token_count: int, flags: int = 0) -> None:
         """`payload`: a host tensor (device tensors are staged through pinned memory by the

@@ -85,7 +85,8 @@ class LoopActor:
         return self.name
 
     def placement(self) -> RankPlacement:
-        return rank_placement(self.name)
+        link = getattr(self, "link", None)  # tensor-parallel followers have none
+        return rank_placement(self.name, link.backends() if link is not None else {})
 
     def serve(self) -> None:
         self.loop.serve()

@@ -101,14 +101,15 @@ def gpu_type_shortfalls(plan: Plan, hosts: list[dict]) -> list[str]:
     return shortfalls
 
 
-def rank_placement(name: str) -> RankPlacement:
-    """Called inside a node actor: the Ray node it runs on, that node's GPU type, its GPUs."""
+def rank_placement(name: str, links: dict[str, str] | None = None) -> RankPlacement:
+    """Called inside a node actor: the Ray node it runs on, that node's GPU type, its GPUs,
+    and the M2N backend of each of its links (`links`, from `SwitchableLink.backends`)."""
     context = ray.get_runtime_context()
     node_id = context.get_node_id()
     resources = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
     types = [key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")]
     return RankPlacement(name, node_id, types[0] if types else None,
-                         [str(i) for i in context.get_accelerator_ids().get("GPU", [])])
+                         [str(i) for i in context.get_accelerator_ids().get("GPU", [])], dict(links or {}))
 
 
 class Placement:

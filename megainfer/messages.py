@@ -137,6 +137,7 @@ class RankPlacement:
     node_id: str  # the Ray node (host) it runs on
     accelerator_type: str | None  # that host's GPU type as Ray declares it (accelerator_type:<GPU>)
     gpu_ids: list[str] = field(default_factory=list)  # the GPUs Ray gave it (CUDA_VISIBLE_DEVICES)
+    links: dict[str, str] = field(default_factory=dict)  # M2N peer -> the backend that pair uses (shm, nixl, ...)
 
 
 @dataclass

@@ -146,6 +146,11 @@ def netns_pair() -> Iterator[TwoHosts]:
         yield net
     finally:
         net.kill_all()
+        for name in made:  # what escaped its process group (daemons such as Ray's) goes with its namespace
+            pids = ip("netns", "pids", name, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
         for name in made:
             ip("netns", "del", name, check=False)
         left = set(made) & namespaces()
