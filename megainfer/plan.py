@@ -20,7 +20,7 @@ from megainfer.routing.autoscale import AutoscalePolicy
 from megainfer.routing.policies import ROUTERS
 
 PREFILL_POLICIES = ("chunked", "layered")
-TRANSPORT_BACKENDS = ("auto", "shm", "tcp", "rdma")
+TRANSPORT_BACKENDS = ("auto", "shm", "tcp", "rdma", "nixl")
 CPU = "cpu"  # the GPU type of a CPU plan
 
 
