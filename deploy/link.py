@@ -22,6 +22,7 @@ class SwitchableLink:
         self._spec = dict(name=name, rank=rank, secret=secret, listen=f"{host}:0", slot_bytes=slot_bytes,
                           num_slots=num_slots, backend=backend, timeout_s=timeout_s)
         self.endpoint: Endpoint | None = None
+        self.sources: list[torch.Tensor] = []  # send buffers, registered with every endpoint opened
         self.interrupt = threading.Event()
         self.timeout_s = timeout_s
 
@@ -30,11 +31,19 @@ class SwitchableLink:
         if self.endpoint is not None:
             self.endpoint.close()
         self.endpoint = Endpoint(EndpointSpec(**self._spec))
+        for buffer in self.sources:
+            self.endpoint.register(buffer)
         self.interrupt.clear()
         return self.endpoint.address
 
     def connect(self, peers: dict[str, str]) -> None:
         self.endpoint.connect(peers)
+
+    def register(self, buffer: torch.Tensor) -> None:
+        """A pinned buffer payloads leave from (see ExpertLink.register)."""
+        self.sources.append(buffer)
+        if self.endpoint is not None:
+            self.endpoint.register(buffer)
 
     def backends(self) -> dict[str, str]:
         """Peer -> the M2N backend its pair chose (the reason is in this actor's log)."""

@@ -47,12 +47,14 @@ def recv(conn) -> dict:
 
 
 def loop(role: Role, spec: BenchSpec, conn, send_all: Callable, receive_all: Callable, ack_all: Callable,
-         wait_acks: Callable) -> None:
+         wait_acks: Callable, register: Callable | None = None) -> None:
     """The shared measurement loop: the system supplies how to send, receive and acknowledge.
     In duplex mode every process runs send_all then receive_all, and no acknowledgements."""
     for size in spec.sizes:
         warmup, iters = spec.iterations(size)
         payload = bytearray(os.urandom(size))
+        if register is not None:
+            register(payload)
         send(conn, {"ready": size})
         recv(conn)  # go: every process is at this size
         latencies = []
@@ -116,7 +118,12 @@ def run_m2n(role: Role, spec: BenchSpec, conn) -> None:
         for peer in others:
             ep.send(peer, echo if echo is not None else b"", micro_batch=it % spec.slots, step=it)
 
-    loop(role, spec, conn, send_all, receive_all, ack_all, wait_acks)
+    def register(payload):  # as a deployment registers its pinned send staging
+        import torch
+
+        ep.register(torch.frombuffer(payload, dtype=torch.uint8))
+
+    loop(role, spec, conn, send_all, receive_all, ack_all, wait_acks, register)
     ep.close()
 
 

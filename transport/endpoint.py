@@ -173,6 +173,7 @@ class Endpoint:
         self.doorbell = Doorbell() if self.capabilities.shm else None
         self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
         self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
+        self._sources: list = []  # send buffers declared with register()
         wanted = spec.backend
         if wanted not in ("auto", "tcp") and not getattr(self.capabilities, wanted):
             raise BackendUnavailable(f"backend {wanted!r} requested but unavailable: "
@@ -347,10 +348,6 @@ class Endpoint:
             self._rdma = rdma.RdmaContext.open()
         return self._rdma
 
-    def _nixl_agent(self) -> NixlAgent:
-        if self._nixl is None:
-            self._nixl = NixlAgent(self.spec.name)
-        return self._nixl
 
     def _register(self) -> None:
         if self.doorbell is not None:
@@ -552,6 +549,22 @@ class Endpoint:
                 if not alive:
                     self._dead[peer] = f"peer {peer} closed its connection (process exited or shut down)"
                     self._selector.unregister(key.fileobj)
+
+    def register(self, buffer) -> None:
+        """Declare a host buffer (a contiguous CPU torch tensor) that payloads will be sent
+        from, for the life of this endpoint. Backends that write from registered memory
+        (nixl) then send a payload lying in it without copying it to staging first. A hint:
+        payloads anywhere else still work, through staging."""
+        self._sources.append(buffer)
+        if self._nixl is not None:
+            self._nixl.register_source(buffer)
+
+    def _nixl_agent(self) -> NixlAgent:
+        if self._nixl is None:
+            self._nixl = NixlAgent(self.spec.name)
+            for buffer in self._sources:
+                self._nixl.register_source(buffer)
+        return self._nixl
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":
         """Drop every channel and handshake again (same listener, same name): after a peer

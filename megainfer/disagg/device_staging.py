@@ -89,6 +89,12 @@ class DeviceStaging:
             self.outbound = [PinnedBuffer(f"to host #{i}", reserve_bytes) for i in range(slots)]
             self.inbound = [PinnedBuffer(f"to device #{i}", reserve_bytes) for i in range(slots)]
 
+    def send_buffers(self) -> list[torch.Tensor]:
+        """The pinned buffers payloads leave from (for the link to register); none on the CPU.
+        A buffer that grows past its reservation is a new one, sent from through the
+        transport's staging instead."""
+        return [buffer.data for buffer in self.outbound] if self.on_cuda else []
+
     def to_host(self, tensors: Sequence[torch.Tensor], slot: int) -> HostCopy:
         """Copy `tensors` (as the compute stream's launched work leaves them) to slot `slot`'s
         pinned buffer on the copy stream. The returned views stay valid until the next

@@ -52,6 +52,11 @@ class ExpertLink(Protocol):
         """The message `recv` would return if it has arrived, else None at once."""
         ...
 
+    def register(self, buffer: torch.Tensor) -> None:
+        """Host memory payloads will be sent from, for the link's life (the pinned staging):
+        a backend that writes from registered memory then skips its own staging copy."""
+        ...
+
 
 def record_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:
     """Bytes of one token's dispatch record."""

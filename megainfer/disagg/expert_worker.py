@@ -71,6 +71,9 @@ class ExpertWorker:
         self.link = link
         self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
+        if link is not None:  # tensor-parallel followers have no link
+            for buffer in self.staging.send_buffers():
+                link.register(buffer)
         self._answers: deque[PendingAnswer] = deque()
         self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids, tp_rank, tp_size)
                        for layer in range(model_config.num_layers)]

@@ -122,6 +122,8 @@ class PipelinedModelRunner:
                                                              tp_group)
         self.sampler = Sampler(config.seed, self.device)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
+        for buffer in self.staging.send_buffers():
+            link.register(buffer)
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups

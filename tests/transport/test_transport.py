@@ -224,6 +224,43 @@ def test_dead_peer_is_reported_promptly_not_after_the_timeout(backend):
         ep.close()
 
 
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_REASON)
+def test_nixl_writes_a_registered_payload_from_where_it_lies(mesh):
+    senders, receivers = mesh("nixl", 1, 1, slot_bytes=1 << 16)
+    a, e = senders["a0"], receivers["e0"]
+    source = torch.arange(4096, dtype=torch.int32)  # 16 KiB the sender declares it sends from
+    a.register(source)
+    a.send("e0", source[1024:2048], micro_batch=1)
+    unregistered = torch.full((256,), 7, dtype=torch.int32)
+    a.send("e0", unregistered, micro_batch=0)
+    staging = a.outbound["e0"].staging
+    stride = a.outbound["e0"].stride
+    for mb, expected in ((1, source[1024:2048]), (0, unregistered)):
+        msg = e.recv("a0", micro_batch=mb)
+        assert torch.equal(msg.tensor(torch.int32), expected)
+        msg.release()
+    # the registered payload never touched the staging slot; the other one went through it
+    assert not staging[stride + 96:stride + 96 + 4096].any()
+    assert staging[96:96 + 1024].view(torch.int32).eq(7).all()
+
+
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_REASON)
+def test_nixl_header_only_messages_hold_no_slot(mesh):
+    senders, receivers = mesh("nixl", 1, 1, num_slots=1)
+    a, e = senders["a0"], receivers["e0"]
+    a.send("e0", b"data", micro_batch=0)
+    for k in range(5):  # the slot is held (unreleased data), yet headers still go: they occupy none
+        a.send("e0", b"", micro_batch=0, layer=k, timeout=2)
+    got = [e.recv("a0", timeout=5) for _ in range(6)]
+    assert bytes(got[0].data) == b"data" and [m.header.layer for m in got[1:]] == [0, 1, 2, 3, 4]
+    with pytest.raises(PeerTimeout, match="has not released its slot"):
+        a.send("e0", b"more", micro_batch=0, timeout=0.3)
+    for m in got:
+        m.release()
+    a.send("e0", b"more", micro_batch=0, timeout=5)
+    assert bytes(e.recv("a0", timeout=5).data) == b"more"
+
+
 def test_auto_picks_shm_on_one_host_and_logs_why(mesh, caplog):
     with caplog.at_level(logging.INFO, logger="transport.endpoint"):
         senders, receivers = mesh("auto", 1, 1)
