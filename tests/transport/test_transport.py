@@ -206,7 +206,9 @@ def _serve_then_die(address_queue, peer_queue, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dead_peer_is_reported_promptly_not_after_the_timeout(backend):
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a fork copies NIXL's and UCX's locks mid-use from this process's earlier
+    # agents (their progress threads keep running), and the child's agent then hangs
+    ctx = mp.get_context("spawn")
     addresses, peers = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_serve_then_die, args=(addresses, peers, backend))
     proc.start()
