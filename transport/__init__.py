@@ -7,8 +7,9 @@
     msg = ep.recv("expert0", micro_batch=1)     # msg.header, msg.tensor(torch.bfloat16)
     msg.release()                               # the sender may now reuse that slot
 
-Backends: shm (one host), tcp, rdma (pyverbs, where verbs devices exist), chosen per
-peer by `backend="auto"`. Never imports megainfer.
+Backends: shm (one host), tcp, rdma (pyverbs, where a verbs port works), nixl (NVIDIA NIXL
+over UCX), chosen per peer pair by `backend="auto"` (transport/selection.py; docs/transport.md).
+Never imports megainfer.
 """
 
 from transport.endpoint import Endpoint, EndpointSpec, Message, host_id
