@@ -15,8 +15,6 @@ waits (back-pressure), and every wait ends in `PeerTimeout` after `timeout_s` or
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import os
 import select
@@ -26,14 +24,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from transport import nixl, rdma
+from transport.backends import BackendSet, host_id
 from transport.errors import BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, PeerTimeout, TransportError
 from transport.handshake import authenticate
-from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
-from transport.selection import BACKENDS, Capabilities, Choice, NoBackend, choose
-from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
-from transport.tcp import TcpInbound, TcpOutbound, tune
+from transport.selection import BACKENDS, Choice, NoBackend, choose
+from transport.tcp import TcpInbound, TcpOutbound
 from transport.wire import Header, check_header_fields, recv_json, send_json
+
+__all__ = ["Endpoint", "EndpointSpec", "Message", "host_id", "parse_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +49,6 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address {address!r} is not host:port")
     return host.strip("[]"), int(port)
-
-
-def host_id() -> str:
-    """Names this machine and network namespace: two endpoints with equal ids can use shm.
-    The namespace counts because the doorbells are abstract UNIX sockets, which are private
-    to a network namespace (two containers on one host without a shared network namespace
-    are two hosts to M2N)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{socket.gethostname()}/{boot}/{netns}"
 
 
 @dataclass
@@ -164,32 +145,12 @@ class Endpoint:
         self._pending: list[Message] = []
         self._seq: dict[str, int] = {}
         self._dead: dict[str, str] = {}
-        self._inbound_ids = itertools.count()
         self._max_sleep: float | None = None
         self._spin_s = spec.spin_us * 1e-6  # busy-poll this long before sleeping (longer for polled peers)
         self._selector = selectors.DefaultSelector()
         self.choices: dict[str, Choice] = {}  # peer -> the backend its pair uses and why
-        self.capabilities = self._capabilities()
-        self.doorbell = Doorbell() if self.capabilities.shm else None
-        self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
-        self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
-        self._sources: list = []  # send buffers declared with register()
-        wanted = spec.backend
-        if wanted not in ("auto", "tcp") and not getattr(self.capabilities, wanted):
-            raise BackendUnavailable(f"backend {wanted!r} requested but unavailable: "
-                                     f"{getattr(self.capabilities, wanted + '_reason')}")
-
-    def _capabilities(self) -> Capabilities:
-        """What this endpoint can offer a peer; rdma and nixl are probed only when they may be used."""
-        wanted = self.spec.backend
-        shm_ok, shm_reason = shm_available()
-        if wanted in ("auto", "rdma"):  # an ACTIVE port that passes a loopback write, not just a device
-            probe = rdma.probe()
-            rdma_ok, rdma_reason = probe.ok, probe.reason
-        else:
-            rdma_ok, rdma_reason = False, f"{wanted} was requested"
-        nixl_ok, nixl_reason = nixl.available() if wanted in ("auto", "nixl") else (False, f"{wanted} was requested")
-        return Capabilities(host_id(), shm_ok, rdma_ok, nixl_ok, shm_reason, rdma_reason, nixl_reason)
+        self.backends = BackendSet(spec.name, spec.backend, spec.slot_bytes, spec.num_slots, spec.tcp_buffer_bytes)
+        self.doorbell = self.backends.doorbell
 
     @property
     def address(self) -> str:
@@ -253,25 +214,15 @@ class Endpoint:
             channel_id = len(self.outbound)
             send_json(sock, {
                 "name": self.spec.name, "rank": self.spec.rank, "backend": self.spec.backend,
-                **self.capabilities.hello_fields(), "doorbell": self.doorbell.name if self.doorbell else "",
-                "channel": channel_id})
+                **self.backends.hello_fields(), "channel": channel_id})
             ack = recv_json(sock)
             if not ack.get("ok"):
                 raise HandshakeError(f"peer {peer} refused endpoint {self.spec.name}: {ack.get('error')}")
             if ack.get("name") != peer:
                 raise HandshakeError(f"the endpoint at {address} is {ack.get('name')!r}, not {peer!r}")
-            slot_bytes, num_slots, kind = int(ack["slot_bytes"]), int(ack["num_slots"]), ack["backend"]
+            kind = ack["backend"]
             self.choices[peer] = Choice(kind, str(ack.get("reason", "")))
-            if kind == "shm":
-                channel = ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
-            elif kind == "rdma":
-                channel = rdma.RdmaOutbound.connect(self._rdma_context(), peer, channel_id, slot_bytes, num_slots,
-                                                    sock, ack["rdma"])
-            elif kind == "nixl":
-                channel = NixlOutbound.connect(self._nixl_agent(), peer, slot_bytes, num_slots, sock, ack["nixl"])
-            else:
-                tune(sock, self.spec.tcp_buffer_bytes)
-                channel = TcpOutbound(peer, slot_bytes, num_slots, sock)
+            channel = self.backends.outbound(kind, peer, channel_id, ack, sock)
             sock.settimeout(None)
             logger.info("endpoint %s -> %s over %s (%s)", self.spec.name, peer, kind, self.choices[peer].reason)
             return channel
@@ -307,12 +258,9 @@ class Endpoint:
         if name not in expected:
             send_json(sock, {"ok": False, "error": f"{name!r} is not an expected peer of {self.spec.name}"})
             raise HandshakeError(f"unexpected peer {name!r}")
-        peer_can = Capabilities.from_hello(hello)
-        if not hello.get("doorbell"):
-            peer_can = dataclasses.replace(peer_can, shm=False, shm_reason=peer_can.shm_reason or "no doorbell")
         try:
-            choice = choose(self.spec.backend, str(hello.get("backend", "auto")), self.capabilities, peer_can,
-                            self.spec.name, name)
+            choice = choose(self.spec.backend, str(hello.get("backend", "auto")), self.backends.capabilities,
+                            self.backends.peer_capabilities(hello), self.spec.name, name)
         except NoBackend as exc:
             send_json(sock, {"ok": False, "error": str(exc)})
             raise BackendUnavailable(str(exc)) from None
@@ -320,34 +268,9 @@ class Endpoint:
         logger.info("endpoint %s <- %s over %s (%s)", self.spec.name, name, kind, choice.reason)
         ack = {"ok": True, "name": self.spec.name, "backend": kind, "reason": choice.reason,
                "slot_bytes": self.spec.slot_bytes, "num_slots": self.spec.num_slots}
-        if kind == "shm":
-            try:  # a /dev/shm too small for the slots: the peer is told why, not left to time out
-                channel = ShmInbound(name, next(self._inbound_ids), self.spec.slot_bytes, self.spec.num_slots,
-                                     self.doorbell)
-            except BackendUnavailable as exc:
-                send_json(sock, {"ok": False, "error": str(exc)})
-                raise
-            channel.bind_peer(hello, sock)
-            ack["shm"] = channel.handshake_info()
-            send_json(sock, ack)
-        elif kind == "rdma":
-            channel = rdma.RdmaInbound.accept(self._rdma_context(), name, self.spec.slot_bytes, self.spec.num_slots,
-                                              sock, ack)
-        elif kind == "nixl":
-            channel = NixlInbound.accept(self._nixl_agent(), name, self.spec.slot_bytes, self.spec.num_slots, sock,
-                                         ack)
-        else:
-            tune(sock, self.spec.tcp_buffer_bytes)
-            channel = TcpInbound(name, self.spec.slot_bytes, self.spec.num_slots, sock)
-            send_json(sock, ack)
+        channel = self.backends.inbound(kind, name, hello, ack, sock)
         sock.settimeout(None)
         return name, channel
-
-    def _rdma_context(self):
-        if self._rdma is None:
-            self._rdma = rdma.RdmaContext.open()
-        return self._rdma
-
 
     def _register(self) -> None:
         if self.doorbell is not None:
@@ -555,25 +478,14 @@ class Endpoint:
         from, for the life of this endpoint. Backends that write from registered memory
         (nixl) then send a payload lying in it without copying it to staging first. A hint:
         payloads anywhere else still work, through staging."""
-        self._sources.append(buffer)
-        if self._nixl is not None:
-            self._nixl.register_source(buffer)
-
-    def _nixl_agent(self) -> NixlAgent:
-        if self._nixl is None:
-            self._nixl = NixlAgent(self.spec.name)
-            for buffer in self._sources:
-                self._nixl.register_source(buffer)
-        return self._nixl
+        self.backends.register(buffer)
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":
         """Drop every channel and handshake again (same listener, same name): after a peer
         failed (`PeerClosed`, `PeerTimeout`) or a link came back. Messages not yet received
         are lost; both ends must reconnect, as both connected."""
         self._drop_channels()
-        if self._nixl is not None:  # a fresh NIXL agent: reusing one whose UCX link to a peer failed crashes NIXL
-            self._nixl.close()      # (SIGSEGV in transfer or get_new_notifs, 2 runs in 3)
-            self._nixl = None
+        self.backends.renew()
         self._selector = selectors.DefaultSelector()
         self._max_sleep = None
         self._spin_s = self.spec.spin_us * 1e-6
@@ -594,12 +506,7 @@ class Endpoint:
 
     def close(self) -> None:
         self._drop_channels()
-        if self.doorbell is not None:
-            self.doorbell.close()
-        if self._rdma is not None:
-            self._rdma.close()
-        if self._nixl is not None:
-            self._nixl.close()
+        self.backends.close()
         self.listener.close()
 
     def __enter__(self) -> "Endpoint":

@@ -1,0 +1,145 @@
+"""An endpoint's backends: what it can offer a peer, the resources each backend needs, and
+the channels of a peer pair once its backend is chosen (transport/selection.py chooses).
+
+Resources are made when first needed: the doorbell at once where shm is possible, the RDMA
+context when a pair chooses rdma, the NIXL agent when a pair chooses nixl (with every send
+buffer declared so far registered on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import socket
+
+from transport import nixl, rdma
+from transport.errors import BackendUnavailable
+from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
+from transport.selection import Capabilities
+from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
+from transport.tcp import TcpInbound, TcpOutbound, tune
+from transport.wire import send_json
+
+
+def host_id() -> str:
+    """Names this machine and network namespace: two endpoints with equal ids can use shm.
+    The namespace counts because the doorbells are abstract UNIX sockets, which are private
+    to a network namespace (two containers on one host without a shared network namespace
+    are two hosts to M2N)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def capabilities_of(wanted: str) -> Capabilities:
+    """What an endpoint asking for backend `wanted` can offer a peer; rdma and nixl are
+    probed only when they may be used."""
+    shm_ok, shm_reason = shm_available()
+    if wanted in ("auto", "rdma"):  # an ACTIVE port that passes a loopback write, not just a device
+        probe = rdma.probe()
+        rdma_ok, rdma_reason = probe.ok, probe.reason
+    else:
+        rdma_ok, rdma_reason = False, f"{wanted} was requested"
+    nixl_ok, nixl_reason = nixl.available() if wanted in ("auto", "nixl") else (False, f"{wanted} was requested")
+    return Capabilities(host_id(), shm_ok, rdma_ok, nixl_ok, shm_reason, rdma_reason, nixl_reason)
+
+
+class BackendSet:
+    def __init__(self, name: str, wanted: str, slot_bytes: int, num_slots: int,
+                 tcp_buffer_bytes: int | None) -> None:
+        self.name, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = name, slot_bytes, num_slots, \
+            tcp_buffer_bytes
+        self.capabilities = capabilities_of(wanted)
+        if wanted not in ("auto", "tcp") and not getattr(self.capabilities, wanted):
+            raise BackendUnavailable(f"backend {wanted!r} requested but unavailable: "
+                                     f"{getattr(self.capabilities, wanted + '_reason')}")
+        self.doorbell = Doorbell() if self.capabilities.shm else None
+        self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
+        self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
+        self._sources: list = []  # send buffers declared with register()
+        self._inbound_ids = itertools.count()
+
+    def hello_fields(self) -> dict:
+        """What a connecting endpoint tells the peer it can do."""
+        return {**self.capabilities.hello_fields(), "doorbell": self.doorbell.name if self.doorbell else ""}
+
+    @staticmethod
+    def peer_capabilities(hello: dict) -> Capabilities:
+        """What a connecting peer said it can do (shm needs its doorbell too)."""
+        peer = Capabilities.from_hello(hello)
+        if not hello.get("doorbell"):
+            peer = dataclasses.replace(peer, shm=False, shm_reason=peer.shm_reason or "no doorbell")
+        return peer
+
+    def outbound(self, kind: str, peer: str, channel_id: int, ack: dict, sock: socket.socket):
+        """This endpoint -> `peer` over `kind`, from the peer's acknowledgement."""
+        slot_bytes, num_slots = int(ack["slot_bytes"]), int(ack["num_slots"])
+        if kind == "shm":
+            return ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
+        if kind == "rdma":
+            return rdma.RdmaOutbound.connect(self._rdma_context(), peer, channel_id, slot_bytes, num_slots, sock,
+                                             ack["rdma"])
+        if kind == "nixl":
+            return NixlOutbound.connect(self._nixl_agent(), peer, slot_bytes, num_slots, sock, ack["nixl"])
+        tune(sock, self.tcp_buffer_bytes)
+        return TcpOutbound(peer, slot_bytes, num_slots, sock)
+
+    def inbound(self, kind: str, peer: str, hello: dict, ack: dict, sock: socket.socket):
+        """`peer` -> this endpoint over `kind`; sends `ack` with what the backend adds to it."""
+        if kind == "shm":
+            try:  # a /dev/shm too small for the slots: the peer is told why, not left to time out
+                channel = ShmInbound(peer, next(self._inbound_ids), self.slot_bytes, self.num_slots, self.doorbell)
+            except BackendUnavailable as exc:
+                send_json(sock, {"ok": False, "error": str(exc)})
+                raise
+            channel.bind_peer(hello, sock)
+            send_json(sock, {**ack, "shm": channel.handshake_info()})
+            return channel
+        if kind == "rdma":
+            return rdma.RdmaInbound.accept(self._rdma_context(), peer, self.slot_bytes, self.num_slots, sock, ack)
+        if kind == "nixl":
+            return NixlInbound.accept(self._nixl_agent(), peer, self.slot_bytes, self.num_slots, sock, ack)
+        tune(sock, self.tcp_buffer_bytes)
+        channel = TcpInbound(peer, self.slot_bytes, self.num_slots, sock)
+        send_json(sock, ack)
+        return channel
+
+    def register(self, buffer) -> None:
+        """A host buffer payloads will be sent from (see Endpoint.register)."""
+        self._sources.append(buffer)
+        if self._nixl is not None:
+            self._nixl.register_source(buffer)
+
+    def renew(self) -> None:
+        """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
+        peer failed crashes NIXL (SIGSEGV in transfer or get_new_notifs, 2 runs in 3)."""
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None
+
+    def close(self) -> None:
+        if self.doorbell is not None:
+            self.doorbell.close()
+        if self._rdma is not None:
+            self._rdma.close()
+        self.renew()
+
+    def _rdma_context(self):
+        if self._rdma is None:
+            self._rdma = rdma.RdmaContext.open()
+        return self._rdma
+
+    def _nixl_agent(self) -> NixlAgent:
+        if self._nixl is None:
+            self._nixl = NixlAgent(self.name)
+            for buffer in self._sources:
+                self._nixl.register_source(buffer)
+        return self._nixl
