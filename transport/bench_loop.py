@@ -143,6 +143,8 @@ def run_torch(role: Role, spec: BenchSpec, conn) -> None:
     def buffer(peer: int, size: int) -> torch.Tensor:
         return inbox.setdefault((peer, size), torch.empty(size, dtype=torch.uint8))
 
+    pending: list[int] = []  # a duplex send's received stamps, handed out by receive_all
+
     def stamps_of(recvs) -> list[int]:
         t1 = now_ns()
         return [t1 - STAMP.unpack_from(recvs[p].numpy(), 0)[0] for p in others]
@@ -157,8 +159,6 @@ def run_torch(role: Role, spec: BenchSpec, conn) -> None:
             pending[:] = stamps_of(recvs)
         else:
             ex.exchange({p: tensor for p in others}, {})
-
-    pending: list[int] = []
 
     def wait_acks(it, size):
         echo = spec.pattern == "ping-pong"

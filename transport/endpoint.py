@@ -145,8 +145,8 @@ class Endpoint:
         self._pending: list[Message] = []
         self._seq: dict[str, int] = {}
         self._dead: dict[str, str] = {}
-        self._max_sleep: float | None = None
-        self._spin_s = spec.spin_us * 1e-6  # busy-poll this long before sleeping (longer for polled peers)
+        self._max_sleep: float | None = None  # the longest nap while waiting (set by connect for polled peers)
+        self._spin_s = spec.spin_us * 1e-6  # busy-poll this long before sleeping (longer for rdma peers)
         self._selector = selectors.DefaultSelector()
         self.choices: dict[str, Choice] = {}  # peer -> the backend its pair uses and why
         self.backends = BackendSet(spec.name, spec.backend, spec.slot_bytes, spec.num_slots, spec.tcp_buffer_bytes)
@@ -188,11 +188,11 @@ class Endpoint:
                               f"{self.spec.timeout_s:g} s (not started, wrong address, or a different secret)")
         self.inbound.update(accepted)
         self._register()
-        # RDMA completions and NIXL notifications do not wake a selector: with such peers, spin
-        # longer, then wake often and poll them.
+        # RDMA completions and NIXL notifications do not wake a selector: with such peers, wake
+        # often and poll them (rdma after a longer spin).
         kinds = {ch.kind for ch in list(self.inbound.values()) + list(self.outbound.values())}
-        if kinds & {"rdma", "nixl"}:
-            self._max_sleep = POLLED_NAP_S
+        self._max_sleep = POLLED_NAP_S if kinds & {"rdma", "nixl"} else None
+        self._spin_s = self.spec.spin_us * 1e-6
         if "rdma" in kinds:
             self._spin_s = max(self._spin_s, POLLED_SPIN_S)
         return self
@@ -487,8 +487,6 @@ class Endpoint:
         self._drop_channels()
         self.backends.renew()
         self._selector = selectors.DefaultSelector()
-        self._max_sleep = None
-        self._spin_s = self.spec.spin_us * 1e-6
         return self.connect(peers)
 
     def _drop_channels(self) -> None:

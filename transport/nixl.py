@@ -47,8 +47,6 @@ from transport.wire import HEADER_BYTES, Header, recv_json, send_json
 NOTIF_DATA, NOTIF_CREDIT = b"D", b"C"
 NO_SLOT = -1  # a header-only message: it travels in its notification and occupies no slot
 CREDIT_SLOT = struct.Struct("<H")
-
-
 PROGRESS_THREAD_DELAY_US = 100  # the progress thread's nap between polls of the UCX worker
 
 
@@ -245,20 +243,17 @@ class NixlAgent:
     def forget(self, peer_agent: str) -> None:
         """One channel to `peer_agent` closed; the agent is removed with the last."""
         with self._setup:
-            self._forget(peer_agent)
-
-    def _forget(self, peer_agent: str) -> None:
-        left = self._channels.get(peer_agent, 0) - 1
-        if left > 0:
-            self._channels[peer_agent] = left
-            return
-        self._channels.pop(peer_agent, None)
-        self.data.pop(peer_agent, None)
-        self.credits.pop(peer_agent, None)
-        try:
-            self.agent.remove_remote_agent(peer_agent)
-        except Exception:  # nixl raises its own error types; the peer is going away either way
-            pass
+            left = self._channels.get(peer_agent, 0) - 1
+            if left > 0:
+                self._channels[peer_agent] = left
+                return
+            self._channels.pop(peer_agent, None)
+            self.data.pop(peer_agent, None)
+            self.credits.pop(peer_agent, None)
+            try:
+                self.agent.remove_remote_agent(peer_agent)
+            except Exception:  # nixl raises its own error types; the peer is going away either way
+                pass
 
     def close(self) -> None:
         for descs in self._registered:
@@ -346,7 +341,7 @@ class NixlInbound:
             return
         try:
             self.agent.notify(self.peer_agent, NOTIF_CREDIT + CREDIT_SLOT.pack(slot))
-        except Exception:  # the peer is gone; its own side reports it
+        except PeerClosed:  # the peer is gone; its own side reports it
             pass
 
     def close(self) -> None:

@@ -132,9 +132,9 @@ def plot(path: str, results) -> None:
     fig, (lat, tput) = plt.subplots(1, 2, figsize=(12, 4.5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     lines = [(r.system, r.backend) for r in results]
-    for i, (system, backend) in enumerate(dict.fromkeys(lines)):
+    backends = list(dict.fromkeys(b for s, b in lines if s != "torch"))  # one colour each
+    for system, backend in dict.fromkeys(lines):
         rs = [r for r in results if (r.system, r.backend) == (system, backend)]
-        backends = list(dict.fromkeys(b for s, b in lines if s != "torch"))
         colour = "black" if system == "torch" else colours[backends.index(backend) % len(colours)]
         style, label = {"m2n": ("-o", f"M2N {backend}"), "floor": ("--", f"floor {backend}"),
                         "torch": (":^", f"torch.distributed ({backend})")}[system]
