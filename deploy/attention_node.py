@@ -13,8 +13,10 @@ from __future__ import annotations
 import threading
 import time
 
+from deploy.node_process import settle
 from deploy.link import SwitchableLink
 from deploy.node_loop import NodeLoop
+from deploy.timeline_calls import TimelineCalls
 from deploy.placement import rank_placement
 from deploy.node_config import PEER_TIMEOUT_S, bind_host, join_tp_group, node_names, tp_master_address, weights_of
 from deploy.runtime_config import AttentionRuntime
@@ -31,13 +33,14 @@ from megainfer.tensor_parallel import TensorParallelGroup
 IDLE_S = 0.002  # pause between steps while the whole deployment is idle
 
 
-class AttentionNode:
+class AttentionNode(TimelineCalls):
     """Rank 0 of an attention node (the only rank when attention.tp is 1): it schedules,
     samples and streams; with tp > 1 its followers (AttentionShard) hold the other heads."""
 
     def __init__(self, plan: Plan, runtime: AttentionRuntime, secret: bytes, host: str) -> None:
         self.plan, self.runtime = plan, runtime
         self.index, self.name = runtime.index, runtime.name
+        settle(runtime, 0, self.name)
         self._build_args = (secret, host)
         self.engine: Engine | None = None
         self.core: EngineCore | None = None
@@ -48,6 +51,9 @@ class AttentionNode:
         self.outbox: list[RequestDelta] = []
         self.loop = NodeLoop(self.name, lambda: self.link, self._step, self._fail_queue)
         self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
+
+    def _timeline(self):
+        return self.engine.runner.timeline if self.engine is not None else None
 
     def _build(self, tp_group: TensorParallelGroup | None) -> None:
         secret, host = self._build_args
@@ -63,7 +69,7 @@ class AttentionNode:
             return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts,
                                         expert_assignment=assignment, micro_batches=self.plan.pipeline.micro_batches,
                                         staging_bytes=runtime.staging_bytes,
-                                        tp_group=tp_group)
+                                        tp_group=tp_group, name=self.name)
 
         self.engine = Engine(self.plan.model, runtime.engine, runner_factory=runner)
         self.core = EngineCore(self.engine)
@@ -151,11 +157,13 @@ class AttentionNode:
                 self.outbox_ready.notify_all()
 
     def _step(self) -> None:
+        runner = self.engine.runner
         with self.lock:
-            t0 = time.perf_counter()
+            t0, step = time.perf_counter(), runner.step_id
             deltas = self.core.step()
             if deltas:
                 self.step_seconds += time.perf_counter() - t0
+            runner.record_step(step, t0)  # the whole step: scheduling and detokenizing too
             idle = not self.core.has_work()
         self._emit(deltas)
         failed = [d for d in deltas if d.error_code is ErrorCode.UNAVAILABLE]

@@ -4,8 +4,10 @@ sends and receives its share of the routed tokens; it has no scheduler and sampl
 
 from __future__ import annotations
 
+from deploy.node_process import settle
 from deploy.link import SwitchableLink
 from deploy.node_loop import LoopActor, NodeLoop
+from deploy.timeline_calls import TimelineCalls
 from deploy.node_config import PEER_TIMEOUT_S, bind_host, join_tp_group, node_names, weights_of
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
@@ -13,17 +15,21 @@ from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
 
-class AttentionShard(LoopActor):
+class AttentionShard(LoopActor, TimelineCalls):
     role = NodeRole.ATTENTION
 
     def __init__(self, plan: Plan, runtime: AttentionRuntime, rank: int, secret: bytes, host: str) -> None:
         self.plan, self.runtime = plan, runtime
         self.index, self.rank = runtime.index, rank
         self.name = runtime.ranks[rank]
+        settle(runtime, rank, self.name)
         self._build_args = (secret, host)
         self.runner: PipelinedModelRunner | None = None
         self.link: SwitchableLink | None = None
         self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.runner.execute_follower())
+
+    def _timeline(self):
+        return self.runner.timeline if self.runner is not None else None
 
     def join_group(self, master: str) -> None:
         config = self.runtime.engine
@@ -36,7 +42,8 @@ class AttentionShard(LoopActor):
         self.runner = PipelinedModelRunner(
             model, config, weights, config.resolved_max_model_len(model), link=self.link,
             expert_nodes=node_names(self.plan)[1], expert_assignment=self.plan.expert_assignment(model),
-            micro_batches=self.plan.pipeline.micro_batches, staging_bytes=self.runtime.staging_bytes, tp_group=group)
+            micro_batches=self.plan.pipeline.micro_batches, staging_bytes=self.runtime.staging_bytes, tp_group=group,
+            name=self.name)
 
     def open_endpoint(self) -> str:
         return self.link.open()

@@ -5,11 +5,13 @@ nodes talk to, sharing each micro-batch's tokens with its ExpertShard followers.
 
 from __future__ import annotations
 
+from deploy.node_process import settle
 from deploy.link import SwitchableLink
 from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_names, bind_host, join_tp_group, tp_master_address,
                                 weights_of)
 from deploy.runtime_config import ExpertRuntime
 from deploy.node_loop import LoopActor, NodeLoop
+from deploy.timeline_calls import TimelineCalls
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.messages import NodeHealth, NodeRole
 from megainfer.plan import Plan
@@ -22,10 +24,11 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
     return ExpertWorker(model, list(runtime.expert_ids), plan.dtype, runtime.device, weights,
                         attention_nodes=attention_rank_names(plan), micro_batches=plan.pipeline.micro_batches,
                         link=link, tp_group=tp_group,
-                        staging_bytes=runtime.staging_bytes if link is not None else 0)  # followers stage nothing
+                        staging_bytes=runtime.staging_bytes if link is not None else 0,  # followers stage nothing
+                        name=runtime.ranks[tp_group.rank if tp_group is not None else 0])
 
 
-class ExpertNode(LoopActor):
+class ExpertNode(LoopActor, TimelineCalls):
     role = NodeRole.EXPERT
 
     def __init__(self, plan: Plan, runtime: ExpertRuntime, secret: bytes, host: str) -> None:
@@ -35,6 +38,7 @@ class ExpertNode(LoopActor):
             torch.set_num_threads(runtime.num_threads)
         self.plan, self.runtime = plan, runtime
         self.index, self.name = runtime.index, runtime.name
+        settle(runtime, 0, self.name)
         self._host = host
         self.expert_ids = list(runtime.expert_ids)
         self.link = SwitchableLink(self.name, 1000 + self.index, secret, bind_host(host), runtime.receive_slot_bytes,
@@ -43,6 +47,9 @@ class ExpertNode(LoopActor):
         if self.plan.experts.tp == 1:
             self.worker = build_expert_worker(self.plan, runtime, self.link)
         self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.worker.run_step())
+
+    def _timeline(self):
+        return self.worker.timeline if self.worker is not None else None
 
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._host))

@@ -5,16 +5,18 @@ endpoint of its own (attention nodes talk to the leader only)."""
 
 from __future__ import annotations
 
+from deploy.node_process import settle
 from deploy.expert_node import build_expert_worker
 from deploy.node_config import join_tp_group
 from deploy.runtime_config import ExpertRuntime
 from deploy.node_loop import LoopActor, NodeLoop
+from deploy.timeline_calls import TimelineCalls
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
 
-class ExpertShard(LoopActor):
+class ExpertShard(LoopActor, TimelineCalls):
     role = NodeRole.EXPERT
 
     def __init__(self, plan: Plan, runtime: ExpertRuntime, rank: int, secret: bytes, host: str) -> None:
@@ -25,8 +27,12 @@ class ExpertShard(LoopActor):
         self.plan, self.runtime = plan, runtime
         self.index, self.rank = runtime.index, rank
         self.name = runtime.ranks[rank]
+        settle(runtime, rank, self.name)
         self.worker: ExpertWorker | None = None
         self.loop = NodeLoop(self.name, lambda: None, lambda: self.worker.run_follower_step())
+
+    def _timeline(self):
+        return self.worker.timeline if self.worker is not None else None
 
     def join_group(self, master: str) -> None:
         group = join_tp_group(master, self.rank, self.plan.experts.tp, self.runtime.device)

@@ -60,8 +60,10 @@ def connect_ray(address: str | None, plan: Plan, replicas: int = 1, rehearsal: b
     if rehearsal:
         options = dict(num_gpus=int(need.get("GPU", 0)),
                        resources={key: 1.0 for key in need if key.startswith("accelerator_type:")})
+    # Workers at nice 0, not Ray's 15: a node's step loop must not yield its core to the driver
+    # (deploy/node_process.py).
     ray.init(num_cpus=max(os.cpu_count() or 1, int(need.get("CPU", 0))), include_dashboard=False,
-             log_to_driver=False, **options)
+             log_to_driver=False, _system_config={"worker_niceness": 0}, **options)
     return True
 
 

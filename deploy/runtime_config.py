@@ -34,6 +34,8 @@ class AttentionRuntime:
     receive_slot_bytes: int  # one expert node's answer to one micro-batch, this rank's share
     num_slots: int  # per peer: the micro-batches in flight
     staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
+    cpu_slots: tuple[int, ...] = ()  # on the CPU: each rank's core slot (deploy/node_process.py)
+    cpu_ranks: int = 0  # on the CPU: the deployment's ranks, all of them
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class ExpertRuntime:
     num_slots: int
     num_threads: int | None
     staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
+    cpu_slots: tuple[int, ...] = ()  # on the CPU: each rank's core slot (deploy/node_process.py)
+    cpu_ranks: int = 0  # on the CPU: the deployment's ranks, all of them
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,19 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     attention_staging = tokens * min(model.top_k, plan.experts.nodes) * record + STAGING_SLACK_BYTES
     expert_staging = plan.attention.nodes * tokens * record + STAGING_SLACK_BYTES
     m = plan.pipeline.micro_batches
+    # CPU ranks take core slots in order: attention ranks, node by node, then expert ranks.
+    tp_e, a_ranks = plan.experts.tp, plan.attention.nodes * tp_a
+    ranks = a_ranks + plan.experts.nodes * tp_e if device == "cpu" else 0
+
+    def slots(first: int, tp: int) -> tuple[int, ...]:
+        return tuple(range(first, first + tp)) if ranks else ()
+
     attention = tuple(AttentionRuntime(i, f"attention{i}", rank_names(f"attention{i}", tp_a), engine,
-                                       model.num_kv_heads // tp_a, answer_bytes, m, attention_staging)
+                                       model.num_kv_heads // tp_a, answer_bytes, m, attention_staging,
+                                       slots(i * tp_a, tp_a), ranks)
                       for i in range(plan.attention.nodes))
-    experts = tuple(ExpertRuntime(k, f"expert{k}", rank_names(f"expert{k}", plan.experts.tp), device, tuple(ids),
-                                  dispatch_bytes, m, threads, expert_staging)
+    experts = tuple(ExpertRuntime(k, f"expert{k}", rank_names(f"expert{k}", tp_e), device, tuple(ids),
+                                  dispatch_bytes, m, threads, expert_staging, slots(a_ranks + k * tp_e, tp_e), ranks)
                     for k, ids in enumerate(plan.expert_assignment(model)))
     return DeploymentRuntime(plan, model, device, attention, experts)
 

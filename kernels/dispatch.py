@@ -149,10 +149,18 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
     return _pick(logits.device, key, triton_fn, reference)
 
 
-def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights):
+def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packed=None):
     """`expert_offsets`: a list, or an int64 tensor [E + 1] on x's device (the Triton kernel reads
-    it there; the torch reference, which loops over experts on the host, reads it back)."""
+    it there; the torch reference, which loops over experts on the host, reads it back).
+    `packed`: the same experts prepacked for the CPU (`moe_packed.PackedExperts`): used on CPU
+    tensors unless MEGAINFER_KERNELS asks for another backend."""
     from kernels import moe_ref as r
+
+    if packed is not None and x.device.type == "cpu" and not os.environ.get(ENV):
+        from kernels import moe_packed
+
+        offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)
+        return moe_packed.grouped_expert_gemm(x, [b - a for a, b in zip(offsets, offsets[1:])], packed, row_weights)
 
     def triton_fn():
         from kernels import moe_triton as t

@@ -14,8 +14,10 @@ attributes, never keys.
 | `StepSample`     | inside `NodeState`           | router's step-time model            | one step's work and seconds               |
 | `SchedulingKnobs`| inside `NodeState`           | router's forecast                   | the scheduler settings to reproduce       |
 | `HistogramSnapshot` | inside `NodeStats`        | metrics endpoint                    | bucket counts of a latency histogram      |
+| `NodeTimeline`   | every node actor (`timeline`) | `bench pipeline` (table, Gantt)    | the node's spans: steps, computes, waits, messages |
+| `Span`           | inside `NodeTimeline`        | `bench pipeline`                    | one interval or instant on the node's clock |
 
-Enums used in them: `FinishReason`, `ErrorCode`, `NodeStatus`, `NodeRole`. `NodeLoad` is what the
+Enums used in them: `FinishReason`, `ErrorCode`, `NodeStatus`, `NodeRole`, `SpanKind`. `NodeLoad` is what the
 frontend derives from a `NodeState` for the heuristic routers (it stays in the driver).
 
 Declared elsewhere because their packages must not import megainfer:
@@ -314,3 +316,42 @@ class NodeLoad:
         """Llumnix: (capacity - cached - pending prefill) / requests carried (one more: the new one)."""
         free = self.capacity_tokens - self.used_tokens - self.pending_prefill_tokens
         return free / (self.running + self.waiting + 1)
+
+
+class SpanKind(str, enum.Enum):
+    """What a node was doing over a span of its timeline (megainfer/disagg/timeline.py)."""
+
+    STEP = "step"  # one step of the node's loop: layer -1, micro-batch -1
+    COMPUTE = "compute"  # one (layer, micro-batch)'s work here: its attention half, or its experts
+    WAIT = "wait"  # waiting for a peer's message of (layer, micro-batch)
+    SEND = "send"  # a message of (layer, micro-batch) handed to the transport (an instant)
+    ARRIVE = "arrive"  # a message of (layer, micro-batch) found arrived (an instant)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval (or, start == end, instant) of a node's timeline, in seconds of the node's
+    monotonic clock (`time.perf_counter`); `NodeTimeline.clock_offset` puts it on the reader's."""
+
+    kind: SpanKind
+    step: int
+    layer: int
+    micro_batch: int
+    start: float
+    end: float
+    tokens: int = 0  # COMPUTE, SEND, ARRIVE: the tokens carried; STEP: tokens scheduled
+    prefill_tokens: int = 0  # STEP: of those, prompt tokens (0: a decode-only step)
+
+
+@dataclass
+class NodeTimeline:
+    """A node's spans since tracing was switched on (oldest dropped past the recorder's capacity)."""
+
+    name: str
+    role: NodeRole
+    spans: list[Span]
+    dropped: int = 0  # spans lost to the capacity
+    clock_offset: float = 0.0  # seconds to add to a span's times for the reader's clock (set by the reader)

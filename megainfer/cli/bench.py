@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--prompt-len", type=positive_int, default=16)
     pl.add_argument("--output-len", type=positive_int, default=64)
     pl.add_argument("--json", metavar="PATH")
+    pl.add_argument("--plot", metavar="PATH", help="draw the nodes' timelines as a Gantt chart, one panel per "
+                                                   "micro-batch count (PNG)")
     pl.set_defaults(run=_run_pipeline)
 
     rt = benches.add_parser("routing", help="the same online load against a deployment under each router",
@@ -185,7 +187,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         raise ConfigError("--micro-batches: every count must be at least 1")
     from deploy.bench_pipeline import run
 
-    return run(args.plan, counts, args.requests, args.prompt_len, args.output_len, args.json)
+    return run(args.plan, counts, args.requests, args.prompt_len, args.output_len, args.json, args.plot)
 
 
 def _run_routing(args: argparse.Namespace) -> int:

@@ -27,6 +27,8 @@ from tqdm.auto import tqdm
 from megainfer.config import ModelConfig
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
+from megainfer.disagg.timeline import Timeline
+from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -52,7 +54,7 @@ class ExpertWorker:
     def __init__(self, model_config: ModelConfig, expert_ids: list[int], dtype: str, device: str,
                  weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink | None,
                  show_progress: bool = False, tp_group: TensorParallelGroup | None = None,
-                 staging_bytes: int = 0) -> None:
+                 staging_bytes: int = 0, name: str = "experts") -> None:
         """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
         every message with the attention nodes and broadcasts each (layer, micro-batch)'s records
         to the others (a header over the control group, the records over the activations'
@@ -86,15 +88,22 @@ class ExpertWorker:
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
         # holding its answers on the host (on CUDA: the copies and the experts' device time).
         self.timing = {"experts": 0.0, "wait_attention": 0.0}
+        # When each step and (layer, micro-batch) ran and waited, and each message arrived and left
+        # (off until `bench pipeline` switches it on).
+        self.timeline = Timeline(name, NodeRole.EXPERT, self.device)
 
     @torch.inference_mode()
     def run_step(self) -> int:
         """One engine step of every attention node: all layers, all micro-batches. Returns the
         tokens this node processed in it."""
         self._answers.clear()  # a failed step's answers are not this step's
+        start = time.perf_counter()
+        self._step = -1  # the attention nodes' step id, read from their first message
         step_tokens = sum(self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m))
         while self._answers:  # the attention nodes end their step on these
             self._send_answer(self._answers.popleft())
+        self.timeline.end_step()
+        self.timeline.span(SpanKind.STEP, self._step, -1, -1, start, time.perf_counter(), step_tokens)
         self.steps += 1
         self.tokens += step_tokens
         return step_tokens
@@ -106,9 +115,15 @@ class ExpertWorker:
         msgs = [self._receive(a, j) for a in self.attention_nodes]
         t1 = time.perf_counter()
         self.timing["wait_attention"] += t1 - t0
-        step = self._check(msgs, layer)
+        step = self._step = self._check(msgs, layer)
         counts = [msg.header.token_count for msg in msgs]
         total = sum(counts)
+        timeline = self.timeline
+        if timeline.enabled:
+            timeline.span(SpanKind.WAIT, step, layer, j, t0, t1)
+            for n in counts:
+                timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
+        mark = timeline.compute_start()
         records = self.staging.to_device([msg.tensor(torch.uint8) for msg, n in zip(msgs, counts) if n],
                                          slot=j) if total else None
         if self.tp_size > 1:
@@ -120,6 +135,7 @@ class ExpertWorker:
         self._answers.append(PendingAnswer(step, layer, j, counts, copy))
         self.timing["experts"] += time.perf_counter() - t1
         self._flush_landed()
+        timeline.compute_end(mark, step, layer, j, total)
         return total
 
     def _receive(self, attention_node: str, j: int):
@@ -148,6 +164,7 @@ class ExpertWorker:
             payload = answers[offset:offset + n] if n else torch.empty(0, dtype=torch.uint8)
             self.link.send(a, payload, step=pending.step, layer=pending.layer, micro_batch=pending.micro_batch,
                            token_count=n, flags=flags)
+            self.timeline.instant(SpanKind.SEND, pending.step, pending.layer, pending.micro_batch, n)
             offset += n
 
     def _check(self, msgs: list, layer: int) -> int:
@@ -184,11 +201,16 @@ class ExpertWorker:
         names the layer, so a leader that restarts its step after a re-wire needs no resync."""
         header = torch.zeros(CONTROL_FIELDS, dtype=torch.int64)
         self.tp_group.broadcast_control(header)
-        layer, _, total = header.tolist()  # a host tensor from the control group: no device access
+        layer, j, total = header.tolist()  # a host tensor from the control group: no device access
         if not 0 <= layer < self.cfg.num_layers:
             raise RuntimeError(f"expert rank {self.tp_rank}: the leader shared layer {layer}")
         if total:
+            mark = self.timeline.compute_start()
             records = torch.empty(total * self.record_size, dtype=torch.uint8, device=self.device)
             self.tp_group.broadcast(records)
             self._experts(layer, records, total)
             self.tokens += total
+            self.timeline.compute_end(mark, self.steps, layer, j, total)  # steps: the follower's own count
+        if layer == self.cfg.num_layers - 1 and j == self.m - 1:
+            self.steps += 1
+            self.timeline.end_step()

@@ -35,7 +35,9 @@ from megainfer.disagg import step_sync
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, rank_share
 from megainfer.disagg.latency import LatencyHistogram
+from megainfer.disagg.timeline import Timeline
 from megainfer.errors import DataPlaneError
+from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, allocate_kv_caches,
@@ -86,7 +88,8 @@ class PipelinedModelRunner:
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
                  *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
-                 micro_batches: int, tp_group: TensorParallelGroup | None = None, staging_bytes: int = 0) -> None:
+                 micro_batches: int, tp_group: TensorParallelGroup | None = None, staging_bytes: int = 0,
+                 name: str = "attention") -> None:
         """With a `tp_group` this is one rank of a tensor-parallel node: rank 0 schedules and
         samples and sends each step to the others; every rank runs its heads and dispatches its
         share of the routed tokens. `staging_bytes`: pinned host memory reserved up front per
@@ -136,6 +139,11 @@ class PipelinedModelRunner:
         self.attention_timer = ComputeTimer(self.device)
         # Per message, for the metrics endpoint: one send, and the wait for one expert node's answer.
         self.m2n = {"send": LatencyHistogram(), "receive_wait": LatencyHistogram()}
+        # When each (layer, micro-batch) ran and waited, and each message left and arrived (off
+        # until `bench pipeline` switches it on). The node loop records the steps themselves.
+        self.timeline = Timeline(name, NodeRole.ATTENTION, self.device)
+        self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
+        self._compute_mark = None  # where the running (layer, micro-batch)'s compute began
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -146,7 +154,14 @@ class PipelinedModelRunner:
     @torch.inference_mode()
     def execute_follower(self) -> None:
         """A follower rank's step: the leader's batch, this rank's heads, no sampling."""
-        self._run(step_sync.receive_step(self.tp_group))
+        out = step_sync.receive_step(self.tp_group)
+        start, step = time.perf_counter(), self.step_id
+        self._run(out)
+        self.record_step(step, start)
+
+    def record_step(self, step: int, start: float) -> None:
+        """The timeline's STEP span of step `step`, begun at `start` (the node loop's clock)."""
+        self.timeline.span(SpanKind.STEP, step, -1, -1, start, time.perf_counter(), *self.step_tokens)
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         """Every micro-batch through every layer, ping-ponging with the expert nodes. With layered
@@ -154,6 +169,7 @@ class PipelinedModelRunner:
         group: it joins j's tokens at the group's first layer and leaves after its last."""
         layout = StepLayout.of(out, self.m)
         seqs = out.all_seqs
+        self.step_tokens = (out.total_tokens, out.total_tokens - out.num_single_token)
         self.cohort_hidden.forget_departed(seqs, layout)
         states = [MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden, self.config.block_size,
                                           self.device) for batch in layout.micro_batches]
@@ -165,7 +181,9 @@ class PipelinedModelRunner:
         if self.tp_rank:  # followers: the leader samples
             return StepResult([None] * layout.num_sequences, [])
         sampled = sample_step(self.model, self.sampler, seqs, layout, states)
-        return StepResult(sampled, expert_counts.tolist())  # the step's one read of the counts
+        counts = expert_counts.tolist()  # the step's one read of the counts
+        self.timeline.end_step()
+        return StepResult(sampled, counts)
 
     def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState]) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer
@@ -195,10 +213,13 @@ class PipelinedModelRunner:
     def _attend_and_dispatch(self, layer: int, j: int, hidden, inp, expert_counts: torch.Tensor):
         """Launch micro-batch j's attention half of `layer` and the copy of its routed tokens to
         the host; the dispatch leaves once that copy has landed. Returns the residual stream."""
+        mark, self._compute_mark = self._compute_mark, None
         if hidden is None:
             self._outbox.append(PendingDispatch(layer, j))
             self._flush_landed()
             return None
+        if mark is None:  # layer 0: no answers came before
+            mark = self.timeline.compute_start()
         _, positions, batch = inp
         self.attention_timer.start()
         a = self.model.attention_layers[layer](hidden, positions, self.model.rotary, self.kv_caches[layer], batch)
@@ -214,6 +235,7 @@ class PipelinedModelRunner:
         copy = self.staging.to_host([records, g.node_offsets], slot=j)
         self._outbox.append(PendingDispatch(layer, j, copy, token_ids))
         self._flush_landed()
+        self.timeline.compute_end(mark, self.step_id, layer, j, hidden.shape[0])
         return a.residual
 
     def _flush_landed(self) -> None:
@@ -256,6 +278,7 @@ class PipelinedModelRunner:
             self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=tokens)
         except Exception as exc:
             raise DataPlaneError(f"cannot reach expert node {node} (layer {layer}): {exc}") from exc
+        self.timeline.instant(SpanKind.SEND, self.step_id, layer, j, tokens)
         self.m2n["send"].observe(time.perf_counter() - t0)
 
     def reset(self) -> None:
@@ -268,7 +291,11 @@ class PipelinedModelRunner:
         """Micro-batch j's answers of `layer` added into its residual stream: one copy to the
         device and one `index_add_` over every routed token, in expert-node order."""
         routed = self._flush_through(layer, j)
+        waited = time.perf_counter()
         msgs = [self._receive(node, layer, j) for node in self.expert_nodes]
+        self.timeline.span(SpanKind.WAIT, self.step_id, layer, j, waited, time.perf_counter())
+        if layer + 1 < self.model_config.num_layers:  # the next layer's compute of j starts here
+            self._compute_mark = self.timeline.compute_start()
         answers, rows = [], []
         for node, msg, sent, routed_rows in zip(self.expert_nodes, msgs, routed.counts, routed.rows):
             if msg.header.token_count != sent:
@@ -315,4 +342,5 @@ class PipelinedModelRunner:
             raise DataPlaneError(f"expert node {node} answered (step {header.step}, layer {header.layer}) where "
                                  f"(step {self.step_id}, layer {layer}) was due: the nodes are out of step")
         self._busy |= bool(header.flags & BUSY)
+        self.timeline.instant(SpanKind.ARRIVE, self.step_id, layer, j, header.token_count)
         return msg

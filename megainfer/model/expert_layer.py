@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import moe_packed
 
 from megainfer.config import ModelConfig
 from megainfer.model.checkpoint_names import expert_tensors
@@ -48,6 +49,9 @@ class ExpertLayer(nn.Module):
         local[self.expert_ids] = torch.arange(n)
         self.register_buffer("local_index", local.to(device), persistent=False)
         self.holds_all = n == cfg.num_experts
+        # On the CPU, the experts packed once for oneDNN after loading (kernels/moe_packed.py):
+        # the GEMM library would otherwise repack them on every call, once per micro-batch.
+        self.packed: moe_packed.PackedExperts | None = None
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] global ids, topk_weights [T, k] -> [T, H]."""
@@ -63,7 +67,7 @@ class ExpertLayer(nn.Module):
         counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
         offsets = torch.cat([counts.new_zeros(1), counts[:n].cumsum(0)])
         out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down,
-                                          topk_weights.reshape(-1)[order])
+                                          topk_weights.reshape(-1)[order], packed=self.packed)
         if not self.holds_all:  # rows past the last offset were never computed (uninitialised)
             out = torch.where((local < n)[:, None], out, 0)
         return torch.zeros_like(x).index_add_(0, token_ids, out)
@@ -75,3 +79,5 @@ class ExpertLayer(nn.Module):
             rows = slice(self.tp_rank * self.w_down.shape[2], (self.tp_rank + 1) * self.w_down.shape[2])
             self.w_gate_up[local].copy_(torch.cat([t["gate"][rows], t["up"][rows]]))
             self.w_down[local].copy_(t["down"][:, rows])
+        if moe_packed.available(self.w_gate_up.device, self.w_gate_up.dtype):
+            self.packed = moe_packed.PackedExperts.pack(self.w_gate_up, self.w_down)
