@@ -4,6 +4,7 @@ wait to be re-wired, stop for good on request."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from typing import Callable
@@ -33,6 +34,11 @@ class NodeLoop:
         self.state, self.error = NodeStatus.SERVING, None
         self.wired.set()
         if self.thread is None:
+            # Everything built so far (weights, caches, the engine) lives as long as the node:
+            # moved out of the collector's view, so a full collection mid-step (measured: a
+            # 150 ms stall of one layer) walks only what steps create (as vLLM and SGLang do).
+            gc.collect()
+            gc.freeze()
             self.thread = threading.Thread(target=self._run, name=f"{self.name}-steps", daemon=True)
             self.thread.start()
 

@@ -37,16 +37,16 @@ def restore_priority(name: str) -> bool:
     """Every thread of this process to nice 0 (from Ray's 15); False where not permitted."""
     if not hasattr(os, "setpriority"):
         return False
-    try:
-        for tid in _threads():
+    for tid in _threads():
+        try:
             if os.getpriority(os.PRIO_PROCESS, tid) > 0:
                 os.setpriority(os.PRIO_PROCESS, tid, 0)
-    except PermissionError:
-        logger.warning("%s: runs at nice %d (Ray's worker niceness) and may not lower it: give the container "
-                       "CAP_SYS_NICE, or start Ray with RAY_worker_niceness=0", name, os.nice(0))
-        return False
-    except (OSError, ProcessLookupError):  # a thread that ended meanwhile
-        pass
+        except PermissionError:
+            logger.warning("%s: runs at nice %d (Ray's worker niceness) and may not lower it: give the container "
+                           "CAP_SYS_NICE, or start Ray with RAY_worker_niceness=0", name, os.nice(0))
+            return False
+        except OSError:  # a thread that ended meanwhile (ProcessLookupError)
+            continue
     return True
 
 

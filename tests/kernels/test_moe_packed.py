@@ -1,0 +1,108 @@
+"""The CPU expert GEMM over weights prepacked for oneDNN (kernels/moe_packed.py): equal to the
+torch reference, zeros past the last count, where it applies, and how the expert layer and
+the dispatcher use it (packed at load; ignored when MEGAINFER_KERNELS names a backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import dispatch, moe_packed, moe_ref
+from kernels.moe_packed import PackedExperts
+from megainfer.config import PRESETS
+from megainfer.model.expert_layer import ExpertLayer
+from megainfer.model.weights import RandomWeights
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN (mkldnn) is not built in")
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def experts(dtype: torch.dtype, n: int = 4, hidden: int = 64, inter: int = 48):
+    g = torch.Generator().manual_seed(0)
+    w_gate_up = (torch.randn(n, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    w_down = (torch.randn(n, hidden, inter, generator=g) * 0.1).to(dtype)
+    return w_gate_up, w_down
+
+
+def offsets_of(counts: list[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("spare_rows", [0, 3])
+def test_packed_gemm_equals_the_reference_and_rows_past_the_counts_are_zero(dtype, spare_rows):
+    w_gate_up, w_down = experts(dtype)
+    counts = [3, 0, 5, 2]  # expert 1 gets no rows
+    rows = sum(counts) + spare_rows
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, w_gate_up.shape[2], generator=g).to(dtype)
+    row_weights = torch.rand(rows, generator=g)
+    packed = PackedExperts.pack(w_gate_up, w_down)
+    out = moe_packed.grouped_expert_gemm(x, counts, packed, row_weights)
+    ref = moe_ref.grouped_expert_gemm(x, offsets_of(counts), w_gate_up, w_down, row_weights)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+    assert torch.all(out[sum(counts):] == 0)
+    assert out[:sum(counts)].abs().sum() > 0
+
+
+def test_packing_leaves_the_weights_untouched():
+    w_gate_up, w_down = experts(torch.float32)
+    before = (w_gate_up.clone(), w_down.clone())
+    PackedExperts.pack(w_gate_up, w_down)
+    assert torch.equal(w_gate_up, before[0]) and torch.equal(w_down, before[1])
+
+
+def test_available_only_for_cpu_float32_and_bfloat16():
+    cpu = torch.device("cpu")
+    assert moe_packed.available(cpu, torch.float32) and moe_packed.available(cpu, torch.bfloat16)
+    assert not moe_packed.available(cpu, torch.float16)
+    assert not moe_packed.available(torch.device("meta"), torch.float32)
+    assert not moe_packed.available(torch.device("cuda"), torch.float32)  # a type check: nothing is allocated
+
+
+@pytest.mark.parametrize("expert_ids", [None, [1, 3, 6]], ids=["all", "subset"])
+def test_the_expert_layer_packs_at_load_and_its_forward_is_unchanged(monkeypatch, expert_ids):
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    cfg = PRESETS["tiny-mixtral"]
+    layer = ExpertLayer(cfg, 1, torch.float32, "cpu", expert_ids=expert_ids)
+    assert layer.packed is None
+    layer.load_weights(RandomWeights(0))
+    assert layer.packed is not None and len(layer.packed.gate_up) == len(layer.expert_ids)
+
+    calls = []
+    packed_gemm = moe_packed.grouped_expert_gemm
+    monkeypatch.setattr(moe_packed, "grouped_expert_gemm", lambda *a: calls.append(1) or packed_gemm(*a))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(21, cfg.hidden_size, generator=g)
+    gating = moe_ref.fused_gating(torch.randn(21, cfg.num_experts, generator=g), cfg.top_k, renormalize=True)
+    with torch.no_grad():
+        with_packed = layer(x, gating.topk_ids, gating.topk_weights)
+        assert calls, "the packed GEMM was not used"
+        layer.packed = None
+        without = layer(x, gating.topk_ids, gating.topk_weights)
+    assert len(calls) == 1
+    torch.testing.assert_close(with_packed, without, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dispatcher_ignores_packed_weights_when_the_environment_names_a_backend(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "reference")
+
+    def refuse(*args):
+        raise AssertionError("the packed GEMM ran although MEGAINFER_KERNELS=reference")
+
+    monkeypatch.setattr(moe_packed, "grouped_expert_gemm", refuse)
+    w_gate_up, w_down = experts(torch.float32)
+    counts = [2, 4, 0, 1]
+    x = torch.randn(sum(counts), w_gate_up.shape[2])
+    row_weights = torch.rand(sum(counts))
+    offsets = torch.tensor(offsets_of(counts))
+    out = kernels.grouped_expert_gemm(x, offsets, w_gate_up, w_down, row_weights,
+                                      packed=PackedExperts.pack(w_gate_up, w_down))
+    ref = moe_ref.grouped_expert_gemm(x, offsets_of(counts), w_gate_up, w_down, row_weights)
+    torch.testing.assert_close(out, ref)
