@@ -261,12 +261,12 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mixtral": _mixtral(
         "tiny-mixtral", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
         num_experts=8, top_k=2, expert_intermediate_size=512, max_position_embeddings=4096, **_BYTE_VOCAB),
-    # tiny-mixtral's blocks, twice as many layers and half the experts: on a 2-core CPU one
-    # micro-batch of its attention and of its experts cost about the same (within 10% at 64
-    # tokens, fp32), so the ping-pong has something to overlap (deploy/plans/balanced-cpu.yaml).
+    # tiny-mixtral's blocks with twice the layers and half the experts (a little wider): on a
+    # 2-core CPU one micro-batch of its attention and of its experts cost about the same, so
+    # the ping-pong has something to overlap (how it was balanced: deploy/plans/balanced-cpu.yaml).
     "balanced-mixtral": _mixtral(
         "balanced-mixtral", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
-        num_experts=4, top_k=2, expert_intermediate_size=512, max_position_embeddings=4096, **_BYTE_VOCAB),
+        num_experts=4, top_k=2, expert_intermediate_size=576, max_position_embeddings=4096, **_BYTE_VOCAB),
     "tiny-qwen3-moe": _qwen3(
         "tiny-qwen3-moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64,
         num_experts=16, top_k=4, expert_intermediate_size=256, max_position_embeddings=4096, **_BYTE_VOCAB),
