@@ -1,4 +1,4 @@
-"""Nodes' timelines (megainfer/disagg/timeline.py) switched on and read back onto the driver's
+"""Nodes' timelines (megainfer/disagg/node_timeline.py) switched on and read back onto the driver's
 clock: the actor side (`TimelineCalls`, mixed into every node actor) and the driver side
 (`trace`, `read_timelines`).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from deploy.ray_calls import get_all
-from megainfer.disagg.timeline import Timeline
+from megainfer.disagg.node_timeline import Timeline
 from megainfer.messages import NodeTimeline
 
 CALL_TIMEOUT_S = 30.0

@@ -319,7 +319,7 @@ class NodeLoad:
 
 
 class SpanKind(str, enum.Enum):
-    """What a node was doing over a span of its timeline (megainfer/disagg/timeline.py)."""
+    """What a node was doing over a span of its timeline (megainfer/disagg/node_timeline.py)."""
 
     STEP = "step"  # one step of the node's loop: layer -1, micro-batch -1
     COMPUTE = "compute"  # one (layer, micro-batch)'s work here: its attention half, or its experts

@@ -1,5 +1,5 @@
 """How well a deployment's nodes overlapped, read from their own timelines
-(megainfer/disagg/timeline.py, gathered by deploy/timeline_calls.py): the decode window, each
+(megainfer/disagg/node_timeline.py, gathered by deploy/timeline_calls.py): the decode window, each
 node's busy time in it, the pipeline's efficiency, and the Gantt chart of MegaScale-Infer's
 Figure 4 (attention and expert lanes, micro-batches coloured, messages drawn between them).
 

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from megainfer.config import ModelConfig
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
-from megainfer.disagg.timeline import Timeline
+from megainfer.disagg.node_timeline import Timeline
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource

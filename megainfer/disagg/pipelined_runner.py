@@ -35,7 +35,7 @@ from megainfer.disagg import step_sync
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, rank_share
 from megainfer.disagg.latency import LatencyHistogram
-from megainfer.disagg.timeline import Timeline
+from megainfer.disagg.node_timeline import Timeline
 from megainfer.errors import DataPlaneError
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
