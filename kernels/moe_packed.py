@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from kernels import moe_ref
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,15 +49,14 @@ def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def grouped_expert_gemm(x: torch.Tensor, counts: list[int], experts: PackedExperts,
                         row_weights: torch.Tensor) -> torch.Tensor:
     """As `moe_ref.grouped_expert_gemm`, with per-expert row counts read on the host: rows
-    [sum(counts[:e]), sum(counts[:e + 1])) go through expert e; rows past the last count
-    come out zero."""
-    out = torch.zeros_like(x) if sum(counts) < x.shape[0] else torch.empty_like(x)
-    start = 0
-    for e, count in enumerate(counts):
-        if not count:
-            continue
-        end = start + count
-        gate, up = _linear(x[start:end].contiguous(), experts.gate_up[e]).chunk(2, dim=-1)
-        out[start:end] = _linear(F.silu(gate) * up, experts.down[e])
-        start = end
+    [sum(counts[:e]), sum(counts[:e + 1])) go through expert e (the reference's per-expert loop
+    over the packed weights); rows past the last count come out zero."""
+    total = sum(counts)
+    x = x.contiguous()  # oneDNN reads dense rows
+    if total == x.shape[0]:
+        out = moe_ref._per_expert(x, counts, experts.gate_up, experts.down, linear=_linear)
+    else:
+        out = torch.zeros_like(x)
+        if total:
+            out[:total] = moe_ref._per_expert(x[:total], counts, experts.gate_up, experts.down, linear=_linear)
     return (out * row_weights[:, None]).to(x.dtype)

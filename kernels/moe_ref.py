@@ -97,16 +97,18 @@ def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int], w_gate_up: t
     return (out * row_weights[:, None]).to(x.dtype)
 
 
-def _per_expert(x: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """One GEMM pair per active expert: reads only the active experts' weights."""
+def _per_expert(x: torch.Tensor, counts: list[int], w_gate_up, w_down, linear=F.linear) -> torch.Tensor:
+    """One GEMM pair per active expert: reads only the active experts' weights. `w_gate_up[e]`
+    and `w_down[e]` are expert e's, in whatever form `linear(x, w)` takes (moe_packed passes
+    oneDNN-packed weights and its own linear)."""
     out = torch.empty_like(x)
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
         end = start + count
-        gate, up = F.linear(x[start:end], w_gate_up[e]).chunk(2, dim=-1)
-        out[start:end] = F.linear(F.silu(gate) * up, w_down[e])
+        gate, up = linear(x[start:end], w_gate_up[e]).chunk(2, dim=-1)
+        out[start:end] = linear(F.silu(gate) * up, w_down[e])
         start = end
     return out
 

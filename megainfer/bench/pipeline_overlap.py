@@ -70,16 +70,14 @@ def _clipped(spans: list[Span], lo: float, hi: float) -> float:
 def decode_window(timelines: list[NodeTimeline]) -> tuple[tuple[float, float], int]:
     """The decode window and its step count (see the module's docstring)."""
     attention = [t for t in timelines if t.role is NodeRole.ATTENTION]
-    steps = [s for t in attention for s in _shifted(t, SpanKind.STEP) if s.tokens]
-    last_prefill = max((s.end for s in steps if s.prefill_tokens), default=float("-inf"))
-    decode = [s for s in steps if not s.prefill_tokens and s.start >= last_prefill]
+    steps = [(t.name, s) for t in attention for s in _shifted(t, SpanKind.STEP) if s.tokens]
+    last_prefill = max((s.end for _, s in steps if s.prefill_tokens), default=float("-inf"))
+    decode = [(name, s) for name, s in steps if not s.prefill_tokens and s.start >= last_prefill]
     if not decode:
         raise MegaInferError("the nodes' timelines hold no decode-only step after the last prefill: "
                              "nothing to measure (more output tokens per request?)")
-    first = attention[0].name
-    return (min(s.start for s in decode), max(s.end for s in decode)), \
-        sum(1 for t in attention if t.name == first for s in _shifted(t, SpanKind.STEP)
-            if s.tokens and not s.prefill_tokens and s.start >= last_prefill)
+    window = (min(s.start for _, s in decode), max(s.end for _, s in decode))
+    return window, sum(1 for name, _ in decode if name == attention[0].name)
 
 
 def overlap(timelines: list[NodeTimeline]) -> PipelineOverlap:

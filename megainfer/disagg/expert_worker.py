@@ -98,24 +98,24 @@ class ExpertWorker:
         tokens this node processed in it."""
         self._answers.clear()  # a failed step's answers are not this step's
         start = time.perf_counter()
-        self._step = -1  # the attention nodes' step id, read from their first message
-        step_tokens = sum(self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m))
+        served = [self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m)]
+        step_tokens = sum(tokens for _, tokens in served)
         while self._answers:  # the attention nodes end their step on these
             self._send_answer(self._answers.popleft())
         self.timeline.end_step()
-        self.timeline.span(SpanKind.STEP, self._step, -1, -1, start, time.perf_counter(), step_tokens)
+        self.timeline.span(SpanKind.STEP, served[0][0], -1, -1, start, time.perf_counter(), step_tokens)
         self.steps += 1
         self.tokens += step_tokens
         return step_tokens
 
-    def _serve(self, layer: int, j: int) -> int:
+    def _serve(self, layer: int, j: int) -> tuple[int, int]:
         """(layer, j): every attention node's tokens through this node's experts, each node
-        answered with its rows. Returns the tokens served."""
+        answered with its rows. Returns the attention nodes' step id and the tokens served."""
         t0 = time.perf_counter()
         msgs = [self._receive(a, j) for a in self.attention_nodes]
         t1 = time.perf_counter()
         self.timing["wait_attention"] += t1 - t0
-        step = self._step = self._check(msgs, layer)
+        step = self._check(msgs, layer)
         counts = [msg.header.token_count for msg in msgs]
         total = sum(counts)
         timeline = self.timeline
@@ -136,7 +136,7 @@ class ExpertWorker:
         self.timing["experts"] += time.perf_counter() - t1
         self._flush_landed()
         timeline.compute_end(mark, step, layer, j, total)
-        return total
+        return step, total
 
     def _receive(self, attention_node: str, j: int):
         """The next message of `attention_node` for micro-batch j; while it is awaited, answers
