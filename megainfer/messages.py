@@ -7,6 +7,8 @@ attributes, never keys.
 | `Plan`           | driver (deploy)              | every node actor, at construction   | the plan (megainfer/plan.py)              |
 | `SamplingParams` | driver frontend              | attention node (`add_request`)      | a request's sampling settings             |
 | `RequestDelta`   | attention node / engine loop | frontend -> the request's stream    | one request's tokens of one step, or its end |
+| `Logprob`        | inside `RequestDelta`        | the servers, `LLM`                  | one token's log-probability and rank      |
+| `RequestMetrics` | inside a request's last `RequestDelta` | the servers' metrics      | queue, prefill, decode times; token counts |
 | `NodeHealth`     | every node actor (`health`)  | node group (supervision, info)      | status, error, what the node is doing     |
 | `RankPlacement`  | every node actor (`placement`) | node group (`placements`, tests)  | the Ray node, GPU type and GPUs of a rank |
 | `NodeStats`      | attention leader (`stats`)   | frontend (metrics endpoint, benches)| engine counters and M2N histograms        |
@@ -63,16 +65,47 @@ class ErrorCode(str, enum.Enum):
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's `Logprob`)."""
+
+    logprob: float  # natural log, of the distribution the token was sampled from before filtering
+    rank: int  # 1 for the most likely token of the position
+    decoded_token: str | None = None  # the token's text alone (None without a tokenizer)
+
+
+# One position: token id -> its Logprob. The sampled (or prompt) token comes first, then the
+# top-k of the position by rank (vLLM's shape: the chosen token appears once even when in the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class RequestMetrics:
+    """How one request's time was spent, on its last delta (what the servers' histograms observe)."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    queued_s: float  # arrival to first scheduled
+    prefill_s: float  # first scheduled to first generated token
+    decode_s: float  # first generated token to the last
+    e2e_s: float  # arrival to the end
+    num_preemptions: int = 0
+
+
+@dataclass
 class RequestDelta:
     """One request's progress in one engine step."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str  # text completed by these tokens ("" while a character is incomplete)
+    new_text: str  # text completed by these tokens ("" while a character is incomplete or may start a stop string)
     finished: bool = False
     finish_reason: FinishReason | None = None  # once finished
     error: str | None = None  # why it failed, when finish_reason is ERROR
     error_code: ErrorCode | None = None  # when it failed
+    logprobs: list[PositionLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # first delta only, when asked; None for position 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
+    metrics: RequestMetrics | None = None  # on the last delta of a request that ran
 
     @classmethod
     def failure(cls, request_id: str, error: str, code: ErrorCode = ErrorCode.UNAVAILABLE,
