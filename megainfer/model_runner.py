@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 import kernels
 from megainfer.config import EngineConfig, ModelConfig
+from megainfer.messages import PositionLogprobs
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
-from megainfer.sampler import Sampler
+from megainfer.sampler import Sampler, position_logprobs
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import MicroBatchLayout, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -20,10 +22,20 @@ from megainfer.tensor_parallel import TensorParallelGroup
 logger = logging.getLogger(__name__)
 
 
+# Prompt rows whose logits are computed at once for prompt logprobs: bounds the [rows, vocab]
+# temporaries of a long prompt chunk.
+PROMPT_LOGPROB_ROWS = 256
+
+
 @dataclass
 class StepResult:
     sampled: list[int | None]  # new token per scheduled sequence; None where it was mid-prompt
     expert_counts: list[list[int]]  # [layer][expert] tokens routed this step
+    # By sequence index, for sequences that sampled and asked for logprobs: the sampled token's.
+    logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)
+    # By sequence index, for sequences asking for prompt logprobs whose prompt rows completed
+    # this step: (prompt position of the first entry, one entry per position from there on).
+    prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -39,7 +51,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device)
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)
@@ -57,12 +69,11 @@ class ModelRunner:
             return self._execute_layered(out, layout)
         input_ids, positions, batch = self._prepare(out)
         fwd = self.model(input_ids, positions, self.kv_caches, batch)
-        sampled: list[int | None] = [None] * layout.num_sequences
-        if layout.sampled_rows:
-            rows = torch.tensor([r.row for r in layout.sampled_rows], device=self.device)
-            logits = self.model.compute_logits(fwd.hidden[rows])
-            sampled = sample_tokens(self.sampler, logits, out.all_seqs, layout)
-        return StepResult(sampled, fwd.expert_counts.tolist())
+        # One micro-batch without a cohort: every row is a decode row of fwd.hidden (normed).
+        result = sample_rows(self.model.compute_logits, lambda j, in_cohort: fwd.hidden, self.sampler,
+                             out.all_seqs, layout)
+        result.expert_counts = fwd.expert_counts.tolist()
+        return result
 
     def _execute_layered(self, out: SchedulerOutput, layout: StepLayout) -> StepResult:
         """Decodes through every layer; the cohort's chunks through this step's layer group only,
@@ -82,7 +93,9 @@ class ModelRunner:
             expert_counts[layer] += counts
         state.cross(layout, cfg.num_layers)
         self.cohort_hidden.keep(seqs, layout, state)
-        return StepResult(sample_step(self.model, self.sampler, seqs, layout, [state]), expert_counts.tolist())
+        result = sample_step(self.model, self.sampler, seqs, layout, [state])
+        result.expert_counts = expert_counts.tolist()
+        return result
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
         return prepare_batch(out.seqs, out.num_scheduled_tokens, out.num_single_token, self.config.block_size,
@@ -180,23 +193,118 @@ def _prepare_rows(seqs: list, layout: StepLayout, indices: tuple[int, ...], bloc
     return prepare_batch([seqs[i] for i in indices], counts, sum(1 for n in counts if n == 1), block_size, device)
 
 
+# A micro-batch's rows after the last layer: final(micro_batch, in_cohort) -> its decode rows
+# (in_cohort False) or its cohort rows (True).
+FinalRows = Callable[[int, bool], torch.Tensor]
+
+
 def sample_step(model: MoEModel, sampler: Sampler, seqs: list, layout: StepLayout,
-                states: list[MicroBatchState]) -> list[int | None]:
+                states: list[MicroBatchState]) -> StepResult:
     """Sample the step's sampling rows from the micro-batches' final hidden states (not yet
-    normed); one entry per sequence index."""
-    if not layout.sampled_rows:
-        return [None] * layout.num_sequences
-    rows = [(states[r.micro_batch].cohort if r.in_cohort else states[r.micro_batch].hidden)[r.row]
-            for r in layout.sampled_rows]
-    logits = model.compute_logits(model.norm(torch.stack(rows)))
-    return sample_tokens(sampler, logits, seqs, layout)
+    normed), with the logprobs asked for. The expert counts are left to the caller."""
+    return sample_rows(lambda hidden: model.compute_logits(model.norm(hidden)),
+                       lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,
+                       sampler, seqs, layout)
 
 
-def sample_tokens(sampler: Sampler, logits: torch.Tensor, seqs: list, layout: StepLayout) -> list[int | None]:
-    """Tokens from `logits` (one row per sampled row, in order), placed by sequence index."""
+def sample_rows(to_logits: Callable[[torch.Tensor], torch.Tensor], final: FinalRows, sampler: Sampler, seqs: list,
+                layout: StepLayout) -> StepResult:
+    """The one sampling path of every runner: the sampled rows' tokens (and logprobs where
+    asked) and the prompt logprobs of the prompt rows this step completed, from the rows'
+    final hidden states; `to_logits` turns such rows into float32 logits. Expert counts empty."""
+    result = StepResult([None] * layout.num_sequences, [])
+    if layout.sampled_rows:
+        logits = to_logits(_gather_rows(final, layout.sampled_rows))
+        result.sampled, result.logprobs = sample_tokens(sampler, logits, seqs, layout)
+    for rows in prompt_logprob_rows(seqs, layout):
+        result.prompt_logprobs[rows.sequence] = (rows.first_position, _prompt_logprobs(to_logits, final, seqs, rows))
+    return result
+
+
+def _gather_rows(final: FinalRows, rows) -> torch.Tensor:
+    """The hidden states of `rows` (SampledRows), in order: one gather per run of rows from the
+    same micro-batch's decode or cohort rows."""
+    parts, run, source = [], [], None
+    for r in rows:
+        if (r.micro_batch, r.in_cohort) != source and run:
+            parts.append(_index(final(*source), run))
+            run = []
+        source = (r.micro_batch, r.in_cohort)
+        run.append(r.row)
+    parts.append(_index(final(*source), run))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _index(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return hidden[torch.tensor(rows, device=hidden.device)]
+
+
+def sample_tokens(sampler: Sampler, logits: torch.Tensor, seqs: list,
+                  layout: StepLayout) -> tuple[list[int | None], dict[int, PositionLogprobs]]:
+    """Tokens from `logits` (one row per sampled row, in order), placed by sequence index, and
+    the logprobs of those that asked, by sequence index (from the raw logits)."""
     owners = [seqs[r.sequence] for r in layout.sampled_rows]
-    tokens = sampler.sample(logits, [s.request_id for s in owners], [s.params for s in owners])
-    return layout.place_samples(tokens)
+    tokens = sampler.sample(logits, [s.request_id for s in owners], [s.params for s in owners], owners)
+    wanted = [k for k, s in enumerate(owners) if s.params.logprobs is not None]
+    logprobs = {}
+    if wanted:
+        entries = position_logprobs(logits[torch.tensor(wanted, device=logits.device)], [tokens[k] for k in wanted],
+                                    [owners[k].params.logprobs for k in wanted])
+        logprobs = {layout.sampled_rows[k].sequence: entry for k, entry in zip(wanted, entries)}
+    return layout.place_samples(tokens), logprobs
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A sequence's rows this step that give prompt logprobs: row `begin + i` (of its micro-batch's
+    decode or cohort rows) predicts the prompt token at position `first_position + i`."""
+
+    sequence: int  # sequence index
+    micro_batch: int
+    in_cohort: bool
+    begin: int
+    end: int
+    first_position: int
+
+
+def prompt_logprob_rows(seqs: list, layout: StepLayout) -> list[PromptRows]:
+    """The rows whose logits give prompt logprobs this step: those of prompt tokens (not the
+    last, which samples) of sequences that ask and have not generated yet (a preempted one
+    recomputing its prompt delivered them already), where the rows passed the last layer:
+    every decode row, cohort rows in the cohort's last group only."""
+    if all(s.params.prompt_logprobs is None for s in seqs):
+        return []
+    found = []
+
+    def add(i: int, j: int, in_cohort: bool, first_row: int) -> None:
+        seq = seqs[i]
+        if seq.params.prompt_logprobs is None or seq.num_output_tokens:
+            return
+        computed = seq.num_computed_tokens
+        end = min(computed + layout.num_tokens[i], seq.num_prompt_tokens - 1)
+        if end > computed:
+            found.append(PromptRows(i, j, in_cohort, first_row, first_row + end - computed, computed + 1))
+
+    for j, batch in enumerate(layout.micro_batches):
+        for i, start in zip(batch.decode_sequences, batch.decode_query_starts):
+            add(i, j, False, start)
+        if layout.cohort_last_group:
+            for i, (start, _) in zip(batch.cohort_sequences, batch.cohort_row_ranges):
+                add(i, j, True, start)
+    return found
+
+
+def _prompt_logprobs(to_logits: Callable[[torch.Tensor], torch.Tensor], final: FinalRows, seqs: list,
+                     rows: PromptRows) -> list[PositionLogprobs]:
+    seq = seqs[rows.sequence]
+    hidden = final(rows.micro_batch, rows.in_cohort)[rows.begin:rows.end]
+    targets = seq.token_ids[rows.first_position:rows.first_position + rows.end - rows.begin]
+    entries: list[PositionLogprobs] = []
+    for begin in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        chunk = targets[begin:begin + PROMPT_LOGPROB_ROWS]
+        entries += position_logprobs(to_logits(hidden[begin:begin + len(chunk)]), chunk,
+                                     [seq.params.prompt_logprobs] * len(chunk))
+    return entries
 
 
 def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,

@@ -342,6 +342,15 @@ class Scheduler:
         self._finish(seq, FinishReason.ABORT)
         return seq
 
+    def stop(self, seq: Sequence, stop_reason: str) -> None:
+        """Finish `seq` on a stop string found in its text, freeing its blocks at once. A sequence
+        that already finished on this token (its length) is stopped by the string instead."""
+        if not seq.is_finished:
+            self.running.remove(seq)
+            self._finish(seq, FinishReason.STOP)
+        seq.finish_reason = FinishReason.STOP
+        seq.stop_reason = stop_reason
+
     def fail(self, seq: Sequence, error: str) -> None:
         """Finish one sequence with an error, freeing its blocks; the others go on."""
         if seq.is_finished:
@@ -413,6 +422,8 @@ class Scheduler:
         self.block_manager.allocate(seq, num_tokens)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
         self.running.append(seq)
 
     def _capped(self, out: SchedulerOutput, budget: int) -> int:
@@ -462,9 +473,16 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        params = seq.params
+        # The sampler masks EOS and stop tokens while fewer than min_tokens were generated before
+        # this one, so a stop token counts only past min_tokens: the two agree.
+        if seq.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP  # stop_reason stays None for EOS, as vLLM's
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

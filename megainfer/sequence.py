@@ -30,7 +30,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # The stop token id or stop string that finished it (vLLM's stop_reason); None for EOS,
+    # length, or while it runs.
+    stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it (not reset by preemption)
     first_token_time: float | None = None  # when the first generated token was sampled
     last_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each generated token was sampled

@@ -123,7 +123,7 @@ class PipelinedModelRunner:
         # Each rank caches its own KV heads; all ranks agree on the block count.
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
                                                              tp_group)
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
             link.register(buffer)
@@ -180,10 +180,10 @@ class PipelinedModelRunner:
             self.cohort_hidden.keep(seqs, layout, state)
         if self.tp_rank:  # followers: the leader samples
             return StepResult([None] * layout.num_sequences, [])
-        sampled = sample_step(self.model, self.sampler, seqs, layout, states)
-        counts = expert_counts.tolist()  # the step's one read of the counts
+        result = sample_step(self.model, self.sampler, seqs, layout, states)
+        result.expert_counts = expert_counts.tolist()  # the step's one read of the counts
         self.timeline.end_step()
-        return StepResult(sampled, counts)
+        return result
 
     def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState]) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer

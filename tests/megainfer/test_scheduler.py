@@ -140,3 +140,50 @@ def test_abort_frees_blocks_waiting_or_running():
     assert s.abort("nope") is None
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
     assert not s.has_unfinished
+
+
+def test_stop_tokens_end_a_request_only_past_min_tokens():
+    """The sampler masks EOS and stop tokens for the first min_tokens tokens; the stop check agrees."""
+    s = make_scheduler(eos=(99,))
+    a = seq("a", 3, max_tokens=8, min_tokens=2, stop_token_ids=[50])
+    s.add(a)
+    run_step(s, token=99)
+    run_step(s, token=50)
+    assert not a.is_finished and a.output_token_ids == [99, 50]
+    run_step(s, token=50)
+    assert a.finish_reason is FinishReason.STOP and a.stop_reason == 50
+    b = seq("b", 3)
+    s.add(b)
+    run_step(s, token=99)
+    assert b.finish_reason is FinishReason.STOP and b.stop_reason is None  # EOS names no stop reason
+
+
+def test_stop_string_finish_frees_blocks_and_overrides_length():
+    s = make_scheduler()
+    a, b = seq("a", 3, max_tokens=8), seq("b", 3, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert b.finish_reason is FinishReason.LENGTH
+    s.stop(a, "stop here")
+    s.stop(b, "and here")  # its last token completed a stop string too: the string wins, as vLLM's
+    assert (a.finish_reason, a.stop_reason, a.is_finished) == (FinishReason.STOP, "stop here", True)
+    assert (b.finish_reason, b.stop_reason) == (FinishReason.STOP, "and here")
+    assert s.block_manager.usage == 0.0 and not s.has_unfinished
+
+
+def test_first_scheduled_time_is_set_once_despite_preemption():
+    clock = iter(range(1000))
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    s.clock = lambda: float(next(clock))
+    a, b = seq("a", 4, max_tokens=6), seq("b", 4, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    assert a.first_scheduled_time is None
+    run_step(s)
+    first = (a.first_scheduled_time, b.first_scheduled_time)
+    assert None not in first
+    while s.has_unfinished:  # 4 blocks for two sequences growing to 10 tokens: one is preempted
+        run_step(s)
+    assert s.num_preemptions > 0
+    assert (a.first_scheduled_time, b.first_scheduled_time) == first
