@@ -21,6 +21,7 @@ from megainfer.errors import PlanError
 from megainfer.plan import Plan
 
 DEVICES = ("cpu", "cuda")
+AUTO_DEVICE = "auto"  # the plan's own: cpu for a CPU plan, cuda for a GPU plan
 STAGING_SLACK_BYTES = 1 << 16  # per-node offsets and alignment beside the records
 
 
@@ -82,18 +83,22 @@ def step_tokens(engine: EngineConfig) -> int:
 
 def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     """Every node's runtime configuration. `device`: where tensors live ("cpu" runs a GPU plan's
-    placement with CPU tensors, the cluster rehearsal); default: the plan's own."""
-    device = device or ("cpu" if plan.is_cpu else "cuda")
+    placement with CPU tensors, the cluster rehearsal); None or "auto": the plan's own. The
+    plan's dtype is concrete (the planner sized memory with it), so every EngineConfig here is
+    resolved: nodes never see "auto"."""
+    if device in (None, AUTO_DEVICE):
+        device = "cpu" if plan.is_cpu else "cuda"
     if device not in DEVICES:
-        raise PlanError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+        raise PlanError(f"--device {device!r} is not one of {', '.join(DEVICES)} or {AUTO_DEVICE}")
     if plan.is_cpu and device != "cpu":
         raise PlanError("a CPU plan (attention.gpu: cpu) runs on the CPU; drop --device or plan for GPUs")
     model, _ = resolve_model(plan.model)
     plan.check_model(model)
     threads = 1 if device == "cpu" else None  # CPU ranks share the machine's cores
     s = plan.scheduler
-    engine = EngineConfig(dtype=plan.dtype, device=device, max_num_seqs=s.max_num_seqs,
-                          max_num_batched_tokens=s.max_num_batched_tokens, prefill_policy=s.prefill_policy,
+    engine = EngineConfig(dtype=plan.dtype, device=device, max_model_len=plan.max_model_len,
+                          max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                          prefill_policy=s.prefill_policy,
                           group_tokens=s.group_tokens, layered_chunk_tokens=s.layered_chunk_tokens,
                           target_step_ms=s.target_step_ms, num_threads=threads)
     tokens, tp_a = step_tokens(engine), plan.attention.tp
@@ -166,7 +171,7 @@ def check_batch(runtime: DeploymentRuntime, gpu_memory_bytes: float | None) -> B
     if gpu_memory_bytes is not None:
         blocks = estimated_kv_blocks(runtime, gpu_memory_bytes)
         seq_len = plan.predicted.seq_len if plan.predicted and plan.predicted.seq_len else \
-            model.max_position_embeddings
+            engine.resolved_max_model_len(model)
         sequences = blocks // math.ceil(seq_len / engine.block_size)
     return BatchCheck(predicted, engine.max_num_seqs, decode_budget, blocks, sequences)
 

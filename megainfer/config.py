@@ -2,26 +2,64 @@
 
 `ModelConfig` is parsed from a Hugging Face `config.json` (model types `mixtral` and
 `qwen3_moe`) or taken from a named preset. `EngineConfig` holds the serving knobs of one
-engine (KV cache, batching, prefill policy) and is validated where it is built.
+engine (KV cache, batching, prefill policy) and is validated where it is built; its dtype
+and device may be "auto", resolved against the model by `EngineConfig.resolve`.
+
+`resolve_model` takes a model as users name it: a preset, a checkpoint directory, the demo
+checkpoint (`megainfer-demo`), or a Hugging Face repo id (`org/name[@revision]`) found in
+the local Hugging Face cache; nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megainfer.errors import CheckpointError, ConfigError
+from megainfer.hub_cache import cached_snapshot
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+AUTO = "auto"  # EngineConfig dtype/device: chosen from the model and the machine
 # Above this many bytes of weights a preset is shape-only: generating random weights for
 # it would take more memory than a demo should.
 RANDOM_WEIGHTS_MAX_BYTES = 4 << 30
+
+
+# Spellings of a dtype config.json files use, as megainfer names it.
+_DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
+    """config.json's weights dtype (`torch_dtype`, or `dtype` as transformers 5 writes it)."""
+    value = cfg.get("torch_dtype", cfg.get("dtype"))
+    if not isinstance(value, str) or value == AUTO:
+        return None
+    value = value.removeprefix("torch.")
+    return _DTYPE_ALIASES.get(value, value)
+
+
+def refuse_quantized(cfg: dict[str, Any], name: str = "") -> None:
+    """A quantized checkpoint is a CheckpointError naming its method: the engine has no
+    quantized kernels, and running such weights as floats would produce garbage."""
+    for key in ("quantization_config", "compression_config"):
+        spec = cfg.get(key)
+        if spec:
+            method = (spec.get("quant_method") if isinstance(spec, dict) else None) or (
+                "compressed-tensors" if key == "compression_config" else "unknown")
+            raise CheckpointError(
+                f"{name or 'config.json'}: the checkpoint is quantized ({key}.quant_method = {method!r}); "
+                "megainfer runs unquantized float32, bfloat16 or float16 weights only. Use the model's "
+                "unquantized release (the repo without an -FP8/-AWQ/-GPTQ/-Int4 suffix)")
 
 
 @dataclass(frozen=True)
@@ -47,7 +85,8 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    name: str = ""  # preset name or checkpoint directory, for messages
+    name: str = ""  # preset name, checkpoint directory or hub id, for messages
+    torch_dtype: str | None = None  # the checkpoint's weights (config.json torch_dtype/dtype); None: a preset
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -114,6 +153,7 @@ class ModelConfig:
     # -- Hugging Face config.json -------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
+        refuse_quantized(cfg, name)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -174,6 +214,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            torch_dtype=_checkpoint_dtype(cfg),
         )
 
     @classmethod
@@ -294,16 +335,38 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+DEMO_MODEL = "megainfer-demo"  # the small checkpoint trained by `python -m megainfer.demo.train`
+# org/name, optionally @revision (a branch, tag or commit): a Hugging Face repo id.
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+
+
+def demo_checkpoint() -> Path:
+    """Where the demo checkpoint lives: inside the installed package."""
+    return Path(__file__).resolve().parent / "demo" / "checkpoint"
+
+
 def resolve_model(model: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
-    """A preset name or a checkpoint directory -> (config, checkpoint dir or None for a preset)."""
+    """A model as users name it -> (config, checkpoint directory or None for a preset): a preset
+    name, `megainfer-demo`, a checkpoint directory, or a Hugging Face repo id (`org/name`,
+    `org/name@revision`) in the local cache."""
     key = str(model)
     if key in PRESETS:
         return PRESETS[key], None
+    if key == DEMO_MODEL:
+        path = demo_checkpoint()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"the demo checkpoint is missing ({path} has no config.json); train it with "
+                              "`python -m megainfer.demo.train`")
+        return dataclasses.replace(ModelConfig.from_pretrained(path), name=DEMO_MODEL), path
     path = Path(key).expanduser()
     if path.exists():
         return ModelConfig.from_pretrained(path), path
-    raise ConfigError(f"model {key!r} is neither a checkpoint directory nor a preset; "
-                      f"presets: {', '.join(PRESETS)}")
+    hub = HUB_ID.match(key)
+    if hub:
+        snapshot = cached_snapshot(hub["repo"], hub["revision"])
+        return dataclasses.replace(ModelConfig.from_pretrained(snapshot), name=key), snapshot
+    raise ConfigError(f"model {key!r} is neither a checkpoint directory, a Hugging Face repo id (org/name) nor "
+                      f"a preset; presets: {', '.join(PRESETS)}, {DEMO_MODEL}")
 
 
 # The share of a GPU's memory left free after loading weights that the KV cache takes (the rest
@@ -318,8 +381,8 @@ DEVICES = ("cpu", "cuda")
 class EngineConfig:
     """Serving knobs of one engine (one attention node, or the colocated model)."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "float32"  # or "auto": the checkpoint's (see `resolve`)
+    device: str = "cpu"  # cpu, cuda, cuda:N, or "auto": cuda where torch sees a GPU
     seed: int = 0
     block_size: int = KV_BLOCK_TOKENS  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
@@ -336,10 +399,12 @@ class EngineConfig:
     show_progress: bool = False  # progress bar while loading weights
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPE_BYTES)}")
-        if not (self.device in DEVICES or self.device.startswith("cuda:")):
-            raise ConfigError(f"device {self.device!r} is not supported; choose 'cpu' or 'cuda[:N]'")
+        if self.dtype not in DTYPE_BYTES and self.dtype != AUTO:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPE_BYTES)} "
+                              f"or {AUTO}")
+        if not isinstance(self.device, str) or not (self.device in (*DEVICES, AUTO) or
+                                                    re.fullmatch(r"cuda:\d+", self.device)):
+            raise ConfigError(f"device {self.device!r} is not supported; choose 'cpu', 'cuda[:N]' or 'auto'")
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ConfigError(f"prefill_policy {self.prefill_policy!r} is not supported; choose one of "
                               f"{', '.join(PREFILL_POLICIES)}")
@@ -357,12 +422,37 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"engine option '{name}' must be a positive integer or None, got {value!r}")
 
+    def resolve(self, model: ModelConfig) -> "EngineConfig":
+        """This config with "auto" replaced. dtype auto: the checkpoint's torch_dtype (float32
+        stays float32, bfloat16 stays bfloat16, on the CPU too, as vLLM keeps it); float32 for
+        presets. device auto: cuda when torch sees a GPU, else cpu (said in the log)."""
+        dtype, device = self.dtype, self.device
+        if dtype == AUTO:
+            dtype = model.torch_dtype or "float32"
+            if dtype not in DTYPE_BYTES:
+                raise ConfigError(f"{model.name}: the checkpoint's dtype {dtype!r} (config.json torch_dtype) is not "
+                                  f"one megainfer runs; pass --dtype {' or '.join(DTYPE_BYTES)}")
+        if device == AUTO:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            if device == "cpu":
+                logger.info("device auto: running on the CPU (torch.cuda.is_available() is False)")
+        return self if (dtype, device) == (self.dtype, self.device) else self.replace(dtype=dtype, device=device)
+
+    @property
+    def concrete_dtype(self) -> str:
+        """The dtype, which sizing needs resolved (an engine resolves "auto" when it loads the model)."""
+        if self.dtype == AUTO:
+            raise ConfigError("dtype 'auto' must be resolved against the model first (EngineConfig.resolve)")
+        return self.dtype
+
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:
             return model.max_position_embeddings
         if self.max_model_len > model.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
-                              f"max_position_embeddings ({model.max_position_embeddings})")
+                              f"max_position_embeddings ({model.max_position_embeddings}); lower --max-model-len")
         return self.max_model_len
 
     def resolved_num_kv_blocks(self, model: ModelConfig, max_model_len: int, free_bytes: int | None,
@@ -372,7 +462,7 @@ class EngineConfig:
         1/tp_size of the whole model's; `free_bytes` is then the least any rank has free."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        block_bytes = self.block_size * model.kv_bytes_per_token(self.dtype) // tp_size
+        block_bytes = self.block_size * model.kv_bytes_per_token(self.concrete_dtype) // tp_size
         budget = self.kv_cache_bytes or (int(free_bytes * KV_MEMORY_FRACTION) if free_bytes else 2 << 30)
         budget -= self.layered_hidden_reserve(model)
         # Never more than every running sequence at full length could use.
@@ -390,7 +480,7 @@ class EngineConfig:
             return 0
         groups = self.num_layer_groups or model.num_layers
         tokens = min(self.layered_chunk_tokens, self.group_tokens * groups)
-        return tokens * model.hidden_size * DTYPE_BYTES[self.dtype]
+        return tokens * model.hidden_size * DTYPE_BYTES[self.concrete_dtype]
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

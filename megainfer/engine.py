@@ -15,14 +15,16 @@ from collections import deque
 from megainfer.config import EngineConfig, resolve_model
 from megainfer.energy import EnergyMeter
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
-from megainfer.messages import EngineStats, ErrorCode, ExpertLoad, NodeState, RequestDelta, StepSample
+from megainfer.messages import (EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
+                                RequestMetrics, StepSample)
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepResult
+from megainfer.output_stream import OutputStream
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
-from megainfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +37,11 @@ class Engine:
         """`runner_factory(model_config, config, weights, max_model_len)` builds the runner;
         the default runs the whole model here (`ModelRunner`)."""
         config = config or EngineConfig()
-        self.config = config.replace(**overrides) if overrides else config
+        config = config.replace(**overrides) if overrides else config
         self.model_config, checkpoint = resolve_model(model)
+        self.checkpoint = checkpoint  # the resolved directory (None for a preset): chat template, defaults
+        # dtype/device "auto" become concrete here: everything below reads the resolved config.
+        self.config = config.resolve(self.model_config)
         if checkpoint is None and not self.model_config.runnable_with_random_weights:
             gib = self.model_config.num_params * 4 / 2**30
             raise ConfigError(
@@ -50,7 +55,7 @@ class Engine:
                                                max_model_len=self.max_model_len,
                                                eos_token_ids=self.model_config.eos_token_ids,
                                                num_layers=self.model_config.num_layers)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._streams: dict[str, OutputStream] = {}  # by request id: what its client has seen
         self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks, expert_tokens=[
             [0] * self.model_config.num_experts for _ in range(self.model_config.num_layers)])
         self._expert_bytes = self.model_config.expert_bytes(self.config.dtype)
@@ -81,6 +86,9 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise RequestError(f"request {request_id!r}: n={params.n}, but an engine request is one sequence; the "
+                               "API layer fans a request out into n requests with params.for_choice(i)")
         token_ids = self.encode_prompt(prompt, request_id)
         if len(token_ids) >= self.max_model_len:
             raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens; the model's max "
@@ -95,7 +103,7 @@ class Engine:
     def add_sequence(self, seq: Sequence) -> None:
         """Hand a prepared request to the scheduler (between steps)."""
         self.scheduler.add(seq)
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._streams[seq.request_id] = OutputStream(self.tokenizer, seq)
 
     def encode_prompt(self, prompt: Prompt, request_id: str = "") -> list[int]:
         where = f"request {request_id!r}: " if request_id else ""
@@ -149,6 +157,7 @@ class Engine:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
             return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs]
         advanced = self.scheduler.update_from_output(out, result.sampled)
+        deltas = self._deltas(out, result, advanced)
         ended = time.perf_counter()
         self._last_step_end = ended if self.scheduler.has_unfinished else None
         measured = StepSample.of(out, ended - began, self.model_config.num_layers, step_id)
@@ -157,7 +166,7 @@ class Engine:
             self.step_model.observe((measured,))
         self._finished_lengths.extend((s.num_prompt_tokens, s.num_output_tokens) for s in advanced if s.is_finished)
         self._record(out, result)
-        return [self._delta(seq) for seq in advanced]
+        return deltas
 
     def node_state(self, now: float = 0.0) -> NodeState:
         """The scheduler's state for a router, with the steps measured and the requests
@@ -172,31 +181,64 @@ class Engine:
         each number together (the router adds their work up); -1 on a colocated runner."""
         return getattr(self.runner, "step_id", -1)
 
-    def _delta(self, seq: Sequence) -> RequestDelta:
+    def _deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence]) -> list[RequestDelta]:
+        """The step's deltas: one per sequence that gained a token. Prompt logprobs computed this
+        step are kept until the request's first delta."""
+        seqs = out.all_seqs
+        for i, (first_position, entries) in result.prompt_logprobs.items():
+            stream = self._streams.get(seqs[i].request_id)
+            if stream is not None and not seqs[i].is_finished:
+                stream.add_prompt_logprobs(first_position, entries)
+        logprobs = {seqs[i].request_id: entry for i, entry in result.logprobs.items()}
+        return [self._delta(seq, logprobs.get(seq.request_id)) for seq in advanced]
+
+    def _delta(self, seq: Sequence, logprobs: PositionLogprobs | None) -> RequestDelta:
         token = seq.token_ids[-1]
+        stream = self._streams[seq.request_id]
         try:
-            detok = self._detokenizers[seq.request_id]
-            text = detok.add([token])
-            if seq.is_finished:
-                text += detok.flush()
+            text = stream.next_text(seq)
+            token_logprobs = stream.with_text([logprobs]) if logprobs is not None else None
+            prompt_logprobs = stream.take_prompt_logprobs() if seq.num_output_tokens == 1 else None
         except Exception as exc:  # e.g. a token the tokenizer cannot decode: this request alone fails
             return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
+        if stream.stop_string is not None:  # finished now: its blocks are freed before the next step
+            self.scheduler.stop(seq, stream.stop_string)
+        delta = RequestDelta(seq.request_id, [token], text, seq.is_finished, seq.finish_reason,
+                             logprobs=token_logprobs, prompt_logprobs=prompt_logprobs, stop_reason=seq.stop_reason)
         if seq.is_finished:
+            delta.metrics = self._metrics(seq)
             self._forget(seq.request_id)
-        return RequestDelta(seq.request_id, [token], text, seq.is_finished, seq.finish_reason)
+        return delta
+
+    def _metrics(self, seq: Sequence) -> RequestMetrics | None:
+        """How the request's time was spent, as it ends; None if it was never scheduled. One that
+        ends before its first token counts its time since being scheduled as prefill."""
+        scheduled = seq.first_scheduled_time
+        if scheduled is None:
+            return None
+        now = self.scheduler.clock()
+        first_token = seq.first_token_time
+        return RequestMetrics(
+            prompt_tokens=seq.num_prompt_tokens, generation_tokens=seq.num_output_tokens,
+            queued_s=scheduled - seq.arrival_time,
+            prefill_s=(now if first_token is None else first_token) - scheduled,
+            decode_s=0.0 if first_token is None else seq.last_token_time - first_token,
+            e2e_s=now - seq.arrival_time, num_preemptions=seq.num_preemptions)
 
     def _fail(self, seq: Sequence, error: str, new_token_ids: list[int] | None = None,
               code: ErrorCode = ErrorCode.INTERNAL) -> RequestDelta:
         self.scheduler.fail(seq, error)
         self._forget(seq.request_id)
-        return RequestDelta.failure(seq.request_id, error, code, new_token_ids)
+        delta = RequestDelta.failure(seq.request_id, error, code, new_token_ids)
+        delta.metrics = self._metrics(seq)
+        return delta
 
     def fail_all(self, error: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> list[RequestDelta]:
         """Fail every unfinished request (their blocks are freed): the node cannot serve them."""
         return [self._fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
 
     def _forget(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
+        self._streams.pop(request_id, None)
         self.runner.sampler.forget(request_id)
 
     def _record(self, out: SchedulerOutput, result: StepResult) -> None:

@@ -2,6 +2,13 @@
 
 Torch-free. Every section is a dataclass; loading rejects unknown keys and out-of-range
 values with a PlanError that names the key (`experts.tp`, `pipeline.micro_batches`, ...).
+
+Top-level keys beside the sections:
+
+    model: mixtral-8x22b   # preset, checkpoint directory, hub id in the local cache, megainfer-demo
+    dtype: bfloat16        # float32 | bfloat16 | float16: what the nodes run (and the planner sized)
+    max_model_len: 8192    # optional: prompt plus generated tokens per request, at most; default
+                           # the model's max_position_embeddings, which it may not exceed
 """
 
 from __future__ import annotations
@@ -138,8 +145,9 @@ _SECTIONS = {"attention": AttentionSpec, "experts": ExpertSpec, "pipeline": Pipe
 
 @dataclass
 class Plan:
-    model: str  # preset name or checkpoint directory
+    model: str  # preset name, checkpoint directory, hub id in the local cache, or megainfer-demo
     dtype: str = "bfloat16"
+    max_model_len: int | None = None  # per request, prompt plus output; None: the model's max_position_embeddings
     attention: AttentionSpec = field(default_factory=AttentionSpec)
     experts: ExpertSpec = field(default_factory=ExpertSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
@@ -155,6 +163,8 @@ class Plan:
             raise PlanError("model must name a preset or a checkpoint directory")
         if self.dtype not in DTYPE_BYTES:
             raise PlanError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise PlanError(f"max_model_len must be positive, got {self.max_model_len}")
         if (self.attention.gpu == CPU) != (self.experts.gpu == CPU):
             raise PlanError("attention.gpu and experts.gpu must both be 'cpu' or both name GPU types")
         if self.autoscale is not None and self.serve.router != "predictive":
@@ -173,6 +183,9 @@ class Plan:
 
     def check_model(self, model: ModelConfig) -> None:
         """Cross-checks that need the model's shapes."""
+        if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
+            raise PlanError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                            f"({model.max_position_embeddings}); lower it or leave it out")
         nodes, per = self.experts.nodes, self.experts.experts_per_node
         if per is None:
             if model.num_experts % nodes:
@@ -184,7 +197,7 @@ class Plan:
     # -- YAML ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("autoscale", "predicted"):
+        for optional in ("max_model_len", "autoscale", "predicted"):
             if data[optional] is None:
                 del data[optional]
         return data
@@ -210,6 +223,8 @@ class Plan:
         kwargs: dict[str, Any] = {"model": _coerce(data["model"], str, "model", source)}
         if "dtype" in data:
             kwargs["dtype"] = _coerce(data["dtype"], str, "dtype", source)
+        if data.get("max_model_len") is not None:
+            kwargs["max_model_len"] = _coerce(data["max_model_len"], int, "max_model_len", source)
         for name, section_cls in _SECTIONS.items():
             if data.get(name) is not None:
                 kwargs[name] = _section(section_cls, data[name], name, source)

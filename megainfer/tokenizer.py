@@ -1,4 +1,14 @@
-"""Tokenizers: a checkpoint's tokenizer.json through `tokenizers`, or bytes for presets.
+"""Tokenizers: a checkpoint's tokenizer.json (with its tokenizer_config.json) through
+`tokenizers`, or bytes for presets.
+
+`HFTokenizer` follows transformers' `AutoTokenizer` (5.x) for checkpoints that ship
+tokenizer.json: the file's post-processor decides which special tokens `encode` adds (a
+Mixtral tokenizer.json prepends `<s>`, a Qwen one adds nothing), since transformers drops
+tokenizer_config.json's `add_bos_token`/`add_eos_token` whenever tokenizer.json exists;
+tokenizer_config.json names the special tokens (`bos_token`, `eos_token`, ...), adds those
+tokenizer.json lacks, and sets `split_special_tokens` and `clean_up_tokenization_spaces`.
+Transformers' per-family classes may rebuild a tokenizer from its vocabulary; megainfer runs
+tokenizer.json as written.
 
 `IncrementalDetokenizer` turns a growing list of token ids into text deltas for
 streaming, holding back text while a multi-byte character or merge is still incomplete.
@@ -6,60 +16,195 @@ streaming, holding back text while a multi-byte character or merge is still inco
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from megainfer.config import ModelConfig
 from megainfer.errors import CheckpointError
 
 REPLACEMENT = "\ufffd"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# tokenizer_config.json keys naming one special token each (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' clean_up_tokenization: spaces a WordPiece-style decode leaves before punctuation.
+CLEAN_UP_REPLACEMENTS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class Tokenizer(Protocol):
     vocab_size: int
+    bos_token_id: int | None  # None where the tokenizer names no BOS token
+    eos_token_ids: tuple[int, ...]  # the tokenizer's own EOS (the model's config may name more)
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the tokenizer adds around a
+        sequence (BOS for Mixtral, nothing for Qwen). Chat prompts pass False: the template
+        writes its special tokens itself."""
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (for logprobs): the token decoded alone, special tokens included."""
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; 256 is BOS (prepended), 257 is EOS; other ids decode to nothing."""
+    """UTF-8 bytes are ids 0..255; 256 is BOS (`<s>`), 257 is EOS (`</s>`); other ids decode to nothing."""
 
     BOS, EOS = 256, 257
+    SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.bos_token_id: int | None = self.BOS
+        self.eos_token_ids: tuple[int, ...] = (self.EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        body = list(text.encode("utf-8"))
+        return [self.BOS, *body] if add_special_tokens else body
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # Bytes between special tokens decode together, so a character split across ids stays whole.
+        pieces: list[str] = []
+        run = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+            elif not skip_special_tokens and i in self.SPECIAL_TEXT:
+                pieces.append(run.decode("utf-8", errors="replace"))
+                pieces.append(self.SPECIAL_TEXT[i])
+                run = bytearray()
+        pieces.append(run.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's fields."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _added_token(entry: Any, special: bool):
+    from tokenizers import AddedToken
+
+    if isinstance(entry, dict):
+        return AddedToken(entry["content"], single_word=bool(entry.get("single_word", False)),
+                          lstrip=bool(entry.get("lstrip", False)), rstrip=bool(entry.get("rstrip", False)),
+                          normalized=bool(entry.get("normalized", not special)),
+                          special=bool(entry.get("special", special)))
+    return AddedToken(entry, special=special, normalized=False)
+
+
+def read_tokenizer_config(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json of a checkpoint ({} when it has none)."""
+    path = directory / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def special_token_strings(config: dict[str, Any]) -> dict[str, str]:
+    """The named special tokens tokenizer_config.json sets, e.g. {"bos_token": "<s>", ...}."""
+    named = {key: _token_content(config.get(key)) for key in NAMED_SPECIAL_TOKENS}
+    return {key: value for key, value in named.items() if value is not None}
 
 
 class HFTokenizer:
-    def __init__(self, path: Path) -> None:
+    """A checkpoint's tokenizer.json, with its tokenizer_config.json (see the module docstring)."""
+
+    def __init__(self, directory: str | Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
+        directory = Path(directory)
+        if directory.name == TOKENIZER_FILE:
+            directory = directory.parent
+        path = directory / TOKENIZER_FILE
         try:
             self._tok = _Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
             raise CheckpointError(f"{path}: cannot be read by `tokenizers` ({exc})") from None
+        config = read_tokenizer_config(directory)
+        # Encoding a prompt never truncates or pads it, whatever tokenizer.json says (as transformers).
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self._add_missing_tokens(config, directory)
+        self._tok.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        # transformers skips the clean-up for BPE models: it would eat real spaces before punctuation.
+        self._clean_up = (bool(config.get("clean_up_tokenization_spaces", False))
+                          and type(self._tok.model).__name__ != "BPE")
+        self.special_tokens = special_token_strings(config)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._id_of("bos_token", directory)
+        eos = self._id_of("eos_token", directory)
+        self.eos_token_ids = () if eos is None else (eos,)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def _add_missing_tokens(self, config: dict[str, Any], directory: Path) -> None:
+        """Added tokens and special tokens tokenizer_config.json names but tokenizer.json lacks."""
+        present = {token.content for token in self._tok.get_added_tokens_decoder().values()}
+        wanted: list[tuple[Any, bool]] = []
+        decoder = config.get("added_tokens_decoder") or {}
+        if not isinstance(decoder, dict):
+            raise CheckpointError(f"{directory / TOKENIZER_CONFIG_FILE}: added_tokens_decoder must map ids to "
+                                  f"tokens, got {type(decoder).__name__}")
+        for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):
+            if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+                wanted.append((entry, bool(entry.get("special", False))))
+        wanted += [(content, True) for content in special_token_strings(config).values()]
+        extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
+        if isinstance(extra, dict):  # transformers 5 may name them: {"image_token": "<image>"}
+            extra = list(extra.values())
+        wanted += [(entry, True) for entry in extra if _token_content(entry) is not None]
+        for entry, special in wanted:
+            content = _token_content(entry)
+            if content in present:
+                continue
+            present.add(content)
+            token = _added_token(entry, special)
+            if token.special:
+                self._tok.add_special_tokens([token])
+            else:
+                self._tok.add_tokens([token])
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def _id_of(self, key: str, directory: Path) -> int | None:
+        content = self.special_tokens.get(key)
+        if content is None:
+            return None
+        token_id = self._tok.token_to_id(content)
+        if token_id is None:
+            raise CheckpointError(f"{directory / TOKENIZER_CONFIG_FILE}: {key} {content!r} is not in the "
+                                  "tokenizer's vocabulary")
+        return token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for old, new in CLEAN_UP_REPLACEMENTS:
+                text = text.replace(old, new)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
 
 def load_tokenizer(checkpoint: Path | None, cfg: ModelConfig) -> Tokenizer | None:
     """The checkpoint's tokenizer.json, the byte tokenizer for byte-vocabulary models, or None
     (then prompts must be token ids)."""
-    if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
-        return HFTokenizer(checkpoint / "tokenizer.json")
+    if checkpoint is not None and (checkpoint / TOKENIZER_FILE).is_file():
+        return HFTokenizer(checkpoint)
     if cfg.vocab_size >= 258:
         return ByteTokenizer(cfg.vocab_size)
     return None
@@ -68,20 +213,24 @@ def load_tokenizer(checkpoint: Path | None, cfg: ModelConfig) -> Tokenizer | Non
 class IncrementalDetokenizer:
     """Text of the generated ids so far, emitted as deltas (vLLM's prefix/read offsets)."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the newly completed text (possibly empty)."""
         if self.tokenizer is None:
             return ""
         self.ids.extend(new_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
             return ""  # an incomplete character: wait for the next token
         delta = full[len(prefix):]
@@ -95,8 +244,8 @@ class IncrementalDetokenizer:
         """At the end: whatever was held back, replacement characters included."""
         if self.tokenizer is None or self.read_offset == len(self.ids):
             return ""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        delta = self.tokenizer.decode(self.ids[self.prefix_offset:])[len(prefix):]
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        delta = self._decode(self.ids[self.prefix_offset:])[len(prefix):]
         self.read_offset = len(self.ids)
         self.text += delta
         return delta

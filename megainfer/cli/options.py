@@ -29,9 +29,18 @@ def positive_int(text: str) -> int:
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Model and engine knobs, mapped onto EngineConfig by `engine_config`."""
-    parser.add_argument("--model", default="tiny-mixtral", help="checkpoint directory or preset name")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--model", default="tiny-mixtral",
+                        help="checkpoint directory, Hugging Face repo id in the local cache (org/name[@revision]; "
+                             "never downloaded), megainfer-demo, or a preset name")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default): the checkpoint's torch_dtype, float32 for presets; a bfloat16 "
+                             "checkpoint runs in bfloat16 on the CPU too (pass --dtype float32 there for speed "
+                             "on CPUs without bfloat16 support)")
+    parser.add_argument("--device", default="auto", help="auto (default: cuda if torch sees a GPU, else cpu), "
+                                                         "cpu, cuda or cuda:N")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="prompt plus generated tokens per request, at most (default: the model's "
+                             "max_position_embeddings; it cannot exceed it)")
     parser.add_argument("--seed", type=int, default=0, help="weights (presets) and sampling seed")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
@@ -52,6 +61,7 @@ def engine_config(args: argparse.Namespace, **extra):
 
     return EngineConfig(dtype=args.dtype, device=args.device, seed=args.seed, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         prefill_policy=args.prefill_policy, group_tokens=args.group_tokens,
                         num_layer_groups=args.num_layer_groups, **extra)

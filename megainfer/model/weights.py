@@ -22,6 +22,15 @@ from megainfer.model.checkpoint_names import all_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 RANDOM_INIT_STD = 0.02
+# Tensors that only quantized checkpoints carry: scales (FP8, compressed-tensors), packed
+# weights and their zero points and group indices (GPTQ, AWQ).
+QUANTIZED_TENSOR_SUFFIXES = ("_scale", ".weight_scale_inv", ".scales", ".qweight", ".qzeros", ".g_idx")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def quantized_checkpoint_error(directory: Path, detail: str) -> CheckpointError:
+    return CheckpointError(f"{directory}: {detail}: the checkpoint is quantized, and megainfer runs unquantized "
+                           "float32, bfloat16 or float16 weights only; use the model's unquantized release")
 
 
 class WeightSource(Protocol):
@@ -50,6 +59,9 @@ class SafetensorsCheckpoint:
             for f in files:
                 with safe_open(f, framework="pt") as handle:
                     self.file_of.update({name: f for name in handle.keys()})
+        scales = sorted(name for name in self.file_of if name.endswith(QUANTIZED_TENSOR_SUFFIXES))
+        if scales:
+            raise quantized_checkpoint_error(self.directory, f"{len(scales)} quantization tensors, e.g. {scales[0]!r}")
         self._handles: dict[Path, object] = {}
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -62,6 +74,9 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{self.directory}: shard {path.name} (holding {name!r}) does not exist")
             handle = self._handles[path] = safe_open(path, framework="pt")
         tensor = handle.get_tensor(name)
+        if tensor.dtype not in FLOAT_DTYPES:  # float8 or int8/uint8/int32-packed: not plain float weights
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise quantized_checkpoint_error(self.directory, f"tensor {name!r} is {dtype}")
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"{self.directory}: tensor {name!r} has shape {list(tensor.shape)}, "
                                   f"expected {list(shape)}")

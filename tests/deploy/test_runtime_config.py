@@ -87,3 +87,20 @@ def test_a_dry_run_exits_1_when_the_runtime_caps_the_plan(tmp_path):
     out = megainfer("deploy", str(path), "--dry-run")
     assert out.returncode == 1
     assert "scheduler.max_num_batched_tokens >=" in out.stdout
+
+
+def test_max_model_len_reaches_every_attention_node_and_is_checked():
+    capped = Plan.from_dict({**plan().to_dict(), "max_model_len": 1024, "attention": {"gpu": "H20", "tp": 2,
+                                                                                       "nodes": 2}})
+    runtime = runtime_of(capped)
+    assert [a.engine.max_model_len for a in runtime.attention] == [1024, 1024]
+    assert runtime.attention[0].engine.resolved_max_model_len(runtime.model) == 1024
+    with pytest.raises(PlanError, match="max_model_len 8192 exceeds"):
+        runtime_of(Plan.from_dict({**plan().to_dict(), "max_model_len": 8192}))
+
+
+def test_auto_device_is_the_plans_own_and_engines_are_resolved():
+    assert runtime_of(plan(), "auto").device == "cuda"
+    cpu = runtime_of(Plan.load(ROOT / "deploy" / "plans" / "tiny-cpu.yaml"), "auto")
+    engine = cpu.attention[0].engine
+    assert cpu.device == "cpu" and (engine.dtype, engine.device) == (cpu.plan.dtype, "cpu")

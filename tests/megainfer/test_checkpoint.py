@@ -31,7 +31,7 @@ def test_sharded_checkpoint_with_index_loads_the_same(mixtral_ref, tmp_path):
         save_file({k: tensors[k] for k in keys}, ckpt / fname)
     weight_map = {k: f for f, keys in shards.items() for k in keys}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    out = LLM(str(ckpt)).generate([mixtral_ref.prompts[0]], GREEDY)[0]
+    out = LLM(str(ckpt)).generate([mixtral_ref.prompts[0]], GREEDY)[0].outputs[0]
     assert out.token_ids == mixtral_ref.tokens[0][:12]
 
 
@@ -67,7 +67,7 @@ def test_half_precision_loads_and_runs(mixtral_ref, dtype):
     model = llm.engine.runner.model
     assert model.expert_layers[0].w_gate_up.dtype == getattr(torch, dtype)
     assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
-    out = llm.generate([mixtral_ref.prompts[1]], GREEDY)[0]
+    out = llm.generate([mixtral_ref.prompts[1]], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 12
     # Half-precision rounding may flip later greedy choices, not the first.
     assert out.token_ids[0] == mixtral_ref.tokens[1][0]
@@ -85,7 +85,7 @@ def test_tokenizer_json_is_used(mixtral_ref, tmp_path):
     llm = LLM(str(ckpt))
     out = llm.generate("w5 w17 w250", GREEDY)[0]
     assert out.prompt_token_ids == [5, 17, 250]
-    assert out.text == tok.decode(out.token_ids)
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
 
 
 def test_text_prompt_without_tokenizer_is_a_request_error(mixtral_ref):
@@ -94,3 +94,34 @@ def test_text_prompt_without_tokenizer_is_a_request_error(mixtral_ref):
     assert llm.generate("hi", GREEDY)[0].prompt_token_ids == [256, 104, 105]
     with pytest.raises(RequestError, match=r"token ids must be integers in \[0, 320\)"):
         llm.generate([[1, 2, 320]], GREEDY)
+
+
+def test_quantized_config_is_refused_before_weights_load(mixtral_ref, tmp_path):
+    ckpt = copy_ckpt(mixtral_ref.path, tmp_path / "fp8-config")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quant_method = 'fp8'.*unquantized release"):
+        LLM(str(ckpt))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.uint8])
+def test_quantized_weights_without_a_quantization_config_are_refused(mixtral_ref, tmp_path, dtype):
+    ckpt = copy_ckpt(mixtral_ref.path, tmp_path / "packed")
+    tensors = load_file(ckpt / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, ckpt / "model.safetensors")
+    kind = str(dtype).removeprefix("torch.")
+    with pytest.raises(CheckpointError, match=rf"q_proj\.weight' is {kind}: the checkpoint is quantized"):
+        LLM(str(ckpt))
+
+
+@pytest.mark.parametrize("suffix", ["weight_scale_inv", "weight_scale", "input_scale", "qzeros"])
+def test_scale_tensors_mark_a_quantized_checkpoint(mixtral_ref, tmp_path, suffix):
+    ckpt = copy_ckpt(mixtral_ref.path, tmp_path / "scales")
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors[f"model.layers.0.self_attn.q_proj.{suffix}"] = torch.ones(1)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"1 quantization tensors, e\.g\. .*q_proj\.{suffix}'"):
+        LLM(str(ckpt))

@@ -80,7 +80,8 @@ def test_paper_presets_have_their_shapes():
 
 
 def test_resolve_model_errors(tmp_path):
-    with pytest.raises(ConfigError, match="neither a checkpoint directory nor a preset.*tiny-mixtral"):
+    with pytest.raises(ConfigError, match="neither a checkpoint directory, a Hugging Face repo id .* nor a preset.*"
+                                          "tiny-mixtral"):
         resolve_model("no-such-model")
     with pytest.raises(CheckpointError, match="no config.json"):
         resolve_model(tmp_path)
@@ -111,3 +112,64 @@ def test_config_module_does_not_import_torch():
     import sys
     code = "import megainfer.config, megainfer, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("extra, method", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "'fp8'"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "'awq'"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq'"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "'compressed-tensors'"),
+    ({"compression_config": {"format": "float-quantized"}}, "'compressed-tensors'"),
+])
+def test_quantized_checkpoints_are_refused_naming_the_method(tmp_path, extra, method):
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B, **extra}))
+    with pytest.raises(CheckpointError, match=f"quant_method = {method}.*unquantized float32, bfloat16 or "
+                                              "float16 weights only.*unquantized release"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("written, parsed", [({"torch_dtype": "bfloat16"}, "bfloat16"),
+                                             ({"dtype": "float16"}, "float16"),
+                                             ({"torch_dtype": "float32"}, "float32"), ({}, None)])
+def test_checkpoint_dtype_is_read_from_torch_dtype_or_dtype(written, parsed):
+    assert ModelConfig.from_hf_dict({**QWEN3_30B, **written}).torch_dtype == parsed
+
+
+def test_auto_dtype_follows_the_checkpoint_and_presets_run_float32():
+    bf16 = ModelConfig.from_hf_dict({**QWEN3_30B, "torch_dtype": "bfloat16"})
+    f32 = ModelConfig.from_hf_dict({**QWEN3_30B, "torch_dtype": "float32"})
+    auto = EngineConfig(dtype="auto", device="cpu")
+    assert auto.resolve(bf16).dtype == "bfloat16"  # on the CPU too, as vLLM
+    assert auto.resolve(f32).dtype == "float32"
+    assert auto.resolve(PRESETS["tiny-mixtral"]).dtype == "float32"
+    assert EngineConfig(dtype="float16").resolve(bf16).dtype == "float16"  # an explicit dtype wins
+    odd = ModelConfig.from_hf_dict({**QWEN3_30B, "torch_dtype": "float8_e4m3fn"})
+    with pytest.raises(ConfigError, match="dtype 'float8_e4m3fn'.*pass --dtype"):
+        auto.resolve(odd)
+
+
+def test_sizing_refuses_an_unresolved_dtype():
+    with pytest.raises(ConfigError, match="resolved against the model first"):
+        EngineConfig(dtype="auto").resolved_num_kv_blocks(PRESETS["tiny-mixtral"], 4096, None)
+
+
+@pytest.mark.parametrize("cuda, device", [(True, "cuda"), (False, "cpu")])
+def test_auto_device_is_cuda_where_torch_sees_a_gpu(monkeypatch, cuda, device):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    resolved = EngineConfig(device="auto").resolve(PRESETS["tiny-mixtral"])
+    assert resolved.device == device and EngineConfig(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ConfigError, match="device 'cuda:x'"):
+        EngineConfig(device="cuda:x")
+
+
+def test_engine_resolves_auto_before_anything_reads_the_config(monkeypatch):
+    import torch
+
+    from megainfer.engine import Engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = Engine("tiny-mixtral", EngineConfig(dtype="auto", device="auto", num_kv_blocks=16))
+    assert (engine.config.dtype, engine.config.device) == ("float32", "cpu")
+    assert engine.runner.dtype == torch.float32 and engine.runner.device == torch.device("cpu")

@@ -71,3 +71,17 @@ def test_expert_nodes_must_cover_the_experts():
     plan = Plan.from_dict({"model": "tiny-mixtral", "experts": {"gpu": "cpu", "nodes": 2, "experts_per_node": 3}})
     with pytest.raises(PlanError, match="2 x 3 = 6, but the model has 8 experts"):
         plan.check_model(PRESETS["tiny-mixtral"])
+
+
+def test_max_model_len_is_a_checked_top_level_key(tmp_path):
+    plan = Plan.load(write(tmp_path, GOOD + "max_model_len: 8192\n"))
+    assert plan.max_model_len == 8192
+    assert Plan.load(plan.save(tmp_path / "again.yaml")) == plan
+    assert "max_model_len" not in Plan.load(write(tmp_path, GOOD)).to_yaml()  # unset: left out
+    for value, match in (("0", "max_model_len must be positive"), ("long", "max_model_len must be int"),
+                         ("true", "max_model_len must be int")):
+        with pytest.raises(PlanError, match=match):
+            Plan.load(write(tmp_path, GOOD + f"max_model_len: {value}\n"))
+    too_long = Plan.load(write(tmp_path, GOOD + "max_model_len: 65537\n"))
+    with pytest.raises(PlanError, match=r"max_model_len 65537 exceeds the model's max_position_embeddings \(65536\)"):
+        too_long.check_model(PRESETS["mixtral-8x22b"])
