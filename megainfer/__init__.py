@@ -17,6 +17,7 @@ _LAZY = {
     "ModelConfig": "megainfer.config",
     "SamplingParams": "megainfer.sampling_params",
     "RequestOutput": "megainfer.outputs",
+    "CompletionOutput": "megainfer.outputs",
     "RequestDelta": "megainfer.messages",
     "MegaInferError": "megainfer.errors",
 }

@@ -1,93 +1,254 @@
-"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline API in vLLM's shape: `LLM(model).generate(prompts, SamplingParams(...))` and
+`LLM.chat(messages)`, each returning one `RequestOutput` per prompt."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
+from megainfer.chat_template import ChatTemplate
 from megainfer.config import EngineConfig
 from megainfer.engine import Engine, Prompt
 from megainfer.errors import RequestError
-from megainfer.outputs import RequestOutput
+from megainfer.generation_config import generation_defaults
+from megainfer.messages import FinishReason, PositionLogprobs, RequestDelta
+from megainfer.outputs import CompletionOutput, OutputMetrics, RequestOutput
 from megainfer.sampling_params import SamplingParams
+
+Message = dict[str, Any]  # {"role": ..., "content": ...} as transformers' chat templates take it
 
 
 class LLM:
-    def __init__(self, model: str | os.PathLike = "tiny-mixtral", dtype: str = "float32", seed: int = 0,
-                 **engine_options) -> None:
+    def __init__(self, model: str | os.PathLike = "tiny-mixtral", dtype: str = "auto", seed: int = 0,
+                 chat_template: str | Path | None = None, **engine_options) -> None:
+        """`model`: a checkpoint directory, a preset or a Hugging Face id in the local cache;
+        `chat_template`: a Jinja file (or its text) replacing the checkpoint's, for `chat`;
+        `engine_options`: EngineConfig's fields."""
         self.engine = Engine(model, EngineConfig(dtype=dtype, seed=seed, **engine_options))
+        self.checkpoint = self.engine.checkpoint  # None for a preset
+        self._chat_template_override = chat_template
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
+    @cached_property
+    def _defaults(self) -> dict[str, Any]:
+        return generation_defaults(self.checkpoint)
+
+    @cached_property
+    def _chat_template(self) -> ChatTemplate | None:
+        return ChatTemplate.load(self.checkpoint, self._chat_template_override)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no parameters: the sampling settings of the
+        checkpoint's generation_config.json, SamplingParams' defaults for the rest (as vLLM)."""
+        return SamplingParams(**self._defaults)
+
+    def generate(self, prompts: Prompt | Mapping | Seq[Prompt | Mapping],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in the prompts' order.
+        """Generate for every prompt (text, token ids, or vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids}); outputs in the prompts' order, each with its
+        `sampling_params.n` completions.
 
-        An invalid prompt or parameter raises RequestError naming its index before any
-        work is done for the batch."""
-        prompt_list = _normalise_prompts(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        An invalid prompt or parameter raises RequestError naming its index before any work is
+        done for the batch. A request that fails while running (a broken step, a token the
+        tokenizer cannot decode) does not raise: its completion ends with finish_reason "error"
+        and `error` saying why, with the text and tokens it had; the other prompts' outputs
+        are whole. (vLLM raises only when its engine dies; here a request fails alone, and
+        raising would throw the batch's good results away.)"""
+        items = [(p if isinstance(p, str) else None, p) for p in _normalise_prompts(prompts)]
+        return self._run(items, sampling_params, use_tqdm, "prompt")
+
+    def chat(self, messages: list[Message] | Seq[list[Message]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template: str | Path | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to several (a list of
+        those), each rendered with the chat template (`chat_template`, else the LLM's override,
+        else the checkpoint's) and tokenized as transformers' apply_chat_template does (the
+        template writes BOS itself). `continue_final_message` leaves the last message open
+        for the model to go on with; `chat_template_kwargs` reach the template as variables
+        (e.g. enable_thinking). Each output's `prompt` is the rendered conversation."""
+        if not isinstance(messages, Seq) or isinstance(messages, str) or not messages:
+            raise RequestError("messages must be a non-empty list of messages, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        template = (ChatTemplate.load(self.checkpoint, chat_template) if chat_template is not None
+                    else self._chat_template)
+        if template is None:
+            raise RequestError(f"model {self.engine.model_config.name} has no chat template (none in its "
+                               "tokenizer_config.json or chat_template.jinja); pass chat_template=")
+        if self.tokenizer is None:
+            raise RequestError(f"model {self.engine.model_config.name} has no tokenizer to encode the chat with")
+        items = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text = template.render(list(conversation), add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       **(chat_template_kwargs or {}))
+            except RequestError as exc:
+                raise RequestError(f"conversation {i}: {exc}") from None
+            items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(items, sampling_params, use_tqdm, "conversation")
+
+    def _run(self, items: list[tuple[str | None, Prompt]], sampling_params, use_tqdm: bool,
+             what: str) -> list[RequestOutput]:
+        """Submit every (prompt text, prompt) item's n completions, step the engine until all
+        ended, and gather them."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(items)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise RequestError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
-        ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
-        seqs = {}
+            if len(params_list) != len(items):
+                raise RequestError(f"sampling_params has {len(params_list)} entries for {len(items)} {what}s")
+        requests = [_Request(str(next(self._ids)), text, params) for (text, _), params in zip(items, params_list)]
+        running: dict[str, _Choice] = {}  # engine request id -> its choice, until its last delta
         try:
-            for i, (rid, prompt, params) in enumerate(zip(ids, prompt_list, params_list)):
+            for i, (request, (_, prompt)) in enumerate(zip(requests, items)):
                 try:
-                    seqs[rid] = self.engine.add_request(rid, prompt, params)
+                    request.submit(self.engine, prompt)
                 except RequestError as exc:
-                    raise RequestError(f"prompt {i}: {exc}") from None
-        except RequestError:
-            for rid in seqs:
-                self.engine.abort(rid)
+                    raise RequestError(f"{what} {i}: {exc}") from None
+                running.update((c.engine_id, c) for c in request.choices)
+            with tqdm(total=len(running), desc="generating", disable=not use_tqdm) as bar:
+                while running:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError(f"the engine ended {sorted(running)} without their last deltas")
+                    for delta in self.engine.step():
+                        choice = running.get(delta.request_id)
+                        if choice is None:
+                            continue  # another caller's request on a shared engine
+                        choice.add(delta, time.monotonic())
+                        if delta.finished:
+                            del running[delta.request_id]
+                            bar.update(1)
+        except BaseException:  # a bad prompt, an interrupt: leave the engine with none of ours
+            for engine_id in running:
+                self.engine.abort(engine_id)
             raise
-        texts = {rid: [] for rid in ids}
-        text_prompts = {rid: p for rid, p in zip(ids, prompt_list) if isinstance(p, str)}
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
-            while len(done) < len(ids):
-                for delta in self.engine.step():
-                    if delta.request_id not in texts:
-                        continue
-                    texts[delta.request_id].append(delta.new_text)
-                    if delta.finished:
-                        seq = seqs[delta.request_id]
-                        now = time.monotonic()
-                        done[delta.request_id] = RequestOutput(
-                            request_id=delta.request_id,
-                            prompt=text_prompts.get(delta.request_id),
-                            prompt_token_ids=seq.prompt_token_ids,
-                            token_ids=seq.output_token_ids,
-                            text="".join(texts[delta.request_id]),
-                            finish_reason=delta.finish_reason,
-                            error=delta.error,
-                            ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-                            tbt_s=seq.tbt_s,
-                            latency_s=now - seq.arrival_time,
-                            num_preemptions=seq.num_preemptions,
-                        )
-                        bar.update(1)
-        return [done[rid] for rid in ids]
+        return [r.output() for r in requests]
 
 
-def _normalise_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    """One prompt (a string or a list of ints) or a list of prompts -> a list of prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
+@dataclass
+class _Choice:
+    """One completion while it runs: an engine request and what its deltas brought."""
+
+    index: int
+    engine_id: str
+    params: SamplingParams
+    request: "_Request"
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    last: RequestDelta | None = None
+    last_token_time: float | None = None
+
+    def add(self, delta: RequestDelta, now: float) -> None:
+        self.text.append(delta.new_text)
+        self.token_ids.extend(delta.new_token_ids)
+        if delta.logprobs is not None and self.params.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.request.prompt_logprobs = delta.prompt_logprobs
+        metrics = self.request.metrics
+        if delta.new_token_ids:
+            # Tokens of one delta arrive together: the gaps between them are 0.
+            gaps = [0.0] * (len(delta.new_token_ids) - 1)
+            if self.last_token_time is None:
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+            else:
+                gaps.insert(0, now - self.last_token_time)
+            metrics.tbt_s.extend(gaps)
+            self.last_token_time = now
+        if delta.finished:
+            self.last = delta
+            metrics.finished_time = now  # the last choice to end sets it last
+
+    def output(self) -> CompletionOutput:
+        last = self.last
+        cumulative = None
+        if self.params.logprobs is not None and self.logprobs is not None:
+            cumulative = sum(p[t].logprob for t, p in zip(self.token_ids, self.logprobs))
+        return CompletionOutput(
+            index=self.index, text="".join(self.text), token_ids=self.token_ids, cumulative_logprob=cumulative,
+            logprobs=self.logprobs, finish_reason=None if last is None else last.finish_reason.value,
+            stop_reason=None if last is None else last.stop_reason,
+            error=last.error if last is not None and last.finish_reason is FinishReason.ERROR else None)
+
+
+class _Request:
+    """One prompt's request: its n choices, each an engine request ("<id>-<i>"; "<id>" when n == 1)."""
+
+    def __init__(self, request_id: str, prompt_text: str | None, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_text = prompt_text
+        self.params = params
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.metrics = OutputMetrics(arrival_time=time.monotonic())
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        # Every choice has the same prompt: its logprobs are computed once, by choice 0.
+        self.choices = [_Choice(i, engine_id, params.for_choice(i) if i == 0 else
+                                params.for_choice(i).replace(prompt_logprobs=None), self)
+                        for i, engine_id in enumerate(ids)]
+
+    def submit(self, engine: Engine, prompt: Prompt) -> None:
+        """Queue every choice, or none: a refused one withdraws those queued."""
+        queued = []
+        try:
+            for choice in self.choices:
+                seq = engine.add_request(choice.engine_id, prompt, choice.params)
+                queued.append(choice.engine_id)
+                self.prompt_token_ids = list(seq.prompt_token_ids)
+        except BaseException:
+            for engine_id in queued:
+                engine.abort(engine_id)
+            raise
+
+    def output(self) -> RequestOutput:
+        self.metrics.engine = [c.last.metrics if c.last is not None else None for c in self.choices]
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt_text,
+                             prompt_token_ids=self.prompt_token_ids, prompt_logprobs=self.prompt_logprobs,
+                             outputs=[c.output() for c in self.choices],
+                             finished=all(c.last is not None for c in self.choices), metrics=self.metrics)
+
+
+def _normalise_prompts(prompts) -> list[Prompt]:
+    """One prompt (a string, a list of ints, or vLLM's prompt dict) or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, (str, Mapping)):
+        return [_one_prompt(prompts, 0)]
     if isinstance(prompts, Seq) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     if isinstance(prompts, Seq):
-        return [p if isinstance(p, str) else list(p) if isinstance(p, Seq) else p for p in prompts]
+        return [_one_prompt(p, i) for i, p in enumerate(prompts)]
     raise RequestError(f"prompts must be a string, a list of token ids, or a list of those; "
                        f"got {type(prompts).__name__}")
+
+
+def _one_prompt(prompt, index: int) -> Prompt:
+    if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt
+        keys = set(prompt)
+        if keys == {"prompt"}:
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return list(prompt["prompt_token_ids"])
+        raise RequestError(f"prompt {index}: a prompt dict holds exactly one of 'prompt' (text) or "
+                           f"'prompt_token_ids'; got keys {sorted(keys)}")
+    if isinstance(prompt, Seq) and not isinstance(prompt, str):
+        return list(prompt)
+    return prompt

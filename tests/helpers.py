@@ -62,3 +62,27 @@ def scrape(port: int) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             values[key] = float(value)
     return values
+
+
+def write_chat_checkpoint(directory: Path, generation_config: dict | None = None) -> Path:
+    """A tiny random Qwen3-MoE checkpoint written by transformers, whose vocabulary is a Qwen-style
+    tokenizer's (tests/tokenizer_checkpoints.py, with its ChatML template), `generation_config`
+    merged into its generation_config.json."""
+    import json
+
+    import torch
+    import transformers
+
+    from tests.tokenizer_checkpoints import write_qwen_style_tokenizer
+
+    path = write_qwen_style_tokenizer(directory)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=48,
+                                      head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                                      initializer_range=0.2, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
+                                                             **(generation_config or {})}))
+    return path

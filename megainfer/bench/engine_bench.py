@@ -94,17 +94,21 @@ def make_workload(spec: EngineBenchSpec, vocab_size: int) -> Workload:
 
 
 def run_megainfer(engine: Engine, work: Workload) -> RunResult:
-    seqs = [engine.add_request(f"bench-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-            for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens))]
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(f"bench-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     start = time.perf_counter()
     generated = 0
+    ttft = []
     while engine.has_unfinished_requests():
         for delta in engine.step():
             generated += len(delta.new_token_ids)
+            if delta.finished:
+                if delta.error:
+                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
+                ttft.append(delta.metrics.queued_s + delta.metrics.prefill_s)  # arrival to first token
     elapsed = time.perf_counter() - start
     if generated != work.output_tokens:
         raise RuntimeError(f"megainfer generated {generated} tokens, the workload asks for {work.output_tokens}")
-    ttft = [s.first_token_time - s.arrival_time for s in seqs]
     return RunResult("megainfer", elapsed, len(work.prompts), work.prompt_tokens, work.output_tokens, ttft)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -12,12 +12,27 @@ from megainfer.v1 import inference_pb2 as pb
 from megainfer.v1 import inference_pb2_grpc as pb_grpc
 
 
-def request_message(prompt, params: SamplingParams, request_id: str = "") -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
-                                 top_p=params.top_p, stop_token_ids=params.stop_token_ids,
-                                 ignore_eos=params.ignore_eos)
-    if params.seed is not None:
-        sampling.seed = params.seed
+def sampling_message(params: SamplingParams, server_defaults: Iterable[str] = ()) -> pb.SamplingParams:
+    """Every field of `params`, but those named in `server_defaults` (of MODEL_DEFAULTED in
+    megainfer.server.service), left unset so that the served model's defaults apply."""
+    leave = set(server_defaults)
+    msg = pb.SamplingParams(
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens, stop=params.stop, stop_token_ids=params.stop_token_ids,
+        include_stop_str_in_output=params.include_stop_str_in_output, ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens, n=params.n)
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        if name not in leave:
+            setattr(msg, name, getattr(params, name))
+    for name in ("seed", "logprobs", "prompt_logprobs"):  # None: unset
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
+    return msg
+
+
+def request_message(prompt, params: SamplingParams, request_id: str = "",
+                    server_defaults: Iterable[str] = ()) -> pb.GenerateRequest:
+    sampling = sampling_message(params, server_defaults)
     if isinstance(prompt, str):
         return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling)
@@ -32,9 +47,11 @@ class Client:
             raise MegaInferError(f"no megainfer server answers at {address} (is `megainfer deploy` running?)") from None
         self.stub = pb_grpc.InferenceStub(self.channel)
 
-    def generate(self, prompt, params: SamplingParams, request_id: str = "") -> Iterator[pb.GenerateResponse]:
+    def generate(self, prompt, params: SamplingParams, request_id: str = "",
+                 server_defaults: Iterable[str] = ()) -> Iterator[pb.GenerateResponse]:
+        """The responses of all `params.n` completions, interleaved (each says its `index`)."""
         try:
-            yield from self.stub.Generate(request_message(prompt, params, request_id))
+            yield from self.stub.Generate(request_message(prompt, params, request_id, server_defaults))
         except grpc.RpcError as exc:
             raise MegaInferError(f"server refused the request: {exc.code().name}: {exc.details()}") from None
 

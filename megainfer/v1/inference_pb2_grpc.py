@@ -55,15 +55,17 @@ class InferenceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the completion: one response per step that produced tokens, the last one with
-        finish_reason, usage and timings.
+        """Streams the completions: one response per completion per step that produced tokens, each
+        completion's last with finish_reason, the stream's last with usage and timings. The n
+        completions of a request run as engine requests "<request_id>-<i>" (n = 1: "<request_id>").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cancels every completion of the request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

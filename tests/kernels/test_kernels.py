@@ -385,9 +385,9 @@ def test_engine_tokens_unchanged_with_the_triton_kernels(monkeypatch, qwen3_ref)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     prompts = [p[:12] for p in qwen3_ref.prompts[:3]]
     monkeypatch.setenv(dispatch.ENV, "reference")
-    want = [o.token_ids for o in LLM(str(qwen3_ref.path), max_num_batched_tokens=16).generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in LLM(str(qwen3_ref.path), max_num_batched_tokens=16).generate(prompts, params)]
     monkeypatch.setenv(dispatch.ENV, "triton")
-    got = [o.token_ids for o in LLM(str(qwen3_ref.path), max_num_batched_tokens=16).generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in LLM(str(qwen3_ref.path), max_num_batched_tokens=16).generate(prompts, params)]
     assert got == want
 
 

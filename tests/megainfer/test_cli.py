@@ -31,8 +31,19 @@ def test_generate_with_prompt_ids_on_a_checkpoint(qwen3_ref):
     assert out.returncode == 0, out.stderr
 
 
+def test_max_model_len_caps_prompts_on_every_engine_command():
+    out = megainfer("generate", "--prompt", "x" * 40, "--max-model-len", "32")
+    assert out.returncode == 2 and "max length is 32" in out.stderr
+    for command in (["serve"], ["bench", "engine"], ["generate"]):
+        text = megainfer(*command, "--help").stdout
+        assert "--max-model-len" in text and "--dtype" in text and "auto (default)" in text
+
+
 @pytest.mark.parametrize("args, message", [
-    (["generate", "--model", "no-such-model", "--prompt", "x"], "neither a checkpoint directory nor a preset"),
+    (["generate", "--model", "no-such-model", "--prompt", "x"], "is neither a checkpoint directory"),
+    (["generate", "--model", "no-org/no-such-model", "--prompt", "x"], "`hf download no-org/no-such-model`"),
+    (["generate", "--prompt", "x", "--max-model-len", "5000"], "max_model_len 5000 exceeds the model's "
+                                                                "max_position_embeddings (4096)"),
     (["generate", "--model", "mixtral-8x7b", "--prompt", "x"], "shape-only"),
     (["generate", "--prompt", "x", "--max-tokens", "0"], "must be positive"),
     (["generate", "--prompt", "x", "--top-p", "1.5"], "top_p must be a number in (0, 1]"),
@@ -41,7 +52,8 @@ def test_generate_with_prompt_ids_on_a_checkpoint(qwen3_ref):
     (["generate", "--prompt", "x" * 5000], "max length is 4096"),
     (["bench", "engine", "--input-len", "9:3"], "need 1 <= A <= B"),
 ])
-def test_bad_input_is_one_clear_line_without_traceback(args, message):
+def test_bad_input_is_one_clear_line_without_traceback(args, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty hub cache: nothing is found, nothing fetched
     out = megainfer(*args)
     assert out.returncode == 2
     assert message in out.stderr
@@ -94,7 +106,7 @@ def test_plan_runs_without_torch_and_writes_plan_json_and_chart(tmp_path):
      "no plan meets a TBT SLO of 1 ms"),
     (["plan", "--model", "dbrx", "--price", "H20"], "write GPU=PRICE"),
     (["plan", "--model", "dbrx", "--catalog", "/nonexistent.yaml"], "does not exist"),
-    (["plan", "--model", "llama-70b"], "neither a checkpoint directory nor a preset"),
+    (["plan", "--model", "llama-70b"], "is neither a checkpoint directory"),
 ])
 def test_plan_bad_input_is_one_line(args, message):
     out = megainfer(*args)

@@ -70,15 +70,15 @@ def megainfer_greedy(path, prompts: list[list[int]], dtype: str, device: str, mo
     seen: dict[str, list[torch.Tensor]] = {}
     original = Sampler.sample
 
-    def recording(self, logits, request_ids, params):
+    def recording(self, logits, request_ids, params, histories=None):
         for row, rid in enumerate(request_ids):
             seen.setdefault(rid, []).append(logits[row].float().cpu())
-        return original(self, logits, request_ids, params)
+        return original(self, logits, request_ids, params, histories)
 
     monkeypatch.setattr(Sampler, "sample", recording)
     llm = LLM(str(path), dtype=dtype, device=device, num_kv_blocks=NUM_KV_BLOCKS)
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    return Greedy([o.token_ids for o in outs], [torch.stack(seen[o.request_id]) for o in outs])
+    return Greedy([o.outputs[0].token_ids for o in outs], [torch.stack(seen[o.request_id]) for o in outs])
 
 
 def first_disagreement(ours: Greedy, ref: Greedy, logit_atol: float, near_tie: float) -> str:
@@ -170,7 +170,7 @@ def test_engine_on_cuda_holds_weights_and_kv_cache_on_the_gpu(mixtral_ref):
         cache_bytes = sum(t.numel() * t.element_size() for t in caches)
         assert 0 < cache_bytes <= 0.9 * free_bytes
         out = llm.generate([mixtral_ref.prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        assert len(out[0].token_ids) == 4
+        assert len(out[0].outputs[0].token_ids) == 4
     finally:
         del llm
         free_cuda()

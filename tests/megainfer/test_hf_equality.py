@@ -28,10 +28,10 @@ def captured_logits(monkeypatch):
     seen: dict[str, list[torch.Tensor]] = {}
     original = Sampler.sample
 
-    def recording(self, logits, request_ids, params):
+    def recording(self, logits, request_ids, params, histories=None):
         for row, rid in enumerate(request_ids):
             seen.setdefault(rid, []).append(logits[row].clone())
-        return original(self, logits, request_ids, params)
+        return original(self, logits, request_ids, params, histories)
 
     monkeypatch.setattr(Sampler, "sample", recording)
     return seen
@@ -42,8 +42,8 @@ def test_greedy_matches_transformers(hf_ref, name, captured_logits):
     llm = LLM(str(hf_ref.path), dtype="float32", **CONFIGS[name])
     outs = llm.generate(hf_ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for i, (out, expected) in enumerate(zip(outs, hf_ref.tokens)):
-        assert out.token_ids == expected, f"prompt {i} (length {len(hf_ref.prompts[i])}) diverged"
-        assert out.finish_reason == "length"
+        assert out.outputs[0].token_ids == expected, f"prompt {i} (length {len(hf_ref.prompts[i])}) diverged"
+        assert out.outputs[0].finish_reason == "length"
         ours = torch.stack(captured_logits[out.request_id])
         assert ours.shape == hf_ref.logits[i].shape
         torch.testing.assert_close(ours, hf_ref.logits[i], atol=1e-4, rtol=0)
@@ -59,6 +59,6 @@ def test_batch_composition_does_not_change_tokens(mixtral_ref):
     """The same prompt alone and inside a batch gives the same greedy tokens."""
     llm = LLM(str(mixtral_ref.path))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    alone = llm.generate([mixtral_ref.prompts[2]], params)[0].token_ids
-    together = llm.generate(mixtral_ref.prompts, params)[2].token_ids
+    alone = llm.generate([mixtral_ref.prompts[2]], params)[0].outputs[0].token_ids
+    together = llm.generate(mixtral_ref.prompts, params)[2].outputs[0].token_ids
     assert alone == together == mixtral_ref.tokens[2]

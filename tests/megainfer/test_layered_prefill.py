@@ -80,7 +80,7 @@ def test_engine_layered_equals_chunked_and_counts_expert_bytes_per_group():
     chunked = LLM("tiny-mixtral", num_kv_blocks=256).generate(prompts, GREEDY)
     llm = LLM("tiny-mixtral", num_kv_blocks=256, prefill_policy="layered", num_layer_groups=4)
     layered = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in layered] == [o.token_ids for o in chunked]
+    assert [o.outputs[0].token_ids for o in layered] == [o.outputs[0].token_ids for o in chunked]
 
     # One prompt, one layer per group, nothing decoding: each step activates experts in its layer only.
     engine = Engine("tiny-mixtral", num_kv_blocks=64, prefill_policy="layered", num_layer_groups=4)
