@@ -1,25 +1,26 @@
-"""`megainfer deploy PLAN.yaml`: bring a plan up on Ray and serve it over gRPC."""
+"""`megainfer deploy PLAN.yaml`: bring a plan up on Ray and serve it over gRPC and the
+OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 import time
 
+from megainfer.cli.serve import add_frontend_options, wait_for_signal
 from megainfer.routing.policies import ROUTERS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("deploy", help="deploy a plan.yaml on Ray and serve it over gRPC",
+    p = sub.add_parser("deploy", help="deploy a plan.yaml on Ray and serve it over gRPC and HTTP",
                        description="Start attention and expert nodes as Ray actors (a local Ray instance unless "
-                                   "--address is given), wire them over M2N, and serve megainfer.v1.Inference.")
+                                   "--address is given), wire them over M2N, and serve megainfer.v1.Inference "
+                                   "and the OpenAI-compatible HTTP API.")
     p.add_argument("plan", help="plan.yaml (e.g. deploy/plans/tiny-cpu.yaml)")
     p.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--host", help="gRPC bind address (default: the plan's serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default: the plan's serve.port)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this HTTP port")
+    add_frontend_options(p)
     p.add_argument("--router", choices=list(ROUTERS),
                    help="how requests are spread over attention nodes (default: the plan's serve.router)")
     p.add_argument("--demo", type=int, default=0, metavar="N",
@@ -40,9 +41,8 @@ DEMO_PROMPTS = ["The experts of a mixture", "Attention and experts, disaggregate
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.deployment import Deployment
     from megainfer.plan import Plan
-    from megainfer.server.service import Server
+    from megainfer.server.endpoints import Endpoints
 
     plan = Plan.load(args.plan)
     if args.dry_run:
@@ -52,39 +52,54 @@ def run(args: argparse.Namespace) -> int:
         return dry_run.run(runtime_of(plan, args.device))
     if args.router:
         plan.serve.router = args.router
-    host = args.host or plan.serve.host
-    port = plan.serve.port if args.port is None else args.port
-    if plan.autoscale is not None:
-        from deploy.replicas import ReplicaSet
-
-        deployment = ReplicaSet(plan, address=args.address, device=args.device).start()
-    else:
-        deployment = Deployment(plan, address=args.address, device=args.device).start()
-    server = None
+    served = _served_model(plan, args)  # a bad --chat-template fails before any actor starts
+    deployment = _start(plan, args)
+    endpoints = None
     try:
-        server = Server(deployment, host=host, port=port, metrics_port=args.metrics_port).start()
-        if server.metrics_port is not None:
-            print(f"metrics on http://{host}:{server.metrics_port}/metrics", file=sys.stderr)
+        served.max_model_len = max_model_len(deployment)
+        host = args.host or plan.serve.host
+        endpoints = Endpoints(deployment, served, host, plan.serve.port if args.port is None else args.port,
+                              args.http_host, None if args.no_http else args.http_port, args.metrics_port).start()
         scale = "" if plan.autoscale is None else \
             f", {plan.autoscale.min_replicas} to {plan.autoscale.max_replicas} replicas on predicted TTFT"
         print(f"serving {plan.model} ({plan.attention.nodes} attention x {plan.experts.nodes} expert node(s), "
-              f"m={plan.pipeline.micro_batches}{scale}) on {server.address}"
-              + (" (rehearsal: the plan's GPU placement, tensors on the CPU)" if deployment.runtime.is_rehearsal else ""),
-              file=sys.stderr)
+              f"m={plan.pipeline.micro_batches}{scale})"
+              + (" (rehearsal: the plan's GPU placement, tensors on the CPU)" if deployment.runtime.is_rehearsal
+                 else "") + ":", file=sys.stderr)
+        for line in endpoints.describe():
+            print(f"  {line}", file=sys.stderr)
         if args.demo:
-            _demo(server.address, args.demo, args.max_tokens)
+            _demo(endpoints.grpc.address, args.demo, args.max_tokens)
             return 0
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(0.5):
-            pass
+        wait_for_signal()
         print("shutting down", file=sys.stderr)
         return 0
     finally:
-        if server is not None:
-            server.stop()
+        if endpoints is not None:
+            endpoints.stop()
         deployment.close()
+
+
+def _served_model(plan, args: argparse.Namespace):
+    from megainfer.server.served_model import ServedModel
+
+    return ServedModel.load(plan.model, args.served_model_name, args.chat_template)
+
+
+def _start(plan, args: argparse.Namespace):
+    if plan.autoscale is not None:
+        from deploy.replicas import ReplicaSet
+
+        return ReplicaSet(plan, address=args.address, device=args.device).start()
+    from deploy.deployment import Deployment
+
+    return Deployment(plan, address=args.address, device=args.device).start()
+
+
+def max_model_len(deployment) -> int:
+    """What the attention nodes take: prompt plus generated tokens, at most."""
+    runtime = deployment.runtime
+    return runtime.attention[0].engine.resolved_max_model_len(runtime.model)
 
 
 def _demo(address: str, n: int, max_tokens: int) -> None:

@@ -1,4 +1,5 @@
-"""`megainfer serve`: one colocated engine behind the gRPC frontend (no Ray)."""
+"""`megainfer serve`: one colocated engine behind the gRPC frontend and the OpenAI-compatible
+HTTP API (no Ray)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,66 @@ import threading
 
 from megainfer.cli.options import add_engine_options, engine_config
 
+HTTP_PORT = 8000  # vLLM's and the OpenAI clients' usual local port
+
+
+def add_frontend_options(parser: argparse.ArgumentParser) -> None:
+    """The HTTP API's options, shared with `megainfer deploy`."""
+    parser.add_argument("--http-port", type=int, default=HTTP_PORT,
+                        help=f"port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                             f"/v1/models, /health, /metrics); 0: any free port (default {HTTP_PORT})")
+    parser.add_argument("--http-host", help="bind address of the HTTP API (default: the gRPC host)")
+    parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the model's name(s) in the API: requests may use any, responses carry the first "
+                             "(default: the model argument)")
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="Jinja chat template for /v1/chat/completions, replacing the checkpoint's "
+                             "(needed where its tokenizer_config.json has none)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="also serve Prometheus metrics on this port (they are at the HTTP API's /metrics too)")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve one colocated engine over gRPC (no Ray, no disaggregation)")
+    p = sub.add_parser("serve", help="serve one colocated engine over gRPC and an OpenAI-compatible HTTP API "
+                                     "(no Ray, no disaggregation)")
     add_engine_options(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this HTTP port")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (gRPC, and HTTP unless --http-host)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    add_frontend_options(p)
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from megainfer.engine import Engine
-    from megainfer.server.engine_backend import EngineBackend
-    from megainfer.server.service import Server
-
-    backend = EngineBackend(Engine(args.model, engine_config(args, show_progress=True)))
-    server = Server(backend, host=args.host, port=args.port, metrics_port=args.metrics_port).start()
-    print(f"serving {args.model} on {server.address}", file=sys.stderr)
-    if server.metrics_port is not None:
-        print(f"metrics on http://{args.host}:{server.metrics_port}/metrics", file=sys.stderr)
+def wait_for_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
-    server.stop()
-    backend.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from megainfer.engine import Engine
+    from megainfer.server.endpoints import Endpoints
+    from megainfer.server.engine_backend import EngineBackend
+    from megainfer.server.served_model import ServedModel
+
+    # Before the weights load: a bad --chat-template or --served-model-name fails at once.
+    served = ServedModel.load(args.model, args.served_model_name, args.chat_template, args.max_model_len)
+    backend = EngineBackend(Engine(args.model, engine_config(args, show_progress=True)))
+    served.max_model_len = backend.engine.max_model_len
+    try:
+        endpoints = Endpoints(backend, served, args.host, args.port, args.http_host,
+                              None if args.no_http else args.http_port, args.metrics_port).start()
+    except BaseException:
+        backend.close()
+        raise
+    print(f"serving {args.model}:", file=sys.stderr)
+    for line in endpoints.describe():
+        print(f"  {line}", file=sys.stderr)
+    try:
+        wait_for_signal()
+    finally:
+        endpoints.stop()
+        backend.close()
     return 0

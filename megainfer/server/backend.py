@@ -10,19 +10,44 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from megainfer.messages import FinishReason, NodeRole, NodeStatus, RequestDelta
+from megainfer.messages import ErrorCode, FinishReason, NodeRole, NodeStatus, RequestDelta
 from megainfer.sampling_params import SamplingParams
 
 
 @dataclass
 class RequestStream:
+    """One request's deltas, in order: queued for a thread that calls `get`, or handed to a
+    listener (an event loop's, through `loop.call_soon_threadsafe`) once one is set."""
+
     request_id: str
     prompt_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
     deltas: queue.Queue[RequestDelta] = field(default_factory=queue.Queue)
+    _listener: Callable[[RequestDelta], None] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def put(self, delta: RequestDelta) -> None:
+        """Deliver a delta (from the thread that pumps the engine's output)."""
+        with self._lock:  # held while the listener runs, so no delta overtakes one being handed over
+            if self._listener is None:
+                self.deltas.put(delta)
+            else:
+                self._listener(delta)
+
+    def listen(self, listener: Callable[[RequestDelta], None]) -> None:
+        """Hand every delta to `listener` from now on, those already queued first. It runs on
+        the delivering thread and must not block (e.g. `loop.call_soon_threadsafe(q.put_nowait, d)`)."""
+        with self._lock:
+            while True:
+                try:
+                    listener(self.deltas.get_nowait())
+                except queue.Empty:
+                    break
+            self._listener = listener
 
     def get(self, timeout: float) -> RequestDelta | None:
         try:
@@ -106,7 +131,14 @@ class StreamRegistry:
             if stream is not None and delta.finished:
                 del self._streams[delta.request_id]
         if stream is not None:
-            stream.deltas.put(delta)
+            stream.put(delta)
+
+    def fail_all(self, error: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        """End every open stream with a failure (what produced their deltas is gone)."""
+        with self._lock:
+            open_ids = list(self._streams)
+        for request_id in open_ids:
+            self.deliver(RequestDelta.failure(request_id, error, code))
 
     def __len__(self) -> int:
         return len(self._streams)

@@ -3,15 +3,18 @@ through the engine core's input queue."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
+from megainfer.errors import DataPlaneError
 from megainfer.messages import NodeRole, NodeStatus
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import BackendInfo, NodeInfo, RequestStream, StreamRegistry
 from megainfer.server.metrics import MetricsSnapshot
 
+logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # an idle loop re-checks for a stop this often
 
 
@@ -26,6 +29,8 @@ class EngineBackend:
         self.thread.start()
 
     def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+        if not self.thread.is_alive():
+            raise DataPlaneError("the engine's step loop stopped (see the server's log); restart the server")
         stream = self.registry.open(request_id)
         try:
             stream.prompt_tokens = self.core.submit(request_id, prompt, params).num_prompt_tokens
@@ -41,6 +46,9 @@ class EngineBackend:
 
     def info(self) -> BackendInfo:
         s = self.engine.stats()  # counters read without the step's lock: ServerInfo never waits for a step
+        if not self.thread.is_alive():  # the step loop died (a bug): nothing will be served, say so to probes
+            return BackendInfo(self.engine.model_config.name, "", [NodeInfo(
+                "engine", NodeRole.ENGINE, NodeStatus.BROKEN, "the engine's step loop stopped; see the log")])
         return BackendInfo(self.engine.model_config.name, "", [NodeInfo(
             "engine", NodeRole.ENGINE, NodeStatus.SERVING,
             f"running {s.num_running}, waiting {s.num_waiting}, KV {s.kv_cache_usage:.0%}")])
@@ -59,11 +67,15 @@ class EngineBackend:
         self.thread.join(5)
 
     def _loop(self) -> None:
-        while not self.stopping.is_set():
-            if not self.core.has_work():
-                self.core.wait_for_work(IDLE_WAIT_S)
-                continue
-            with self.lock:
-                deltas = self.core.step()
-            for d in deltas:
-                self.registry.deliver(d)
+        try:
+            while not self.stopping.is_set():
+                if not self.core.has_work():
+                    self.core.wait_for_work(IDLE_WAIT_S)
+                    continue
+                with self.lock:
+                    deltas = self.core.step()
+                for d in deltas:
+                    self.registry.deliver(d)
+        except Exception as exc:  # a bug: fail what is open rather than leave clients waiting forever
+            logger.exception("the engine's step loop failed; the server reports the engine broken")
+            self.registry.fail_all(f"the engine's step loop failed: {exc!r}")

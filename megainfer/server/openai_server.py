@@ -1,0 +1,198 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over a generation backend: /v1/completions and
+/v1/chat/completions (whole or streamed as server-sent events), /v1/models, /health, /metrics
+and /version.
+
+The event loop never waits on the engine: preparing and submitting a request (a deployment's
+submit waits on its attention node) and reading the backend's state run in the server's own
+thread pool, and deltas reach the loop through `ChoiceStreams`. A client that goes away,
+streaming or not, has its requests aborted, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+import megainfer
+from megainfer.server import openai_generate as gen
+from megainfer.server.backend import GenerationBackend
+from megainfer.server.choice_streams import ChoiceStreams
+from megainfer.server.metrics import ServingMetrics
+from megainfer.server.openai_errors import NOT_FOUND, UNAVAILABLE, ApiError, api_error, validation_error
+from megainfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from megainfer.server.readiness import Readiness
+from megainfer.server.served_model import ServedModel
+
+logger = logging.getLogger(__name__)
+
+BACKEND_THREADS = 64  # submits, aborts and state reads in flight at once (each may wait on a node)
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(error.body.model_dump_json(), status_code=error.status, media_type="application/json")
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that run `on_close` however the stream ends: finished, failed, or the
+    client gone (Starlette then stops iterating without closing the generator)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client closed its connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """`work`'s result, or None if the client left first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+class OpenAIServer:
+    def __init__(self, backend: GenerationBackend, served: ServedModel, metrics: ServingMetrics | None = None,
+                 readiness: Readiness | None = None) -> None:
+        self.backend = backend
+        self.served = served
+        self.metrics = metrics
+        self.readiness = readiness or Readiness(backend)
+        self.executor = ThreadPoolExecutor(BACKEND_THREADS, thread_name_prefix="http-backend")
+        self.app = self._build()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=False)
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _check_model(self, name: str | None) -> None:
+        if not self.served.serves(name):
+            raise ApiError(HTTPStatus.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, self.served.names))}", NOT_FOUND, "model", "model_not_found")
+
+    async def _generate(self, request: Request, body, prepare, respond, events, prefix: str) -> Response:
+        streams = None
+        try:
+            body.warn_ignored(request.url.path)
+            self._check_model(body.model)
+            request_id = f"{prefix}-{uuid.uuid4().hex}"
+            choices = await self._in_thread(prepare, self.served, body, request_id)
+            streams = ChoiceStreams(self.backend, self.metrics, self.executor)
+            await streams.submit(choices)
+        except asyncio.CancelledError:
+            if streams is not None:
+                streams.close()
+            raise
+        except Exception as exc:
+            return error_response(api_error(exc))
+        if body.stream:
+            return EventStream(events(streams, body, self.served, request_id), streams.close)
+        try:
+            response = await unless_disconnected(request, respond(streams, body, self.served, request_id))
+        except Exception as exc:
+            return error_response(api_error(exc))
+        finally:
+            streams.close()
+        if response is None:  # nobody is left to read it
+            return Response(status_code=499)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="megainfer", version=megainfer.__version__, docs_url=None, redoc_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+            return error_response(validation_error(list(exc.errors())))
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request: Request, exc: HTTPException) -> Response:  # unknown route, wrong method
+            kind = NOT_FOUND if exc.status_code == HTTPStatus.NOT_FOUND else "invalid_request_error"
+            detail = f"{request.method} {request.url.path}: {exc.detail}"
+            return error_response(ApiError(exc.status_code, detail, kind))
+
+        @app.exception_handler(Exception)
+        async def bug(request: Request, exc: Exception) -> Response:  # the server logs it and serves on
+            return error_response(api_error(exc))
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request) -> Response:
+            return await self._generate(request, body, gen.completion_choices, gen.completion_response,
+                                        gen.completion_events, "cmpl")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+            return await self._generate(request, body, gen.chat_choices, gen.chat_response, gen.chat_events,
+                                        "chatcmpl")
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            cards = [self._card(name) for name in self.served.names]
+            return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+        @app.get("/v1/models/{name:path}")
+        async def model(name: str) -> Response:
+            try:
+                self._check_model(name)
+            except ApiError as exc:
+                return error_response(exc)
+            return Response(self._card(name).model_dump_json(), media_type="application/json")
+
+        @app.get("/health")
+        async def health() -> Response:
+            ready = await self._in_thread(self.readiness.check)
+            if ready.ok:
+                return JSONResponse({"status": "serving"})
+            return error_response(ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"not serving: {ready.reason}",
+                                           UNAVAILABLE))
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            if self.metrics is None:
+                return error_response(ApiError(HTTPStatus.NOT_FOUND, "this server keeps no metrics", NOT_FOUND))
+            return Response(await self._in_thread(generate_latest, self.metrics.registry),
+                            media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/version")
+        async def version() -> Response:
+            return JSONResponse({"version": megainfer.__version__})
+
+        return app
+
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, root=self.served.root, max_model_len=self.served.max_model_len)
