@@ -1,203 +1,216 @@
-"""`megainfer bench serve`: an online load generator against a running gRPC server.
+"""`megainfer bench serve`: online load against a running server, measured, printed and saved
+as `vllm bench serve` does it, so a megainfer run sits beside a vLLM or SGLang run of the same
+workload.
 
-Requests arrive on a Poisson (or bursty) schedule with lengths from a workload (random;
-mixed, random prompts of which a share are long, as chat turns among the odd pasted document;
-ShareGPT-like; arXiv-like; or a JSONL trace of arrival/input_len/output_len), each a
-stream of random token ids asking for exactly its output length (EOS ignored). Per request:
-TTFT (arrival to the first streamed tokens), every inter-token latency (between streamed
-chunks, spread over the chunk's tokens), TPOT ((E2E - TTFT) / (tokens - 1)) and E2E. The
-summary is the block `vllm bench serve` prints, so the numbers sit beside a peer's.
+The workload (serve_datasets.py) depends only on the tokenizer, the seed and the dataset
+arguments; requests go out on vLLM's schedule: all at once for a rate of inf, else gaps drawn
+from a gamma distribution of shape --burstiness and mean 1/rate (burstiness 1 is a Poisson
+process; the gaps are scaled so the last request leaves at num_prompts / rate), with at most
+--max-concurrency in flight. One asyncio client carries every request (serve_requests.py); the
+figures are vLLM's (serve_metrics.py).
 """
 
 from __future__ import annotations
 
-import random
-import statistics
+import asyncio
+import contextlib
+import json
+import math
+import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from megainfer.errors import ConfigError, MegaInferError
+from megainfer.bench.serve_datasets import DatasetSpec, SampleRequest, sample_requests
+from megainfer.bench.serve_metrics import (PERCENTILE_METRICS, calculate_metrics, format_block, output_lengths,
+                                           result_fields)
+from megainfer.bench.serve_requests import (BACKENDS, OPENAI_ENDPOINTS, REQUEST_FUNCS, RequestInput, RequestOutput,
+                                            open_session, server_model)
+from megainfer.config import resolve_model
+from megainfer.errors import CheckpointError, ConfigError, MegaInferError, RequestError
 from megainfer.sampling_params import SamplingParams
-from megainfer.server.client import Client
-from megainfer.simulator.workload import SimRequest, arrival_times, generate, load_trace
+from megainfer.tokenizer import Tokenizer, load_tokenizer
+
+DEFAULT_PORTS = {"megainfer-grpc": 50051, "openai": 8000, "openai-chat": 8000}  # megainfer serve's; vLLM's
 
 
 @dataclass
-class ServeBenchSpec:
-    server: str
-    dataset: str = "random"  # random | mixed | sharegpt | arxiv | a JSONL trace
-    request_rate: float = float("inf")  # requests per second; inf: all at once
-    num_prompts: int = 100
-    input_len: int = 128  # random dataset
-    output_len: int = 64
-    random_range_ratio: float = 0.0  # random dataset: lengths uniform in [len*(1-r), len*(1+r)]
-    long_input_len: int = 1024  # mixed dataset: the long prompts' length (the same range ratio)
-    long_fraction: float = 0.2  # mixed dataset: the share of long prompts
-    max_model_len: int = 4096  # lengths from sharegpt/arxiv are clipped to fit
-    arrival: str = "poisson"
-    cv: float = 1.0
-    goodput_ttft_ms: float | None = None
-    goodput_tpot_ms: float | None = None
-    vocab: int = 256  # prompt ids are drawn below this
-    seed: int = 0
+class ServeBenchConfig:
+    """Everything `bench serve` is told, checked where it is built (flag names in the errors)."""
 
+    backend: str = "openai"
+    base_url: str | None = None  # http://host:port for the HTTP backends, host:port for megainfer-grpc
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: DEFAULT_PORTS[backend]
+    endpoint: str | None = None  # None: the backend's OpenAI path
+    model: str | None = None  # None: asked of the server
+    served_model_name: str | None = None  # the name requests ask for; None: the model
+    tokenizer: str | None = None  # None: the model
+    dataset: DatasetSpec = field(default_factory=DatasetSpec)
+    request_rate: float = math.inf  # requests per second
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    ignore_eos: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k where given
+    goodput_ms: dict[str, float] = field(default_factory=dict)
+    percentile_metrics: list[str] = field(default_factory=lambda: ["ttft", "tpot", "itl"])
+    metric_percentiles: list[float] = field(default_factory=lambda: [99.0])
+    label: str | None = None
+    disable_tqdm: bool = False
 
-@dataclass
-class RequestResult:
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    error: str = ""
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.backend == "megainfer-grpc" and self.endpoint is not None:
+            raise ConfigError(f"--endpoint {self.endpoint} is a path of the HTTP backends; megainfer-grpc calls "
+                              f"megainfer.v1.Inference/Generate")
+        suffix = OPENAI_ENDPOINTS.get(self.backend, "").removeprefix("/v1")
+        if self.endpoint is not None and not self.endpoint.endswith(suffix):
+            raise ConfigError(f"--endpoint {self.endpoint}: --backend {self.backend} needs a path ending in {suffix} "
+                              f"(e.g. {OPENAI_ENDPOINTS[self.backend]})")
+        if not self.request_rate > 0:
+            raise ConfigError(f"--request-rate must be positive (or inf), got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ConfigError(f"--burstiness must be positive, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency <= 0:
+            raise ConfigError(f"--max-concurrency must be positive, got {self.max_concurrency}")
+        if not self.percentile_metrics or not set(self.percentile_metrics) <= set(PERCENTILE_METRICS):
+            raise ConfigError(f"--percentile-metrics {','.join(self.percentile_metrics)!r}: choose from "
+                              f"{','.join(PERCENTILE_METRICS)}")
+        try:
+            SamplingParams(**self.sampling)
+        except RequestError as exc:
+            raise ConfigError(f"--temperature/--top-p/--top-k: {exc}") from None
 
     @property
-    def tpot_s(self) -> float | None:
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+    def target(self) -> str:
+        """host:port for megainfer-grpc, the base URL for the HTTP backends."""
+        if self.base_url is not None:
+            base = self.base_url.rstrip("/")
+            return base.removeprefix("grpc://") if self.backend == "megainfer-grpc" else base
+        port = self.port if self.port is not None else DEFAULT_PORTS[self.backend]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{port}" if self.backend == "megainfer-grpc" else f"http://{host}:{port}"
+
+    @property
+    def api_url(self) -> str:
+        return self.target if self.backend == "megainfer-grpc" else \
+            self.target + (self.endpoint or OPENAI_ENDPOINTS[self.backend])
 
 
-GENERATED_DATASETS = ("random", "mixed", "sharegpt", "arxiv")  # any other --dataset is a trace file
-
-
-def workload(spec: ServeBenchSpec) -> list[SimRequest]:
-    if spec.num_prompts <= 0:
-        raise ConfigError(f"--num-prompts must be positive, got {spec.num_prompts}")
-    rate = spec.request_rate
-    if spec.dataset in ("sharegpt", "arxiv"):
-        reqs = generate(spec.dataset, num_requests=spec.num_prompts, rate=rate if np.isfinite(rate) else 1.0,
-                        max_model_len=spec.max_model_len, arrival=spec.arrival, cv=spec.cv, seed=spec.seed)
-    elif spec.dataset in ("random", "mixed"):
-        rng = np.random.default_rng(spec.seed)
-        times = arrival_times(rng, spec.num_prompts, rate, spec.arrival, spec.cv) if np.isfinite(rate) \
-            else np.zeros(spec.num_prompts)
-        r = spec.random_range_ratio
-        if not 0 <= r < 1:
-            raise ConfigError(f"--random-range-ratio must lie in [0, 1), got {r}")
-
-        def lengths(n: int) -> np.ndarray:
-            return rng.integers(max(1, round(n * (1 - r))), round(n * (1 + r)) + 1, size=spec.num_prompts)
-
-        ins, outs = lengths(spec.input_len), lengths(spec.output_len)
-        if spec.dataset == "mixed":
-            if not 0 < spec.long_fraction <= 1:
-                raise ConfigError(f"--long-fraction must lie in (0, 1], got {spec.long_fraction}")
-            ins = np.where(rng.random(spec.num_prompts) < spec.long_fraction, lengths(spec.long_input_len), ins)
-        reqs = [SimRequest(float(t), int(i), int(o)) for t, i, o in zip(times, ins, outs)]
+def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Seconds after the start at which each request leaves (vLLM's get_request)."""
+    if math.isinf(request_rate):
+        return np.zeros(n)
+    if math.isinf(burstiness):
+        gaps = np.full(n, 1.0 / request_rate)
     else:
-        return load_trace(spec.dataset, max_model_len=spec.max_model_len, num_requests=spec.num_prompts)
-    if not np.isfinite(rate):
-        reqs = [SimRequest(0.0, r.input_len, r.output_len) for r in reqs]
-    return reqs
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n)
+    times = np.cumsum(gaps)
+    # Scaled so the last leaves at n / rate: a sum of random gaps misses it by a few percent,
+    # which would move the throughput from seed to seed.
+    return times * (n / request_rate) / times[-1] if times[-1] > 0 else times
 
 
-def run_serve_bench(spec: ServeBenchSpec, show_progress: bool = True) -> tuple[list[RequestResult], float, int]:
-    """Send the workload; return per-request results, the duration and the peak concurrency."""
-    requests = workload(spec)
-    client = Client(spec.server)
-    rng = random.Random(spec.seed)
-    prompts = [[rng.randrange(spec.vocab) for _ in range(r.input_len)] for r in requests]
-    results = [RequestResult(r.input_len) for r in requests]
-    active, peak = 0, 0
-    lock = threading.Lock()
-    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not show_progress, file=sys.stderr)
+def load_bench_tokenizer(name: str) -> Tokenizer:
+    try:
+        cfg, checkpoint = resolve_model(name)
+    except (ConfigError, CheckpointError) as exc:
+        raise ConfigError(f"--tokenizer {name}: {exc}") from None
+    tokenizer = load_tokenizer(checkpoint, cfg)
+    if tokenizer is None:
+        raise ConfigError(f"--tokenizer {name}: it has no tokenizer.json and its vocabulary is not bytes; pass "
+                          f"--tokenizer a checkpoint directory (or Hugging Face id) with a tokenizer")
+    return tokenizer
 
-    def one(i: int, sent_at: float) -> None:
-        nonlocal active, peak
-        res = results[i]
-        params = SamplingParams(max_tokens=requests[i].output_len, temperature=0.0, ignore_eos=True)
-        with lock:
-            active += 1
-            peak = max(peak, active)
-        last = None
-        try:
-            for msg in client.generate(prompts[i], params):
-                n = len(msg.token_ids)
-                if not n:
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft_s = now - sent_at
-                else:
-                    res.itl_s.extend([(now - last) / n] * n)
-                last = now
-                res.output_tokens += n
-            res.e2e_s = time.perf_counter() - sent_at
-        except MegaInferError as exc:
-            res.error = str(exc)
-        finally:
-            with lock:
-                active -= 1
-            bar.update(1)
 
-    threads = []
+def run(config: ServeBenchConfig, metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print vLLM's block; return the dict vLLM saves."""
+    return asyncio.run(_run(config, metadata or {}))
+
+
+async def _run(config: ServeBenchConfig, metadata: dict[str, str]) -> dict[str, Any]:
+    async with open_session(config.backend, config.target, config.max_concurrency) as session:
+        if config.model is None:
+            print("Model not specified, fetching first model from server...")
+            served = await server_model(config.backend, session, config.target)
+            model_name, model_id = config.served_model_name or served.name, served.root
+            print(f"First model name: {served.name}, first model id: {served.root}")
+        else:
+            model_name, model_id = config.served_model_name or config.model, config.model
+        tokenizer_id = config.tokenizer or model_id
+        tokenizer = load_bench_tokenizer(tokenizer_id)
+        requests = sample_requests(config.dataset, tokenizer)
+        distribution = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
+        print(f"Traffic request rate: {config.request_rate}")
+        print(f"Burstiness factor: {config.burstiness} ({distribution})")
+        print(f"Maximum request concurrency: {config.max_concurrency}")
+        outputs, duration = await _send(config, requests, session, model_name)
+    output_lens = output_lengths(outputs, tokenizer)
+    metrics = calculate_metrics(outputs, duration, output_lens, config.goodput_ms)
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        print("Failed requests during benchmark run detected (capping to 10):")
+        for i, error in enumerate(failed[:10]):
+            print(f"Error {i}: {error}")
+    fields = result_fields(metrics, duration, outputs, output_lens, config.goodput_ms, config.percentile_metrics,
+                           config.metric_percentiles)
+    print(format_block(fields, config.max_concurrency, config.request_rate, config.percentile_metrics))
+    header = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": config.backend,
+              "backend": config.backend, "label": config.label, "model_id": model_id, "tokenizer_id": tokenizer_id,
+              "num_prompts": config.dataset.num_prompts, **metadata,
+              "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
+              "burstiness": config.burstiness, "max_concurrency": config.max_concurrency}
+    return {**header, **fields}
+
+
+async def _send(config: ServeBenchConfig, requests: list[SampleRequest], session: Any,
+                model_name: str) -> tuple[list[RequestOutput], float]:
+    func = REQUEST_FUNCS[config.backend]
+    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else contextlib.nullcontext()
+    bar = tqdm(total=len(requests), disable=config.disable_tqdm, file=sys.stderr)
+
+    async def one(inp: RequestInput) -> RequestOutput:
+        async with limit:
+            output = await func(inp, session)
+        bar.update(1)
+        return output
+
+    times = arrival_times(len(requests), config.request_rate, config.burstiness,
+                          np.random.default_rng(config.dataset.seed))
+    tasks = []
     start = time.perf_counter()
-    for i, r in enumerate(requests):
-        delay = start + r.arrival_s - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        t = threading.Thread(target=one, args=(i, time.perf_counter()), daemon=True)
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join()
+    for request, at in zip(requests, times):
+        if (wait := start + at - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(one(RequestInput(
+            prompt=request.prompt, prompt_len=request.prompt_len, output_len=request.expected_output_len,
+            model=model_name, url=config.api_url, request_id=request.request_id, ignore_eos=config.ignore_eos,
+            sampling=config.sampling))))
+    outputs = list(await asyncio.gather(*tasks))
     duration = time.perf_counter() - start
     bar.close()
-    client.close()
-    return results, duration, peak
+    return outputs, duration
 
 
-def summarize(spec: ServeBenchSpec, results: list[RequestResult], duration: float, peak: int) -> dict:
-    ok = [r for r in results if not r.error]
-    ms = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else 0.0  # noqa: E731
-    mean = lambda xs: statistics.fmean(xs) * 1e3 if xs else 0.0  # noqa: E731
-    ttft = [r.ttft_s for r in ok]
-    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
-    itl = [x for r in ok for x in r.itl_s]
-    e2e = [r.e2e_s for r in ok]
-    good = [r for r in ok if (spec.goodput_ttft_ms is None or r.ttft_s * 1e3 <= spec.goodput_ttft_ms)
-            and (spec.goodput_tpot_ms is None or (r.tpot_s or 0.0) * 1e3 <= spec.goodput_tpot_ms)]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    summary = {
-        "successful_requests": len(ok), "failed_requests": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_generated_tokens": out_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration, "max_concurrent_requests": peak,
-    }
-    if spec.goodput_ttft_ms is not None or spec.goodput_tpot_ms is not None:
-        summary["request_goodput"] = len(good) / duration
-    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-        summary.update({f"mean_{name}_ms": mean(xs), f"median_{name}_ms": ms(xs, 50), f"p99_{name}_ms": ms(xs, 99)})
-    summary["errors"] = sorted({r.error for r in results if r.error})[:5]
-    return summary
+def result_filename(result: dict[str, Any], config: ServeBenchConfig, result_dir: str | None,
+                    result_filename: str | None) -> Path:
+    """vLLM's name: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json, in --result-dir."""
+    concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency is not None else ""
+    name = result_filename or (f"{config.label or config.backend}-{config.request_rate}qps{concurrency}-"
+                               f"{str(result['model_id']).rstrip('/').split('/')[-1]}-{result['date']}.json")
+    return Path(result_dir or ".") / name
 
 
-def format_summary(s: dict) -> str:
-    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
-    row = lambda label, value: lines.append(f"{label:<40}{value:<10}")  # noqa: E731
-    row("Successful requests:", s["successful_requests"])
-    row("Failed requests:", s["failed_requests"])
-    row("Benchmark duration (s):", f"{s['duration_s']:.2f}")
-    row("Total input tokens:", s["total_input_tokens"])
-    row("Total generated tokens:", s["total_generated_tokens"])
-    row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
-    if "request_goodput" in s:
-        row("Request goodput (req/s):", f"{s['request_goodput']:.2f}")
-    row("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}")
-    row("Peak concurrent requests:", s["max_concurrent_requests"])
-    row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
-    for key, title, label in (("ttft", "Time to First Token", "TTFT"),
-                              ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-                              ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL")):
-        lines.append("{s:{c}^50}".format(s=title, c="-"))
-        for stat in ("mean", "median", "p99"):
-            row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {label} (ms):", f"{s[f'{stat}_{key}_ms']:.2f}")
-    lines.append("=" * 50)
-    if s["errors"]:
-        lines.append("errors: " + "; ".join(s["errors"]))
-    return "\n".join(lines)
+def save_result(result: dict[str, Any], path: Path) -> None:
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+        path.write_text(json.dumps(result))
+    except OSError as exc:
+        raise MegaInferError(f"cannot write the result to {path}: {exc.strerror or exc}") from None

@@ -85,27 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     rt.add_argument("--json", metavar="PATH")
     rt.set_defaults(run=_run_routing)
 
-    sv = benches.add_parser("serve", help="online load against a running server, vllm bench serve's summary",
-                            description="Send requests to a megainfer gRPC server on a Poisson (or bursty) "
-                                        "schedule and report throughput, goodput, TTFT, TPOT, ITL and E2E latency.")
-    sv.add_argument("--server", required=True, metavar="HOST:PORT")
-    sv.add_argument("--dataset", default="random", help="random, mixed, sharegpt, arxiv, or a JSONL trace "
-                                                         "({arrival, input_len, output_len} per line)")
-    sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (default: all at once)")
-    sv.add_argument("--num-prompts", type=positive_int, default=100)
-    sv.add_argument("--input-len", type=positive_int, default=128, help="random and mixed datasets: prompt tokens")
-    sv.add_argument("--output-len", type=positive_int, default=64, help="random dataset: generated tokens")
-    sv.add_argument("--random-range-ratio", type=float, default=0.0,
-                    help="random and mixed datasets: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
-    _add_mixed_options(sv)
-    sv.add_argument("--max-model-len", type=positive_int, default=4096,
-                    help="sharegpt/arxiv lengths are clipped to fit this context")
-    sv.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson")
-    sv.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of the gaps")
-    sv.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
-                    help="SLOs a request must meet to count as goodput, e.g. ttft:500 tbt:50")
-    sv.add_argument("--seed", type=int, default=0)
-    sv.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    sv = benches.add_parser(
+        "serve", help="online load against a running server: vllm bench serve's flags, summary and JSON",
+        description="Send a ShareGPT or random workload to a running server (megainfer gRPC, or any OpenAI-compatible "
+                    "HTTP server: megainfer's, vLLM's, SGLang's) at --request-rate with at most --max-concurrency in "
+                    "flight, and report throughput, goodput, TTFT, TPOT, ITL and E2E latency as `vllm bench serve` "
+                    "does (the same flags, printed block and JSON keys).")
+    _add_serve_options(sv)
     sv.set_defaults(run=_run_serve)
 
     k = benches.add_parser("kernels", help="Triton kernels on a GPU: POD fused attention, decode attention, "
@@ -191,7 +177,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
 
 def _run_routing(args: argparse.Namespace) -> int:
-    from megainfer.bench.serve_bench import ServeBenchSpec
+    from megainfer.bench.routing_load import ServeBenchSpec
     from megainfer.errors import ConfigError
 
     if not args.request_rate > 0:
@@ -222,33 +208,101 @@ def _run_kernels(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    import json
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
+    import uuid
 
-    from megainfer.bench.serve_bench import ServeBenchSpec, format_summary, run_serve_bench, summarize
+    server = p.add_argument_group("server")
+    server.add_argument("--backend", choices=["megainfer-grpc", "openai", "openai-chat"], default="openai",
+                        help="megainfer-grpc: megainfer.v1.Inference/Generate; openai: /v1/completions; openai-chat: "
+                             "/v1/chat/completions (both streamed)")
+    server.add_argument("--base-url", help="the server's base URL (http://HOST:PORT; HOST:PORT for megainfer-grpc) "
+                                           "instead of --host and --port")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, help="default: 8000 for openai and openai-chat (vLLM's), 50051 for "
+                                                 "megainfer-grpc (megainfer serve's)")
+    server.add_argument("--endpoint", help="API path (default: /v1/completions, /v1/chat/completions for openai-chat)")
+    server.add_argument("--model", help="the model the server serves (default: the first one it lists)")
+    server.add_argument("--served-model-name", help="the name requests ask for (default: the model)")
+    server.add_argument("--tokenizer", help="checkpoint directory, preset or Hugging Face id whose tokenizer counts "
+                                            "and makes the prompts (default: the model)")
+    server.add_argument("--label", help="the result's label and file-name prefix (default: the backend)")
+    data = p.add_argument_group("dataset")
+    data.add_argument("--dataset-name", choices=["sharegpt", "random"], default="random")
+    data.add_argument("--dataset-path", help="sharegpt: the ShareGPT JSON file (e.g. "
+                                             "ShareGPT_V3_unfiltered_cleaned_split.json)")
+    data.add_argument("--num-prompts", type=positive_int, default=1000)
+    data.add_argument("--seed", type=int, default=0, help="the prompts and the arrival times")
+    data.add_argument("--input-len", type=int, help="sets --random-input-len")
+    data.add_argument("--output-len", type=positive_int, help="sets --random-output-len and --sharegpt-output-len")
+    data.add_argument("--sharegpt-output-len", type=positive_int,
+                      help="output tokens of every request (default: each conversation's answer length)")
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=positive_int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)")
+    data.add_argument("--random-prefix-len", type=int, default=0, help="random tokens shared by every prompt's start")
+    data.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-")
+    load = p.add_argument_group("traffic and sampling")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests per second (default inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier, above steadier")
+    load.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    load.add_argument("--ignore-eos", action="store_true", help="generate every requested token (always on for the "
+                                                                "random dataset)")
+    load.add_argument("--temperature", type=float, help="sent with each request (default: the server's)")
+    load.add_argument("--top-p", type=float)
+    load.add_argument("--top-k", type=int)
+    out = p.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
+                     help="SLOs a request must meet to count as goodput, KEY in ttft, tpot, e2el: e.g. ttft:500 "
+                          "tpot:50")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
+    out.add_argument("--metric-percentiles", default="99", help="e.g. 50,90,99")
+    out.add_argument("--save-result", action="store_true", help="save the result JSON (vLLM's file name)")
+    out.add_argument("--result-dir", help="where --save-result writes (default: here)")
+    out.add_argument("--result-filename", help="the file --save-result writes")
+    out.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", default=[], help="recorded in the result JSON")
+    out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument("--json", metavar="PATH", help="also write the result JSON here")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from megainfer.bench import serve_bench
+    from megainfer.bench.report import write_json
+    from megainfer.bench.serve_datasets import DatasetSpec
+    from megainfer.bench.serve_metrics import parse_goodput, parse_percentiles
     from megainfer.errors import ConfigError
 
-    slo = {}
-    for item in args.goodput:
-        key, _, value = item.partition(":")
-        if key not in ("ttft", "tbt") or not value:
-            raise ConfigError(f"--goodput {item!r}: write ttft:MS and/or tbt:MS, e.g. --goodput ttft:500 tbt:50")
-        try:
-            slo[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
-    if not args.request_rate > 0:
-        raise ConfigError(f"--request-rate must be positive (or inf), got {args.request_rate}")
-    spec = ServeBenchSpec(server=args.server, dataset=args.dataset, request_rate=args.request_rate,
-                          num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                          random_range_ratio=args.random_range_ratio, long_input_len=args.long_input_len,
-                          long_fraction=args.long_fraction, max_model_len=args.max_model_len,
-                          arrival=args.arrival, cv=args.cv,
-                          goodput_ttft_ms=slo.get("ttft"), goodput_tpot_ms=slo.get("tbt"), seed=args.seed)
-    results, duration, peak = run_serve_bench(spec)
-    summary = summarize(spec, results, duration, peak)
-    print(format_summary(summary))
+    metadata = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--metadata {item!r}: write KEY=VALUE, e.g. --metadata version=0.3.3 tp=1")
+        metadata[key.strip()] = value.strip()
+    dataset = DatasetSpec(
+        name=args.dataset_name, path=args.dataset_path, num_prompts=args.num_prompts, seed=args.seed,
+        sharegpt_output_len=args.output_len or args.sharegpt_output_len,
+        random_input_len=args.input_len if args.input_len is not None else args.random_input_len,
+        random_output_len=args.output_len or args.random_output_len, random_range_ratio=args.random_range_ratio,
+        random_prefix_len=args.random_prefix_len, request_id_prefix=args.request_id_prefix)
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+                if v is not None}
+    config = serve_bench.ServeBenchConfig(
+        backend=args.backend, base_url=args.base_url, host=args.host, port=args.port, endpoint=args.endpoint,
+        model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, dataset=dataset,
+        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        # vLLM ignores EOS on the random dataset: its prompts are noise, the lengths are the workload.
+        ignore_eos=args.ignore_eos or args.dataset_name == "random", sampling=sampling,
+        goodput_ms=parse_goodput(args.goodput),
+        percentile_metrics=[name.strip() for name in args.percentile_metrics.split(",") if name.strip()],
+        metric_percentiles=parse_percentiles(args.metric_percentiles), label=args.label,
+        disable_tqdm=args.disable_tqdm)
+    result = serve_bench.run(config, metadata)
+    if args.save_result:
+        path = serve_bench.result_filename(result, config, args.result_dir, args.result_filename)
+        serve_bench.save_result(result, path)
+        print(f"result: {path}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "serve", "spec": {k: v for k, v in vars(spec).items()}, **summary}, f, indent=2)
-    return 0 if summary["successful_requests"] else 1
+        write_json(args.json, result)
+    return 0 if result["completed"] else 1
