@@ -26,6 +26,8 @@ def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHisto
         running=sum(e.num_running for e in engines), waiting=sum(e.num_waiting for e in engines),
         kv_cache_usage=sum(e.kv_cache_usage * e.num_kv_blocks for e in engines) / blocks,
         expert_bytes_read=sum(e.expert_bytes_read for e in engines), kv_blocks=blocks,
+        # Summed over the live groups: retiring a replica lowers it (Prometheus reads a counter reset).
+        num_preemptions=sum(e.num_preemptions for e in engines),
         m2n_send=latency.merge([s.m2n_send for s in stats]),
         m2n_receive_wait=latency.merge([s.m2n_receive_wait for s in stats]),
         router_ttft_error=router_error.snapshot() if router_error is not None else None,

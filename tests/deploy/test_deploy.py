@@ -161,13 +161,14 @@ def test_metrics_endpoint_of_a_deployment_reports_m2n_latencies():
     try:
         assert len(served.generate([1, 2, 3, 4])) == GREEDY.max_tokens
         m = scrape(served.server.metrics_port)
-        assert m["megainfer:e2e_request_latency_seconds_count"] == 1
-        assert m["megainfer:num_requests_running"] == 0 and m["megainfer:expert_load_bytes_total"] > 0
+        assert m['megainfer:e2e_request_latency_seconds_count{model_name="tiny-mixtral"}'] == 1
+        assert m['megainfer:num_requests_running{model_name="tiny-mixtral"}'] == 0
+        assert m['megainfer:expert_load_bytes_total{model_name="tiny-mixtral"}'] > 0
         for name in ("megainfer:m2n_send_latency_seconds", "megainfer:m2n_receive_wait_seconds"):
             # every step sends and receives once per (layer, micro-batch): warm-up and this request's steps
-            count = m[f"{name}_count"]
-            assert count >= 2 * 4 * GREEDY.max_tokens and m[f'{name}_bucket{{le="+Inf"}}'] == count
-            assert 0 < m[f"{name}_sum"] < count  # each well under a second
+            count = m[f'{name}_count{{model_name="tiny-mixtral"}}']
+            assert count >= 2 * 4 * GREEDY.max_tokens and m[f'{name}_bucket{{le="+Inf",model_name="tiny-mixtral"}}'] == count
+            assert 0 < m[f'{name}_sum{{model_name="tiny-mixtral"}}'] < count  # each well under a second
     finally:
         served.close()
 
@@ -219,11 +220,11 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
         for stream in busy + [fresh]:
             assert stream.wait_finished(60).finished
         m = scrape(served.server.metrics_port)
-        assert m["megainfer:router_ttft_prediction_error_seconds_count"] == 1  # "fresh": the one it placed
-        assert 0 <= m["megainfer:router_ttft_prediction_error_seconds_sum"] < 5
+        assert m['megainfer:router_ttft_prediction_error_seconds_count{model_name="tiny-mixtral"}'] == 1  # "fresh": the one it placed
+        assert 0 <= m['megainfer:router_ttft_prediction_error_seconds_sum{model_name="tiny-mixtral"}'] < 5
         # bench routing: the routers take turns on this deployment, in alternating order.
         from deploy.bench_routing import measure
-        from megainfer.bench.serve_bench import ServeBenchSpec
+        from megainfer.bench.routing_load import ServeBenchSpec
 
         spec = ServeBenchSpec(server="", input_len=40, random_range_ratio=0.5, output_len=4, request_rate=50.0,
                               num_prompts=5)
