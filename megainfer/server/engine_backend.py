@@ -59,7 +59,8 @@ class EngineBackend:
                 self.registry.deliver(delta)
             s = self.engine.stats()
         return MetricsSnapshot(running=s.num_running, waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
-                               expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks)
+                               expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks,
+                               num_preemptions=s.num_preemptions)
 
     def close(self) -> None:
         self.stopping.set()
