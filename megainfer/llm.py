@@ -28,12 +28,12 @@ Message = dict[str, Any]  # {"role": ..., "content": ...} as transformers' chat 
 
 
 class LLM:
-    def __init__(self, model: str | os.PathLike = "tiny-mixtral", dtype: str = "auto", seed: int = 0,
-                 chat_template: str | Path | None = None, **engine_options) -> None:
+    def __init__(self, model: str | os.PathLike = "tiny-mixtral", dtype: str = "auto", device: str = "auto",
+                 seed: int = 0, chat_template: str | Path | None = None, **engine_options) -> None:
         """`model`: a checkpoint directory, a preset or a Hugging Face id in the local cache;
         `chat_template`: a Jinja file (or its text) replacing the checkpoint's, for `chat`;
         `engine_options`: EngineConfig's fields."""
-        self.engine = Engine(model, EngineConfig(dtype=dtype, seed=seed, **engine_options))
+        self.engine = Engine(model, EngineConfig(dtype=dtype, device=device, seed=seed, **engine_options))
         self.checkpoint = self.engine.checkpoint  # None for a preset
         self._chat_template_override = chat_template
         self._ids = itertools.count()

@@ -3,9 +3,10 @@ streamed in chunks), /v1/models and errors, as pydantic models; vLLM's extra sam
 (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, ...) beside OpenAI's.
 
 A request field left unset takes the served model's generation_config default, then OpenAI's.
-Fields OpenAI does not define are ignored with a warning, as vLLM does; OpenAI fields megainfer
-cannot honour (logit_bias, tools, response_format other than text, suffix, best_of > n) are
-refused rather than silently dropped, since each would change the answer.
+Fields OpenAI does not define are ignored with a warning, as vLLM does, except those known to
+change the answer (structured output, beam search, function calling: ANSWER_CHANGING_EXTRAS);
+those and the OpenAI fields megainfer cannot honour (logit_bias, tools, response_format other
+than text, suffix, best_of > n) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ API_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "m
                                 "repetition_penalty": 1.0}
 
 
+# Fields of vLLM's or OpenAI's older APIs that megainfer does not implement and that would change
+# the answer if honoured: refused, where other unknown fields are only logged.
+ANSWER_CHANGING_EXTRAS = frozenset({
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "structured_outputs", "use_beam_search", "length_penalty", "functions", "function_call",
+    "logits_processors", "allowed_token_ids", "bad_words"})
+
+
 class OpenAIModel(BaseModel):
     """Requests keep unknown fields (to warn about them); responses are built, never parsed."""
 
@@ -42,6 +51,11 @@ class OpenAIModel(BaseModel):
         return data
 
     def warn_ignored(self, where: str) -> list[str]:
+        """Log the fields megainfer does not know; refuse those known to change the answer."""
+        refused = sorted(set(self.model_extra or {}) & ANSWER_CHANGING_EXTRAS)
+        if refused:
+            raise RequestError(f"{', '.join(refused)}: not supported by megainfer (no structured output, beam "
+                               "search, function calling or logits processors); leave these fields out")
         ignored = sorted(self.model_extra or {})
         if ignored:
             logger.warning("%s: ignoring fields megainfer does not know: %s", where, ", ".join(ignored))

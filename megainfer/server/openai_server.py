@@ -29,7 +29,7 @@ from megainfer.server import openai_generate as gen
 from megainfer.server.backend import GenerationBackend
 from megainfer.server.choice_streams import ChoiceStreams
 from megainfer.server.metrics import ServingMetrics
-from megainfer.server.openai_errors import NOT_FOUND, UNAVAILABLE, ApiError, api_error, validation_error
+from megainfer.server.openai_errors import INVALID, NOT_FOUND, UNAVAILABLE, ApiError, api_error, validation_error
 from megainfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from megainfer.server.readiness import Readiness
 from megainfer.server.served_model import ServedModel
@@ -104,7 +104,7 @@ class OpenAIServer:
     def _check_model(self, name: str | None) -> None:
         if not self.served.serves(name):
             raise ApiError(HTTPStatus.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
-                           f"{', '.join(map(repr, self.served.names))}", NOT_FOUND, "model", "model_not_found")
+                           f"{', '.join(map(repr, self.served.names))}", INVALID, "model", "model_not_found")
 
     async def _generate(self, request: Request, body, prepare, respond, events, prefix: str) -> Response:
         streams = None
