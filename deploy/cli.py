@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how requests are spread over attention nodes (default: the plan's serve.router)")
     p.add_argument("--demo", type=int, default=0, metavar="N",
                    help="send N requests through the server, print the answers, then shut down")
-    p.add_argument("--max-tokens", type=int, default=24, help="tokens per --demo request")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per --demo request")
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="where tensors live (default: the plan's); 'cpu' rehearses a GPU plan with its real "
                         "placement (GPU counts, GPU types, TP groups) on a cluster that declares those resources")
@@ -35,9 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-CONTROL = {c: f"\\x{c:02x}" for c in range(32)}  # random-weight presets emit arbitrary bytes
-DEMO_PROMPTS = ["The experts of a mixture", "Attention and experts, disaggregated:",
-                "Ping-pong pipelines hide", "Throughput per dollar", "A token walks into a router"]
+# Control characters other than newline and tab are shown escaped (a random-weight preset emits any byte).
+CONTROL = {c: f"\\x{c:02x}" for c in range(32) if chr(c) not in "\n\t"}
+# megainfer-demo (the tiny plans' model) learnt the Python standard library: prompts it can continue.
+DEMO_PROMPTS = ["def read_config(path):", "class LRUCache:", "import os\n\n\ndef ", "    def __repr__(self):",
+                "# Copyright"]
+DEMO_SEED = 0  # the model's own sampling settings (its generation_config.json), reproducibly seeded
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,18 +108,24 @@ def max_model_len(deployment) -> int:
 def _demo(address: str, n: int, max_tokens: int) -> None:
     from megainfer.sampling_params import SamplingParams
     from megainfer.server.client import Client
+    from megainfer.server.service import MODEL_DEFAULTED
 
     client = Client(address)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # Sampling as the model's generation_config.json says (greedy decoding of a small model loops);
+    # max_tokens is the demo's own.
+    server_defaults = [name for name in MODEL_DEFAULTED if name != "max_tokens"]
     for i in range(n):
         prompt = DEMO_PROMPTS[i % len(DEMO_PROMPTS)]
+        params = SamplingParams(max_tokens=max_tokens, seed=DEMO_SEED + i)
         start = time.perf_counter()
         text, last = [], None
-        for response in client.generate(prompt, params):
+        for response in client.generate(prompt, params, server_defaults=server_defaults):
             text.append(response.text)
             last = response
         elapsed = time.perf_counter() - start
-        shown = "".join(text).translate(CONTROL)[:48]
-        print(f"[{i}] {prompt!r} -> {shown!r}  ({last.usage.completion_tokens} tokens, TTFT "
-              f"{last.timings.ttft_ms:.0f} ms, {last.usage.completion_tokens / elapsed:.1f} tokens/s)")
+        tokens = last.usage.completion_tokens
+        print(f"[{i}] {tokens} tokens, TTFT {last.timings.ttft_ms:.0f} ms, {tokens / elapsed:.1f} tokens/s, "
+              f"finish reason {last.finish_reason}")
+        for line in (prompt + "".join(text)).translate(CONTROL).splitlines():
+            print(f"    {line}")
     client.close()

@@ -356,7 +356,7 @@ def resolve_model(model: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
         path = demo_checkpoint()
         if not (path / "config.json").is_file():
             raise ConfigError(f"the demo checkpoint is missing ({path} has no config.json); train it with "
-                              "`python -m megainfer.demo.train`")
+                              "`python -m megainfer.demo.train --minutes 40`")
         return dataclasses.replace(ModelConfig.from_pretrained(path), name=DEMO_MODEL), path
     path = Path(key).expanduser()
     if path.exists():

@@ -86,7 +86,8 @@ def _run_local(args: argparse.Namespace, prompt, given: dict, fixed: dict) -> in
 
     checkpoint = resolve_model(args.model)[1]
     template = _chat_template(args, checkpoint) if args.chat else None
-    params = SamplingParams(**{**_FALLBACK, **generation_defaults(checkpoint), **given}, **fixed)
+    # The flags given win over the checkpoint's generation_config.json, which wins over the fallbacks.
+    params = SamplingParams(**{**_FALLBACK, **generation_defaults(checkpoint), **given, **fixed})
     engine = Engine(args.model, engine_config(args, show_progress=True))
     if template is not None:
         if engine.tokenizer is None:

@@ -60,7 +60,7 @@ def kv_in_use(deployment) -> float:
 
 
 def test_greedy_completion_equals_the_colocated_engine(client):
-    engine = Engine("tiny-mixtral")
+    engine = Engine(Plan.load(ROOT / "deploy/plans/tiny-cpu.yaml").model)  # the plan's model (megainfer-demo)
     engine.add_request("cli", PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     expected = []
     while engine.has_unfinished_requests():

@@ -16,7 +16,7 @@ from deploy import bench_pipeline  # noqa: E402
 from megainfer.messages import NodeRole, SpanKind  # noqa: E402
 from megainfer.plan import PipelineSpec, Plan  # noqa: E402
 
-LAYERS = 4  # tiny-mixtral
+LAYERS = 4  # megainfer-demo, tiny-cpu.yaml's model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -81,3 +81,13 @@ def test_greedy_text_equals_the_http_and_grpc_apis(endpoints, chat_model):
     local_chat = megainfer("generate", "--model", str(chat_model), "--prompt", PROMPT, "--chat", "--max-tokens", "12",
                            "--temperature", "0")
     assert streamed_text(local_chat) == chat.choices[0].message.content
+
+
+def test_generate_on_the_demo_checkpoint_takes_its_generation_config(capsys):
+    """megainfer-demo's generation_config.json sets max_new_tokens: --max-tokens still wins."""
+    from megainfer.cli import main
+
+    assert main(["generate", "--model", "megainfer-demo", "--prompt", "def ", "--max-tokens", "6",
+                 "--sample-seed", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "[6 tokens" in err
