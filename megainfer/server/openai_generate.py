@@ -205,12 +205,16 @@ async def chat_events(streams: ChoiceStreams, body: ChatCompletionRequest, serve
         usage = _usage(streams.choices, body.n) if body.continuous_usage else None
         return sse(ChatCompletionChunk(id=request_id, model=served.name, choices=[choice], usage=usage))
 
-    for c in streams.choices:  # the role first, before any token (as OpenAI streams)
-        yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content="")))
+    started: set[int] = set()
     async for choice, delta in streams.deltas():
         if delta.finish_reason is FinishReason.ERROR:
             yield sse(failed_request(delta).body)
             break
+        if choice.index not in started:
+            # Each choice's role chunk comes before its first token but not before the engine produced
+            # it (as vLLM sends it): load generators time the first token from the first chunk.
+            started.add(choice.index)
+            yield chunk(ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content="")))
         logprobs = _chat_logprobs(body, served, delta.new_token_ids, delta.logprobs or [])
         if not (delta.new_text or delta.finished or (logprobs is not None and logprobs.content)):
             continue
