@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from megainfer.config import read_json_object
 from megainfer.errors import CheckpointError, ConfigError, RequestError
 from megainfer.tokenizer import read_tokenizer_config, special_token_strings
 
@@ -192,10 +193,7 @@ class ChatTemplate:
         if jinja_file.is_file():
             return cls(jinja_file.read_text(encoding="utf-8"), str(jinja_file), special)
         if json_file.is_file():
-            try:
-                source = json.loads(json_file.read_text(encoding="utf-8")).get("chat_template")
-            except (json.JSONDecodeError, AttributeError) as exc:
-                raise CheckpointError(f"{json_file}: not a JSON object with 'chat_template' ({exc})") from None
+            source = read_json_object(json_file).get("chat_template")
             if not isinstance(source, str):
                 raise CheckpointError(f"{json_file}: 'chat_template' must be a string, got {type(source).__name__}")
             return cls(source, str(json_file), special)

@@ -48,6 +48,20 @@ def _checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
     return _DTYPE_ALIASES.get(value, value)
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's optional JSON file that holds one object (generation_config.json,
+    tokenizer_config.json): {} when absent, a CheckpointError naming the file when malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def refuse_quantized(cfg: dict[str, Any], name: str = "") -> None:
     """A quantized checkpoint is a CheckpointError naming its method: the engine has no
     quantized kernels, and running such weights as floats would produce garbage."""
@@ -233,13 +247,9 @@ class ModelConfig:
             raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
         cfg = cls.from_hf_dict(raw, name=str(directory))
         # generation_config.json may name further EOS tokens (chat models' end-of-turn).
-        generation = directory / "generation_config.json"
-        if generation.is_file():
-            try:
-                eos = json.loads(generation.read_text()).get("eos_token_id")
-            except json.JSONDecodeError as exc:
-                raise CheckpointError(f"{generation}: not valid JSON ({exc})") from None
-            extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        eos = read_json_object(directory / "generation_config.json").get("eos_token_id")
+        if eos is not None:
+            extra = eos if isinstance(eos, list) else [eos]
             merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
             cfg = dataclasses.replace(cfg, eos_token_ids=merged)
         return cfg

@@ -7,10 +7,10 @@ are the defaults of requests that leave the field unset; a request's own value w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from megainfer.config import read_json_object
 from megainfer.errors import CheckpointError, RequestError
 from megainfer.sampling_params import SamplingParams
 
@@ -22,18 +22,7 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 
 def read_generation_config(checkpoint: Path | None) -> dict[str, Any]:
     """The checkpoint's generation_config.json as a dict ({} for a preset or when absent)."""
-    if checkpoint is None:
-        return {}
-    path = checkpoint / GENERATION_CONFIG_FILE
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}")
-    return data
+    return {} if checkpoint is None else read_json_object(checkpoint / GENERATION_CONFIG_FILE)
 
 
 def generation_defaults(checkpoint: Path | None) -> dict[str, Any]:

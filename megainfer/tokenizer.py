@@ -16,11 +16,10 @@ streaming, holding back text while a multi-byte character or merge is still inco
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from megainfer.config import ModelConfig
+from megainfer.config import ModelConfig, read_json_object
 from megainfer.errors import CheckpointError
 
 REPLACEMENT = "\ufffd"
@@ -102,16 +101,7 @@ def _added_token(entry: Any, special: bool):
 
 def read_tokenizer_config(directory: Path) -> dict[str, Any]:
     """tokenizer_config.json of a checkpoint ({} when it has none)."""
-    path = directory / TOKENIZER_CONFIG_FILE
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object, got {type(config).__name__}")
-    return config
+    return read_json_object(directory / TOKENIZER_CONFIG_FILE)
 
 
 def special_token_strings(config: dict[str, Any]) -> dict[str, str]:
