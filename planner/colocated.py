@@ -17,7 +17,7 @@ import numpy as np
 from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
 from planner.catalog import GPU, Catalog
-from planner.perf_model import MEMORY_HEADROOM, PerfModel, Side
+from planner.perf_model import MEMORY_HEADROOM, PerfModel
 from planner.search import MAX_BATCH, OBJECTIVES, SEARCH_STEPS, Throughput
 
 INSTANCE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -35,13 +35,12 @@ class ColocatedCandidate(Throughput):
 def _evaluate(model: ModelConfig, perf: PerfModel, gpu: GPU, n: int, batch):
     t = min(n, gpu.gpus_per_node)
     groups = n // t
-    side = Side(flops=gpu.flops, hbm=gpu.hbm_bytes_per_s, link=gpu.link_bytes_per_s, nic=gpu.nic_bytes_per_s, tp=t)
-    t_attn = perf.attention_time(side, batch / groups)
-    experts_per_gpu = max(model.num_experts / n, 1.0)
-    expert_tp = max(n / model.num_experts, 1.0)
-    e_side = Side(flops=gpu.flops, hbm=gpu.hbm_bytes_per_s, link=gpu.link_bytes_per_s, nic=gpu.nic_bytes_per_s,
-                  tp=expert_tp)
-    t_exp = perf.expert_time(e_side, batch * model.top_k / model.num_experts, experts_per_gpu)
+    t_attn = perf.attention_time(perf.sides([(gpu, t)], "attention"), batch / groups)[0]
+    experts_per_gpu = max(model.num_experts // n, 1)
+    expert_tp = max(n // model.num_experts, 1)
+    e_side = perf.sides([(gpu, min(expert_tp, gpu.gpus_per_node))], "experts", [experts_per_gpu])
+    t_exp = perf.expert_time(e_side, batch * model.top_k / model.num_experts, experts_per_gpu)[0]
+    step_s = max(float(s[0]) * batch / groups + float(c[0]) for s, c in perf.step_lines([(gpu, t)]))
     # Dispatch: each GPU sends its share of tokens to the GPUs of their experts (the local
     # share stays); inside a node over NVLink/PCIe, across nodes over the NIC.
     remote = (n - 1) / n
@@ -49,7 +48,7 @@ def _evaluate(model: ModelConfig, perf: PerfModel, gpu: GPU, n: int, batch):
     bandwidth = gpu.link_bytes_per_s * perf.eff.link if n <= gpu.gpus_per_node else \
         gpu.nic_bytes_per_s * perf.utilization(per_gpu_bytes / max(n - 1, 1))
     t_a2a = np.where(n > 1, per_gpu_bytes / bandwidth, 0.0)
-    tbt = model.num_layers * (t_attn + t_exp + 2 * t_a2a)
+    tbt = model.num_layers * (t_attn + t_exp + 2 * t_a2a) + step_s
     return t, t_attn, t_exp, t_a2a, tbt
 
 

@@ -2,11 +2,12 @@
 T_e and one-way network time T_c for one layer, the iteration latency they give, and the
 memory constraint.
 
-Roofline-derived by default: a phase takes max(FLOPs / achievable FLOP rate, bytes /
-achievable HBM bandwidth), plus its tensor-parallel all-reduce. A calibration file can
-replace the attention and expert times with the paper's measured linear fits
-(T_a = k1·b_a + k2, T_e = k3·b_e + k4 per expert) and the network's utilisation curve
-with a measured one.
+T_a and T_e come from the operator model the simulator uses (`phase_lines` draws them as
+lines in the batch through `operator_costs`: an operator profile where one covers the
+device, the roofline corrected by efficiency curves elsewhere), plus a per-iteration cost
+(the framework's step overhead, LM head and sampling). A calibration file can replace the
+attention and expert times with the paper's measured linear fits (T_a = k1·b_a + k2,
+T_e = k3·b_e + k4 per expert) and the network's utilisation curve with a measured one.
 
 Every function is plain arithmetic on numbers or numpy arrays (broadcasting), so the
 search evaluates thousands of configurations in one call and tests evaluate one.
@@ -27,6 +28,9 @@ import yaml
 
 from megainfer.config import KV_BLOCK_TOKENS, KV_MEMORY_FRACTION, ModelConfig
 from megainfer.errors import PlanError
+from planner.catalog import GPU
+from planner.operator_profile import OperatorProfile
+from planner.phase_lines import PhaseLines
 
 # Fraction of GPU memory plans may fill; the rest is activations, workspace, fragmentation.
 MEMORY_HEADROOM = 0.9
@@ -34,13 +38,10 @@ MEMORY_HEADROOM = 0.9
 
 @dataclass(frozen=True)
 class Efficiency:
-    """How close kernels come to the datasheet (roofline mode)."""
+    """Link efficiency of the colocated baseline's all-to-all (the phases' own efficiencies are
+    the operator model's curves)."""
 
-    compute: float = 0.75  # achieved fraction of dense bf16 FLOPs in GEMMs
-    memory: float = 0.85  # achieved fraction of HBM bandwidth
-    link: float = 0.8  # achieved fraction of NVLink/PCIe bandwidth in all-reduce
-    layer_overhead_s: float = 20e-6  # ~8 kernel launches and a sync per phase per layer (CUDA graphs)
-    allreduce_latency_s: float = 8e-6
+    link: float = 0.8  # achieved fraction of NVLink/PCIe bandwidth
 
 
 @dataclass(frozen=True)
@@ -117,22 +118,24 @@ class Calibration:
 @dataclass(frozen=True)
 class Side:
     """One side's hardware as the formulas need it. Fields may be numpy arrays (one entry per
-    configuration); `k_slope`/`k_const` are NaN where no calibration applies."""
+    configuration); `k_slope`/`k_const` are NaN where no calibration applies. `lines`: the
+    phase's time as the largest of these (slope, constant) lines in its batch, from the
+    operator model (`phase_lines`), arrays over configurations like the rest."""
 
-    flops: object  # FLOP/s
-    hbm: object  # bytes/s
-    link: object  # bytes/s inside a node
     nic: object  # bytes/s per GPU
     tp: object
+    lines: tuple = ()
     k_slope: object = math.nan
     k_const: object = math.nan
 
 
 class PerfModel:
     def __init__(self, model: ModelConfig, seq_len: int, dtype_bytes: int = 2,
-                 efficiency: Efficiency = Efficiency(), calibration: Calibration | None = None) -> None:
+                 efficiency: Efficiency = Efficiency(), calibration: Calibration | None = None, *,
+                 curves_path: str | None = None, profiles: list[OperatorProfile] = ()) -> None:
         if seq_len <= 0:
             raise PlanError(f"--seq-len must be positive, got {seq_len}")
+        self.phases = PhaseLines(model, seq_len, dtype_bytes, curves_path, list(profiles))
         self.model = model
         self.seq_len = seq_len  # mean context length of decoding sequences, tokens
         self.dtype_bytes = dtype_bytes
@@ -145,21 +148,34 @@ class PerfModel:
         self.token_bytes = m.hidden_size * dtype_bytes  # one hidden vector on the wire
 
     # -- compute -------------------------------------------------------------------------
+    def sides(self, configs: list[tuple[GPU, int]], role: str, experts_per_node=None) -> Side:
+        """One Side whose fields are arrays over `configs` (GPU, tp): the attention or expert
+        phase's lines from the operator model, and the calibration where it covers a config."""
+        cal = self.calibration.attention if role == "attention" else self.calibration.experts
+        coeffs = np.array([cal.get((g.name, tp), (np.nan, np.nan)) for g, tp in configs], dtype=np.float64)
+        if role == "attention":
+            per_config = [self.phases.attention(g, tp) for g, tp in configs]
+        else:
+            per_config = [self.phases.experts(g, tp, int(e)) for (g, tp), e in zip(configs, experts_per_node)]
+        lines = tuple((np.array([c[i][0] for c in per_config]), np.array([c[i][1] for c in per_config]))
+                      for i in range(len(per_config[0])))
+        return Side(nic=np.array([g.nic_bytes_per_s for g, _ in configs]),
+                    tp=np.array([tp for _, tp in configs], dtype=np.float64), lines=lines,
+                    k_slope=coeffs[:, 0], k_const=coeffs[:, 1])
+
+    def step_lines(self, configs: list[tuple[GPU, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per iteration on an attention node, as lines in its sequences: step overhead, LM
+        head and sampling."""
+        per_config = [self.phases.per_step(g, tp) for g, tp in configs]
+        return [(np.array([c[i][0] for c in per_config]), np.array([c[i][1] for c in per_config]))
+                for i in range(len(per_config[0]))]
+
     def attention_pieces(self, side: Side) -> list[tuple[object, object]]:
-        """T_a as max over linear pieces (slope s/token, constant s) of b_a: roofline's compute
-        and memory legs (each with the TP all-reduce and launch overhead), or the calibrated
-        k1·b_a + k2 where the calibration covers this GPU and tp."""
-        m = self.model
-        tp = np.asarray(side.tp)
-        allreduce_slope = np.where(tp > 1, 2 * (tp - 1) / tp * self.token_bytes / (side.link * self.eff.link), 0.0)
-        fixed = self.eff.layer_overhead_s + np.where(tp > 1, self.eff.allreduce_latency_s, 0.0)
-        flops_per_token = (2 * self.attn_weight_params + 4 * self.seq_len * m.q_size) / tp
-        compute = (flops_per_token / (side.flops * self.eff.compute) + allreduce_slope, fixed)
-        memory = (self.seq_len * self.kv_bytes_per_token_layer / tp / (side.hbm * self.eff.memory) + allreduce_slope,
-                  self.attn_weight_params * self.dtype_bytes / tp / (side.hbm * self.eff.memory) + fixed)
+        """T_a as max over linear pieces (slope s/token, constant s) of b_a: the operator
+        model's lines, or the calibrated k1·b_a + k2 where the calibration covers this GPU and tp."""
         calibrated = ~np.isnan(side.k_slope)
         return [(np.where(calibrated, side.k_slope, slope), np.where(calibrated, side.k_const, const))
-                for slope, const in (compute, memory)]
+                for slope, const in side.lines]
 
     def attention_time(self, side: Side, b_a):
         """T_a: one micro-batch of b_a tokens through one layer's attention half on one node."""
@@ -170,20 +186,13 @@ class PerfModel:
         return np.minimum.reduce([(seconds - const) / slope for slope, const in self.attention_pieces(side)])
 
     def expert_pieces(self, side: Side, experts_per_node) -> list[tuple[object, object]]:
-        """T_e as max over linear pieces of b_e (tokens each expert receives): roofline's
-        compute and memory legs with the node's TP all-reduce, or the calibrated
+        """T_e as max over linear pieces of b_e (tokens each expert receives): the operator
+        model's lines (drawn for the side's experts per node), or the calibrated
         experts_per_node·(k3·b_e + k4)."""
-        p = self.model.expert_params
-        tp = np.asarray(side.tp)
         e = experts_per_node
-        allreduce_slope = np.where(tp > 1, 2 * (tp - 1) / tp * e * self.token_bytes / (side.link * self.eff.link), 0.0)
-        fixed = self.eff.layer_overhead_s + np.where(tp > 1, self.eff.allreduce_latency_s, 0.0)
-        compute = (e * 2 * p / tp / (side.flops * self.eff.compute) + allreduce_slope, fixed)
-        memory = (e * 2 * self.token_bytes / (side.hbm * self.eff.memory) + allreduce_slope,
-                  e * p * self.dtype_bytes / tp / (side.hbm * self.eff.memory) + fixed)
         calibrated = ~np.isnan(side.k_slope)
         return [(np.where(calibrated, e * side.k_slope, slope), np.where(calibrated, e * side.k_const, const))
-                for slope, const in (compute, memory)]
+                for slope, const in side.lines]
 
     def expert_time(self, side: Side, b_e, experts_per_node):
         """T_e: one micro-batch through one layer's experts on one node; each of its
@@ -221,8 +230,9 @@ class PerfModel:
         return msg / self.utilization(msg) * self.transfer_seconds_per_byte(attention, experts, n_a, expert_nodes)
 
     # -- pipeline ------------------------------------------------------------------------
-    def iteration_time(self, t_a, t_e, t_c, m):
-        """Time between tokens: one token for every sequence, all m micro-batches through all L layers.
+    def iteration_time(self, t_a, t_e, t_c, m, step_s=0.0):
+        """Time between tokens: one token for every sequence, all m micro-batches through all L
+        layers, plus `step_s`, the iteration's own cost (step overhead, LM head, sampling).
 
         A micro-batch's round trip through a layer is T_a + T_c + T_e + T_c; the attention
         node starts a new micro-batch every T_f, so a layer's period is max(m·T_f, round trip).
@@ -230,7 +240,7 @@ class PerfModel:
         t_f = np.maximum(t_a, t_e)
         trip = t_a + t_e + 2 * t_c
         period = np.maximum(m * t_f, trip)
-        return trip + (self.model.num_layers - 1) * period + (m - 1) * t_f
+        return trip + (self.model.num_layers - 1) * period + (m - 1) * t_f + step_s
 
     # -- memory (constraint 8) -------------------------------------------------------------
     def attention_weight_bytes(self) -> float:

@@ -139,17 +139,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _sides(perf: PerfModel, configs: list[tuple[GPU, int]], role: str) -> Side:
-    """One Side whose fields are arrays over `configs` (GPU, tp)."""
-    cal = perf.calibration.attention if role == "attention" else perf.calibration.experts
-    coeffs = np.array([cal.get((g.name, tp), (np.nan, np.nan)) for g, tp in configs], dtype=np.float64)
-    gpus = [g for g, _ in configs]
-    return Side(flops=np.array([g.flops for g in gpus]), hbm=np.array([g.hbm_bytes_per_s for g in gpus]),
-                link=np.array([g.link_bytes_per_s for g in gpus]), nic=np.array([g.nic_bytes_per_s for g in gpus]),
-                tp=np.array([tp for _, tp in configs], dtype=np.float64),
-                k_slope=coeffs[:, 0], k_const=coeffs[:, 1])
-
-
 def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expert_gpus: list[str], *,
            tbt_slo_s: float, perf: PerfModel, max_micro_batches: int = 4, objective: str = "cost") -> SearchResult:
     if objective not in OBJECTIVES:
@@ -165,9 +154,10 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
     _check_fits(model, perf, att, exp, att_cfgs, exp_cfgs)
 
     # Per-configuration constants, computed once on the small per-side arrays.
-    a_side = _sides(perf, att_cfgs, "attention")
-    e_side = _sides(perf, [(g, tp) for g, tp, _ in exp_cfgs], "experts")
     e_per_cfg = np.array([e for _, _, e in exp_cfgs], dtype=np.float64)
+    a_side = perf.sides(att_cfgs, "attention")
+    e_side = perf.sides([(g, tp) for g, tp, _ in exp_cfgs], "experts", e_per_cfg)
+    step_pieces = perf.step_lines(att_cfgs)
     a_pieces = perf.attention_pieces(a_side)
     e_pieces = perf.expert_pieces(e_side, e_per_cfg)
     seqs_cfg = perf.max_sequences_per_attention_node(np.array([g.memory_bytes for g, _ in att_cfgs]), a_side.tp)
@@ -185,10 +175,11 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
     e_per = e_per_cfg[ie]
     n_e = model.num_experts / e_per
     # Only the network needs per-row hardware figures.
-    a_rows = Side(flops=None, hbm=None, link=None, nic=a_side.nic[ia], tp=a_side.tp[ia])
-    e_rows = Side(flops=None, hbm=None, link=None, nic=e_side.nic[ie], tp=e_side.tp[ie])
+    a_rows = Side(nic=a_side.nic[ia], tp=a_side.tp[ia])
+    e_rows = Side(nic=e_side.nic[ie], tp=e_side.tp[ie])
     a_lin = [(f32(slope[ia]), f32(const[ia])) for slope, const in a_pieces]
     e_lin = [(f32(slope[ie]), f32(const[ie])) for slope, const in e_pieces]
+    step_lin = [(f32(slope[ia]), f32(const[ia])) for slope, const in step_pieces]
     # T_c = msg / util(msg) * seconds_per_byte, msg = b_a * bytes_per_token_sent
     bytes_per_token_sent = f32(hit_cfg[ie] * perf.token_bytes / (a_rows.tp * e_rows.tp))
     seconds_per_byte = f32(perf.transfer_seconds_per_byte(a_rows, e_rows, n_a, n_e))
@@ -202,7 +193,8 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
         t_e = np.maximum.reduce([s * b_e + c for s, c in e_lin])
         msg = b_a * bytes_per_token_sent
         t_c = msg / f32(perf.utilization(msg)) * seconds_per_byte
-        return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m))
+        step_s = np.maximum.reduce([s * (batch / n_a) + c for s, c in step_lin])
+        return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m, step_s))
 
     lo = m.copy()  # one sequence per micro-batch: does even that meet the SLO and fit?
     first = evaluate(lo)
@@ -265,15 +257,17 @@ def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, atte
     if model.num_experts % experts_per_node:
         raise PlanError(f"experts_per_node ({experts_per_node}) must divide the model's {model.num_experts} experts")
     ga, ge = catalog[attention_gpu], catalog[expert_gpu]
-    a_side, e_side = _sides(perf, [(ga, tp_a)], "attention"), _sides(perf, [(ge, tp_e)], "experts")
+    a_side = perf.sides([(ga, tp_a)], "attention")
+    e_side = perf.sides([(ge, tp_e)], "experts", [experts_per_node])
     expert_nodes = model.num_experts // experts_per_node
     b_a = batch / m / n_a
     t_a = float(perf.attention_time(a_side, b_a)[0])
     t_e = float(perf.expert_time(e_side, batch / m * model.top_k / model.num_experts, experts_per_node)[0])
     t_c = float(perf.transfer_time(a_side, e_side, b_a, n_a, expert_nodes, experts_per_node)[0])
+    step_s = max(float(s[0]) * batch / n_a + float(c[0]) for s, c in perf.step_lines([(ga, tp_a)]))
     return Candidate(
         attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=n_a, expert_nodes=expert_nodes,
         experts_per_node=experts_per_node, m=m, batch=batch, t_a=t_a, t_e=t_e, t_c=t_c,
-        tbt=float(perf.iteration_time(t_a, t_e, t_c, m)), gpus=n_a * tp_a + expert_nodes * tp_e,
+        tbt=float(perf.iteration_time(t_a, t_e, t_c, m, step_s)), gpus=n_a * tp_a + expert_nodes * tp_e,
         cost_per_hour=n_a * tp_a * ga.price + expert_nodes * tp_e * ge.price,
         power_w=n_a * tp_a * ga.power_w + expert_nodes * tp_e * ge.power_w)

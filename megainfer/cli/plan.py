@@ -28,11 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table")
     p.add_argument("--catalog", help="GPU catalog YAML (default: the built-in one)")
     p.add_argument("--calibration", help="measured k1..k4 and network utilisation (YAML)")
+    p.add_argument("--profile", action="append", default=[], metavar="PATH",
+                   help="operator profile from `megainfer profile` (repeatable, one per GPU type and TP size): "
+                        "prices that GPU and TP size from measurements; the rest from efficiency curves")
+    p.add_argument("--curves", metavar="PATH", help="efficiency curves YAML (default: planner/efficiency_curves.yaml)")
     p.add_argument("--price", action="append", default=[], metavar="GPU=PRICE",
                    help="your own price per GPU-hour, repeatable (e.g. --price H100=2.99)")
     p.add_argument("-o", "--output", help="write the best plan to this plan.yaml")
     p.add_argument("--json", metavar="PATH", help="write every candidate and the baseline as JSON")
-    p.add_argument("--explain", action="store_true", help="describe the best plan's ping-pong timeline")
+    p.add_argument("--explain", action="store_true",
+                   help="describe the best plan's ping-pong timeline and where each operator's time came from")
     p.add_argument("--plot", metavar="PATH", help="draw the best plan's timeline as a Gantt chart (PNG)")
     p.set_defaults(run=run)
 
@@ -62,11 +67,32 @@ def _prices(items: list[str]) -> dict[str, float]:
     return prices
 
 
+def explain_sources(perf, catalog, best, calibration) -> str:
+    """Where the best plan's predicted times came from, operator by operator."""
+    lines = ["where the predicted times come from:"]
+    for role, gpu, tp in (("attention", best.attention_gpu, best.tp_a), ("experts", best.expert_gpu, best.tp_e)):
+        table = perf.calibration.attention if role == "attention" else perf.calibration.experts
+        if calibration is not None and (gpu, tp) in table:
+            lines.append(f"  {role} ({gpu} tp{tp}): the calibration file's measured k coefficients")
+            continue
+        sources = perf.phases.sources(gpu, tp)
+        operators = ("dense", "attention_decode", "allreduce", "lm_head", "sampling", "step_overhead") \
+            if role == "attention" else ("moe", "allreduce")
+        lines.append(f"  {role} ({gpu} tp{tp}):")
+        for op in operators:
+            if op in sources:
+                lines.append(f"    {op:18s} {sources[op]}")
+        if any("curves" in sources.get(op, "") for op in operators):
+            lines.append(f"    curves: {perf.phases.curves_source(catalog[gpu])}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from megainfer.bench.report import format_table, write_json
     from megainfer.config import DTYPE_BYTES
     from planner.catalog import Catalog
     from planner.colocated import best_colocated
+    from planner.operator_profile import OperatorProfile
     from planner.perf_model import Calibration, PerfModel
     from planner.search import search
     from planner.timeline import explain, plot_gantt
@@ -78,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else catalog.names()
     gpus = [catalog[g].name for g in gpus]  # unknown names fail here, listing the known ones
     calibration = Calibration.load(args.calibration) if args.calibration else None
-    perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration)
+    profiles = [OperatorProfile.load(path) for path in args.profile]
+    perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration, curves_path=args.curves,
+                     profiles=profiles)
     slo = args.tbt_slo_ms / 1e3
     start = time.perf_counter()
     result = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf,
@@ -122,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     if args.explain:
         print()
         print(explain(best, model.num_layers))
+        print()
+        print(explain_sources(perf, catalog, best, calibration))
     if args.plot:
         plot_gantt(best, args.plot)
         print(f"timeline chart: {args.plot}")

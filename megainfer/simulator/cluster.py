@@ -32,6 +32,7 @@ from megainfer.routing.policies import PredictiveRouter, Router
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
+from megainfer.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 from megainfer.simulator.sim import Simulator
 from megainfer.simulator.workload import SimRequest
 from planner.step_cost_model import ColocatedStepModel
@@ -110,7 +111,8 @@ class _Measured:
 class ClusterSimulator:
     def __init__(self, model: ModelConfig, step_model: ColocatedStepModel | list[ColocatedStepModel],
                  config: EngineConfig, replicas: int,
-                 router: Router, *, snapshot_s: float = 0.05, expert_skew: float = 0.0, seed: int = 0,
+                 router: Router, *, snapshot_s: float = 0.05, expert_skew: float = FITTED_SKEW,
+                 expert_rank_offset: float = FITTED_RANK_OFFSET, seed: int = 0,
                  client_max_tokens: int | None = None, length_oracle: bool = False,
                  autoscaler: Autoscaler | None = None, start_delay_s: float = 30.0) -> None:
         if replicas < 1:
@@ -120,7 +122,7 @@ class ClusterSimulator:
         self.model, self.config = model, config
         self.router = router
         self.snapshot_s = snapshot_s
-        self.expert_skew, self.seed = expert_skew, seed
+        self.expert_skew, self.expert_rank_offset, self.seed = expert_skew, expert_rank_offset, seed
         self.client_max_tokens = client_max_tokens
         self.length_oracle = length_oracle
         self.autoscaler = autoscaler
@@ -138,7 +140,8 @@ class ClusterSimulator:
     def _replica(self, k: int) -> _Replica:
         step_model = self.step_models[k % len(self.step_models)]
         return _Replica(Simulator(self.model, step_model, self.config, expert_skew=self.expert_skew,
-                                  seed=self.seed + 7919 * k), lambda: self.now)
+                                  expert_rank_offset=self.expert_rank_offset, seed=self.seed + 7919 * k),
+                        lambda: self.now)
 
     def run(self, requests: list[SimRequest], rate: float = 0.0) -> ClusterResult:
         """Every request through the fleet, events in time order: a snapshot to the router, a
@@ -249,7 +252,8 @@ class ClusterSimulator:
         if out.is_empty:
             raise ConfigError("a replica can place no work: its KV cache cannot hold the waiting requests")
         samples = out.all_samples()
-        cost = rep.sim.step_model.step(rep.sim.describe_step(out), samples.count(True))
+        cost = rep.sim.step_model.step(rep.sim.describe_step(out), sampled=samples.count(True),
+                                       seqs=len(out.all_seqs))
         rep.step, rep.step_start = out, self.now
         rep.step_sample = StepSample.of(out, num_layers=self.model.num_layers)
         heapq.heappush(self.steps_in_flight, (self.now + cost.seconds, k))

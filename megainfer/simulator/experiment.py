@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
+from megainfer.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 from megainfer.simulator.sim import Simulator
 from megainfer.simulator.workload import WORKLOADS, SimRequest, describe, generate, load_trace
-from planner.step_cost_model import ColocatedStepModel
+from planner.step_cost_model import ColocatedStepModel, device_label
 
 
 @dataclass
@@ -27,7 +28,8 @@ class SimulationSpec:
     group_tokens: int = 512
     num_layer_groups: int | None = None
     max_num_seqs: int = 256
-    expert_skew: float = 0.0
+    expert_skew: float = FITTED_SKEW  # expert popularity ~ (rank + expert_rank_offset)^-expert_skew; 0: uniform
+    expert_rank_offset: float = FITTED_RANK_OFFSET
     tbt_slo_s: float = 0.125
     ttft_slo_s: float = 10.0
     seed: int = 0
@@ -53,7 +55,7 @@ class SimulationSpec:
         out = {}
         for policy in self.policies:
             sim = Simulator(self.model, self.step_model, self.engine_config(policy), expert_skew=self.expert_skew,
-                            seed=self.seed)
+                            expert_rank_offset=self.expert_rank_offset, seed=self.seed)
             out[policy] = sim.run(requests).summary(self.ttft_slo_s, self.tbt_slo_s)
         return out
 
@@ -87,9 +89,10 @@ def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[
     arrivals = "trace arrivals" if spec.from_trace else (
         f"Poisson {rate}" if spec.arrival == "poisson" else f"bursty {rate}, CV {spec.cv:g}")
     step_model = spec.step_model
-    routing = "uniform routing" if spec.expert_skew == 0 else f"expert popularity ~ rank^-{spec.expert_skew:g}"
+    routing = ("uniform routing" if spec.expert_skew == 0 else
+               f"expert popularity ~ (rank + {spec.expert_rank_offset:g})^-{spec.expert_skew:g}")
     lines = [
-        f"{spec.model.name} on {step_model.tp} x {step_model.gpu.name} (TP {step_model.tp}); "
+        f"{spec.model.name} on {device_label(step_model)} (TP {step_model.tp}); "
         f"chunk {spec.chunk_size} tokens, "
         f"group tokens {spec.group_tokens}; {routing}",
         f"workload {spec.workload}: {len(requests)} requests, {arrivals}",
@@ -165,7 +168,7 @@ def plot_sweep(rows: list[dict], spec: SimulationSpec, path: str) -> None:
     ax_ttft.set_xlabel("request rate (req/s)")
     ax_ttft.set_ylabel("mean TTFT (s)")
     ax_ttft.set_yscale("log")
-    ax_ttft.set_title(f"{spec.model.name}, {spec.step_model.tp} x {spec.step_model.gpu.name}")
+    ax_ttft.set_title(f"{spec.model.name}, {device_label(spec.step_model)}")
     for a in (ax, ax_ttft):
         a.grid(alpha=0.3)
         a.legend()
@@ -177,7 +180,7 @@ def plot_sweep(rows: list[dict], spec: SimulationSpec, path: str) -> None:
 def to_json(spec: SimulationSpec, requests: list[SimRequest], results: dict | None, rows: list[dict] | None) -> dict:
     config = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
               if f.name not in ("model", "step_model", "from_trace")}
-    config.update(model=spec.model.name, gpu=spec.step_model.gpu.name, tp=spec.step_model.tp,
+    config.update(model=spec.model.name, device=spec.step_model.device_name, tp=spec.step_model.tp,
                   policies=list(spec.policies))
     return {"config": config, "workload_stats": describe(requests), "results": results,
             "layered_vs_chunked": ratios(results) if results else None, "sweep": rows}

@@ -28,6 +28,7 @@ class RoutingSpec:
     ttft_slo_s: float = 3.0
     snapshot_s: float = 0.25
     seed: int = 0
+    step_prior: tuple[float, ...] | None = None  # the predictive router's prior (routing.step_prior)
 
     def requests(self, rate: float) -> list:
         return generate(self.workload, num_requests=self.num_requests, rate=rate,
@@ -35,9 +36,14 @@ class RoutingSpec:
 
     def run(self, router: str, rate: float, requests: list) -> dict:
         config = EngineConfig(max_num_batched_tokens=self.chunk_size, max_num_seqs=self.max_num_seqs)
-        sim = ClusterSimulator(self.model, self.step_models, config, self.replicas, make_router(router, seed=self.seed),
+        sim = ClusterSimulator(self.model, self.step_models, config, self.replicas, self._router(router),
                                snapshot_s=self.snapshot_s, seed=self.seed)
         return sim.run(requests, rate).summary()
+
+    def _router(self, name: str):
+        if name == "predictive" and self.step_prior is not None:
+            return make_router(name, seed=self.seed, step_prior=self.step_prior)
+        return make_router(name, seed=self.seed)
 
 
 def sweep(spec: RoutingSpec, rates: list[float], progress=None) -> list[dict]:

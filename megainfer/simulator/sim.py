@@ -20,12 +20,13 @@ import numpy as np
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import Scheduler, SchedulerOutput, chunk_work
+from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
 from megainfer.step_layout import StepLayout
 from megainfer.simulator.expert_load import ExpertActivation
+from megainfer.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 from megainfer.simulator.workload import SimRequest
-from planner.step_cost_model import ColocatedStepModel, LayerClass
+from planner.step_cost_model import AttentionWork, ColocatedStepModel, LayerClass
 
 _TOKEN = 0  # the simulator's stand-in token id: no model reads it, no stop condition matches it
 
@@ -81,14 +82,16 @@ class SimResult:
 
 class Simulator:
     def __init__(self, model: ModelConfig, step_model: ColocatedStepModel, config: EngineConfig, *,
-                 expert_skew: float = 0.0, seed: int = 0) -> None:
+                 expert_skew: float = FITTED_SKEW, expert_rank_offset: float = FITTED_RANK_OFFSET,
+                 seed: int = 0) -> None:
         self.model = model
         self.step_model = step_model
         self.config = config
         self.max_model_len = config.resolved_max_model_len(model)
         kv_tokens = step_model.kv_capacity_tokens()
         self.num_blocks = kv_tokens // config.block_size
-        self.activation = ExpertActivation(model.num_experts, model.top_k, skew=expert_skew, seed=seed)
+        self.activation = ExpertActivation(model.num_experts, model.top_k, skew=expert_skew,
+                                           rank_offset=expert_rank_offset, seed=seed)
         self.now = 0.0
 
     def run(self, requests: list[SimRequest]) -> SimResult:
@@ -139,7 +142,8 @@ class Simulator:
     def _run_step(self, sched: Scheduler, out: SchedulerOutput, totals: _Totals) -> None:
         """Price the step, advance the clock by it, and hand the scheduler its stand-in tokens."""
         layout = StepLayout.of(out, 1)
-        cost = self.step_model.step(self.describe_step(out, layout), layout.num_sampled)
+        cost = self.step_model.step(self.describe_step(out, layout), sampled=layout.num_sampled,
+                                    seqs=len(out.all_seqs))
         self.now += cost.seconds
         totals.steps += 1
         totals.busy_s += cost.seconds
@@ -158,15 +162,22 @@ class Simulator:
         (m = 1) layout, when the caller has it already."""
         layout = layout or StepLayout.of(out, 1)
         layers = self.model.num_layers
-        tokens, pairs, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
+        tokens = sum(out.num_scheduled_tokens)
+        work = attention_work(out.seqs, out.num_scheduled_tokens)
         if not layout.has_cohort:
-            return [LayerClass(layers, tokens, pairs, kv, self.activation.draw(tokens, layers))]
-        cohort_tokens, cohort_pairs, cohort_kv = chunk_work(out.layered.seqs, out.layered.num_tokens)
+            return [LayerClass(layers, tokens, work, self.activation.draw(tokens, layers))]
+        cohort_tokens = sum(out.layered.num_tokens)
+        cohort_work = attention_work(out.layered.seqs, out.layered.num_tokens)
         inside = layout.cohort_group_layers
-        group = LayerClass(inside, tokens + cohort_tokens, pairs + cohort_pairs, kv + cohort_kv,
+        group = LayerClass(inside, tokens + cohort_tokens, work + cohort_work,
                            self.activation.draw(tokens + cohort_tokens, inside))
-        rest = LayerClass(layers - inside, tokens, pairs, kv, self.activation.draw(tokens, layers - inside))
+        rest = LayerClass(layers - inside, tokens, work, self.activation.draw(tokens, layers - inside))
         return [group, rest]
+
+
+def attention_work(seqs: list[Sequence], num_tokens: list[int]) -> AttentionWork:
+    """The attention of chunks starting at each sequence's computed prefix."""
+    return AttentionWork.of_chunks([(n, seq.num_computed_tokens) for seq, n in zip(seqs, num_tokens)])
 
 
 @dataclass

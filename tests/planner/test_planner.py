@@ -75,7 +75,10 @@ def test_paper_iteration_latency_when_constraints_hold():
 
 def test_dbrx_attention_sweep_peaks_per_gpu_where_attention_and_experts_balance():
     """Figure 15's shape: with a fixed batch per attention node, adding attention nodes raises
-    per-GPU throughput until T_a ~ T_e, then the experts bound the pipeline and it falls."""
+    per-GPU throughput until the experts bound the pipeline, then it falls. Below the ridge
+    point the expert GEMMs are memory-bound, so their time grows slowly with tokens and the
+    operator model puts the peak at or past T_a ~ T_e (the roofline without curves put it at
+    balance)."""
     model, p = PRESETS["dbrx"], perf("dbrx")
     for tp_a, per_node in ((1, 128), (2, 192), (2, 256), (4, 512)):
         sweep = [evaluate_plan(model, p, CATALOG, attention_gpu="H800", tp_a=tp_a, n_a=n, expert_gpu="H800", tp_e=1,
@@ -83,7 +86,7 @@ def test_dbrx_attention_sweep_peaks_per_gpu_where_attention_and_experts_balance(
         assert all(c.network_hidden and c.pipeline_full for c in sweep)
         per_gpu = [c.per_gpu for c in sweep]
         peak = int(np.argmax(per_gpu))
-        assert 0.85 <= sweep[peak].balance <= 1.15, [round(c.balance, 2) for c in sweep]
+        assert 0.5 <= sweep[peak].balance <= 1.15, [round(c.balance, 2) for c in sweep]
         assert all(a < b for a, b in zip(per_gpu[:peak], per_gpu[1:peak + 1]))  # rising to the peak
         assert all(a > b for a, b in zip(per_gpu[peak:], per_gpu[peak + 1:]))  # falling after it
 

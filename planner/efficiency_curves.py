@@ -1,0 +1,127 @@
+"""Efficiency curves: how close each class of operator comes to a GPU's datasheet peaks, as a
+function of its problem size, plus the fixed costs the roofline leaves out (kernel launches,
+the serving framework's work per step).
+
+The roofline prices an operator at max(FLOPs / peak FLOP/s, bytes / peak bandwidth). Real
+kernels reach a fraction of either peak that grows with the problem and saturates: a GEMM of
+8 rows cannot fill the tensor cores, a 1 MB read cannot fill HBM. Each curve is that fraction
+as `peak · x / (x + half)` of a size x (tokens per GEMM, bytes read), two numbers per leg.
+Where a profile measured an operator (`operator_profile`), its table wins; the curves price
+everything else.
+
+The curves live in a YAML file (planner/efficiency_curves.yaml by default): a `default`
+entry, and per-GPU entries fitted to published measurements that override it field by field.
+docs/performance-model.md gives the fits' data and method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from megainfer.errors import PlanError
+
+DEFAULT_CURVES = Path(__file__).with_name("efficiency_curves.yaml")
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """Achieved fraction of a peak at size x: peak · x / (x + half)."""
+
+    peak: float
+    half: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.peak <= 1) or not (self.half >= 0) or not math.isfinite(self.half):
+            raise PlanError(f"an efficiency curve needs 0 < peak <= 1 and half >= 0, got {self.peak}, {self.half}")
+
+    def __call__(self, x):
+        return self.peak * x / (x + self.half)
+
+
+@dataclass(frozen=True)
+class OperatorCurves:
+    """One operator class: its FLOP-rate curve (x: tokens per GEMM, or query tokens for
+    attention) and its bandwidth curve (x: bytes the call reads)."""
+
+    flops: Saturation
+    bandwidth: Saturation
+
+
+@dataclass(frozen=True)
+class EfficiencyCurves:
+    gemm: OperatorCurves  # dense projections, router, LM head
+    moe: OperatorCurves  # grouped expert GEMMs; flops x: tokens per expert
+    attention: OperatorCurves  # flops x: a prefill chunk's query tokens; bandwidth x: KV bytes read
+    launch_s: float  # one kernel launch (and its share of synchronisation)
+    step_overhead_s: float  # the framework's fixed cost per step (scheduling, preparation, output)
+    step_overhead_per_seq_s: float  # and per sequence in the step
+    allreduce_latency_s: float  # one tensor-parallel all-reduce, beyond its bytes
+    link: float  # achieved fraction of NVLink/PCIe bandwidth in an all-reduce
+    source: str = ""  # where the figures come from
+
+    @classmethod
+    def load(cls, gpu: str, path: str | os.PathLike | None = None) -> "EfficiencyCurves":
+        """The curves for `gpu`: its entry over the file's default, or the default alone."""
+        path = Path(path) if path else DEFAULT_CURVES
+        if not path.is_file():
+            raise PlanError(f"--curves {str(path)!r}: no such file")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise PlanError(f"{path}: not valid YAML ({exc})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("default"), dict):
+            raise PlanError(f"{path}: an efficiency-curves file is a mapping with a `default` entry and GPU entries")
+        merged = dict(data["default"])
+        own = data.get(gpu)
+        if own is not None:
+            if not isinstance(own, dict):
+                raise PlanError(f"{path}: entry {gpu!r} must be a mapping of curve fields")
+            for key, value in own.items():
+                merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(
+                    merged.get(key), dict) else value
+        merged.setdefault("source", "")
+        if own is None:
+            merged["source"] = f"default curves ({gpu} has no fitted entry): {merged['source']}"
+        return cls.from_dict(merged, f"{path}: {gpu if own is not None else 'default'}")
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> "EfficiencyCurves":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise PlanError(f"{where}: unknown field {unknown[0]!r}; fields: {', '.join(sorted(names))}")
+        missing = sorted(names - set(data) - {"source"})
+        if missing:
+            raise PlanError(f"{where}: missing field {missing[0]!r}")
+        try:
+            ops = {name: OperatorCurves(Saturation(*map(float, data[name]["flops"])),
+                                         Saturation(*map(float, data[name]["bandwidth"])))
+                   for name in ("gemm", "moe", "attention")}
+            scalars = {name: float(data[name]) for name in ("launch_s", "step_overhead_s", "step_overhead_per_seq_s",
+                                                             "allreduce_latency_s", "link")}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{where}: gemm/moe/attention need flops: [peak, half] and bandwidth: [peak, half]; "
+                            f"the rest are numbers ({exc})") from None
+        if any(v < 0 or not math.isfinite(v) for v in scalars.values()) or not 0 < scalars["link"] <= 1:
+            raise PlanError(f"{where}: times must be finite and >= 0, link in (0, 1]")
+        return cls(**ops, **scalars, source=str(data.get("source", "")))
+
+    def with_values(self, **changes) -> "EfficiencyCurves":
+        """A copy with some fields replaced (the fit's search)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, OperatorCurves):
+                value = {"flops": [value.flops.peak, value.flops.half],
+                         "bandwidth": [value.bandwidth.peak, value.bandwidth.half]}
+            out[f.name] = value
+        return out

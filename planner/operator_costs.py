@@ -1,0 +1,188 @@
+"""Seconds of each operator of one instance (the model on `tp` devices, TP-sharded): from an
+operator profile where its grid covers the point, elsewhere from the roofline corrected by
+efficiency curves. Counts, per operator, how many lookups each source answered, which is what
+`plan --explain` and `simulate` report.
+
+The operators are the profile's (planner/operator_profile.py): per layer `dense`,
+`attention_decode`, `attention_prefill`, `moe`, `allreduce`; per step `lm_head`, `sampling`,
+`step_overhead`. Every method prices what one device of the instance spends (the TP ranks run
+in lockstep on 1/tp of the work each).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from megainfer.config import ModelConfig
+from planner.efficiency_curves import EfficiencyCurves, OperatorCurves
+from planner.operator_profile import OPERATOR_AXES, OperatorProfile
+
+PROFILE, CURVES = "profile", "curves"
+
+# Kernel launches per call where the curves price an operator (the profile measured them).
+LAUNCHES = {"dense": 8, "attention": 2, "moe": 6, "lm_head": 2, "sampling": 4}
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    """One device's peaks, what the curves take fractions of."""
+
+    name: str
+    flops: float  # FLOP/s
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float  # to its TP peers
+
+
+class OperatorCosts:
+    def __init__(self, model: ModelConfig, tp: int, peaks: DevicePeaks, curves: EfficiencyCurves, *,
+                 dtype_bytes: int = 2, profile: OperatorProfile | None = None) -> None:
+        if profile is not None:
+            profile.check_applies(model, tp)
+        self.model, self.tp, self.peaks, self.curves, self.profile = model, tp, peaks, curves, profile
+        self.dtype_bytes = dtype_bytes
+        self.sources: dict[str, Counter] = {op: Counter() for op in OPERATOR_AXES}
+        m = model
+        self.attn_params = m.attention_params_per_layer / tp
+        self.expert_params = m.expert_params / tp  # one expert's slice on one rank
+        self.kv_bytes_per_token = 2 * m.kv_size * dtype_bytes / tp
+        self.q_size = m.q_size / tp
+        self.head_params = m.vocab_size * m.hidden_size / tp
+        self.token_bytes = m.hidden_size * dtype_bytes
+        # Exact-point cache of table lookups: steps repeat the same few shapes.
+        self._cache: dict[tuple, float | None] = {}
+
+    # -- sources ---------------------------------------------------------------------------
+    def _lookup(self, op: str, *point: float) -> float | None:
+        """The profile's seconds at `point`, or None where no table covers it."""
+        key = (op, *point)
+        if key in self._cache:
+            value = self._cache[key]
+        else:
+            table = self.profile.table(op) if self.profile is not None else None
+            value = table(*point) if table is not None and table.covers(*point) else None
+            if len(self._cache) < 200_000:
+                self._cache[key] = value
+        self.sources[op][PROFILE if value is not None else CURVES] += 1
+        return value
+
+    def source_summary(self) -> dict[str, str]:
+        """operator -> "profile", "curves" or "profile (n% curves)" over the lookups so far;
+        operators never asked are left out."""
+        out = {}
+        for op, counts in self.sources.items():
+            total = sum(counts.values())
+            if not total:
+                continue
+            if counts[CURVES] == 0:
+                out[op] = PROFILE
+            elif counts[PROFILE] == 0:
+                out[op] = CURVES
+            else:
+                out[op] = f"{PROFILE} ({counts[CURVES] / total:.0%} outside its grid: {CURVES})"
+        return out
+
+    def reset_sources(self) -> None:
+        for counts in self.sources.values():
+            counts.clear()
+
+    # -- roofline with curves --------------------------------------------------------------
+    def _roofline(self, curves: OperatorCurves, flops: float, size: float, bytes_read: float, launches: int):
+        peaks = self.peaks
+        t_flops = flops / (peaks.flops * curves.flops(max(size, 1e-9)))
+        t_bytes = bytes_read / (peaks.hbm_bytes_per_s * curves.bandwidth(max(bytes_read, 1e-9)))
+        return np.maximum(t_flops, t_bytes) + launches * self.curves.launch_s
+
+    # -- per layer -------------------------------------------------------------------------
+    def dense(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        measured = self._lookup("dense", tokens)
+        if measured is not None:
+            return measured
+        weights = self.attn_params * self.dtype_bytes
+        return float(self._roofline(self.curves.gemm, 2 * self.attn_params * tokens, tokens, weights,
+                                    LAUNCHES["dense"]))
+
+    def attention_decode(self, seqs: int, context_tokens: float) -> float:
+        """`seqs` decoding sequences reading `context_tokens` cached tokens between them."""
+        if seqs <= 0:
+            return 0.0
+        measured = self._lookup("attention_decode", seqs, round(context_tokens / seqs))
+        if measured is not None:
+            return measured
+        kv_bytes = context_tokens * self.kv_bytes_per_token
+        # Decode attention streams the cache with a few query heads per KV head: its FLOP rate is
+        # set by the context it streams, not by a prefill chunk's query tokens.
+        return float(self._roofline(self.curves.attention, 4 * self.q_size * context_tokens, context_tokens,
+                                    kv_bytes, LAUNCHES["attention"]))
+
+    def attention_prefill(self, tokens: int, cached: int) -> float:
+        """One sequence's prompt chunk of `tokens` after `cached` tokens."""
+        if tokens <= 0:
+            return 0.0
+        measured = self._lookup("attention_prefill", tokens, cached)
+        if measured is not None:
+            return measured
+        pairs = tokens * cached + tokens * (tokens + 1) / 2
+        kv_bytes = (cached + tokens) * self.kv_bytes_per_token
+        return float(self._roofline(self.curves.attention, 4 * self.q_size * pairs, tokens, kv_bytes,
+                                    LAUNCHES["attention"]))
+
+    def moe(self, tokens: int, active_experts: np.ndarray | int) -> float:
+        """The expert half summed over layers: one entry of `active_experts` per layer (or one
+        count for a single layer), each layer's `tokens` tokens spread over its active experts."""
+        if tokens <= 0:
+            return 0.0
+        counts, layers = np.unique(np.atleast_1d(active_experts), return_counts=True)
+        pairs = tokens * self.model.top_k
+        total = 0.0
+        for experts, n in zip(counts.tolist(), layers.tolist()):
+            experts = max(1, experts)
+            per_expert = pairs / experts
+            measured = self._lookup("moe", per_expert, experts)
+            if measured is None:
+                flops = 2 * self.expert_params * pairs  # gate, up and down: expert_params counts all three
+                measured = float(self._roofline(self.curves.moe, flops, per_expert,
+                                                experts * self.expert_params * self.dtype_bytes, LAUNCHES["moe"]))
+            total += n * measured
+        return total
+
+    def allreduce(self, tokens: int) -> float:
+        """One all-reduce of `tokens` hidden vectors over the instance's TP ranks (0 at tp 1)."""
+        if self.tp == 1 or tokens <= 0:
+            return 0.0
+        size = tokens * self.token_bytes
+        measured = self._lookup("allreduce", size)
+        if measured is not None:
+            return measured
+        ring = 2 * (self.tp - 1) / self.tp * size
+        return self.curves.allreduce_latency_s + ring / (self.peaks.link_bytes_per_s * self.curves.link)
+
+    # -- per step --------------------------------------------------------------------------
+    def lm_head(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        measured = self._lookup("lm_head", tokens)
+        if measured is not None:
+            return measured
+        return float(self._roofline(self.curves.gemm, 2 * self.head_params * tokens, tokens,
+                                    self.head_params * self.dtype_bytes, LAUNCHES["lm_head"]))
+
+    def sampling(self, seqs: int) -> float:
+        if seqs <= 0:
+            return 0.0
+        measured = self._lookup("sampling", seqs)
+        if measured is not None:
+            return measured
+        logits_bytes = seqs * self.model.vocab_size * 4
+        return LAUNCHES["sampling"] * self.curves.launch_s + logits_bytes / (
+            self.peaks.hbm_bytes_per_s * self.curves.gemm.bandwidth(logits_bytes))
+
+    def step_overhead(self, seqs: int) -> float:
+        measured = self._lookup("step_overhead", max(seqs, 1))
+        if measured is not None:
+            return measured
+        return self.curves.step_overhead_s + self.curves.step_overhead_per_seq_s * seqs
