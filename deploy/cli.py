@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_frontend_options(p)
     p.add_argument("--router", choices=list(ROUTERS),
                    help="how requests are spread over attention nodes (default: the plan's serve.router)")
+    p.add_argument("--profile", metavar="PATH",
+                   help="operator profile from `megainfer profile`: the predictive router's prior step model "
+                        "(default: its generic prior, until each node's own steps calibrate it)")
     p.add_argument("--demo", type=int, default=0, metavar="N",
                    help="send N requests through the server, print the answers, then shut down")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per --demo request")
@@ -89,14 +92,30 @@ def _served_model(plan, args: argparse.Namespace):
     return ServedModel.load(plan.model, args.served_model_name, args.chat_template)
 
 
+def _router_prior(plan, args: argparse.Namespace) -> tuple[float, ...] | None:
+    """The predictive router's prior from the profile's step model, where one was given."""
+    if not args.profile:
+        return None
+    from megainfer.config import resolve_model
+    from megainfer.routing.step_prior import step_prior
+    from planner.catalog import Catalog
+    from planner.operator_profile import OperatorProfile
+    from planner.step_cost_model import ColocatedStepModel
+
+    profile = OperatorProfile.load(args.profile)
+    gpu = Catalog.load()[profile.device.catalog_name] if profile.device.catalog_name else None
+    return step_prior(ColocatedStepModel(resolve_model(plan.model)[0], gpu, profile.tp, profile=profile))
+
+
 def _start(plan, args: argparse.Namespace):
+    prior = _router_prior(plan, args)
     if plan.autoscale is not None:
         from deploy.replicas import ReplicaSet
 
-        return ReplicaSet(plan, address=args.address, device=args.device).start()
+        return ReplicaSet(plan, address=args.address, device=args.device, step_prior=prior).start()
     from deploy.deployment import Deployment
 
-    return Deployment(plan, address=args.address, device=args.device).start()
+    return Deployment(plan, address=args.address, device=args.device, step_prior=prior).start()
 
 
 def max_model_len(deployment) -> int:

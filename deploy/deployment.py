@@ -30,15 +30,18 @@ class Deployment:
     """One replica of a plan behind its own router."""
 
     def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True,
-                 device: str | None = None) -> None:
+                 device: str | None = None, step_prior: tuple[float, ...] | None = None) -> None:
         """`device`: where tensors live, default the plan's; "cpu" rehearses a GPU plan (its
-        placement, GPU types and groups) with CPU tensors."""
+        placement, GPU types and groups) with CPU tensors. `step_prior`: the predictive
+        router's prior step model (routing.step_prior), where the plan routes predictively."""
         self.plan = plan
         self.address = address
         self.show_progress = show_progress
         self.model = checked_model(plan)
         self.runtime = runtime_of(plan, device)
-        self.frontend = Frontend(make_router(plan.serve.router), max_open_requests(plan))
+        predictive = plan.serve.router == "predictive" and step_prior is not None
+        router = make_router(plan.serve.router, step_prior=step_prior) if predictive else make_router(plan.serve.router)
+        self.frontend = Frontend(router, max_open_requests(plan))
         self.group: NodeGroup | None = None
         self.supervisor: Supervisor | None = None
         self._started_ray = False

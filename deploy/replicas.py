@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 class ReplicaSet:
     def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True,
-                 device: str | None = None) -> None:
+                 device: str | None = None, step_prior: tuple[float, ...] | None = None) -> None:
+        """`step_prior`: the predictive router's prior step model (routing.step_prior)."""
         if plan.autoscale is None:
             raise ValueError("ReplicaSet needs a plan with an autoscale section")
         self.plan = plan
@@ -47,7 +48,7 @@ class ReplicaSet:
         self.model = checked_model(plan)
         self.runtime = runtime_of(plan, device)
         self.autoscaler = Autoscaler(plan.autoscale)
-        self.frontend = Frontend(make_router("predictive"), max_open_requests(plan))
+        self.frontend = Frontend(make_router("predictive", step_prior=step_prior), max_open_requests(plan))
         self.replicas: list[NodeGroup] = []
         self._supervisors: list[Supervisor] = []
         self._last_request: list[float] = []  # per replica: when it last got a request (or started)
