@@ -9,9 +9,11 @@ bytes follow from the batches the scheduler forms, at no per-token cost:
   adds a hypergeometric number of new experts), so the distribution for t tokens is the
   start state times the transition matrix to the t-th power;
 - skewed routing (MegaScale-Infer §8 observes a few hot experts per layer): expert e's
-  popularity falls as rank^-skew, a token picks its top_k by weighted sampling without
-  replacement, and the count for t tokens is the Poisson-binomial of each expert's chance
-  to be picked at least once, 1 - (1 - q_e)^t.
+  popularity falls as (rank + rank_offset)^-skew (rank 1 the hottest; rank_offset 0 is a
+  plain Zipf law, a larger offset flattens the head), a token picks its top_k by weighted
+  sampling without replacement, and the count for t tokens is the Poisson-binomial of each
+  expert's chance to be picked at least once, 1 - (1 - q_e)^t, with q_e from
+  `inclusion_probability`. `routing_skew` fits skew and rank_offset to measured coverage.
 
 Distributions are cached per token count until every expert is active with certainty (to
 1e-12); beyond that the count is num_experts.
@@ -30,12 +32,16 @@ _POOL = 4096  # draws per token count generated at once
 
 
 class ExpertActivation:
-    def __init__(self, num_experts: int, top_k: int, *, skew: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, num_experts: int, top_k: int, *, skew: float = 0.0, rank_offset: float = 0.0,
+                 seed: int = 0) -> None:
         if not 1 <= top_k <= num_experts:
             raise ConfigError(f"top_k {top_k} must lie in 1..num_experts ({num_experts})")
         if skew < 0 or not math.isfinite(skew):
             raise ConfigError(f"--expert-skew must be a finite number >= 0 (0 = uniform), got {skew}")
-        self.num_experts, self.top_k, self.skew = num_experts, top_k, skew
+        if rank_offset < 0 or not math.isfinite(rank_offset):
+            raise ConfigError(f"expert rank offset must be a finite number >= 0 (popularity ~ (rank + offset)^-skew), "
+                              f"got {rank_offset}")
+        self.num_experts, self.top_k, self.skew, self.rank_offset = num_experts, top_k, skew, rank_offset
         self.rng = np.random.default_rng(seed)
         self._cdfs: dict[int, np.ndarray] = {}  # tokens -> CDF of the count
         self._pools: dict[int, tuple[np.ndarray, int]] = {}  # tokens -> (drawn counts, next unused)
@@ -52,16 +58,10 @@ class ExpertActivation:
             self._dist[0] = 1.0
             self._chain_tokens = 0
         else:
-            self.pick_probability = self._pick_probability(np.arange(1, e + 1, dtype=np.float64) ** -skew)
+            popularity = (np.arange(1, e + 1, dtype=np.float64) + rank_offset) ** -skew
+            self.pick_probability = np.minimum(inclusion_probability(popularity, k), 1.0)
+            self._roots = np.exp(2j * np.pi * np.arange(e + 1) / (e + 1))
         self._cdfs[0] = np.ones(e + 1)  # zero tokens: count 0
-
-    def _pick_probability(self, weights: np.ndarray, samples: int = 20000) -> np.ndarray:
-        """q_e, the chance one token's top_k contains expert e: weighted sampling without
-        replacement, estimated once with Gumbel top-k over `samples` tokens (fixed seed)."""
-        rng = np.random.default_rng(12345)
-        keys = np.log(weights) + rng.gumbel(size=(samples, len(weights)))
-        top = np.argpartition(-keys, self.top_k - 1, axis=1)[:, :self.top_k]
-        return np.bincount(top.ravel(), minlength=len(weights)) / samples
 
     def _cdf(self, tokens: int) -> np.ndarray | None:
         """CDF of the count for `tokens` tokens, or None once every expert is surely active."""
@@ -79,12 +79,11 @@ class ExpertActivation:
                     return None
                 self._cdfs[self._chain_tokens] = np.cumsum(self._dist)
             return self._cdfs[tokens]
-        p = 1.0 - (1.0 - self.pick_probability) ** tokens
-        dist = np.zeros(self.num_experts + 1)
-        dist[0] = 1.0
-        for i, pe in enumerate(p):  # Poisson-binomial, one expert at a time
-            dist[1:i + 2] = dist[1:i + 2] * (1 - pe) + dist[:i + 1] * pe
-            dist[0] *= 1 - pe
+        p = -np.expm1(tokens * np.log1p(-self.pick_probability))  # expert e picked at least once
+        # The Poisson-binomial from its generating function at the num_experts + 1 roots of
+        # unity (an inverse DFT): exact to rounding, one vectorised product per token count.
+        generating = np.prod(1.0 - p + p * self._roots[:, None], axis=1)
+        dist = np.maximum(np.fft.fft(generating).real / (self.num_experts + 1), 0.0)
         if dist[-1] >= _SATURATED:
             self._saturated_at = tokens if self._saturated_at is None else min(self._saturated_at, tokens)
             return None
@@ -116,3 +115,41 @@ class ExpertActivation:
             return float(self.num_experts)
         dist = np.diff(np.concatenate([[0.0], cdf]))
         return float(dist @ np.arange(self.num_experts + 1))
+
+
+def inclusion_probability(weights: np.ndarray, top_k: int, nodes: int = 512) -> np.ndarray:
+    """q_e, the chance that a token's top_k contains expert e when it picks top_k experts by
+    weighted sampling without replacement (each pick in proportion to `weights` among those
+    left), exact up to quadrature; the q_e sum to top_k.
+
+    That sampling is the top_k of the keys log w_j + Gumbel noise. Write u = exp(-key_e): u is
+    exponential with rate w_e, and another expert j's key beats key_e with chance
+    1 - exp(-w_j u), independently of the rest. So q_e is the integral over u of the chance
+    that fewer than top_k of the others beat it (a Poisson-binomial, built from prefix and
+    suffix counts so each expert is left out once); the integral runs over log u, where the
+    integrand decays doubly exponentially at both ends and the trapezoid rule converges fast.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    e, k = len(w), top_k
+    u_low = 1e-9 / w.max()  # below: every key beats nobody, P(fewer than k) = 1 to 1e-9
+    log_u = np.linspace(math.log(u_low), math.log(60.0 / w.min()), nodes)
+    u = np.exp(log_u)
+    beats = -np.expm1(-np.outer(u, w))  # [node, j]: expert j's key beats the threshold
+    # prefix[j][node, c]: chance exactly c of experts 0..j-1 beat it (c < k; more never matter).
+    prefix = np.zeros((e + 1, nodes, k))
+    prefix[0, :, 0] = 1.0
+    suffix = np.zeros((e + 1, nodes, k))  # suffix[j]: the same for experts j..e-1
+    suffix[e, :, 0] = 1.0
+    for j in range(e):
+        p = beats[:, j:j + 1]
+        prefix[j + 1] = prefix[j] * (1 - p)
+        prefix[j + 1, :, 1:] += prefix[j, :, :-1] * p
+        i = e - 1 - j
+        p = beats[:, i:i + 1]
+        suffix[i] = suffix[i + 1] * (1 - p)
+        suffix[i, :, 1:] += suffix[i + 1, :, :-1] * p
+    at_most = np.cumsum(suffix[1:], axis=2)[:, :, ::-1]  # [e, node, a]: others after e number <= k-1-a
+    fewer = np.einsum("enc,enc->en", prefix[:e], at_most)  # fewer than k others beat expert e
+    density = w[:, None] * u * np.exp(-np.outer(w, u))  # of u_e, per unit log u
+    return np.trapezoid(density * fewer, log_u, axis=1) - np.expm1(-w * u_low)

@@ -15,6 +15,7 @@ from megainfer.config import PRESETS, EngineConfig
 from megainfer.errors import ConfigError, PlanError
 from megainfer.simulator.expert_load import ExpertActivation
 from megainfer.simulator.experiment import SimulationSpec, rate_range, ratios
+from megainfer.simulator.routing_skew import FITTED_SKEW
 from megainfer.simulator.sim import Simulator
 from megainfer.simulator.workload import SimRequest, arrival_times, describe, generate, load_trace
 from planner.catalog import Catalog
@@ -129,9 +130,10 @@ def test_single_request_timeline_is_the_sum_of_its_steps(h100x2, monkeypatch):
 
 def test_layered_reads_fewer_expert_bytes_for_one_long_prompt(h100x2):
     """Chunked: every one of the 8 chunks reads every expert of every layer. Layered: the cohort
-    passes each layer once (8,192 tokens activate all experts), so a full read happens once."""
+    passes each layer once (8,192 tokens activate all experts), so a full read happens once.
+    Uniform routing, where 512 tokens surely activate all 128 experts."""
     full_read = QWEN.num_layers * QWEN.num_experts * QWEN.expert_params * 2
-    res = {p: Simulator(QWEN, h100x2, EngineConfig(prefill_policy=p, max_num_batched_tokens=512))
+    res = {p: Simulator(QWEN, h100x2, EngineConfig(prefill_policy=p, max_num_batched_tokens=512), expert_skew=0.0)
            .run([SimRequest(0.0, 4096, 1)]) for p in ("chunked", "layered")}
     assert res["chunked"].expert_bytes == pytest.approx(8 * full_read)
     assert res["layered"].expert_bytes == pytest.approx(full_read)
@@ -164,9 +166,11 @@ def test_arxiv_at_1_3_req_s_matches_the_papers_direction_and_size():
 
 
 def test_sharegpt_at_4_4_req_s_saves_expert_bytes():
-    uniform, skewed = ratios(_compare("sharegpt", 4.4)), ratios(_compare("sharegpt", 4.4, skew=1.0))
+    uniform, skewed = ratios(_compare("sharegpt", 4.4)), ratios(_compare("sharegpt", 4.4, skew=FITTED_SKEW))
     assert uniform["expert_bytes"] < 0.98
-    assert skewed["expert_bytes"] <= 0.92  # hot experts: decode batches read fewer, prefill chunks still all
+    # Routing fitted to the measured coverage: decode batches read fewer experts, prefill chunks
+    # still nearly all (the paper measured -12%).
+    assert skewed["expert_bytes"] <= 0.92
 
 
 # -- workloads -------------------------------------------------------------------------------
