@@ -9,18 +9,19 @@ import sys
 import time
 
 from megainfer.cli.options import positive_int
+from megainfer.cli.step_model_options import add_step_model_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from megainfer.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
+
     p = sub.add_parser(
         "simulate", help="simulate the scheduler on a GPU instance: chunked vs layered prefill",
         description="Drive the real scheduler with the planner's performance model in place of the model, over a "
                     "generated workload (ShareGPT or arXiv lengths, Poisson or bursty arrivals) or a JSONL trace; "
                     "print TTFT, TBT, SLO attainment, throughput, expert-weight bytes and an energy estimate.")
     p.add_argument("--model", default="qwen3-30b-a3b", help="preset name or checkpoint directory")
-    p.add_argument("--gpu", default="H100", help="GPU type from the catalog")
-    p.add_argument("--tp", type=positive_int, default=2, help="GPUs of the colocated instance (tensor parallel)")
-    p.add_argument("--catalog", help="GPU catalog YAML (default: the built-in one)")
+    add_step_model_options(p, default_tp=2, gpu_help="GPU type from the catalog")
     p.add_argument("--workload", default="arxiv",
                    help="sharegpt, arxiv, or a JSONL trace of {arrival, input_len, output_len} lines")
     p.add_argument("--rate", type=float, default=1.0, help="requests per second")
@@ -32,8 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-tokens", type=positive_int, default=512, help="layered: prompt tokens per layer group")
     p.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--expert-skew", type=float, default=0.0,
-                   help="expert popularity ~ rank^-S per layer (0: uniform routing)")
+    p.add_argument("--expert-skew", type=float, default=FITTED_SKEW,
+                   help=f"expert popularity ~ (rank + {FITTED_RANK_OFFSET:g})^-S per layer, each token's top-k drawn "
+                        f"by it; the default {FITTED_SKEW:g} is fitted to Qwen3-30B-A3B's measured expert coverage "
+                        f"on ShareGPT (megainfer/simulator/routing_skew.py); 0: uniform routing")
     p.add_argument("--tbt-slo-ms", type=float, default=125.0)
     p.add_argument("--ttft-slo-s", type=float, default=10.0)
     p.add_argument("--sweep-rates", metavar="A:B:STEP", help="SLO attainment against request rate, both policies")
@@ -47,15 +50,14 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.config import resolve_model
     from megainfer.errors import ConfigError
     from megainfer.simulator import experiment as ex
-    from planner.catalog import Catalog
-    from planner.step_cost_model import ColocatedStepModel
+    from megainfer.cli.step_model_options import build_step_models, describe_sources
 
     if args.tbt_slo_ms <= 0 or args.ttft_slo_s <= 0:
         raise ConfigError("--tbt-slo-ms and --ttft-slo-s must be positive")
     if args.plot and not args.sweep_rates:
         raise ConfigError("--plot draws the rate sweep; add --sweep-rates A:B:STEP")
     model, _ = resolve_model(args.model)
-    step_model = ColocatedStepModel(model, Catalog.load(args.catalog)[args.gpu], args.tp)
+    step_model, = build_step_models(args, model, default_tp=2)
     policies = ("chunked", "layered") if args.policy == "both" or args.sweep_rates else (args.policy,)
     spec = ex.SimulationSpec(
         model=model, step_model=step_model, workload=args.workload, rate=args.rate, num_requests=args.requests,
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             ex.plot_sweep(rows, spec, args.plot)
             print(f"plot: {args.plot}")
+    print(describe_sources(step_model))
     print(f"simulated in {time.perf_counter() - started:.1f} s")
     if args.json:
         with open(args.json, "w") as f:

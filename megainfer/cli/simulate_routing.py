@@ -9,6 +9,7 @@ import sys
 import time
 
 from megainfer.cli.options import positive_int
+from megainfer.cli.step_model_options import add_step_model_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,11 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "router over a generated workload at each rate; print P99 TTFT per rate, each router's capacity "
                     "(the highest rate with P99 TTFT under the SLO) and the predictive router's prediction error.")
     p.add_argument("--model", default="qwen3-30b-a3b", help="preset name or checkpoint directory")
-    p.add_argument("--gpu", default="H100",
-                   help="GPU type from the catalog; a comma-separated list makes a mixed fleet (replicas take them "
-                        "in turn, e.g. H100,A100)")
-    p.add_argument("--tp", type=positive_int, default=1, help="GPUs per replica (tensor parallel)")
-    p.add_argument("--catalog", help="GPU catalog YAML (default: the built-in one)")
+    add_step_model_options(p, default_tp=1, gpu_help="GPU type from the catalog; a comma-separated list makes a "
+                                                      "mixed fleet (replicas take them in turn, e.g. H100,A100)")
     p.add_argument("--replicas", type=positive_int, default=12)
     p.add_argument("--routers", default="round_robin,least_loaded,predictive",
                    help="comma-separated: round_robin, random, least_loaded, predictive")
@@ -44,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.routing.policies import ROUTERS
     from megainfer.simulator import routing_experiment as rx
     from megainfer.simulator.experiment import rate_range
-    from planner.catalog import Catalog
-    from planner.step_cost_model import ColocatedStepModel
+    from megainfer.cli.step_model_options import build_step_models
+    from megainfer.routing.step_prior import step_prior
+    from planner.step_cost_model import device_label
 
     routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
     bad = [r for r in routers if r not in ROUTERS]
@@ -54,15 +53,15 @@ def run(args: argparse.Namespace) -> int:
     if args.ttft_slo_s <= 0 or args.snapshot_s <= 0:
         raise ConfigError("--ttft-slo-s and --snapshot-s must be positive")
     model, _ = resolve_model(args.model)
-    catalog = Catalog.load(args.catalog)
-    gpus = [g.strip() for g in args.gpu.split(",") if g.strip()]
-    step_models = [ColocatedStepModel(model, catalog[g], args.tp) for g in gpus]
-    spec = rx.RoutingSpec(model=model, step_models=step_models,
+    step_models = build_step_models(args, model, default_tp=1)
+    # The predictive router starts every replica from the first step model's prices.
+    spec = rx.RoutingSpec(model=model, step_models=step_models, step_prior=step_prior(step_models[0]),
                           replicas=args.replicas, routers=routers, workload=args.workload,
                           num_requests=args.requests, chunk_size=args.chunk_size, ttft_slo_s=args.ttft_slo_s,
                           snapshot_s=args.snapshot_s, seed=args.seed)
     rates = rate_range(args.sweep_rates)
-    print(f"{args.replicas} replicas of {model.name} on {args.tp} x {args.gpu}; {args.workload}, Poisson arrivals, "
+    fleet = ", ".join(dict.fromkeys(device_label(m) for m in step_models))
+    print(f"{args.replicas} replicas of {model.name} on {fleet}; {args.workload}, Poisson arrivals, "
           f"{args.requests} requests per rate; chunk {args.chunk_size} tokens; state every {args.snapshot_s:g} s")
     started = time.perf_counter()
 
