@@ -6,8 +6,10 @@ The workload (serve_datasets.py) depends only on the tokenizer, the seed and the
 arguments; requests go out on vLLM's schedule: all at once for a rate of inf, else gaps drawn
 from a gamma distribution of shape --burstiness and mean 1/rate (burstiness 1 is a Poisson
 process; the gaps are scaled so the last request leaves at num_prompts / rate), with at most
---max-concurrency in flight. One asyncio client carries every request (serve_requests.py); the
-figures are vLLM's (serve_metrics.py).
+--max-concurrency in flight. A trace (--dataset-name trace) brings its own schedule: each request
+leaves at its arrival after the start, so --request-rate and --burstiness do not apply and are
+refused. One asyncio client carries every request (serve_requests.py); the figures are vLLM's
+(serve_metrics.py).
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ class ServeBenchConfig:
         if self.endpoint is not None and not self.endpoint.endswith(suffix):
             raise ConfigError(f"--endpoint {self.endpoint}: --backend {self.backend} needs a path ending in {suffix} "
                               f"(e.g. {OPENAI_ENDPOINTS[self.backend]})")
+        if self.dataset.name == "trace":
+            if math.isfinite(self.request_rate) or self.burstiness != 1.0:
+                raise ConfigError("--request-rate and --burstiness pace generated requests; --dataset-name trace "
+                                  "sends each request at its arrival in the trace: drop them (or rescale the "
+                                  "trace's arrivals)")
+            if self.backend == "openai-chat":
+                raise ConfigError("--dataset-name trace sends prompts of exactly input_len token ids, which "
+                                  "/v1/chat/completions cannot take (its chat template adds tokens); use --backend "
+                                  "openai or megainfer-grpc")
         if not self.request_rate > 0:
             raise ConfigError(f"--request-rate must be positive (or inf), got {self.request_rate}")
         if not self.burstiness > 0:
@@ -118,7 +129,8 @@ def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random
     return times * (n / request_rate) / times[-1] if times[-1] > 0 else times
 
 
-def load_bench_tokenizer(name: str) -> Tokenizer:
+def load_bench_tokenizer(name: str) -> tuple[Tokenizer, int]:
+    """The tokenizer of model `name` and the model's context (max_position_embeddings)."""
     try:
         cfg, checkpoint = resolve_model(name)
     except (ConfigError, CheckpointError) as exc:
@@ -127,7 +139,7 @@ def load_bench_tokenizer(name: str) -> Tokenizer:
     if tokenizer is None:
         raise ConfigError(f"--tokenizer {name}: it has no tokenizer.json and its vocabulary is not bytes; pass "
                           f"--tokenizer a checkpoint directory (or Hugging Face id) with a tokenizer")
-    return tokenizer
+    return tokenizer, cfg.max_position_embeddings
 
 
 def run(config: ServeBenchConfig, metadata: dict[str, str] | None = None) -> dict[str, Any]:
@@ -145,11 +157,14 @@ async def _run(config: ServeBenchConfig, metadata: dict[str, str]) -> dict[str, 
         else:
             model_name, model_id = config.served_model_name or config.model, config.model
         tokenizer_id = config.tokenizer or model_id
-        tokenizer = load_bench_tokenizer(tokenizer_id)
-        requests = sample_requests(config.dataset, tokenizer)
-        distribution = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
-        print(f"Traffic request rate: {config.request_rate}")
-        print(f"Burstiness factor: {config.burstiness} ({distribution})")
+        tokenizer, max_model_len = load_bench_tokenizer(tokenizer_id)
+        requests = sample_requests(config.dataset, tokenizer, max_model_len)
+        if config.dataset.name == "trace":
+            print(f"Traffic: trace arrivals, {len(requests)} requests over {requests[-1].arrival_s:.2f} s")
+        else:
+            distribution = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
+            print(f"Traffic request rate: {config.request_rate}")
+            print(f"Burstiness factor: {config.burstiness} ({distribution})")
         print(f"Maximum request concurrency: {config.max_concurrency}")
         outputs, duration = await _send(config, requests, session, model_name)
     output_lens = output_lengths(outputs, tokenizer)
@@ -164,7 +179,7 @@ async def _run(config: ServeBenchConfig, metadata: dict[str, str]) -> dict[str, 
     print(format_block(fields, config.max_concurrency, config.request_rate, config.percentile_metrics))
     header = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": config.backend,
               "backend": config.backend, "label": config.label, "model_id": model_id, "tokenizer_id": tokenizer_id,
-              "num_prompts": config.dataset.num_prompts, **metadata,
+              "num_prompts": len(outputs), **metadata,
               "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
               "burstiness": config.burstiness, "max_concurrency": config.max_concurrency}
     return {**header, **fields}
@@ -182,15 +197,19 @@ async def _send(config: ServeBenchConfig, requests: list[SampleRequest], session
         bar.update(1)
         return output
 
-    times = arrival_times(len(requests), config.request_rate, config.burstiness,
-                          np.random.default_rng(config.dataset.seed))
+    if config.dataset.name == "trace":
+        times = np.array([request.arrival_s for request in requests])
+    else:
+        times = arrival_times(len(requests), config.request_rate, config.burstiness,
+                              np.random.default_rng(config.dataset.seed))
     tasks = []
     start = time.perf_counter()
     for request, at in zip(requests, times):
         if (wait := start + at - time.perf_counter()) > 0:
             await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(one(RequestInput(
-            prompt=request.prompt, prompt_len=request.prompt_len, output_len=request.expected_output_len,
+            prompt=request.prompt if request.prompt_token_ids is None else list(request.prompt_token_ids),
+            prompt_len=request.prompt_len, output_len=request.expected_output_len,
             model=model_name, url=config.api_url, request_id=request.request_id, ignore_eos=config.ignore_eos,
             sampling=config.sampling))))
     outputs = list(await asyncio.gather(*tasks))

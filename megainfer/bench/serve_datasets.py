@@ -1,5 +1,5 @@
 """The prompts of `megainfer bench serve`: vLLM's ShareGPT and random datasets, sampled as
-`vllm bench serve` samples them.
+`vllm bench serve` samples them, and a recorded trace replayed request for request.
 
 - sharegpt: a JSON list of {"conversations": [{"from": "human", "value": ...}, {"from": "gpt",
   "value": ...}, ...]}. Entries with fewer than two turns are dropped and the rest shuffled with
@@ -13,6 +13,12 @@
   consecutive non-special token ids from a random offset, decoded to text and re-encoded until the
   text is the intended number of tokens (up to 10 tries; a tokenizer that merges or splits across
   the joins leaves a few tokens off, and the prompt length is what the text re-encodes to).
+- trace: a JSONL file of {"arrival": s, "input_len": tokens, "output_len": tokens} lines, the
+  simulator's trace format (read by megainfer.simulator.workload.load_trace, so a trace means the
+  same requests to the simulator and to a server). Each request carries its arrival and a prompt of
+  exactly input_len token ids (runs of consecutive non-special ids from a random offset, as the
+  random dataset draws them), sent as ids: no tokenizer round trip changes its length. The
+  requests come in arrival order; --num-prompts keeps the file's first N lines.
 
 Lengths are counted with the benchmark's tokenizer. Nothing here depends on the backend, so the
 same seed and dataset arguments give the same prompts to every backend.
@@ -29,9 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from megainfer.errors import ConfigError
+from megainfer.simulator.workload import load_trace
 from megainfer.tokenizer import Tokenizer
 
-DATASETS = ("sharegpt", "random")
+DATASETS = ("sharegpt", "random", "trace")
 SHAREGPT_URL = ("https://huggingface.co/datasets/anon8231489123/ShareGPT_Vicuna_unfiltered/resolve/main/"
                 "ShareGPT_V3_unfiltered_cleaned_split.json")
 # vLLM's ShareGPT filter (datasets/utils.py is_valid_sequence), in tokens.
@@ -45,6 +52,8 @@ class SampleRequest:
     prompt_len: int  # tokens, as the benchmark's tokenizer counts them
     expected_output_len: int  # tokens asked for (max_tokens)
     request_id: str
+    prompt_token_ids: tuple[int, ...] | None = None  # sent instead of the text where set (trace)
+    arrival_s: float | None = None  # seconds after the start it is sent (trace); None: paced by the rate
 
 
 @dataclass
@@ -52,8 +61,8 @@ class DatasetSpec:
     """The dataset arguments of `bench serve` (vLLM's flags and defaults)."""
 
     name: str = "random"
-    path: str | None = None  # sharegpt: the JSON file
-    num_prompts: int = 1000
+    path: str | None = None  # sharegpt: the JSON file; trace: the JSONL file
+    num_prompts: int | None = 1000  # trace: the file's first N lines, None: all of them
     seed: int = 0
     sharegpt_output_len: int | None = None  # None: each conversation's own answer length
     random_input_len: int = 1024
@@ -68,10 +77,15 @@ class DatasetSpec:
         if self.name == "sharegpt" and self.path is None:
             raise ConfigError(f"--dataset-name sharegpt needs --dataset-path, a ShareGPT JSON file; download "
                               f"{SHAREGPT_URL} (the file vLLM's benchmarks use)")
+        if self.name == "trace" and self.path is None:
+            raise ConfigError('--dataset-name trace needs --dataset-path, a JSONL file of {"arrival": s, '
+                              '"input_len": tokens, "output_len": tokens} lines')
         if self.name == "random" and self.path is not None:
             raise ConfigError(f"--dataset-name random takes no --dataset-path (got {self.path}); for a ShareGPT "
-                              f"file use --dataset-name sharegpt")
-        if self.num_prompts <= 0:
+                              f"file use --dataset-name sharegpt, for a JSONL trace --dataset-name trace")
+        if self.num_prompts is None and self.name != "trace":
+            raise ConfigError(f"--dataset-name {self.name} needs --num-prompts")
+        if self.num_prompts is not None and self.num_prompts <= 0:
             raise ConfigError(f"--num-prompts must be positive, got {self.num_prompts}")
         for flag, value in (("--sharegpt-output-len", self.sharegpt_output_len),
                             ("--random-output-len", self.random_output_len)):
@@ -84,10 +98,39 @@ class DatasetSpec:
             raise ConfigError(f"--random-range-ratio must lie in [0, 1), got {self.random_range_ratio}")
 
 
-def sample_requests(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleRequest]:
+def sample_requests(spec: DatasetSpec, tokenizer: Tokenizer, max_model_len: int | None = None) -> list[SampleRequest]:
+    """The run's requests. `max_model_len`: the context a trace's requests must fit (trace only)."""
     if spec.name == "sharegpt":
         return sample_sharegpt(spec, tokenizer)
+    if spec.name == "trace":
+        if max_model_len is None:
+            raise ValueError("a trace is checked against the model's context: pass max_model_len")
+        return sample_trace(spec, tokenizer, max_model_len)
     return sample_random(spec, tokenizer)
+
+
+def sample_trace(spec: DatasetSpec, tokenizer: Tokenizer, max_model_len: int) -> list[SampleRequest]:
+    """The trace's requests in arrival order, each prompt exactly its input_len token ids."""
+    if not Path(spec.path).is_file():
+        raise ConfigError(f"--dataset-path {spec.path}: no such file; a trace is a JSONL file of "
+                          f'{{"arrival": s, "input_len": tokens, "output_len": tokens}} lines')
+    trace = load_trace(spec.path, max_model_len=max_model_len, num_requests=spec.num_prompts)
+    rng = np.random.default_rng(spec.seed)
+    allowed = _non_special_ids(tokenizer)
+    offsets = rng.integers(0, len(allowed), size=len(trace))
+    samples = []
+    for i, (request, offset) in enumerate(zip(trace, offsets)):
+        ids = tuple(allowed[(offset + i + np.arange(request.input_len)) % len(allowed)].tolist())
+        samples.append(SampleRequest(tokenizer.decode(list(ids)), request.input_len, request.output_len,
+                                     f"{spec.request_id_prefix}{i}", prompt_token_ids=ids,
+                                     arrival_s=request.arrival_s))
+    return samples
+
+
+def _non_special_ids(tokenizer: Tokenizer) -> np.ndarray:
+    """Every token id but BOS and the EOS ids: prompt material that neither starts nor stops anything."""
+    special = {*tokenizer.eos_token_ids, tokenizer.bos_token_id} - {None}
+    return np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(special))
 
 
 def sample_sharegpt(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleRequest]:
@@ -158,8 +201,7 @@ def sample_random(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleRequest
     input_lens = rng.integers(input_low, input_high + 1, size=n)
     output_lens = rng.integers(output_low, output_high + 1, size=n)
     offsets = rng.integers(0, tokenizer.vocab_size, size=n)
-    special = {*tokenizer.eos_token_ids, tokenizer.bos_token_id} - {None}
-    allowed = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(special))
+    allowed = _non_special_ids(tokenizer)
     prefix = allowed[rng.integers(0, len(allowed), size=spec.random_prefix_len)].tolist() \
         if spec.random_prefix_len else []
     samples = []

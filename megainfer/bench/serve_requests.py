@@ -2,9 +2,10 @@
 `vllm bench serve` times it, over one asyncio client per run.
 
 - megainfer-grpc: megainfer.v1.Inference/Generate over a grpc.aio channel; a response carrying
-  token ids is a chunk.
+  token ids is a chunk. A prompt of token ids goes in the request's token_ids field.
 - openai: POST /v1/completions with stream=True and stream_options.include_usage; each
-  server-sent event with `choices` is a chunk (its text may be empty).
+  server-sent event with `choices` is a chunk (its text may be empty). A prompt of token ids is
+  sent as OpenAI's list-of-integers prompt.
 - openai-chat: POST /v1/chat/completions, the same, the text in choices[0].delta.content.
 
 Per request: TTFT is sent -> first chunk; ITL one gap per pair of consecutive chunks (a chunk
@@ -46,7 +47,7 @@ SERVER_DEFAULTED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
 
 @dataclass
 class RequestInput:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (megainfer-grpc and openai send ids as they are)
     prompt_len: int
     output_len: int  # max_tokens
     model: str  # the name sent in the request (the served model name)

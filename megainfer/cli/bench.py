@@ -9,7 +9,7 @@ from megainfer.cli.options import add_engine_options, engine_config, length_rang
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (engine, m2n)", description="Benchmarks.")
+    p = sub.add_parser("bench", help="benchmarks (engine, m2n, serve, simulator, ...)", description="Benchmarks.")
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
 
     e = benches.add_parser("engine", help="offline throughput of the engine, optionally against transformers",
@@ -87,12 +87,54 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     sv = benches.add_parser(
         "serve", help="online load against a running server: vllm bench serve's flags, summary and JSON",
-        description="Send a ShareGPT or random workload to a running server (megainfer gRPC, or any OpenAI-compatible "
-                    "HTTP server: megainfer's, vLLM's, SGLang's) at --request-rate with at most --max-concurrency in "
-                    "flight, and report throughput, goodput, TTFT, TPOT, ITL and E2E latency as `vllm bench serve` "
-                    "does (the same flags, printed block and JSON keys).")
+        description="Send a ShareGPT, random or trace workload to a running server (megainfer gRPC, or any "
+                    "OpenAI-compatible HTTP server: megainfer's, vLLM's, SGLang's) at --request-rate (a trace: each "
+                    "request at its arrival) with at most --max-concurrency in flight, and report throughput, "
+                    "goodput, TTFT, TPOT, ITL and E2E latency as `vllm bench serve` does (the same flags, printed "
+                    "block and JSON keys).")
     _add_serve_options(sv)
     sv.set_defaults(run=_run_serve)
+
+    sm = benches.add_parser(
+        "simulator", help="the simulator against the real engine on one trace (real vs simulated TTFT, TBT, "
+                          "throughput)",
+        description="The closed loop: serve a trace with the real colocated engine (`megainfer serve`, one "
+                    "subprocess per prefill policy, the trace replayed as `bench serve --dataset-name trace` does) "
+                    "and simulate the same trace with the same scheduler settings and KV blocks, the step model "
+                    "reading an operator profile measured on this machine; print mean TTFT, mean time between "
+                    "tokens and output throughput, real and simulated, with sim/real ratios. Make the profile "
+                    "first: `megainfer profile --model M` (it prints the file it writes).")
+    sm.add_argument("--model", default="megainfer-demo", help="the model served and simulated (default "
+                                                              "megainfer-demo)")
+    sm.add_argument("--profile", required=True, metavar="PATH",
+                    help="operator profile JSON of this model on this machine, from `megainfer profile --model M`")
+    sm.add_argument("--trace", metavar="PATH", help='a JSONL trace of {"arrival": s, "input_len": n, '
+                                                    '"output_len": n} lines (default: generated from the flags below)')
+    # Defaults for megainfer-demo on a 2-core CPU: about a minute of trace per policy, the engine busy
+    # most of the time but not queueing; prompts long enough to be chunked and split into layer groups.
+    sm.add_argument("--requests", type=positive_int, default=180, help="generated trace: requests (default 180)")
+    sm.add_argument("--rate", type=float, default=3.0,
+                    help="generated trace: Poisson arrivals, requests per second (default 3)")
+    sm.add_argument("--input-len-range", type=length_range, default=(64, 512), metavar="A:B",
+                    help="generated trace: prompt lengths, uniform (default 64:512)")
+    sm.add_argument("--output-len-range", type=length_range, default=(16, 64), metavar="A:B",
+                    help="generated trace: output lengths, uniform (default 16:64)")
+    sm.add_argument("--seed", type=int, default=0, help="the generated trace, the prompts and the engine")
+    sm.add_argument("--policy", choices=["chunked", "layered", "both"], default="both")
+    sm.add_argument("--chunk-size", type=positive_int, default=256,
+                    help="token budget of a step (the server's --max-num-batched-tokens; default 256)")
+    sm.add_argument("--group-tokens", type=positive_int, default=128,
+                    help="layered: prompt tokens per layer group (default 128)")
+    sm.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
+    sm.add_argument("--max-num-seqs", type=positive_int, default=256)
+    sm.add_argument("--threads", type=positive_int, help="the server's CPU threads (default: the profile's)")
+    sm.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="the server's dtype (default: the profile's, the only one its times hold for)")
+    sm.add_argument("--tolerance", type=float, default=0.15, help="|sim/real - 1| counted as a match (0.15: 15%%)")
+    sm.add_argument("--server-log", metavar="DIR", help="keep the servers' logs here (default: a temporary "
+                                                        "directory, removed)")
+    sm.add_argument("--json", metavar="PATH", help="write the trace, both sides' figures and the comparison")
+    sm.set_defaults(run=_run_simulator)
 
     k = benches.add_parser("kernels", help="Triton kernels on a GPU: POD fused attention, decode attention, "
                                            "grouped expert GEMM",
@@ -197,6 +239,19 @@ def _add_mixed_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-fraction", type=float, default=0.2, help="mixed dataset: the share of long prompts")
 
 
+def _run_simulator(args: argparse.Namespace) -> int:
+    from megainfer.bench.simulator_check import POLICIES, CheckSpec, run_check
+
+    spec = CheckSpec(model=args.model, profile=args.profile, trace=args.trace, requests=args.requests, rate=args.rate,
+                     input_len=args.input_len_range, output_len=args.output_len_range, seed=args.seed,
+                     policies=POLICIES if args.policy == "both" else (args.policy,), chunk_size=args.chunk_size,
+                     group_tokens=args.group_tokens, num_layer_groups=args.num_layer_groups,
+                     max_num_seqs=args.max_num_seqs, threads=args.threads, dtype=args.dtype,
+                     tolerance=args.tolerance, server_log=args.server_log)
+    run_check(spec, args.json)
+    return 0  # a benchmark: the JSON says which figures matched
+
+
 def _run_kernels(args: argparse.Namespace) -> int:
     from megainfer.errors import ConfigError
 
@@ -227,10 +282,15 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                                             "and makes the prompts (default: the model)")
     server.add_argument("--label", help="the result's label and file-name prefix (default: the backend)")
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=["sharegpt", "random"], default="random")
+    data.add_argument("--dataset-name", choices=["sharegpt", "random", "trace"], default="random",
+                      help="trace: replay a JSONL trace (--dataset-path): each request at its arrival, with a "
+                           "prompt of exactly input_len token ids and output_len tokens generated (EOS ignored)")
     data.add_argument("--dataset-path", help="sharegpt: the ShareGPT JSON file (e.g. "
-                                             "ShareGPT_V3_unfiltered_cleaned_split.json)")
-    data.add_argument("--num-prompts", type=positive_int, default=1000)
+                                             "ShareGPT_V3_unfiltered_cleaned_split.json); trace: a JSONL file of "
+                                             '{"arrival": s, "input_len": n, "output_len": n} lines (the format '
+                                             "`megainfer simulate --workload` reads)")
+    data.add_argument("--num-prompts", type=positive_int, help="default 1000; trace: the file's first N lines "
+                                                               "(default: all)")
     data.add_argument("--seed", type=int, default=0, help="the prompts and the arrival times")
     data.add_argument("--input-len", type=int, help="sets --random-input-len")
     data.add_argument("--output-len", type=positive_int, help="sets --random-output-len and --sharegpt-output-len")
@@ -244,7 +304,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     data.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-")
     load = p.add_argument_group("traffic and sampling")
     load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="requests per second (default inf: all at once)")
+                      help="requests per second (default inf: all at once); not with a trace, whose arrivals "
+                           "set the pace")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier, above steadier")
     load.add_argument("--max-concurrency", type=int, help="requests in flight at most")
@@ -281,7 +342,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--metadata {item!r}: write KEY=VALUE, e.g. --metadata version=0.3.3 tp=1")
         metadata[key.strip()] = value.strip()
     dataset = DatasetSpec(
-        name=args.dataset_name, path=args.dataset_path, num_prompts=args.num_prompts, seed=args.seed,
+        name=args.dataset_name, path=args.dataset_path, seed=args.seed,
+        num_prompts=args.num_prompts or (None if args.dataset_name == "trace" else 1000),
         sharegpt_output_len=args.output_len or args.sharegpt_output_len,
         random_input_len=args.input_len if args.input_len is not None else args.random_input_len,
         random_output_len=args.output_len or args.random_output_len, random_range_ratio=args.random_range_ratio,
@@ -292,8 +354,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         backend=args.backend, base_url=args.base_url, host=args.host, port=args.port, endpoint=args.endpoint,
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, dataset=dataset,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        # vLLM ignores EOS on the random dataset: its prompts are noise, the lengths are the workload.
-        ignore_eos=args.ignore_eos or args.dataset_name == "random", sampling=sampling,
+        # vLLM ignores EOS on the random dataset: its prompts are noise, the lengths are the workload
+        # (a trace's too: each request generates its output_len).
+        ignore_eos=args.ignore_eos or args.dataset_name in ("random", "trace"), sampling=sampling,
         goodput_ms=parse_goodput(args.goodput),
         percentile_metrics=[name.strip() for name in args.percentile_metrics.split(",") if name.strip()],
         metric_percentiles=parse_percentiles(args.metric_percentiles), label=args.label,
