@@ -91,8 +91,8 @@ class OperatorCosts:
     # -- roofline with curves --------------------------------------------------------------
     def _roofline(self, curves: OperatorCurves, flops: float, size: float, bytes_read: float, launches: int):
         peaks = self.peaks
-        t_flops = flops / (peaks.flops * curves.flops(max(size, 1e-9)))
-        t_bytes = bytes_read / (peaks.hbm_bytes_per_s * curves.bandwidth(max(bytes_read, 1e-9)))
+        t_flops = flops / (peaks.flops * curves.flops(np.maximum(size, 1e-9)))
+        t_bytes = bytes_read / (peaks.hbm_bytes_per_s * curves.bandwidth(np.maximum(bytes_read, 1e-9)))
         return np.maximum(t_flops, t_bytes) + launches * self.curves.launch_s
 
     # -- per layer -------------------------------------------------------------------------
@@ -136,19 +136,24 @@ class OperatorCosts:
         count for a single layer), each layer's `tokens` tokens spread over its active experts."""
         if tokens <= 0:
             return 0.0
-        counts, layers = np.unique(np.atleast_1d(active_experts), return_counts=True)
         pairs = tokens * self.model.top_k
+        table = self.profile.table("moe") if self.profile is not None else None
+        if table is None:  # every layer from the curves: one vectorised roofline
+            experts = np.maximum(np.atleast_1d(active_experts), 1).astype(np.float64)
+            self.sources["moe"][CURVES] += len(experts)
+            return float(self._moe_roofline(pairs, experts).sum())
+        counts, layers = np.unique(np.atleast_1d(active_experts), return_counts=True)
         total = 0.0
         for experts, n in zip(counts.tolist(), layers.tolist()):
             experts = max(1, experts)
-            per_expert = pairs / experts
-            measured = self._lookup("moe", per_expert, experts)
-            if measured is None:
-                flops = 2 * self.expert_params * pairs  # gate, up and down: expert_params counts all three
-                measured = float(self._roofline(self.curves.moe, flops, per_expert,
-                                                experts * self.expert_params * self.dtype_bytes, LAUNCHES["moe"]))
-            total += n * measured
+            measured = self._lookup("moe", pairs / experts, experts)
+            total += n * (measured if measured is not None else float(self._moe_roofline(pairs, experts)))
         return total
+
+    def _moe_roofline(self, pairs: int, experts):
+        flops = 2 * self.expert_params * pairs  # gate, up and down: expert_params counts all three
+        return self._roofline(self.curves.moe, flops, pairs / experts, experts * self.expert_params * self.dtype_bytes,
+                              LAUNCHES["moe"])
 
     def allreduce(self, tokens: int) -> float:
         """One all-reduce of `tokens` hidden vectors over the instance's TP ranks (0 at tp 1)."""

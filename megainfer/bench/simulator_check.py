@@ -56,6 +56,10 @@ METRICS = (("ttft_mean_s", "TTFT mean (ms)", 1e3), ("tbt_mean_s", "TBT mean (ms)
 SERVER_START_TIMEOUT_S = 300.0  # loading weights and binding the port
 SERVER_STOP_TIMEOUT_S = 30.0
 WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 64, 4
+# The serving path's own latency (the request's way in over gRPC, the engine loop picking it up,
+# the first token's way out) is timed with requests of this many prompt and output tokens
+# sent one at a time to the idle server, this many times.
+PATH_PROMPT_TOKENS, PATH_OUTPUT_TOKENS, PATH_REQUESTS = 8, 2, 15
 _ADDRESS = re.compile(r"gRPC megainfer\.v1\.Inference on (\S+)")
 
 
@@ -193,6 +197,30 @@ def _warm_up(address: str) -> None:
         client.close()
 
 
+def request_path_seconds(address: str, step_model: ColocatedStepModel, model: ModelConfig,
+                         engine_config) -> float:
+    """The serving path's latency outside engine steps: the median TTFT of a tiny request sent
+    alone to the idle server, less the simulated TTFT of the same request (its one prefill
+    step). The simulator prices engine steps only; a TTFT measured through gRPC also holds the
+    request's way in and its first token's way out, which this adds back to every simulated
+    TTFT. Measured on the server before the trace, never fitted to the trace."""
+    client = Client(address, timeout_s=30.0)
+    params = SamplingParams(max_tokens=PATH_OUTPUT_TOKENS, ignore_eos=True)
+    prompt = list(range(2, 2 + PATH_PROMPT_TOKENS))
+    ttfts = []
+    try:
+        for i in range(PATH_REQUESTS):
+            began = time.perf_counter()
+            first = None
+            for _ in client.generate(prompt, params, request_id=f"path-{i}"):
+                first = first or time.perf_counter()
+            ttfts.append(first - began)
+    finally:
+        client.close()
+    alone = Simulator(model, step_model, engine_config).run([SimRequest(0.0, PATH_PROMPT_TOKENS, PATH_OUTPUT_TOKENS)])
+    return max(0.0, float(np.median(ttfts)) - float(alone.ttft_s[0]))
+
+
 def real_figures(result: dict) -> dict:
     """bench serve's result -> the compared figures, defined as the simulator defines them."""
     ok = [i for i, error in enumerate(result["errors"]) if not error]
@@ -268,6 +296,7 @@ def run_check(spec: CheckSpec, json_path: str | None = None) -> list[PolicyCheck
                                       profile.device.kind, threads, spec.seed)
             print(f"{policy}: serving the trace (real engine, {num_blocks} KV blocks)", file=sys.stderr)
             with running_server(settings, logs / f"serve-{policy}.log") as address:
+                path_s = request_path_seconds(address, step_model, model, engine_config)
                 result = serve_bench.run(serve_bench.ServeBenchConfig(
                     backend="megainfer-grpc", base_url=address, model=spec.model, ignore_eos=True,
                     dataset=DatasetSpec("trace", str(trace_path), num_prompts=None, seed=spec.seed,
@@ -275,6 +304,11 @@ def run_check(spec: CheckSpec, json_path: str | None = None) -> list[PolicyCheck
             real = real_figures(result)
             print(f"{policy}: simulating the trace", file=sys.stderr)
             sim = sim_spec.run(sim_spec.requests())[policy]
+            sim["engine_ttft_mean_s"] = sim["ttft_mean_s"]  # the simulator's own, steps only
+            sim["request_path_s"] = path_s
+            sim["ttft_mean_s"] += path_s
+            print(f"{policy}: serving path {path_s * 1e3:.1f} ms per request (measured alone), added to the "
+                  "simulated TTFT", file=sys.stderr)
             checks.append(PolicyCheck(policy, settings, real, sim, compare(real, sim, spec.tolerance)))
     host = machine()
     print(format_checks(checks, spec.tolerance))

@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": "megainfer.cli.generate",
     "bench": "megainfer.cli.bench",
     "plan": "megainfer.cli.plan",
+    "profile": "megainfer.cli.profile",
     "serve": "megainfer.cli.serve",
     "simulate": "megainfer.cli.simulate",
     "simulate-routing": "megainfer.cli.simulate_routing",

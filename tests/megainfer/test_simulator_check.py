@@ -137,3 +137,20 @@ def test_the_loop_serves_and_simulates_a_tiny_trace_under_both_policies(tmp_path
         assert "gRPC megainfer.v1.Inference on 127.0.0.1:" in log
     printed = capsys.readouterr().out
     assert "sim/real" in printed and "layered   TBT mean (ms)" in printed
+
+
+@pytest.mark.slow  # about 4 minutes: a full profile of megainfer-demo, then two real runs of a trace
+def test_the_simulator_with_a_measured_profile_lands_within_15_percent_of_the_real_engine(tmp_path):
+    """Issue 20's CPU closed loop: profile this machine, serve a trace with the real engine under
+    chunked and layered prefill, simulate it with the profile; mean TTFT, mean TBT and output
+    throughput within 15%. Timing-sensitive: run it on an otherwise idle machine."""
+    from megainfer.bench.simulator_check import run_check
+    from megainfer.cli import main
+
+    profile = tmp_path / "cpu.json"
+    assert main(["profile", "--model", "megainfer-demo", "--device", "cpu", "--threads", "1",
+                 "--output", str(profile)]) == 0
+    checks = run_check(CheckSpec(model="megainfer-demo", profile=str(profile), requests=120, threads=1))
+    for check in checks:
+        for metric, verdict in check.comparison.items():
+            assert verdict["within"], (check.policy, metric, verdict)

@@ -1,0 +1,89 @@
+"""The `allreduce` table: one tensor-parallel all-reduce per size, measured across `tp`
+processes spawned here (NCCL over tp GPUs from the profiled one on CUDA, gloo on the CPU), as the attention
+layer's output all-reduce runs.
+
+Every rank must issue the same collectives, so the repeat count is agreed first (the largest
+any rank wants), then every rank times the same blocks; a size's time is the slowest rank's
+median block (a collective ends when its last rank does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BLOCKS = 5
+WARMUP_CALLS = 3
+TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def measure_allreduce(bytes_axis: tuple[int, ...], tp: int, device: torch.device, dtype: torch.dtype,
+                      min_time_s: float, threads: int) -> list[float]:
+    """Seconds of one all-reduce of a tensor of each size in `bytes_axis` across tp ranks: on
+    CUDA, rank r on GPU device.index + r."""
+    port = _free_port()
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_rank_main, args=(tp, port, str(device), dtype, bytes_axis, min_time_s, threads, results),
+                       nprocs=tp, start_method="spawn")
+    return results.get()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, tp: int, port: int, first_device: str, dtype: torch.dtype,
+               bytes_axis: tuple[int, ...], min_time_s: float, threads: int, results) -> None:
+    device = torch.device(first_device)
+    if device.type == "cuda":
+        device = torch.device("cuda", (device.index or 0) + rank)
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, threads // tp))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=tp, timeout=TIMEOUT)
+    try:
+        element = torch.tensor([], dtype=dtype).element_size()
+        seconds = [_time_all_reduce(torch.zeros(max(1, size // element), dtype=dtype, device=device), min_time_s)
+                   for size in bytes_axis]
+        if rank == 0:
+            results.put(seconds)
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_all_reduce(tensor: torch.Tensor, min_time_s: float) -> float:
+    device = tensor.device
+    for _ in range(WARMUP_CALLS):
+        dist.all_reduce(tensor)
+    one = _block(tensor, 1)
+    wanted = torch.tensor([max(1, math.ceil(min_time_s / BLOCKS / max(one, 1e-7)))], device=device)
+    dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+    calls = int(wanted.item())
+    median = torch.tensor([statistics.median(_block(tensor, calls) / calls for _ in range(BLOCKS))],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median.item())
+
+
+def _block(tensor: torch.Tensor, calls: int) -> float:
+    """Seconds of `calls` all-reduces, started together (a barrier) and drained."""
+    dist.barrier()
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
+    began = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(tensor)
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter() - began
