@@ -1,6 +1,7 @@
 """The `allreduce` table: one tensor-parallel all-reduce per size, measured across `tp`
-processes spawned here (NCCL over tp GPUs from the profiled one on CUDA, gloo on the CPU), as the attention
-layer's output all-reduce runs.
+processes spawned here, each joining a node group as an attention node's ranks do
+(`megainfer.tensor_parallel`: NCCL over tp GPUs from the profiled one on CUDA, gloo on the
+CPU) and timing the group's own `all_reduce`, the call the attention layer makes.
 
 Every rank must issue the same collectives, so the repeat count is agreed first (the largest
 any rank wants), then every rank times the same blocks; a size's time is the slowest rank's
@@ -18,6 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megainfer import tensor_parallel
+from megainfer.tensor_parallel import TensorParallelGroup
 
 BLOCKS = 5
 WARMUP_CALLS = 3
@@ -50,40 +54,39 @@ def _rank_main(rank: int, tp: int, port: int, first_device: str, dtype: torch.dt
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, threads // tp))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=tp, timeout=TIMEOUT)
+    group = tensor_parallel.join(f"127.0.0.1:{port}", rank, tp, str(device), TIMEOUT.total_seconds())
     try:
         element = torch.tensor([], dtype=dtype).element_size()
-        seconds = [_time_all_reduce(torch.zeros(max(1, size // element), dtype=dtype, device=device), min_time_s)
-                   for size in bytes_axis]
+        seconds = [_time_all_reduce(group, torch.zeros(max(1, size // element), dtype=dtype, device=device),
+                                    min_time_s) for size in bytes_axis]
         if rank == 0:
             results.put(seconds)
     finally:
-        dist.destroy_process_group()
+        tensor_parallel.leave()
 
 
-def _time_all_reduce(tensor: torch.Tensor, min_time_s: float) -> float:
-    device = tensor.device
+def _largest(group: TensorParallelGroup, value: int) -> int:
+    """The largest of every rank's `value`, over the group's control channel."""
+    return -group.min_over_ranks(-value)
+
+
+def _time_all_reduce(group: TensorParallelGroup, tensor: torch.Tensor, min_time_s: float) -> float:
     for _ in range(WARMUP_CALLS):
-        dist.all_reduce(tensor)
-    one = _block(tensor, 1)
-    wanted = torch.tensor([max(1, math.ceil(min_time_s / BLOCKS / max(one, 1e-7)))], device=device)
-    dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
-    calls = int(wanted.item())
-    median = torch.tensor([statistics.median(_block(tensor, calls) / calls for _ in range(BLOCKS))],
-                          dtype=torch.float64, device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
+        group.all_reduce(tensor)
+    one = _block(group, tensor, 1)
+    calls = _largest(group, max(1, math.ceil(min_time_s / BLOCKS / max(one, 1e-7))))
+    median_ns = round(statistics.median(_block(group, tensor, calls) / calls for _ in range(BLOCKS)) * 1e9)
+    return _largest(group, median_ns) / 1e9
 
 
-def _block(tensor: torch.Tensor, calls: int) -> float:
+def _block(group: TensorParallelGroup, tensor: torch.Tensor, calls: int) -> float:
     """Seconds of `calls` all-reduces, started together (a barrier) and drained."""
     dist.barrier()
     if tensor.device.type == "cuda":
         torch.cuda.synchronize(tensor.device)
     began = time.perf_counter()
     for _ in range(calls):
-        dist.all_reduce(tensor)
+        group.all_reduce(tensor)
     if tensor.device.type == "cuda":
         torch.cuda.synchronize(tensor.device)
     return time.perf_counter() - began

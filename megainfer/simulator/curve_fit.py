@@ -451,7 +451,7 @@ def entry_text(gpu: str, curves: EfficiencyCurves, result: FitResult | None = No
              + (f" (objective {result.objective:.4f}, {result.evaluations} evaluations)" if result else "") + ";",
              *textwrap.wrap(f"held at `default`: {', '.join(fixed)}. Data and method: docs/performance-model.md.",
                             width=100, initial_indent="  # ", subsequent_indent="  # "),
-             f"  source: \"fitted to the layered-prefill paper's Qwen3-30B-A3B runs on 2 x H100 (arXiv 2510.08055)\""]
+             "  source: \"fitted to the layered-prefill paper's Qwen3-30B-A3B runs on 2 x H100 (arXiv 2510.08055)\""]
     for op in ("gemm", "moe", "attention"):
         legs = []
         for leg in ("flops", "bandwidth"):

@@ -97,27 +97,6 @@ def test_trace_requests_leave_at_their_arrivals_with_token_id_prompts(tmp_path, 
     assert [n for _, _, n in sent] == [r.expected_output_len for r in requests]
 
 
-@pytest.fixture(scope="module")
-def engine_backend(mixtral_ref):
-    from megainfer import Engine
-    from megainfer.config import EngineConfig
-    from megainfer.server.engine_backend import EngineBackend
-
-    backend = EngineBackend(Engine(str(mixtral_ref.path), EngineConfig(num_kv_blocks=64)))
-    yield backend, mixtral_ref.path
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def grpc_server(engine_backend):
-    from megainfer.server.service import Server
-
-    backend, checkpoint = engine_backend
-    server = Server(backend, port=0).start()
-    yield server, checkpoint
-    server.stop(0)
-
-
 def test_openai_completions_take_the_trace_prompts_as_token_ids(engine_backend, tmp_path):
     from megainfer.server.http_server import HttpServer
     from megainfer.server.openai_server import OpenAIServer
