@@ -7,6 +7,7 @@ deployment for the module."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -142,18 +143,27 @@ def test_health_is_503_and_not_serving_while_an_expert_node_is_down(served, clie
     health_url = endpoints.http_url + "/health"
 
     def wait_for(status: int, state: int, timeout_s: float) -> None:
-        """Until HTTP has answered `status` and gRPC `state`, each at least once: the two frontends poll
-        readiness on their own clocks, so on a loaded machine a short outage need not show in both at
-        the same instant."""
+        """Until HTTP has answered `status` and gRPC `state`, each at least once. The two frontends
+        are probed from threads of their own: a short outage shows for about a readiness TTL, and
+        on a loaded machine one frontend's slow answer must not use up the other's window."""
         deadline = time.monotonic() + timeout_s
-        seen_http = seen_grpc = False
-        while time.monotonic() < deadline:
-            seen_http = seen_http or http_status(health_url) == status
-            seen_grpc = seen_grpc or stub.Check(health_pb2.HealthCheckRequest()).status == state
-            if seen_http and seen_grpc:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"health did not become {status} (HTTP seen: {seen_http}, gRPC seen: {seen_grpc})")
+        seen = {"HTTP": False, "gRPC": False}
+        probes = {"HTTP": lambda: http_status(health_url) == status,
+                  "gRPC": lambda: stub.Check(health_pb2.HealthCheckRequest()).status == state}
+
+        def watch(name: str) -> None:
+            while time.monotonic() < deadline and not seen[name]:
+                seen[name] = probes[name]()
+                time.sleep(0.02)
+
+        watchers = [threading.Thread(target=watch, args=(name,)) for name in probes]
+        for w in watchers:
+            w.start()
+        for w in watchers:
+            w.join()
+        if not all(seen.values()):
+            raise AssertionError(f"health did not become {status} (HTTP seen: {seen['HTTP']}, "
+                                 f"gRPC seen: {seen['gRPC']})")
 
     try:
         wait_for(200, health_pb2.HealthCheckResponse.SERVING, 10)
