@@ -115,13 +115,3 @@ class EfficiencyCurves:
     def with_values(self, **changes) -> "EfficiencyCurves":
         """A copy with some fields replaced (the fit's search)."""
         return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, OperatorCurves):
-                value = {"flops": [value.flops.peak, value.flops.half],
-                         "bandwidth": [value.bandwidth.peak, value.bandwidth.half]}
-            out[f.name] = value
-        return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.config import ModelConfig
+from planner.catalog import GPU
 from planner.efficiency_curves import EfficiencyCurves, OperatorCurves
 from planner.operator_profile import OPERATOR_AXES, OperatorProfile
 
@@ -24,6 +25,11 @@ PROFILE, CURVES = "profile", "curves"
 
 # Kernel launches per call where the curves price an operator (the profile measured them).
 LAUNCHES = {"dense": 8, "attention": 2, "moe": 6, "lm_head": 2, "sampling": 4}
+
+
+def chunk_score_pairs(tokens: int, cached: float) -> float:
+    """Query-key pairs a prompt chunk of `tokens` after `cached` tokens scores (causal inside it)."""
+    return tokens * cached + tokens * (tokens + 1) / 2
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,11 @@ class DevicePeaks:
     flops: float  # FLOP/s
     hbm_bytes_per_s: float
     link_bytes_per_s: float  # to its TP peers
+
+    @classmethod
+    def of(cls, gpu: GPU) -> "DevicePeaks":
+        """A catalog GPU's datasheet peaks."""
+        return cls(gpu.name, gpu.flops, gpu.hbm_bytes_per_s, gpu.link_bytes_per_s)
 
 
 class OperatorCosts:
@@ -84,10 +95,6 @@ class OperatorCosts:
                 out[op] = f"{PROFILE} ({counts[CURVES] / total:.0%} outside its grid: {CURVES})"
         return out
 
-    def reset_sources(self) -> None:
-        for counts in self.sources.values():
-            counts.clear()
-
     # -- roofline with curves --------------------------------------------------------------
     def _roofline(self, curves: OperatorCurves, flops: float, size: float, bytes_read: float, launches: int):
         peaks = self.peaks
@@ -126,7 +133,7 @@ class OperatorCosts:
         measured = self._lookup("attention_prefill", tokens, cached)
         if measured is not None:
             return measured
-        pairs = tokens * cached + tokens * (tokens + 1) / 2
+        pairs = chunk_score_pairs(tokens, cached)
         kv_bytes = (cached + tokens) * self.kv_bytes_per_token
         return float(self._roofline(self.curves.attention, 4 * self.q_size * pairs, tokens, kv_bytes,
                                     LAUNCHES["attention"]))

@@ -56,7 +56,6 @@ OPERATOR_AXES: dict[str, tuple[str, ...]] = {
     "sampling": ("seqs",),
     "step_overhead": ("seqs",),
 }
-PER_STEP_OPERATORS = ("lm_head", "sampling", "step_overhead")
 
 # The ModelConfig fields that decide every operator's cost: a profile applies to a model only
 # where these agree (the layer count is not among them: tables are per layer or per step).

@@ -157,18 +157,14 @@ class PerfModel:
             per_config = [self.phases.attention(g, tp) for g, tp in configs]
         else:
             per_config = [self.phases.experts(g, tp, int(e)) for (g, tp), e in zip(configs, experts_per_node)]
-        lines = tuple((np.array([c[i][0] for c in per_config]), np.array([c[i][1] for c in per_config]))
-                      for i in range(len(per_config[0])))
         return Side(nic=np.array([g.nic_bytes_per_s for g, _ in configs]),
-                    tp=np.array([tp for _, tp in configs], dtype=np.float64), lines=lines,
+                    tp=np.array([tp for _, tp in configs], dtype=np.float64), lines=_stacked(per_config),
                     k_slope=coeffs[:, 0], k_const=coeffs[:, 1])
 
     def step_lines(self, configs: list[tuple[GPU, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per iteration on an attention node, as lines in its sequences: step overhead, LM
         head and sampling."""
-        per_config = [self.phases.per_step(g, tp) for g, tp in configs]
-        return [(np.array([c[i][0] for c in per_config]), np.array([c[i][1] for c in per_config]))
-                for i in range(len(per_config[0]))]
+        return list(_stacked([self.phases.per_step(g, tp) for g, tp in configs]))
 
     def attention_pieces(self, side: Side) -> list[tuple[object, object]]:
         """T_a as max over linear pieces (slope s/token, constant s) of b_a: the operator
@@ -266,6 +262,13 @@ class PerfModel:
     def expert_node_fits(self, memory_bytes, tp, experts_per_node):
         need = experts_per_node * self.model.expert_params * self.model.num_layers * self.dtype_bytes
         return need <= memory_bytes * MEMORY_HEADROOM * tp
+
+
+def _stacked(per_config: list[list[tuple[float, float]]]) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """Each config's lines [(slope, constant), ...] -> per line, (slopes, constants) as arrays
+    over the configs."""
+    return tuple((np.array([lines[i][0] for lines in per_config]), np.array([lines[i][1] for lines in per_config]))
+                 for i in range(len(per_config[0])))
 
 
 def min_micro_batches(t_f: float, t_c: float) -> int:

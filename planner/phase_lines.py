@@ -57,6 +57,7 @@ class PhaseLines:
     curves_path: str | None = None
     profiles: list[OperatorProfile] = field(default_factory=list)
     _costs: dict[tuple[str, int], OperatorCosts] = field(default_factory=dict)
+    _curves: dict[str, EfficiencyCurves] = field(default_factory=dict)  # by GPU: the file read once each
 
     def __post_init__(self) -> None:
         for profile in self.profiles:  # a profile of another model is a mistake worth stopping on
@@ -66,8 +67,7 @@ class PhaseLines:
         key = (gpu.name, tp)
         if key not in self._costs:
             profile = next((p for p in self.profiles if p.device.catalog_name == gpu.name and p.tp == tp), None)
-            peaks = DevicePeaks(gpu.name, gpu.flops, gpu.hbm_bytes_per_s, gpu.link_bytes_per_s)
-            self._costs[key] = OperatorCosts(self.model, tp, peaks, EfficiencyCurves.load(gpu.name, self.curves_path),
+            self._costs[key] = OperatorCosts(self.model, tp, DevicePeaks.of(gpu), self.curves(gpu),
                                              dtype_bytes=self.dtype_bytes, profile=profile)
         return self._costs[key]
 
@@ -103,5 +103,7 @@ class PhaseLines:
         costs = self._costs.get((gpu, tp))
         return costs.source_summary() if costs is not None else {}
 
-    def curves_source(self, gpu: GPU) -> str:
-        return EfficiencyCurves.load(gpu.name, self.curves_path).source
+    def curves(self, gpu: GPU) -> EfficiencyCurves:
+        if gpu.name not in self._curves:
+            self._curves[gpu.name] = EfficiencyCurves.load(gpu.name, self.curves_path)
+        return self._curves[gpu.name]

@@ -24,7 +24,7 @@ from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
 from planner.catalog import GPU
 from planner.efficiency_curves import EfficiencyCurves
-from planner.operator_costs import DevicePeaks, OperatorCosts
+from planner.operator_costs import DevicePeaks, OperatorCosts, chunk_score_pairs
 from planner.operator_profile import OperatorProfile
 from planner.perf_model import MEMORY_HEADROOM
 
@@ -44,7 +44,7 @@ class AttentionWork:
 
     @property
     def score_pairs(self) -> float:
-        return self.decode_context + sum(n * p + n * (n + 1) / 2 for n, p in self.prefill_chunks)
+        return self.decode_context + sum(chunk_score_pairs(n, p) for n, p in self.prefill_chunks)
 
     @property
     def kv_tokens(self) -> float:
@@ -93,7 +93,7 @@ class ColocatedStepModel:
         self.model, self.gpu, self.tp, self.profile = model, gpu, tp, profile
         self.dtype_bytes = dtype_bytes or (profile.dtype_bytes if profile is not None else 2)
         if gpu is not None:
-            peaks = DevicePeaks(gpu.name, gpu.flops, gpu.hbm_bytes_per_s, gpu.link_bytes_per_s)
+            peaks = DevicePeaks.of(gpu)
         else:
             d = profile.device
             peaks = DevicePeaks(d.name, d.peak_flops or 1e12, d.peak_bytes_per_s or 1e11, d.peak_bytes_per_s or 1e11)

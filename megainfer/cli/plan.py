@@ -83,7 +83,7 @@ def explain_sources(perf, catalog, best, calibration) -> str:
             if op in sources:
                 lines.append(f"    {op:18s} {sources[op]}")
         if any("curves" in sources.get(op, "") for op in operators):
-            lines.append(f"    curves: {perf.phases.curves_source(catalog[gpu])}")
+            lines.append(f"    curves: {perf.phases.curves(catalog[gpu]).source}")
     return "\n".join(lines)
 
 
