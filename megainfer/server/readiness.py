@@ -33,19 +33,21 @@ class Readiness:
 
     def check(self) -> Ready:
         with self._lock:
-            now = time.monotonic()
-            if self._last is None or now - self._last.checked_at >= self.ttl_s:
-                self._last = self._read(now)
+            if self._last is None or time.monotonic() - self._last.checked_at >= self.ttl_s:
+                self._last = self._read()
             return self._last
 
-    def _read(self, now: float) -> Ready:
+    def _read(self) -> Ready:
+        """The backend's answer, stamped when it arrived: a slow read (a node actor dying makes
+        info() wait) still holds for a whole TTL, so callers queued behind it take that answer
+        instead of each starting another slow read that may land only after the outage."""
         try:
             nodes = self.backend.info().nodes
         except Exception as exc:  # a backend that cannot say how it is does not serve
             logger.warning("readiness: backend info failed: %s", exc)
-            return Ready(False, f"backend info failed: {exc}", now)
+            return Ready(False, f"backend info failed: {exc}", time.monotonic())
         down = [n for n in nodes if n.state is not NodeStatus.SERVING]
         if not nodes:
-            return Ready(False, "no nodes", now)
+            return Ready(False, "no nodes", time.monotonic())
         reason = ", ".join(f"{n.name} {n.state.value}" + (f": {n.detail}" if n.detail else "") for n in down)
-        return Ready(not down, reason, now)
+        return Ready(not down, reason, time.monotonic())
