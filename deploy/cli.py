@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from megainfer.cli.serve import add_frontend_options, wait_for_signal
+from megainfer.cli.serve import add_frontend_options, frontend_access, wait_for_signal
 from megainfer.routing.policies import ROUTERS
 
 
@@ -59,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
     if args.router:
         plan.serve.router = args.router
     served = _served_model(plan, args)  # a bad --chat-template fails before any actor starts
+    access, tls = frontend_access(args)  # as does a bad key, key file or TLS file
     deployment = _start(plan, args)
     endpoints = None
     try:
         served.max_model_len = max_model_len(deployment)
         host = args.host or plan.serve.host
         endpoints = Endpoints(deployment, served, host, plan.serve.port if args.port is None else args.port,
-                              args.http_host, None if args.no_http else args.http_port, args.metrics_port).start()
+                              args.http_host, None if args.no_http else args.http_port, args.metrics_port,
+                              access=access, tls=tls).start()
         scale = "" if plan.autoscale is None else \
             f", {plan.autoscale.min_replicas} to {plan.autoscale.max_replicas} replicas on predicted TTFT"
         print(f"serving {plan.model} ({plan.attention.nodes} attention x {plan.experts.nodes} expert node(s), "
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         for line in endpoints.describe():
             print(f"  {line}", file=sys.stderr)
         if args.demo:
-            _demo(endpoints.grpc.address, args.demo, args.max_tokens)
+            _demo(endpoints.grpc.address, args.demo, args.max_tokens, args)
             return 0
         wait_for_signal()
         print("shutting down", file=sys.stderr)
@@ -124,12 +126,19 @@ def max_model_len(deployment) -> int:
     return runtime.attention[0].engine.resolved_max_model_len(runtime.model)
 
 
-def _demo(address: str, n: int, max_tokens: int) -> None:
+def _demo(address: str, n: int, max_tokens: int, args: argparse.Namespace) -> None:
+    import os
+
     from megainfer.sampling_params import SamplingParams
+    from megainfer.server.api_key_file import API_KEY_ENV
     from megainfer.server.client import Client
     from megainfer.server.service import MODEL_DEFAULTED
+    from megainfer.server.tls import ClientTls
 
-    client = Client(address)
+    # The demo client holds the first --api-key (or $MEGAINFER_API_KEY) and trusts the server's own
+    # certificate (a self-signed one; mutual TLS would need a client certificate it does not have).
+    key = (args.api_key or [os.environ.get(API_KEY_ENV)])[0]
+    client = Client(address, api_key=key, tls=ClientTls(ca_certs=args.ssl_certfile) if args.ssl_certfile else None)
     # Sampling as the model's generation_config.json says (greedy decoding of a small model loops);
     # max_tokens is the demo's own.
     server_defaults = [name for name in MODEL_DEFAULTED if name != "max_tokens"]

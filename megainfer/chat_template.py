@@ -205,12 +205,13 @@ class ChatTemplate:
                                   f"'{DEFAULT_TEMPLATE_NAME}'; pass --chat-template with one of the names or a file")
         return cls(named[DEFAULT_TEMPLATE_NAME], where, special)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def render(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
                continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text of `messages` (checked first: RequestError names the bad message and
         field). `continue_final_message` leaves the last message open for the model to go on
         with (vLLM's option); `kwargs` reach the template as variables (tools, documents,
-        chat_template_kwargs such as enable_thinking), overriding the special tokens."""
+        chat_template_kwargs such as enable_thinking), overriding the special tokens (never
+        `messages` or `add_generation_prompt`); any name may be a variable, `self` included."""
         import jinja2
 
         chat = check_messages(messages)
@@ -222,9 +223,11 @@ class ChatTemplate:
                                    "message's content")
             final = chat[-1]["content"]
             chat[-1] = {**chat[-1], "content": final + CONTINUE_TAG}
-        variables = {"tools": None, "documents": None, **self.special_tokens, **_plain(kwargs)}
+        # One mapping, not keywords: a variable may be called `self` (Template.render's own argument).
+        variables = {"tools": None, "documents": None, **self.special_tokens, **_plain(kwargs),
+                     "messages": chat, "add_generation_prompt": add_generation_prompt}
         try:
-            text = self._template.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+            text = self._template.render(variables)
         except jinja2.TemplateError as exc:
             raise RequestError(f"chat template: {exc.message or exc}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:

@@ -90,6 +90,11 @@ class Engine:
             raise RequestError(f"request {request_id!r}: n={params.n}, but an engine request is one sequence; the "
                                "API layer fans a request out into n requests with params.for_choice(i)")
         token_ids = self.encode_prompt(prompt, request_id)
+        vocab = self.model_config.vocab_size
+        unknown = [t for t in params.stop_token_ids if t >= vocab]
+        if unknown:  # it could never be sampled, so never stop the request: a mistake, said at once
+            raise RequestError(f"request {request_id!r}: stop_token_ids must be token ids in [0, {vocab}); "
+                               f"got {unknown[:5]}")
         if len(token_ids) >= self.max_model_len:
             raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens; the model's max "
                                f"length is {self.max_model_len} (prompt plus at least one generated token)")
@@ -111,7 +116,10 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError(f"{where}model {self.model_config.name} has no tokenizer.json; "
                                    "pass the prompt as a list of token ids")
-            token_ids = self.tokenizer.encode(prompt)
+            try:
+                token_ids = self.tokenizer.encode(prompt)
+            except RequestError as exc:  # text no tokenizer takes (a lone surrogate)
+                raise RequestError(f"{where}prompt: {exc}") from None
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
             vocab = self.model_config.vocab_size

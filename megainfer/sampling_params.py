@@ -12,6 +12,9 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_CHOICES = 128  # n
+# top_k's largest value: the gRPC field's int32 range (the sampler builds an int64 tensor of it; any
+# value at or above the vocabulary keeps every token).
+MAX_TOP_K = 2**31 - 1
 
 
 def _is_number(value) -> bool:
@@ -58,8 +61,8 @@ class SamplingParams:
             raise bad("max_tokens", "a positive integer")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "a number >= 0 (0 is greedy)")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "-1, 0 (disabled) or a positive integer")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"-1, 0 (disabled) or an integer in [1, {MAX_TOP_K}]")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megainfer.config import ModelConfig, read_json_object
-from megainfer.errors import CheckpointError
+from megainfer.errors import CheckpointError, RequestError
 
 REPLACEMENT = "\ufffd"
 TOKENIZER_FILE = "tokenizer.json"
@@ -40,12 +40,24 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the tokenizer adds around a
         sequence (BOS for Mixtral, nothing for Qwen). Chat prompts pass False: the template
-        writes its special tokens itself."""
+        writes its special tokens itself. Text that is not valid Unicode raises RequestError
+        (`check_text`)."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (for logprobs): the token decoded alone, special tokens included."""
+
+
+def check_text(text: str) -> None:
+    """Raise RequestError unless `text` is valid Unicode: a lone surrogate (which a JSON escape
+    such as \\ud800 can carry into a Python string) has no UTF-8 form, so no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"text holds a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}, "
+                           "which is not valid Unicode; send valid UTF-8 (a character beyond U+FFFF as its "
+                           "surrogate pair)") from None
 
 
 class ByteTokenizer:
@@ -60,6 +72,7 @@ class ByteTokenizer:
         self.eos_token_ids: tuple[int, ...] = (self.EOS,)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text)
         body = list(text.encode("utf-8"))
         return [self.BOS, *body] if add_special_tokens else body
 
@@ -177,6 +190,7 @@ class HFTokenizer:
         return token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -12,7 +12,8 @@ Per request: TTFT is sent -> first chunk; ITL one gap per pair of consecutive ch
 carrying several tokens is one gap, as in vLLM); latency is sent -> last chunk (a trailing
 usage-only event does not extend it); output_tokens and prompt_len are the server's usage where
 it reports them (0 output tokens: the metrics count the text's tokens instead). A request fails
-alone: whatever goes wrong is recorded in its `error`.
+alone: whatever goes wrong is recorded in its `error`. OPENAI_API_KEY, where set, goes with every
+request as `Authorization: Bearer <key>` (gRPC: the `authorization` metadata), as vLLM's bench sends it.
 """
 
 from __future__ import annotations
@@ -149,6 +150,12 @@ async def _sse_events(response: httpx2.Response) -> AsyncIterator[dict]:
             yield json.loads(data)
 
 
+def _grpc_metadata() -> tuple[tuple[str, str], ...]:
+    """The key of OPENAI_API_KEY, as the HTTP backends send it, for a server started with --api-key."""
+    api_key = os.environ.get("OPENAI_API_KEY")
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def _headers(request_id: str) -> dict[str, str]:
     headers = {"Content-Type": "application/json"}
     if api_key := os.environ.get("OPENAI_API_KEY"):
@@ -208,7 +215,7 @@ async def megainfer_grpc(inp: RequestInput, stub: pb_grpc.InferenceStub) -> Requ
     clock = ChunkClock(output)
     text: list[str] = []
     try:
-        async for response in stub.Generate(message, timeout=REQUEST_TIMEOUT_S):
+        async for response in stub.Generate(message, timeout=REQUEST_TIMEOUT_S, metadata=_grpc_metadata()):
             if response.token_ids:
                 clock.chunk()
             text.append(response.text)
@@ -263,7 +270,8 @@ async def server_model(backend: str, session: Any, target: str) -> ServerModel:
     entry of /v1/models (its id and root, as vLLM reads them) over HTTP."""
     if backend == "megainfer-grpc":
         try:
-            info = await session.ServerInfo(pb.ServerInfoRequest(), timeout=CONNECT_TIMEOUT_S)
+            info = await session.ServerInfo(pb.ServerInfoRequest(), timeout=CONNECT_TIMEOUT_S,
+                                            metadata=_grpc_metadata())
         except grpc.aio.AioRpcError as exc:
             raise MegaInferError(f"--model not given and ServerInfo at {target} failed ({exc.code().name}: "
                                  f"{exc.details()}); pass --model") from None

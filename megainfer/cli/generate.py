@@ -8,6 +8,7 @@ text is the engine's deltas joined, as the servers stream them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -50,6 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--server", metavar="HOST:PORT",
                    help="ask a running server (megainfer deploy / serve) instead of loading the model here")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="with --server: the key the server requires (default: $MEGAINFER_API_KEY)")
+    p.add_argument("--ssl-ca-certs", metavar="PATH",
+                   help="with --server: connect over TLS, trusting the server's certificate if these PEM CA "
+                        "certificates (or the self-signed certificate itself) signed it")
     p.set_defaults(run=run)
 
 
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if args.chat:
             raise RequestError("--chat renders the model's chat template here and cannot with --server; ask the "
                                "server's HTTP API (/v1/chat/completions) instead")
-        return _run_remote(args.server, prompt, params, [n for n in _MODEL_DEFAULTED if n not in given])
+        return _run_remote(args, prompt, params, [n for n in _MODEL_DEFAULTED if n not in given])
     return _run_local(args, prompt, given, fixed)
 
 
@@ -122,10 +128,13 @@ def _chat_template(args: argparse.Namespace, checkpoint):
     return template
 
 
-def _run_remote(address: str, prompt, params, server_defaults: list[str]) -> int:
+def _run_remote(args: argparse.Namespace, prompt, params, server_defaults: list[str]) -> int:
+    from megainfer.server.api_key_file import API_KEY_ENV
     from megainfer.server.client import Client
+    from megainfer.server.tls import ClientTls
 
-    client = Client(address)
+    tls = None if args.ssl_ca_certs is None else ClientTls(ca_certs=args.ssl_ca_certs)
+    client = Client(args.server, api_key=args.api_key or os.environ.get(API_KEY_ENV), tls=tls)
     start = time.perf_counter()
     out = _Printer(params.n)
     last = None

@@ -7,8 +7,13 @@ import argparse
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from megainfer.cli.options import add_engine_options, engine_config
+
+if TYPE_CHECKING:  # imported where used: `megainfer --help` stays fast
+    from megainfer.server.access import AccessPolicy
+    from megainfer.server.tls import TlsFiles
 
 HTTP_PORT = 8000  # vLLM's and the OpenAI clients' usual local port
 
@@ -28,6 +33,34 @@ def add_frontend_options(parser: argparse.ArgumentParser) -> None:
                              "(needed where its tokenizer_config.json has none)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="also serve Prometheus metrics on this port (they are at the HTTP API's /metrics too)")
+    access = parser.add_argument_group("access", "API keys and TLS, for every listener (docs/http-api.md, Access)")
+    access.add_argument("--api-key", action="append", metavar="KEY",
+                        help="require this key (`Authorization: Bearer KEY`, gRPC metadata `authorization`) on every "
+                             "call but health; repeat for several (default: $MEGAINFER_API_KEY, if set)")
+    access.add_argument("--api-key-file", metavar="PATH",
+                        help="more keys: *.yaml with a `keys:` list (key, name, rate_limit, max_concurrency each), "
+                             "else one key per line")
+    access.add_argument("--api-key-rate-limit", type=float, metavar="R",
+                        help="generation requests per second each key may start, sustained (bursts of up to R); "
+                             "over it: RESOURCE_EXHAUSTED / 429 (default: no limit)")
+    access.add_argument("--api-key-max-concurrency", type=int, metavar="N",
+                        help="generation requests each key may have in flight at once; over it: "
+                             "RESOURCE_EXHAUSTED / 429 (default: no limit)")
+    access.add_argument("--ssl-certfile", metavar="PATH", help="serve TLS (gRPC and HTTPS) with this PEM certificate")
+    access.add_argument("--ssl-keyfile", metavar="PATH", help="the certificate's PEM private key")
+    access.add_argument("--ssl-ca-certs", metavar="PATH",
+                        help="mutual TLS: clients must present a certificate signed by these PEM CA certificates")
+
+
+def frontend_access(args: argparse.Namespace) -> tuple[AccessPolicy | None, TlsFiles | None]:
+    """(AccessPolicy or None, TlsFiles or None) from the access flags, checked: a bad key, key file,
+    limit or TLS file is a ConfigError naming its flag."""
+    from megainfer.server.access import AccessPolicy
+    from megainfer.server.tls import TlsFiles
+
+    access = AccessPolicy.from_options(args.api_key, args.api_key_file, args.api_key_rate_limit,
+                                       args.api_key_max_concurrency)
+    return access, TlsFiles.from_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,13 +87,15 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.server.engine_backend import EngineBackend
     from megainfer.server.served_model import ServedModel
 
-    # Before the weights load: a bad --chat-template or --served-model-name fails at once.
+    # Before the weights load: a bad --chat-template, --served-model-name, key or TLS file fails at once.
     served = ServedModel.load(args.model, args.served_model_name, args.chat_template, args.max_model_len)
+    access, tls = frontend_access(args)
     backend = EngineBackend(Engine(args.model, engine_config(args, show_progress=True)))
     served.max_model_len = backend.engine.max_model_len
     try:
         endpoints = Endpoints(backend, served, args.host, args.port, args.http_host,
-                              None if args.no_http else args.http_port, args.metrics_port).start()
+                              None if args.no_http else args.http_port, args.metrics_port, access=access,
+                              tls=tls).start()
     except BaseException:
         backend.close()
         raise

@@ -8,6 +8,7 @@ import grpc
 
 from megainfer.errors import MegaInferError
 from megainfer.sampling_params import SamplingParams
+from megainfer.server.tls import ClientTls
 from megainfer.v1 import inference_pb2 as pb
 from megainfer.v1 import inference_pb2_grpc as pb_grpc
 
@@ -39,24 +40,37 @@ def request_message(prompt, params: SamplingParams, request_id: str = "",
 
 
 class Client:
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, timeout_s: float = 10.0, *, api_key: str | None = None,
+                 tls: ClientTls | None = None) -> None:
+        """api_key: sent as `authorization: Bearer <key>` metadata on every call. tls: connect over
+        TLS, trusting its CA certificates (and presenting its certificate, for mutual TLS)."""
+        self.channel = grpc.insecure_channel(address) if tls is None else \
+            grpc.secure_channel(address, tls.grpc_credentials())
+        self.metadata = () if api_key is None else (("authorization", f"Bearer {api_key}"),)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            raise MegaInferError(f"no megainfer server answers at {address} (is `megainfer deploy` running?)") from None
+            self.channel.close()
+            hint = "is `megainfer deploy` running, and serving plaintext?" if tls is None else \
+                "is `megainfer deploy` running with TLS, and is its certificate signed by the CA given?"
+            raise MegaInferError(f"no megainfer server answers at {address} ({hint})") from None
         self.stub = pb_grpc.InferenceStub(self.channel)
 
     def generate(self, prompt, params: SamplingParams, request_id: str = "",
                  server_defaults: Iterable[str] = ()) -> Iterator[pb.GenerateResponse]:
         """The responses of all `params.n` completions, interleaved (each says its `index`)."""
         try:
-            yield from self.stub.Generate(request_message(prompt, params, request_id, server_defaults))
+            yield from self.stub.Generate(request_message(prompt, params, request_id, server_defaults),
+                                          metadata=self.metadata)
         except grpc.RpcError as exc:
             raise MegaInferError(f"server refused the request: {exc.code().name}: {exc.details()}") from None
 
+    def abort(self, request_id: str) -> bool:
+        """Whether the server stopped the request (False: unknown, ended, or another key's)."""
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata).aborted
+
     def info(self) -> pb.ServerInfoResponse:
-        return self.stub.ServerInfo(pb.ServerInfoRequest())
+        return self.stub.ServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

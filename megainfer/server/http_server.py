@@ -1,6 +1,7 @@
 """An ASGI app served by uvicorn on a thread of its own, with its own event loop, beside the gRPC
 server in the same process. The socket is bound here, before the thread starts, so a port in
-use is a ConfigError at once and port 0 gets a free port the caller can read."""
+use is a ConfigError at once and port 0 gets a free port the caller can read. With TLS files
+it serves HTTPS only (a plaintext client's request fails its handshake)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import uvicorn
 
 from megainfer.errors import ConfigError
+from megainfer.server.tls import TlsFiles
 
 START_TIMEOUT_S = 30.0
 
@@ -35,12 +37,16 @@ def listen_socket(host: str, port: int, flag: str) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, flag: str = "--http-port", grace_s: float = 2.0) -> None:
+    def __init__(self, app, host: str, port: int, flag: str = "--http-port", grace_s: float = 2.0, *,
+                 tls: TlsFiles | None = None) -> None:
+        """tls: serve HTTPS with these files (checked already: TlsFiles.from_options)."""
         self.host = host
+        self.tls = tls
         self.sock = listen_socket(host, port, flag)
         self.port: int = self.sock.getsockname()[1]
         config = uvicorn.Config(app, http="h11", ws="none", lifespan="off", log_config=None, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=grace_s)
+                                access_log=False, timeout_graceful_shutdown=grace_s,
+                                **(tls.uvicorn_options() if tls is not None else {}))
         self.server = uvicorn.Server(config)
         self.grace_s = grace_s
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http",
@@ -49,7 +55,7 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}"
 
     def start(self) -> "HttpServer":
         self.thread.start()

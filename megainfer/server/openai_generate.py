@@ -19,6 +19,7 @@ from megainfer.server.openai_protocol import (COMPLETION_MAX_TOKENS, AssistantMe
                                               ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                               CompletionResponse, DeltaMessage, Usage)
 from megainfer.server.served_model import ServedModel
+from megainfer.tokenizer import Tokenizer
 
 DONE = "data: [DONE]\n\n"
 
@@ -45,6 +46,14 @@ def max_tokens_for(served: ServedModel, prompt_tokens: int, requested: int | Non
     return requested
 
 
+def _encode(tokenizer: Tokenizer, text: str, what: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """`text`'s token ids; text no tokenizer takes is a 400 naming `what` (the field it came from)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except RequestError as exc:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{what}: {exc}", param=param) from None
+
+
 def _finish(delta: RequestDelta) -> str | None:
     return delta.finish_reason.value if delta.finished and delta.finish_reason is not None else None
 
@@ -69,7 +78,7 @@ def completion_choices(served: ServedModel, body: CompletionRequest, request_id:
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise RequestError(f"{where}model {served.name} has no tokenizer; send the prompt as token ids")
-            ids, text = tokenizer.encode(prompt), prompt
+            ids, text = _encode(tokenizer, prompt, f"prompt {p}" if where else "prompt", "prompt"), prompt
         else:
             ids, text = list(prompt), ""
             if body.echo and tokenizer is not None:
@@ -169,7 +178,9 @@ def chat_choices(served: ServedModel, body: ChatCompletionRequest, request_id: s
     text = _render_chat(served, body)
     if served.tokenizer is None:
         raise RequestError(f"model {served.name} has no tokenizer; chat needs one")
-    ids = served.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS itself
+    # The template wrote BOS itself.
+    ids = _encode(served.tokenizer, text, "messages (the prompt the chat template rendered from them)", "messages",
+                  add_special_tokens=False)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(served, len(ids), body.requested_max_tokens(), served.defaults.get("max_tokens"),
                                 param, "messages")

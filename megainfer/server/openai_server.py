@@ -26,12 +26,15 @@ from starlette.exceptions import HTTPException
 
 import megainfer
 from megainfer.server import openai_generate as gen
+from megainfer.server.access import AccessPolicy
 from megainfer.server.backend import GenerationBackend
 from megainfer.server.choice_streams import ChoiceStreams
+from megainfer.server.http_access import HttpAccess
 from megainfer.server.metrics import ServingMetrics
 from megainfer.server.openai_errors import INVALID, NOT_FOUND, UNAVAILABLE, ApiError, api_error, validation_error
 from megainfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from megainfer.server.readiness import Readiness
+from megainfer.server.request_size import MAX_REQUEST_BYTES, RequestSizeLimit
 from megainfer.server.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
@@ -87,13 +90,16 @@ async def unless_disconnected(request: Request, work: Awaitable):
 
 class OpenAIServer:
     def __init__(self, backend: GenerationBackend, served: ServedModel, metrics: ServingMetrics | None = None,
-                 readiness: Readiness | None = None) -> None:
+                 readiness: Readiness | None = None, *, access: AccessPolicy | None = None) -> None:
+        """access: the API keys every route but /health requires, and their limits (None: open)."""
         self.backend = backend
         self.served = served
         self.metrics = metrics
         self.readiness = readiness or Readiness(backend)
         self.executor = ThreadPoolExecutor(BACKEND_THREADS, thread_name_prefix="http-backend")
         self.app = self._build()
+        if access is not None:
+            self.app.add_middleware(HttpAccess, policy=access)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=False)
@@ -135,6 +141,7 @@ class OpenAIServer:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="megainfer", version=megainfer.__version__, docs_url=None, redoc_url=None)
+        app.add_middleware(RequestSizeLimit, max_bytes=MAX_REQUEST_BYTES)  # 413 before a body is parsed
 
         @app.exception_handler(RequestValidationError)
         async def invalid_body(request: Request, exc: RequestValidationError) -> Response:

@@ -22,6 +22,8 @@ from megainfer.messages import ErrorCode, FinishReason, PositionLogprobs, Reques
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import GenerationBackend, RequestStream
 from megainfer.server.fan_in import FanIn
+from megainfer.server.grpc_decoding import add_inference_service
+from megainfer.server.grpc_access import AccessInterceptor, principal_of
 from megainfer.server.metrics import ServingMetrics
 from megainfer.server.readiness import Readiness
 from megainfer.v1 import inference_pb2 as pb
@@ -33,7 +35,9 @@ POLL_S = 0.25  # how often a waiting stream checks that its client is still ther
 HEALTH_POLL_S = 1.0  # how often the health service re-reads the backend's readiness
 
 if TYPE_CHECKING:  # only its `defaults` are read
+    from megainfer.server.access import AccessPolicy
     from megainfer.server.served_model import ServedModel
+    from megainfer.server.tls import TlsFiles
 
 
 API_DEFAULTS = {"max_tokens": 16, "temperature": 0.0}  # for fields unset, where the model sets none
@@ -102,15 +106,19 @@ class _Completion:
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Generate fans a request's n completions out into n engine requests (`SamplingParams.for_choice`),
     streams their deltas interleaved (each response says its `index`) and ends when all n ended;
-    a completion that fails fails the call and aborts the others, as does the client leaving."""
+    a completion that fails fails the call and aborts the others, as does the client leaving.
+    With API keys, Abort stops only requests the same key started."""
 
     def __init__(self, backend: GenerationBackend, metrics: ServingMetrics | None = None,
-                 served_model: ServedModel | None = None) -> None:
-        """served_model: whose `defaults` fill the sampling fields a request leaves unset."""
+                 served_model: ServedModel | None = None, access: AccessPolicy | None = None) -> None:
+        """served_model: whose `defaults` fill the sampling fields a request leaves unset. access: the
+        API keys (checked by the server's interceptor); here, who owns which request."""
         self.backend = backend
         self.metrics = metrics
         self.defaults = served_model.defaults if served_model is not None else {}
+        self.access = access
         self._live: dict[str, list[_Completion]] = {}  # API request id -> its completions, while streaming
+        self._owner: dict[str, str | None] = {}  # API request id -> the principal that started it, while live
         self._live_lock = threading.Lock()
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
@@ -121,7 +129,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         prompt = request.text if which == "text" else list(request.token_ids.ids)
         try:
             params = sampling_params(request.sampling, self.defaults)
-            completions = self._submit(rid, prompt, params)
+            completions = self._submit(rid, prompt, params, principal_of(self.access, context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status; bugs are logged
             if _status(exc) is grpc.StatusCode.INTERNAL:
                 logger.exception("request %s could not be submitted", rid)
@@ -133,13 +141,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             with self._live_lock:
                 self._live.pop(rid, None)
+                self._owner.pop(rid, None)
             self._abort(completions)
             for c in completions:  # the client went away: the rest count as aborted
                 if not c.ended:
                     self._end(c, RequestDelta(c.request_id, [], "", True, FinishReason.ABORT), time.monotonic())
 
-    def _submit(self, rid: str, prompt, params: SamplingParams) -> list[_Completion]:
-        """Start the n engine requests; if one is refused, abort those started and raise."""
+    def _submit(self, rid: str, prompt, params: SamplingParams, owner: str | None = None) -> list[_Completion]:
+        """Start the n engine requests; if one is refused, abort those started and raise. owner:
+        the principal whose key may abort it."""
         choices = [params.for_choice(i) for i in range(params.n)]
         # Every choice has the same prompt: its logprobs are computed once, by choice 0.
         choices[1:] = [c.replace(prompt_logprobs=None) for c in choices[1:]]
@@ -148,12 +158,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if rid in self._live:
                 raise RequestError(f"request id {rid!r} is already in use")
             completions = self._live[rid] = []
+            self._owner[rid] = owner
         try:
             for i, (engine_id, choice) in enumerate(zip(ids, choices)):
                 completions.append(_Completion(i, engine_id, choice, self.backend.submit(engine_id, prompt, choice)))
         except BaseException:
             with self._live_lock:
                 del self._live[rid]
+                del self._owner[rid]
             self._abort(completions)
             raise
         return completions
@@ -221,11 +233,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return aborted
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        """With API keys, another key's request is treated as unknown (aborted=false), and only
+        requests this servicer started can be aborted (not an HTTP request's engine ids)."""
+        principal = principal_of(self.access, context)
         with self._live_lock:
             completions = self._live.get(request.request_id)
-        if completions is None:
+            owned = completions is not None and self._owner.get(request.request_id) == principal
+        if completions is None and self.access is None:
             return pb.AbortResponse(aborted=self.backend.abort(request.request_id))
-        return pb.AbortResponse(aborted=self._abort(completions))
+        return pb.AbortResponse(aborted=owned and self._abort(completions))
 
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoResponse:
         info = self.backend.info()
@@ -266,10 +282,13 @@ class Server:
 
     def __init__(self, backend: GenerationBackend, host: str = "127.0.0.1", port: int = 50051,
                  workers: int = 64, metrics_port: int | None = None, *, metrics: ServingMetrics | None = None,
-                 served: ServedModel | None = None, readiness: Readiness | None = None) -> None:
-        """metrics_port: also serve Prometheus metrics over HTTP on host:metrics_port (0: any free port).
-        metrics: the process's ServingMetrics, shared with the HTTP frontend (default: one of its own
-        when metrics_port is set). served: the model whose generation defaults fill unset fields."""
+                 served: ServedModel | None = None, readiness: Readiness | None = None,
+                 access: AccessPolicy | None = None, tls: TlsFiles | None = None) -> None:
+        """metrics_port: also serve Prometheus metrics over HTTP on host:metrics_port (0: any free port;
+        never key-checked: Endpoints serves a checked one). metrics: the process's ServingMetrics, shared
+        with the HTTP frontend (default: one of its own when metrics_port is set). served: the model
+        whose generation defaults fill unset fields. access: API keys every RPC but health requires
+        (grpc_access.py). tls: serve TLS only (mutual TLS where it names a CA)."""
         from megainfer.errors import ConfigError
 
         self.backend = backend
@@ -280,17 +299,20 @@ class Server:
         self._metrics_bind = (host, metrics_port)
         self.metrics_port: int | None = None
         # Without SO_REUSEPORT a port another server holds is refused, instead of shared with it.
+        interceptors = None if access is None else [AccessInterceptor(access, [f"/{SERVICE}/Generate"])]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-                                options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend, self.metrics, served_model=served),
-                                                self.grpc)
+                                interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        add_inference_service(InferenceServicer(backend, self.metrics, served_model=served,
+                                                access=access), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["Inference"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
             self.grpc)
+        self.tls = tls
         try:
-            self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+            self.port = self.grpc.add_insecure_port(f"{host}:{port}") if tls is None else \
+                self.grpc.add_secure_port(f"{host}:{port}", tls.grpc_credentials())
         except RuntimeError:  # grpcio raises where older releases returned 0
             self.port = 0
         if self.port == 0:
