@@ -6,16 +6,18 @@
     ep.send("expert0", tensor, layer=3, micro_batch=1, token_count=128)
     msg = ep.recv("expert0", micro_batch=1)     # msg.header, msg.tensor(torch.bfloat16)
     msg.release()                               # the sender may now reuse that slot
+    ep.slots_in_use()                           # SlotUsage(held=0, unreleased=0, queued=0) when idle
 
 Backends: shm (one host), tcp, rdma (pyverbs, where a verbs port works), nixl (NVIDIA NIXL
 over UCX), chosen per peer pair by `backend="auto"` (transport/selection.py; docs/transport.md).
 Never imports megainfer.
 """
 
-from transport.endpoint import Endpoint, EndpointSpec, Message, host_id
+from transport.endpoint import Endpoint, EndpointSpec, Message, SlotUsage, host_id
 from transport.errors import (BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, PeerTimeout,
-                              TransportError)
+                              ProtocolViolation, TransportError)
 from transport.wire import Header
 
-__all__ = ["Endpoint", "EndpointSpec", "Message", "Header", "host_id", "TransportError", "HandshakeError",
-           "PeerTimeout", "PeerClosed", "PayloadTooLarge", "BackendUnavailable"]
+__all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "Header", "host_id", "TransportError",
+           "HandshakeError", "PeerTimeout", "PeerClosed", "ProtocolViolation", "PayloadTooLarge",
+           "BackendUnavailable"]

@@ -19,7 +19,7 @@ from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
 from transport.selection import Capabilities
 from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
 from transport.tcp import TcpInbound, TcpOutbound, tune
-from transport.wire import send_json
+from transport.wire import Hello, ack_sizes, send_json
 
 
 def host_id() -> str:
@@ -67,21 +67,21 @@ class BackendSet:
         self._sources: list = []  # send buffers declared with register()
         self._inbound_ids = itertools.count()
 
-    def hello_fields(self) -> dict:
-        """What a connecting endpoint tells the peer it can do."""
-        return {**self.capabilities.hello_fields(), "doorbell": self.doorbell.name if self.doorbell else ""}
+    def hello(self, name: str, rank: int, backend: str, channel: int) -> Hello:
+        """What a connecting endpoint tells the peer: who it is and what it can do."""
+        return Hello(name, rank, backend, channel, self.doorbell.name if self.doorbell else "", self.capabilities)
 
     @staticmethod
-    def peer_capabilities(hello: dict) -> Capabilities:
+    def peer_capabilities(hello: Hello) -> Capabilities:
         """What a connecting peer said it can do (shm needs its doorbell too)."""
-        peer = Capabilities.from_hello(hello)
-        if not hello.get("doorbell"):
+        peer = hello.capabilities
+        if not hello.doorbell:
             peer = dataclasses.replace(peer, shm=False, shm_reason=peer.shm_reason or "no doorbell")
         return peer
 
     def outbound(self, kind: str, peer: str, channel_id: int, ack: dict, sock: socket.socket):
         """This endpoint -> `peer` over `kind`, from the peer's acknowledgement."""
-        slot_bytes, num_slots = int(ack["slot_bytes"]), int(ack["num_slots"])
+        slot_bytes, num_slots = ack_sizes(ack)
         if kind == "shm":
             return ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
         if kind == "rdma":
@@ -92,23 +92,27 @@ class BackendSet:
         tune(sock, self.tcp_buffer_bytes)
         return TcpOutbound(peer, slot_bytes, num_slots, sock)
 
-    def inbound(self, kind: str, peer: str, hello: dict, ack: dict, sock: socket.socket):
-        """`peer` -> this endpoint over `kind`; sends `ack` with what the backend adds to it."""
+    def inbound(self, kind: str, hello: Hello, ack: dict, sock: socket.socket):
+        """`hello.name` -> this endpoint over `kind`; sends `ack` with what the backend adds to it.
+        The channel holds every header to the rank the hello announced."""
+        peer, sender = hello.name, hello.rank
         if kind == "shm":
             try:  # a /dev/shm too small for the slots: the peer is told why, not left to time out
-                channel = ShmInbound(peer, next(self._inbound_ids), self.slot_bytes, self.num_slots, self.doorbell)
+                channel = ShmInbound(peer, next(self._inbound_ids), self.slot_bytes, self.num_slots, self.doorbell,
+                                     sender=sender)
             except BackendUnavailable as exc:
                 send_json(sock, {"ok": False, "error": str(exc)})
                 raise
-            channel.bind_peer(hello, sock)
+            channel.bind_peer(hello.doorbell, hello.channel, sock)
             send_json(sock, {**ack, "shm": channel.handshake_info()})
             return channel
         if kind == "rdma":
-            return rdma.RdmaInbound.accept(self._rdma_context(), peer, self.slot_bytes, self.num_slots, sock, ack)
+            return rdma.RdmaInbound.accept(self._rdma_context(), peer, sender, self.slot_bytes, self.num_slots, sock,
+                                           ack)
         if kind == "nixl":
-            return NixlInbound.accept(self._nixl_agent(), peer, self.slot_bytes, self.num_slots, sock, ack)
+            return NixlInbound.accept(self._nixl_agent(), peer, sender, self.slot_bytes, self.num_slots, sock, ack)
         tune(sock, self.tcp_buffer_bytes)
-        channel = TcpInbound(peer, self.slot_bytes, self.num_slots, sock)
+        channel = TcpInbound(peer, sender, self.slot_bytes, self.num_slots, sock)
         send_json(sock, ack)
         return channel
 

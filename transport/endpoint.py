@@ -11,6 +11,12 @@ a view on this endpoint's own slot, with no copy, until `Message.release()`.
 A slot is reused only once its consumer released it: a sender whose slot is still held
 waits (back-pressure), and every wait ends in `PeerTimeout` after `timeout_s` or
 `PeerClosed` as soon as the peer's connection drops: never a hang.
+
+A peer that breaks the protocol (transport/wire_rules.py says what is checked) has its
+channels dropped, as if it had closed them: waits on it raise `ProtocolViolation` (a
+`PeerClosed`) saying what was wrong, and the endpoint keeps serving every other peer, whose
+slots and pending messages it never touches. `slots_in_use()` counts the slots in use for
+leak checks.
 """
 
 from __future__ import annotations
@@ -25,13 +31,13 @@ import time
 from dataclasses import dataclass, field
 
 from transport.backends import BackendSet, host_id
-from transport.errors import BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, PeerTimeout, TransportError
-from transport.handshake import authenticate
-from transport.selection import BACKENDS, Choice, NoBackend, choose
+from transport.errors import PayloadTooLarge, PeerClosed, PeerTimeout, ProtocolViolation, TransportError
+from transport.peering import Acceptor, dial, parse_address
+from transport.selection import BACKENDS, Choice
 from transport.tcp import TcpInbound, TcpOutbound
-from transport.wire import Header, check_header_fields, recv_json, send_json
+from transport.wire import MAX_SLOTS, SEQ_MASK, Header, check_header_fields
 
-__all__ = ["Endpoint", "EndpointSpec", "Message", "host_id", "parse_address"]
+__all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "host_id", "parse_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +48,6 @@ MAX_SLEEP_S = 0.05
 # progress only while polled. NIXL has a progress thread of its own (transport/nixl.py).
 POLLED_SPIN_S = 0.002
 POLLED_NAP_S = 0.0002
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r} is not host:port")
-    return host.strip("[]"), int(port)
 
 
 @dataclass
@@ -72,8 +71,9 @@ class EndpointSpec:
             raise ValueError("EndpointSpec.secret must be at least 16 bytes (os.urandom(32) is a good one)")
         if self.backend not in BACKENDS:
             raise ValueError(f"EndpointSpec.backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.slot_bytes <= 0 or self.num_slots <= 0:
-            raise ValueError("EndpointSpec.slot_bytes and num_slots must be positive")
+        if self.slot_bytes <= 0 or not 0 < self.num_slots <= MAX_SLOTS:
+            raise ValueError(f"EndpointSpec.slot_bytes must be positive and num_slots in [1, {MAX_SLOTS}], got "
+                             f"{self.slot_bytes} and {self.num_slots}")
         if not 0 <= self.rank < (1 << 16):
             raise ValueError(f"EndpointSpec.rank must fit 16 bits, got {self.rank}")
         if self.timeout_s <= 0 or self.spin_us < 0:
@@ -82,6 +82,15 @@ class EndpointSpec:
             raise ValueError(f"EndpointSpec.tcp_buffer_bytes must be positive or None (autotuning), got "
                              f"{self.tcp_buffer_bytes}")
         parse_address(self.listen)
+
+
+@dataclass(frozen=True)
+class SlotUsage:
+    """An endpoint's slots in use, for leak checks: all zero on an idle endpoint."""
+
+    held: int  # messages recv() handed out that the caller has not released yet
+    unreleased: int  # messages this endpoint sent whose slot the receiving peer has not released yet
+    queued: int = 0  # messages that arrived but recv() has not handed out yet
 
 
 class Message:
@@ -144,7 +153,8 @@ class Endpoint:
         self.inbound: dict[str, object] = {}
         self._pending: list[Message] = []
         self._seq: dict[str, int] = {}
-        self._dead: dict[str, str] = {}
+        self._dead: dict[str, str] = {}  # peer -> why it is gone (the first reason)
+        self._violators: set[str] = set()  # peers dropped for breaking the protocol: never read again
         self._max_sleep: float | None = None  # the longest nap while waiting (set by connect for polled peers)
         self._spin_s = spec.spin_us * 1e-6  # busy-poll this long before sleeping (longer for rdma peers)
         self._selector = selectors.DefaultSelector()
@@ -166,111 +176,40 @@ class Endpoint:
         if peers is not None:
             self.spec.peers = dict(peers)
         peers = self.spec.peers
-        if self.spec.name in peers:
-            raise ValueError(f"endpoint {self.spec.name!r} lists itself among its peers")
-        deadline = time.monotonic() + self.spec.timeout_s
-        accepted: dict[str, object] = {}
-        accept_errors: list[BaseException] = []
-        acceptor = threading.Thread(target=self._accept_all, args=(set(peers), deadline, accepted, accept_errors),
-                                    name=f"m2n-accept-{self.spec.name}", daemon=True)
-        acceptor.start()
+        spec = self.spec
+        if spec.name in peers:
+            raise ValueError(f"endpoint {spec.name!r} lists itself among its peers")
+        deadline = time.monotonic() + spec.timeout_s
+        acceptor = Acceptor(spec.name, spec.backend, bytes(spec.secret), self.backends, self.listener, set(peers),
+                            deadline, spec.slot_bytes, spec.num_slots)
+        accepting = threading.Thread(target=acceptor.run, name=f"m2n-accept-{spec.name}", daemon=True)
+        accepting.start()
         try:
             for peer, address in peers.items():
-                self.outbound[peer] = self._connect_to(peer, address, deadline)
+                channel, self.choices[peer] = dial(spec.name, spec.rank, spec.backend, bytes(spec.secret),
+                                                   self.backends, peer, address, len(self.outbound), deadline,
+                                                   spec.timeout_s)
+                self.outbound[peer] = channel
                 self._seq[peer] = 0
+                logger.info("endpoint %s -> %s over %s (%s)", spec.name, peer, channel.kind, self.choices[peer].reason)
         finally:
-            acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        if accept_errors:
-            raise accept_errors[0]
-        missing = sorted(set(peers) - set(accepted))
+            accepting.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if acceptor.errors:
+            raise acceptor.errors[0]
+        missing = sorted(set(peers) - set(acceptor.accepted))
         if missing:
-            raise PeerTimeout(f"endpoint {self.spec.name}: peers {', '.join(missing)} did not connect within "
-                              f"{self.spec.timeout_s:g} s (not started, wrong address, or a different secret)")
-        self.inbound.update(accepted)
+            raise PeerTimeout(f"endpoint {spec.name}: peers {', '.join(missing)} did not connect within "
+                              f"{spec.timeout_s:g} s (not started, wrong address, or a different secret)")
+        self.inbound.update(acceptor.accepted)
         self._register()
         # RDMA completions and NIXL notifications do not wake a selector: with such peers, wake
         # often and poll them (rdma after a longer spin).
         kinds = {ch.kind for ch in list(self.inbound.values()) + list(self.outbound.values())}
         self._max_sleep = POLLED_NAP_S if kinds & {"rdma", "nixl"} else None
-        self._spin_s = self.spec.spin_us * 1e-6
+        self._spin_s = spec.spin_us * 1e-6
         if "rdma" in kinds:
             self._spin_s = max(self._spin_s, POLLED_SPIN_S)
         return self
-
-    def _connect_to(self, peer: str, address: str, deadline: float):
-        host, port = parse_address(address)
-        while True:
-            try:
-                sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
-                break
-            except (ConnectionRefusedError, socket.timeout, OSError) as exc:
-                if time.monotonic() >= deadline:
-                    raise PeerTimeout(f"endpoint {self.spec.name}: cannot reach peer {peer} at {address} within "
-                                      f"{self.spec.timeout_s:g} s ({exc})") from None
-                time.sleep(0.02)
-        try:
-            sock.settimeout(max(0.05, deadline - time.monotonic()))
-            authenticate(sock, bytes(self.spec.secret), initiator=True)
-            channel_id = len(self.outbound)
-            send_json(sock, {
-                "name": self.spec.name, "rank": self.spec.rank, "backend": self.spec.backend,
-                **self.backends.hello_fields(), "channel": channel_id})
-            ack = recv_json(sock)
-            if not ack.get("ok"):
-                raise HandshakeError(f"peer {peer} refused endpoint {self.spec.name}: {ack.get('error')}")
-            if ack.get("name") != peer:
-                raise HandshakeError(f"the endpoint at {address} is {ack.get('name')!r}, not {peer!r}")
-            kind = ack["backend"]
-            self.choices[peer] = Choice(kind, str(ack.get("reason", "")))
-            channel = self.backends.outbound(kind, peer, channel_id, ack, sock)
-            sock.settimeout(None)
-            logger.info("endpoint %s -> %s over %s (%s)", self.spec.name, peer, kind, self.choices[peer].reason)
-            return channel
-        except (OSError, KeyError, ValueError) as exc:
-            sock.close()
-            raise HandshakeError(f"endpoint {self.spec.name}: handshake with {peer} at {address} failed ({exc!r})")
-        except BaseException:
-            sock.close()
-            raise
-
-    def _accept_all(self, expected: set[str], deadline: float, accepted: dict, errors: list) -> None:
-        self.listener.settimeout(0.1)
-        try:
-            while set(accepted) != expected and time.monotonic() < deadline:
-                try:
-                    sock, addr = self.listener.accept()
-                except socket.timeout:
-                    continue
-                try:
-                    name, channel = self._accept_one(sock, expected - set(accepted), deadline)
-                    accepted[name] = channel
-                except (HandshakeError, BackendUnavailable, OSError, KeyError, ValueError) as exc:
-                    logger.warning("endpoint %s refused a connection from %s: %s", self.spec.name, addr, exc)
-                    sock.close()
-        except BaseException as exc:  # surfaced by connect()
-            errors.append(exc)
-
-    def _accept_one(self, sock: socket.socket, expected: set[str], deadline: float):
-        sock.settimeout(max(0.05, deadline - time.monotonic()))
-        authenticate(sock, bytes(self.spec.secret), initiator=False)
-        hello = recv_json(sock)
-        name = hello["name"]
-        if name not in expected:
-            send_json(sock, {"ok": False, "error": f"{name!r} is not an expected peer of {self.spec.name}"})
-            raise HandshakeError(f"unexpected peer {name!r}")
-        try:
-            choice = choose(self.spec.backend, str(hello.get("backend", "auto")), self.backends.capabilities,
-                            self.backends.peer_capabilities(hello), self.spec.name, name)
-        except NoBackend as exc:
-            send_json(sock, {"ok": False, "error": str(exc)})
-            raise BackendUnavailable(str(exc)) from None
-        kind = choice.backend
-        logger.info("endpoint %s <- %s over %s (%s)", self.spec.name, name, kind, choice.reason)
-        ack = {"ok": True, "name": self.spec.name, "backend": kind, "reason": choice.reason,
-               "slot_bytes": self.spec.slot_bytes, "num_slots": self.spec.num_slots}
-        channel = self.backends.inbound(kind, name, hello, ack, sock)
-        sock.settimeout(None)
-        return name, channel
 
     def _register(self) -> None:
         if self.doorbell is not None:
@@ -290,6 +229,8 @@ class Endpoint:
         channel = self.outbound.get(peer)
         if channel is None:
             raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.outbound)}")
+        if self._dead and peer in self._dead:
+            self._check_alive((peer,))
         data = memoryview(payload) if isinstance(payload, (bytes, bytearray)) else as_bytes(payload)
         n = len(data)
         if n > channel.slot_bytes:
@@ -299,11 +240,15 @@ class Endpoint:
         seq = self._seq[peer]
         header = Header(step, layer, micro_batch, self.spec.rank, flags & 0xFFFF, token_count, seq, n)
         limit = self.spec.timeout_s if timeout is None else timeout
-        if not channel.try_send(header, data):
-            self._send_when_free(channel, header, data, limit)
-        if getattr(channel, "unsent", 0):
-            self._finish_send(channel, limit)
-        self._seq[peer] = seq + 1
+        try:
+            if not channel.try_send(header, data):
+                self._send_when_free(channel, header, data, limit)
+            if getattr(channel, "unsent", 0):
+                self._finish_send(channel, limit)
+        except ProtocolViolation as exc:  # a malformed credit from the peer
+            self._drop(peer, exc)
+            raise
+        self._seq[peer] = (seq + 1) & SEQ_MASK
 
     def _finish_send(self, channel, limit: float) -> None:
         """The rest of a message: for tcp, what the kernel could not take at once, written as
@@ -313,7 +258,8 @@ class Endpoint:
         it completes. Returns once the message is all out, so the caller may reuse its buffer."""
         peer = channel.peer
         deadline = time.monotonic() + limit
-        readers = {ch.sock: name for name, ch in self.inbound.items() if isinstance(ch, TcpInbound)}
+        readers = {ch.sock: name for name, ch in self.inbound.items()
+                   if isinstance(ch, TcpInbound) and name not in self._dead}  # a dead one's socket is at its end
         writing = [channel.sock] if channel.kind == "tcp" else []
         # A NIXL write completes without this thread (UCX's progress thread moves the bytes):
         # poll it briefly, then sleep in small steps.
@@ -398,11 +344,13 @@ class Endpoint:
         return self._take(peer, micro_batch) if self._pending else None
 
     def _collect(self, peer: str) -> None:
+        if peer in self._violators:
+            return
         channel = self.inbound[peer]
         try:
             done = channel.poll()
         except PeerClosed as exc:
-            self._dead[peer] = str(exc)
+            self._drop(peer, exc, channel.control if channel.kind == "tcp" else None)
             return
         for slot, header in done:
             self._pending.append(Message(peer, header, channel.payload(slot, header.byte_length), channel, slot))
@@ -416,11 +364,55 @@ class Endpoint:
                 return pending.pop(i)
         return None
 
+    def _drop(self, peer: str, exc: PeerClosed, quiet_socket: socket.socket | None = None) -> None:
+        """`peer` is gone: waits on it raise PeerClosed with the first reason recorded. A peer
+        that broke the protocol also has its connections shut (it sees them drop) and is never
+        read again; every other peer's channels, slots and pending messages stay as they are.
+        `quiet_socket`, a connection at its end, stops waking the selector."""
+        if quiet_socket is not None:
+            self._unwatch(quiet_socket)
+        if peer not in self._dead:
+            self._dead[peer] = str(exc)
+        if isinstance(exc, ProtocolViolation) and peer not in self._violators:
+            logger.warning("endpoint %s: %s", self.spec.name, exc)
+            self._violators.add(peer)
+            for channel in (self.inbound.get(peer), self.outbound.get(peer)):
+                if channel is not None and channel.control is not None:
+                    self._unwatch(channel.control)
+                    try:
+                        channel.control.shutdown(socket.SHUT_RDWR)
+                    except OSError:  # already gone
+                        pass
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):  # not watched (any more), or closed
+            pass
+
+    def slots_in_use(self) -> SlotUsage:
+        """The slots in use now, for leak checks: credits and doorbells that have arrived are
+        taken first (without waiting), so an idle endpoint whose peers released everything
+        reads all zero. A peer found gone on the way keeps the slots it never released."""
+        if self.doorbell is not None:
+            self.doorbell.drain()
+        unreleased = 0
+        for peer, channel in self.outbound.items():
+            try:
+                unreleased += channel.unreleased()
+            except PeerClosed as exc:
+                self._drop(peer, exc)
+                unreleased += sum(channel.busy)  # shm never raises here: the others keep `busy`
+        queued = len(self._pending)
+        held = sum(channel.outstanding for channel in self.inbound.values()) - queued
+        return SlotUsage(held=held, unreleased=unreleased, queued=queued)
+
     def _check_alive(self, peers) -> None:
         """A wait on one peer fails as soon as it is dead; a wait on any of several, once all are."""
         dead = [p for p in peers if p in self._dead]
         if dead and (len(peers) == 1 or len(dead) == len(peers)):
-            raise PeerClosed(f"endpoint {self.spec.name}: " + "; ".join(self._dead[p] for p in dead))
+            error = ProtocolViolation if self._violators.issuperset(dead) else PeerClosed
+            raise error(f"endpoint {self.spec.name}: " + "; ".join(self._dead[p] for p in dead))
 
     def _block(self, deadline: float, ready, asleep) -> bool:
         """Sleep until a wakeup (doorbell, socket data, a peer's connection dropping) or the
@@ -461,7 +453,7 @@ class Endpoint:
                 try:
                     self.outbound[peer].drain_credits()
                 except PeerClosed as exc:
-                    self._dead[peer] = str(exc)
+                    self._drop(peer, exc, key.fileobj)
             else:  # a control connection (shm, rdma) says something only when it closes
                 try:
                     alive = key.fileobj.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
@@ -470,8 +462,8 @@ class Endpoint:
                 except OSError:
                     alive = False
                 if not alive:
-                    self._dead[peer] = f"peer {peer} closed its connection (process exited or shut down)"
-                    self._selector.unregister(key.fileobj)
+                    self._drop(peer, PeerClosed(f"peer {peer} closed its connection (process exited or shut down)"),
+                               key.fileobj)
 
     def register(self, buffer) -> None:
         """Declare a host buffer (a contiguous CPU torch tensor) that payloads will be sent
@@ -486,12 +478,12 @@ class Endpoint:
         are lost; both ends must reconnect, as both connected."""
         self._drop_channels()
         self.backends.renew()
-        self._selector = selectors.DefaultSelector()
         return self.connect(peers)
 
     def _drop_channels(self) -> None:
         self._pending.clear()
         self._selector.close()
+        self._selector = selectors.DefaultSelector()
         for ch in list(self.outbound.values()) + list(self.inbound.values()):
             ch.close()
             if getattr(ch, "control", None) is not None and ch.kind != "tcp":
@@ -500,7 +492,19 @@ class Endpoint:
         self.inbound.clear()
         self._seq.clear()
         self._dead.clear()
+        self._violators.clear()
         self.choices.clear()
+
+    def sever(self) -> None:
+        """Shut every peer connection down as a failing network would (fault injection): both
+        ends see their connections drop (PeerClosed) and must reconnect; this endpoint's
+        objects stay for its owner to notice and replace."""
+        for ch in list(self.outbound.values()) + list(self.inbound.values()):
+            for sock in {getattr(ch, "sock", None), getattr(ch, "control", None)} - {None}:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already closed
+                    pass
 
     def close(self) -> None:
         self._drop_channels()

@@ -17,6 +17,12 @@ class PeerClosed(TransportError):
     """A peer closed its connection (its process exited or it shut down)."""
 
 
+class ProtocolViolation(PeerClosed):
+    """An authenticated peer sent what the protocol forbids (a bad header, a replayed or skipped
+    sequence number, a write into a slot still held, a malformed credit): the endpoint dropped
+    that peer's channels, as if it had closed them. The message says what was wrong."""
+
+
 class PayloadTooLarge(TransportError):
     """A send's payload does not fit the receiver's slot."""
 

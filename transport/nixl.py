@@ -19,6 +19,14 @@ signal either way; they carry 1 kind byte, then the 32-byte message header (DATA
 u16 slot (CREDIT). A receiver hands messages out in sequence order (a header-only
 notification can overtake the notification of a large write still in flight).
 
+Each header is checked as its notification arrives (transport/wire_rules.py: magic, sender,
+length), its sequence number must lie within REORDER_WINDOW past the next expected one and
+not repeat one waiting, and a data message must name a slot this side does not hold; credits
+must name a slot in use. A malformed notification counts against the agent that sent it,
+never against another peer's channel. A WRITE lands before its notification, so a peer that
+writes into a slot still held has spoiled that slot by the time it is caught: its own slots
+only, since every channel has its own region.
+
 `send` returns once the write is done (the staging slot is then free again). Each agent
 runs NIXL's progress thread, napping 100 us between polls (`_new_agent` says why), so a
 message moves while either end computes; the endpoint also polls while it waits, since
@@ -42,12 +50,16 @@ import numpy as np
 
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed
 from transport.shm import PAYLOAD_OFFSET, slot_stride
-from transport.wire import HEADER_BYTES, Header, recv_json, send_json
+from transport.wire import HEADER, HEADER_BYTES, SEQ_MASK, Header, recv_json, send_json
+from transport.wire_rules import InboundRules, broke
 
 NOTIF_DATA, NOTIF_CREDIT = b"D", b"C"
 NO_SLOT = -1  # a header-only message: it travels in its notification and occupies no slot
 CREDIT_SLOT = struct.Struct("<H")
 PROGRESS_THREAD_DELAY_US = 100  # the progress thread's nap between polls of the UCX worker
+# How far past the next expected sequence number a notification may arrive (header-only ones
+# overtake a write's; they hold no slot, so the slots do not bound this); beyond it, a skip.
+REORDER_WINDOW = 1024
 
 
 def _api():
@@ -123,6 +135,7 @@ class NixlAgent:
             raise BackendUnavailable("nixl: the UCX plugin is missing from this NIXL installation")
         self.data: dict[str, deque[bytes]] = {}
         self.credits: dict[str, list[int]] = {}
+        self.violations: dict[str, str] = {}  # peer agent -> what its malformed notification was
         self._channels: dict[str, int] = {}  # peer agent -> channels using it (in and out share one)
         self._sources: list[tuple[int, int, object]] = []  # registered send buffers: (start, end, the buffer)
         self._setup = threading.Lock()  # handshakes run on two threads (Endpoint.connect)
@@ -201,8 +214,14 @@ class NixlAgent:
                     self.data.setdefault(remote, deque()).append(body)
                 elif kind == NOTIF_CREDIT and len(body) == CREDIT_SLOT.size:
                     self.credits.setdefault(remote, []).append(CREDIT_SLOT.unpack(body)[0])
-                else:
-                    raise PeerClosed(f"nixl: agent {remote} sent a malformed notification; connection dropped")
+                else:  # that agent's channels fail on their next look, no other peer's
+                    self.violations.setdefault(remote, f"a malformed {len(note)}-byte notification "
+                                                       f"({bytes(note[:16]).hex()}...)")
+
+    def check(self, peer_agent: str, peer: str) -> None:
+        """Raises the violation `peer_agent`'s notifications committed, if any."""
+        if self.violations and peer_agent in self.violations:
+            raise broke(peer, self.violations[peer_agent])
 
     def write(self, local: tuple[int, int, int], remote: tuple[int, int, int], peer_agent: str, remote_type: str,
               note: bytes):
@@ -250,6 +269,7 @@ class NixlAgent:
             self._channels.pop(peer_agent, None)
             self.data.pop(peer_agent, None)
             self.credits.pop(peer_agent, None)
+            self.violations.pop(peer_agent, None)
             try:
                 self.agent.remove_remote_agent(peer_agent)
             except Exception:  # nixl raises its own error types; the peer is going away either way
@@ -286,8 +306,8 @@ class NixlInbound:
 
     kind = "nixl"
 
-    def __init__(self, peer: str, slot_bytes: int, num_slots: int, agent: NixlAgent, control: socket.socket,
-                 device=None) -> None:
+    def __init__(self, peer: str, sender: int, slot_bytes: int, num_slots: int, agent: NixlAgent,
+                 control: socket.socket, device=None) -> None:
         self.peer, self.slot_bytes, self.num_slots, self.agent, self.control = peer, slot_bytes, num_slots, agent, \
             control
         self.stride = slot_stride(slot_bytes)
@@ -295,15 +315,21 @@ class NixlInbound:
         self.descs = agent.register(self.region)
         self.view = memoryview(self.region.numpy()) if not self.region.is_cuda else None
         self.peer_agent = ""
-        self._next_seq = 0
+        self.rules = InboundRules(peer, sender, slot_bytes, num_slots)
+        self.bare_held = 0  # header-only messages handed out (or waiting) and not released
         self._early: dict[int, Header] = {}  # arrived ahead of an earlier message still in flight
+        self._failure: PeerClosed | None = None  # met after messages that the last poll returned
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.rules.held) + self.bare_held
 
     @classmethod
-    def accept(cls, agent: NixlAgent, peer: str, slot_bytes: int, num_slots: int, sock: socket.socket,
+    def accept(cls, agent: NixlAgent, peer: str, sender: int, slot_bytes: int, num_slots: int, sock: socket.socket,
                ack: dict) -> "NixlInbound":
         """Registers the slots, sends their place and this agent's metadata (taken after the
         registration, so it covers them), and learns the sender's agent for credits."""
-        channel = cls(peer, slot_bytes, num_slots, agent, sock)
+        channel = cls(peer, sender, slot_bytes, num_slots, agent, sock)
         addr, device, mem_type = _where(channel.region)
         send_json(sock, {**ack, "nixl": {"metadata": agent.metadata(), "regions": agent.region_metadata(channel.descs),
                                          "addr": addr, "device": device, "mem_type": mem_type,
@@ -315,20 +341,46 @@ class NixlInbound:
         return channel
 
     def poll(self) -> list[tuple[int, Header]]:
+        """Messages that continue the sequence; a violation after some of them is raised by the
+        next poll, once they are handed out."""
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
         self.agent.pump()
+        done: list[tuple[int, Header]] = []
+        try:
+            self.agent.check(self.peer_agent, self.peer)
+            self._sort_arrivals()
+            self._in_order(done)
+        except PeerClosed as exc:
+            if not done:
+                raise
+            self._failure = exc
+        return done
+
+    def _sort_arrivals(self) -> None:
+        """Checks each arrived header and files it by sequence number."""
+        rules, early = self.rules, self._early
         queue = self.agent.data.get(self.peer_agent)
         while queue:
             body = queue.popleft()
             if len(body) != HEADER_BYTES:
-                raise PeerClosed(f"nixl: {self.peer} sent a {len(body)}-byte header; connection dropped")
-            header = Header.unpack_from(body)
-            self._early[header.seq] = header
-        done = []
-        while self._next_seq in self._early:
-            header = self._early.pop(self._next_seq)
-            done.append((header.micro_batch % self.num_slots if header.byte_length else NO_SLOT, header))
-            self._next_seq += 1
-        return done
+                raise broke(self.peer, f"a {len(body)}-byte header in a data notification ({HEADER_BYTES} expected)")
+            header = rules.check(HEADER.unpack_from(body))
+            if rules.ahead(header.seq) >= REORDER_WINDOW or header.seq in early:
+                raise rules.sequence_refusal(header.seq)
+            early[header.seq] = header
+
+    def _in_order(self, done: list) -> None:
+        rules, early = self.rules, self._early
+        while rules.next_seq in early:
+            header = early.pop(rules.next_seq)
+            if header.byte_length:
+                slot = rules.occupy(header)
+            else:
+                slot = NO_SLOT
+                self.bare_held += 1
+            rules.next_seq = (rules.next_seq + 1) & SEQ_MASK
+            done.append((slot, header))
 
     def payload(self, slot: int, length: int) -> memoryview:
         if slot == NO_SLOT:
@@ -338,7 +390,9 @@ class NixlInbound:
 
     def release(self, slot: int) -> None:
         if slot == NO_SLOT:  # a header-only message held no slot: nothing to credit
+            self.bare_held -= 1
             return
+        self.rules.free(slot)
         try:
             self.agent.notify(self.peer_agent, NOTIF_CREDIT + CREDIT_SLOT.pack(slot))
         except PeerClosed:  # the peer is gone; its own side reports it
@@ -381,12 +435,18 @@ class NixlOutbound:
 
     def _take_credits(self) -> None:
         self.agent.pump()
+        self.agent.check(self.peer_agent, self.peer)
         credits = self.agent.credits.get(self.peer_agent)
         while credits:
             slot = credits.pop()
-            if slot >= self.num_slots:
-                raise PeerClosed(f"nixl: {self.peer} credited slot {slot} of {self.num_slots}; connection dropped")
+            if slot >= self.num_slots or not self.busy[slot]:
+                raise broke(self.peer, f"a credit for slot {slot} of {self.num_slots}, which is not in use")
             self.busy[slot] = False
+
+    def unreleased(self) -> int:
+        """Slots written whose credit has not come back, after taking the credits waiting."""
+        self._take_credits()
+        return sum(self.busy)
 
     @property
     def unsent(self) -> int:

@@ -30,6 +30,13 @@ completion (the bytes are in place before the completion is seen), hands out a v
 slot, and on release posts a credit write; the sender frees the slot when that credit's
 receive completion arrives. Send completions are checked for errors and dropped.
 
+What the peer's writes say is checked before it is trusted: a data immediate must name a
+slot of the channel that its header's micro-batch selects, the header must pass
+transport/wire_rules.py (magic, sender, length, in sequence, a slot not still held), and a
+credit must name a slot in use; anything else on the wrong queue pair is refused. A write
+lands before its completion is seen, so a write into a held slot has spoiled that slot when
+it is caught: the peer's own slots only, since every channel has its own region.
+
 Connection (queue-pair numbers, PSNs, LID, GID, rkey, region address, stride, active MTU
 and link layer cross over the authenticated TCP control connection as `wire.QPInfo`):
     RESET -> INIT  at creation: port, pkey index 0, access LOCAL_WRITE | REMOTE_WRITE
@@ -79,7 +86,9 @@ from typing import NamedTuple
 from transport import rdma_port as rp
 from transport.errors import BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, TransportError
 from transport.shm import PAYLOAD_OFFSET, slot_stride
-from transport.wire import HEADER_BYTES, IMM_CREDIT, IMM_DATA, Header, QPInfo, pack_tag, recv_json, send_json, unpack_tag
+from transport.wire import (HEADER, HEADER_BYTES, IMM_CREDIT, IMM_DATA, Header, QPInfo, pack_tag, recv_json, send_json,
+                            unpack_tag)
+from transport.wire_rules import MICRO_BATCH_AT, InboundRules, broke
 
 PYVERBS_HINT = "pip install --pre --only-binary=:all: pyverbs"
 
@@ -563,11 +572,18 @@ class RdmaInbound:
 
     kind = "rdma"
 
-    def __init__(self, peer: str, slot_bytes: int, num_slots: int, qp: _QueuePair, control: socket.socket) -> None:
+    def __init__(self, peer: str, slot_bytes: int, num_slots: int, qp: _QueuePair, control: socket.socket, *,
+                 sender: int) -> None:
         self.peer, self.slot_bytes, self.num_slots, self.qp, self.control = peer, slot_bytes, num_slots, qp, control
+        self.rules = InboundRules(peer, sender, slot_bytes, num_slots)
+        self._failure: PeerClosed | None = None  # met after messages that the last poll returned
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.rules.held)
 
     @classmethod
-    def accept(cls, rc: RdmaContext, peer: str, slot_bytes: int, num_slots: int, sock: socket.socket,
+    def accept(cls, rc: RdmaContext, peer: str, sender: int, slot_bytes: int, num_slots: int, sock: socket.socket,
                ack: dict) -> "RdmaInbound":
         qp = _QueuePair(rc, slot_bytes, num_slots)
         try:
@@ -578,30 +594,39 @@ class RdmaInbound:
         except BaseException:
             qp.close()
             raise
-        return cls(peer, slot_bytes, num_slots, qp, sock)
+        return cls(peer, slot_bytes, num_slots, qp, sock, sender=sender)
 
     def poll(self) -> list[tuple[int, Header]]:
-        """Slots written since the last poll, in arrival order (RC delivers in send order)."""
-        done = []
-        for kind, _, slot in self.qp.completions(self.peer):
-            if kind == IMM_DATA:
-                done.append((slot, self._header(slot)))
+        """Slots written since the last poll, in arrival order (RC delivers in send order). A
+        violation after some messages is raised by the next poll, once they are handed out."""
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+        done: list[tuple[int, Header]] = []
+        try:
+            for kind, _, slot in self.qp.completions(self.peer):
+                done.append(self._admit(kind, slot))
+        except PeerClosed as exc:
+            if not done:
+                raise
+            self._failure = exc
         return done
 
-    def _header(self, slot: int) -> Header:
-        if slot >= self.num_slots:
-            raise HandshakeError(f"rdma: {self.peer} wrote to slot {slot} of {self.num_slots}")
-        header = Header.unpack_from(self.qp.view, header_offset(slot, self.qp.stride))
-        if header.byte_length > self.slot_bytes:
-            raise HandshakeError(f"rdma: {self.peer} sent a header of {header.byte_length} bytes for a "
-                                 f"{self.slot_bytes}-byte slot")
-        return header
+    def _admit(self, kind: int, slot: int) -> tuple[int, Header]:
+        if kind != IMM_DATA or slot >= self.num_slots:
+            raise broke(self.peer, f"rdma: an immediate of kind {kind} for slot {slot} on a data channel of "
+                                   f"{self.num_slots} slots (data, slot < {self.num_slots} expected)")
+        fields = HEADER.unpack_from(self.qp.view, header_offset(slot, self.qp.stride))
+        if fields[MICRO_BATCH_AT] % self.num_slots != slot:
+            raise broke(self.peer, f"rdma: a write tagged for slot {slot} carries a header for micro-batch "
+                                   f"{fields[MICRO_BATCH_AT]} (slot {fields[MICRO_BATCH_AT] % self.num_slots})")
+        return self.rules.admit(fields)
 
     def payload(self, slot: int, length: int) -> memoryview:
         start = payload_offset(slot, self.qp.stride)
         return self.qp.view[start:start + length]
 
     def release(self, slot: int) -> None:
+        self.rules.free(slot)
         self.qp.post_credit(pack_tag(IMM_CREDIT, 0, slot))
 
     def close(self) -> None:
@@ -633,11 +658,20 @@ class RdmaOutbound:
             raise
         return cls(peer, channel_id, slot_bytes, num_slots, qp, sock)
 
-    def try_send(self, header: Header, payload) -> bool:
-        # Drained on every send: frees slots and keeps the send queue short.
+    def _take_credits(self) -> None:
         for kind, _, freed in self.qp.completions(self.peer):
-            if kind == IMM_CREDIT and freed < self.num_slots:
-                self.busy[freed] = False
+            if kind != IMM_CREDIT or freed >= self.num_slots or not self.busy[freed]:
+                raise broke(self.peer, f"rdma: an immediate of kind {kind} for slot {freed} where a credit for a slot "
+                                       "in use was expected")
+            self.busy[freed] = False
+
+    def unreleased(self) -> int:
+        """Slots written whose credit has not come back, after taking the completions waiting."""
+        self._take_credits()
+        return sum(self.busy)
+
+    def try_send(self, header: Header, payload) -> bool:
+        self._take_credits()  # on every send: frees slots and keeps the send queue short
         slot = header.micro_batch % self.num_slots
         if self.busy[slot]:
             return False

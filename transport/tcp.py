@@ -14,6 +14,10 @@ both waiting in `sendmsg` for a reader. Reads are non-blocking too (a small stat
 machine), so the endpoint's single thread can wait on many connections at once. Socket
 buffers are left to the kernel's autotuning unless a size is configured: setting them
 turns autotuning off and caps them near the kernel's maximum (about 200 KB by default).
+
+Every header is checked (transport/wire_rules.py) before a payload byte is read into a slot,
+so a misbehaving peer cannot write into a slot still held; a credit is checked before it
+frees a slot; a connection that closes in the middle of a message is a protocol violation.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from __future__ import annotations
 import socket
 
 from transport.errors import PeerClosed
-from transport.wire import CREDIT, CREDIT_MAGIC, HEADER_BYTES, Header
+from transport.wire import CREDIT, CREDIT_MAGIC, HEADER, HEADER_BYTES, Header
+from transport.wire_rules import InboundRules, broke
 
 READ_CHUNK = 1 << 20  # a waiting endpoint wakes for a large payload once this much of it has arrived
 
@@ -53,48 +58,62 @@ class TcpInbound:
 
     kind = "tcp"
 
-    def __init__(self, peer: str, slot_bytes: int, num_slots: int, sock: socket.socket) -> None:
+    def __init__(self, peer: str, sender: int, slot_bytes: int, num_slots: int, sock: socket.socket) -> None:
         self.peer = peer
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.sock = sock
         self.control = sock
+        self.rules = InboundRules(peer, sender, slot_bytes, num_slots)
         self.buffer = bytearray(slot_bytes * num_slots)
         self.view = memoryview(self.buffer)
         self._header = bytearray(HEADER_BYTES)
         self._got = 0  # bytes of the current header (while _current is None) or payload
         self._current: Header | None = None
+        self._slot = 0  # the slot the current message is read into
+        self._failure: PeerClosed | None = None  # met after messages that the last poll returned
         self._mark = 1  # the socket's receive low-water mark (bytes)
 
+    @property
+    def outstanding(self) -> int:
+        """Messages received whole and not released yet (a message still arriving is not one)."""
+        return len(self.rules.held) - (self._current is not None)
+
     def poll(self) -> list[tuple[int, Header]]:
-        """Read whatever has arrived; return the messages it completed."""
-        done = []
-        while True:
-            if self._current is None:
-                n = self._read(memoryview(self._header)[self._got:])
-                if n is None:
-                    return done
-                self._got += n
-                if self._got < HEADER_BYTES:
-                    continue
-                self._current, self._got = Header.unpack_from(self._header), 0
-                if self._current.byte_length > self.slot_bytes:
-                    raise PeerClosed(f"peer {self.peer} sent {self._current.byte_length} bytes into a "
-                                     f"{self.slot_bytes}-byte slot: protocol violation, connection dropped")
-            h = self._current
-            if self._got < h.byte_length:
-                self._low_water(h.byte_length - self._got)
-                slot = h.micro_batch % self.num_slots
-                start = slot * self.slot_bytes + self._got
-                n = self._read(self.view[start:slot * self.slot_bytes + h.byte_length])
-                if n is None:
-                    return done
-                self._got += n
+        """Read whatever has arrived; return the messages it completed. A failure after some
+        completed is raised by the next poll, once they are handed out."""
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+        done: list[tuple[int, Header]] = []
+        try:
+            while True:
+                if self._current is None:
+                    n = self._read(memoryview(self._header)[self._got:])
+                    if n is None:
+                        return done
+                    self._got += n
+                    if self._got < HEADER_BYTES:
+                        continue
+                    self._slot, self._current = self.rules.admit(HEADER.unpack_from(self._header))
+                    self._got = 0
+                h = self._current
                 if self._got < h.byte_length:
-                    continue
-            done.append((h.micro_batch % self.num_slots, h))
-            self._current, self._got = None, 0
-            self._low_water(1)
+                    self._low_water(h.byte_length - self._got)
+                    start = self._slot * self.slot_bytes
+                    n = self._read(self.view[start + self._got:start + h.byte_length])
+                    if n is None:
+                        return done
+                    self._got += n
+                    if self._got < h.byte_length:
+                        continue
+                done.append((self._slot, h))
+                self._current, self._got = None, 0
+                self._low_water(1)
+        except PeerClosed as exc:
+            if not done:
+                raise
+            self._failure = exc
+            return done
 
     def _low_water(self, remaining: int) -> None:
         """Wake a waiting endpoint only once a large payload's next chunk is in (SO_RCVLOWAT):
@@ -105,12 +124,20 @@ class TcpInbound:
             self._mark = mark
 
     def _read(self, into: memoryview) -> int | None:
-        return read_available(self.sock, into, self.peer)
+        try:
+            return read_available(self.sock, into, self.peer)
+        except PeerClosed:
+            if self._current is None and not self._got:
+                raise  # between messages: an ordinary close
+            part = f"{self._got} of {self._current.byte_length} payload bytes" if self._current is not None else \
+                f"{self._got} of {HEADER_BYTES} header bytes"
+            raise broke(self.peer, f"the connection closed in the middle of a message ({part} arrived)") from None
 
     def payload(self, slot: int, length: int) -> memoryview:
         return self.view[slot * self.slot_bytes:slot * self.slot_bytes + length]
 
     def release(self, slot: int) -> None:
+        self.rules.free(slot)
         try:
             self.sock.sendall(CREDIT.pack(CREDIT_MAGIC, slot, 0))
         except OSError:
@@ -148,11 +175,18 @@ class TcpOutbound:
             data = self._pending + bytes(self._credits[:n])
             whole = len(data) - len(data) % CREDIT.size
             for off in range(0, whole, CREDIT.size):
-                magic, slot, _ = CREDIT.unpack_from(data, off)
-                if magic != CREDIT_MAGIC or slot >= self.num_slots:
-                    raise PeerClosed(f"peer {self.peer} sent a malformed credit frame; connection dropped")
+                magic, slot, reserved = CREDIT.unpack_from(data, off)
+                if magic != CREDIT_MAGIC or reserved or slot >= self.num_slots or not self.busy[slot]:
+                    in_use = "in use" if slot < self.num_slots and self.busy[slot] else "not in use"
+                    raise broke(self.peer, f"malformed credit frame {data[off:off + CREDIT.size].hex()} (magic "
+                                           f"0x{magic:08x}, slot {slot} of {self.num_slots}, {in_use})")
                 self.busy[slot] = False
             self._pending = data[whole:]
+
+    def unreleased(self) -> int:
+        """Slots sent into whose credit has not come back, after reading the credits waiting."""
+        self.drain_credits()
+        return sum(self.busy)
 
     def try_send(self, header: Header, payload) -> bool:
         """Start sending a message into its slot: False while the peer holds the slot; True once

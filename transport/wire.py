@@ -12,13 +12,15 @@ Message header (32 bytes), in front of every payload (TCP stream, shm slot, RDMA
                                  transport reads none; megainfer's expert answers set
                                  BUSY = 1, see megainfer/disagg/expert_link.py); 0 by default
     16      4     token_count    tokens carried (0 for an empty message)
-    20      4     seq            per-channel sequence number, from 0
+    20      4     seq            per-channel sequence number, from 0, wrapping at 2**32
+                                 (what a receiver checks: transport/wire_rules.py)
     24      8     byte_length    payload bytes that follow
 
 Handshake frames (TCP control connection, both directions, before anything else):
-    frame := u32 length | body;  body of CHALLENGE is 32 random bytes, of PROOF is
-    HMAC-SHA256(secret, b"m2n-proof" | role | own nonce | peer nonce) (32 bytes), of HELLO
-    a UTF-8 JSON object of plain fields (names, numbers, strings: never code).
+    frame := u32 length | body (at most MAX_FRAME bytes);  body of CHALLENGE is 32 random
+    bytes, of PROOF is HMAC-SHA256(secret, b"m2n-proof" | role | own nonce | peer nonce)
+    (32 bytes), of HELLO (`Hello`) and of the acknowledgement a UTF-8 JSON object of plain
+    fields (names, numbers, strings: never code), each checked before it is used.
 
 Credit frame (TCP, receiver -> sender on the data connection), 8 bytes:
     0  4  magic 0x43524454 ("CRDT")      4  2  slot      6  2  reserved
@@ -43,12 +45,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import socket
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from transport.errors import HandshakeError
+from transport.selection import BACKENDS, Capabilities
 
 MAGIC = 0x4D324E01
 CREDIT_MAGIC = 0x43524454
@@ -59,6 +63,12 @@ DOORBELL = struct.Struct("<BBHHH")
 DOORBELL_DATA, DOORBELL_FREE = 1, 2
 QP_INFO = struct.Struct("<IIHBB16sIQIBB")
 MAX_FRAME = 1 << 16  # handshake frames are small; anything larger is not a peer of ours
+SEQ_OFFSET = 20  # the header's seq field, in bytes from the magic
+SEQ_MASK = (1 << 32) - 1  # sequence numbers wrap at 2**32
+MAX_SLOTS = 1 << 16  # slots per channel: credits, doorbells and RDMA tags carry a u16 slot
+MAX_SLOT_BYTES = 1 << 40  # what an acknowledgement may state as a slot's size
+MAX_NAME = 256  # characters in an endpoint's name
+DOORBELL_NAME = re.compile(r"megainfer-m2n-[0-9a-f]{24}\Z")  # transport.shm.Doorbell's names
 
 
 class Header(NamedTuple):
@@ -178,8 +188,53 @@ def send_json(sock: socket.socket, obj: dict) -> None:
 def recv_json(sock: socket.socket) -> dict:
     try:
         obj = json.loads(recv_frame(sock).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HandshakeError(f"malformed handshake message ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, an int past the digit limit, nested too deep
+        raise HandshakeError(f"malformed handshake message ({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(obj, dict):
-        raise HandshakeError("malformed handshake message (not an object)")
+        raise HandshakeError(f"malformed handshake message (a JSON {type(obj).__name__}, not an object)")
     return obj
+
+
+def _bounded_int(obj: dict, key: str, low: int, high: int, what: str) -> int:
+    value = obj.get(key)
+    if type(value) is not int or not low <= value <= high:  # bool is no int here, nor a float
+        raise HandshakeError(f"{what} field {key!r} must be an integer in [{low}, {high}], got {value!r:.60}")
+    return value
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The connecting endpoint's first message after authentication. `parse` checks every field
+    the acceptor uses, since a peer that holds the secret may still be buggy."""
+
+    name: str  # the connecting endpoint's name (EndpointSpec.name)
+    rank: int  # the sender rank every header it sends will carry
+    backend: str  # what it asked for: one of selection.BACKENDS
+    channel: int  # its id for this channel (its shm doorbell rings name it)
+    doorbell: str  # its shm doorbell's name, "" where it has none
+    capabilities: Capabilities  # what it can do (selection.py chooses from it)
+
+    def fields(self) -> dict:
+        return {"name": self.name, "rank": self.rank, "backend": self.backend, "channel": self.channel,
+                "doorbell": self.doorbell, **self.capabilities.hello_fields()}
+
+    @classmethod
+    def parse(cls, obj: dict) -> "Hello":
+        name = obj.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or "/" in name:
+            raise HandshakeError(f"hello field 'name' must be an endpoint name (1 to {MAX_NAME} characters, no "
+                                 f"'/'), got {name!r:.60}")
+        backend = obj.get("backend", "auto")
+        if backend not in BACKENDS:
+            raise HandshakeError(f"hello field 'backend' must be one of {', '.join(BACKENDS)}, got {backend!r:.60}")
+        doorbell = obj.get("doorbell", "")
+        if not isinstance(doorbell, str) or doorbell and not DOORBELL_NAME.match(doorbell):
+            raise HandshakeError(f"hello field 'doorbell' is not a doorbell name: {doorbell!r:.60}")
+        return cls(name, _bounded_int(obj, "rank", 0, 0xFFFF, "hello"), backend,
+                   _bounded_int(obj, "channel", 0, 0xFFFF, "hello"), doorbell, Capabilities.from_hello(obj))
+
+
+def ack_sizes(ack: dict) -> tuple[int, int]:
+    """(slot_bytes, num_slots) of an acceptor's acknowledgement, checked."""
+    return (_bounded_int(ack, "slot_bytes", 1, MAX_SLOT_BYTES, "acknowledgement"),
+            _bounded_int(ack, "num_slots", 1, MAX_SLOTS, "acknowledgement"))

@@ -242,7 +242,7 @@ def soft_channel(slot_bytes=256, num_slots=2, choice=ROCE):
     a.to_rts(b.info())
     b.to_rts(a.info())
     out = rdma.RdmaOutbound("e0", 3, slot_bytes, num_slots, a, control=None)
-    inbound = rdma.RdmaInbound("a0", slot_bytes, num_slots, b, control=None)
+    inbound = rdma.RdmaInbound("a0", slot_bytes, num_slots, b, control=None, sender=0)
     return out, inbound
 
 
@@ -311,7 +311,7 @@ def test_a_header_beyond_the_slot_is_refused():
     Header(byte_length=65).pack_into(region.view, rdma.header_offset(0, out.qp.stride))
     out.qp.write_with_imm(rdma.header_offset(0, out.qp.stride), HEADER_BYTES, rdma.header_offset(0, out.qp.stride),
                           pack_tag(IMM_DATA, 3, 0))
-    with pytest.raises(HandshakeError, match="header of 65 bytes for a 64-byte slot"):
+    with pytest.raises(PeerClosed, match="header announces 65 payload bytes for a 64-byte slot"):
         inbound.poll()
 
 

@@ -52,7 +52,7 @@ def small_shm(tmp_path, monkeypatch):
 
 
 def test_a_segment_owns_its_bytes_when_made(doorbell):
-    inbound = shm.ShmInbound("peer", 0, slot_bytes=1 << 20, num_slots=3, doorbell=doorbell)
+    inbound = shm.ShmInbound("peer", 0, slot_bytes=1 << 20, num_slots=3, doorbell=doorbell, sender=0)
     try:
         size = segment_bytes(1 << 20, 3)
         stat = os.stat(inbound.segment.path)
@@ -66,7 +66,7 @@ def test_a_segment_owns_its_bytes_when_made(doorbell):
 def test_a_segment_too_large_for_shm_is_a_clear_error_and_leaves_nothing(small_shm, doorbell):
     wanted = segment_bytes(1 << 20, 2)
     with pytest.raises(BackendUnavailable) as caught:
-        shm.ShmInbound("peer", 0, slot_bytes=1 << 20, num_slots=2, doorbell=doorbell)
+        shm.ShmInbound("peer", 0, slot_bytes=1 << 20, num_slots=2, doorbell=doorbell, sender=0)
     message = str(caught.value)
     assert str(small_shm / "megainfer-m2n-") in message  # the segment's path
     assert f"{wanted:,} bytes" in message
@@ -76,7 +76,7 @@ def test_a_segment_too_large_for_shm_is_a_clear_error_and_leaves_nothing(small_s
 
 
 def test_a_segment_that_fits_the_small_shm_is_made(small_shm, doorbell):
-    inbound = shm.ShmInbound("peer", 0, slot_bytes=1 << 18, num_slots=2, doorbell=doorbell)
+    inbound = shm.ShmInbound("peer", 0, slot_bytes=1 << 18, num_slots=2, doorbell=doorbell, sender=0)
     try:
         assert os.stat(inbound.segment.path).st_blocks * 512 >= segment_bytes(1 << 18, 2)
     finally:
@@ -119,7 +119,8 @@ def test_a_file_system_that_cannot_preallocate_falls_back_to_sparse_and_says_so(
     monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
     monkeypatch.setattr(shm, "_warned_sparse", set())
     with caplog.at_level(logging.WARNING, logger="transport.shm"):
-        channels = [shm.ShmInbound("peer", i, slot_bytes=1 << 16, num_slots=2, doorbell=doorbell) for i in range(2)]
+        channels = [shm.ShmInbound("peer", i, slot_bytes=1 << 16, num_slots=2, doorbell=doorbell, sender=0)
+                    for i in range(2)]
     try:
         assert all(os.stat(c.segment.path).st_size == segment_bytes(1 << 16, 2) for c in channels)
         warnings = [r for r in caplog.records if "cannot preallocate" in r.getMessage()]
@@ -136,6 +137,6 @@ def test_other_allocation_errors_are_not_swallowed_and_leave_nothing(monkeypatch
     monkeypatch.setattr(os, "posix_fallocate", failing)
     monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
     with pytest.raises(OSError) as caught:
-        shm.ShmInbound("peer", 0, slot_bytes=1 << 16, num_slots=2, doorbell=doorbell)
+        shm.ShmInbound("peer", 0, slot_bytes=1 << 16, num_slots=2, doorbell=doorbell, sender=0)
     assert caught.value.errno == errno.EIO
     assert os.listdir(tmp_path) == []
