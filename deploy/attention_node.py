@@ -13,9 +13,10 @@ from __future__ import annotations
 import threading
 import time
 
+from deploy.delta_outbox import DeltaOutbox
 from deploy.node_process import settle
 from deploy.link import SwitchableLink
-from deploy.node_loop import NodeLoop
+from deploy.node_loop import NodeLoop, drop_connections_of, rank_resources
 from deploy.timeline_calls import TimelineCalls
 from deploy.placement import rank_placement
 from deploy.node_config import PEER_TIMEOUT_S, bind_host, join_tp_group, node_names, tp_master_address, weights_of
@@ -24,8 +25,8 @@ from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
 from megainfer.errors import DataPlaneError
-from megainfer.messages import (ErrorCode, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus, RankPlacement,
-                                RequestDelta)
+from megainfer.messages import (DeltaBatch, ErrorCode, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus,
+                                RankPlacement)
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -47,8 +48,7 @@ class AttentionNode(TimelineCalls):
         if self.plan.attention.tp == 1:
             self._build(None)
         self.lock = threading.Lock()  # held by each step: readers of the engine wait for its end
-        self.outbox_ready = threading.Condition()
-        self.outbox: list[RequestDelta] = []
+        self.outbox = DeltaOutbox()
         self.loop = NodeLoop(self.name, lambda: self.link, self._step, self._fail_queue)
         self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
 
@@ -132,13 +132,24 @@ class AttentionNode(TimelineCalls):
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
 
-    def poll(self, timeout: float = 0.05) -> list[RequestDelta]:
-        """Token deltas since the last poll (waits up to `timeout` for the first)."""
-        with self.outbox_ready:
-            if not self.outbox:
-                self.outbox_ready.wait(timeout)
-            out, self.outbox = self.outbox, []
-        return out
+    def poll(self, incarnation: str | None = None, after: int = 0, timeout: float = 0.05) -> DeltaBatch:
+        """Token deltas after the poller's cursor `after` (acknowledging those up to it; see
+        delta_outbox.py); waits up to `timeout` for the first."""
+        return self.outbox.poll(incarnation, after, timeout)
+
+    def resources(self) -> NodeResources:
+        """Memory, KV blocks, M2N slots and requests held (between steps: a step holds both)."""
+        link = getattr(self, "link", None)
+        if self.engine is None:
+            return rank_resources(self.name, NodeRole.ATTENTION, 0, link)
+        with self.lock:
+            blocks = self.engine.scheduler.block_manager
+            requests = self.engine.scheduler.num_running + self.engine.scheduler.num_waiting + self.core.num_queued
+            return rank_resources(self.name, NodeRole.ATTENTION, 0, link, kv_blocks_total=blocks.num_blocks,
+                                  kv_blocks_free=blocks.num_free_blocks, requests=requests)
+
+    def drop_connections(self) -> None:
+        drop_connections_of(getattr(self, "link", None))
 
     def stats(self) -> NodeStats:
         with self.lock:
@@ -151,10 +162,7 @@ class AttentionNode(TimelineCalls):
 
     # -- the step loop -------------------------------------------------------------------------
     def _emit(self, deltas) -> None:
-        if deltas:
-            with self.outbox_ready:
-                self.outbox.extend(deltas)
-                self.outbox_ready.notify_all()
+        self.outbox.put(deltas)
 
     def _step(self) -> None:
         runner = self.engine.runner

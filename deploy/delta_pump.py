@@ -1,5 +1,7 @@
 """A thread per attention node that long-polls the node's outbox and hands each token delta
-to the frontend: tokens ride Ray's control plane, a few bytes per request and step."""
+to the frontend: tokens ride Ray's control plane, a few bytes per request and step. Each poll
+acknowledges what the last one returned (delta_outbox.py), so a poll lost to a timeout loses
+no delta."""
 
 from __future__ import annotations
 
@@ -18,22 +20,28 @@ RETRY_S = 0.2  # after a failed poll: the supervisor handles the node, the pump 
 
 
 class DeltaPump:
-    def __init__(self, node, name: str, deliver: Callable[[RequestDelta], None]) -> None:
+    def __init__(self, node, index: int, deliver: Callable[[int, RequestDelta], None]) -> None:
+        """deliver(index, delta): a delta of attention node number `index`."""
         self.node = node
+        self.index = index
         self.deliver = deliver
+        self._incarnation: str | None = None  # the node process the cursor counts in
+        self._cursor = 0
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"deltas-{name}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"deltas-{index}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                deltas = ray.get(self.node.poll.remote(POLL_S), timeout=POLL_TIMEOUT_S)
+                batch = ray.get(self.node.poll.remote(self._incarnation, self._cursor, POLL_S),
+                                timeout=POLL_TIMEOUT_S)
             except (RayActorError, GetTimeoutError):
                 time.sleep(RETRY_S)
                 continue
-            for delta in deltas:
-                self.deliver(delta)
+            self._incarnation, self._cursor = batch.incarnation, batch.last
+            for delta in batch.deltas:
+                self.deliver(self.index, delta)
 
     def stop(self) -> None:
         self._stop.set()

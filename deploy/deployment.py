@@ -18,7 +18,7 @@ from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
-from megainfer.messages import NodeHealth, NodeStats
+from megainfer.messages import NodeHealth, NodeResources, NodeStats
 from megainfer.plan import Plan
 from megainfer.routing.policies import make_router
 from megainfer.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ class Deployment:
         self.runtime = runtime_of(plan, device)
         predictive = plan.serve.router == "predictive" and step_prior is not None
         router = make_router(plan.serve.router, step_prior=step_prior) if predictive else make_router(plan.serve.router)
-        self.frontend = Frontend(router, max_open_requests(plan))
+        self.frontend = Frontend(router, max_open_requests(plan), plan.serve.recovery_wait_s)
         self.group: NodeGroup | None = None
         self.supervisor: Supervisor | None = None
         self._started_ray = False
@@ -76,7 +76,7 @@ class Deployment:
 
     @property
     def router_error(self):
-        return self.frontend.router_error
+        return self.frontend.ttft_feedback.router_error
 
     @property
     def registry(self):
@@ -96,6 +96,9 @@ class Deployment:
 
     def stats(self) -> list[NodeStats]:
         return self.group.stats()
+
+    def resources(self) -> list[NodeResources]:
+        return self.group.resources()
 
     def info(self) -> BackendInfo:
         return BackendInfo(self.model.name, self.plan.to_yaml(), node_infos([self.group]))

@@ -25,8 +25,14 @@ from megainfer.messages import NodeLoad, NodeState, RequestDelta
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import RequestStream, StreamRegistry
 
+
+class _NodeUnavailable(Exception):
+    """The chosen attention node cannot take a request now (re-wiring, restarting, retired)."""
+
 LOAD_REFRESH_S = 0.05  # how stale a router's view of the attention nodes may get
 SUBMIT_TIMEOUT_S = 30.0
+RETRY_EVERY_S = 0.25  # a request waiting for a recovery asks again this often
+DOWN_MARK_S = 1.0  # a node that refused a request is routed around this long (then asked again)
 ABORT_TIMEOUT_S = 10.0
 # |predicted - measured| TTFT of requests the predictive router placed, seconds.
 ROUTER_ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -41,6 +47,11 @@ class Routed:
     predicted_ttft_s: float | None = None  # predictive router only
     routed_at: float | None = None  # when it chose (predictive router only)
 
+    def reached(self, at: float | None) -> None:
+        """Tell the predictive router its request reached the node at `at` (None: never will)."""
+        if self.routed_at is not None:
+            self.router.placed(self.node, self.routed_at, at)
+
 
 def max_open_requests(plan) -> int:
     """Requests one replica may have open before new ones are refused (backpressure)."""
@@ -48,17 +59,18 @@ def max_open_requests(plan) -> int:
 
 
 class Frontend:
-    def __init__(self, router, max_open_per_group: int) -> None:
+    def __init__(self, router, max_open_per_group: int, recovery_wait_s: float = 0.0) -> None:
         self.router = router
         self.max_open_per_group = max_open_per_group
+        self.recovery_wait_s = recovery_wait_s  # plan serve.recovery_wait_s: see `send`
         self.registry = StreamRegistry(max_open=0)
-        self.router_error = LatencyHistogram(ROUTER_ERROR_BUCKETS)
+        self.ttft_feedback = TtftFeedback()
         self.groups: list[NodeGroup] = []
         self._nodes: list = []  # attention leader actors, numbered across the groups
         self._pumps: list[DeltaPump] = []  # one per attention node, same numbering
         self._loads: list[NodeLoad] = []  # per node: the last snapshot, plus what was routed since
         self._owner: dict[str, int] = {}  # request id -> attention node
-        self._predicted: dict[str, tuple[float, float]] = {}  # request id -> (submitted at, predicted TTFT)
+        self._down = DownNodes()  # nodes that refused a request lately: routed around
         self._lock = threading.Lock()  # the router's state: loads, groups, the router itself
         self._stop = threading.Event()
         self._tracker: threading.Thread | None = None
@@ -70,7 +82,7 @@ class Frontend:
             first = len(self._nodes)
             self.groups.append(group)
             self._nodes += group.attention
-            self._pumps += [DeltaPump(node, f"{first + i}", self._deliver) for i, node in enumerate(group.attention)]
+            self._pumps += [DeltaPump(node, first + i, self._deliver_from) for i, node in enumerate(group.attention)]
             self.registry.max_open = self.max_open_per_group * len(self.groups)
         self.refresh()
 
@@ -85,24 +97,25 @@ class Frontend:
             self._nodes, self._loads = self._nodes[:first], self._loads[:first]
             pumps, self._pumps = self._pumps[first:], self._pumps[:first]
             self.registry.max_open = self.max_open_per_group * len(self.groups)
-        for pump in pumps:
-            pump.stop()
+        stop_pumps(pumps, wait=False)
 
     def nodes_of(self, group: NodeGroup) -> range:
-        first = 0
-        for g in self.groups:
-            if g is group:
-                return range(first, first + len(g.attention))
-            first += len(g.attention)
-        return range(0)
+        return attention_nodes_of(self.groups, group)
 
     # -- routing ------------------------------------------------------------------------------
     def route(self, prompt_tokens: int, max_tokens: int) -> Routed:
+        """The router's choice; where it chose a node marked down while another is up, the
+        freest node that is up instead."""
         with self._lock:
             router = self.router
             node = router.choose(self._loads, prompt_tokens, max_tokens)
-            self._loads[node].add(prompt_tokens)
             last = getattr(router, "last", None)  # the predictive router's forecast of this choice
+            instead = self._down.steer(node, self._loads)
+            if instead is not None:
+                if last is not None:  # its forecast committed the request to a node it will not reach
+                    router.placed(node, last.at, None)
+                node, last = instead, None
+            self._loads[node].add(prompt_tokens)
         return Routed(node, router, last.ttft_s, last.at) if last is not None else Routed(node, router)
 
     def pin(self, node: int, prompt_tokens: int) -> Routed:
@@ -139,7 +152,7 @@ class Frontend:
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt, params: SamplingParams, routed: Routed | None = None) -> RequestStream:
-        """Queue a request where `routed` says, or where the router sends it."""
+        """Queue a request where `routed` says, or where the router sends it (`admit`, `send`)."""
         return self.send(*self.admit(request_id, prompt, params, routed), prompt, params)
 
     def admit(self, request_id: str, prompt, params: SamplingParams,
@@ -156,30 +169,41 @@ class Frontend:
         return stream, routed
 
     def send(self, stream: RequestStream, routed: Routed, prompt, params: SamplingParams) -> RequestStream:
-        """Queue an admitted request on the node the router chose."""
-        request_id = stream.request_id
-        submitted = time.monotonic()
+        """Queue an admitted request on the node the router chose. A node that cannot take it now
+        (re-wiring, restarting) is routed around for a moment and the request goes to another
+        node, or waits for one, up to `recovery_wait_s`: it is served after a recovery."""
+        request_id, submitted = stream.request_id, time.monotonic()
+        deadline = submitted + self.recovery_wait_s
         if routed.predicted_ttft_s is not None:
-            self._predicted[request_id] = (submitted, routed.predicted_ttft_s)
+            self.ttft_feedback.expect(request_id, submitted, routed.predicted_ttft_s)
+        while True:
+            try:
+                return self._send_once(stream, routed, prompt, params, deadline)
+            except _NodeUnavailable as exc:
+                self._down.mark(routed.node)
+                if time.monotonic() + RETRY_EVERY_S >= deadline or not self.registry.is_open(request_id):
+                    self._forget(request_id)
+                    raise DataPlaneError(f"{exc} (waited {time.monotonic() - submitted:.1f} s); retry") from None
+                time.sleep(RETRY_EVERY_S)
+                routed = self.route(prompt_tokens(prompt), params.max_tokens)
+            except BaseException:
+                self._forget(request_id)
+                raise
+
+    def _send_once(self, stream: RequestStream, routed: Routed, prompt, params: SamplingParams,
+                   deadline: float) -> RequestStream:
+        request_id = stream.request_id
         self._owner[request_id] = routed.node
         try:
-            with self._lock:
-                if routed.node >= len(self._nodes):  # its group retired meanwhile
-                    raise DataPlaneError(f"attention node {routed.node} was retired; retry")
-                node = self._nodes[routed.node]
-            stream.prompt_tokens = ray.get(node.add_request.remote(request_id, prompt, params),
-                                           timeout=SUBMIT_TIMEOUT_S)
-            if routed.routed_at is not None:  # the node holds it: snapshots asked for from now on show it
-                routed.router.placed(routed.node, routed.routed_at, time.monotonic())
-        except BaseException as exc:
-            if routed.routed_at is not None:
-                routed.router.placed(routed.node, routed.routed_at, None)
-            self._forget(request_id)
-            if isinstance(exc, RayTaskError):
-                raise cause(exc) from None
-            if isinstance(exc, (RayActorError, GetTimeoutError)):
-                raise DataPlaneError(f"attention node {routed.node} is unavailable: {exc}") from None
+            stream.prompt_tokens = queue_request(self._actor(routed.node), routed.node, request_id, prompt, params,
+                                                 deadline)
+        except BaseException:
+            routed.reached(None)
+            self._owner.pop(request_id, None)
             raise
+        routed.reached(time.monotonic())  # the node holds it: snapshots asked for from now on show it
+        if not self.registry.is_open(request_id):  # the client left while it waited: nobody reads it
+            self.abort(request_id)
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -188,34 +212,38 @@ class Frontend:
         if node is None:
             return False
         try:
-            with self._lock:
-                actor = self._nodes[node] if node < len(self._nodes) else None
+            actor = self._actor(node)
             return actor is not None and ray.get(actor.abort.remote(request_id), timeout=ABORT_TIMEOUT_S)
         except (RayActorError, GetTimeoutError):
             return False
+
+    def _actor(self, node: int):
+        """Attention node `node`'s actor; None once its group retired."""
+        with self._lock:
+            return self._nodes[node] if node < len(self._nodes) else None
 
     def owner_of(self, request_id: str) -> int | None:
         """The attention node a request went to, while it is open."""
         return self._owner.get(request_id)
 
     def open_requests_on(self, nodes: range) -> int:
-        return sum(1 for node in list(self._owner.values()) if node in nodes)
+        return sum(node in nodes for node in list(self._owner.values()))
 
     def fail_requests_on(self, nodes: list[int], reason: str) -> None:
         """Requests on attention nodes that died went with them: tell their clients."""
         for request_id, node in list(self._owner.items()):
             if node in nodes:
-                self._deliver(RequestDelta.failure(request_id, reason))
+                self._deliver_from(node, RequestDelta.failure(request_id, reason))
 
-    def _deliver(self, delta: RequestDelta) -> None:
-        if delta.request_id in self._predicted and (delta.new_token_ids or delta.finished):
-            submitted, predicted = self._predicted.pop(delta.request_id)
-            if delta.new_token_ids:
-                measured = time.monotonic() - submitted
-                self.router_error.observe(abs(measured - predicted))
-                learn = getattr(self.router, "observe_ttft", None)
-                if learn is not None:
-                    learn(predicted, measured)
+    def _deliver_from(self, node: int, delta: RequestDelta) -> None:
+        """A delta of node `node`. A request not held there (failed here while its node hung and
+        sent elsewhere, a submission that timed out yet reached it) is dropped and aborted there."""
+        if self._owner.get(delta.request_id) != node:
+            actor = None if delta.finished else self._actor(node)
+            if actor is not None:
+                actor.abort.remote(delta.request_id)  # frees its blocks
+            return
+        self.ttft_feedback.observe(delta, self.router)
         if delta.finished:
             self._owner.pop(delta.request_id, None)
         self.registry.deliver(delta)
@@ -223,16 +251,97 @@ class Frontend:
     def _forget(self, request_id: str) -> None:
         self.registry.close(request_id)
         self._owner.pop(request_id, None)
-        self._predicted.pop(request_id, None)
+        self.ttft_feedback.forget(request_id)
 
     def close(self) -> None:
         self._stop.set()
         if self._tracker is not None:
             self._tracker.join(5)
-        for pump in self._pumps:
-            pump.stop()
-        for pump in self._pumps:
-            pump.join(5)
+        stop_pumps(self._pumps)
+
+
+def stop_pumps(pumps: list[DeltaPump], wait: bool = True) -> None:
+    """Stop every pump at once, then (with `wait`) join them."""
+    for pump in pumps:
+        pump.stop()
+    for pump in pumps if wait else ():
+        pump.join(5)
+
+
+def attention_nodes_of(groups: list[NodeGroup], group: NodeGroup) -> range:
+    """The numbers of `group`'s attention nodes, counted across `groups` in order."""
+    first = 0
+    for g in groups:
+        if g is group:
+            return range(first, first + len(g.attention))
+        first += len(g.attention)
+    return range(0)
+
+
+class TtftFeedback:
+    """The predictive router's TTFT forecasts against what its requests measured: the error
+    histogram (a metric) and the router's own correction (`observe_ttft`)."""
+
+    def __init__(self) -> None:
+        self.router_error = LatencyHistogram(ROUTER_ERROR_BUCKETS)
+        self._predicted: dict[str, tuple[float, float]] = {}  # request id -> (submitted at, predicted TTFT)
+
+    def expect(self, request_id: str, submitted: float, predicted_ttft_s: float) -> None:
+        self._predicted[request_id] = (submitted, predicted_ttft_s)
+
+    def observe(self, delta: RequestDelta, router) -> None:
+        if delta.request_id in self._predicted and (delta.new_token_ids or delta.finished):
+            submitted, predicted = self._predicted.pop(delta.request_id)
+            if delta.new_token_ids:
+                measured = time.monotonic() - submitted
+                self.router_error.observe(abs(measured - predicted))
+                learn = getattr(router, "observe_ttft", None)
+                if learn is not None:
+                    learn(predicted, measured)
+
+    def forget(self, request_id: str) -> None:
+        self._predicted.pop(request_id, None)
+
+
+class DownNodes:
+    """Attention nodes that refused a request lately (re-wiring, restarting): the router's
+    choice is moved off them for DOWN_MARK_S, after which they are asked again."""
+
+    def __init__(self) -> None:
+        self._until: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, node: int) -> None:
+        with self._lock:
+            self._until[node] = time.monotonic() + DOWN_MARK_S
+
+    def steer(self, node: int, loads: list[NodeLoad]) -> int | None:
+        """Where a request the router sent to `node` should go instead: the freest node that
+        is up, where `node` is down and another is up; None to leave it."""
+        now = time.monotonic()
+        with self._lock:
+            up = [i for i in range(len(loads)) if self._until.get(i, 0.0) <= now]
+        if node in up or not up:
+            return None
+        return max(up, key=lambda i: (loads[i].freeness(), -i))
+
+
+def queue_request(node, index: int, request_id: str, prompt, params: SamplingParams, deadline: float) -> int:
+    """Queue a request on attention node actor `node` (number `index`; None: its group retired),
+    waiting for its answer until `deadline` at the latest; its prompt length. _NodeUnavailable
+    where the node cannot take it now; the node's own error (a bad request) as it raised it."""
+    if node is None:
+        raise _NodeUnavailable(f"attention node {index} was retired")
+    timeout_s = min(SUBMIT_TIMEOUT_S, max(deadline - time.monotonic(), RETRY_EVERY_S))
+    try:
+        return ray.get(node.add_request.remote(request_id, prompt, params), timeout=timeout_s)
+    except RayTaskError as exc:
+        error = cause(exc)
+        if isinstance(error, DataPlaneError):  # the node is re-wiring
+            raise _NodeUnavailable(str(error)) from None
+        raise error from None
+    except (RayActorError, GetTimeoutError) as exc:
+        raise _NodeUnavailable(f"attention node {index} is unavailable: {exc}") from None
 
 
 def observe_states(router, groups: list[tuple[float, list[NodeState | None]]],

@@ -80,6 +80,20 @@ class SwitchableLink:
         except PeerTimeout:
             return None
 
+    def slot_usage(self) -> tuple[int, int]:
+        """(received messages not yet released, sent slots the peers have not released yet)."""
+        if self.endpoint is None:
+            return 0, 0
+        usage = self.endpoint.slots_in_use()
+        return usage.held, usage.unreleased
+
+    def drop_connections(self) -> None:
+        """Close every channel of the current endpoint, as a network fault would (fault injection:
+        `megainfer bench soak --chaos`); the peers see their connections drop and the deployment
+        re-wires."""
+        if self.endpoint is not None:
+            self.endpoint.sever()
+
     def close(self) -> None:
         if self.endpoint is not None:
             self.endpoint.close()

@@ -24,8 +24,9 @@ from deploy.node_config import attention_rank_name, attention_rank_names, node_n
 from deploy.placement import Placement
 from deploy.runtime_config import DeploymentRuntime, rank_name
 from deploy.ray_calls import cause, gather, get_all
-from megainfer.errors import DataPlaneError, PlanError
-from megainfer.messages import FinishReason, NodeHealth, NodeRole, NodeState, NodeStats, NodeStatus, RankPlacement
+from megainfer.errors import PlanError
+from megainfer.messages import (FinishReason, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus,
+                                RankPlacement)
 from megainfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -150,18 +151,22 @@ class NodeGroup:
         get_all([node.add_request.remote(f"warmup-{i}", [1, 2, 3], params) for i, node in enumerate(self.attention)],
                 WARM_UP_TIMEOUT_S)
         pending = set(range(len(self.attention)))
+        cursors: dict[int, tuple[str | None, int]] = {i: (None, 0) for i in pending}  # acknowledged deltas
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while pending:
             if time.monotonic() > deadline:
                 raise PlanError(f"nodes {sorted(pending)} did not answer a warm-up request in {WARM_UP_TIMEOUT_S:g} s")
             order = sorted(pending)
-            for i, deltas in zip(order, get_all([self.attention[i].poll.remote(WARM_UP_POLL_S) for i in order],
-                                                WARM_UP_TIMEOUT_S)):
-                for delta in deltas:
+            for i, batch in zip(order, get_all([self.attention[i].poll.remote(*cursors[i], WARM_UP_POLL_S)
+                                                for i in order], WARM_UP_TIMEOUT_S)):
+                cursors[i] = (batch.incarnation, batch.last)
+                for delta in batch.deltas:
                     if delta.finished and delta.finish_reason is FinishReason.ERROR:
                         raise PlanError(f"{self.attention_names[i]} failed its warm-up request: {delta.error}")
                     if delta.finished:
                         pending.discard(i)
+        # Acknowledge the last deltas, so the frontend's pumps start from an empty outbox.
+        get_all([node.poll.remote(*cursors[i], 0.0) for i, node in enumerate(self.attention)], WARM_UP_TIMEOUT_S)
         self.states()
 
     # -- while serving ------------------------------------------------------------------------
@@ -175,26 +180,42 @@ class NodeGroup:
     def stats(self) -> list[NodeStats]:
         return stats_of([self])
 
+    def resources(self) -> list[NodeResources]:
+        """What every rank holds (memory, KV blocks, M2N slots), in `actors` order; a rank that
+        does not answer (dead, stopped) is left out."""
+        return resources_of([self])
+
     def placements(self) -> list[RankPlacement]:
         """Where every rank runs, in `actors` order."""
         return get_all([n.placement.remote() for n in self.actors], CALL_TIMEOUT_S)
 
+    @property
+    def restarted_attention(self) -> bool:
+        """Whether a recovery restarts the attention nodes' processes (tensor-parallel
+        attention: their requests go with them)."""
+        return self.plan.attention.tp > 1
+
     def recover(self, health: list[NodeHealth]) -> None:
         """Re-wire after a failure: every node stops stepping, restarted ones reload their
-        weights, then the data plane is built anew."""
-        if max(self.plan.attention.tp, self.plan.experts.tp) > 1:
-            # The ranks of a node may have left the failed step at different collectives, and
-            # their groups pair collectives by order: resuming would pair a stale one with a new
-            # one (a hang or wrong sums). Re-forming the groups on every rank is not built yet.
-            dead = [h.name for h in health if h.status is NodeStatus.DEAD]
-            raise DataPlaneError(f"a tensor-parallel deployment cannot resume after a failed step "
-                                 f"({'dead: ' + ', '.join(dead) if dead else 'its groups may be out of step'}): "
-                                 "redeploy")
-        nodes = self.attention + self.shards + self.experts
-        gather([n.interrupt.remote() for n in nodes], CALL_TIMEOUT_S)
-        self.wait_ready(nodes)
+        weights, then the data plane is built anew.
+
+        A tensor-parallel node's ranks may have left the failed step at different collectives,
+        and their group pairs collectives by order: resuming would pair a stale one with a new
+        one (a hang or wrong sums). So every rank of a tensor-parallel side is restarted (its
+        process, by Ray) and the groups are formed anew, as at start-up."""
+        restart = []
+        if self.plan.attention.tp > 1:
+            restart += self.attention + self.shards
+        if self.plan.experts.tp > 1:
+            restart += self.experts + self.expert_shards
+        kept = [n for n in self.attention + self.shards + self.experts if n not in restart]
+        gather([n.interrupt.remote() for n in kept], CALL_TIMEOUT_S)
+        restart_ranks(restart)
+        self.wait_ready(kept)
+        self._form_tp_groups()  # loads the restarted ranks' weights
         self.wire()
-        logger.info("deployment re-wired and serving")
+        logger.info("deployment re-wired and serving%s",
+                    f" ({len(restart)} tensor-parallel ranks restarted)" if restart else "")
 
     def stop(self) -> None:
         """Stop every rank and free the placement (again is harmless)."""
@@ -204,6 +225,27 @@ class NodeGroup:
             ray.kill(n, no_restart=True)
         self.attention, self.shards, self.experts, self.expert_shards = [], [], [], []
         self.placement.release()
+
+
+def restart_ranks(actors: list) -> None:
+    """Restart the processes of `actors` and return once each answers from a new process
+    (a call made right after `ray.kill` may still reach the old one)."""
+    if not actors:
+        return
+    before = [getattr(r, "pid", None) for r in gather([a.resources.remote() for a in actors], CALL_TIMEOUT_S)]
+    for actor in actors:
+        ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    pending = dict(zip(actors, before))
+    while pending:
+        if time.monotonic() > deadline:
+            raise PlanError(f"{len(pending)} restarted rank(s) did not come back within {READY_TIMEOUT_S:g} s")
+        answers = gather([a.resources.remote() for a in pending], CALL_TIMEOUT_S)
+        for (actor, old_pid), answer in zip(list(pending.items()), answers):
+            if isinstance(answer, NodeResources) and answer.pid != old_pid:
+                del pending[actor]
+        if pending:
+            time.sleep(0.2)
 
 
 def _split(flat: list, groups: list[NodeGroup], count) -> list[list]:
@@ -236,6 +278,12 @@ def states_of(groups: list[NodeGroup]) -> list[tuple[float, list[NodeState | Non
         if state is not None:
             state.time = answered
     return [(asked_at, part) for part in _split(states, groups, lambda g: len(g.attention))]
+
+
+def resources_of(groups: list[NodeGroup]) -> list[NodeResources]:
+    """Every rank's resources in each group, all asked at once; ranks that do not answer are left out."""
+    answers = gather([n.resources.remote() for group in groups for n in group.actors], CALL_TIMEOUT_S)
+    return [answer for answer in answers if isinstance(answer, NodeResources)]
 
 
 def stats_of(groups: list[NodeGroup]) -> list[NodeStats]:

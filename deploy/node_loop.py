@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 from typing import Callable
 
 from deploy.link import SwitchableLink
+from deploy.node_process import resident_bytes
 from deploy.placement import rank_placement
-from megainfer.messages import NodeHealth, NodeRole, NodeStatus, RankPlacement
+from megainfer.messages import NodeHealth, NodeResources, NodeRole, NodeStatus, RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,12 @@ class NodeLoop:
             self.thread.start()
 
     def interrupt(self) -> None:
-        """Stop stepping: the driver is about to re-wire the data plane."""
+        """Stop stepping: the driver is about to re-wire the data plane. New requests are refused
+        from now on (the frontend holds them until the node serves again), not accepted into a
+        step that is about to be abandoned."""
         self.wired.clear()
+        if self.state is NodeStatus.SERVING:
+            self.state = NodeStatus.WIRING
         link = self._link_of()
         if link is not None:
             link.interrupt.set()
@@ -103,5 +109,25 @@ class LoopActor:
     def health(self) -> NodeHealth:
         return NodeHealth(self.name, self.role, self.loop.state, self.rank, self.loop.error)
 
+    def resources(self) -> NodeResources:
+        return rank_resources(self.name, self.role, self.rank, getattr(self, "link", None))
+
+    def drop_connections(self) -> None:
+        drop_connections_of(getattr(self, "link", None))
+
     def stop(self) -> None:
         self.loop.stop()
+
+
+def rank_resources(name: str, role: NodeRole, rank: int, link: SwitchableLink | None, **counts: int) -> NodeResources:
+    """A rank's process memory and M2N slots in use, plus `counts` (KV blocks, requests)."""
+    held, unreleased = link.slot_usage() if link is not None else (0, 0)
+    return NodeResources(name, role, rank, os.getpid(), resident_bytes(), slots_held=held, slots_unreleased=unreleased,
+                         **counts)
+
+
+def drop_connections_of(link: SwitchableLink | None) -> None:
+    """Fault injection (`megainfer bench soak --chaos`): this rank's M2N connections drop."""
+    if link is None:
+        raise ValueError("this rank has no M2N link to drop (a tensor-parallel follower talks only to its leader)")
+    link.drop_connections()

@@ -69,6 +69,15 @@ def pin_process(slot: int, ranks: int, name: str) -> int | None:
     return core
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (RSS), from /proc; 0 where the OS has no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def settle(runtime, rank: int, name: str) -> int | None:
     """A node actor's first act: its threads at nice 0, and pinned to a core where its runtime
     (AttentionRuntime or ExpertRuntime of a CPU plan) gives core slots. Returns the core."""

@@ -131,9 +131,9 @@ class Placement:
     def actor_options(self, side: NodeSpec, bundle: int) -> dict:
         """Ray options of one rank's actor in node `bundle`: one of the bundle's CPUs, and one of
         its GPUs on GPUs (Ray then shows the actor that GPU alone, as cuda:0). A restarted rank
-        reloads its weights; a tensor-parallel group cannot be re-formed around one restarted
-        rank (yet), so those ranks are not restarted."""
-        return dict(num_cpus=1, num_gpus=0 if side.gpu == "cpu" else 1, max_restarts=-1 if side.tp == 1 else 0,
+        reloads its weights; the ranks of a tensor-parallel node are all restarted together by the
+        recovery (NodeGroup.recover), which then forms their group anew."""
+        return dict(num_cpus=1, num_gpus=0 if side.gpu == "cpu" else 1, max_restarts=-1,
                     max_concurrency=ACTOR_CONCURRENCY,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.group,
                                                                          placement_group_bundle_index=bundle))

@@ -20,12 +20,12 @@ import ray
 
 from deploy.frontend import LOAD_REFRESH_S, Frontend, max_open_requests
 from deploy.node_config import checked_model
-from deploy.node_group import NodeGroup, health_of
+from deploy.node_group import NodeGroup, health_of, resources_of
 from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
-from megainfer.messages import NodeHealth
+from megainfer.messages import NodeHealth, NodeResources
 from megainfer.plan import Plan
 from megainfer.routing.autoscale import Autoscaler
 from megainfer.routing.policies import make_router
@@ -48,7 +48,8 @@ class ReplicaSet:
         self.model = checked_model(plan)
         self.runtime = runtime_of(plan, device)
         self.autoscaler = Autoscaler(plan.autoscale)
-        self.frontend = Frontend(make_router("predictive", step_prior=step_prior), max_open_requests(plan))
+        self.frontend = Frontend(make_router("predictive", step_prior=step_prior), max_open_requests(plan),
+                                 plan.serve.recovery_wait_s)
         self.replicas: list[NodeGroup] = []
         self._supervisors: list[Supervisor] = []
         self._last_request: list[float] = []  # per replica: when it last got a request (or started)
@@ -158,8 +159,11 @@ class ReplicaSet:
     def health(self) -> list[NodeHealth]:
         return [h for health in health_of(list(self.replicas)) for h in health]
 
+    def resources(self) -> list[NodeResources]:
+        return resources_of(list(self.replicas))
+
     def metrics_snapshot(self) -> MetricsSnapshot:
-        return metrics_snapshot(list(self.replicas), self.frontend.router_error)
+        return metrics_snapshot(list(self.replicas), self.frontend.ttft_feedback.router_error)
 
     def close(self) -> None:
         self._stop.set()

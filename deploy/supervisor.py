@@ -19,6 +19,7 @@ class Supervisor:
     def __init__(self, group: NodeGroup, frontend: Frontend) -> None:
         self.group = group
         self.frontend = frontend
+        self.incidents = 0  # times it found nodes not serving and began a recovery
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
         self.thread.start()
@@ -28,12 +29,16 @@ class Supervisor:
             health = self.group.health()
             if all(h.serving for h in health):
                 continue
+            self.incidents += 1
             logger.warning("nodes %s are not serving; re-wiring the deployment",
                            ", ".join(h.name for h in health if not h.serving))
             nodes = self.frontend.nodes_of(self.group)
             for node, leader in zip(nodes, health):  # attention leaders come first, in node order
                 if leader.status is NodeStatus.DEAD:
                     self.frontend.fail_requests_on([node], f"{leader.name} died")
+                elif self.group.restarted_attention:  # the recovery restarts it: its requests go with it
+                    self.frontend.fail_requests_on([node], f"{leader.name} restarts to re-form its "
+                                                           "tensor-parallel group")
             try:
                 self.group.recover(health)
             except Exception:

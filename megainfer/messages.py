@@ -176,6 +176,41 @@ class RankPlacement:
 
 
 @dataclass
+class DeltaBatch:
+    """An attention node's answer to a poll: the token deltas after the poller's cursor, and the
+    cursor to acknowledge them with. Deltas stay on the node until acknowledged, so a poll whose
+    answer never reached the poller (it timed out while the node was stopped, and ran later)
+    loses nothing: the next poll returns them again. `incarnation` names the node's process; a
+    restarted node starts counting anew."""
+
+    incarnation: str
+    last: int  # sequence number of the last delta in `deltas` (the cursor if there are none)
+    deltas: list[RequestDelta] = field(default_factory=list)
+
+
+@dataclass
+class NodeResources:
+    """What one rank holds, for leak checks and soak reports (`resources()` on every node actor):
+    its process's resident memory, its KV blocks (attention leaders; 0 elsewhere) and its M2N
+    slots. On an idle deployment every block and slot is free: anything else is a leak."""
+
+    name: str
+    role: NodeRole
+    rank: int = 0
+    pid: int = 0
+    rss_bytes: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    slots_held: int = 0  # received messages this rank has not released yet
+    slots_unreleased: int = 0  # messages this rank sent whose slot the peer has not released yet
+    requests: int = 0  # requests it holds (running, waiting or queued; attention leaders)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+
+@dataclass
 class HistogramSnapshot:
     """Bucket counts of a latency histogram (seconds), summable across nodes with the same bounds."""
 

@@ -114,10 +114,15 @@ class ServeSpec:
     host: str = "127.0.0.1"
     port: int = 50051
     router: str = "round_robin"
+    # A request that arrives while its replica re-wires after a fault waits this long for it
+    # (or goes to a healthy replica) before it fails with UNAVAILABLE; 0: fail at once.
+    recovery_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise PlanError(f"serve.port must lie in 1..65535, got {self.port}")
+        if not 0 <= self.recovery_wait_s <= 3600:
+            raise PlanError(f"serve.recovery_wait_s must lie in 0..3600 seconds, got {self.recovery_wait_s}")
         if self.router not in ROUTERS:
             raise PlanError(f"serve.router {self.router!r} is not one of {', '.join(ROUTERS)}")
 

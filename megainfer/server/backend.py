@@ -140,5 +140,9 @@ class StreamRegistry:
         for request_id in open_ids:
             self.deliver(RequestDelta.failure(request_id, error, code))
 
+    def is_open(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._streams
+
     def __len__(self) -> int:
         return len(self._streams)

@@ -4,12 +4,13 @@ through the engine core's input queue."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
 from megainfer.errors import DataPlaneError
-from megainfer.messages import NodeRole, NodeStatus
+from megainfer.messages import NodeResources, NodeRole, NodeStatus
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import BackendInfo, NodeInfo, RequestStream, StreamRegistry
 from megainfer.server.metrics import MetricsSnapshot
@@ -61,6 +62,15 @@ class EngineBackend:
         return MetricsSnapshot(running=s.num_running, waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                                expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks,
                                num_preemptions=s.num_preemptions)
+
+    def resources(self) -> list[NodeResources]:
+        """The engine's KV blocks and requests held (read between steps); no M2N slots here."""
+        with self.lock:
+            blocks = self.engine.scheduler.block_manager
+            scheduler = self.engine.scheduler
+            return [NodeResources("engine", NodeRole.ENGINE, 0, os.getpid(), kv_blocks_total=blocks.num_blocks,
+                                  kv_blocks_free=blocks.num_free_blocks,
+                                  requests=scheduler.num_running + scheduler.num_waiting + self.core.num_queued)]
 
     def close(self) -> None:
         self.stopping.set()
