@@ -136,6 +136,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     sm.add_argument("--json", metavar="PATH", help="write the trace, both sides' figures and the comparison")
     sm.set_defaults(run=_run_simulator)
 
+    sk = benches.add_parser(
+        "soak", help="mixed traffic against a deployment for a long while, optionally with faults: ends, leaks, RSS",
+        description="Deploy the plan (as `megainfer deploy` does, on loopback, any free ports) and drive mixed "
+                    "traffic at its gRPC and HTTP frontends for --duration: short and long prompts, text and token "
+                    "ids, streamed and whole, n=2, stop strings, client aborts and disconnects. Report requests by "
+                    "status, requests without an end, KV blocks and M2N slots still held after the drain, RSS "
+                    "growth per node, p99 TTFT and TBT over time; with --chaos, faults at random times (nodes "
+                    "killed or stopped, connections dropped, clients restarted) and each one's recovery. Exits 1 "
+                    "when a request never ended, something leaked, or a fault was not recovered within its bound.")
+    sk.add_argument("plan", help="plan.yaml (e.g. deploy/plans/tiny-cpu-2a.yaml)")
+    sk.add_argument("--duration", type=duration_s, default=600.0, metavar="TIME",
+                    help="how long traffic is sent: seconds, or with a unit: 90, 120s, 10m, 1h (default 10m)")
+    sk.add_argument("--concurrency", type=positive_int, default=8, help="clients, each with one request in flight "
+                                                                        "(default 8)")
+    sk.add_argument("--chaos", action="store_true", help="inject faults at random times (deploy/chaos.py)")
+    sk.add_argument("--request-timeout", type=duration_s, default=120.0, metavar="TIME",
+                    help="a request with no final response or status within this is counted as unended "
+                         "(default 120s)")
+    sk.add_argument("--seed", type=int, default=0, help="the traffic mix and the faults")
+    sk.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    sk.add_argument("--plot", metavar="PATH", help="draw p99 TTFT, TBT and RSS over time, faults marked (PNG; "
+                                                   "default: beside --json)")
+    sk.set_defaults(run=_run_soak)
+
     k = benches.add_parser("kernels", help="Triton kernels on a GPU: POD fused attention, decode attention, "
                                            "grouped expert GEMM",
                            description="POD fused attention against the prefill and decode kernels run one after "
@@ -250,6 +274,31 @@ def _run_simulator(args: argparse.Namespace) -> int:
                      tolerance=args.tolerance, server_log=args.server_log)
     run_check(spec, args.json)
     return 0  # a benchmark: the JSON says which figures matched
+
+
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_s(text: str) -> float:
+    """'90', '120s', '10m', '1.5h' -> seconds (positive)."""
+    value = text.strip().lower()
+    scale = DURATION_UNITS.get(value[-1:], None)
+    try:
+        seconds = float(value[:-1] if scale else value) * (scale or 1.0)
+    except ValueError:
+        seconds = None
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive duration; write seconds or a number with s, m "
+                                         f"or h, e.g. 90, 120s, 10m, 1h")
+    return seconds
+
+
+def _run_soak(args: argparse.Namespace) -> int:
+    from deploy.bench_soak import SoakSpec, run
+
+    spec = SoakSpec(duration_s=args.duration, concurrency=args.concurrency, chaos=args.chaos, seed=args.seed,
+                    request_timeout_s=args.request_timeout)
+    return run(args.plan, spec, args.json, args.plot)
 
 
 def _run_kernels(args: argparse.Namespace) -> int:
