@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from deploy.cli import max_model_len
+from deploy.cli import max_model_len, start_backend
 from megainfer.bench import soak_report
 from megainfer.bench.soak_report import Fault, ResourceSample, SoakRun
 from megainfer.bench.soak_traffic import SoakTraffic, TrafficSpec
@@ -54,17 +54,6 @@ class SoakSpec:
             raise ConfigError(f"--concurrency must be at least 1, got {self.concurrency}")
         if not 0 < self.request_timeout_s < float("inf"):
             raise ConfigError(f"--request-timeout must be a positive time, got {self.request_timeout_s:g} s")
-
-
-def _start(plan: Plan, show_progress: bool):
-    """The backend `megainfer deploy` would start: a ReplicaSet for a plan that autoscales."""
-    if plan.autoscale is not None:
-        from deploy.replicas import ReplicaSet
-
-        return ReplicaSet(plan, show_progress=show_progress).start()
-    from deploy.deployment import Deployment
-
-    return Deployment(plan, show_progress=show_progress).start()
 
 
 class ResourceSampler:
@@ -180,7 +169,7 @@ def run(plan_path: str, spec: SoakSpec, json_path: str | None = None, plot_path:
         plot_path = str(Path(json_path).with_suffix(".png"))
     print(f"soak of {plan_path}: {plan.attention.nodes} attention x {plan.experts.nodes} expert node(s), "
           f"{spec.duration_s:g} s, {spec.concurrency} clients{', with chaos' if spec.chaos else ''}", flush=True)
-    backend = _start(plan, show_progress)
+    backend = start_backend(plan, show_progress=show_progress)
     endpoints = None
     try:
         served = ServedModel.load(plan.model, max_model_len=max_model_len(backend))

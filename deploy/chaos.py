@@ -47,7 +47,11 @@ IN_FLIGHT_END_BOUND_S = PEER_TIMEOUT_S + CALL_TIMEOUT_S + 2 * HEALTH_EVERY_S + 5
 # process restarted with its weights loaded, every node re-wired. Generous for the tiny CPU plans
 # on a shared 2-core machine; a GPU plan's weight loading adds its own time.
 RECOVERY_BOUND_S = IN_FLIGHT_END_BOUND_S + 60.0
-NOTICE_TIMEOUT_S = IN_FLIGHT_END_BOUND_S  # how long to wait for the deployment to notice a fault
+# How long to wait for the deployment to notice a fault: a hang is noticed when the peers time
+# out; a death or a dropped connection at once, unless it missed its mark (a connection dropped
+# while the node was being re-wired anyway), and then the deployment served throughout.
+NOTICE_TIMEOUT_S = IN_FLIGHT_END_BOUND_S
+NOTICE_AT_ONCE_S = 10.0
 PROBE_PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 PROBE_STALL_S = 30.0
 
@@ -159,13 +163,16 @@ class Chaos:
 
     def _run(self) -> None:
         kinds = self.kinds or available_kinds(self.group)
-        # An episode takes about a quiet spell plus a recovery: fit as many as the run allows.
+        # An episode takes about a quiet spell plus a recovery: fit as many as the run allows,
+        # spread over all of it (each in a slot of its own, at a random point of its first half).
         count = max(1, int(self.duration_s // (self.quiet_s + 40.0)))
-        for episode in plan_episodes(kinds, self._rng, count):
-            if self._stop.wait(self._rng.uniform(self.quiet_s, 1.5 * self.quiet_s)):
+        last_start = self.duration_s - 30.0  # late enough to see it recover before the end
+        slot = max(last_start - self.quiet_s, 0.0) / count
+        for i, episode in enumerate(plan_episodes(kinds, self._rng, count)):
+            start = self.quiet_s + i * slot + self._rng.uniform(0.0, slot / 2)
+            wait = max(start - (time.monotonic() - self._t0), self.quiet_s if i else 0.0)
+            if self._stop.wait(wait) or time.monotonic() - self._t0 > last_start:
                 return
-            if time.monotonic() - self._t0 > self.duration_s - 20.0:
-                return  # too close to the end to see it recover
             try:
                 self._episode(episode)
             except Exception:  # the injector must not take the soak down; the record says what happened
@@ -231,14 +238,18 @@ class Chaos:
     def _await_recovery(self, injected: tuple) -> None:
         record, at, resume, since = injected
         deadline = at + record.bound_s
+        served_throughout = False
         if record.kind is not FaultKind.RESTART_CLIENTS:
-            noticed = self._wait_noticed(since, at + NOTICE_TIMEOUT_S)
+            window = NOTICE_TIMEOUT_S if record.kind is FaultKind.STOP_NODE else NOTICE_AT_ONCE_S
+            noticed = self._wait_noticed(since, at + window)
             record.noticed_s = None if noticed is None else noticed - at
             if noticed is None:
-                record.detail = "no node reported the fault"
+                served_throughout = True
+                record.detail = f"no node reported the fault within {window:g} s: it served throughout"
         while time.monotonic() < deadline:
             if self._all_serving() and self._probe(deadline):
-                record.recovery_s = time.monotonic() - at
+                # Served throughout: no outage to recover from (0), once a probe confirmed it.
+                record.recovery_s = 0.0 if served_throughout else time.monotonic() - at
                 break
             time.sleep(0.2)
         if resume is not None:

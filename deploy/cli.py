@@ -110,14 +110,22 @@ def _router_prior(plan, args: argparse.Namespace) -> tuple[float, ...] | None:
 
 
 def _start(plan, args: argparse.Namespace):
-    prior = _router_prior(plan, args)
+    return start_backend(plan, address=args.address, device=args.device, step_prior=_router_prior(plan, args))
+
+
+def start_backend(plan, address: str | None = None, device: str | None = None,
+                  step_prior: tuple[float, ...] | None = None, show_progress: bool = True):
+    """The plan brought up as `megainfer deploy` brings it up: a ReplicaSet for a plan that
+    autoscales, else one Deployment."""
     if plan.autoscale is not None:
         from deploy.replicas import ReplicaSet
 
-        return ReplicaSet(plan, address=args.address, device=args.device, step_prior=prior).start()
+        return ReplicaSet(plan, address=address, show_progress=show_progress, device=device,
+                          step_prior=step_prior).start()
     from deploy.deployment import Deployment
 
-    return Deployment(plan, address=args.address, device=args.device, step_prior=prior).start()
+    return Deployment(plan, address=address, show_progress=show_progress, device=device,
+                      step_prior=step_prior).start()
 
 
 def max_model_len(deployment) -> int:

@@ -16,7 +16,11 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size  # tokens per block
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # A stack: the most recently freed block is handed out first. Its memory is warm, and the
+        # blocks a node ever touches are the most it held at once: on a CPU the cache's pages are
+        # mapped lazily (model_runner._zeroed), so resident memory follows the peak use instead
+        # of creeping up to the whole cache as a queue would cycle through every block.
+        self.free_block_ids: deque[int] = deque(range(num_blocks - 1, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,9 +49,9 @@ class BlockManager:
             return
         if n > len(self.free_block_ids):
             raise RuntimeError(f"allocate: {n} blocks wanted, {len(self.free_block_ids)} free (check can_allocate)")
-        seq.block_table.extend(self.free_block_ids.popleft() for _ in range(n))
+        seq.block_table.extend(self.free_block_ids.pop() for _ in range(n))
 
     def free(self, seq: Sequence) -> None:
-        # Reversed so the most recently used blocks are handed out last.
+        # Reversed so that a table freed whole is handed out again in its own order.
         self.free_block_ids.extend(reversed(seq.block_table))
         seq.block_table = []

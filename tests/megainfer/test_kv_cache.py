@@ -22,3 +22,22 @@ def test_can_allocate_refuses_beyond_free_blocks():
     s = Sequence("a", [1] * 12, SamplingParams())
     assert not bm.can_allocate(s, 12)
     assert bm.can_allocate(s, 8)
+
+
+def test_the_most_recently_freed_blocks_are_handed_out_first():
+    """A stack, so a node touches only as many blocks as it ever held at once (resident memory
+    follows the peak use, not the whole lazily mapped cache)."""
+    bm = BlockManager(num_blocks=100, block_size=4)
+    touched = set()
+    for i in range(50):  # many short requests, one after another
+        s = Sequence(f"r{i}", [1] * 8, SamplingParams())
+        bm.allocate(s, 8)
+        touched.update(s.block_table)
+        bm.free(s)
+    assert touched == {0, 1}
+    a, b = Sequence("a", [1] * 12, SamplingParams()), Sequence("b", [1] * 4, SamplingParams())
+    bm.allocate(a, 12)
+    assert a.block_table == [0, 1, 2]
+    bm.free(a)
+    bm.allocate(b, 4)
+    assert b.block_table == [0]
