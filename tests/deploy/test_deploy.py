@@ -24,11 +24,7 @@ from tests.helpers import generate_all  # noqa: E402
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the module (conftest.py)
 
 
 def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1,

@@ -21,11 +21,7 @@ from megainfer.plan import Plan  # noqa: E402
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the module (conftest.py)
 
 
 def make_plan(tp_e: int = 1, recovery_wait_s: float = 60.0) -> Plan:

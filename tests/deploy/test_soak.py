@@ -235,14 +235,6 @@ ALLOWED = {"OK", "ABORTED", "CANCELLED_BY_CLIENT", "UNAVAILABLE", "RESOURCE_EXHA
 SOAK_S = 110.0  # two chaos episodes (deploy.chaos fits one per ~55 s), ~2.5 min with start and drain
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_two_minute_soak_with_chaos_ends_every_request_and_leaks_nothing(ray_session, tmp_path):
     from deploy.bench_soak import SoakSpec, run
 
