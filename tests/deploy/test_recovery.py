@@ -13,9 +13,10 @@ ray = pytest.importorskip("ray")
 
 from deploy.chaos import Chaos, FaultKind, plan_episodes  # noqa: E402
 from deploy.deployment import Deployment  # noqa: E402
+from deploy.frontend import DownNodes  # noqa: E402
 from megainfer import SamplingParams  # noqa: E402
 from megainfer.errors import DataPlaneError, PlanError  # noqa: E402
-from megainfer.messages import FinishReason, NodeRole  # noqa: E402
+from megainfer.messages import FinishReason, NodeLoad, NodeRole  # noqa: E402
 from megainfer.plan import Plan  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -136,3 +137,15 @@ def test_chaos_episodes_cover_every_kind_with_a_pair_in_a_row_and_one_during_rec
 def test_a_plan_with_a_bad_recovery_wait_is_refused_naming_the_key():
     with pytest.raises(PlanError, match="serve.recovery_wait_s"):
         make_plan(recovery_wait_s=-1)
+
+
+def test_a_request_the_router_sends_to_a_down_node_goes_to_the_freest_node_that_serves():
+    loads = [NodeLoad(1000, used_tokens=100), NodeLoad(1000, used_tokens=900), NodeLoad(1000, used_tokens=500)]
+    down = DownNodes()
+    assert down.steer(0, loads) is None  # every node up: the router's choice stands
+    down.mark(0)
+    assert down.steer(0, loads) == 2  # node 0 refused a request lately: the freest other node
+    assert down.steer(1, loads) is None  # a choice that is up stands
+    for node in (1, 2):
+        down.mark(node)
+    assert down.steer(0, loads) is None  # none up: the request waits for its node
