@@ -245,10 +245,11 @@ class Chaos:
             record.noticed_s = None if noticed is None else noticed - at
             if noticed is None:
                 served_throughout = True
-                record.detail = f"no node reported the fault within {window:g} s: it served throughout"
+                record.detail = (f"no recovery of its own began within {window:g} s: no outage to time (it missed, "
+                                 "e.g. a node still restarting from the previous fault, or was absorbed)")
         while time.monotonic() < deadline:
             if self._all_serving() and self._probe(deadline):
-                # Served throughout: no outage to recover from (0), once a probe confirmed it.
+                # No outage of its own: 0, once a probe confirmed the deployment serves.
                 record.recovery_s = 0.0 if served_throughout else time.monotonic() - at
                 break
             time.sleep(0.2)
