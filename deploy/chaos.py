@@ -161,6 +161,14 @@ class Chaos:
         self._stop.set()
         self._thread.join(RECOVERY_BOUND_S + STOP_FOR_S + 30)
 
+    def once(self, kind: FaultKind) -> FaultRecord:
+        """Inject one fault now and wait for the deployment to recover from it (tests, drills)."""
+        if not self._t0:
+            self._t0 = time.monotonic()
+        injected = self._inject(kind)
+        self._await_recovery(injected)
+        return injected[0]
+
     def _run(self) -> None:
         kinds = self.kinds or available_kinds(self.group)
         # An episode takes about a quiet spell plus a recovery: fit as many as the run allows,

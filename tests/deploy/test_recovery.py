@@ -65,31 +65,36 @@ def idle_resources(deployment, timeout_s: float = 20.0):
         time.sleep(0.2)
 
 
-def test_a_request_arriving_during_recovery_waits_for_it_and_nothing_is_left_held():
+@pytest.fixture(scope="module")
+def deployment(ray_session):
+    """One attention node and one expert node, shared by the tests that recover it."""
     deployment = Deployment(make_plan(), show_progress=False).start()
-    try:
-        ray.kill(deployment.experts[0], no_restart=False)
-        # Arrives while the expert node restarts and the group re-wires: it waits, then runs.
-        wait_start = time.monotonic()
-        while all(h.serving for h in deployment.health()) and time.monotonic() - wait_start < 20:
-            time.sleep(0.05)  # the deployment has noticed
-        assert not all(h.serving for h in deployment.health())
-        delta = finish(deployment.submit("during-recovery", [1, 2, 3], GREEDY))
-        assert delta.finish_reason is not FinishReason.ERROR, delta.error
-        wait_serving(deployment)
-        resources = idle_resources(deployment)
-        roles = {r.role for r in resources}
-        assert roles == {NodeRole.ATTENTION, NodeRole.EXPERT}
-        assert all(r.pid > 0 and r.rss_bytes > 0 for r in resources)
-        attention = [r for r in resources if r.role is NodeRole.ATTENTION]
-        assert attention[0].kv_blocks_total > 0 and attention[0].kv_blocks_used == 0
-        assert sum(r.slots_held + r.slots_unreleased for r in resources) == 0
-    finally:
-        deployment.close()
+    yield deployment
+    deployment.close()
 
 
-def test_without_a_recovery_wait_a_request_during_recovery_fails_at_once_with_unavailable():
-    deployment = Deployment(make_plan(recovery_wait_s=0.0), show_progress=False).start()
+def test_a_request_arriving_during_recovery_waits_for_it_and_nothing_is_left_held(deployment):
+    ray.kill(deployment.experts[0], no_restart=False)
+    # Arrives while the expert node restarts and the group re-wires: it waits, then runs.
+    wait_start = time.monotonic()
+    while all(h.serving for h in deployment.health()) and time.monotonic() - wait_start < 20:
+        time.sleep(0.05)  # the deployment has noticed
+    assert not all(h.serving for h in deployment.health())
+    delta = finish(deployment.submit("during-recovery", [1, 2, 3], GREEDY))
+    assert delta.finish_reason is not FinishReason.ERROR, delta.error
+    wait_serving(deployment)
+    resources = idle_resources(deployment)
+    roles = {r.role for r in resources}
+    assert roles == {NodeRole.ATTENTION, NodeRole.EXPERT}
+    assert all(r.pid > 0 and r.rss_bytes > 0 for r in resources)
+    attention = [r for r in resources if r.role is NodeRole.ATTENTION]
+    assert attention[0].kv_blocks_total > 0 and attention[0].kv_blocks_used == 0
+    assert sum(r.slots_held + r.slots_unreleased for r in resources) == 0
+
+
+def test_without_a_recovery_wait_a_request_during_recovery_fails_at_once_with_unavailable(deployment):
+    wait_serving(deployment)
+    deployment.frontend.recovery_wait_s = 0.0  # as plan serve.recovery_wait_s: 0 sets it
     try:
         deployment.group.attention[0].interrupt.remote()  # re-wiring from now on, until the supervisor wires it
         time.sleep(0.2)
@@ -99,17 +104,15 @@ def test_without_a_recovery_wait_a_request_during_recovery_fails_at_once_with_un
         assert time.monotonic() - start < 5
         wait_serving(deployment)
     finally:
-        deployment.close()
+        deployment.frontend.recovery_wait_s = 60.0
 
 
 def test_a_killed_tensor_parallel_follower_restarts_its_side_and_the_deployment_serves_again():
     deployment = Deployment(make_plan(tp_e=2), show_progress=False).start()
     try:
         before = {r.name: r.pid for r in deployment.resources()}
-        chaos = Chaos(deployment, restart_clients=lambda: None, kinds=[FaultKind.KILL_TP_FOLLOWER])
-        chaos._t0 = time.monotonic()
-        chaos._await_recovery(chaos._inject(FaultKind.KILL_TP_FOLLOWER))
-        record = chaos.records[0]
+        chaos = Chaos(deployment, restart_clients=lambda: None)
+        record = chaos.once(FaultKind.KILL_TP_FOLLOWER)
         assert record.target == "expert0.1" and record.ok, record.to_json()
         after = {r.name: r.pid for r in deployment.resources()}
         # The whole expert side came back in new processes; the attention node kept its own.
