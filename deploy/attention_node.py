@@ -25,8 +25,8 @@ from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
 from megainfer.errors import DataPlaneError
-from megainfer.messages import (DeltaBatch, ErrorCode, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus,
-                                RankPlacement)
+from megainfer.messages import (DeltaBatch, ErrorCode, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats,
+                                NodeStatus, RankPlacement)
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -144,9 +144,8 @@ class AttentionNode(TimelineCalls):
             return rank_resources(self.name, NodeRole.ATTENTION, 0, link)
         with self.lock:
             blocks = self.engine.scheduler.block_manager
-            requests = self.engine.scheduler.num_running + self.engine.scheduler.num_waiting + self.core.num_queued
             return rank_resources(self.name, NodeRole.ATTENTION, 0, link, kv_blocks_total=blocks.num_blocks,
-                                  kv_blocks_free=blocks.num_free_blocks, requests=requests)
+                                  kv_blocks_free=blocks.num_free_blocks, requests=self.core.num_requests)
 
     def drop_connections(self) -> None:
         drop_connections_of(getattr(self, "link", None))

@@ -26,7 +26,6 @@ from megainfer.bench import soak_report
 from megainfer.bench.soak_report import Fault, ResourceSample, SoakRun
 from megainfer.bench.soak_traffic import SoakTraffic, TrafficSpec
 from megainfer.errors import ConfigError
-from megainfer.messages import NodeResources
 from megainfer.plan import Plan
 from megainfer.server.access import AccessPolicy
 from megainfer.server.endpoints import Endpoints
@@ -100,17 +99,13 @@ def settle(backend, sampler: ResourceSampler, bound_s: float = IDLE_BOUND_S) -> 
             reading = sampler.read()
             # Every rank answered (a rank that cannot is left out of the reading) and holds nothing.
             if all(h.serving for h in health) and len(reading.nodes) == len(health) \
-                    and all(_idle(n) for n in reading.nodes):
+                    and all(n.idle for n in reading.nodes):
                 return reading, time.monotonic() - start
         except Exception as exc:  # noqa: BLE001 - a node that cannot answer yet is not idle yet
             logger.info("soak: not settled yet: %s", exc)
         if time.monotonic() - start > bound_s:
             return reading, None
         time.sleep(IDLE_POLL_S)
-
-
-def _idle(node: NodeResources) -> bool:
-    return not (node.requests or node.kv_blocks_used or node.slots_held or node.slots_unreleased)
 
 
 def _faults(chaos, offset_s: float) -> list[Fault]:

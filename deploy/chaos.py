@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import ray
 
@@ -91,6 +91,15 @@ class FaultRecord:
                 "detail": self.detail}
 
 
+class Injection(NamedTuple):
+    """A fault just injected, for `Chaos._await_recovery`."""
+
+    record: FaultRecord
+    at: float  # time.monotonic() when injected
+    resume: threading.Thread | None  # the thread that will SIGCONT a stopped node
+    since: int  # recoveries the supervisors had begun before it
+
+
 @dataclass
 class Episode:
     """One fault, or two: the second right after the first recovered (`gap_s` None) or while it
@@ -149,8 +158,7 @@ class Chaos:
 
     @property
     def group(self) -> NodeGroup:
-        groups = getattr(self.backend, "replicas", None) or [self.backend.group]
-        return groups[0]
+        return self.backend.groups[0]
 
     def start(self) -> "Chaos":
         self._t0 = time.monotonic()
@@ -167,7 +175,7 @@ class Chaos:
             self._t0 = time.monotonic()
         injected = self._inject(kind)
         self._await_recovery(injected)
-        return injected[0]
+        return injected.record
 
     def _run(self) -> None:
         kinds = self.kinds or available_kinds(self.group)
@@ -201,8 +209,7 @@ class Chaos:
         self._await_recovery(second)
 
     # -- injecting ------------------------------------------------------------------------------
-    def _inject(self, kind: FaultKind, during_recovery: bool = False) -> tuple:
-        """(its record, when, the thread that will resume a stopped node, the recoveries begun before it)."""
+    def _inject(self, kind: FaultKind, during_recovery: bool = False) -> Injection:
         group = self.group
         since = self._incidents()
         at = time.monotonic()
@@ -236,14 +243,14 @@ class Chaos:
         record = FaultRecord(kind, target, at - self._t0, bound, during_recovery=during_recovery)
         self.records.append(record)
         logger.warning("chaos: %s on %s at %.1f s", kind, target, record.at_s)
-        return record, at, resume, since
+        return Injection(record, at, resume, since)
 
     def _pick(self, actors: list, names: list[str]) -> tuple[str, object]:
         i = self._rng.randrange(len(actors))
         return names[i], actors[i]
 
     # -- measuring --------------------------------------------------------------------------------
-    def _await_recovery(self, injected: tuple) -> None:
+    def _await_recovery(self, injected: Injection) -> None:
         record, at, resume, since = injected
         deadline = at + record.bound_s
         served_throughout = False
@@ -279,8 +286,7 @@ class Chaos:
         return None
 
     def _incidents(self) -> int:
-        supervisors = getattr(self.backend, "_supervisors", None) or [self.backend.supervisor]
-        return sum(s.incidents for s in supervisors)
+        return sum(s.incidents for s in self.backend.supervisors)
 
     def _all_serving(self) -> bool:
         return all(h.serving for h in self.backend.health())

@@ -83,6 +83,15 @@ class Deployment:
         return self.frontend.registry
 
     @property
+    def groups(self) -> list[NodeGroup]:
+        """Its node groups: this one replica's (the same shape as `ReplicaSet.groups`)."""
+        return [self.group] if self.group is not None else []
+
+    @property
+    def supervisors(self) -> list[Supervisor]:
+        return [self.supervisor] if self.supervisor is not None else []
+
+    @property
     def experts(self) -> list:
         return self.group.experts
 

@@ -25,10 +25,6 @@ from megainfer.messages import NodeLoad, NodeState, RequestDelta
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import RequestStream, StreamRegistry
 
-
-class _NodeUnavailable(Exception):
-    """The chosen attention node cannot take a request now (re-wiring, restarting, retired)."""
-
 LOAD_REFRESH_S = 0.05  # how stale a router's view of the attention nodes may get
 SUBMIT_TIMEOUT_S = 30.0
 RETRY_EVERY_S = 0.25  # a request waiting for a recovery asks again this often
@@ -36,6 +32,10 @@ DOWN_MARK_S = 1.0  # a node that refused a request is routed around this long (t
 ABORT_TIMEOUT_S = 10.0
 # |predicted - measured| TTFT of requests the predictive router placed, seconds.
 ROUTER_ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _NodeUnavailable(Exception):
+    """The chosen attention node cannot take a request now (re-wiring, restarting, retired)."""
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ class NodeGroup:
         attention: their requests go with them)."""
         return self.plan.attention.tp > 1
 
-    def recover(self, health: list[NodeHealth]) -> None:
+    def recover(self) -> None:
         """Re-wire after a failure: every node stops stepping, restarted ones reload their
         weights, then the data plane is built anew.
 
@@ -204,7 +204,7 @@ class NodeGroup:
         one (a hang or wrong sums). So every rank of a tensor-parallel side is restarted (its
         process, by Ray) and the groups are formed anew, as at start-up."""
         restart = []
-        if self.plan.attention.tp > 1:
+        if self.restarted_attention:
             restart += self.attention + self.shards
         if self.plan.experts.tp > 1:
             restart += self.experts + self.expert_shards

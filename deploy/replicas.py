@@ -60,6 +60,15 @@ class ReplicaSet:
         self._started_ray = False
 
     @property
+    def groups(self) -> list[NodeGroup]:
+        """Its replicas' node groups, oldest first."""
+        return list(self.replicas)
+
+    @property
+    def supervisors(self) -> list[Supervisor]:
+        return list(self._supervisors)
+
+    @property
     def events(self):
         """Scale decisions and their outcomes (`ScaleEvent`s)."""
         return self.autoscaler.events

@@ -40,7 +40,7 @@ class Supervisor:
                     self.frontend.fail_requests_on([node], f"{leader.name} restarts to re-form its "
                                                            "tensor-parallel group")
             try:
-                self.group.recover(health)
+                self.group.recover()
             except Exception:
                 logger.exception("re-wiring failed; retrying")
 

@@ -68,6 +68,12 @@ class EngineCore:
         self._arrived.set()
 
     @property
+    def num_requests(self) -> int:
+        """Requests it holds: running, waiting, or queued for the next step."""
+        scheduler = self.engine.scheduler
+        return scheduler.num_running + scheduler.num_waiting + self.num_queued
+
+    @property
     def num_queued(self) -> int:
         return self._inbox.qsize()
 

@@ -209,6 +209,11 @@ class NodeResources:
     def kv_blocks_used(self) -> int:
         return self.kv_blocks_total - self.kv_blocks_free
 
+    @property
+    def idle(self) -> bool:
+        """Holds nothing: no request, KV block or M2N slot."""
+        return not (self.requests or self.kv_blocks_used or self.slots_held or self.slots_unreleased)
+
 
 @dataclass
 class HistogramSnapshot:

@@ -67,10 +67,8 @@ class EngineBackend:
         """The engine's KV blocks and requests held (read between steps); no M2N slots here."""
         with self.lock:
             blocks = self.engine.scheduler.block_manager
-            scheduler = self.engine.scheduler
             return [NodeResources("engine", NodeRole.ENGINE, 0, os.getpid(), kv_blocks_total=blocks.num_blocks,
-                                  kv_blocks_free=blocks.num_free_blocks,
-                                  requests=scheduler.num_running + scheduler.num_waiting + self.core.num_queued)]
+                                  kv_blocks_free=blocks.num_free_blocks, requests=self.core.num_requests)]
 
     def close(self) -> None:
         self.stopping.set()
