@@ -224,12 +224,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.metrics.observe_request(final, c.ttft_s(), c.tpot_s(), now - c.stream.arrival)
 
     def _abort(self, completions: list[_Completion]) -> bool:
-        """Cancel the completions still running; each stream gets an "abort" last delta. Any thread."""
+        """Cancel the completions still running; each stream gets an "abort" last delta. Any thread.
+        True where one was still running. The backend forgets an aborted request either way, so a
+        completion whose abort came too late (it had just ended, its last delta not yet handed
+        over) would never get that delta: its stream ends here too. Where its last delta did
+        arrive first, the stream reads that and passes over this one."""
         aborted = False
         for c in list(completions):
-            if not c.ended and self.backend.abort(c.request_id):
+            if not c.ended:
+                aborted = self.backend.abort(c.request_id) or aborted
                 c.stream.put(RequestDelta(c.request_id, [], "", True, FinishReason.ABORT))
-                aborted = True
         return aborted
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:

@@ -37,6 +37,9 @@ class Backend:
         self.submitted: dict[str, SamplingParams] = {}
         self.refuse: dict[str, Exception] = {}  # engine request id -> what its submit raises
         self.fail: dict[str, RequestDelta] = {}  # engine request id -> the failure it ends with
+        # Engine request ids whose abort loses the race with the request's own end, as a deployment's
+        # can: the backend forgets the stream (its last delta never comes) and answers False.
+        self.abort_too_late: set[str] = set()
 
     def submit(self, request_id, prompt, params):
         if request_id in self.refuse:
@@ -47,6 +50,12 @@ class Backend:
             self.inner.abort(request_id)
             stream.put(self.fail[request_id])
         return stream
+
+    def abort(self, request_id):
+        if request_id in self.abort_too_late:
+            self.inner.abort(request_id)
+            return False
+        return self.inner.abort(request_id)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -75,6 +84,7 @@ def serve(backend):
         server.stop(0)
     backend.refuse.clear()
     backend.fail.clear()
+    backend.abort_too_late.clear()
 
 
 def stub(server: Server) -> pb_grpc.InferenceStub:
@@ -262,3 +272,18 @@ def test_abort_ends_every_completion_with_abort(serve, backend):
     finals = {r.index: r.finish_reason for r in rest if r.finish_reason}
     assert finals == {0: "abort", 1: "abort"} and rest[-1].HasField("usage")
     assert not rpc.Abort(pb.AbortRequest(request_id="stopme")).aborted and idle(backend)
+
+
+def test_an_abort_that_loses_the_race_with_the_end_still_ends_the_stream(serve, backend):
+    """The backend forgot the request and its last delta never comes: the stream ends with
+    "abort" rather than waiting forever (seen in the chaos soak as a request without an end)."""
+    server = serve()
+    rpc = stub(server)
+    backend.abort_too_late.add("late")
+    call = rpc.Generate(request_message([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True), "late"),
+                        timeout=20)
+    first = next(call)
+    assert not rpc.Abort(pb.AbortRequest(request_id="late")).aborted  # too late: nothing was running to stop
+    rest = [first, *call]
+    assert rest[-1].finish_reason == "abort" and rest[-1].HasField("usage")
+    assert idle(backend)
