@@ -37,6 +37,13 @@ ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/${CUDA} \
     MEGAINFER_EXTRAS="[gpu]" \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# A C compiler: Triton builds its CUDA launcher (triton/backends/nvidia/driver.c) with gcc at
+# its first launch; without one no Triton kernel runs. gcc brings stddef.h/stdbool.h,
+# libc6-dev stdio.h/dlfcn.h, the python image Python.h, Triton its own cuda.h.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch-cpu or torch-cuda above (hadolint cannot see that the name is a stage's).
 # hadolint ignore=DL3006

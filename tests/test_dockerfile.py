@@ -59,6 +59,41 @@ def test_one_file_builds_cpu_and_cuda_through_the_variant_argument():
     assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/${CUDA}" in envs
 
 
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Each stage's instructions by its name (the final, unnamed stage under its FROM argument)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for kind, args in instructions():
+        if kind == "FROM":
+            name = re.split(r"\s+AS\s+", args, flags=re.IGNORECASE)[-1]
+            current = out.setdefault(name, [])
+        elif kind != "ARG" or out:  # ARGs before the first FROM are global
+            current.append((kind, args))
+    return out
+
+
+def apt_packages(stage: list[tuple[str, str]]) -> set[str]:
+    """What the stage's RUNs `apt-get install` (options dropped)."""
+    packages = set()
+    for kind, args in stage:
+        for command in re.findall(r"apt-get install ([^&;|]*)", args) if kind == "RUN" else ():
+            packages |= {w for w in command.split() if not w.startswith("-")}
+    return packages
+
+
+def test_the_cuda_variant_carries_the_c_compiler_triton_builds_its_launcher_with():
+    """Triton compiles its CUDA launcher (driver.c: stdio.h, dlfcn.h, Python.h) at its first
+    launch; the slim Python image has no compiler. The CPU variant runs no Triton kernel
+    compiled (the interpreter, at most), so only the CUDA stage installs one."""
+    by_stage = stages()
+    cuda = apt_packages(by_stage["torch-cuda"])
+    assert cuda & {"gcc", "clang", "build-essential"}, f"torch-cuda installs no C compiler: {sorted(cuda)}"
+    assert "libc6-dev" in cuda or "build-essential" in cuda, "gcc without libc6-dev has no stdio.h"
+    # The python image carries Python.h; Debian's python3-dev would bring a second Python.
+    assert "python3-dev" not in cuda
+    cpu_and_common = apt_packages(by_stage["torch-cpu"]) | apt_packages(by_stage["torch-${VARIANT}"])
+    assert not cpu_and_common & {"gcc", "clang", "build-essential", "libc6-dev"}
+
+
 def test_default_command_serves_the_demo_model_on_the_exposed_ports():
     exposed = {int(p) for args in arguments("EXPOSE") for p in args.split()}
     assert exposed == {50051, 8000, 9100}
