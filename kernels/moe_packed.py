@@ -10,11 +10,17 @@ runs on, tiny-mixtral's experts (8 x 256 x 512, float32) over 64 tokens, top-2, 
 four layers in turn: 1.8 ms packed against 3.1-3.4 ms for per-expert `F.linear` or the
 padded batched GEMM; over 21 tokens, 1.5 ms against 3.2 ms.
 
-float32 and bfloat16 (bfloat16 runs on AVX512-BF16 or AMX where the CPU has them).
+float32 and bfloat16. oneDNN packs bfloat16 only where its effective ISA has avx512bw/vl/dq
+or avx_ne_convert (an AVX2-only EPYC has neither; ONEDNN_MAX_CPU_ISA can also cap it): what
+this CPU allows is found by one tiny pack and multiply per dtype, at first use, and where it
+fails the experts stay unpacked (the dispatcher's per-expert torch GEMM), logged once with
+oneDNN's reason.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +29,28 @@ from kernels import moe_ref
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
+log = logging.getLogger("kernels")
+
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    return (device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+            and onednn_packs(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies `dtype` weights on this CPU: the real calls, tried
+    once on a 16 x 16 weight (torch's own check, `mkldnn._is_mkldnn_bf16_supported`, agrees
+    for bfloat16; the probe also covers what it does not ask). Logged once per dtype."""
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), None)
+        _linear(torch.ones(1, 16, dtype=dtype), weight)
+    except RuntimeError as exc:
+        log.warning("CPU experts in %s: unpacked weights, the per-expert torch GEMM (oneDNN cannot pack them "
+                    "on this CPU: %s)", dtype, str(exc).splitlines()[0])
+        return False
+    log.info("CPU experts in %s: weights packed for oneDNN at load", dtype)
+    return True
 
 
 @dataclass
@@ -38,6 +63,9 @@ class PackedExperts:
     @classmethod
     def pack(cls, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> "PackedExperts":
         """w_gate_up [E, 2I, H], w_down [E, H, I] -> packed copies (the originals are untouched)."""
+        if not onednn_packs(w_gate_up.dtype):
+            raise ValueError(f"w_gate_up: oneDNN cannot pack {w_gate_up.dtype} weights on this CPU "
+                             "(check moe_packed.available first)")
         reorder = torch.ops.mkldnn._reorder_linear_weight
         return cls([reorder(w.contiguous(), None) for w in w_gate_up], [reorder(w.contiguous(), None) for w in w_down])
 

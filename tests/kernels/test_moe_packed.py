@@ -1,8 +1,16 @@
 """The CPU expert GEMM over weights prepacked for oneDNN (kernels/moe_packed.py): equal to the
 torch reference, zeros past the last count, where it applies, and how the expert layer and
-the dispatcher use it (packed at load; ignored when MEGAINFER_KERNELS names a backend)."""
+the dispatcher use it (packed at load; ignored when MEGAINFER_KERNELS names a backend); on a
+CPU where oneDNN cannot pack bfloat16 (forced here with ONEDNN_MAX_CPU_ISA=AVX2), the experts
+stay unpacked and say why."""
 
 from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +44,8 @@ def offsets_of(counts: list[int]) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("spare_rows", [0, 3])
 def test_packed_gemm_equals_the_reference_and_rows_past_the_counts_are_zero(dtype, spare_rows):
+    if not moe_packed.onednn_packs(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU (its ISA lacks avx512bw/vl/dq and avx_ne_convert)")
     w_gate_up, w_down = experts(dtype)
     counts = [3, 0, 5, 2]  # expert 1 gets no rows
     rows = sum(counts) + spare_rows
@@ -58,9 +68,11 @@ def test_packing_leaves_the_weights_untouched():
     assert torch.equal(w_gate_up, before[0]) and torch.equal(w_down, before[1])
 
 
-def test_available_only_for_cpu_float32_and_bfloat16():
+def test_available_only_for_cpu_float32_and_bfloat16_where_onednn_packs_them():
     cpu = torch.device("cpu")
-    assert moe_packed.available(cpu, torch.float32) and moe_packed.available(cpu, torch.bfloat16)
+    assert moe_packed.available(cpu, torch.float32)
+    # bfloat16 as the CPU allows: torch's own check agrees with the probe.
+    assert moe_packed.available(cpu, torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert not moe_packed.available(cpu, torch.float16)
     assert not moe_packed.available(torch.device("meta"), torch.float32)
     assert not moe_packed.available(torch.device("cuda"), torch.float32)  # a type check: nothing is allocated
@@ -106,3 +118,43 @@ def test_the_dispatcher_ignores_packed_weights_when_the_environment_names_a_back
                                       packed=PackedExperts.pack(w_gate_up, w_down))
     ref = moe_ref.grouped_expert_gemm(x, offsets_of(counts), w_gate_up, w_down, row_weights)
     torch.testing.assert_close(out, ref)
+
+
+# Under ONEDNN_MAX_CPU_ISA=AVX2 (what an AVX2-only EPYC has): a bfloat16 and a float32 expert
+# layer, loaded and run; prints whether each packed and how far bf16 is from float32.
+AVX2_RUN = """
+import json, logging, torch
+from kernels import moe_ref
+from megainfer.config import PRESETS
+from megainfer.model.expert_layer import ExpertLayer
+from megainfer.model.weights import RandomWeights
+logging.basicConfig(level=logging.INFO)
+cfg = PRESETS["tiny-mixtral"]
+g = torch.Generator().manual_seed(2)
+x = torch.randn(21, cfg.hidden_size, generator=g)
+gating = moe_ref.fused_gating(torch.randn(21, cfg.num_experts, generator=g), cfg.top_k, renormalize=True)
+result = {}
+for dtype in (torch.float32, torch.bfloat16):
+    layer = ExpertLayer(cfg, 1, dtype, "cpu")
+    layer.load_weights(RandomWeights(0))
+    with torch.no_grad():
+        result[str(dtype)] = (layer.packed is not None, layer(x.to(dtype), gating.topk_ids, gating.topk_weights).float())
+(f32_packed, f32), (bf16_packed, bf16) = result.values()
+print(json.dumps(dict(f32_packed=f32_packed, bf16_packed=bf16_packed,
+                      error=((bf16 - f32).norm() / f32.norm()).item())))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ONEDNN_MAX_CPU_ISA=AVX2 is an x86 ISA")
+def test_bfloat16_experts_stay_unpacked_and_say_why_where_onednn_cannot_pack_them():
+    """oneDNN capped at AVX2 refuses the bfloat16 reorder (mkldnn_reorder_linear_weight: bf16
+    path needs avx_ne_convert or avx512bw/vl/dq): the layer keeps its bf16 experts unpacked,
+    runs them through the torch GEMM, logs the reason once, and still packs float32."""
+    env = {k: v for k, v in os.environ.items() if k != dispatch.ENV} | {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", AVX2_RUN], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["f32_packed"] and not result["bf16_packed"]
+    assert result["error"] < 0.02  # bf16 against float32, the same weights
+    assert out.stderr.count("CPU experts in torch.bfloat16: unpacked weights") == 1
+    assert "avx512bw" in out.stderr  # oneDNN's own reason, in the log
