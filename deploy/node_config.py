@@ -6,7 +6,6 @@ from __future__ import annotations
 from deploy.runtime_config import rank_name
 from megainfer.config import ModelConfig, resolve_model
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint, WeightSource
-from megainfer.errors import PlanError
 from megainfer.plan import Plan
 from megainfer import tensor_parallel
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -23,10 +22,7 @@ TP_GROUP_TIMEOUT_S = 300.0
 def checked_model(plan: Plan) -> ModelConfig:
     """The plan's model, checked against the plan before anything starts."""
     model, _ = weights_of(plan)
-    plan.check_model(model)
-    if model.expert_intermediate_size % plan.experts.tp:
-        raise PlanError(f"experts.tp = {plan.experts.tp} does not divide the experts' intermediate size "
-                        f"({model.expert_intermediate_size}); choose a tp that divides it")
+    plan.check_model(model)  # tp against heads and intermediate size, experts against nodes
     return model
 
 

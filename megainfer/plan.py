@@ -191,6 +191,7 @@ class Plan:
         if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
             raise PlanError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                             f"({model.max_position_embeddings}); lower it or leave it out")
+        check_tensor_parallel(model, self.attention.tp, self.experts.tp)
         nodes, per = self.experts.nodes, self.experts.experts_per_node
         if per is None:
             if model.num_experts % nodes:
@@ -250,6 +251,45 @@ class Plan:
             line = f" at line {where.line + 1}" if where else ""
             raise PlanError(f"{path}: not valid YAML{line} ({getattr(exc, 'problem', exc)})") from None
         return cls.from_dict(data, source=str(path))
+
+
+# -- tensor parallelism the model's shapes allow ------------------------------------------------
+# An attention rank holds whole heads: tp must divide the query heads and the KV heads (KV heads
+# are never replicated across ranks, so a tp above num_kv_heads cannot run). An expert rank holds
+# a 1/tp slice of every expert's intermediate dimension: tp must divide it. AttentionLayer and
+# ExpertLayer require exactly this; the planner searches only these sizes and deploy refuses others.
+SUGGESTED_TP_LIMIT = 8  # an error's fix names the valid sizes up to this (the GPUs of a node)
+
+
+def attention_tp_fits(model: ModelConfig, tp: int) -> bool:
+    """Whether `tp` attention ranks can split the model's query and KV heads evenly."""
+    return model.num_heads % tp == 0 and model.num_kv_heads % tp == 0
+
+
+def expert_tp_fits(model: ModelConfig, tp: int) -> bool:
+    """Whether `tp` expert ranks can split each expert's intermediate dimension evenly."""
+    return model.expert_intermediate_size % tp == 0
+
+
+def check_tensor_parallel(model: ModelConfig, attention_tp: int, experts_tp: int) -> None:
+    """PlanError naming attention.tp or experts.tp when the model's shapes do not split over it."""
+    if not attention_tp_fits(model, attention_tp):
+        fits = [tp for tp in range(1, SUGGESTED_TP_LIMIT + 1) if attention_tp_fits(model, tp)]
+        raise PlanError(
+            f"attention.tp {attention_tp} does not divide {model.name}'s {model.num_kv_heads} KV heads "
+            f"({model.num_heads} query heads): each attention rank holds whole heads and KV heads are not "
+            f"replicated; set attention.tp to {_one_of(fits)}")
+    if not expert_tp_fits(model, experts_tp):
+        fits = [tp for tp in range(1, SUGGESTED_TP_LIMIT + 1) if expert_tp_fits(model, tp)]
+        raise PlanError(
+            f"experts.tp {experts_tp} does not divide {model.name}'s expert intermediate size "
+            f"{model.expert_intermediate_size} (config.json's moe_intermediate_size; Mixtral's intermediate_size): "
+            f"each expert rank holds an equal slice of it; set experts.tp to {_one_of(fits)}")
+
+
+def _one_of(values: list[int]) -> str:
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _coerce(value: Any, kind: type, key: str, source: str) -> Any:

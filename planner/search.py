@@ -18,7 +18,8 @@ import numpy as np
 
 from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
-from megainfer.plan import AttentionSpec, ExpertSpec, PipelineSpec, Plan, PredictedPerformance, SchedulerSpec, SLOSpec
+from megainfer.plan import (AttentionSpec, ExpertSpec, PipelineSpec, Plan, PredictedPerformance, SchedulerSpec, SLOSpec,
+                            attention_tp_fits, check_tensor_parallel, expert_tp_fits)
 from planner.catalog import GPU, Catalog
 from planner.perf_model import PerfModel, Side
 
@@ -147,11 +148,15 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
         raise PlanError(f"--max-micro-batches must be at least 1, got {max_micro_batches}")
     att = list(dict.fromkeys(catalog[n] for n in attention_gpus))
     exp = list(dict.fromkeys(catalog[n] for n in expert_gpus))
-    att_cfgs = [(g, tp) for g in att for tp in TP_SIZES
+    # Only the tp's the runtime can split the model over: heads for attention, the intermediate
+    # size for experts (megainfer.plan.check_tensor_parallel, which deploy applies too).
+    att_tps = [tp for tp in TP_SIZES if attention_tp_fits(model, tp)]
+    exp_tps = [tp for tp in TP_SIZES if expert_tp_fits(model, tp)]
+    att_cfgs = [(g, tp) for g in att for tp in att_tps
                 if tp <= g.gpus_per_node and perf.max_sequences_per_attention_node(g.memory_bytes, tp) >= 1]
-    exp_cfgs = [(g, tp, e) for g in exp for tp in TP_SIZES if tp <= g.gpus_per_node
+    exp_cfgs = [(g, tp, e) for g in exp for tp in exp_tps if tp <= g.gpus_per_node
                 for e in divisors(model.num_experts) if perf.expert_node_fits(g.memory_bytes, tp, e)]
-    _check_fits(model, perf, att, exp, att_cfgs, exp_cfgs)
+    _check_fits(model, perf, att, exp, att_cfgs, exp_cfgs, max(att_tps))
 
     # Per-configuration constants, computed once on the small per-side arrays.
     e_per_cfg = np.array([e for _, _, e in exp_cfgs], dtype=np.float64)
@@ -237,13 +242,16 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
     return SearchResult(candidates=candidates, configurations=len(m), fastest=fastest)
 
 
-def _check_fits(model: ModelConfig, perf: PerfModel, att: list[GPU], exp: list[GPU], attention_fits, expert_fits) -> None:
+def _check_fits(model: ModelConfig, perf: PerfModel, att: list[GPU], exp: list[GPU], attention_fits, expert_fits,
+                max_tp_a: int) -> None:
     if not attention_fits:
         need = perf.attention_weight_bytes() + perf.kv_bytes_per_sequence()
+        heads = f" (its {model.num_kv_heads} KV heads split over at most {max_tp_a})" \
+            if max_tp_a < max(TP_SIZES) else ""
         raise PlanError(
             f"{model.name}: the attention half does not fit any TP size on {', '.join(g.name for g in att)}: "
             f"it needs {need / 1e9:.1f} GB (weights and one sequence's KV cache) per node, "
-            f"more than {max(tp for tp in TP_SIZES)} GPUs of one node hold; choose GPUs with more memory")
+            f"more than {max_tp_a} GPUs of one node hold{heads}; choose GPUs with more memory")
     if not expert_fits:
         one = model.expert_params * model.num_layers * perf.dtype_bytes
         raise PlanError(
@@ -256,6 +264,7 @@ def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, atte
     """The model's prediction for one fixed deployment (no search, no SLO)."""
     if model.num_experts % experts_per_node:
         raise PlanError(f"experts_per_node ({experts_per_node}) must divide the model's {model.num_experts} experts")
+    check_tensor_parallel(model, tp_a, tp_e)
     ga, ge = catalog[attention_gpu], catalog[expert_gpu]
     a_side = perf.sides([(ga, tp_a)], "attention")
     e_side = perf.sides([(ge, tp_e)], "experts", [experts_per_node])

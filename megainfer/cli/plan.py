@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"timeline chart: {args.plot}")
     if args.output:
         plan = best.to_plan(args.model, args.dtype, args.tbt_slo_ms, args.seq_len)
+        plan.check_model(model)  # the checks `megainfer deploy` makes (tp against heads and intermediate size)
         plan.save(args.output)
         print(f"best plan written to {args.output}")
     if args.json:

@@ -104,3 +104,32 @@ def test_auto_device_is_the_plans_own_and_engines_are_resolved():
     cpu = runtime_of(Plan.load(ROOT / "deploy" / "plans" / "tiny-cpu.yaml"), "auto")
     engine = cpu.attention[0].engine
     assert cpu.device == "cpu" and (engine.dtype, engine.device) == (cpu.plan.dtype, "cpu")
+
+
+def qwen3_30b(attention_tp: int, experts_tp: int) -> Plan:
+    """A hand-written Qwen3-30B-A3B plan (4 KV heads, 32 query heads, expert intermediate size 768)."""
+    return Plan.from_dict({"model": "qwen3-30b-a3b", "dtype": "bfloat16",
+                           "attention": {"gpu": "H20", "tp": attention_tp, "nodes": 2},
+                           "experts": {"gpu": "L40S", "tp": experts_tp, "nodes": 16, "experts_per_node": 8}})
+
+
+def test_a_dry_run_refuses_an_attention_tp_the_kv_heads_do_not_divide(tmp_path):
+    path = qwen3_30b(8, 1).save(tmp_path / "qwen3-30b-tp8.yaml")
+    out = megainfer("deploy", str(path), "--dry-run")
+    assert out.returncode != 0
+    assert "attention.tp 8 does not divide qwen3-30b-a3b's 4 KV heads (32 query heads)" in out.stderr
+    assert "set attention.tp to 1, 2 or 4" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_deploy_refuses_an_expert_tp_the_intermediate_size_does_not_divide_before_any_actor():
+    from deploy.deployment import Deployment
+
+    bad = qwen3_30b(4, 5)
+    message = r"experts\.tp 5 does not divide qwen3-30b-a3b's expert intermediate size 768.*set experts\.tp to " \
+              r"1, 2, 3, 4, 6 or 8"
+    with pytest.raises(PlanError, match=message):
+        runtime_of(bad)  # what --dry-run prints from
+    with pytest.raises(PlanError, match=message):
+        Deployment(bad)  # the plan is checked in the constructor; Ray and the actors start in start()
+    assert runtime_of(qwen3_30b(4, 8)).attention[0].kv_heads_per_rank == 1

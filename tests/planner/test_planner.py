@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import time
 
@@ -10,6 +12,7 @@ import pytest
 
 from megainfer.config import PRESETS
 from megainfer.errors import PlanError
+from megainfer.plan import Plan
 from planner.catalog import Catalog
 from planner.colocated import best_colocated
 from planner.perf_model import Calibration, PerfModel, min_micro_batches, roofline_utilization
@@ -149,6 +152,30 @@ def test_model_that_fits_nowhere(tmp_path, memory_gb, match):
     with pytest.raises(PlanError, match=match):
         search(PRESETS["mixtral-8x22b"], Catalog.load(path), ["T4G"], ["T4G"], tbt_slo_s=0.15,
                perf=perf("mixtral-8x22b"))
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_plan_keeps_attention_tp_a_divisor_of_qwen3s_4_kv_heads(model, tmp_path, capsys):
+    """tp 8 would leave each attention rank half a KV head: neither a candidate nor the plan written."""
+    from megainfer.cli import main
+
+    path, report = tmp_path / "plan.yaml", tmp_path / "plan.json"
+    assert main(["plan", "--model", model, "--gpus", "H20,L40S,H800", "-o", str(path), "--json", str(report)]) == 0
+    candidates = json.loads(report.read_text())["candidates"]
+    assert candidates and {c["tp_a"] for c in candidates} <= {1, 2, 4}
+    assert 8 in {c["tp_e"] for c in candidates}  # the rule is attention's: experts still take tp 8
+    assert Plan.load(path).attention.tp in (1, 2, 4)
+
+
+def test_expert_tp_divides_the_expert_intermediate_size():
+    """An intermediate size of 772 = 4 x 193 splits over 1, 2 or 4 expert ranks, not 8."""
+    model = dataclasses.replace(PRESETS["qwen3-30b-a3b"], name="qwen3-772", expert_intermediate_size=772)
+    result = search(model, CATALOG, ["H20", "L40S"], ["H20", "L40S"], tbt_slo_s=0.150, perf=PerfModel(model, 730))
+    assert {c.tp_e for c in result.candidates} == {1, 2, 4}
+    with pytest.raises(PlanError, match=r"experts\.tp 8 does not divide qwen3-772's expert intermediate size 772.*"
+                                        r"set experts\.tp to 1, 2 or 4"):
+        evaluate_plan(model, PerfModel(model, 730), CATALOG, attention_gpu="H20", tp_a=4, n_a=2, expert_gpu="L40S",
+                      tp_e=8, experts_per_node=8, m=2, batch=64)
 
 
 def test_unknown_gpu_lists_known_ones():
