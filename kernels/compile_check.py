@@ -4,7 +4,7 @@ registers per thread, spilled bytes (local memory), shared memory per program an
 programs fit on one SM, and fails where a row spills, needs more shared memory than the
 architecture has, or (the POD kernel) leaves no room for a second program on an SM.
 
-    python -m kernels.compile_check [--arch 90] [--quick]
+    python -m kernels.compile_check [--arch 90 [89 ...]] [--quick]
 
 This checks that the tensor-core paths and %smid compile and fit; it cannot check numbers
 (the GPU tests in tests/kernels/test_kernels_gpu.py do). Needs TRITON_INTERPRET unset: the
@@ -150,12 +150,18 @@ def gemm_reports(name: str, experts: int, h: int, i: int, rows: int, dtype: torc
 
 
 def all_reports(arch: int, quick: bool = False) -> list[Report]:
-    """Every tile-table row at the shapes above (quick: the POD kernel with %smid and one GEMM)."""
+    """Every tile-table row at the shapes above. quick: the rows nearest a limit or that differ
+    by architecture: the attention kernels at Qwen3's 16-head groups (POD with %smid, two
+    programs per SM, in registers and shared memory) and at head dim 64 (prefill warps by
+    arch), and the GEMM's decode row (72 KiB: one program per SM on sm_86/89) and prefill row
+    (96 KiB on sm_90, the most shared memory of any row)."""
     if interpreted():
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter has no compiler; unset it to compile")
     if quick:
         return (attention_reports(*ATTENTION[2], torch.bfloat16, arch)
-                + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.bfloat16, arch))
+                + attention_reports(*ATTENTION[4], torch.bfloat16, arch)
+                + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.bfloat16, arch)
+                + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch))
     reports = [r for shape in ATTENTION for r in attention_reports(*shape, torch.bfloat16, arch)]
     reports += attention_reports(*ATTENTION[0], torch.float32, arch)
     reports += [r for e in EXPERTS for rows in ROWS_PER_EXPERT for r in gemm_reports(*e, rows, torch.bfloat16, arch)]
@@ -165,17 +171,23 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (80: A100, 90: H100)")
-    parser.add_argument("--quick", action="store_true", help="the POD kernel with %%smid and one GEMM only")
+    parser.add_argument("--arch", type=int, nargs="+", default=[90],
+                        help="compute capabilities x10, one or more (80: A100, 89: L40S, 90: H100)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the rows nearest a limit or that differ by architecture")
     args = parser.parse_args(argv)
-    reports = all_reports(args.arch, args.quick)
-    print(f"sm_{args.arch}")
-    print(f"{'kernel':16s} {'shape':34s} {'warps':>5s} {'regs':>5s} {'spilled B':>9s} {'shared KiB':>10s} "
-          f"{'per SM':>6s}")
-    for r in reports:
-        print(f"{r.kernel:16s} {r.shape:34s} {r.num_warps:5d} {r.registers:5d} {r.spilled:9d} {r.shared / 1024:10.1f} "
-              f"{r.resident:6d}{'  reads %smid' if r.reads_smid else ''}{'' if r.ok else '  <- does not fit'}")
-    return 0 if all(r.ok for r in reports) else 1
+    ok = True
+    for arch in args.arch:
+        reports = all_reports(arch, args.quick)
+        print(f"sm_{arch} (shared memory: {SHARED_LIMIT.get(arch, 99 * 1024) // 1024} KiB per program at most)")
+        print(f"{'kernel':16s} {'shape':34s} {'warps':>5s} {'regs':>5s} {'spilled B':>9s} {'shared KiB':>10s} "
+              f"{'per SM':>6s}")
+        for r in reports:
+            print(f"{r.kernel:16s} {r.shape:34s} {r.num_warps:5d} {r.registers:5d} {r.spilled:9d} "
+                  f"{r.shared / 1024:10.1f} {r.resident:6d}{'  reads %smid' if r.reads_smid else ''}"
+                  f"{'' if r.ok else '  <- does not fit'}")
+        ok = ok and all(r.ok for r in reports)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

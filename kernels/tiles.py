@@ -3,9 +3,14 @@ choice is deterministic, costs nothing at serving time and compiles one variant 
 
 The GPU rows come from the usual FlashAttention-2 / grouped-GEMM settings for Hopper and
 Ampere, checked with `kernels.compile_check` (registers, spills and shared memory of every
-row, compiled for sm_80 and sm_90 without a GPU). Under Triton's interpreter the tiles are
-the smallest a `tl.dot` takes (16), which keeps the CPU tests quick; the interpreter runs
-the same code paths with them.
+row, compiled for sm_80, sm_89 and sm_90 without a GPU). The attention rows differ by
+architecture (`arch`); the GEMM rows need not: each fits every one of the three, sm_89's
+99 KiB per program included (its largest there, the decode row, takes 72 KiB: Triton's
+mma.sync pipelining keeps num_stages - 1 tiles in shared memory, Hopper's wgmma all
+num_stages, so sm_90's prefill row takes 96 KiB of its 227). A GEMM row that must differ
+takes the arch as `attention_tiles` does, and the launcher passes its device's. Under
+Triton's interpreter the tiles are the smallest a `tl.dot` takes (16), which keeps the CPU
+tests quick; the interpreter runs the same code paths with them.
 """
 
 from __future__ import annotations
