@@ -1,6 +1,6 @@
-"""Paged KV caches and plain attention for the kernel tests (CPU and GPU): random keys and
-values in shuffled pages, each sequence's keys back as dense tensors, and float32 attention
-computed directly from them."""
+"""Ground truth for the attention kernels, for their tests and the GPU check
+(`megainfer.gpucheck`): random keys and values in shuffled pages, each sequence's keys back as
+dense tensors, and float32 attention computed directly from them."""
 
 from __future__ import annotations
 

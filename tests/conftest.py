@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import NEW_TOKENS, PROMPT_LENGTHS
+from megainfer.tools.gpucheck.tiny_checkpoints import tiny_prompts, write_tiny_checkpoint
+from tests.helpers import NEW_TOKENS
 
 
 @dataclass
@@ -21,26 +22,9 @@ class HFReference:
 
 
 def _build(kind: str, directory: Path) -> HFReference:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    # initializer_range 0.2 keeps random logits well separated, so greedy choices are
-    # decided by the model, not by float rounding.
-    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=512,
-                  initializer_range=0.2)
-    if kind == "mixtral":
-        cfg = transformers.MixtralConfig(intermediate_size=96, num_local_experts=6, **common)
-        model = transformers.MixtralForCausalLM(cfg)
-    else:
-        # head_dim (24) differs from hidden/heads (16), and top-k weights are not renormalised.
-        cfg = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=48, head_dim=24,
-                                          num_experts=6, norm_topk_prob=False,
-                                          **{**common, "num_experts_per_tok": 3})
-        model = transformers.Qwen3MoeForCausalLM(cfg)
-    model.eval()
-    model.save_pretrained(directory)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    pytest.importorskip("transformers")
+    model = write_tiny_checkpoint(kind, directory)
+    prompts = tiny_prompts()
     tokens, logits = [], []
     for p in prompts:
         out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
@@ -63,6 +47,31 @@ def qwen3_ref(tmp_path_factory) -> HFReference:
 @pytest.fixture(scope="session", params=["mixtral", "qwen3_moe"])
 def hf_ref(request) -> HFReference:
     return request.getfixturevalue("mixtral_ref" if request.param == "mixtral" else "qwen3_ref")
+
+
+# What the serving side needs and the lent GPU machine lacks (../shared/notes/facts.md): a test
+# module that imports one is skipped there, naming it, instead of stopping the whole collection
+# (`python -m pytest -m gpu` must collect there; tests/test_gpucheck.py checks it). Where they are
+# installed, as in CI, nothing changes; any other import error still fails the collection.
+SERVING_PACKAGES = frozenset({"ray", "fastapi", "uvicorn", "pydantic", "httpx2", "grpc_health", "grpc_reflection",
+                              "nixl_cu12", "pyverbs", "openai"})
+
+
+class _Module(pytest.Module):
+    def _getobj(self):
+        try:
+            return super()._getobj()
+        except self.CollectError as exc:
+            cause = exc.__cause__
+            missing = getattr(cause, "name", None) or ""
+            if isinstance(cause, ModuleNotFoundError) and missing.split(".")[0] in SERVING_PACKAGES:
+                raise pytest.skip.Exception(f"{self.path.name} needs {missing}, which is not installed here",
+                                             allow_module_level=True)
+            raise
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    return _Module.from_parent(parent, path=module_path)
 
 
 def pytest_collection_modifyitems(config, items):

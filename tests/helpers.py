@@ -12,7 +12,6 @@ from transport import Endpoint
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 NEW_TOKENS = 32  # greedy tokens generated per prompt by the transformers references (conftest)
-PROMPT_LENGTHS = (5, 17, 33, 1, 24)  # the references' prompts
 
 
 def megainfer(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -331,6 +331,16 @@ class Endpoint:
                                                                      micro_batch) for m in self._pending)
                 self._block(deadline, arrived, asleep=[self.inbound[p] for p in peers])
 
+    def poll(self, peer: str, *, micro_batch: int | None = None) -> Message | None:
+        """The message `recv` would return if it has arrived, else None at once (with `send`,
+        `recv` and `register`, an Endpoint is a node's ExpertLink where nothing re-wires it)."""
+        if peer not in self.inbound:
+            raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.inbound)}")
+        msg = self._poll_once(peer, micro_batch)
+        if msg is None:
+            self._check_alive((peer,))
+        return msg
+
     def _poll_once(self, peer: str | None, micro_batch: int | None) -> Message | None:
         """One look for a matching message: already collected ones first, then the channels."""
         if self._pending:

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from kernels import attention_jit, attention_triton, dispatch, moe_ref, moe_triton, tiles  # noqa: E402
 from kernels import paged_attention_ref as attention_ref  # noqa: E402
 from kernels.choice import REFERENCE, TRITON, ShapeChoice, bucket  # noqa: E402
-from tests.kernels.paged import PagedCache, batch_of, expected  # noqa: E402
+from kernels.paged_samples import PagedCache, batch_of, expected  # noqa: E402
 
 if not attention_triton.INTERPRETED:
     pytest.skip("this session compiles the Triton kernels for the GPU (-m gpu on a CUDA machine, or "

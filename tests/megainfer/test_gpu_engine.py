@@ -7,127 +7,34 @@ where there is no GPU."""
 
 from __future__ import annotations
 
-import gc
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from megainfer import LLM, SamplingParams
-from megainfer.sampler import Sampler
-from tests.helpers import NEW_TOKENS
-
-NUM_KV_BLOCKS = 64  # the prompts need at most 25 blocks of 16 tokens; unset, the cache takes 90% of free memory
-# float32: the two only sum in different orders (cuBLAS against Triton's IEEE dots; TF32 off).
-FLOAT32_LOGIT_ATOL = 1e-3
-# bfloat16: where the two part, transformers' logits for the two candidates are at most this
-# far apart. The logits here spread with a std of ~1.6, their two best are ~0.35 apart at the
-# median, and bfloat16 moves them by up to ~0.27 between the two implementations (measured on
-# the CPU, where the partings came at gaps of one bfloat16 ulp, 0.03).
-BFLOAT16_NEAR_TIE = 0.25
-# bfloat16: megainfer's mean |logit error| against float32 may exceed transformers' by this
-# factor on the same contexts (0.96-0.99 on the CPU; logits unrelated to the model are ~1.8 off, 18-70x).
-BFLOAT16_ERROR_RATIO = 1.5
-
-
-@dataclass
-class Greedy:
-    tokens: list[list[int]]  # per prompt, the NEW_TOKENS greedy ids
-    logits: list[torch.Tensor]  # per prompt, [NEW_TOKENS, vocab] float32 on the CPU: what chose each token
-
-
-def load_transformers(path, dtype: str, device: str):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-
-
-def transformers_greedy(path, prompts: list[list[int]], dtype: str, device: str) -> Greedy:
-    model = load_transformers(path, dtype, device)
-    tokens, logits = [], []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logits.append(torch.cat(out.logits).float().cpu())
-    return Greedy(tokens, logits)
-
-
-@torch.no_grad()
-def transformers_forced(path, prompts: list[list[int]], tokens: list[list[int]], dtype: str,
-                        device: str) -> list[torch.Tensor]:
-    """transformers' logits for the contexts `tokens` were chosen in: [len(tokens), vocab] per prompt."""
-    model = load_transformers(path, dtype, device)
-    out = []
-    for prompt, generated in zip(prompts, tokens, strict=True):
-        context = torch.tensor([prompt + generated[:-1]], device=device)
-        out.append(model(context).logits[0, len(prompt) - 1:].float().cpu())
-    return out
-
-
-def megainfer_greedy(path, prompts: list[list[int]], dtype: str, device: str, monkeypatch) -> Greedy:
-    """All prompts in one batch, as the engine serves them; logits recorded where the sampler reads them."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    original = Sampler.sample
-
-    def recording(self, logits, request_ids, params, histories=None):
-        for row, rid in enumerate(request_ids):
-            seen.setdefault(rid, []).append(logits[row].float().cpu())
-        return original(self, logits, request_ids, params, histories)
-
-    monkeypatch.setattr(Sampler, "sample", recording)
-    llm = LLM(str(path), dtype=dtype, device=device, num_kv_blocks=NUM_KV_BLOCKS)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    return Greedy([o.outputs[0].token_ids for o in outs], [torch.stack(seen[o.request_id]) for o in outs])
-
-
-def first_disagreement(ours: Greedy, ref: Greedy, logit_atol: float, near_tie: float) -> str:
-    """"" where `ours` matches `ref` up to rounding, else what differs first.
-
-    Each prompt is walked step by step while both chose the same tokens, the step where they
-    part included (both saw the same context there): every logit within `logit_atol`, and a
-    choice of its own only where `ref`'s logits for the two candidates are within `near_tie`.
-    After a parting the contexts differ, so later steps are not compared."""
-    for i, (our_tokens, ref_tokens) in enumerate(zip(ours.tokens, ref.tokens, strict=True)):
-        if len(our_tokens) != len(ref_tokens):
-            return f"prompt {i}: {len(our_tokens)} tokens, transformers {len(ref_tokens)}"
-        for step, (mine, theirs) in enumerate(zip(our_tokens, ref_tokens)):
-            diff = (ours.logits[i][step] - ref.logits[i][step]).abs().max().item()
-            if diff > logit_atol:
-                return f"prompt {i} step {step}: logits differ by up to {diff:.3g} (allowed {logit_atol:g})"
-            if mine != theirs:
-                margin = (ref.logits[i][step][theirs] - ref.logits[i][step][mine]).item()
-                if margin > near_tie:
-                    return (f"prompt {i} step {step}: chose {mine}, transformers {theirs}, whose logit is "
-                            f"higher by {margin:.3g} (a near-tie is at most {near_tie:g})")
-                break  # a near-tie parted them: the contexts differ from here on
-    return ""
-
-
-def mean_error(logits: list[torch.Tensor], truth: list[torch.Tensor]) -> float:
-    """Mean |logit - truth| over every prompt, step and vocabulary entry."""
-    return torch.cat([(a - b).abs().flatten() for a, b in zip(logits, truth, strict=True)]).mean().item()
+from megainfer.tools.gpucheck.engine_check import (BFLOAT16_ERROR_RATIO, BFLOAT16_NEAR_TIE, FLOAT32_LOGIT_ATOL, Greedy,
+                                                   first_disagreement, free_memory, mean_error, megainfer_greedy,
+                                                   transformers_forced, transformers_greedy)
+from megainfer.tools.gpucheck.engine_check import highest_float32_precision as float32_in_ieee
 
 
 def free_cuda() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory(torch.device("cuda"))
 
 
 @pytest.fixture
 def highest_float32_precision():
     """transformers' float32 matmuls in full IEEE precision (no TF32), as megainfer's are."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(before)
+    with float32_in_ieee():
+        yield
 
 
 @pytest.mark.gpu
-def test_engine_on_cuda_in_float32_matches_transformers_on_cuda(hf_ref, monkeypatch, highest_float32_precision):
+def test_engine_on_cuda_in_float32_matches_transformers_on_cuda(hf_ref, highest_float32_precision):
     ref = transformers_greedy(hf_ref.path, hf_ref.prompts, "float32", "cuda")
     free_cuda()
-    ours = megainfer_greedy(hf_ref.path, hf_ref.prompts, "float32", "cuda", monkeypatch)
+    ours = megainfer_greedy(hf_ref.path, hf_ref.prompts, "float32", "cuda")
     free_cuda()
     assert ours.tokens == ref.tokens
     problem = first_disagreement(ours, ref, FLOAT32_LOGIT_ATOL, near_tie=0.0)
@@ -135,11 +42,11 @@ def test_engine_on_cuda_in_float32_matches_transformers_on_cuda(hf_ref, monkeypa
 
 
 @pytest.mark.gpu
-def test_engine_on_cuda_in_bfloat16_agrees_with_transformers_up_to_rounding(hf_ref, monkeypatch,
+def test_engine_on_cuda_in_bfloat16_agrees_with_transformers_up_to_rounding(hf_ref,
                                                                             highest_float32_precision):
     ref = transformers_greedy(hf_ref.path, hf_ref.prompts, "bfloat16", "cuda")
     free_cuda()
-    ours = megainfer_greedy(hf_ref.path, hf_ref.prompts, "bfloat16", "cuda", monkeypatch)
+    ours = megainfer_greedy(hf_ref.path, hf_ref.prompts, "bfloat16", "cuda")
     free_cuda()
     # Rounding moves single logits too far for a per-logit bound (a token routed to other
     # experts), so the partings are held to near-ties and the logits to float32 below.

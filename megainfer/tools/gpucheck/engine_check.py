@@ -1,0 +1,235 @@
+"""The `engine` check: megainfer's colocated engine against transformers on the same device,
+from the same tiny checkpoints (`tiny_checkpoints.py`). float32: the greedy tokens are equal and
+the logits agree. bfloat16: the tokens agree until a near-tie that rounding may decide either
+way, and measured against float32 along the same contexts, megainfer's logits are as faithful
+as transformers' own bfloat16 ones. Then the shipped demo model on the device against the CPU,
+which needs no transformers.
+
+On CUDA the engine runs the compiled Triton kernels, forced (MEGAINFER_KERNELS=triton, set by
+the runner): a kernel that cannot run fails the check instead of falling back."""
+
+from __future__ import annotations
+
+import gc
+import math
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megainfer.tools.gpucheck.context import CheckContext
+from megainfer.tools.gpucheck.tiny_checkpoints import KINDS, tiny_prompts, write_tiny_checkpoint
+
+NEW_TOKENS = 32  # greedy tokens per prompt
+NUM_KV_BLOCKS = 64  # the prompts need at most 25 blocks of 16 tokens
+# float32: the two only sum in different orders (cuBLAS against Triton's IEEE dots; TF32 off).
+FLOAT32_LOGIT_ATOL = 1e-3
+# bfloat16: where the two part, transformers' logits for the two candidates are at most this
+# far apart. The logits here spread with a std of ~1.6, their two best are ~0.35 apart at the
+# median, and bfloat16 moves them by up to ~0.27 between the two implementations (measured on
+# the CPU, where the partings came at gaps of one bfloat16 ulp, 0.03).
+BFLOAT16_NEAR_TIE = 0.25
+# bfloat16: megainfer's mean |logit error| against float32 may exceed transformers' by this
+# factor on the same contexts (0.96-0.99 on the CPU; logits unrelated to the model are ~1.8 off, 18-70x).
+BFLOAT16_ERROR_RATIO = 1.5
+
+
+@dataclass
+class Greedy:
+    tokens: list[list[int]]  # per prompt, the greedy ids
+    logits: list[torch.Tensor]  # per prompt, [tokens, vocab] float32 on the CPU: what chose each token
+
+
+def load_transformers(path, dtype: str, device: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def transformers_greedy(path, prompts: list[list[int]], dtype: str, device: str, new_tokens: int = NEW_TOKENS) -> Greedy:
+    model = load_transformers(path, dtype, device)
+    tokens, logits = [], []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        logits.append(torch.cat(out.logits).float().cpu())
+    return Greedy(tokens, logits)
+
+
+@torch.no_grad()
+def transformers_forced(path, prompts: list[list[int]], tokens: list[list[int]], dtype: str,
+                        device: str) -> list[torch.Tensor]:
+    """transformers' logits for the contexts `tokens` were chosen in: [len(tokens), vocab] per prompt."""
+    model = load_transformers(path, dtype, device)
+    out = []
+    for prompt, generated in zip(prompts, tokens, strict=True):
+        context = torch.tensor([prompt + generated[:-1]], device=device)
+        out.append(model(context).logits[0, len(prompt) - 1:].float().cpu())
+    return out
+
+
+@contextmanager
+def recorded_logits():
+    """Records, per request id, the logits the sampler reads (the engine's own, unchanged)."""
+    from megainfer.sampler import Sampler
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    original = Sampler.sample
+
+    def recording(self, logits, request_ids, params, histories=None):
+        for row, rid in enumerate(request_ids):
+            seen.setdefault(rid, []).append(logits[row].float().cpu())
+        return original(self, logits, request_ids, params, histories)
+
+    Sampler.sample = recording
+    try:
+        yield seen
+    finally:
+        Sampler.sample = original
+
+
+def megainfer_greedy(path, prompts: list[list[int]], dtype: str, device: str, new_tokens: int = NEW_TOKENS) -> Greedy:
+    """All prompts in one batch, as the engine serves them; logits recorded where the sampler reads them."""
+    from megainfer import LLM, SamplingParams
+
+    with recorded_logits() as seen:
+        llm = LLM(str(path), dtype=dtype, device=device, num_kv_blocks=NUM_KV_BLOCKS)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+    return Greedy([o.outputs[0].token_ids for o in outs], [torch.stack(seen[o.request_id]) for o in outs])
+
+
+def first_disagreement(ours: Greedy, ref: Greedy, logit_atol: float, near_tie: float) -> str:
+    """"" where `ours` matches `ref` up to rounding, else what differs first.
+
+    Each prompt is walked step by step while both chose the same tokens, the step where they
+    part included (both saw the same context there): every logit within `logit_atol`, and a
+    choice of its own only where `ref`'s logits for the two candidates are within `near_tie`.
+    After a parting the contexts differ, so later steps are not compared."""
+    for i, (our_tokens, ref_tokens) in enumerate(zip(ours.tokens, ref.tokens, strict=True)):
+        if len(our_tokens) != len(ref_tokens):
+            return f"prompt {i}: {len(our_tokens)} tokens, transformers {len(ref_tokens)}"
+        for step, (mine, theirs) in enumerate(zip(our_tokens, ref_tokens)):
+            diff = (ours.logits[i][step] - ref.logits[i][step]).abs().max().item()
+            if diff > logit_atol:
+                return f"prompt {i} step {step}: logits differ by up to {diff:.3g} (allowed {logit_atol:g})"
+            if mine != theirs:
+                margin = (ref.logits[i][step][theirs] - ref.logits[i][step][mine]).item()
+                if margin > near_tie:
+                    return (f"prompt {i} step {step}: chose {mine}, transformers {theirs}, whose logit is "
+                            f"higher by {margin:.3g} (a near-tie is at most {near_tie:g})")
+                break  # a near-tie parted them: the contexts differ from here on
+    return ""
+
+
+def mean_error(logits: list[torch.Tensor], truth: list[torch.Tensor]) -> float:
+    """Mean |logit - truth| over every prompt, step and vocabulary entry."""
+    return torch.cat([(a - b).abs().flatten() for a, b in zip(logits, truth, strict=True)]).mean().item()
+
+
+def equal_tokens(ours: Greedy, ref: Greedy) -> float:
+    """The share of positions where the two chose the same token."""
+    pairs = [(a, b) for x, y in zip(ours.tokens, ref.tokens) for a, b in zip(x, y)]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def highest_float32_precision():
+    """transformers' float32 matmuls in full IEEE precision (no TF32), as megainfer's are."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def check_float32(ctx: CheckContext, path: Path, kind: str, prompts: list[list[int]]) -> None:
+    device = ctx.device.type
+    with ctx.case(f"{kind} float32: greedy tokens and logits equal to transformers") as case, \
+            highest_float32_precision():
+        ref = transformers_greedy(path, prompts, "float32", device)
+        free_memory(ctx.device)
+        ours = megainfer_greedy(path, prompts, "float32", device)
+        free_memory(ctx.device)
+        case.figures["equal_tokens"] = equal_tokens(ours, ref)
+        case.figures["max_logit_diff"] = max((a - b).abs().max().item() for a, b in zip(ours.logits, ref.logits)
+                                             if a.shape == b.shape)
+        if ours.tokens != ref.tokens:
+            raise AssertionError(f"tokens differ: {first_disagreement(ours, ref, math.inf, 0.0)}")
+        problem = first_disagreement(ours, ref, FLOAT32_LOGIT_ATOL, near_tie=0.0)
+        if problem:
+            raise AssertionError(problem)
+
+
+def check_bfloat16(ctx: CheckContext, path: Path, kind: str, prompts: list[list[int]]) -> None:
+    device = ctx.device.type
+    with ctx.case(f"{kind} bfloat16: agrees with transformers up to rounding") as case, highest_float32_precision():
+        ref = transformers_greedy(path, prompts, "bfloat16", device)
+        free_memory(ctx.device)
+        ours = megainfer_greedy(path, prompts, "bfloat16", device)
+        free_memory(ctx.device)
+        case.figures["equal_tokens"] = equal_tokens(ours, ref)
+        # Rounding moves single logits too far for a per-logit bound (a token routed to other
+        # experts), so the partings are held to near-ties and the logits to float32 below.
+        problem = first_disagreement(ours, ref, logit_atol=math.inf, near_tie=BFLOAT16_NEAR_TIE)
+        if problem:
+            raise AssertionError(problem)
+        truth = transformers_forced(path, prompts, ours.tokens, "float32", device)
+        theirs = transformers_forced(path, prompts, ours.tokens, "bfloat16", device)
+        free_memory(ctx.device)
+        ours_error, their_error = mean_error(ours.logits, truth), mean_error(theirs, truth)
+        case.figures |= {"megainfer_error": ours_error, "transformers_error": their_error,
+                         "error_ratio": ours_error / their_error if their_error else None}
+        if not 0 < ours_error <= BFLOAT16_ERROR_RATIO * their_error:
+            raise AssertionError(f"megainfer's bfloat16 logits are off float32 by {ours_error:.4f} on average, "
+                                 f"transformers' by {their_error:.4f} (allowed {BFLOAT16_ERROR_RATIO}x)")
+
+
+def check_demo(ctx: CheckContext) -> None:
+    """The shipped demo model on the device, float32, against the CPU engine (no transformers needed)."""
+    from megainfer.config import DEMO_MODEL
+
+    prompts = [[0, 5, 9, 14], [0, 77, 3]]
+    with ctx.case(f"{DEMO_MODEL} float32 on {ctx.device.type}: greedy tokens equal to the CPU engine's") as case, \
+            highest_float32_precision():
+        ours = megainfer_greedy(DEMO_MODEL, prompts, "float32", ctx.device.type, new_tokens=16)
+        case.figures["tokens"] = sum(len(t) for t in ours.tokens)
+        if ctx.on_gpu:
+            cpu = megainfer_greedy(DEMO_MODEL, prompts, "float32", "cpu", new_tokens=16)
+            case.figures["equal_tokens"] = equal_tokens(ours, cpu)
+            if ours.tokens != cpu.tokens:
+                raise AssertionError(f"tokens differ from the CPU engine's: {ours.tokens} vs {cpu.tokens}")
+        else:
+            case.detail = "on the CPU this only shows the engine runs here"
+        free_memory(ctx.device)
+
+
+def run(ctx: CheckContext) -> None:
+    try:
+        import transformers  # noqa: F401
+        missing = ""
+    except ImportError as exc:
+        missing = f"transformers cannot be imported here ({exc})"
+    prompts = tiny_prompts()
+    with tempfile.TemporaryDirectory(prefix="gpucheck-") as tmp:
+        for kind in KINDS:
+            if missing:
+                for dtype in ("float32", "bfloat16"):
+                    with ctx.case(f"{kind} {dtype} against transformers") as case:
+                        case.skip(missing)
+                continue
+            path = Path(tmp) / kind
+            write_tiny_checkpoint(kind, path)
+            check_float32(ctx, path, kind, prompts)
+            check_bfloat16(ctx, path, kind, prompts)
+    check_demo(ctx)

@@ -1,0 +1,310 @@
+"""The `kernels` check: every Triton kernel, called directly (never through the dispatch, so a
+kernel that fails to build or launch is a failure, not a fallback), against float32 ground
+truth at the shapes real models give it, in bf16, with the torch reference's own error beside
+it. On the CPU: the same cases at small shapes in float32 under Triton's interpreter.
+
+Real shapes (head dim 128, 16-token pages): attention heads of Mixtral-8x7B (32 query / 8 kv,
+GQA 4), Mixtral-8x22B (48/8, GQA 6), Qwen3-30B-A3B (32/4, GQA 8) and Qwen3-235B-A22B (64/4,
+GQA 16); contexts up to 32K; POD hybrid batches (64 decodes over 4K-16K beside a 2K chunk and a
+512-token prompt) reading %smid; expert GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and
+Mixtral-8x22B from decode (4 tokens) to prefill (4096) sizes; fused gating at Qwen3's routing
+shape; and a step's hot path launched without a host synchronisation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import moe_ref
+from kernels import paged_attention_ref as attention_ref
+from kernels.paged_samples import PagedCache, batch_of, expected
+from megainfer.tools.gpucheck.context import CheckContext
+
+
+@dataclass(frozen=True)
+class Heads:
+    model: str
+    q: int
+    kv: int
+    dim: int
+
+    def __str__(self) -> str:
+        return f"{self.model} {self.q}/{self.kv}x{self.dim}"
+
+
+@dataclass(frozen=True)
+class Experts:
+    model: str
+    count: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+@dataclass(frozen=True)
+class Scale:
+    dtype: torch.dtype
+    heads: tuple[Heads, ...]
+    page: int
+    decode_lens: tuple[int, ...]
+    prefill: tuple[tuple[int, ...], tuple[int, ...]]  # (chunks, lens)
+    pod_decodes: int
+    pod_context: tuple[int, int]  # decode contexts drawn from [lo, hi]
+    pod_chunks: tuple[tuple[int, int], ...]  # (prefix, chunk) of each prefill beside the decodes
+    experts: tuple[Experts, ...]
+    expert_tokens: tuple[int, ...]
+    gating_tokens: int
+    atol: float  # against float32 ground truth
+
+
+REAL = Scale(
+    dtype=torch.bfloat16,
+    heads=(Heads("mixtral-8x7b", 32, 8, 128), Heads("mixtral-8x22b", 48, 8, 128), Heads("qwen3-30b-a3b", 32, 4, 128),
+           Heads("qwen3-235b-a22b", 64, 4, 128)),
+    page=16, decode_lens=(1, 17, 4096, 16384, 30001, 32768), prefill=((2048, 1024, 3000, 1), (2048, 16384, 32768, 9000)),
+    pod_decodes=64, pod_context=(4096, 16384), pod_chunks=((8192, 2048), (0, 512)),
+    experts=(Experts("qwen3-30b-a3b", 128, 8, 2048, 768), Experts("qwen3-235b-a22b", 128, 8, 4096, 1536),
+             Experts("mixtral-8x22b", 8, 2, 6144, 16384)),
+    expert_tokens=(4, 256, 4096), gating_tokens=4096, atol=2e-2)
+SMALL = Scale(
+    dtype=torch.float32, heads=(Heads("gqa4", 8, 2, 32), Heads("gqa16", 16, 1, 32)), page=16,
+    decode_lens=(1, 17, 40), prefill=((9, 1), (30, 20)), pod_decodes=3, pod_context=(20, 40),
+    pod_chunks=((16, 12),), experts=(Experts("tiny", 4, 2, 32, 48),), expert_tokens=(4, 12), gating_tokens=16,
+    atol=2e-4)
+
+
+def _queries(n: int, hq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    """Queries doubled so attention over long contexts is peaked, not a flat average."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (2 * torch.randn(n, hq, d, generator=g, device=device)).to(dtype)
+
+
+def _errors(case, out: torch.Tensor, want: torch.Tensor, reference: torch.Tensor | None, atol: float) -> None:
+    """Record the kernel's error (and the torch reference's) against `want`; fail beyond `atol`
+    anywhere, or, where the reference ran, above twice its mean error (FlashAttention's bar)."""
+    err = (out.float() - want).abs()
+    case.figures |= {"max_abs_err": err.max().item(), "mean_abs_err": err.mean().item()}
+    if reference is not None:
+        case.figures["torch_mean_abs_err"] = (reference.float() - want).abs().mean().item()
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=atol)
+    if reference is not None:
+        bar = 2 * case.figures["torch_mean_abs_err"] + 1e-4
+        if case.figures["mean_abs_err"] > bar:
+            raise AssertionError(f"mean error {case.figures['mean_abs_err']:.3g} exceeds twice the torch reference's "
+                                 f"({bar:.3g})")
+
+
+def _ptx_reads_smid(fn, device: torch.device) -> bool:
+    """Whether any variant of a @triton.jit kernel compiled on `device` so far reads %smid."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernels = fn.device_caches[index][0].values() if hasattr(fn, "device_caches") else fn.cache[index].values()
+    return any("%smid" in k.asm["ptx"] for k in kernels)
+
+
+def check_decode(ctx: CheckContext, scale: Scale, heads: Heads) -> None:
+    from kernels import attention_triton
+
+    splits_tried = (None, 1, attention_triton.MAX_SPLITS)
+    with ctx.case(f"decode {heads} contexts up to {max(scale.decode_lens)}") as case:
+        cache = PagedCache(list(scale.decode_lens), scale.page, heads.kv, heads.dim, scale.dtype, seed=1,
+                           device=ctx.device)
+        q = _queries(len(scale.decode_lens), heads.q, heads.dim, scale.dtype, ctx.device, 1)
+        sc = heads.dim ** -0.5
+        want = expected(cache, q, list(range(len(scale.decode_lens) + 1)), sc)
+        reference = attention_ref.decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, sc)
+        for splits in splits_tried:
+            out = attention_triton.decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, sc,
+                                                    num_splits=splits, max_seq_len=max(scale.decode_lens))
+            _errors(case, out, want, reference if ctx.on_gpu else None, scale.atol)
+        case.detail = f"splits {', '.join(str(s) for s in splits_tried)} against float32 attention"
+
+
+def check_prefill(ctx: CheckContext, scale: Scale, heads: Heads) -> None:
+    from kernels import attention_triton
+
+    chunks, lens = scale.prefill
+    with ctx.case(f"prefill {heads} chunks {'/'.join(map(str, chunks))}") as case:
+        cache = PagedCache(list(lens), scale.page, heads.kv, heads.dim, scale.dtype, seed=2, device=ctx.device)
+        batch, starts = batch_of(cache, list(chunks))
+        q = _queries(starts[-1], heads.q, heads.dim, scale.dtype, ctx.device, 2)
+        sc = heads.dim ** -0.5
+        out = attention_triton.prefill_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                                 batch.query_start_loc, starts, sc)
+        _errors(case, out, expected(cache, q, starts, sc), None, scale.atol)
+
+
+def check_pod(ctx: CheckContext, scale: Scale, heads: Heads) -> None:
+    """POD-Attention's regime: decodes beside prefill chunks in one launch, with and without split-KV."""
+    from kernels import attention_jit, attention_triton
+
+    lo, hi = scale.pod_context
+    with ctx.case(f"pod {heads} {scale.pod_decodes} decodes + chunks "
+                  f"{'/'.join(str(c) for _, c in scale.pod_chunks)}") as case:
+        contexts = torch.randint(lo, hi + 1, (scale.pod_decodes,), generator=torch.Generator().manual_seed(3)).tolist()
+        chunks = [1] * len(contexts) + [c for _, c in scale.pod_chunks]
+        lens = contexts + [p + c for p, c in scale.pod_chunks]
+        cache = PagedCache(lens, scale.page, heads.kv, heads.dim, scale.dtype, seed=3, device=ctx.device)
+        batch, starts = batch_of(cache, chunks)
+        q = _queries(starts[-1], heads.q, heads.dim, scale.dtype, ctx.device, 3)
+        sc = heads.dim ** -0.5
+        want = expected(cache, q, starts, sc)
+        for splits in (None, 4):
+            out = attention_triton.pod_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                                 batch.query_start_loc, starts, batch.num_single, sc,
+                                                 max_decode_len=max(contexts), num_splits=splits)
+            _errors(case, out, want, None, scale.atol)
+        if ctx.on_gpu:
+            case.figures["reads_smid"] = _ptx_reads_smid(attention_jit.pod_kernel, ctx.device)
+            if not case.figures["reads_smid"]:
+                raise AssertionError("the POD kernel's PTX does not read %smid")
+
+
+def check_pod_one_kind(ctx: CheckContext, scale: Scale, heads: Heads) -> None:
+    from kernels import attention_triton
+
+    lo, hi = scale.pod_context
+    with ctx.case(f"pod {heads} decodes only, then one prefill only") as case:
+        for seed, (chunks, lens) in enumerate((([1] * 8, [hi] * 8), ([hi // 4], [hi - hi // 4 + hi // 4]))):
+            cache = PagedCache(lens, scale.page, heads.kv, heads.dim, scale.dtype, seed=4 + seed, device=ctx.device)
+            batch, starts = batch_of(cache, chunks)
+            q = _queries(starts[-1], heads.q, heads.dim, scale.dtype, ctx.device, 4 + seed)
+            sc = heads.dim ** -0.5
+            out = attention_triton.pod_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                                 batch.query_start_loc, starts, batch.num_single, sc)
+            _errors(case, out, expected(cache, q, starts, sc), None, scale.atol)
+
+
+def check_grouped_gemm(ctx: CheckContext, scale: Scale, experts: Experts, tokens: int) -> None:
+    from kernels import moe_triton
+
+    with ctx.case(f"grouped expert GEMM {experts.model} {tokens} tokens x top-{experts.top_k}") as case:
+        g = torch.Generator(device=ctx.device).manual_seed(tokens)
+        pairs = tokens * experts.top_k
+        e, h, i = experts.count, experts.hidden, experts.inter
+        x = torch.randn(pairs, h, generator=g, device=ctx.device).to(scale.dtype)
+        w_gate_up = (torch.randn(e, 2 * i, h, generator=g, device=ctx.device) * h ** -0.5).to(scale.dtype)
+        w_down = (torch.randn(e, h, i, generator=g, device=ctx.device) * i ** -0.5).to(scale.dtype)
+        # Skewed routing (expert e drawn in proportion to e + 1) and an idle last expert.
+        popularity = torch.arange(1, e + 1, dtype=torch.float32, device=ctx.device)
+        popularity[-1] = 0
+        ids = torch.multinomial(popularity, pairs, replacement=True, generator=g)
+        counts = torch.bincount(ids, minlength=e).tolist()
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        weights = torch.rand(pairs, generator=g, device=ctx.device)
+        out = moe_triton.grouped_expert_gemm(x, offsets, w_gate_up, w_down, weights)
+        want = moe_ref._per_expert(x.float(), counts, w_gate_up.float(), w_down.float()) * weights[:, None]
+        atol = 3e-2 if scale.dtype == torch.bfloat16 else scale.atol
+        _errors(case, out, want, None, atol)
+        on_device = moe_triton.grouped_expert_gemm(x, torch.tensor(offsets, device=ctx.device), w_gate_up, w_down,
+                                                   weights)
+        if not torch.equal(on_device, out):
+            raise AssertionError("offsets on the device give another result than the same offsets from the host")
+
+
+def check_gating(ctx: CheckContext, scale: Scale, experts: Experts) -> None:
+    from kernels import moe_triton
+
+    with ctx.case(f"fused gating {experts.model} {scale.gating_tokens} tokens, 4 expert nodes") as case:
+        g = torch.Generator(device=ctx.device).manual_seed(5)
+        # bf16 logits differ by a bf16 step or not at all, so the two softmaxes cannot order a
+        # near-tie differently; exact ties go to the lower id in both.
+        logits = torch.randn(scale.gating_tokens, experts.count, generator=g, device=ctx.device).to(torch.bfloat16)
+        node = torch.arange(experts.count, device=ctx.device) % 4
+        out = moe_triton.fused_gating(logits, experts.top_k, True, node, 4)
+        ref = moe_ref.fused_gating(logits, experts.top_k, True, node, 4)
+        if not torch.equal(out.topk_ids, ref.topk_ids):
+            raise AssertionError("top-k ids differ from the torch reference")
+        torch.testing.assert_close(out.topk_weights, ref.topk_weights, atol=1e-5, rtol=1e-5)
+        if not (torch.equal(out.expert_counts, ref.expert_counts) and torch.equal(out.node_counts, ref.node_counts)):
+            raise AssertionError("expert or node counts differ from the torch reference")
+        flat = out.topk_ids.flatten()
+        if not torch.equal(flat[out.pair_order[out.pair_positions]], flat):
+            raise AssertionError("pair_order and pair_positions are not inverse permutations")
+        bounds = out.node_offsets.tolist()
+        for n in range(4):
+            sent = out.node_token_ids[bounds[n]:bounds[n + 1]].sort().values
+            if not torch.equal(sent, (node[out.topk_ids] == n).any(1).nonzero().flatten()):
+                raise AssertionError(f"node {n}'s token list differs from the tokens routed to it")
+        case.figures["max_weight_err"] = (out.topk_weights - ref.topk_weights).abs().max().item()
+
+
+def check_smid_folds(ctx: CheckContext) -> None:
+    import triton
+    import triton.language as tl
+
+    from kernels import attention_jit
+
+    @triton.jit
+    def record_sm(out_ptr, NUM_SMS: tl.constexpr):
+        pid = tl.program_id(0)
+        tl.store(out_ptr + pid, attention_jit._sm_id(pid, NUM_SMS, True))
+
+    with ctx.case("%smid folds into the per-SM counters") as case:
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        out = torch.full((8 * sms,), -1, dtype=torch.int32, device=ctx.device)
+        record_sm[(8 * sms,)](out, NUM_SMS=sms)
+        ids = out.unique()
+        case.figures |= {"sms": sms, "distinct_sms_seen": ids.numel()}
+        if not (ids.min().item() >= 0 and ids.max().item() < sms and ids.numel() > 1):
+            raise AssertionError(f"SM ids {ids.min().item()}..{ids.max().item()} over {ids.numel()} distinct, want "
+                                 f"several in [0, {sms})")
+        record_sm[(8 * sms,)](out, NUM_SMS=7)
+        if not (out.min().item() >= 0 and out.max().item() < 7):
+            raise AssertionError("with 7 counters, SM ids did not fold into [0, 7)")
+
+
+def check_hot_path(ctx: CheckContext, scale: Scale) -> None:
+    """POD attention, fused gating and the grouped GEMM queue a step's work without waiting for the
+    GPU: torch's sync debug mode raises on any synchronising call."""
+    from kernels import attention_triton, moe_triton
+
+    heads, experts = scale.heads[-1], scale.experts[0]
+    with ctx.case(f"a step's hot path without host synchronisation ({heads}, {experts.model})"):
+        cache = PagedCache([8192] * 16 + [4096 + 1024], scale.page, heads.kv, heads.dim, scale.dtype, seed=6,
+                           device=ctx.device)
+        batch, starts = batch_of(cache, [1] * 16 + [1024])
+        q = _queries(starts[-1], heads.q, heads.dim, scale.dtype, ctx.device, 6)
+        hidden = torch.randn(256, experts.hidden, device=ctx.device).to(scale.dtype)
+        logits = torch.randn(256, experts.count, device=ctx.device).to(scale.dtype)
+        node = torch.arange(experts.count, device=ctx.device) % 4
+        w_gate_up = (torch.randn(experts.count, 2 * experts.inter, experts.hidden, device=ctx.device) * 0.02).to(
+            scale.dtype)
+        w_down = (torch.randn(experts.count, experts.hidden, experts.inter, device=ctx.device) * 0.02).to(scale.dtype)
+
+        def step():
+            plan = attention_triton.plan_pod(q, cache.k, cache.block_tables, starts, batch.num_single, 8192)
+            attention_triton.pod_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                           batch.query_start_loc, starts, batch.num_single, heads.dim ** -0.5,
+                                           plan=plan)
+            gating = moe_triton.fused_gating(logits, experts.top_k, True, node, 4)
+            rows = hidden[gating.pair_order // experts.top_k]
+            moe_triton.grouped_expert_gemm(rows, gating.expert_offsets, w_gate_up, w_down,
+                                           gating.topk_weights.flatten()[gating.pair_order])
+
+        step()  # compiles outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+def run(ctx: CheckContext) -> None:
+    scale = REAL if ctx.on_gpu else SMALL
+    for heads in scale.heads:
+        check_decode(ctx, scale, heads)
+        check_pod(ctx, scale, heads)
+        check_prefill(ctx, scale, heads)
+    check_pod_one_kind(ctx, scale, scale.heads[-1])
+    for experts in scale.experts:
+        for tokens in scale.expert_tokens:
+            check_grouped_gemm(ctx, scale, experts, tokens)
+    check_gating(ctx, scale, scale.experts[0])
+    if ctx.on_gpu:
+        check_smid_folds(ctx)
+        check_hot_path(ctx, scale)

@@ -1,0 +1,104 @@
+"""The `memory` check: pinned host<->device copy bandwidth (what the staging between nodes
+runs at), the KV cache's sizing on the device (weights and cache where they belong, within the
+memory the engine may use), and one NVML energy read over a second of GEMMs."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megainfer.tools.gpucheck.context import CheckContext
+
+COPY_BYTES = 256 << 20
+COPY_REPS = 10
+DEFAULT_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization, megainfer's too
+SLACK_BYTES = 512 << 20  # allocator rounding and the CUDA context, beyond the utilization
+
+
+def _copy_gb_per_s(src: torch.Tensor, dst: torch.Tensor) -> float:
+    dst.copy_(src, non_blocking=True)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(COPY_REPS):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return src.numel() * src.element_size() * COPY_REPS / (time.perf_counter() - start) / 1e9
+
+
+def check_copies(ctx: CheckContext) -> None:
+    with ctx.case(f"host<->device copies of {COPY_BYTES >> 20} MiB, pinned and pageable") as case:
+        if not ctx.on_gpu:
+            case.skip("no CUDA device: host<->device copies need one")
+            return
+        device_buffer = torch.empty(COPY_BYTES, dtype=torch.uint8, device=ctx.device)
+        pinned = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+        pageable = torch.empty(COPY_BYTES, dtype=torch.uint8)
+        f = case.figures
+        f["pinned_h2d_gb_s"] = round(_copy_gb_per_s(pinned, device_buffer), 2)
+        f["pinned_d2h_gb_s"] = round(_copy_gb_per_s(device_buffer, pinned), 2)
+        f["pageable_h2d_gb_s"] = round(_copy_gb_per_s(pageable, device_buffer), 2)
+        f["pinned_over_pageable"] = round(f["pinned_h2d_gb_s"] / f["pageable_h2d_gb_s"], 2)
+
+
+def check_kv_sizing(ctx: CheckContext) -> None:
+    """The engine sized on its own (no block count given): weights and cache on the device, the
+    cache non-empty, and the process within the memory it may use."""
+    from megainfer import LLM, SamplingParams
+    from megainfer.config import DEMO_MODEL
+
+    dtype = "bfloat16" if ctx.on_gpu else "float32"
+    with ctx.case(f"KV cache sized by the engine ({DEMO_MODEL}, {dtype}, no block count given)") as case:
+        if ctx.on_gpu:
+            total = torch.cuda.get_device_properties(ctx.device).total_memory
+            free_before = torch.cuda.mem_get_info(ctx.device)[0]
+        llm = LLM(DEMO_MODEL, dtype=dtype, device=ctx.device.type)
+        runner = llm.engine.runner
+        tensors = dict(runner.model.named_parameters()) | dict(runner.model.named_buffers())
+        off_device = [name for name, t in tensors.items() if t.device.type != ctx.device.type]
+        if off_device:
+            raise AssertionError(f"weights off the {ctx.device.type}: {off_device[:5]}")
+        caches = [t for pair in runner.kv_caches for t in pair]
+        cache_bytes = sum(t.numel() * t.element_size() for t in caches)
+        case.figures |= {"kv_blocks": runner.num_blocks, "kv_cache_gib": round(cache_bytes / 2 ** 30, 3)}
+        if cache_bytes <= 0 or any(t.device.type != ctx.device.type for t in caches):
+            raise AssertionError("the KV cache is empty or off the device")
+        out = llm.generate([[0, 5, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        if len(out[0].outputs[0].token_ids) != 4:
+            raise AssertionError("the engine did not generate 4 tokens after sizing its cache")
+        if ctx.on_gpu:
+            reserved = torch.cuda.memory_reserved(ctx.device)
+            case.figures |= {"total_gib": round(total / 2 ** 30, 2), "free_before_gib": round(free_before / 2 ** 30, 2),
+                             "torch_reserved_gib": round(reserved / 2 ** 30, 2),
+                             "reserved_share_of_total": round(reserved / total, 3)}
+            if reserved > DEFAULT_UTILIZATION * total + SLACK_BYTES:
+                raise AssertionError(f"torch holds {reserved / 2 ** 30:.1f} GiB, over {DEFAULT_UTILIZATION:.0%} of the "
+                                     f"GPU's {total / 2 ** 30:.1f} GiB")
+        del llm, runner, tensors, caches
+
+
+def check_energy(ctx: CheckContext) -> None:
+    from megainfer.energy import EnergyMeter
+
+    with ctx.case("NVML energy counter over a second of bf16 GEMMs") as case:
+        meter = EnergyMeter(str(ctx.device))
+        if not meter.available:
+            case.skip(meter.reason)
+            return
+        a = torch.randn(8192, 8192, device=ctx.device, dtype=torch.bfloat16)
+        start = time.perf_counter()
+        while time.perf_counter() - start < 1.0:
+            for _ in range(10):
+                a @ a
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        joules = meter.joules()
+        case.figures |= {"joules": round(joules, 1), "watts": round(joules / seconds, 1)}
+        if not joules > 0:
+            raise AssertionError(f"the energy counter moved by {joules} J over {seconds:.2f} s of GEMMs")
+
+
+def run(ctx: CheckContext) -> None:
+    check_copies(ctx)
+    check_kv_sizing(ctx)
+    check_energy(ctx)

@@ -1,0 +1,226 @@
+"""The `pair` check: one attention node and one expert node in two processes on one device
+(torch.multiprocessing spawn, no Ray), ping-ponging m micro-batches over M2N endpoints. The
+attention node's greedy tokens must equal the colocated engine's, and the expert node must
+have served exactly the attention node's steps. Measured: decode tokens/s at m = 1 and m = 2
+(their ratio: what the ping-pong buys on one GPU, where the two sides share the device), and
+each node's busy fraction from its own timeline.
+
+The model is the shipped demo checkpoint (`megainfer-demo`, a Mixtral-style MoE), in bfloat16
+on CUDA (the staging between nodes then carries bf16 records) and float32 on the CPU. Each
+node's link is a plain transport `Endpoint` (an ExpertLink where nothing re-wires it)."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_model
+from megainfer.messages import NodeTimeline
+from megainfer.tools.gpucheck.context import CheckContext
+from transport import Endpoint, EndpointSpec, PeerClosed
+
+SECRET = b"megainfer-gpucheck-pair-secret!!"
+ATTENTION, EXPERT = "attention0", "expert0"
+BATCH_TOKENS = 64  # the engine's token budget: what one micro-batch can carry, what the slots hold
+WAIT_S = 180  # longest wait for a child process's next word
+PEER_TIMEOUT_S = 60  # a node's longest wait for its peer (first steps compile kernels)
+
+
+@dataclass
+class AttentionResult:
+    tokens: list[list[int]]  # per prompt, its greedy tokens
+    steps: int  # engine steps taken (the expert node must have served as many)
+    decode_tokens: int  # tokens sampled in steps with no prompt left to prefill
+    decode_seconds: float  # wall time of those steps
+    timeline: NodeTimeline | None
+
+
+@dataclass
+class ExpertResult:
+    steps: int
+    timeline: NodeTimeline | None
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    path: str  # checkpoint directory
+    device: str
+    dtype: str
+    backend: str  # the M2N backend between the two (shm on one host)
+    micro_batches: int
+    max_tokens: int
+    record_timeline: bool = False
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(device=self.device, dtype=self.dtype, num_kv_blocks=64, block_size=8,
+                            max_num_batched_tokens=BATCH_TOKENS)
+
+
+def _greedy(max_tokens: int):
+    from megainfer import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _endpoint(name: str, rank: int, slot_bytes: int, spec: PairSpec) -> Endpoint:
+    return Endpoint(EndpointSpec(name=name, rank=rank, secret=SECRET, listen="127.0.0.1:0", slot_bytes=slot_bytes,
+                                 num_slots=spec.micro_batches, backend=spec.backend, timeout_s=PEER_TIMEOUT_S))
+
+
+def _wire(endpoint: Endpoint, conn) -> None:
+    """Trade addresses through the parent, then connect to the peer."""
+    conn.send(endpoint.address)
+    endpoint.connect(conn.recv())
+
+
+def generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int, int, float]:
+    """(tokens per prompt, steps, decode tokens, decode seconds): the engine stepped until done;
+    a step is a decode step once every prompt has its first token."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, _greedy(max_tokens))
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    steps = decode_tokens = 0
+    decode_seconds = 0.0
+    runner = engine.runner
+    while engine.has_unfinished_requests():
+        decoding = all(tokens.values())
+        t0, step = time.perf_counter(), getattr(runner, "step_id", steps)
+        deltas = engine.step()
+        if hasattr(runner, "record_step"):
+            runner.record_step(step, t0)
+        if decoding:
+            if torch.cuda.is_available() and engine.config.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            decode_seconds += time.perf_counter() - t0
+            decode_tokens += sum(len(d.new_token_ids) for d in deltas)
+        for d in deltas:
+            tokens[d.request_id].extend(d.new_token_ids)
+        steps += 1
+    return [tokens[f"r{i}"] for i in range(len(prompts))], steps, decode_tokens, decode_seconds
+
+
+def attention_node(spec: PairSpec, prompts: list[list[int]], conn) -> None:
+    try:
+        from megainfer import Engine
+        from megainfer.disagg.pipelined_runner import PipelinedModelRunner
+
+        torch.set_num_threads(1)
+        model = ModelConfig.from_pretrained(spec.path)
+        link = _endpoint(ATTENTION, 0, BATCH_TOKENS * model.hidden_size * 4, spec)
+
+        def runner(mc, cfg, weights, max_len):
+            return PipelinedModelRunner(mc, cfg, weights, max_len, link=link, expert_nodes=[EXPERT],
+                                        expert_assignment=[list(range(mc.num_experts))],
+                                        micro_batches=spec.micro_batches)
+
+        engine = Engine(spec.path, spec.engine_config(), runner_factory=runner)
+        engine.runner.timeline.switch(spec.record_timeline)
+        _wire(link, conn)
+        tokens, steps, decode_tokens, decode_seconds = generate(engine, prompts, spec.max_tokens)
+        timeline = engine.runner.timeline.read() if spec.record_timeline else None
+        conn.send(AttentionResult(tokens, steps, decode_tokens, decode_seconds, timeline))
+        link.close()  # the expert node's next receive fails with PeerClosed: its cue to stop
+    except BaseException:
+        conn.send(traceback.format_exc())
+
+
+def expert_node(spec: PairSpec, conn) -> None:
+    try:
+        from megainfer.disagg.expert_link import dispatch_bytes
+        from megainfer.disagg.expert_worker import ExpertWorker
+        from megainfer.model.weights import SafetensorsCheckpoint
+
+        torch.set_num_threads(1)
+        model = ModelConfig.from_pretrained(spec.path)
+        dtype = getattr(torch, spec.dtype)
+        link = _endpoint(EXPERT, 100, dispatch_bytes(BATCH_TOKENS, model.hidden_size, model.top_k, dtype), spec)
+        worker = ExpertWorker(model, list(range(model.num_experts)), spec.dtype, spec.device,
+                              SafetensorsCheckpoint(spec.path), attention_nodes=[ATTENTION],
+                              micro_batches=spec.micro_batches, link=link)
+        worker.timeline.switch(spec.record_timeline)
+        _wire(link, conn)
+        try:
+            while True:
+                worker.run_step()
+        except PeerClosed:  # the attention node is done
+            pass
+        conn.send(ExpertResult(worker.steps, worker.timeline.read() if spec.record_timeline else None))
+        link.close()
+    except BaseException:
+        conn.send(traceback.format_exc())
+
+
+def _receive(conn, who: str):
+    if not conn.poll(WAIT_S):
+        raise TimeoutError(f"the {who} process said nothing for {WAIT_S} s")
+    message = conn.recv()
+    if isinstance(message, str) and "Traceback" in message:
+        raise RuntimeError(f"the {who} process failed:\n{message}")
+    return message
+
+
+def run_pair(spec: PairSpec, prompts: list[list[int]]) -> tuple[AttentionResult, ExpertResult]:
+    ctx = mp.get_context("spawn")
+    attention_conn, attention_end = ctx.Pipe()
+    expert_conn, expert_end = ctx.Pipe()
+    processes = [ctx.Process(target=attention_node, args=(spec, prompts, attention_end)),
+                 ctx.Process(target=expert_node, args=(spec, expert_end))]
+    for process in processes:
+        process.start()
+    try:
+        attention_address = _receive(attention_conn, "attention")
+        expert_address = _receive(expert_conn, "expert")
+        attention_conn.send({EXPERT: expert_address})
+        expert_conn.send({ATTENTION: attention_address})
+        return _receive(attention_conn, "attention"), _receive(expert_conn, "expert")
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+
+def colocated(spec: PairSpec, prompts: list[list[int]]) -> list[list[int]]:
+    from megainfer import Engine
+
+    return generate(Engine(spec.path, spec.engine_config()), prompts, spec.max_tokens)[0]
+
+
+def _busy_fractions(attention: AttentionResult, expert: ExpertResult) -> dict[str, float]:
+    from megainfer.bench.pipeline_overlap import overlap
+
+    nodes = overlap([attention.timeline, expert.timeline]).nodes
+    return {f"{n.role.value}_busy": round(n.busy_fraction, 3) for n in nodes}
+
+
+def run(ctx: CheckContext) -> None:
+    _, path = resolve_model(DEMO_MODEL)
+    dtype = "bfloat16" if ctx.on_gpu else "float32"
+    max_tokens = 64 if ctx.on_gpu else 8
+    prompts = [[0, 5, 9, 14, 3], [0, 77, 3], [0, 12, 40, 41, 42, 43, 44, 45], [0, 1000]]
+    rates: dict[int, float] = {}
+    for m in (1, 2):
+        spec = PairSpec(str(path), ctx.device.type, dtype, "shm", m, max_tokens, record_timeline=True)
+        with ctx.case(f"{DEMO_MODEL} {dtype} m = {m}: tokens equal to the colocated engine") as case:
+            expected = colocated(spec, prompts)
+            attention, expert = run_pair(spec, prompts)
+            rates[m] = attention.decode_tokens / attention.decode_seconds if attention.decode_seconds else 0.0
+            case.figures |= {"decode_tokens_per_s": round(rates[m], 1), "steps": attention.steps,
+                             "expert_steps": expert.steps}
+            try:
+                case.figures |= _busy_fractions(attention, expert)
+            except Exception as exc:  # too few decode steps to measure: a figure missing, not a failure
+                case.figures["busy"] = f"not measured ({exc})"
+            if attention.tokens != expected:
+                raise AssertionError(f"tokens differ from the colocated engine's: {attention.tokens} vs {expected}")
+            if expert.steps != attention.steps:
+                raise AssertionError(f"the expert node served {expert.steps} steps, the attention node took "
+                                     f"{attention.steps}")
+    if rates.get(1) and rates.get(2):
+        with ctx.case("decode tokens/s, m = 2 over m = 1") as case:
+            case.figures["m2_over_m1"] = round(rates[2] / rates[1], 3)
+            case.detail = "both nodes share one device here: the ratio shows the ping-pong's cost or gain, not a plan's"

@@ -1,0 +1,99 @@
+"""`python -m megainfer.gpucheck` as the GPU machine runs it: from the checkout with
+PYTHONPATH=., on a package set without Ray, FastAPI, uvicorn, pydantic, httpx2, gRPC's health
+and reflection services, NIXL or pyverbs. Here an import hook (a sitecustomize.py on
+PYTHONPATH, so every child process has it too) makes those unimportable, and the check runs on
+the CPU (`--device cpu`): small shapes, Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megainfer.tools.gpucheck.records import JSONL, SUMMARY, CheckRecord, Status
+from tests.helpers import ROOT
+
+ABSENT_ON_THE_GPU_MACHINE = ("ray", "fastapi", "uvicorn", "pydantic", "httpx2", "grpc_health", "grpc_reflection",
+                             "nixl_cu12", "pyverbs")
+HOOK = f'''
+import importlib.abc
+import sys
+
+ABSENT = {ABSENT_ON_THE_GPU_MACHINE!r}
+
+
+class Absent(importlib.abc.MetaPathFinder):
+    """As if these packages were not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (made absent for the GPU check's test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+'''
+
+
+@pytest.fixture(scope="module")
+def gpu_machine_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a process (and its children) where those packages cannot be imported."""
+    hook_dir = tmp_path_factory.mktemp("absent-packages")
+    (hook_dir / "sitecustomize.py").write_text(HOOK)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MEGAINFER_KERNELS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(hook_dir), str(ROOT)])
+    return env
+
+
+def _records(out) -> list[CheckRecord]:
+    return [CheckRecord.from_json(line) for line in (out / JSONL).read_text().splitlines()]
+
+
+def test_the_hook_makes_the_packages_absent(gpu_machine_env):
+    for name in ABSENT_ON_THE_GPU_MACHINE:
+        out = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True,
+                             env=gpu_machine_env, timeout=60)
+        assert out.returncode != 0 and "made absent" in out.stderr, name
+
+
+def test_gpucheck_runs_on_the_cpu_without_the_serving_packages(gpu_machine_env, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megainfer.gpucheck", "--device", "cpu", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=gpu_machine_env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr + (tmp_path / "gpucheck.log").read_text()
+    assert out.stdout.startswith("megainfer GPU check on cpu: budget 420 s")  # the plan comes first
+    records = _records(tmp_path)
+    checks = {r.check for r in records}
+    assert checks == {"environment", "kernels", "engine", "pair", "memory", "kernel_bench"}
+    assert not [r for r in records if r.status in (Status.FAILED, Status.NOT_RUN)]
+    passed = {(r.check, r.case) for r in records if r.status is Status.PASSED}
+    assert any(check == "kernels" and case.startswith("pod ") for check, case in passed)
+    assert any(check == "pair" and "m = 2" in case for check, case in passed)
+    summary = (tmp_path / SUMMARY).read_text()
+    assert "| kernels | decode gqa4" in summary and "| pair |" in summary
+
+
+def test_a_short_budget_ends_inside_it_with_what_finished(gpu_machine_env, tmp_path):
+    budget = 20
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "megainfer.gpucheck", "--device", "cpu", "--out", str(tmp_path),
+                          "--budget-s", str(budget)], capture_output=True, text=True, env=gpu_machine_env, timeout=120,
+                         cwd=ROOT)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert elapsed < budget + 3  # the interpreter's own start, before the budget's clock
+    records = _records(tmp_path)
+    assert [r for r in records if r.status is Status.PASSED]  # what finished is kept
+    assert [r for r in records if r.status is Status.NOT_RUN]  # and what did not is said
+    assert "not run" in (tmp_path / SUMMARY).read_text()
+    assert "the budget" in out.stdout
+
+
+def test_the_gpu_tests_collect_without_the_serving_packages(gpu_machine_env):
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
+                          "no:cacheprovider"], capture_output=True, text=True, env=gpu_machine_env, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "error" not in out.stdout.splitlines()[-1]
