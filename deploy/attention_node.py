@@ -15,11 +15,10 @@ import time
 
 from deploy.delta_outbox import DeltaOutbox
 from deploy.node_process import settle
-from deploy.link import SwitchableLink
 from deploy.node_loop import NodeLoop, drop_connections_of, rank_resources
 from deploy.timeline_calls import TimelineCalls
 from deploy.placement import rank_placement
-from deploy.node_config import PEER_TIMEOUT_S, bind_host, join_tp_group, node_names, tp_master_address, weights_of
+from deploy.node_config import bind_host, data_link, join_tp_group, node_names, tp_master_address, weights_of
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
@@ -60,9 +59,7 @@ class AttentionNode(TimelineCalls):
         experts = node_names(self.plan)[1]
         model, _ = weights_of(self.plan)
         runtime = self.runtime
-        self.link = SwitchableLink(self.name, self.index * self.plan.attention.tp, secret, bind_host(host),
-                                   runtime.receive_slot_bytes, runtime.num_slots, self.plan.transport.backend,
-                                   PEER_TIMEOUT_S)
+        self.link = data_link(self.plan, runtime, self.name, self.index * self.plan.attention.tp, secret, host)
         assignment = self.plan.expert_assignment(model)
 
         def runner(mc, cfg, w, max_len):
@@ -138,7 +135,8 @@ class AttentionNode(TimelineCalls):
         return self.outbox.poll(incarnation, after, timeout)
 
     def resources(self) -> NodeResources:
-        """Memory, KV blocks, M2N slots and requests held (between steps: a step holds both)."""
+        """Memory, KV blocks, M2N slots and requests held (between steps: a step holds the lock;
+        the slots as the loop thread counted them at a step's start, see deploy/link.py)."""
         link = getattr(self, "link", None)
         if self.engine is None:
             return rank_resources(self.name, NodeRole.ATTENTION, 0, link)
@@ -166,6 +164,7 @@ class AttentionNode(TimelineCalls):
     def _step(self) -> None:
         runner = self.engine.runner
         with self.lock:
+            self.link.count_usage()  # between steps: the last step's answers consumed, its dispatches released
             t0, step = time.perf_counter(), runner.step_id
             deltas = self.core.step()
             if deltas:

@@ -8,7 +8,7 @@ from deploy.node_process import settle
 from deploy.link import SwitchableLink
 from deploy.node_loop import LoopActor, NodeLoop
 from deploy.timeline_calls import TimelineCalls
-from deploy.node_config import PEER_TIMEOUT_S, bind_host, join_tp_group, node_names, weights_of
+from deploy.node_config import data_link, join_tp_group, node_names, weights_of
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.messages import NodeRole
@@ -26,7 +26,7 @@ class AttentionShard(LoopActor, TimelineCalls):
         self._build_args = (secret, host)
         self.runner: PipelinedModelRunner | None = None
         self.link: SwitchableLink | None = None
-        self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.runner.execute_follower())
+        self.loop = NodeLoop(self.name, lambda: self.link, self._step)
 
     def _timeline(self):
         return self.runner.timeline if self.runner is not None else None
@@ -36,14 +36,17 @@ class AttentionShard(LoopActor, TimelineCalls):
         group = join_tp_group(master, self.rank, self.plan.attention.tp, config.device)
         secret, host = self._build_args
         model, weights = weights_of(self.plan)
-        self.link = SwitchableLink(self.name, self.index * self.plan.attention.tp + self.rank, secret,
-                                   bind_host(host), self.runtime.receive_slot_bytes, self.runtime.num_slots,
-                                   self.plan.transport.backend, PEER_TIMEOUT_S)
+        self.link = data_link(self.plan, self.runtime, self.name, self.index * self.plan.attention.tp + self.rank,
+                              secret, host)
         self.runner = PipelinedModelRunner(
             model, config, weights, config.resolved_max_model_len(model), link=self.link,
             expert_nodes=node_names(self.plan)[1], expert_assignment=self.plan.expert_assignment(model),
             micro_batches=self.plan.pipeline.micro_batches, staging_bytes=self.runtime.staging_bytes, tp_group=group,
             name=self.name)
+
+    def _step(self) -> None:
+        self.link.count_usage()  # between steps, on the loop thread (deploy/link.py)
+        self.runner.execute_follower()
 
     def open_endpoint(self) -> str:
         return self.link.open()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from deploy.node_process import settle
 from deploy.link import SwitchableLink
-from deploy.node_config import (PEER_TIMEOUT_S, attention_rank_names, bind_host, join_tp_group, tp_master_address,
+from deploy.node_config import (attention_rank_names, bind_host, data_link, join_tp_group, tp_master_address,
                                 weights_of)
 from deploy.runtime_config import ExpertRuntime
 from deploy.node_loop import LoopActor, NodeLoop
@@ -41,8 +41,8 @@ class ExpertNode(LoopActor, TimelineCalls):
         settle(runtime, 0, self.name)
         self._host = host
         self.expert_ids = list(runtime.expert_ids)
-        self.link = SwitchableLink(self.name, 1000 + self.index, secret, bind_host(host), runtime.receive_slot_bytes,
-                                   runtime.num_slots, self.plan.transport.backend, PEER_TIMEOUT_S)
+        # Its steps follow one another at once: it counts its slots in a quiet wait (deploy/link.py).
+        self.link = data_link(self.plan, runtime, self.name, 1000 + self.index, secret, host, count_when_quiet=True)
         self.worker: ExpertWorker | None = None
         if self.plan.experts.tp == 1:
             self.worker = build_expert_worker(self.plan, runtime, self.link)

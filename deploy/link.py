@@ -1,9 +1,20 @@
 """The data-plane link of a node actor: an M2N endpoint that can be replaced when the
-deployment re-wires after a failure, and interrupted so a blocked loop notices."""
+deployment re-wires after a failure, and interrupted so a blocked loop notices.
+
+Only the node's loop thread touches the endpoint once it serves: polling a channel takes
+credits and completions, and a second thread doing so at the same time (a Ray thread asking
+for `resources()`) could split a tcp credit frame or take an RDMA credit before the loop had
+marked its slot busy: a spurious ProtocolViolation across hosts. So the slots in use are
+counted by the loop thread (`count_usage`) at a moment the node is between steps, and
+`slot_usage()` returns that count without touching the transport. Attention ranks count at
+the start of a step; an expert node, whose steps follow one another at once, counts inside
+a wait in which nothing arrived for QUIET_S (`count_when_quiet`): its peers are then between
+steps, its answers consumed and its dispatches released."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -16,11 +27,21 @@ class LinkInterrupted(TransportError):
 
 class SwitchableLink:
     POLL_S = 0.5  # longest blocking receive before checking for an interrupt
+    QUIET_S = 0.001  # a receive that waited this long for nothing: a moment to count slots (count_when_quiet)
+    COUNT_EVERY_S = 0.05  # the loop thread counts the slots in use at most this often
 
     def __init__(self, name: str, rank: int, secret: bytes, host: str, slot_bytes: int, num_slots: int,
-                 backend: str, timeout_s: float) -> None:
+                 backend: str, timeout_s: float, *, peers: int = 0, peer_slot_bytes: int | None = None,
+                 rdma_devices: tuple[str, ...] = (), count_when_quiet: bool = False) -> None:
+        """`peers`, `peer_slot_bytes`: how many peers wiring connects and their slot size, so an
+        endpoint checks before wiring that rdma can register its channels (transport.rdma.Wiring);
+        `rdma_devices`: the verbs devices rdma may use (plan.yaml's transport.rdma_devices)."""
         self._spec = dict(name=name, rank=rank, secret=secret, listen=f"{host}:0", slot_bytes=slot_bytes,
-                          num_slots=num_slots, backend=backend, timeout_s=timeout_s)
+                          num_slots=num_slots, backend=backend, timeout_s=timeout_s, expected_peers=peers,
+                          peer_slot_bytes=peer_slot_bytes, rdma_devices=tuple(rdma_devices))
+        self.count_when_quiet = count_when_quiet
+        self._usage = (0, 0)  # (held, unreleased) as the loop thread last counted them
+        self._count_due = 0.0  # monotonic time of the next count
         self.endpoint: Endpoint | None = None
         self.sources: list[torch.Tensor] = []  # send buffers, registered with every endpoint opened
         self.interrupt = threading.Event()
@@ -30,6 +51,7 @@ class SwitchableLink:
         """A fresh endpoint (closing any old one); returns its address for the peers."""
         if self.endpoint is not None:
             self.endpoint.close()
+        self._usage = (0, 0)
         self.endpoint = Endpoint(EndpointSpec(**self._spec))
         for buffer in self.sources:
             self.endpoint.register(buffer)
@@ -60,6 +82,14 @@ class SwitchableLink:
 
     def recv(self, peer: str, *, micro_batch: int) -> Message:
         waited = 0.0
+        if self.count_when_quiet and time.monotonic() >= self._count_due:
+            if self.interrupt.is_set():
+                raise LinkInterrupted("the deployment is re-wiring")
+            try:
+                return self.endpoint.recv(peer, micro_batch=micro_batch, timeout=self.QUIET_S)
+            except PeerTimeout:
+                self.count_usage(force=True)  # nothing arrived for QUIET_S: the peers are between steps
+                waited += self.QUIET_S
         while True:
             if self.interrupt.is_set():
                 raise LinkInterrupted("the deployment is re-wiring")
@@ -80,12 +110,20 @@ class SwitchableLink:
         except PeerTimeout:
             return None
 
-    def slot_usage(self) -> tuple[int, int]:
-        """(received messages not yet released, sent slots the peers have not released yet)."""
-        if self.endpoint is None:
-            return 0, 0
+    def count_usage(self, force: bool = False) -> None:
+        """On the loop thread, between steps: count the slots in use (taking the credits that
+        have arrived) for `slot_usage`; at most every COUNT_EVERY_S unless `force`."""
+        now = time.monotonic()
+        if self.endpoint is None or not force and now < self._count_due:
+            return
+        self._count_due = now + self.COUNT_EVERY_S
         usage = self.endpoint.slots_in_use()
-        return usage.held, usage.unreleased
+        self._usage = (usage.held, usage.unreleased)
+
+    def slot_usage(self) -> tuple[int, int]:
+        """(received messages not yet released, sent slots the peers have not released yet) as
+        the loop thread last counted them: from any thread, without touching the transport."""
+        return self._usage
 
     def drop_connections(self) -> None:
         """Close every channel of the current endpoint, as a network fault would (fault injection:
@@ -98,3 +136,4 @@ class SwitchableLink:
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
+        self._usage = (0, 0)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from deploy.runtime_config import rank_name
+from deploy.link import SwitchableLink
+from deploy.runtime_config import AttentionRuntime, ExpertRuntime, rank_name
 from megainfer.config import ModelConfig, resolve_model
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint, WeightSource
 from megainfer.plan import Plan
@@ -39,6 +40,17 @@ def bind_host(host: str) -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def data_link(plan: Plan, runtime: AttentionRuntime | ExpertRuntime, name: str, rank: int, secret: bytes, host: str,
+              count_when_quiet: bool = False) -> SwitchableLink:
+    """A rank's M2N link: its slots and peers as the runtime configuration sizes them (so rdma's
+    locked-memory check at start covers what wiring registers), backend and RDMA devices as the
+    plan's transport section sets them."""
+    return SwitchableLink(name, rank, secret, bind_host(host), runtime.receive_slot_bytes, runtime.num_slots,
+                          plan.transport.backend, PEER_TIMEOUT_S, peers=runtime.peers,
+                          peer_slot_bytes=runtime.peer_slot_bytes or None,
+                          rdma_devices=tuple(plan.transport.rdma_devices), count_when_quiet=count_when_quiet)
 
 
 def node_names(plan: Plan) -> tuple[list[str], list[str]]:

@@ -37,6 +37,8 @@ class AttentionRuntime:
     staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
     cpu_slots: tuple[int, ...] = ()  # on the CPU: each rank's core slot (deploy/node_process.py)
     cpu_ranks: int = 0  # on the CPU: the deployment's ranks, all of them
+    peers: int = 0  # M2N peers of each rank: every expert node
+    peer_slot_bytes: int = 0  # their receive slots, which this rank writes into (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class ExpertRuntime:
     staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
     cpu_slots: tuple[int, ...] = ()  # on the CPU: each rank's core slot (deploy/node_process.py)
     cpu_ranks: int = 0  # on the CPU: the deployment's ranks, all of them
+    peers: int = 0  # M2N peers of the node's leader: every attention rank
+    peer_slot_bytes: int = 0  # their receive slots, which this node writes into (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -122,10 +126,12 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
 
     attention = tuple(AttentionRuntime(i, f"attention{i}", rank_names(f"attention{i}", tp_a), engine,
                                        model.num_kv_heads // tp_a, answer_bytes, m, attention_staging,
-                                       slots(i * tp_a, tp_a), ranks)
+                                       slots(i * tp_a, tp_a), ranks, peers=plan.experts.nodes,
+                                       peer_slot_bytes=dispatch_bytes)
                       for i in range(plan.attention.nodes))
     experts = tuple(ExpertRuntime(k, f"expert{k}", rank_names(f"expert{k}", tp_e), device, tuple(ids),
-                                  dispatch_bytes, m, threads, expert_staging, slots(a_ranks + k * tp_e, tp_e), ranks)
+                                  dispatch_bytes, m, threads, expert_staging, slots(a_ranks + k * tp_e, tp_e), ranks,
+                                  peers=a_ranks, peer_slot_bytes=answer_bytes)
                     for k, ids in enumerate(plan.expert_assignment(model)))
     return DeploymentRuntime(plan, model, device, attention, experts)
 

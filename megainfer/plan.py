@@ -103,10 +103,17 @@ class SLOSpec:
 @dataclass
 class TransportSpec:
     backend: str = "auto"
+    # Verbs devices rdma may use, e.g. [mlx5_0, mlx5_2]: each rank takes the one nearest its GPU
+    # whose port is ACTIVE (docs/transport.md); empty: all of them. A name a host lacks is passed
+    # over there; MEGAINFER_RDMA_DEVICE on a host overrides the list on that host.
+    rdma_devices: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.backend not in TRANSPORT_BACKENDS:
             raise PlanError(f"transport.backend {self.backend!r} is not one of {', '.join(TRANSPORT_BACKENDS)}")
+        if not all(isinstance(name, str) and name.strip() for name in self.rdma_devices):
+            raise PlanError(f"transport.rdma_devices must list verbs device names (e.g. [mlx5_0, mlx5_1]), "
+                            f"got {self.rdma_devices!r}")
 
 
 @dataclass
@@ -206,6 +213,8 @@ class Plan:
         for optional in ("max_model_len", "autoscale", "predicted"):
             if data[optional] is None:
                 del data[optional]
+        if not data["transport"]["rdma_devices"]:  # unset: left out
+            del data["transport"]["rdma_devices"]
         return data
 
     def to_yaml(self) -> str:

@@ -2,24 +2,33 @@
 the channels of a peer pair once its backend is chosen (transport/selection.py chooses).
 
 Resources are made when first needed: the doorbell at once where shm is possible, the RDMA
-context when a pair chooses rdma, the NIXL agent when a pair chooses nixl (with every send
-buffer declared so far registered on it).
+context when a pair chooses rdma (on the device the probe chose), the NIXL agent when a pair
+chooses nixl (with every send buffer declared so far registered on it).
+
+RDMA is offered only where the probe passed for the regions wiring will register (`rdma.Wiring`:
+the peers expected, this endpoint's slots and the peers'); connecting more peers than that
+checks the locked-memory limit again first. Where it falls short, `auto` drops rdma with the
+reason (logged once here, and in every pair's choice) and a requested `rdma` fails before any
+queue pair exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import socket
 
-from transport import nixl, rdma
+from transport import nixl, rdma, rdma_host
 from transport.errors import BackendUnavailable
 from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
 from transport.selection import Capabilities
 from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
 from transport.tcp import TcpInbound, TcpOutbound, tune
 from transport.wire import Hello, ack_sizes, send_json
+
+logger = logging.getLogger(__name__)
 
 
 def host_id() -> str:
@@ -39,33 +48,75 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}/{netns}"
 
 
-def capabilities_of(wanted: str) -> Capabilities:
-    """What an endpoint asking for backend `wanted` can offer a peer; rdma and nixl are
-    probed only when they may be used."""
+def capabilities_of(wanted: str, wiring: rdma.Wiring | None = None,
+                    rdma_devices: tuple[str, ...] = ()) -> tuple[Capabilities, rdma.ProbeResult | None]:
+    """What an endpoint asking for backend `wanted` can offer a peer, and the rdma probe's
+    result (None where rdma was not probed); rdma and nixl are probed only when they may be used."""
     shm_ok, shm_reason = shm_available()
+    probe = None
     if wanted in ("auto", "rdma"):  # an ACTIVE port that passes a loopback write, not just a device
-        probe = rdma.probe()
+        probe = rdma.probe(wiring=wiring, allowed=rdma_devices)
         rdma_ok, rdma_reason = probe.ok, probe.reason
     else:
         rdma_ok, rdma_reason = False, f"{wanted} was requested"
     nixl_ok, nixl_reason = nixl.available() if wanted in ("auto", "nixl") else (False, f"{wanted} was requested")
-    return Capabilities(host_id(), shm_ok, rdma_ok, nixl_ok, shm_reason, rdma_reason, nixl_reason)
+    return Capabilities(host_id(), shm_ok, rdma_ok, nixl_ok, shm_reason, rdma_reason, nixl_reason), probe
 
 
 class BackendSet:
-    def __init__(self, name: str, wanted: str, slot_bytes: int, num_slots: int,
-                 tcp_buffer_bytes: int | None) -> None:
-        self.name, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = name, slot_bytes, num_slots, \
-            tcp_buffer_bytes
-        self.capabilities = capabilities_of(wanted)
+    def __init__(self, name: str, wanted: str, slot_bytes: int, num_slots: int, tcp_buffer_bytes: int | None,
+                 peers: int = 0, peer_slot_bytes: int | None = None, rdma_devices: tuple[str, ...] = ()) -> None:
+        """`peers`: how many peers wiring will connect (0: not known yet; `expect_peers` then
+        checks at connect); `peer_slot_bytes`: their receive slots (None: the same as ours)."""
+        self.name, self.wanted, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = \
+            name, wanted, slot_bytes, num_slots, tcp_buffer_bytes
+        self.peer_slot_bytes = slot_bytes if peer_slot_bytes is None else peer_slot_bytes
+        self.rdma_devices = tuple(rdma_devices)
+        self._rdma_checked_peers = peers  # the rdma probe's locked-memory check covered this many
+        self.capabilities, self.rdma_probe = capabilities_of(wanted, self.wiring(peers) if peers else None,
+                                                             self.rdma_devices)
         if wanted not in ("auto", "tcp") and not getattr(self.capabilities, wanted):
             raise BackendUnavailable(f"backend {wanted!r} requested but unavailable: "
                                      f"{getattr(self.capabilities, wanted + '_reason')}")
+        self._log_rdma()
         self.doorbell = Doorbell() if self.capabilities.shm else None
         self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
         self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
         self._sources: list = []  # send buffers declared with register()
         self._inbound_ids = itertools.count()
+
+    def wiring(self, peers: int) -> rdma.Wiring:
+        """What rdma channels to `peers` peers would register."""
+        return rdma.Wiring(peers, self.slot_bytes, self.peer_slot_bytes, self.num_slots)
+
+    def expect_peers(self, count: int) -> None:
+        """Before wiring `count` peers: where that is more than the probe checked and rdma's
+        regions would pass RLIMIT_MEMLOCK, `auto` stops offering rdma (saying why) and a
+        requested `rdma` fails now, before any queue pair exists."""
+        if count <= self._rdma_checked_peers or not self.capabilities.rdma:
+            return
+        self._rdma_checked_peers = count
+        shortfall = rdma.memlock_shortfall(self.wiring(count), rdma_host.locked_memory())
+        if not shortfall:
+            return
+        if self.wanted == "rdma":
+            raise BackendUnavailable(f"backend 'rdma' requested but unavailable: {shortfall}")
+        self.capabilities = dataclasses.replace(self.capabilities, rdma=False, rdma_reason=shortfall)
+        self._log_rdma()
+
+    def _log_rdma(self) -> None:
+        """Once per endpoint (and again if a connect withdraws rdma): the rdma device, or why none."""
+        probe = self.rdma_probe
+        if probe is None:
+            return
+        if self.capabilities.rdma:
+            logger.info("endpoint %s: rdma on port %d of %s (%s)", self.name, probe.port, probe.device,
+                        probe.device_reason)
+        elif probe.device:  # a device is there but cannot be used: worth a warning
+            logger.warning("endpoint %s: rdma unavailable on port %d of %s, so auto uses nixl or tcp across hosts: "
+                           "%s", self.name, probe.port, probe.device, self.capabilities.rdma_reason)
+        else:
+            logger.info("endpoint %s: no rdma (%s)", self.name, self.capabilities.rdma_reason)
 
     def hello(self, name: str, rank: int, backend: str, channel: int) -> Hello:
         """What a connecting endpoint tells the peer: who it is and what it can do."""
@@ -137,8 +188,9 @@ class BackendSet:
         self.renew()
 
     def _rdma_context(self):
-        if self._rdma is None:
-            self._rdma = rdma.RdmaContext.open()
+        if self._rdma is None:  # the device the probe chose
+            probed = self.rdma_probe.device if self.rdma_probe is not None else ""
+            self._rdma = rdma.RdmaContext.open(allowed=(probed,) if probed else self.rdma_devices)
         return self._rdma
 
     def _nixl_agent(self) -> NixlAgent:

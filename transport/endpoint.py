@@ -63,6 +63,10 @@ class EndpointSpec:
     timeout_s: float = 30.0  # longest wait for a peer (connect, send slot, receive)
     spin_us: float = 50.0  # busy-poll this long before sleeping on a wakeup
     tcp_buffer_bytes: int | None = None  # tcp socket buffers; None leaves them to the kernel's autotuning
+    # What wiring will register, for rdma's locked-memory check at construction (transport/backends.py):
+    expected_peers: int = 0  # peers connect() will be given; 0: len(peers), or checked at connect
+    peer_slot_bytes: int | None = None  # the peers' slot_bytes (this endpoint writes into them); None: ours
+    rdma_devices: tuple[str, ...] = ()  # verbs devices rdma may use, nearest the GPU first; (): any
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -81,6 +85,10 @@ class EndpointSpec:
         if self.tcp_buffer_bytes is not None and self.tcp_buffer_bytes <= 0:
             raise ValueError(f"EndpointSpec.tcp_buffer_bytes must be positive or None (autotuning), got "
                              f"{self.tcp_buffer_bytes}")
+        if self.expected_peers < 0 or self.peer_slot_bytes is not None and self.peer_slot_bytes <= 0:
+            raise ValueError(f"EndpointSpec.expected_peers must be non-negative and peer_slot_bytes positive or "
+                             f"None, got {self.expected_peers} and {self.peer_slot_bytes}")
+        self.rdma_devices = tuple(self.rdma_devices)
         parse_address(self.listen)
 
 
@@ -159,7 +167,13 @@ class Endpoint:
         self._spin_s = spec.spin_us * 1e-6  # busy-poll this long before sleeping (longer for rdma peers)
         self._selector = selectors.DefaultSelector()
         self.choices: dict[str, Choice] = {}  # peer -> the backend its pair uses and why
-        self.backends = BackendSet(spec.name, spec.backend, spec.slot_bytes, spec.num_slots, spec.tcp_buffer_bytes)
+        try:  # a requested backend that cannot work (rdma past the locked-memory limit) fails here
+            self.backends = BackendSet(spec.name, spec.backend, spec.slot_bytes, spec.num_slots,
+                                       spec.tcp_buffer_bytes, spec.expected_peers or len(spec.peers),
+                                       spec.peer_slot_bytes, spec.rdma_devices)
+        except BaseException:
+            self.listener.close()
+            raise
         self.doorbell = self.backends.doorbell
 
     @property
@@ -179,6 +193,7 @@ class Endpoint:
         spec = self.spec
         if spec.name in peers:
             raise ValueError(f"endpoint {spec.name!r} lists itself among its peers")
+        self.backends.expect_peers(len(peers))  # rdma's locked memory, before any channel exists
         deadline = time.monotonic() + spec.timeout_s
         acceptor = Acceptor(spec.name, spec.backend, bytes(spec.secret), self.backends, self.listener, set(peers),
                             deadline, spec.slot_bytes, spec.num_slots)
@@ -403,7 +418,10 @@ class Endpoint:
     def slots_in_use(self) -> SlotUsage:
         """The slots in use now, for leak checks: credits and doorbells that have arrived are
         taken first (without waiting), so an idle endpoint whose peers released everything
-        reads all zero. A peer found gone on the way keeps the slots it never released."""
+        reads all zero. A peer found gone on the way keeps the slots it never released.
+        Taking credits is a poll: call it on the thread that sends and receives, never beside
+        it (a second poller can split a tcp credit frame or take an RDMA credit before the
+        sender marked its slot busy, a spurious ProtocolViolation)."""
         if self.doorbell is not None:
             self.doorbell.drain()
         unreleased = 0

@@ -49,12 +49,15 @@ and link layer cross over the authenticated TCP control connection as `wire.QPIn
 The accepting side reaches RTS last and then sends {"rdma_ready": true}; the connecting
 side returns only after it, so no write reaches a queue pair that is not yet ready.
 
-Device, port and GID (`transport.rdma_port`): MEGAINFER_RDMA_DEVICE (default: the first
-device with a usable port), MEGAINFER_RDMA_PORT (1), MEGAINFER_RDMA_GID_INDEX (default:
+Device, port and GID (`transport.rdma_port`): MEGAINFER_RDMA_DEVICE (default: of the devices
+`rdma_devices` allows, the one nearest this process's GPU whose port is usable:
+`transport.rdma_host`), MEGAINFER_RDMA_PORT (1), MEGAINFER_RDMA_GID_INDEX (default:
 chosen from the port's GID table: RoCE v2 IPv4-mapped, else RoCE v2 IPv6, else RoCE v2
 link-local; on InfiniBand the port GID). `available()` is the cheap check (pyverbs and a
 device exist); `probe()` is the one to select a backend by: an ACTIVE port, a usable GID,
-and a loopback write-with-immediate between two queue pairs that completes within 1 s.
+room under RLIMIT_MEMLOCK for what the endpoint's channels will register (`Wiring`: one
+region per channel, two channels per peer), and a loopback write-with-immediate between two
+queue pairs that completes within 1 s.
 `register_cuda_tensor` registers GPU memory through dma-buf (cuda-python exports it); the
 channels themselves still stage through host memory.
 
@@ -65,8 +68,9 @@ SGE and remote addresses through the `Write` plans, since pyverbs before v63 can
 them back from a WR; access flags at INIT; path MTU, PSNs, address vector at RTR; RTS),
 run the whole channel (write plans, completion decoding, credits, zero-copy views) over an
 emulated adapter that copies each plan's bytes between two registered-looking regions,
-choose GIDs, MTUs and ports over recorded GID tables and fake contexts, and check probe's
-reasons. Queue-pair creation, the state transitions on a device, memory registration and
+choose GIDs, MTUs and ports over recorded GID tables and fake contexts, order devices over a
+fake sysfs tree, check the locked-memory arithmetic against monkeypatched limits, and check
+probe's reasons. Queue-pair creation, the state transitions on a device, memory registration and
 the loopback check are untested here. API facts come from rdma-core's pyverbs sources.
 """
 
@@ -74,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import mmap
 import os
@@ -83,6 +88,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from transport import rdma_host as rh
 from transport import rdma_port as rp
 from transport.errors import BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, TransportError
 from transport.shm import PAYLOAD_OFFSET, slot_stride
@@ -110,6 +116,34 @@ LOOPBACK_TIMEOUT_S = 1.0
 # -- region layout ---------------------------------------------------------------------------
 def region_bytes(stride: int, num_slots: int) -> int:
     return SLOTS_OFFSET + stride * num_slots
+
+
+def pinned_bytes(slot_bytes: int, num_slots: int) -> int:
+    """What one channel's queue pair registers (its region), in the whole pages the kernel pins."""
+    nbytes = region_bytes(slot_stride(slot_bytes), num_slots)
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What an endpoint's rdma channels will register once wired: per peer, an inbound channel
+    over this endpoint's slots and an outbound one staging into a copy of the peer's slots."""
+
+    peers: int
+    slot_bytes: int  # this endpoint's receive slots
+    peer_slot_bytes: int  # the peers' receive slots, which this endpoint writes into
+    num_slots: int  # per channel (both ends of a deployment use the same)
+
+    @property
+    def bytes(self) -> int:
+        return self.peers * (pinned_bytes(self.slot_bytes, self.num_slots) +
+                             pinned_bytes(self.peer_slot_bytes, self.num_slots))
+
+    def describe(self) -> str:
+        inbound, outbound = (pinned_bytes(n, self.num_slots) for n in (self.slot_bytes, self.peer_slot_bytes))
+        return (f"wiring {self.peers} peer(s) ({2 * self.peers} channels: {self.num_slots} slots each, "
+                f"{rh.size_text(inbound, exact=False)} per inbound and {rh.size_text(outbound, exact=False)} per "
+                f"outbound region)")
 
 
 def slot_offset(slot: int, stride: int) -> int:
@@ -307,11 +341,16 @@ def open_context(name: str):
     return Context(name=name)
 
 
-def select_port(environ, list_devices=verbs_devices, open_ctx=open_context) -> tuple[object, rp.PortChoice]:
-    """(opened context, port choice) of the first candidate device whose port is usable."""
+def select_port(environ, list_devices=verbs_devices, open_ctx=open_context, allowed: tuple[str, ...] = (),
+                locate=None) -> tuple[object, rp.PortChoice]:
+    """(opened context, port choice) of the first candidate device whose port is usable, the
+    candidates nearest this process's GPU first (`locate` orders them: rdma_host.nearest_first)."""
     settings = rp.settings_from_env(environ)
+    candidates = rp.candidate_devices(list_devices(), settings.device, allowed)
+    ranked = [(d, f"{rp.ENV_DEVICE} names it") for d in candidates] if settings.device else \
+        (locate or rh.nearest_first)(candidates)
     reasons = []
-    for dev in rp.candidate_devices(list_devices(), settings.device):
+    for dev, place in ranked:
         why = rp.rc_unsupported_reason(dev)
         if why:
             reasons.append(why)
@@ -322,10 +361,13 @@ def select_port(environ, list_devices=verbs_devices, open_ctx=open_context) -> t
             reasons.append(f"cannot open {dev.name} ({exc})")
             continue
         try:
-            return ctx, rp.inspect_port(ctx, dev.name, settings.port, settings.gid_index)
+            choice = rp.inspect_port(ctx, dev.name, settings.port, settings.gid_index)
         except BackendUnavailable as exc:
             ctx.close()
             reasons.append(str(exc))
+            continue
+        skipped = f"; passed over: {'; '.join(reasons)}" if reasons else ""
+        return ctx, dataclasses.replace(choice, reason=place + skipped)
     raise BackendUnavailable("; ".join(reasons))
 
 
@@ -340,22 +382,33 @@ class ProbeResult:
     link_layer: str = ""
     mtu: int = 0  # the port's active MTU in bytes
     note: str = ""  # what to know about a usable choice (e.g. a link-local GID)
+    device_reason: str = ""  # why this device (rdma_port.PortChoice.reason)
 
 
-def probe(environ=None, *, list_devices=verbs_devices, open_ctx=open_context, loopback=None) -> ProbeResult:
-    """Whether this host can carry RDMA channels, and on what; for backend selection."""
+def probe(environ=None, *, list_devices=verbs_devices, open_ctx=open_context, loopback=None,
+          allowed: tuple[str, ...] = (), locate=None, wiring: Wiring | None = None,
+          locked=None) -> ProbeResult:
+    """Whether this host can carry RDMA channels, and on what; for backend selection. With
+    `wiring`, also whether RLIMIT_MEMLOCK (read by `locked`) leaves room for what the
+    endpoint's channels will register: the loopback alone would pass under any limit."""
     environ = os.environ if environ is None else environ
     try:
-        ctx, choice = select_port(environ, list_devices, open_ctx)
+        ctx, choice = select_port(environ, list_devices, open_ctx, allowed, locate)
     except BackendUnavailable as exc:
         return ProbeResult(False, str(exc))
     try:
-        failure = (loopback or loopback_check)(ctx, choice)
+        failure = memlock_shortfall(wiring, (locked or rh.locked_memory)()) if wiring is not None else ""
+        failure = failure or (loopback or loopback_check)(ctx, choice)
     finally:
         ctx.close()
     found = dict(device=choice.device, port=choice.port, gid_index=choice.gid.index, gid_type=choice.gid.type,
-                 link_layer=choice.link_name, mtu=choice.mtu_bytes, note=choice.note)
+                 link_layer=choice.link_name, mtu=choice.mtu_bytes, note=choice.note, device_reason=choice.reason)
     return ProbeResult(not failure, failure, **found)
+
+
+def memlock_shortfall(wiring: Wiring, mem: rh.LockedMemory) -> str:
+    """"" where RLIMIT_MEMLOCK leaves room for `wiring`'s regions; else why not, and the fix."""
+    return rh.memlock_shortfall(wiring.bytes, wiring.describe(), mem)
 
 
 def wait_until(poll, timeout_s: float, clock=time.monotonic) -> bool:
@@ -425,9 +478,10 @@ class RdmaContext:
         self.gid_index, self.gid = choice.gid.index, choice.gid.raw
 
     @classmethod
-    def open(cls, environ=None) -> "RdmaContext":
+    def open(cls, environ=None, allowed: tuple[str, ...] = ()) -> "RdmaContext":
+        """The first usable device of those `allowed` (empty: any), nearest the GPU first."""
         try:
-            ctx, choice = select_port(os.environ if environ is None else environ)
+            ctx, choice = select_port(os.environ if environ is None else environ, allowed=allowed)
         except BackendUnavailable as exc:
             raise BackendUnavailable(f"rdma: {exc}") from None
         from pyverbs.pd import PD

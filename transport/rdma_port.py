@@ -7,6 +7,11 @@ pyverbs' `Context` methods (`query_port`, `query_device`, `query_gid_table`, or 
 code a device runs. Nothing here imports pyverbs. Every failure is a BackendUnavailable
 whose message is the human-readable reason.
 
+Device choice: MEGAINFER_RDMA_DEVICE names one (on its host, over anything else); else the
+endpoint's `rdma_devices` (plan.yaml's transport.rdma_devices) narrow the verbs list, which
+is ordered nearest this process's GPU first (transport/rdma_host.py); the first device whose
+port is usable is taken, and `PortChoice.reason` says why it was that one.
+
 GID choice (the source GID of every packet; the peer addresses us by it):
     MEGAINFER_RDMA_GID_INDEX set   that entry, whatever its type (it must be populated)
     InfiniBand link layer          the port GID of type IB with the lowest index (normally 0);
@@ -85,17 +90,25 @@ def rc_unsupported_reason(dev: DeviceInfo) -> str:
             "RC queue pairs with write-with-immediate need one (AWS EFA, for one, reports 'unspecified')")
 
 
-def candidate_devices(devices: list[DeviceInfo], wanted: str | None) -> list[DeviceInfo]:
-    """The devices to try, in order: the one MEGAINFER_RDMA_DEVICE names, or all of them."""
+def candidate_devices(devices: list[DeviceInfo], wanted: str | None,
+                      allowed: tuple[str, ...] = ()) -> list[DeviceInfo]:
+    """The devices to try, in the verbs list's order: the one MEGAINFER_RDMA_DEVICE names (it
+    overrides `allowed` on its host), else those `allowed` names (empty: all of them). A name
+    in `allowed` that this host lacks is passed over: other hosts may have it."""
     if not devices:
         raise BackendUnavailable("no RDMA device (the verbs device list is empty)")
-    if wanted is None:
+    names = ", ".join(d.name for d in devices)
+    if wanted is not None:
+        found = [dev for dev in devices if dev.name == wanted]
+        if not found:
+            raise BackendUnavailable(f"{ENV_DEVICE}={wanted} is not a verbs device here (devices: {names})")
+        return found
+    if not allowed:
         return list(devices)
-    for dev in devices:
-        if dev.name == wanted:
-            return [dev]
-    raise BackendUnavailable(f"{ENV_DEVICE}={wanted} is not a verbs device here "
-                             f"(devices: {', '.join(d.name for d in devices)})")
+    found = [dev for dev in devices if dev.name in allowed]
+    if not found:
+        raise BackendUnavailable(f"rdma_devices ({', '.join(allowed)}) names no verbs device here (devices: {names})")
+    return found
 
 
 # -- GID tables ----------------------------------------------------------------------------
@@ -220,6 +233,7 @@ class PortChoice:
     mtu: int  # the port's active MTU, enum ibv_mtu
     gid: GidEntry
     note: str = ""
+    reason: str = ""  # why this device: where it sits against the GPU, or that it was named
 
     @property
     def where(self) -> str:

@@ -6,7 +6,9 @@ choice and its reason, which both log. With `backend="auto"` on both ends:
 
     1. shm   both ends on one host (same boot id) with a doorbell each
     2. rdma  both ends have a verbs port that is ACTIVE and passed a loopback queue-pair
-             write (`transport.rdma.probe`), not merely a device in the list
+             write (`transport.rdma.probe`), not merely a device in the list, and room under
+             RLIMIT_MEMLOCK for every region their wiring registers (the loopback's two pages
+             pass under any limit; `transport.rdma_host`)
     3. nixl  both ends have NIXL with its UCX plugin (UCX picks RDMA or TCP itself)
     4. tcp   always possible
 
@@ -81,7 +83,8 @@ def choose(mine: str, theirs: str, me: Capabilities, peer: Capabilities, me_name
         return Choice(wanted, f"{wanted} was requested")
     passed_over = []
     for kind, because in (("shm", "both ends are on one host"),
-                          ("rdma", "both ends have an ACTIVE verbs port that passed a loopback queue-pair check"),
+                          ("rdma", "both ends have an ACTIVE verbs port that passed a loopback queue-pair check "
+                                   "and the locked memory to register their slots"),
                           ("nixl", "both ends have NIXL with UCX"),
                           ("tcp", "the fallback every pair has")):
         why = _why_not(kind, me, peer, me_name, peer_name)

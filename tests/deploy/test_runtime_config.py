@@ -133,3 +133,17 @@ def test_deploy_refuses_an_expert_tp_the_intermediate_size_does_not_divide_befor
     with pytest.raises(PlanError, match=message):
         Deployment(bad)  # the plan is checked in the constructor; Ray and the actors start in start()
     assert runtime_of(qwen3_30b(4, 8)).attention[0].kv_heads_per_rank == 1
+
+
+def test_each_side_knows_its_m2n_peers_and_their_slots_for_the_rdma_check():
+    from deploy.node_config import data_link
+
+    one_expert = Plan.from_dict({**plan().to_dict(), "experts": {"gpu": "L40S", "tp": 1, "nodes": 1},
+                                 "transport": {"backend": "auto", "rdma_devices": ["mlx5_1"]}})
+    runtime = runtime_of(one_expert)
+    a, e = runtime.attention[0], runtime.experts[0]
+    assert (a.peers, a.peer_slot_bytes) == (1, e.receive_slot_bytes)  # every expert node
+    assert (e.peers, e.peer_slot_bytes) == (2, a.receive_slot_bytes)  # every attention rank (tp 2)
+    spec = data_link(one_expert, a, "attention0", 0, b"k" * 32, "127.0.0.1")._spec
+    assert (spec["expected_peers"], spec["peer_slot_bytes"], spec["rdma_devices"]) == \
+        (1, e.receive_slot_bytes, ("mlx5_1",))

@@ -85,3 +85,16 @@ def test_max_model_len_is_a_checked_top_level_key(tmp_path):
     too_long = Plan.load(write(tmp_path, GOOD + "max_model_len: 65537\n"))
     with pytest.raises(PlanError, match=r"max_model_len 65537 exceeds the model's max_position_embeddings \(65536\)"):
         too_long.check_model(PRESETS["mixtral-8x22b"])
+
+
+def test_rdma_devices_is_a_checked_list_left_out_when_unset(tmp_path):
+    plan = Plan.load(write(tmp_path, GOOD.replace("transport: {backend: auto}",
+                                                  "transport: {backend: rdma, rdma_devices: [mlx5_0, mlx5_2]}")))
+    assert plan.transport.rdma_devices == ["mlx5_0", "mlx5_2"]
+    assert Plan.load(plan.save(tmp_path / "again.yaml")) == plan
+    assert "rdma_devices" not in Plan.load(write(tmp_path, GOOD)).to_yaml()  # unset: written plans unchanged
+    for bad, match in (("rdma_devices: mlx5_0", "transport.rdma_devices must be list, got 'mlx5_0'"),
+                       ("rdma_devices: ['']", r"transport.rdma_devices must list verbs device names"),
+                       ("rdma_device: [mlx5_0]", "unknown key 'transport.rdma_device'")):
+        with pytest.raises(PlanError, match=match):
+            Plan.load(write(tmp_path, GOOD.replace("transport: {backend: auto}", f"transport: {{{bad}}}")))

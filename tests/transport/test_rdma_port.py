@@ -213,7 +213,8 @@ def test_probe_reports_the_chosen_port():
         return opened[name]
 
     result = rdma.probe({}, list_devices=fake_devices("mlx5_0"), open_ctx=open_ctx, loopback=lambda ctx, c: "")
-    assert result == rdma.ProbeResult(True, "", "mlx5_0", 1, 3, rp.ROCE_V2, "Ethernet", 4096, "")
+    assert result == rdma.ProbeResult(True, "", "mlx5_0", 1, 3, rp.ROCE_V2, "Ethernet", 4096, "",
+                                      "the only candidate device")
     assert opened["mlx5_0"].closed  # probe holds nothing open afterwards
 
 
