@@ -24,9 +24,8 @@ def describe(runtime: DeploymentRuntime, check: BatchCheck) -> str:
              + (" (rehearsal: the plan's GPU placement with CPU tensors)" if runtime.is_rehearsal else ""),
              f"micro-batches m = {plan.pipeline.micro_batches}; one micro-batch carries up to "
              f"{runtime.micro_batch_tokens} tokens"]
-    if runtime.device == "cuda":
-        lines.append(f"pinned staging per micro-batch and direction: {_mib(runtime.attention[0].staging_bytes)} per "
-                     f"attention rank, {_mib(runtime.experts[0].staging_bytes)} per expert node")
+    if not plan.is_cpu:
+        lines += staging_lines(runtime)
     lines.append("")
     data_backend = "nccl" if runtime.device == "cuda" else "gloo"
     rows = []
@@ -60,6 +59,22 @@ def _kv_blocks(check: BatchCheck) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def staging_lines(runtime: DeploymentRuntime) -> list[str]:
+    """What each rank of a GPU plan pins at start (staging_sizes.py): per rank and per full host."""
+    from planner.catalog import Catalog
+
+    plan, catalog, m = runtime.plan, Catalog.load(), runtime.plan.pipeline.micro_batches
+    lines = [f"pinned host staging reserved at start, per micro-batch slot (to host + to device) x {m} slots"
+             + (" (this rehearsal pins none)" if runtime.is_rehearsal else "") + ":"]
+    for what, side, staging in (("attention rank", plan.attention, runtime.attention[0].staging_bytes),
+                                ("expert node (its leader)", plan.experts, runtime.experts[0].staging_bytes)):
+        gpus = catalog[side.gpu].gpus_per_node
+        per_host = gpus // side.tp * (side.tp if side is plan.attention else 1)  # expert followers pin none
+        lines.append(f"  {what}: {_mib(staging.to_host)} + {_mib(staging.to_device)} = {_mib(m * staging.per_slot)}; "
+                     f"{per_host} per {gpus}-GPU {side.gpu} host: {m * staging.per_slot * per_host / 2**30:.2f} GiB")
+    return lines
 
 
 def _batch_line(check: BatchCheck, runtime: DeploymentRuntime) -> str:

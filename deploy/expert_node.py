@@ -25,7 +25,8 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
                         attention_nodes=attention_rank_names(plan), micro_batches=plan.pipeline.micro_batches,
                         link=link, tp_group=tp_group,
                         staging_bytes=runtime.staging_bytes if link is not None else 0,  # followers stage nothing
-                        name=runtime.ranks[tp_group.rank if tp_group is not None else 0])
+                        name=runtime.ranks[tp_group.rank if tp_group is not None else 0],
+                        profile_tokens=runtime.profile_tokens, gpu_memory_utilization=runtime.gpu_memory_utilization)
 
 
 class ExpertNode(LoopActor, TimelineCalls):

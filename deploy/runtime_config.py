@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megainfer.config import DTYPE_BYTES, KV_MEMORY_FRACTION, EngineConfig, ModelConfig, resolve_model
+from megainfer.config import (DTYPE_BYTES, EngineConfig, ModelConfig, estimated_attention_step_bytes,
+                              kv_cache_budget_bytes, resolve_model)
+from megainfer.disagg.staging_sizes import StagingBytes, attention_staging, expert_staging
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
 
 DEVICES = ("cpu", "cuda")
 AUTO_DEVICE = "auto"  # the plan's own: cpu for a CPU plan, cuda for a GPU plan
-STAGING_SLACK_BYTES = 1 << 16  # per-node offsets and alignment beside the records
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class AttentionRuntime:
     kv_heads_per_rank: int
     receive_slot_bytes: int  # one expert node's answer to one micro-batch, this rank's share
     num_slots: int  # per peer: the micro-batches in flight
-    staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
+    staging_bytes: StagingBytes  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
     cpu_slots: tuple[int, ...] = ()  # on the CPU: each rank's core slot (deploy/node_process.py)
     cpu_ranks: int = 0  # on the CPU: the deployment's ranks, all of them
     peers: int = 0  # M2N peers of each rank: every expert node
@@ -51,9 +52,11 @@ class ExpertRuntime:
     receive_slot_bytes: int  # one attention rank's dispatch of one micro-batch
     num_slots: int
     num_threads: int | None
-    staging_bytes: int  # on CUDA: pinned host memory per micro-batch and direction, reserved at start
+    staging_bytes: StagingBytes  # on CUDA: pinned host memory per micro-batch and direction (the leader's)
     cpu_slots: tuple[int, ...] = ()  # on the CPU: each rank's core slot (deploy/node_process.py)
     cpu_ranks: int = 0  # on the CPU: the deployment's ranks, all of them
+    profile_tokens: int = 0  # the most tokens of one (layer, micro-batch): every attention node's
+    gpu_memory_utilization: float = 0.9  # plan serve.gpu_memory_utilization (memory_profile.py)
     peers: int = 0  # M2N peers of the node's leader: every attention rank
     peer_slot_bytes: int = 0  # their receive slots, which this node writes into (0: unknown)
 
@@ -78,11 +81,8 @@ class DeploymentRuntime:
 
 
 def step_tokens(engine: EngineConfig) -> int:
-    """The most tokens of one step: chunked steps stop at the token budget; layered steps carry
-    every running sequence's decode (the budget is not theirs to spend) plus one cohort."""
-    if engine.prefill_policy == "layered":
-        return engine.max_num_seqs + engine.layered_chunk_tokens
-    return engine.max_num_batched_tokens
+    """The most tokens of one step (EngineConfig.max_step_tokens)."""
+    return engine.max_step_tokens
 
 
 def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
@@ -104,18 +104,17 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           prefill_policy=s.prefill_policy,
                           group_tokens=s.group_tokens, layered_chunk_tokens=s.layered_chunk_tokens,
-                          target_step_ms=s.target_step_ms, num_threads=threads)
+                          target_step_ms=s.target_step_ms, num_threads=threads,
+                          gpu_memory_utilization=plan.serve.gpu_memory_utilization)
     tokens, tp_a = step_tokens(engine), plan.attention.tp
     share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens
     value_bytes = DTYPE_BYTES[plan.dtype]
     answer_bytes = share * model.hidden_size * value_bytes
     record = model.hidden_size * value_bytes + model.top_k * 8  # one token's x, int32 ids, float32 weights
     dispatch_bytes = share * record
-    # Staged through pinned memory on CUDA: an attention rank copies its whole micro-batch's
-    # records out, a token once for each expert node it chose (at most min(top_k, nodes)), and
-    # its answers in; an expert node takes every attention node's tokens.
-    attention_staging = tokens * min(model.top_k, plan.experts.nodes) * record + STAGING_SLACK_BYTES
-    expert_staging = plan.attention.nodes * tokens * record + STAGING_SLACK_BYTES
+    # Staged through pinned memory on CUDA, the largest message of each direction (staging_sizes.py).
+    a_staging = attention_staging(tokens, model.hidden_size, model.top_k, value_bytes, plan.experts.nodes, tp_a)
+    e_staging = expert_staging(tokens, model.hidden_size, model.top_k, value_bytes, plan.attention.nodes)
     m = plan.pipeline.micro_batches
     # CPU ranks take core slots in order: attention ranks, node by node, then expert ranks.
     tp_e, a_ranks = plan.experts.tp, plan.attention.nodes * tp_a
@@ -125,13 +124,14 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
         return tuple(range(first, first + tp)) if ranks else ()
 
     attention = tuple(AttentionRuntime(i, f"attention{i}", rank_names(f"attention{i}", tp_a), engine,
-                                       model.num_kv_heads // tp_a, answer_bytes, m, attention_staging,
+                                       model.num_kv_heads // tp_a, answer_bytes, m, a_staging,
                                        slots(i * tp_a, tp_a), ranks, peers=plan.experts.nodes,
                                        peer_slot_bytes=dispatch_bytes)
                       for i in range(plan.attention.nodes))
     experts = tuple(ExpertRuntime(k, f"expert{k}", rank_names(f"expert{k}", tp_e), device, tuple(ids),
-                                  dispatch_bytes, m, threads, expert_staging, slots(a_ranks + k * tp_e, tp_e), ranks,
-                                  peers=a_ranks, peer_slot_bytes=answer_bytes)
+                                  dispatch_bytes, m, threads, e_staging, slots(a_ranks + k * tp_e, tp_e), ranks,
+                                  profile_tokens=plan.attention.nodes * tokens,
+                                  gpu_memory_utilization=plan.serve.gpu_memory_utilization, peers=a_ranks, peer_slot_bytes=answer_bytes)
                     for k, ids in enumerate(plan.expert_assignment(model)))
     return DeploymentRuntime(plan, model, device, attention, experts)
 
@@ -183,11 +183,15 @@ def check_batch(runtime: DeploymentRuntime, gpu_memory_bytes: float | None) -> B
 
 
 def estimated_kv_blocks(runtime: DeploymentRuntime, gpu_memory_bytes: float) -> int:
-    """KV blocks of one attention rank: the share of the memory its weights leave that the
-    nodes give the KV cache, in blocks of the rank's share of the KV heads."""
+    """KV blocks of one attention rank, as the node will size them (memory_profile.py) with its
+    profiling step estimated: gpu_memory_utilization of the GPU's memory, less the rank's
+    weights and its largest step (sampling every running sequence), in blocks of the rank's
+    share of the KV heads (the planner sizes batches with the same formula)."""
     plan, model, engine = runtime.plan, runtime.model, runtime.attention[0].engine
-    tp = plan.attention.tp
-    weights = model.attention_rank_weight_bytes(DTYPE_BYTES[plan.dtype], tp)
-    free = (gpu_memory_bytes - weights) * KV_MEMORY_FRACTION - engine.layered_hidden_reserve(model)
-    block_bytes = engine.block_size * model.kv_bytes_per_token(plan.dtype) // tp
-    return max(0, int(free // block_bytes))
+    value_bytes = DTYPE_BYTES[plan.dtype]
+    tokens = engine.max_step_tokens
+    used = model.attention_rank_weight_bytes(value_bytes, plan.attention.tp) + estimated_attention_step_bytes(
+        model, value_bytes, min(engine.max_num_seqs, tokens), tokens, plan.experts.nodes)
+    budget = kv_cache_budget_bytes(gpu_memory_bytes, engine.gpu_memory_utilization, used)
+    budget -= engine.layered_hidden_reserve(model)
+    return max(0, int(budget // engine.kv_block_bytes(model, plan.attention.tp)))

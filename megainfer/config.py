@@ -379,9 +379,47 @@ def resolve_model(model: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
                       f"a preset; presets: {', '.join(PRESETS)}, {DEMO_MODEL}")
 
 
-# The share of a GPU's memory left free after loading weights that the KV cache takes (the rest
-# is for activations); the planner and the dry run size KV caches the same way.
-KV_MEMORY_FRACTION = 0.9
+# vLLM's --gpu-memory-utilization default: the share of a GPU's total memory one engine process
+# may use, weights, activations, non-torch memory and KV cache together (`kv_cache_budget_bytes`).
+GPU_MEMORY_UTILIZATION = 0.9
+# Planning estimates of what an attention rank's profiling step holds beyond its weights (the
+# nodes measure it, memory_profile.py; these keep the planner and the dry run near that):
+SAMPLER_BYTES_PER_LOGIT = 44  # per sampled row and vocabulary entry at the sampler's peak with every
+# option on (float32 logits, the penalties' int64 counts, top-k/top-p's sort: float32 values and
+# int64 indices, softmaxes), measured on the CPU over megainfer.sampler
+HIDDEN_STATE_COPIES = 16  # [tokens, hidden] tensors alive at once inside an attention half (an allowance)
+NON_TORCH_ALLOWANCE_BYTES = 512 << 20  # cuBLAS workspaces and NCCL buffers (an allowance)
+
+
+def check_gpu_memory_utilization(value: Any, name: str = "gpu_memory_utilization",
+                                 error: type[Exception] = ConfigError) -> float:
+    """`value` if it is a share of a GPU's memory, 0 < value <= 1; else `error` naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise error(f"{name} must be the share of the GPU's total memory this process may use, "
+                    f"0 < u <= 1 (default {GPU_MEMORY_UTILIZATION}), got {value!r}")
+    return float(value)
+
+
+def kv_cache_budget_bytes(total_bytes, utilization, used_bytes):
+    """Bytes one GPU gives the KV cache, vLLM's rule: the process's share of the GPU's total
+    memory (total_bytes * utilization) less everything else the process holds at its largest
+    step (`used_bytes`: weights, peak activations, non-torch memory). The nodes measure
+    `used_bytes` (megainfer/memory_profile.py); the planner and a plan's dry run estimate it
+    (`estimated_attention_step_bytes` beside the weights). Numbers or numpy arrays."""
+    return total_bytes * utilization - used_bytes
+
+
+def estimated_attention_step_bytes(model: "ModelConfig", value_bytes: int, sampled_rows, tokens,
+                                   expert_nodes: int | None = None):
+    """What an attention rank's profiling step is expected to hold beyond its weights, at a step of
+    `tokens` tokens sampling `sampled_rows` rows: the sampler's working set, per token its hidden
+    states and the dispatch records (packed, and the inputs gathered for them: a record for each
+    expert node the token goes to, twice; None nodes: top_k, the most), and the non-torch
+    allowance. `sampled_rows` and `tokens` may be numpy arrays."""
+    record = model.hidden_size * value_bytes + 8 * model.top_k  # megainfer/disagg/expert_link.py
+    destinations = model.top_k if expert_nodes is None else min(model.top_k, expert_nodes)
+    per_token = HIDDEN_STATE_COPIES * model.hidden_size * value_bytes + 2 * record * destinations
+    return sampled_rows * model.vocab_size * SAMPLER_BYTES_PER_LOGIT + tokens * per_token + NON_TORCH_ALLOWANCE_BYTES
 KV_BLOCK_TOKENS = 16  # tokens per KV-cache block by default: a sequence's KV comes in blocks of these
 PREFILL_POLICIES = ("chunked", "layered")
 DEVICES = ("cpu", "cuda")
@@ -396,7 +434,10 @@ class EngineConfig:
     seed: int = 0
     block_size: int = KV_BLOCK_TOKENS  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
-    kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 90% of free memory on CUDA
+    kv_cache_bytes: int | None = None  # None: 2 GiB on CPU; on CUDA what gpu_memory_utilization leaves
+    # CUDA: the share of the GPU's total memory this process may use (vLLM's); the KV cache gets
+    # what a profiling step at the largest batch leaves of it (megainfer/memory_profile.py)
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     max_num_seqs: int = 256  # running sequences at once
     max_num_batched_tokens: int = 512  # token budget of one step (Sarathi chunk size)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -431,6 +472,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"engine option '{name}' must be a positive integer or None, got {value!r}")
+        check_gpu_memory_utilization(self.gpu_memory_utilization, "engine option 'gpu_memory_utilization'")
 
     def resolve(self, model: ModelConfig) -> "EngineConfig":
         """This config with "auto" replaced. dtype auto: the checkpoint's torch_dtype (float32
@@ -465,15 +507,42 @@ class EngineConfig:
                               f"max_position_embeddings ({model.max_position_embeddings}); lower --max-model-len")
         return self.max_model_len
 
-    def resolved_num_kv_blocks(self, model: ModelConfig, max_model_len: int, free_bytes: int | None,
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step computes: chunked steps stop at the token budget; layered
+        steps carry every running sequence's decode (the budget is not theirs to spend) plus one
+        cohort. The profiling step runs this many (memory_profile.py); slots hold them."""
+        if self.prefill_policy == "layered":
+            return self.max_num_seqs + self.layered_chunk_tokens
+        return self.max_num_batched_tokens
+
+    @property
+    def sizes_kv_from_memory(self) -> bool:
+        """Whether the KV cache is sized from the device's memory (neither its blocks nor its bytes
+        are given): on CUDA, by a profiling step (megainfer/memory_profile.py)."""
+        return self.num_kv_blocks is None and self.kv_cache_bytes is None
+
+    def kv_block_bytes(self, model: ModelConfig, tp_size: int = 1) -> int:
+        """One KV block of one rank, which stores 1/tp_size of the KV heads."""
+        return self.block_size * model.kv_bytes_per_token(self.concrete_dtype) // tp_size
+
+    def min_kv_cache_bytes(self, model: ModelConfig, max_model_len: int, tp_size: int = 1) -> int:
+        """The least KV budget that serves a request at all: one sequence of max_model_len, and
+        the layered cohort's reserve."""
+        blocks = math.ceil(max_model_len / self.block_size)
+        return blocks * self.kv_block_bytes(model, tp_size) + self.layered_hidden_reserve(model)
+
+    def resolved_num_kv_blocks(self, model: ModelConfig, max_model_len: int, kv_budget_bytes: int | None,
                                tp_size: int = 1) -> int:
-        """Blocks of the paged KV cache: the explicit count, else what the byte budget holds.
-        With tensor parallelism a rank stores 1/tp_size of the KV heads, so a block costs it
-        1/tp_size of the whole model's; `free_bytes` is then the least any rank has free."""
+        """Blocks of the paged KV cache: the explicit count, else what the byte budget holds:
+        kv_cache_bytes, else `kv_budget_bytes` (on CUDA what gpu_memory_utilization leaves after
+        the profiling step, the least over a node's ranks), else 2 GiB (the CPU). With tensor
+        parallelism a rank stores 1/tp_size of the KV heads, so a block costs it 1/tp_size of
+        the whole model's."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        block_bytes = self.block_size * model.kv_bytes_per_token(self.concrete_dtype) // tp_size
-        budget = self.kv_cache_bytes or (int(free_bytes * KV_MEMORY_FRACTION) if free_bytes else 2 << 30)
+        block_bytes = self.kv_block_bytes(model, tp_size)
+        budget = self.kv_cache_bytes or (kv_budget_bytes if kv_budget_bytes is not None else 2 << 30)
         budget -= self.layered_hidden_reserve(model)
         # Never more than every running sequence at full length could use.
         wanted = self.max_num_seqs * math.ceil(max_model_len / self.block_size)

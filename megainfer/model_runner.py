@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
 import torch
 
 import kernels
+from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
+from megainfer.memory_profile import MemorySnapshot
 from megainfer.messages import PositionLogprobs
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.sampler import Sampler, position_logprobs
+from megainfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import MicroBatchLayout, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -47,10 +51,13 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        before = memory_profile.baseline(self.device) if config.sizes_kv_from_memory else None
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len)
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
-        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device)
+        kv_budget = self.profile_memory(before, max_model_len)
+        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
+                                                             kv_budget_bytes=kv_budget)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
@@ -60,6 +67,25 @@ class ModelRunner:
     def layered_hidden_bytes(self) -> int:
         """Memory held by prompts in flight between layer groups."""
         return self.cohort_hidden.num_bytes
+
+    def profile_memory(self, before: MemorySnapshot | None, max_model_len: int) -> int | None:
+        """The KV budget gpu_memory_utilization leaves after `profile_step` (bytes); None without
+        a baseline (the CPU, or a cache sized by the config). See megainfer/memory_profile.py."""
+        if before is None:
+            return None
+        found = memory_profile.profile(memory_profile.CudaMemory(self.device), before, self.profile_step,
+                                       self.config.gpu_memory_utilization)
+        return memory_profile.kv_budget_bytes(found, self.config.min_kv_cache_bytes(self.model_config, max_model_len))
+
+    @torch.inference_mode()
+    def profile_step(self) -> None:
+        """The largest step the engine schedules, through every layer and the sampler, over a
+        scratch KV cache: what `profile_memory` measures. Keeps nothing, samples with a sampler
+        of its own: the runner's state is as before."""
+        inputs, cache, last_rows = profile_inputs(self.model_config, self.config, self.device, self.dtype)
+        fwd = self.model(*inputs[:2], [cache] * self.model_config.num_layers, inputs[2])
+        profile_sampling(self.model.compute_logits(fwd.hidden[last_rows]), self.config.seed,
+                         self.model_config.eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -342,16 +368,15 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
 
 
 def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_model_len: int, device: torch.device,
-                       tp_group: TensorParallelGroup | None = None) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+                       tp_group: TensorParallelGroup | None = None, kv_budget_bytes: int | None = None
+                       ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(blocks, per-layer (K, V) caches of [blocks, block_size, this rank's KV heads, head_dim]);
-    the block count comes from the config, or from the memory free after loading weights. The
-    ranks of a tensor-parallel node size from the least free memory among them, so they all
-    hold the same blocks (the leader's scheduler allocates block ids for every rank)."""
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    the block count comes from the config, else from `kv_budget_bytes` (what the memory
+    profile left, megainfer/memory_profile.py; the ranks of a tensor-parallel node agreed on
+    it, so they all hold the same blocks: the leader's scheduler allocates block ids for every
+    rank), else the CPU's default budget."""
     tp_size = 1 if tp_group is None else tp_group.size
-    if free is not None and tp_size > 1:
-        free = tp_group.min_over_ranks(free)
-    num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, free, tp_size)
+    num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, kv_budget_bytes, tp_size)
     dtype = getattr(torch, config.dtype)
     shape = (num_blocks, config.block_size, model_config.num_kv_heads // tp_size, model_config.head_dim)
     return num_blocks, [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
@@ -368,3 +393,38 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     numel = int(np.prod(shape))
     raw = np.zeros(numel * torch.tensor([], dtype=dtype).element_size(), dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+# Every sampling option on, so the profiling step meets the sampler's largest working set.
+PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                  presence_penalty=0.1, frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+
+
+def profile_inputs(model_config: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                   tp_size: int = 1) -> tuple[BatchInputs, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The largest step the scheduler forms, for the profiling step: config.max_step_tokens tokens
+    over as many sequences as max_num_seqs lets them be (one token each, the last one the
+    rest: the most rows to sample), zero token ids, no context. Returns its inputs, a scratch
+    (K, V) cache every layer and sequence write into (the KV cache does not exist yet), and
+    the index of each sequence's last row."""
+    tokens = config.max_step_tokens
+    num_seqs = min(config.max_num_seqs, tokens)
+    counts = [1] * (num_seqs - 1) + [tokens - num_seqs + 1]
+    blocks = -(-counts[-1] // config.block_size)
+    seqs = [SimpleNamespace(num_computed_tokens=0, token_ids=[0] * n,
+                            block_table=list(range(-(-n // config.block_size)))) for n in counts]
+    inputs = prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), config.block_size, device)
+    shape = (blocks, config.block_size, model_config.num_kv_heads // tp_size, model_config.head_dim)
+    cache = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    last_rows = inputs[2].query_start_loc[1:].to(torch.int64) - 1
+    return inputs, cache, last_rows
+
+
+def profile_sampling(logits: torch.Tensor, seed: int, eos_token_ids) -> None:
+    """Sample every row of `logits` with every option on, and take their logprobs: the sampler's
+    largest working set. A sampler of its own: the runner's random streams stay untouched."""
+    rows = logits.shape[0]
+    history = SimpleNamespace(prompt_token_ids=[0], output_token_ids=[0])
+    tokens = Sampler(seed, logits.device, eos_token_ids).sample(
+        logits, [f"profile-{i}" for i in range(rows)], [PROFILE_SAMPLING] * rows, [history] * rows)
+    position_logprobs(logits, tokens, [MAX_LOGPROBS] * rows)

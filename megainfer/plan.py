@@ -21,7 +21,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from megainfer.config import DTYPE_BYTES, ModelConfig
+from megainfer.config import DTYPE_BYTES, GPU_MEMORY_UTILIZATION, ModelConfig, check_gpu_memory_utilization
 from megainfer.errors import PlanError
 from megainfer.routing.autoscale import AutoscalePolicy
 from megainfer.routing.policies import ROUTERS
@@ -124,10 +124,14 @@ class ServeSpec:
     # A request that arrives while its replica re-wires after a fault waits this long for it
     # (or goes to a healthy replica) before it fails with UNAVAILABLE; 0: fail at once.
     recovery_wait_s: float = 60.0
+    # The share of each GPU's total memory a node may use (vLLM's --gpu-memory-utilization): an
+    # attention rank's KV cache gets what its profiling step leaves of it (memory_profile.py).
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise PlanError(f"serve.port must lie in 1..65535, got {self.port}")
+        check_gpu_memory_utilization(self.gpu_memory_utilization, "serve.gpu_memory_utilization", PlanError)
         if not 0 <= self.recovery_wait_s <= 3600:
             raise PlanError(f"serve.recovery_wait_s must lie in 0..3600 seconds, got {self.recovery_wait_s}")
         if self.router not in ROUTERS:

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from megainfer.config import KV_BLOCK_TOKENS, KV_MEMORY_FRACTION, ModelConfig
+from megainfer.config import (GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConfig, estimated_attention_step_bytes,
+                              kv_cache_budget_bytes)
 from megainfer.errors import PlanError
 from planner.catalog import GPU
 from planner.operator_profile import OperatorProfile
@@ -34,6 +35,9 @@ from planner.phase_lines import PhaseLines
 
 # Fraction of GPU memory plans may fill; the rest is activations, workspace, fragmentation.
 MEMORY_HEADROOM = 0.9
+# Prompt tokens a step may add beside its decodes in the plans written (the scheduler's
+# default group size): the token budget is the decodes plus this (planner/search.py writes it).
+PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -251,13 +255,20 @@ class PerfModel:
         return tokens * self.kv_bytes_per_token_layer * self.model.num_layers
 
     def max_sequences_per_attention_node(self, memory_bytes, tp):
-        """Sequences whose KV cache fits beside the weights on one attention node (may be <= 0),
-        sized as the runtime sizes them: each rank holds the embedding and LM head whole and 1/tp
-        of the layers, its KV cache takes KV_MEMORY_FRACTION of what that leaves, and holds 1/tp
-        of every sequence's KV."""
-        rank_weights = self.model.attention_rank_weight_bytes(self.dtype_bytes, tp)
-        free_per_rank = (memory_bytes - rank_weights) * KV_MEMORY_FRACTION
-        return np.floor(free_per_rank * tp / self.kv_bytes_per_sequence())
+        """Sequences whose KV cache fits on one attention node (may be <= 0), sized as the runtime
+        sizes them (megainfer/memory_profile.py) and as a plan's dry run estimates it
+        (deploy/runtime_config.estimated_kv_blocks): each rank's KV cache gets
+        GPU_MEMORY_UTILIZATION of the GPU's memory less its weights (the embedding and LM head
+        whole, 1/tp of the layers) and its largest step, which grows with the sequences: it
+        samples every one of them and carries their decodes plus a prefill chunk
+        (config.estimated_attention_step_bytes, linear in the sequences: its cost at 0
+        sequences and per sequence). A rank holds 1/tp of every sequence's KV."""
+        m, value_bytes = self.model, self.dtype_bytes
+        fixed = estimated_attention_step_bytes(m, value_bytes, 0, PREFILL_CHUNK_TOKENS)
+        per_sequence = estimated_attention_step_bytes(m, value_bytes, 1, PREFILL_CHUNK_TOKENS + 1) - fixed
+        budget = kv_cache_budget_bytes(memory_bytes, GPU_MEMORY_UTILIZATION,
+                                       m.attention_rank_weight_bytes(value_bytes, tp) + fixed)
+        return np.floor(budget / (self.kv_bytes_per_sequence() / tp + per_sequence))
 
     def expert_node_fits(self, memory_bytes, tp, experts_per_node):
         need = experts_per_node * self.model.expert_params * self.model.num_layers * self.dtype_bytes

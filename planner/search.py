@@ -21,7 +21,7 @@ from megainfer.errors import PlanError
 from megainfer.plan import (AttentionSpec, ExpertSpec, PipelineSpec, Plan, PredictedPerformance, SchedulerSpec, SLOSpec,
                             attention_tp_fits, check_tensor_parallel, expert_tp_fits)
 from planner.catalog import GPU, Catalog
-from planner.perf_model import PerfModel, Side
+from planner.perf_model import PREFILL_CHUNK_TOKENS, PerfModel, Side
 
 OBJECTIVES = ("cost", "power", "gpu")
 TP_SIZES = (1, 2, 4, 8)
@@ -29,9 +29,6 @@ MAX_BATCH = 1 << 17  # sequences; the binary search's upper end
 # Attention replica counts tried: every count up to 12, then coarser steps.
 ATTENTION_NODES = tuple(range(1, 13)) + (14, 16, 20, 24, 32, 40, 48, 64, 96, 128)
 SEARCH_STEPS = 18  # > log2(MAX_BATCH)
-# Prompt tokens a step may add beside its decodes in the plans written (the scheduler's
-# default group size): the token budget is the decodes plus this.
-PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass

@@ -27,6 +27,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def gpu_memory_utilization(text: str) -> float:
+    """A share of the GPU's total memory, 0 < u <= 1 (vLLM's --gpu-memory-utilization)."""
+    from megainfer.config import check_gpu_memory_utilization
+
+    try:
+        return check_gpu_memory_utilization(float(text), "--gpu-memory-utilization", argparse.ArgumentTypeError)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Model and engine knobs, mapped onto EngineConfig by `engine_config`."""
     parser.add_argument("--model", default="tiny-mixtral",
@@ -45,6 +55,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV-cache blocks (default: sized from memory)")
+    parser.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9,
+                        help="share of the GPU's total memory this process may use, 0 < u <= 1 (default 0.9, as "
+                             "vLLM): weights, activations and KV cache together; the KV cache gets what a profiling "
+                             "step at the largest batch leaves. Ignored on the CPU (a 2 GiB KV cache)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                         help="token budget per step (chunked-prefill chunk size)")
@@ -64,4 +78,5 @@ def engine_config(args: argparse.Namespace, **extra):
                         max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         prefill_policy=args.prefill_policy, group_tokens=args.group_tokens,
-                        num_layer_groups=args.num_layer_groups, **extra)
+                        num_layer_groups=args.num_layer_groups,
+                        gpu_memory_utilization=args.gpu_memory_utilization, **extra)

@@ -12,9 +12,11 @@ only after the copy that last used it completed (its event), so nothing is read 
 On the CPU the same calls elide the copies: `to_host` returns views of the tensors
 themselves, `to_device` returns the message bytes (concatenated when there are several).
 
-Pinned buffers, one per micro-batch slot and direction, are allocated on first use and grow by
-doubling (allocating pinned memory is slow, so this happens in the first steps, not per layer);
-`reserve_bytes` allocates them up front.
+Pinned buffers, one per micro-batch slot and direction, are reserved up front at the size of
+the largest message the slot can carry (`StagingBytes`, computed in staging_sizes.py), so no
+step allocates pinned memory (slow). A message larger than the reservation still goes
+through: its buffer grows to fit (aligned), with a warning, as a guard; a buffer reserved
+with 0 bytes grows in the first steps, as they need it.
 
 `ComputeTimer` measures device time between two points of the host's program: CUDA events on
 the compute stream, read once per step; on the CPU, where the host runs the kernels itself,
@@ -30,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from megainfer.disagg.staging_sizes import ALIGN, StagingBytes, aligned_layout
 
-ALIGN = 64  # bytes: each part of a staged copy starts aligned (any dtype view of it is valid)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,10 +56,12 @@ class HostCopy:
 
 
 class PinnedBuffer:
-    """Page-locked host bytes that the DMA engines read and write; grows by doubling."""
+    """Page-locked host bytes that the DMA engines read and write, reserved for the largest
+    message; grows (aligned) only for a larger one."""
 
     def __init__(self, name: str, reserve_bytes: int = 0) -> None:
         self.name = name
+        self.reserved = reserve_bytes
         self.data = _pinned(reserve_bytes)
         self.last_use: torch.cuda.Event | None = None  # the copy that last read or wrote `data`
 
@@ -67,8 +71,12 @@ class PinnedBuffer:
             self.last_use.synchronize()  # already complete in steady state: the slot's last use was a layer ago
             self.last_use = None
         if nbytes > self.data.numel():
-            size = max(ALIGN, 1 << (nbytes - 1).bit_length())
-            logger.info("pinned staging %s grows to %.1f MiB", self.name, size / 2 ** 20)
+            size = -(-nbytes // ALIGN) * ALIGN
+            if self.reserved:
+                logger.warning("pinned staging %s grows to %.1f MiB: a %d-byte message outgrew the %d bytes reserved "
+                               "for the largest one", self.name, size / 2 ** 20, nbytes, self.reserved)
+            else:
+                logger.info("pinned staging %s grows to %.1f MiB", self.name, size / 2 ** 20)
             self.data = _pinned(size)
         return self.data[:nbytes]
 
@@ -81,13 +89,17 @@ class DeviceStaging:
     """Stream-ordered copies between `device` and pinned host buffers, one per slot (micro-batch)
     and direction; on a CPU device every method is a no-copy identity."""
 
-    def __init__(self, device: torch.device | str, slots: int, reserve_bytes: int = 0) -> None:
+    def __init__(self, device: torch.device | str, slots: int, reserve: StagingBytes | int = 0) -> None:
+        """`reserve`: pinned bytes per slot and direction, reserved now (an int: both directions)."""
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
+        if isinstance(reserve, int):
+            reserve = StagingBytes(reserve, reserve)
+        self.reserve = reserve
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
-            self.outbound = [PinnedBuffer(f"to host #{i}", reserve_bytes) for i in range(slots)]
-            self.inbound = [PinnedBuffer(f"to device #{i}", reserve_bytes) for i in range(slots)]
+            self.outbound = [PinnedBuffer(f"to host #{i}", reserve.to_host) for i in range(slots)]
+            self.inbound = [PinnedBuffer(f"to device #{i}", reserve.to_device) for i in range(slots)]
 
     def send_buffers(self) -> list[torch.Tensor]:
         """The pinned buffers payloads leave from (for the link to register); none on the CPU.
@@ -102,7 +114,7 @@ class DeviceStaging:
         if not self.on_cuda:
             return HostCopy([t.view(t.shape) for t in tensors])
         flats = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]  # contiguous: on the compute stream
-        offsets, total = _layout([f.numel() for f in flats])
+        offsets, total = aligned_layout([f.numel() for f in flats])
         host = self.outbound[slot].claim(total)
         produced = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.copy_stream):
@@ -136,15 +148,6 @@ class DeviceStaging:
         on_device = host.to(self.device, non_blocking=True)
         self.inbound[slot].last_use = compute.record_event()
         return on_device
-
-
-def _layout(sizes: list[int]) -> tuple[list[int], int]:
-    """Offsets of parts of these byte sizes laid end to end at ALIGN boundaries, and the total."""
-    offsets, end = [], 0
-    for size in sizes:
-        offsets.append(end)
-        end += -(-size // ALIGN) * ALIGN
-    return offsets, end
 
 
 class ComputeTimer:

@@ -27,8 +27,9 @@ from typing import Protocol
 
 import torch
 
+from megainfer.disagg.staging_sizes import FIELD_BYTES, record_size
+
 BUSY = 1  # header flag on expert answers
-FIELD_BYTES = 4  # an id (int32) or a weight (float32)
 
 
 class LinkMessage(Protocol):
@@ -64,7 +65,7 @@ def record_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:
     if x_bytes % FIELD_BYTES:
         raise ValueError(f"a hidden state of {hidden} x {dtype} is {x_bytes} bytes; the record layout needs a "
                          f"multiple of {FIELD_BYTES}")
-    return x_bytes + 2 * top_k * FIELD_BYTES
+    return record_size(hidden, top_k, dtype.itemsize)
 
 
 def dispatch_bytes(tokens: int, hidden: int, top_k: int, dtype: torch.dtype) -> int:

@@ -20,14 +20,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
-from megainfer.config import ModelConfig
+from megainfer import memory_profile
+from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
+from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
@@ -54,13 +57,18 @@ class ExpertWorker:
     def __init__(self, model_config: ModelConfig, expert_ids: list[int], dtype: str, device: str,
                  weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink | None,
                  show_progress: bool = False, tp_group: TensorParallelGroup | None = None,
-                 staging_bytes: int = 0, name: str = "experts") -> None:
+                 staging_bytes: StagingBytes | int = 0, name: str = "experts", profile_tokens: int = 0,
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
         every message with the attention nodes and broadcasts each (layer, micro-batch)'s records
         to the others (a header over the control group, the records over the activations'
         group); every rank runs its slice of each expert and the partial outputs are summed on
         rank 0. `staging_bytes`: pinned host memory reserved up front per micro-batch and
-        direction on CUDA (0: allocated in the first steps, as they need it)."""
+        direction on CUDA (staging_sizes.expert_staging: the largest messages; 0: allocated in
+        the first steps, as they need it). `profile_tokens`: on CUDA, the most tokens of one
+        (layer, micro-batch) from every attention node, run once after loading to check that
+        the weights and that step fit `gpu_memory_utilization` of the GPU (memory_profile.py;
+        0: not checked)."""
         self.cfg = model_config
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
@@ -77,12 +85,17 @@ class ExpertWorker:
             for buffer in self.staging.send_buffers():
                 link.register(buffer)
         self._answers: deque[PendingAnswer] = deque()
+        before = memory_profile.baseline(self.device) if profile_tokens else None
         self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids, tp_rank, tp_size)
                        for layer in range(model_config.num_layers)]
         with torch.inference_mode():
             for layer in tqdm(self.layers, desc=f"loading experts {expert_ids[0]}..{expert_ids[-1]}", unit="layer",
                               disable=not show_progress):
                 layer.load_weights(weights)
+        if before is not None:
+            memory_profile.check_fits(memory_profile.profile(memory_profile.CudaMemory(self.device), before,
+                                                             partial(self.profile_step, profile_tokens),
+                                                             gpu_memory_utilization))
         self.steps = 0
         self.tokens = 0  # tokens processed (per layer, summed), for stats
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
@@ -91,6 +104,19 @@ class ExpertWorker:
         # When each step and (layer, micro-batch) ran and waited, and each message arrived and left
         # (off until `bench pipeline` switches it on).
         self.timeline = Timeline(name, NodeRole.EXPERT, self.device)
+
+    @torch.inference_mode()
+    def profile_step(self, tokens: int) -> None:
+        """The largest (layer, micro-batch) this node serves, as `_serve` runs it but with nothing
+        received or sent: `tokens` records on the device, every choice of every token on this
+        node's experts (the most rows its GEMMs compute), the answers. A tensor-parallel rank
+        reduces nothing (no collective at start-up): NCCL's buffers go uncounted. Keeps nothing."""
+        cfg = self.cfg
+        records = torch.zeros(tokens * self.record_size, dtype=torch.uint8, device=self.device)
+        x, _, weights = unpack_dispatch(records, tokens, cfg.hidden_size, cfg.top_k, self.dtype)
+        local = torch.tensor(self.expert_ids, device=self.device)
+        choice = torch.arange(tokens, device=self.device)[:, None] + torch.arange(cfg.top_k, device=self.device)
+        self.layers[0](x, local[choice % len(local)], weights)
 
     @torch.inference_mode()
     def run_step(self) -> int:

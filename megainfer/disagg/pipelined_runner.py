@@ -30,18 +30,21 @@ from dataclasses import dataclass
 
 import torch
 
+from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, rank_share
+from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.errors import DataPlaneError
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
+from megainfer.memory_profile import MemorySnapshot
 from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, allocate_kv_caches,
-                                    sample_step)
+                                    profile_inputs, profile_sampling, sample_step)
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import StepLayout
@@ -88,12 +91,12 @@ class PipelinedModelRunner:
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
                  *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
-                 micro_batches: int, tp_group: TensorParallelGroup | None = None, staging_bytes: int = 0,
-                 name: str = "attention") -> None:
+                 micro_batches: int, tp_group: TensorParallelGroup | None = None,
+                 staging_bytes: StagingBytes | int = 0, name: str = "attention") -> None:
         """With a `tp_group` this is one rank of a tensor-parallel node: rank 0 schedules and
         samples and sends each step to the others; every rank runs its heads and dispatches its
-        share of the routed tokens. `staging_bytes`: pinned host memory reserved up front per
-        micro-batch and direction on CUDA (0: allocated in the first steps, as they need it)."""
+        share of the routed tokens. `staging_bytes`: pinned host memory reserved up front per micro-
+        batch and direction on CUDA, for the largest messages (0: allocated as the first steps need it)."""
         if len(expert_nodes) != len(expert_assignment):
             raise ValueError("one expert-id list per expert node")
         self.model_config = model_config
@@ -112,8 +115,8 @@ class PipelinedModelRunner:
             raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
         node_of = node_of.to(self.device)
         self.tp_group = tp_group
-        tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
+        before = memory_profile.baseline(self.device) if config.sizes_kv_from_memory else None
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
                               tp_rank=tp_rank, tp_size=tp_size)
         for layer in self.model.attention_layers:  # routing lays tokens out per expert node
@@ -121,8 +124,8 @@ class PipelinedModelRunner:
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
         # Each rank caches its own KV heads; all ranks agree on the block count.
-        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
-                                                             tp_group)
+        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device, tp_group,
+                                                             self.profile_memory(before, max_model_len))
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
@@ -144,6 +147,45 @@ class PipelinedModelRunner:
         self.timeline = Timeline(name, NodeRole.ATTENTION, self.device)
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
         self._compute_mark = None  # where the running (layer, micro-batch)'s compute began
+
+    def profile_memory(self, before: MemorySnapshot | None, max_model_len: int) -> int | None:
+        """The KV budget gpu_memory_utilization leaves this rank after `profile_step`, the least
+        over the node's ranks (bytes); None without a baseline (the CPU, or a cache sized by the
+        config). See megainfer/memory_profile.py."""
+        if before is None:
+            return None
+        found = memory_profile.profile(memory_profile.CudaMemory(self.device), before, self.profile_step,
+                                       self.config.gpu_memory_utilization)
+        agreed = None if self.tp_size == 1 else self.tp_group.min_over_ranks(memory_profile.offered_budget(found))
+        need = self.config.min_kv_cache_bytes(self.model_config, max_model_len, self.tp_size)
+        return memory_profile.kv_budget_bytes(found, need, agreed)
+
+    @torch.inference_mode()
+    def profile_step(self) -> None:
+        """The largest micro-batch through every layer's attention half, as a step runs it but with
+        nothing sent: config.max_step_tokens tokens (one micro-batch may carry a whole step), its
+        dispatch records packed, the most answer rows this rank can receive added back (zeros;
+        all-reduced over a tensor-parallel node, as a step does), then the sampler on the leader.
+        Writes a scratch KV cache only; keeps nothing; runs on every rank of a node at once."""
+        cfg = self.model_config
+        (ids, positions, batch), cache, last_rows = profile_inputs(cfg, self.config, self.device, self.dtype,
+                                                                   self.tp_size)
+        hidden = self.model.embed(ids)
+        rows = answer_rows(hidden.shape[0], cfg.top_k, len(self.expert_nodes), self.tp_size)
+        for layer in self.model.attention_layers:
+            a = layer(hidden, positions, self.model.rotary, cache, batch)
+            token_ids = a.gating.node_token_ids.clamp(0, hidden.shape[0] - 1)
+            records = pack_records(a.expert_input[token_ids], a.topk_ids[token_ids], a.topk_weights[token_ids])
+            answered = token_ids[:rows]
+            answers = torch.zeros(answered.numel(), cfg.hidden_size, dtype=self.dtype, device=self.device)
+            y = torch.zeros_like(a.residual).index_add_(0, answered, answers)
+            if self.tp_size > 1:
+                self.tp_group.all_reduce(y)
+            hidden = a.residual + y
+            del records, answers, y  # freed before the next layer's, as the step's outbox drains
+        if self.tp_rank == 0:
+            profile_sampling(self.model.compute_logits(self.model.norm(hidden[last_rows])), self.config.seed,
+                             cfg.eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megainfer.config import EngineConfig, ModelConfig
+from megainfer.config import EngineConfig, ModelConfig, estimated_attention_step_bytes, kv_cache_budget_bytes
 from megainfer.profiler.timing import median_seconds
 from planner.catalog import Catalog
 from planner.operator_profile import ProfiledDevice
@@ -56,18 +56,22 @@ def peak_bytes_per_s(device: torch.device, min_time_s: float) -> float:
 
 def kv_cache_tokens(model: ModelConfig, config: EngineConfig, max_model_len: int, tp: int,
                     free_bytes_before_weights: int | None) -> int | None:
-    """KV-cache tokens the engine sizes by default on this device: on CUDA from the memory one
-    rank has free once the model's weights (its share of them) would be loaded, on the CPU from
-    the default 2 GiB budget. None where the weights alone would not fit."""
-    free = None
+    """KV-cache tokens the engine sizes by default on this device, estimated: on CUDA,
+    gpu_memory_utilization of the memory one rank found free, less the model's weights (its
+    share of them) and the largest step (the attention step's estimate standing in for the
+    colocated one's; the engine measures it, megainfer/memory_profile.py); on the CPU the
+    default 2 GiB budget. None where that leaves nothing."""
+    budget = None
     if free_bytes_before_weights is not None:
         value_bytes = torch.tensor([], dtype=getattr(torch, config.concrete_dtype)).element_size()
         experts = model.num_layers * model.num_experts * model.expert_params * value_bytes / tp
         weights = model.attention_rank_weight_bytes(value_bytes, tp) + experts
-        free = int(free_bytes_before_weights - weights)
-        if free <= 0:
+        tokens = config.max_step_tokens
+        step = estimated_attention_step_bytes(model, value_bytes, min(config.max_num_seqs, tokens), tokens, 1)
+        budget = int(kv_cache_budget_bytes(free_bytes_before_weights, config.gpu_memory_utilization, weights + step))
+        if budget <= 0:
             return None
-    return config.resolved_num_kv_blocks(model, max_model_len, free, tp) * config.block_size
+    return config.resolved_num_kv_blocks(model, max_model_len, budget, tp) * config.block_size
 
 
 def profiled_device(device: torch.device, dtype: torch.dtype, tp: int, min_time_s: float) -> ProfiledDevice:
