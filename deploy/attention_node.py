@@ -77,7 +77,9 @@ class AttentionNode(TimelineCalls):
 
     def placement(self) -> RankPlacement:
         link = getattr(self, "link", None)  # tensor-parallel followers have none
-        return rank_placement(self.name, link.backends() if link is not None else {})
+        engine = getattr(self, "engine", None)  # built once the node has joined its group
+        return rank_placement(self.name, link.backends() if link is not None else {},
+                              engine.runner.kernels if engine is not None else None)
 
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._build_args[1]))

@@ -31,6 +31,9 @@ class AttentionShard(LoopActor, TimelineCalls):
     def _timeline(self):
         return self.runner.timeline if self.runner is not None else None
 
+    def kernel_report(self):
+        return self.runner.kernels if self.runner is not None else None
+
     def join_group(self, master: str) -> None:
         config = self.runtime.engine
         group = join_tp_group(master, self.rank, self.plan.attention.tp, config.device)

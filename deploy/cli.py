@@ -47,6 +47,7 @@ DEMO_SEED = 0  # the model's own sampling settings (its generation_config.json),
 
 
 def run(args: argparse.Namespace) -> int:
+    from deploy.status import kernel_lines
     from megainfer.plan import Plan
     from megainfer.server.endpoints import Endpoints
 
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
               f"m={plan.pipeline.micro_batches}{scale})"
               + (" (rehearsal: the plan's GPU placement, tensors on the CPU)" if deployment.runtime.is_rehearsal
                  else "") + ":", file=sys.stderr)
-        for line in endpoints.describe():
+        for line in endpoints.describe() + kernel_lines(deployment.groups):
             print(f"  {line}", file=sys.stderr)
         if args.demo:
             _demo(endpoints.grpc.address, args.demo, args.max_tokens, args)

@@ -52,6 +52,9 @@ class ExpertNode(LoopActor, TimelineCalls):
     def _timeline(self):
         return self.worker.timeline if self.worker is not None else None
 
+    def kernel_report(self):
+        return self.worker.kernels if self.worker is not None else None
+
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._host))
 

@@ -34,6 +34,9 @@ class ExpertShard(LoopActor, TimelineCalls):
     def _timeline(self):
         return self.worker.timeline if self.worker is not None else None
 
+    def kernel_report(self):
+        return self.worker.kernels if self.worker is not None else None
+
     def join_group(self, master: str) -> None:
         group = join_tp_group(master, self.rank, self.plan.experts.tp, self.runtime.device)
         self.worker = build_expert_worker(self.plan, self.runtime, None, group)

@@ -8,12 +8,15 @@ import gc
 import logging
 import os
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from deploy.link import SwitchableLink
 from deploy.node_process import resident_bytes
 from deploy.placement import rank_placement
 from megainfer.messages import NodeHealth, NodeResources, NodeRole, NodeStatus, RankPlacement
+
+if TYPE_CHECKING:
+    from kernels.startup import KernelReport
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +101,11 @@ class LoopActor:
 
     def placement(self) -> RankPlacement:
         link = getattr(self, "link", None)  # tensor-parallel followers have none
-        return rank_placement(self.name, link.backends() if link is not None else {})
+        return rank_placement(self.name, link.backends() if link is not None else {}, self.kernel_report())
+
+    def kernel_report(self) -> KernelReport | None:
+        """Which implementation each of this rank's operators runs (None before it is built)."""
+        return None
 
     def serve(self) -> None:
         self.loop.serve()

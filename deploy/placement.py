@@ -5,6 +5,7 @@ started with. Shared by a single deployment and by every replica of a replica se
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -14,6 +15,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from megainfer.errors import PlanError
 from megainfer.messages import RankPlacement
 from megainfer.plan import AttentionSpec, ExpertSpec, Plan
+
+if TYPE_CHECKING:
+    from kernels.startup import KernelReport
 
 NodeSpec = AttentionSpec | ExpertSpec
 
@@ -103,15 +107,17 @@ def gpu_type_shortfalls(plan: Plan, hosts: list[dict]) -> list[str]:
     return shortfalls
 
 
-def rank_placement(name: str, links: dict[str, str] | None = None) -> RankPlacement:
+def rank_placement(name: str, links: dict[str, str] | None = None,
+                   kernels: KernelReport | None = None) -> RankPlacement:
     """Called inside a node actor: the Ray node it runs on, that node's GPU type, its GPUs,
-    and the M2N backend of each of its links (`links`, from `SwitchableLink.backends`)."""
+    the M2N backend of each of its links (`links`, from `SwitchableLink.backends`) and which
+    implementation each of its operators runs (`kernels`, decided at its start)."""
     context = ray.get_runtime_context()
     node_id = context.get_node_id()
     resources = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
     types = [key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")]
     return RankPlacement(name, node_id, types[0] if types else None,
-                         [str(i) for i in context.get_accelerator_ids().get("GPU", [])], dict(links or {}))
+                         [str(i) for i in context.get_accelerator_ids().get("GPU", [])], dict(links or {}), kernels)
 
 
 class Placement:

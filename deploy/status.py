@@ -28,7 +28,24 @@ def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHisto
         expert_bytes_read=sum(e.expert_bytes_read for e in engines), kv_blocks=blocks,
         # Summed over the live groups: retiring a replica lowers it (Prometheus reads a counter reset).
         num_preemptions=sum(e.num_preemptions for e in engines),
+        kernels=[e.kernels for e in engines if e.kernels is not None],
+        kernel_builds_while_serving=sum(e.kernel_builds_while_serving for e in engines),
         m2n_send=latency.merge([s.m2n_send for s in stats]),
         m2n_receive_wait=latency.merge([s.m2n_receive_wait for s in stats]),
         router_ttft_error=router_error.snapshot() if router_error is not None else None,
         replicas=len(groups))
+
+
+def kernel_lines(groups: list[NodeGroup]) -> list[str]:
+    """For the start-up log: which implementation each operator runs, once per distinct report,
+    naming the ranks that have it (`KernelReport`, decided at each rank's start)."""
+    ranks: dict[tuple[str, ...], list[str]] = {}
+    for group in groups:
+        for placement in group.placements():
+            if placement.kernels is not None:
+                ranks.setdefault(tuple(placement.kernels.lines(timing=False)), []).append(placement.name)
+    out = []
+    for lines, names in ranks.items():
+        out.append(f"{', '.join(names)}: {lines[0]}")
+        out += [f"  {line}" for line in lines[1:]]
+    return out

@@ -1,7 +1,9 @@
 """The one place that picks an implementation for each kernel call: on CUDA, per shape
 bucket, the faster of the Triton kernel and the torch reference (`kernels.choice` times both
-once); elsewhere the reference. `MEGAINFER_KERNELS=reference|triton` overrides (Triton on
-CPU tensors needs `TRITON_INTERPRET=1`, Triton's interpreter: correct and slow, for tests).
+once, at node start: `kernels.startup`); elsewhere the reference. `MEGAINFER_KERNELS=
+reference|triton` overrides (Triton on CPU tensors needs `TRITON_INTERPRET=1`, Triton's
+interpreter: correct and slow, for tests). A Triton kernel that fails raises
+`choice.KernelFailed`; nothing falls back to the reference unasked.
 
 The Triton modules are imported on first use, so CPU-only runs never import Triton."""
 
@@ -12,19 +14,19 @@ import os
 
 import torch
 
-from kernels.choice import ShapeChoice, bucket
+from kernels.choice import KernelFailed, ShapeChoice, ShapeKey, bucket
 from kernels.launch import interpreted
 
 BACKENDS = ("reference", "triton")
 ENV = "MEGAINFER_KERNELS"
 FASTEST = "fastest"  # what `backend` answers on CUDA without an override: per shape, timed
 _choice = ShapeChoice()
+ATTENTION_DIMS = ("decodes", "prefill_tokens", "max_len")
+GATING_RULE = "always Triton on CUDA: every rank must route alike (and the reference syncs the host)"
 
 
 class KernelUnavailable(RuntimeError):
     """The requested kernel backend cannot run here (the message says why and what to do)."""
-
-
 
 
 def _triton_available() -> bool:
@@ -38,7 +40,7 @@ def _triton_available() -> bool:
 def backend(device: torch.device) -> str:
     """How kernels on `device` are picked now: "reference", "triton", or FASTEST (on CUDA: per
     shape bucket, whichever of the two measured faster)."""
-    choice = os.environ.get(ENV, "").strip().lower()
+    choice = env_choice()
     if choice and choice not in BACKENDS:
         raise KernelUnavailable(f"{ENV}={choice!r}: choose one of {', '.join(BACKENDS)} (or leave it unset)")
     if choice == "reference":
@@ -53,13 +55,42 @@ def backend(device: torch.device) -> str:
     return FASTEST if device.type == "cuda" and _triton_available() else "reference"
 
 
+def env_choice() -> str:
+    """MEGAINFER_KERNELS as set (lower-cased, "" when unset)."""
+    return os.environ.get(ENV, "").strip().lower()
+
+
+def decisions() -> list:
+    """Every shape decided in this process so far (`choice.Decision`s, oldest first)."""
+    return list(_choice.decisions.values())
+
+
+def freeze() -> None:
+    """Serving starts: no more timing; a new shape takes the nearest decided one's choice."""
+    _choice.frozen = True
+
+
+def thaw() -> None:
+    """Another warm-up begins in this process (a second engine): shapes may be timed again."""
+    _choice.frozen = False
+
+
+def shapes_met_while_serving() -> int:
+    """Shapes first met after `freeze()`, given the nearest decided shape's implementation."""
+    return _choice.met_while_serving
+
+
 def _pick(device: torch.device, key, triton_fn, reference_fn):
     """Run the implementation `backend` picks; `key` (a shape bucket) is built only when timing."""
     mode = backend(device)
     if mode == "reference":
         return reference_fn()
     if mode == "triton":
-        return triton_fn()
+        try:
+            return triton_fn()
+        except Exception as exc:
+            raise KernelFailed(f"Triton kernel failed at {key()} (MEGAINFER_KERNELS=triton): "
+                               f"{type(exc).__name__}: {exc}") from exc
     return _choice.run(key(), triton_fn, reference_fn)
 
 
@@ -85,9 +116,9 @@ def paged_attention(query, key_cache, value_cache, batch, scale: float):
                                batch.query_start_loc, batch.query_start_host, batch.num_single, scale, plan=plan)
 
     def key():
-        return batch.memo(("bucket", shape), lambda: (
-            "paged_attention", *shape, bucket(batch.num_single),
-            bucket(batch.query_start_host[-1] - batch.num_single), bucket(max(batch.seq_lens_host, default=0))))
+        return batch.memo(("bucket", shape), lambda: ShapeKey(
+            "paged_attention", shape, (bucket(batch.num_single), bucket(batch.query_start_host[-1] - batch.num_single),
+                                       bucket(max(batch.seq_lens_host, default=0))), ATTENTION_DIMS))
 
     return _pick(query.device, key, triton_fn, lambda: r.paged_attention(query, key_cache, value_cache, batch, scale))
 
@@ -101,8 +132,8 @@ def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scal
         return t.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
     def key():
-        return ("decode_attention", *_attention_shape(query, key_cache), bucket(query.shape[0]),
-                bucket(block_tables.shape[1] * key_cache.shape[1]))
+        return ShapeKey("decode_attention", _attention_shape(query, key_cache),
+                        (bucket(query.shape[0]), bucket(block_tables.shape[1] * key_cache.shape[1])), ("seqs", "len"))
 
     return _pick(query.device, key, triton_fn,
                  lambda: r.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale))
@@ -119,8 +150,8 @@ def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, que
                                    query_start_host, scale)
 
     def key():
-        return ("prefill_attention", *_attention_shape(query, key_cache), bucket(query.shape[0]),
-                bucket(block_tables.shape[1] * key_cache.shape[1]))
+        return ShapeKey("prefill_attention", _attention_shape(query, key_cache),
+                        (bucket(query.shape[0]), bucket(block_tables.shape[1] * key_cache.shape[1])), ("tokens", "len"))
 
     return _pick(query.device, key, triton_fn, lambda: r.prefill_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale))
@@ -129,7 +160,8 @@ def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, que
 def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0):
     """On CUDA always the Triton kernel (not timed): every rank of a tensor-parallel node must
     route its tokens alike, and a per-process timed choice could pick differently on two ranks
-    (ties rounded differently); the reference also synchronises the host (`nonzero`)."""
+    (ties rounded differently); the reference also synchronises the host (`nonzero`). Only
+    MEGAINFER_KERNELS=reference runs the reference there."""
     from kernels import moe_ref as r
 
     def triton_fn():
@@ -139,13 +171,14 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
 
     def key():
         nodes = num_nodes if expert_node is not None else 0
-        return "fused_gating", logits.dtype, bucket(logits.shape[0]), logits.shape[1], top_k, renormalize, nodes
+        return ShapeKey("fused_gating", (logits.dtype, logits.shape[1], top_k, renormalize, nodes),
+                        (bucket(logits.shape[0]),), ("tokens",))
 
     def reference():
         return r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
 
     if backend(logits.device) == FASTEST:
-        return _choice.fixed(key(), triton_fn, reference)
+        return _choice.fixed(key(), triton_fn, GATING_RULE)
     return _pick(logits.device, key, triton_fn, reference)
 
 
@@ -168,7 +201,8 @@ def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packe
         return t.grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights)
 
     def key():
-        return "grouped_expert_gemm", x.dtype, bucket(x.shape[0]), *w_gate_up.shape, w_down.shape[2]
+        return ShapeKey("grouped_expert_gemm", (x.dtype, *w_gate_up.shape, w_down.shape[2]), (bucket(x.shape[0]),),
+                        ("pairs",))
 
     def reference():
         offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else expert_offsets

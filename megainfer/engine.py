@@ -12,6 +12,7 @@ import os
 import time
 from collections import deque
 
+from kernels.compile_watch import WATCH
 from megainfer.config import EngineConfig, resolve_model
 from megainfer.energy import EnergyMeter
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
@@ -272,6 +273,8 @@ class Engine:
         s.num_waiting = self.scheduler.num_waiting
         s.kv_cache_usage = self.scheduler.block_manager.usage
         s.energy_j = self._energy.joules()
+        s.kernels = getattr(self.runner, "kernels", None)
+        s.kernel_builds_while_serving = WATCH.built_while_serving
         s.energy_unavailable = self._energy.reason
         if s.energy_j is not None and s.num_generated_tokens:
             s.energy_per_token_j = s.energy_j / s.num_generated_tokens

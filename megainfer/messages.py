@@ -30,7 +30,10 @@ Declared elsewhere because their packages must not import megainfer:
   (torch.distributed carries tensors, not objects);
 - each node's runtime configuration (`deploy/runtime_config.py`: `AttentionRuntime`,
   `ExpertRuntime`): driver -> node actor at construction, beside the plan;
-- the gRPC messages (`megainfer/v1/inference.proto`): client <-> server.
+- the gRPC messages (`megainfer/v1/inference.proto`): client <-> server;
+- a node's kernel report (`kernels/startup.py`: `KernelReport`, its `choice.Decision`s): every
+  node, at start, inside `EngineStats` and `RankPlacement` (which implementation each operator
+  runs, decided before serving).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the constructors below read engine objects; the types themselves need none
+if TYPE_CHECKING:
+    from kernels.startup import KernelReport  # no import at run time: the CLI's --help and plan stay torch-free  # the constructors below read engine objects; the types themselves need none
     from megainfer.scheduler import Scheduler, SchedulerOutput
     from megainfer.sequence import Sequence
 
@@ -173,6 +177,7 @@ class RankPlacement:
     accelerator_type: str | None  # that host's GPU type as Ray declares it (accelerator_type:<GPU>)
     gpu_ids: list[str] = field(default_factory=list)  # the GPUs Ray gave it (CUDA_VISIBLE_DEVICES)
     links: dict[str, str] = field(default_factory=dict)  # M2N peer -> the backend that pair uses (shm, nixl, ...)
+    kernels: KernelReport | None = None  # which implementation each of the rank's operators runs
 
 
 @dataclass
@@ -249,6 +254,8 @@ class EngineStats:
     energy_j: float | None = None  # GPU energy since the engine started (None: unavailable, see below)
     energy_per_token_j: float | None = None
     energy_unavailable: str = ""  # why energy is unavailable, where it is
+    kernels: KernelReport | None = None  # which implementation each operator runs (decided at start)
+    kernel_builds_while_serving: int = 0  # Triton variants built after start: steps that stalled (want 0)
 
 
 @dataclass

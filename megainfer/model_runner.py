@@ -13,6 +13,7 @@ import torch
 import kernels
 from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
+from megainfer.kernel_warmup import warm_up_engine
 from megainfer.memory_profile import MemorySnapshot
 from megainfer.messages import PositionLogprobs
 from megainfer.model.moe_model import MoEModel
@@ -59,6 +60,8 @@ class ModelRunner:
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
                                                              kv_budget_bytes=kv_budget)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
+        # Every kernel variant built and every shape's implementation decided before serving.
+        self.kernels = warm_up_engine(self.model, self.kv_caches, config, max_model_len)
         self.cohort_hidden = CohortHiddenStates()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)

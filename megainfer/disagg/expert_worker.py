@@ -31,6 +31,7 @@ from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
+from megainfer.kernel_warmup import warm_up_expert_node
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
@@ -96,6 +97,8 @@ class ExpertWorker:
             memory_profile.check_fits(memory_profile.profile(memory_profile.CudaMemory(self.device), before,
                                                              partial(self.profile_step, profile_tokens),
                                                              gpu_memory_utilization))
+        # Every kernel variant built and every shape's implementation decided before serving.
+        self.kernels = warm_up_expert_node(self.layers[0], model_config.top_k, profile_tokens or None)
         self.steps = 0
         self.tokens = 0  # tokens processed (per layer, summed), for stats
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to

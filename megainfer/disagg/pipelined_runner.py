@@ -39,6 +39,7 @@ from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.errors import DataPlaneError
+from megainfer.kernel_warmup import warm_up_engine
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
@@ -127,6 +128,8 @@ class PipelinedModelRunner:
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device, tp_group,
                                                              self.profile_memory(before, max_model_len))
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
+        # Every kernel variant built and every shape's implementation decided before serving.
+        self.kernels = warm_up_engine(self.model, self.kv_caches, config, max_model_len)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
             link.register(buffer)

@@ -61,7 +61,8 @@ class EngineBackend:
             s = self.engine.stats()
         return MetricsSnapshot(running=s.num_running, waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                                expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks,
-                               num_preemptions=s.num_preemptions)
+                               num_preemptions=s.num_preemptions, kernels=[s.kernels] if s.kernels else [],
+                               kernel_builds_while_serving=s.kernel_builds_while_serving)
 
     def resources(self) -> list[NodeResources]:
         """The engine's KV blocks and requests held (read between steps); no M2N slots here."""

@@ -38,6 +38,11 @@ At each scrape, from the backend's `MetricsSnapshot` (attention nodes summed in 
   megainfer:m2n_receive_wait_seconds                   histogram: waiting for one expert node's answer
                                                        (deployments)
   megainfer:router_ttft_prediction_error_seconds       histogram: |predicted - measured| TTFT (predictive router)
+  megainfer:kernel_mode{mode}                          gauge: nodes whose kernels run in each dispatch mode
+                                                       (fastest: per shape, timed at start; triton, reference)
+  megainfer:kernel_shapes{operator, implementation}    gauge: shapes decided at start, by the implementation
+                                                       that runs them (kernels/startup.py)
+  megainfer:kernel_compiles_while_serving_total        counter: Triton variants built after the warm-up (0)
 
 `promtool check metrics` finds nothing in the exposition but "metric names should not contain
 ':'", which vLLM's names draw too (recording-rule style, kept for the dashboards). Each registry
@@ -48,14 +53,17 @@ is the server's own, so several servers in one process do not collide. prometheu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from megainfer.messages import ErrorCode, FinishReason, HistogramSnapshot, RequestDelta
+
+if TYPE_CHECKING:
+    from kernels.startup import KernelReport
 
 MODEL_LABEL = "model_name"  # vLLM's label for the served model
 
@@ -87,10 +95,37 @@ class MetricsSnapshot:
     router_ttft_error: HistogramSnapshot | None = None  # predictive router: |predicted - measured| TTFT
     replicas: int = 1
     num_preemptions: int = 0  # cumulative preemptions, summed over attention nodes (EngineStats.num_preemptions)
+    kernels: list[KernelReport] = field(default_factory=list)  # per engine or attention node, decided at its start
+    kernel_builds_while_serving: int = 0  # Triton variants built after start, summed (want 0)
 
 
 class MetricsSource(Protocol):
     def metrics_snapshot(self) -> MetricsSnapshot: ...
+
+
+def _kernel_families(snap: MetricsSnapshot, labels: list[str]):
+    """Which implementation the kernels run (decided at each node's start): the dispatch mode of
+    each node, the shapes per operator and implementation, and the variants built while serving."""
+    modes = GaugeMetricFamily("megainfer:kernel_mode", "Nodes whose kernels run in each dispatch mode (fastest: "
+                              "per shape, timed at start; triton or reference: forced by MEGAINFER_KERNELS, or "
+                              "the CPU's references).", labels=[MODEL_LABEL, "mode"])
+    shapes = GaugeMetricFamily("megainfer:kernel_shapes", "Shapes decided at start, by operator and the implementation "
+                               "that runs them.", labels=[MODEL_LABEL, "operator", "implementation"])
+    mode_counts: dict[str, int] = {}
+    shape_counts: dict[tuple[str, str], int] = {}
+    for report in snap.kernels:
+        mode_counts[report.mode] = mode_counts.get(report.mode, 0) + 1
+        for op, counts in report.by_operator().items():
+            for impl, n in counts.items():
+                shape_counts[op, impl] = shape_counts.get((op, impl), 0) + n
+    for mode, n in sorted(mode_counts.items()):
+        modes.add_metric([*labels, mode], n)
+    for (op, impl), n in sorted(shape_counts.items()):
+        shapes.add_metric([*labels, op, impl], n)
+    builds = CounterMetricFamily("megainfer:kernel_compiles_while_serving", "Triton kernel variants built after the "
+                                 "start-up warm-up: each stalled a step (0 expected).", labels=[MODEL_LABEL])
+    builds.add_metric(labels, snap.kernel_builds_while_serving)
+    return [modes, shapes, builds]
 
 
 class _BackendCollector:
@@ -124,6 +159,7 @@ class _BackendCollector:
             family = CounterMetricFamily(name, doc, labels=[MODEL_LABEL])  # exposed with the _total suffix
             family.add_metric(labels, value)
             yield family
+        yield from _kernel_families(snap, labels)
         for h, name, doc in ((snap.m2n_send, "megainfer:m2n_send_latency_seconds",
                               "Time of one M2N send, in seconds."),
                              (snap.m2n_receive_wait, "megainfer:m2n_receive_wait_seconds",

@@ -13,6 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from deploy.deployment import Deployment  # noqa: E402
+from deploy.status import kernel_lines  # noqa: E402
 from megainfer import Engine, SamplingParams  # noqa: E402
 from megainfer.config import EngineConfig  # noqa: E402
 from megainfer.plan import Plan  # noqa: E402
@@ -165,6 +166,12 @@ def test_metrics_endpoint_of_a_deployment_reports_m2n_latencies():
             count = m[f'{name}_count{{model_name="tiny-mixtral"}}']
             assert count >= 2 * 4 * GREEDY.max_tokens and m[f'{name}_bucket{{le="+Inf",model_name="tiny-mixtral"}}'] == count
             assert 0 < m[f'{name}_sum{{model_name="tiny-mixtral"}}'] < count  # each well under a second
+        # Which implementation the kernels run, as each node decided at its start: on a CPU, the references.
+        assert m['megainfer:kernel_mode{mode="reference",model_name="tiny-mixtral"}'] == 1  # the attention node
+        assert m['megainfer:kernel_compiles_while_serving_total{model_name="tiny-mixtral"}'] == 0
+        lines = kernel_lines(served.deployment.groups)  # what `megainfer deploy` prints at start
+        assert any(line.startswith("attention0") and "kernels: reference (cpu tensors" in line for line in lines)
+        assert any("expert0" in line and "kernels: reference" in line for line in lines), lines
     finally:
         served.close()
 

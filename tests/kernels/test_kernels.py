@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from kernels import attention_jit, attention_triton, dispatch, moe_ref, moe_triton, tiles  # noqa: E402
 from kernels import paged_attention_ref as attention_ref  # noqa: E402
-from kernels.choice import REFERENCE, TRITON, ShapeChoice, bucket  # noqa: E402
+from kernels.choice import REFERENCE, TRITON, KernelFailed, ShapeChoice, ShapeKey, bucket  # noqa: E402
 from kernels.paged_samples import PagedCache, batch_of, expected  # noqa: E402
 
 if not attention_triton.INTERPRETED:
@@ -245,25 +245,52 @@ def test_shape_choice_takes_the_faster_once_per_bucket(caplog):
         calls.append(REFERENCE)
         return REFERENCE
 
+    small, large = ShapeKey("op", (), (8,)), ShapeKey("op", (), (16,))
     with caplog.at_level(logging.INFO, logger="kernels"):
-        assert choice.run(("op", 8), triton_fn, reference_fn) == REFERENCE  # decided: the reference is faster
+        assert choice.run(small, triton_fn, reference_fn) == REFERENCE  # decided: the reference is faster
     assert "Triton 2.000 ms, torch reference 1.000 ms" in caplog.text
     calls.clear()
-    assert choice.run(("op", 8), triton_fn, reference_fn) == REFERENCE and calls == [REFERENCE]  # no timing again
+    assert choice.run(small, triton_fn, reference_fn) == REFERENCE and calls == [REFERENCE]  # no timing again
     choice.timer = fake_timer({TRITON: 0.5, REFERENCE: 1.0})
-    assert choice.run(("op", 16), triton_fn, reference_fn) == TRITON  # another bucket, decided on its own
-    assert choice.choices == {("op", 8): REFERENCE, ("op", 16): TRITON}
+    assert choice.run(large, triton_fn, reference_fn) == TRITON  # another bucket, decided on its own
+    assert choice.choices == {small: REFERENCE, large: TRITON}
+    assert [(d.implementation, d.triton_ms, d.reference_ms) for d in choice.decisions.values()] == [
+        (REFERENCE, 2.0, 1.0), (TRITON, 0.5, 1.0)]
 
 
-def test_shape_choice_falls_back_to_the_reference_when_triton_fails(caplog):
+def test_a_failing_triton_kernel_is_an_error_naming_the_shape_never_a_fallback():
     choice = ShapeChoice(timer=fake_timer({REFERENCE: 1.0}))
 
     def broken():
         raise RuntimeError("out of resources: shared memory")
 
-    with caplog.at_level(logging.WARNING, logger="kernels"):
-        assert choice.run("op", broken, lambda: REFERENCE) == REFERENCE
-    assert choice.choices == {"op": REFERENCE} and "out of resources" in caplog.text
+    key = ShapeKey("grouped_expert_gemm", (torch.bfloat16, 8, 256, 64, 128), (64,), ("pairs",))
+    with pytest.raises(KernelFailed, match=r"grouped_expert_gemm\[bfloat16 8 256 64 128; pairs=64\].*out of resources"):
+        choice.run(key, broken, lambda: REFERENCE)
+    with pytest.raises(KernelFailed, match="out of resources"):
+        choice.fixed(key, broken, "rule")
+    assert REFERENCE not in choice.choices.values()
+
+
+def test_once_frozen_nothing_is_timed_and_new_shapes_take_the_nearest_decision():
+    timed = []
+
+    def timer(fn, reps, warmup):
+        timed.append(fn)
+        out = fn()
+        return {TRITON: 1.0, REFERENCE: 2.0}[out] if len(timed) <= 2 else {TRITON: 2.0, REFERENCE: 1.0}[out], out
+
+    choice = ShapeChoice(timer=timer)
+    key = lambda n: ShapeKey("op", ("bf16",), (n, 4096))  # noqa: E731
+    assert choice.run(key(16), lambda: TRITON, lambda: REFERENCE) == TRITON  # small: Triton faster
+    assert choice.run(key(1024), lambda: TRITON, lambda: REFERENCE) == REFERENCE  # large: the reference faster
+    choice.frozen = True  # serving
+    timed.clear()
+    assert choice.run(key(32), lambda: TRITON, lambda: REFERENCE) == TRITON  # nearest to 16
+    assert choice.run(key(2048), lambda: TRITON, lambda: REFERENCE) == REFERENCE  # nearest to 1024
+    other = ShapeKey("other", ("bf16",), (8,))
+    assert choice.run(other, lambda: TRITON, lambda: REFERENCE) == TRITON  # nothing decided for its op: Triton
+    assert not timed and choice.met_while_serving == 3
 
 
 def test_buckets_round_up_to_powers_of_two():
@@ -278,7 +305,7 @@ def test_dispatch_times_each_bucket_where_it_picks_the_fastest(monkeypatch):
 
     def timer(fn, reps, warmup):
         timed.append(fn)
-        return (1.0 if len(timed) == 1 else 0.5), fn()  # the reference is timed first; Triton wins
+        return (0.5 if len(timed) == 1 else 1.0), fn()  # Triton is timed first, and wins
 
     monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=timer))
     x = torch.randn(6, 8)
@@ -286,7 +313,8 @@ def test_dispatch_times_each_bucket_where_it_picks_the_fastest(monkeypatch):
     out = dispatch.grouped_expert_gemm(x, [0, 2, 6], w_gate_up, w_down, weights)
     torch.testing.assert_close(out, moe_ref.grouped_expert_gemm(x, [0, 2, 6], w_gate_up, w_down, weights),
                                **TOL[torch.float32])
-    assert dispatch._choice.choices == {("grouped_expert_gemm", torch.float32, 8, 2, 12, 8, 6): TRITON}
+    assert dispatch._choice.choices == {
+        ShapeKey("grouped_expert_gemm", (torch.float32, 2, 12, 8, 6), (8,), ("pairs",)): TRITON}
 
 
 # -- MoE ----------------------------------------------------------------------------------------
@@ -455,9 +483,11 @@ def test_shape_choice_takes_triton_when_the_reference_runs_out_of_memory(caplog)
         raise torch.cuda.OutOfMemoryError("CUDA out of memory gathering pages")
 
     choice = ShapeChoice(timer=timer)
-    with caplog.at_level(logging.WARNING, logger="kernels"):
-        assert choice.run("op", lambda: TRITON, gathers_too_much) == TRITON
-    assert choice.choices == {"op": TRITON} and "out of memory" in caplog.text
+    key = ShapeKey("op", (), (8,))
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        assert choice.run(key, lambda: TRITON, gathers_too_much) == TRITON
+    assert choice.choices == {key: TRITON} and "out of memory" in caplog.text
+    assert "out of memory" in choice.decisions[key].reason
 
 
 def test_gating_takes_triton_untimed_so_every_rank_routes_alike(monkeypatch):
@@ -471,3 +501,54 @@ def test_gating_takes_triton_untimed_so_every_rank_routes_alike(monkeypatch):
     expected = moe_ref.fused_gating(logits, 2, True)
     assert torch.equal(out.topk_ids, expected.topk_ids) and not timed
     assert set(dispatch._choice.choices.values()) == {TRITON}
+
+
+# -- the start-up warm-up (kernels/startup.py) -----------------------------------------------------
+def test_warm_up_decides_a_nodes_shapes_at_start_and_serving_times_nothing(monkeypatch):
+    """On CUDA a node warms up before it serves: every grid shape timed and decided, then frozen.
+    Here the backend and the timer stand in for a GPU's (the kernels run in the interpreter)."""
+    from kernels import startup
+
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device: dispatch.FASTEST)
+    timed = []
+
+    def timer(fn, reps, warmup):
+        timed.append(fn)
+        return 1.0, fn()  # a tie: Triton keeps the shape
+
+    monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=timer))
+    cache = PagedCache([64] * 4, 16, 2, 32, torch.float32, seed=0)
+    grid = startup.attention_grid(max_decodes=4, max_prefill_tokens=20, max_len=40)
+    assert grid == [(0, 16, 40), (0, 20, 40), (1, 0, 40), (1, 16, 40), (1, 20, 40), (4, 0, 40), (4, 16, 40),
+                    (4, 20, 40)]
+    startup.warm_up_attention(cache.k, cache.v, 8, 32 ** -0.5, grid)
+    startup.warm_up_gating(6, 2, True, None, 0, 20, torch.float32, torch.device("cpu"))
+    w_gate_up, w_down = torch.randn(3, 24, 32) * 0.1, torch.randn(3, 32, 12) * 0.1
+    startup.warm_up_experts(w_gate_up, w_down, 2, 40)
+    ops = {d.op for d in dispatch.decisions()}
+    assert ops == {"paged_attention", "fused_gating", "grouped_expert_gemm"}
+    attention = [d for d in dispatch.decisions() if d.op == "paged_attention"]
+    assert len(attention) == len(grid)  # each point its own bucket
+    report = startup.KernelReport(dispatch.FASTEST, "timed", tuple(dispatch.decisions()))
+    assert report.by_operator()["paged_attention"] == {TRITON: 8}
+    assert "paged_attention: triton on 8 shapes" in "\n".join(report.lines())
+
+    dispatch.freeze()
+    timed.clear()
+    serving = PagedCache([33, 21, 7], 16, 2, 32, torch.float32, seed=1)  # 2 decodes + a 5-token chunk: unseen
+    batch, starts = batch_of(serving, [1, 1, 5])
+    q = torch.randn(starts[-1], 8, 32)
+    out = dispatch.paged_attention(q, serving.k, serving.v, batch, 32 ** -0.5)
+    torch.testing.assert_close(out, expected(serving, q, starts, 32 ** -0.5), **TOL[torch.float32])
+    assert not timed and dispatch.shapes_met_while_serving() == 1  # the nearest decision, untimed
+
+
+def test_kernel_report_on_the_cpu_names_the_references_and_why():
+    from kernels import startup
+
+    warmup = startup.Warmup(torch.device("cpu"))
+    assert not warmup.active
+    report = warmup.finish()
+    assert report.mode == "reference" and report.lines(timing=False) == [
+        "kernels: reference (cpu tensors: the torch references (the Triton kernels run on CUDA))"]

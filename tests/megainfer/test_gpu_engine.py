@@ -63,8 +63,8 @@ def test_engine_on_cuda_in_bfloat16_agrees_with_transformers_up_to_rounding(hf_r
 
 @pytest.mark.gpu
 def test_engine_on_cuda_holds_weights_and_kv_cache_on_the_gpu(mixtral_ref):
-    free_bytes = torch.cuda.mem_get_info()[0]
-    llm = LLM(str(mixtral_ref.path), dtype="bfloat16", device="cuda")  # the cache sized from free GPU memory
+    total = torch.cuda.get_device_properties(0).total_memory
+    llm = LLM(str(mixtral_ref.path), dtype="bfloat16", device="cuda")  # the cache sized by --gpu-memory-utilization
     try:
         runner = llm.engine.runner
         tensors = dict(runner.model.named_parameters()) | dict(runner.model.named_buffers())
@@ -75,7 +75,8 @@ def test_engine_on_cuda_holds_weights_and_kv_cache_on_the_gpu(mixtral_ref):
         caches = [t for pair in runner.kv_caches for t in pair]
         assert all(t.device.type == "cuda" and t.dtype == torch.bfloat16 for t in caches)
         cache_bytes = sum(t.numel() * t.element_size() for t in caches)
-        assert 0 < cache_bytes <= 0.9 * free_bytes
+        # --gpu-memory-utilization 0.9 (the default), vLLM's meaning: of the GPU's total memory.
+        assert 0 < cache_bytes <= torch.cuda.memory_reserved() <= 0.9 * total + (256 << 20)
         out = llm.generate([mixtral_ref.prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
@@ -106,3 +107,16 @@ def test_logits_beyond_the_tolerance_are_reported_even_with_equal_tokens():
     ours = _greedy([0], [[2.0, 1.01]])
     assert "logits differ" in first_disagreement(ours, ref, FLOAT32_LOGIT_ATOL, near_tie=0.0)
     assert mean_error(ours.logits, ref.logits) == pytest.approx(0.005)
+
+
+@pytest.mark.gpu
+def test_kernels_are_decided_at_start_and_none_built_while_serving(tmp_path):
+    """The GPU check's case: an engine timed per shape at start (MEGAINFER_KERNELS unset) serves
+    prompts of many lengths without building a Triton variant."""
+    from megainfer.tools.gpucheck.context import CheckContext
+    from megainfer.tools.gpucheck.engine_check import check_no_build_while_serving
+    from megainfer.tools.gpucheck.records import RecordLog, Status
+
+    check_no_build_while_serving(CheckContext("engine", torch.device("cuda"), tmp_path, float("inf")))
+    failed = [r for r in RecordLog(tmp_path).read() if r.status is not Status.PASSED]
+    assert not failed, [(r.case, r.detail) for r in failed]

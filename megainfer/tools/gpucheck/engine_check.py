@@ -214,6 +214,41 @@ def check_demo(ctx: CheckContext) -> None:
         free_memory(ctx.device)
 
 
+def check_no_build_while_serving(ctx: CheckContext) -> None:
+    """The engine warms its kernels up at start (timed per shape, MEGAINFER_KERNELS unset): serving
+    prompts of many lengths afterwards builds no Triton variant and times nothing."""
+    import os
+
+    from kernels import dispatch
+    from megainfer import LLM, SamplingParams
+    from megainfer.config import DEMO_MODEL
+
+    with ctx.case(f"{DEMO_MODEL} bfloat16: kernels decided at start, none built while serving") as case:
+        if not ctx.on_gpu:
+            case.skip("no CUDA device: nothing compiles on the CPU")
+            return
+        forced = os.environ.pop(dispatch.ENV, None)
+        try:
+            llm = LLM(DEMO_MODEL, dtype="bfloat16", device="cuda", max_num_seqs=64, max_num_batched_tokens=512)
+            report = llm.engine.runner.kernels
+            case.figures |= {"mode": report.mode, "warm_up_s": round(report.seconds, 2), "built_at_start": report.built}
+            for op, counts in report.by_operator().items():
+                case.figures[op] = ", ".join(f"{impl} {n}" for impl, n in sorted(counts.items()))
+            prompts = [[0, *range(3, 3 + n)] for n in (1, 7, 30, 120, 400)]
+            llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            stats = llm.engine.stats()
+            case.figures |= {"built_while_serving": stats.kernel_builds_while_serving,
+                             "shapes_met_while_serving": dispatch.shapes_met_while_serving()}
+            if stats.kernel_builds_while_serving:
+                raise AssertionError(f"{stats.kernel_builds_while_serving} Triton variant(s) built while serving")
+            if report.mode != dispatch.FASTEST:
+                raise AssertionError(f"the dispatch ran in mode {report.mode!r}, not timed per shape")
+        finally:
+            if forced is not None:
+                os.environ[dispatch.ENV] = forced
+        free_memory(ctx.device)
+
+
 def run(ctx: CheckContext) -> None:
     try:
         import transformers  # noqa: F401
@@ -233,3 +268,4 @@ def run(ctx: CheckContext) -> None:
             check_float32(ctx, path, kind, prompts)
             check_bfloat16(ctx, path, kind, prompts)
     check_demo(ctx)
+    check_no_build_while_serving(ctx)

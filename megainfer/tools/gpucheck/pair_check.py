@@ -140,7 +140,7 @@ def expert_node(spec: PairSpec, conn) -> None:
         link = _endpoint(EXPERT, 100, dispatch_bytes(BATCH_TOKENS, model.hidden_size, model.top_k, dtype), spec)
         worker = ExpertWorker(model, list(range(model.num_experts)), spec.dtype, spec.device,
                               SafetensorsCheckpoint(spec.path), attention_nodes=[ATTENTION],
-                              micro_batches=spec.micro_batches, link=link)
+                              micro_batches=spec.micro_batches, link=link, profile_tokens=BATCH_TOKENS)
         worker.timeline.switch(spec.record_timeline)
         _wire(link, conn)
         try:

@@ -1,0 +1,182 @@
+"""A node's kernels, ready before it serves: every Triton variant it will launch built, and the
+implementation of every shape it will meet decided (`kernels.choice`), at start, so no serving
+step compiles a kernel or stops to time one, and a kernel that cannot run on this GPU is a
+start-up error naming it.
+
+The node (the colocated engine, an attention rank, an expert node) calls the warm-ups for the
+operators it runs, with its own tensors (KV cache, expert weights) and its limits (sequences,
+tokens, context per call), then `finish()`, which freezes the choices, tells the compile watch
+that serving begins, and returns the `KernelReport` the node logs and reports.
+
+The grid: Triton's variants here depend on the model (heads, head dim, page, dtype, expert dims,
+tile row), not on batch sizes (those arguments are `do_not_specialize`), except the grouped
+GEMM's tile row, chosen by rows per expert; so one call per tile row and per attention kind
+builds every variant. Timing decides per shape bucket; the attention grid times decodes and
+prefill tokens at powers of 16 (and the node's maxima) over a short, a middle and the longest
+context, and a shape met later takes the nearest decided one's implementation."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import dispatch
+from kernels.choice import Decision
+from kernels.compile_watch import WATCH
+from kernels.paged_attention_ref import PagedAttentionBatch
+
+log = logging.getLogger("kernels")
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """Which implementation each of a node's operators runs (crosses processes: node start-up)."""
+
+    mode: str  # dispatch.backend(): "fastest" (per shape, timed), "triton" or "reference"
+    why: str  # what chose the mode
+    decisions: tuple[Decision, ...] = ()  # per shape, where the mode is "fastest"
+    built: int = 0  # Triton variants built during the warm-up
+    seconds: float = 0.0  # the warm-up's wall time
+
+    def by_operator(self) -> dict[str, dict[str, int]]:
+        """operator -> implementation -> shapes that run it."""
+        out: dict[str, dict[str, int]] = {}
+        for d in self.decisions:
+            counts = out.setdefault(d.op, {})
+            counts[d.implementation] = counts.get(d.implementation, 0) + 1
+        return out
+
+    def lines(self, timing: bool = True) -> list[str]:
+        """For the start-up log: the mode, then per operator its implementations (timing: with
+        the warm-up's time and builds, which differ between nodes of the same choices)."""
+        head = f"kernels: {self.mode} ({self.why})"
+        if self.mode != dispatch.FASTEST:
+            return [head]
+        if timing:
+            head += f"; warm-up {self.seconds:.1f} s, {self.built} Triton variants built"
+        ops = [f"  {op}: " + ", ".join(f"{impl} on {n} shape{'s' if n > 1 else ''}" for impl, n in sorted(c.items()))
+               for op, c in sorted(self.by_operator().items())]
+        refs = [f"    {d.key}: reference ({d.reason}: Triton {d.triton_ms:.3f} ms, reference {d.reference_ms:.3f} ms)"
+                for d in self.decisions if d.implementation == "reference" and d.triton_ms and d.reference_ms]
+        return [head, *ops, *refs]
+
+
+def mode_of(device: torch.device) -> tuple[str, str]:
+    """(dispatch mode, why) for kernels on `device`."""
+    mode = dispatch.backend(device)
+    if mode == "reference" and dispatch.env_choice():
+        return mode, f"{dispatch.ENV}=reference"
+    if mode == "reference":
+        return mode, (f"{device.type} tensors: the torch references (the Triton kernels run on CUDA)"
+                      if device.type != "cuda" else "Triton is not installed (pip install triton)")
+    if mode == "triton":
+        return mode, f"{dispatch.ENV}=triton: every shape, untimed"
+    return mode, "per shape, the faster of Triton and the torch reference, timed at start"
+
+
+@dataclass
+class Warmup:
+    """One node's warm-up: begin, call the operators' warm-ups, `finish()`."""
+
+    device: torch.device
+    mode: str = ""
+    why: str = ""
+    _start: float = field(default=0.0, repr=False)
+    _built: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self.mode, self.why = mode_of(self.device)
+        self._start = time.perf_counter()
+        if self.active:
+            WATCH.install()
+            WATCH.warming_up()
+            dispatch.thaw()
+        self._built = WATCH.built
+
+    @property
+    def active(self) -> bool:
+        """Whether this device compiles Triton kernels (CUDA, not the interpreter)."""
+        return self.device.type == "cuda" and self.mode != "reference"
+
+    def finish(self) -> KernelReport:
+        report = KernelReport(self.mode, self.why,
+                              tuple(dispatch.decisions()) if self.mode == dispatch.FASTEST else (),
+                              WATCH.built - self._built, time.perf_counter() - self._start)
+        if self.active:
+            dispatch.freeze()
+            WATCH.serving()
+        for line in report.lines():
+            log.info(line)
+        return report
+
+
+def _powers(limit: int, step: int) -> list[int]:
+    """1, step, step^2, ... below `limit`, then `limit` itself (limit >= 1)."""
+    out, n = [], 1
+    while n < limit:
+        out.append(n)
+        n *= step
+    return out + [limit]
+
+
+def attention_grid(max_decodes: int, max_prefill_tokens: int, max_len: int) -> list[tuple[int, int, int]]:
+    """(decodes, prefill tokens, context) points to decide: decodes and prefill tokens at 0,
+    powers of 16 and the maxima; contexts short (256), middle (geometric) and the longest."""
+    decodes = [0, *_powers(max_decodes, 16)] if max_decodes > 0 else [0]
+    prefill = [0, *[p for p in _powers(max_prefill_tokens, 16) if p >= 16]] if max_prefill_tokens > 0 else [0]
+    short = min(256, max_len)
+    lens = sorted({short, int(math.sqrt(short * max_len)), max_len})
+    return [(d, p, n) for d in decodes for p in prefill for n in lens if (d or p) and p <= n]
+
+
+def _paged_batch(decodes: int, prefill: int, length: int, page: int, num_blocks: int,
+                 device: torch.device) -> tuple[PagedAttentionBatch, int]:
+    """A batch of `decodes` one-token sequences and (if `prefill`) one chunk of `prefill` tokens,
+    every sequence `length` tokens long, their pages taken round-robin from the cache's blocks
+    (read only: the warm-up writes nothing to the cache)."""
+    seqs = decodes + (1 if prefill else 0)
+    pages = -(-length // page)
+    tables = (torch.arange(seqs * pages, dtype=torch.int32) % num_blocks).view(seqs, pages)
+    starts = [0]
+    for s in range(seqs):
+        starts.append(starts[-1] + (1 if s < decodes else prefill))
+    lens = [length] * seqs
+    batch = PagedAttentionBatch(tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                                torch.tensor(starts, dtype=torch.int32, device=device),
+                                torch.zeros(starts[-1], dtype=torch.int64, device=device), decodes, lens, starts)
+    return batch, starts[-1]
+
+
+def warm_up_attention(key_cache: torch.Tensor, value_cache: torch.Tensor, query_heads: int, scale: float,
+                      grid: list[tuple[int, int, int]]) -> None:
+    """The paged attention (POD's fused kernel on Triton) at every grid point, over this cache."""
+    num_blocks, page, _, head_dim = key_cache.shape
+    for decodes, prefill, length in grid:
+        batch, tokens = _paged_batch(decodes, prefill, length, page, num_blocks, key_cache.device)
+        query = torch.randn(tokens, query_heads, head_dim, device=key_cache.device).to(key_cache.dtype)
+        dispatch.paged_attention(query, key_cache, value_cache, batch, scale)
+
+
+def warm_up_gating(num_experts: int, top_k: int, renormalize: bool, expert_node: torch.Tensor | None,
+                   num_nodes: int, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Fused gating (one variant per model and node map), at the node's token counts."""
+    for tokens in _powers(max_tokens, 16):
+        logits = torch.randn(tokens, num_experts, device=device).to(dtype)
+        dispatch.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
+
+
+def warm_up_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, max_pairs: int) -> None:
+    """The grouped expert GEMM with this node's weights, at pair counts from one token's to the
+    node's largest (powers of 4: every tile row, by rows per expert, is built and decided)."""
+    experts, _, hidden = w_gate_up.shape
+    for pairs in _powers(max_pairs, 4):
+        if pairs < top_k and pairs != max_pairs:
+            continue
+        x = torch.randn(pairs, hidden, device=w_gate_up.device).to(w_gate_up.dtype)
+        per_expert = [pairs * e // experts for e in range(experts + 1)]  # spread evenly: rows per expert as served
+        offsets = torch.tensor(per_expert, dtype=torch.int64, device=w_gate_up.device)
+        dispatch.grouped_expert_gemm(x, offsets, w_gate_up, w_down, torch.rand(pairs, device=w_gate_up.device))
