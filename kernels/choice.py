@@ -15,9 +15,9 @@ each size), else Triton. So no serving step stops to time, and which implementat
 is fixed and reported (`decisions`) before the node says it is ready.
 
 Nothing falls back silently: a Triton kernel that fails to build or run raises `KernelFailed`,
-naming the kernel, the shape and the cause (at start-up, where the warm-up calls it first); only
-a reference that runs out of memory (gathering a large batch's pages) loses to Triton, and that
-decision says so.
+naming the kernel, the shape and the cause (at start-up, where the warm-up calls it first); a
+reference that fails (out of memory gathering a large batch's pages, say) loses to Triton, and
+that decision says so.
 While a CUDA graph is being captured nothing is timed (timing synchronises): the reference
 runs and nothing is decided.
 """
@@ -149,6 +149,9 @@ class ShapeChoice:
             reference_ms, reference_out = self.timer(reference_fn, self.reps, self.warmup)
         except torch.cuda.OutOfMemoryError as exc:  # a large batch's gathered pages: Triton pages in place
             self._record(key, TRITON, triton_ms, None, f"the torch reference ran out of memory ({exc})")
+            return triton_out
+        except Exception as exc:  # the reference only competes: its failure decides for Triton, said so
+            self._record(key, TRITON, triton_ms, None, f"the torch reference failed ({type(exc).__name__}: {exc})")
             return triton_out
         choice = TRITON if triton_ms <= reference_ms else REFERENCE
         self._record(key, choice, triton_ms, reference_ms, "faster")

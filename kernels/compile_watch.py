@@ -18,14 +18,14 @@ class CompileWatch:
         self.built_while_serving = 0
         self.last_while_serving = ""  # the last such variant, as Triton names it
         self.is_serving = False
-        self._installed = False
+        self.installed = False
         self._lock = threading.Lock()
         self._previous = None
 
     def install(self) -> bool:
         """Hooks Triton's JIT (once); False where this Triton has no cache hook (older than 3.4)."""
         with self._lock:
-            if self._installed:
+            if self.installed:
                 return True
             try:
                 from triton import knobs
@@ -35,7 +35,7 @@ class CompileWatch:
                 return False
             self._previous = knobs.runtime.jit_cache_hook
             knobs.runtime.jit_cache_hook = self._hook
-            self._installed = True
+            self.installed = True
             return True
 
     def serving(self) -> None:

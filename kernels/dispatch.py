@@ -23,6 +23,11 @@ FASTEST = "fastest"  # what `backend` answers on CUDA without an override: per s
 _choice = ShapeChoice()
 ATTENTION_DIMS = ("decodes", "prefill_tokens", "max_len")
 GATING_RULE = "always Triton on CUDA: every rank must route alike (and the reference syncs the host)"
+# The most the torch reference may gather (keys and values of a batch's pages) to be timed or
+# run: beyond it the Triton kernel, which pages in place, runs untimed. A warm-up's largest
+# shapes would otherwise hold tens of GB through the memory profile, and a serving step that
+# took the reference at a larger shape than any timed one could run out of memory mid-serving.
+REFERENCE_GATHER_LIMIT = 2 << 30
 
 
 class KernelUnavailable(RuntimeError):
@@ -75,6 +80,11 @@ def thaw() -> None:
     _choice.frozen = False
 
 
+def serving_begins() -> None:
+    """The node serves from now on: shapes first met count as met while serving."""
+    _choice.met_while_serving = 0
+
+
 def shapes_met_while_serving() -> int:
     """Shapes first met after `freeze()`, given the nearest decided shape's implementation."""
     return _choice.met_while_serving
@@ -120,6 +130,11 @@ def paged_attention(query, key_cache, value_cache, batch, scale: float):
             "paged_attention", shape, (bucket(batch.num_single), bucket(batch.query_start_host[-1] - batch.num_single),
                                        bucket(max(batch.seq_lens_host, default=0))), ATTENTION_DIMS))
 
+    if backend(query.device) == FASTEST:
+        gather = r.gather_bytes(key_cache, batch)
+        if gather > REFERENCE_GATHER_LIMIT:
+            return _choice.fixed(key(), triton_fn, f"the torch reference would gather {gather / 2 ** 30:.1f} GiB "
+                                                   "of pages: not timed")
     return _pick(query.device, key, triton_fn, lambda: r.paged_attention(query, key_cache, value_cache, batch, scale))
 
 

@@ -76,6 +76,19 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, slot: int) -> torch
     return out.view(s, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
+def release_scratch() -> None:
+    """Frees this thread's gather buffers (after a node's warm-up timed the references at large
+    shapes: what serving needs is regrown on use)."""
+    _scratch.__dict__.pop("buffers", None)
+
+
+def gather_bytes(key_cache: torch.Tensor, batch: PagedAttentionBatch) -> int:
+    """What the reference's gather of `batch`'s pages takes (keys and values), in bytes."""
+    page, kv_heads, head_dim = key_cache.shape[1:]
+    pages = -(-max(batch.seq_lens_host, default=0) // page)
+    return 2 * batch.num_seqs * pages * page * kv_heads * head_dim * key_cache.element_size()
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     batch: PagedAttentionBatch, scale: float) -> torch.Tensor:
     """Attention of every query token over its sequence's cached keys -> [T, Hq, D]."""

@@ -3,10 +3,12 @@ implementation of every shape it will meet decided (`kernels.choice`), at start,
 step compiles a kernel or stops to time one, and a kernel that cannot run on this GPU is a
 start-up error naming it.
 
-The node (the colocated engine, an attention rank, an expert node) calls the warm-ups for the
-operators it runs, with its own tensors (KV cache, expert weights) and its limits (sequences,
-tokens, context per call), then `finish()`, which freezes the choices, tells the compile watch
-that serving begins, and returns the `KernelReport` the node logs and reports.
+The node (the colocated engine, an attention rank, an expert node) begins a `Warmup`, calls the
+warm-ups for the operators it runs with its own tensors and limits (sequences, tokens, context
+per call), `freeze()`s the choices (and frees what timing the references gathered) before its
+memory profile, whose largest step then runs what serving will run, and `finish()`es after it:
+the compile watch then counts any later build as one while serving, and the node logs and
+reports the `KernelReport`.
 
 The grid: Triton's variants here depend on the model (heads, head dim, page, dtype, expert dims,
 tile row), not on batch sizes (those arguments are `do_not_specialize`), except the grouped
@@ -27,7 +29,7 @@ import torch
 from kernels import dispatch
 from kernels.choice import Decision
 from kernels.compile_watch import WATCH
-from kernels.paged_attention_ref import PagedAttentionBatch
+from kernels.paged_attention_ref import PagedAttentionBatch, release_scratch
 
 log = logging.getLogger("kernels")
 
@@ -102,12 +104,23 @@ class Warmup:
         """Whether this device compiles Triton kernels (CUDA, not the interpreter)."""
         return self.device.type == "cuda" and self.mode != "reference"
 
+    def freeze(self) -> None:
+        """The choices are made: nothing is timed from here on, and the buffers the references'
+        timing gathered are freed (before the memory profile, which would count them)."""
+        if self.active:
+            dispatch.freeze()
+            release_scratch()
+            torch.cuda.empty_cache()
+
     def finish(self) -> KernelReport:
+        """Serving begins (after the memory profile): a Triton variant built from now on is a
+        stall while serving. Returns the report (built: every variant built since `begin`)."""
+        self.freeze()
         report = KernelReport(self.mode, self.why,
                               tuple(dispatch.decisions()) if self.mode == dispatch.FASTEST else (),
                               WATCH.built - self._built, time.perf_counter() - self._start)
         if self.active:
-            dispatch.freeze()
+            dispatch.serving_begins()
             WATCH.serving()
         for line in report.lines():
             log.info(line)
@@ -123,14 +136,15 @@ def _powers(limit: int, step: int) -> list[int]:
     return out + [limit]
 
 
-def attention_grid(max_decodes: int, max_prefill_tokens: int, max_len: int) -> list[tuple[int, int, int]]:
+def attention_grid(max_decodes: int, max_tokens: int, max_len: int) -> list[tuple[int, int, int]]:
     """(decodes, prefill tokens, context) points to decide: decodes and prefill tokens at 0,
-    powers of 16 and the maxima; contexts short (256), middle (geometric) and the longest."""
-    decodes = [0, *_powers(max_decodes, 16)] if max_decodes > 0 else [0]
-    prefill = [0, *[p for p in _powers(max_prefill_tokens, 16) if p >= 16]] if max_prefill_tokens > 0 else [0]
+    powers of 16 and the maxima, within a step's `max_tokens` together; contexts short (256),
+    middle (geometric) and the longest."""
+    decodes = [0, *_powers(min(max_decodes, max_tokens), 16)] if max_decodes > 0 else [0]
+    prefill = [0, *[p for p in _powers(max_tokens, 16) if p >= 16]] if max_tokens > 0 else [0]
     short = min(256, max_len)
     lens = sorted({short, int(math.sqrt(short * max_len)), max_len})
-    return [(d, p, n) for d in decodes for p in prefill for n in lens if (d or p) and p <= n]
+    return [(d, p, n) for d in decodes for p in prefill for n in lens if (d or p) and p <= n and d + p <= max_tokens]
 
 
 def _paged_batch(decodes: int, prefill: int, length: int, page: int, num_blocks: int,
@@ -157,7 +171,7 @@ def warm_up_attention(key_cache: torch.Tensor, value_cache: torch.Tensor, query_
     num_blocks, page, _, head_dim = key_cache.shape
     for decodes, prefill, length in grid:
         batch, tokens = _paged_batch(decodes, prefill, length, page, num_blocks, key_cache.device)
-        query = torch.randn(tokens, query_heads, head_dim, device=key_cache.device).to(key_cache.dtype)
+        query = torch.randn(tokens, query_heads, head_dim, device=key_cache.device, dtype=key_cache.dtype)
         dispatch.paged_attention(query, key_cache, value_cache, batch, scale)
 
 
@@ -165,7 +179,7 @@ def warm_up_gating(num_experts: int, top_k: int, renormalize: bool, expert_node:
                    num_nodes: int, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
     """Fused gating (one variant per model and node map), at the node's token counts."""
     for tokens in _powers(max_tokens, 16):
-        logits = torch.randn(tokens, num_experts, device=device).to(dtype)
+        logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
         dispatch.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
 
 
@@ -176,7 +190,7 @@ def warm_up_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, m
     for pairs in _powers(max_pairs, 4):
         if pairs < top_k and pairs != max_pairs:
             continue
-        x = torch.randn(pairs, hidden, device=w_gate_up.device).to(w_gate_up.dtype)
+        x = torch.randn(pairs, hidden, device=w_gate_up.device, dtype=w_gate_up.dtype)
         per_expert = [pairs * e // experts for e in range(experts + 1)]  # spread evenly: rows per expert as served
         offsets = torch.tensor(per_expert, dtype=torch.int64, device=w_gate_up.device)
         dispatch.grouped_expert_gemm(x, offsets, w_gate_up, w_down, torch.rand(pairs, device=w_gate_up.device))

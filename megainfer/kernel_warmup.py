@@ -1,22 +1,34 @@
 """A node's kernels warmed up at start, from its model and limits (`kernels.startup` does the
 work on tensors): the colocated engine's and an attention rank's attention and gating, an
-expert node's (and the engine's) grouped expert GEMM. Returns the `KernelReport` the node logs
-and reports; on the CPU nothing compiles and the report says which implementation runs."""
+expert node's (and the engine's) grouped expert GEMM. Returns the frozen `Warmup`, whose
+`finish()` (after the memory profile) gives the `KernelReport` the node logs and reports; on
+the CPU nothing compiles and the report says which implementation runs.
+
+It runs after the weights load and before the memory profile (megainfer/memory_profile.py):
+the profile's largest step then runs the implementations serving will run (timing both here
+could otherwise leave the reference's gathered pages in the profile's peak), and the attention
+warm-up reads a small scratch cache of its own (pages alias: it only reads them), not the KV
+cache sized after the profile."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.startup import KernelReport, Warmup, attention_grid, warm_up_attention, warm_up_experts, warm_up_gating
+from kernels.startup import Warmup, attention_grid, warm_up_attention, warm_up_experts, warm_up_gating
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.model.attention_layer import AttentionLayer
 from megainfer.model.expert_layer import ExpertLayer
 
 
-def _attention(warmup: Warmup, layer: AttentionLayer, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               config: EngineConfig, max_model_len: int, cfg: ModelConfig) -> None:
+SCRATCH_BLOCKS = 64  # pages of the warm-up's scratch cache (sequences read them round-robin)
+
+
+def _attention(layer: AttentionLayer, config: EngineConfig, max_model_len: int, cfg: ModelConfig) -> None:
     tokens = config.max_step_tokens
-    key_cache, value_cache = kv_cache
+    weight = layer.qkv_proj.weight
+    shape = (SCRATCH_BLOCKS, config.block_size, layer.num_kv_heads, cfg.head_dim)
+    key_cache = torch.randn(shape, device=weight.device, dtype=weight.dtype)
+    value_cache = torch.randn(shape, device=weight.device, dtype=weight.dtype)
     warm_up_attention(key_cache, value_cache, layer.num_heads, layer.scale,
                       attention_grid(config.max_num_seqs, tokens, max_model_len))
     warm_up_gating(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, layer.expert_node,
@@ -25,28 +37,30 @@ def _attention(warmup: Warmup, layer: AttentionLayer, kv_cache: tuple[torch.Tens
 
 
 @torch.inference_mode()
-def warm_up_engine(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], config: EngineConfig,
-                   max_model_len: int) -> KernelReport:
+def warm_up_engine(model, config: EngineConfig, max_model_len: int) -> Warmup:
     """The colocated engine (both halves) or an attention rank (no expert layers): every
-    operator it runs, at the shapes its config lets a step reach."""
+    operator it runs, at the shapes its config lets a step reach. Frozen, not finished: the
+    caller finishes it after its memory profile."""
     warmup = Warmup(torch.device(config.device))
     if warmup.active:
         cfg = model.cfg
-        _attention(warmup, model.attention_layers[0], kv_caches[0], config, max_model_len, cfg)
+        _attention(model.attention_layers[0], config, max_model_len, cfg)
         if getattr(model, "expert_layers", None):
             experts = model.expert_layers[0]
             warm_up_experts(experts.w_gate_up, experts.w_down, cfg.top_k, config.max_step_tokens * cfg.top_k)
-    return warmup.finish()
+    warmup.freeze()
+    return warmup
 
 
 @torch.inference_mode()
-def warm_up_expert_node(layer: ExpertLayer, top_k: int, max_tokens: int | None) -> KernelReport:
+def warm_up_expert_node(layer: ExpertLayer, top_k: int, max_tokens: int | None) -> Warmup:
     """An expert node: its grouped GEMM with its own weights, up to `max_tokens` per (layer,
-    micro-batch) from all attention nodes."""
+    micro-batch) from all attention nodes. Frozen, not finished (as `warm_up_engine`)."""
     warmup = Warmup(layer.w_gate_up.device)
     if warmup.active:
         if max_tokens is None:
             raise ValueError("max_tokens: an expert node on CUDA needs the most tokens one (layer, micro-batch) "
                              "brings, to build and decide its kernels before serving")
         warm_up_experts(layer.w_gate_up, layer.w_down, top_k, max_tokens * top_k)
-    return warmup.finish()
+    warmup.freeze()
+    return warmup

@@ -56,12 +56,14 @@ class ModelRunner:
         self.model = MoEModel(model_config, self.dtype, self.device, max_model_len)
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
+        # Every kernel variant built and every shape's implementation decided before serving (and
+        # before the memory profile, whose largest step then runs what serving will run).
+        warmup = warm_up_engine(self.model, config, max_model_len)
         kv_budget = self.profile_memory(before, max_model_len)
+        self.kernels = warmup.finish()
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
                                                              kv_budget_bytes=kv_budget)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
-        # Every kernel variant built and every shape's implementation decided before serving.
-        self.kernels = warm_up_engine(self.model, self.kv_caches, config, max_model_len)
         self.cohort_hidden = CohortHiddenStates()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)
@@ -359,7 +361,9 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
     block_tables = torch.tensor(tables, dtype=torch.int64)
     slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     batch = kernels.PagedAttentionBatch(
-        block_tables=block_tables.to(device),
+        # int32, as the kernel warm-up's batches (kernels/startup.py): Triton builds one variant
+        # per pointer type, and a second one here would be built mid-serving.
+        block_tables=block_tables.to(torch.int32).to(device),
         seq_lens=seq_lens_t.to(torch.int32).to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         slot_mapping=slots.to(device),

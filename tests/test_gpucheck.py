@@ -82,7 +82,7 @@ def test_a_short_budget_ends_inside_it_with_what_finished(gpu_machine_env, tmp_p
                           "--budget-s", str(budget)], capture_output=True, text=True, env=gpu_machine_env, timeout=120,
                          cwd=ROOT)
     elapsed = time.monotonic() - start
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 2, out.stdout + out.stderr  # nothing failed, some checks cut off
     assert elapsed < budget + 3  # the interpreter's own start, before the budget's clock
     records = _records(tmp_path)
     assert [r for r in records if r.status is Status.PASSED]  # what finished is kept

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         backend.close()
         raise
     print(f"serving {args.model}:", file=sys.stderr)
-    for line in endpoints.describe():
+    report = backend.engine.runner.kernels  # decided at the engine's start (kernels/startup.py)
+    for line in endpoints.describe() + report.lines():
         print(f"  {line}", file=sys.stderr)
     try:
         wait_for_signal()

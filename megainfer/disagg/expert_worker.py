@@ -93,12 +93,13 @@ class ExpertWorker:
             for layer in tqdm(self.layers, desc=f"loading experts {expert_ids[0]}..{expert_ids[-1]}", unit="layer",
                               disable=not show_progress):
                 layer.load_weights(weights)
+        # Kernels built and decided before serving and before the memory profile (kernel_warmup.py).
+        warmup = warm_up_expert_node(self.layers[0], model_config.top_k, profile_tokens or None)
         if before is not None:
             memory_profile.check_fits(memory_profile.profile(memory_profile.CudaMemory(self.device), before,
                                                              partial(self.profile_step, profile_tokens),
                                                              gpu_memory_utilization))
-        # Every kernel variant built and every shape's implementation decided before serving.
-        self.kernels = warm_up_expert_node(self.layers[0], model_config.top_k, profile_tokens or None)
+        self.kernels = warmup.finish()
         self.steps = 0
         self.tokens = 0  # tokens processed (per layer, summed), for stats
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to

@@ -87,6 +87,18 @@ def tokens_in_node_order(token_ids: torch.Tensor, node_offsets: torch.Tensor, nu
     return (keys.sort().values % num_tokens).to(token_ids.dtype)
 
 
+def expert_node_map(num_experts: int, expert_nodes: list[str], expert_assignment: list[list[int]]) -> torch.Tensor:
+    """[num_experts] int64: the index of the expert node each expert lives on."""
+    if len(expert_nodes) != len(expert_assignment):
+        raise ValueError("one expert-id list per expert node")
+    node_of = torch.full((num_experts,), -1, dtype=torch.int64)
+    for k, ids in enumerate(expert_assignment):
+        node_of[ids] = k
+    if (node_of < 0).any():
+        raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
+    return node_of
+
+
 class PipelinedModelRunner:
     steps_when_idle = True
 
@@ -98,8 +110,6 @@ class PipelinedModelRunner:
         samples and sends each step to the others; every rank runs its heads and dispatches its
         share of the routed tokens. `staging_bytes`: pinned host memory reserved up front per micro-
         batch and direction on CUDA, for the largest messages (0: allocated as the first steps need it)."""
-        if len(expert_nodes) != len(expert_assignment):
-            raise ValueError("one expert-id list per expert node")
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -109,12 +119,7 @@ class PipelinedModelRunner:
         self.link = link
         self.expert_nodes = list(expert_nodes)
         self.m = micro_batches
-        node_of = torch.full((model_config.num_experts,), -1, dtype=torch.int64)
-        for k, ids in enumerate(expert_assignment):
-            node_of[ids] = k
-        if (node_of < 0).any():
-            raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
-        node_of = node_of.to(self.device)
+        node_of = expert_node_map(model_config.num_experts, expert_nodes, expert_assignment).to(self.device)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
         before = memory_profile.baseline(self.device) if config.sizes_kv_from_memory else None
@@ -124,12 +129,14 @@ class PipelinedModelRunner:
             layer.set_expert_nodes(node_of, len(self.expert_nodes))
         with torch.inference_mode():
             self.model.load_weights(weights, show_progress=config.show_progress)
+        # Kernels built and decided before serving and before the memory profile (kernel_warmup.py).
+        warmup = warm_up_engine(self.model, config, max_model_len)
+        kv_budget = self.profile_memory(before, max_model_len)
+        self.kernels = warmup.finish()
         # Each rank caches its own KV heads; all ranks agree on the block count.
         self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device, tp_group,
-                                                             self.profile_memory(before, max_model_len))
+                                                             kv_budget)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
-        # Every kernel variant built and every shape's implementation decided before serving.
-        self.kernels = warm_up_engine(self.model, self.kv_caches, config, max_model_len)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
             link.register(buffer)

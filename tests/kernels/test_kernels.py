@@ -519,9 +519,9 @@ def test_warm_up_decides_a_nodes_shapes_at_start_and_serving_times_nothing(monke
 
     monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=timer))
     cache = PagedCache([64] * 4, 16, 2, 32, torch.float32, seed=0)
-    grid = startup.attention_grid(max_decodes=4, max_prefill_tokens=20, max_len=40)
-    assert grid == [(0, 16, 40), (0, 20, 40), (1, 0, 40), (1, 16, 40), (1, 20, 40), (4, 0, 40), (4, 16, 40),
-                    (4, 20, 40)]
+    grid = startup.attention_grid(max_decodes=4, max_tokens=20, max_len=40)
+    # a step's decodes and prompt tokens together within its 20 tokens
+    assert grid == [(0, 16, 40), (0, 20, 40), (1, 0, 40), (1, 16, 40), (4, 0, 40), (4, 16, 40)]
     startup.warm_up_attention(cache.k, cache.v, 8, 32 ** -0.5, grid)
     startup.warm_up_gating(6, 2, True, None, 0, 20, torch.float32, torch.device("cpu"))
     w_gate_up, w_down = torch.randn(3, 24, 32) * 0.1, torch.randn(3, 32, 12) * 0.1
@@ -531,8 +531,8 @@ def test_warm_up_decides_a_nodes_shapes_at_start_and_serving_times_nothing(monke
     attention = [d for d in dispatch.decisions() if d.op == "paged_attention"]
     assert len(attention) == len(grid)  # each point its own bucket
     report = startup.KernelReport(dispatch.FASTEST, "timed", tuple(dispatch.decisions()))
-    assert report.by_operator()["paged_attention"] == {TRITON: 8}
-    assert "paged_attention: triton on 8 shapes" in "\n".join(report.lines())
+    assert report.by_operator()["paged_attention"] == {TRITON: 6}
+    assert "paged_attention: triton on 6 shapes" in "\n".join(report.lines())
 
     dispatch.freeze()
     timed.clear()
@@ -552,3 +552,46 @@ def test_kernel_report_on_the_cpu_names_the_references_and_why():
     report = warmup.finish()
     assert report.mode == "reference" and report.lines(timing=False) == [
         "kernels: reference (cpu tensors: the torch references (the Triton kernels run on CUDA))"]
+
+
+def test_the_warm_up_batches_carry_the_dtypes_serving_does():
+    """Triton builds a variant per pointer type: a warm-up batch whose block tables or lengths had
+    another dtype than serving's would leave serving's variant to be built mid-serving."""
+    from types import SimpleNamespace
+
+    from kernels import startup
+    from megainfer.model_runner import prepare_batch
+
+    seqs = [SimpleNamespace(num_computed_tokens=9, token_ids=list(range(10)), block_table=[3]),
+            SimpleNamespace(num_computed_tokens=0, token_ids=list(range(5)), block_table=[4])]
+    _, _, serving = prepare_batch(seqs, [1, 5], 1, 16, torch.device("cpu"))
+    warm, _ = startup._paged_batch(1, 5, 10, 16, 8, torch.device("cpu"))
+    for field in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
+        assert getattr(warm, field).dtype == getattr(serving, field).dtype, field
+
+
+def test_a_failing_reference_decides_for_triton_and_says_why():
+    choice = ShapeChoice(timer=lambda fn, reps, warmup: (1.0, fn()))
+    key = ShapeKey("op", (), (8,))
+
+    def broken():
+        raise RuntimeError("cuDNN: no kernel for this shape")
+
+    assert choice.run(key, lambda: TRITON, broken) == TRITON
+    assert "reference failed" in choice.decisions[key].reason and "cuDNN" in choice.decisions[key].reason
+
+
+def test_the_reference_is_not_timed_where_it_would_gather_too_much(monkeypatch):
+    """A shape whose pages the reference would gather beyond the limit runs Triton untimed."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device: dispatch.FASTEST)
+    timed = []
+    monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=lambda fn, reps, warmup: timed.append(fn)))
+    monkeypatch.setattr(dispatch, "REFERENCE_GATHER_LIMIT", 1024)
+    cache = PagedCache([40, 33], 16, 2, 32, torch.float32, seed=2)
+    batch, starts = batch_of(cache, [1, 1])
+    q = torch.randn(starts[-1], 8, 32)
+    out = dispatch.paged_attention(q, cache.k, cache.v, batch, 32 ** -0.5)
+    torch.testing.assert_close(out, expected(cache, q, starts, 32 ** -0.5), **TOL[torch.float32])
+    (decision,) = dispatch.decisions()
+    assert not timed and decision.implementation == TRITON and "would gather" in decision.reason

@@ -444,13 +444,16 @@ def test_megainfer_serve_prints_its_http_url_and_stops_on_sigint(mixtral_ref, tm
                              "--chat-template", str(template), "--max-model-len", "64", "--num-kv-blocks", "16"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
-        url = None
+        url, start_up = None, []
         for line in proc.stderr:
+            start_up.append(line)
+            if line.strip().startswith("kernels:"):  # which implementation the kernels run: the last line
+                break
             found = re.search(r"HTTP API on (http://\S+)/v1", line)
             if found:
                 url = found.group(1)
-                break
         assert url is not None, "no HTTP URL printed"
+        assert "kernels: reference (cpu tensors" in start_up[-1], start_up
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["a", "b"]
         assert c.models.list().data[0].max_model_len == 64

@@ -154,9 +154,16 @@ def expert_node(spec: PairSpec, conn) -> None:
         conn.send(traceback.format_exc())
 
 
-def _receive(conn, who: str):
-    if not conn.poll(WAIT_S):
-        raise TimeoutError(f"the {who} process said nothing for {WAIT_S} s")
+def _receive(conn, who: str, processes) -> object:
+    """The next word of the `who` process; an error as soon as any of `processes` died silently."""
+    deadline = time.monotonic() + WAIT_S
+    while not conn.poll(1.0):
+        dead = [p for p in processes if p.exitcode not in (None, 0)]
+        if dead and not conn.poll(0):
+            raise RuntimeError(f"a node process died with exit code {dead[0].exitcode} before the {who} process "
+                               "answered")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {who} process said nothing for {WAIT_S} s")
     message = conn.recv()
     if isinstance(message, str) and "Traceback" in message:
         raise RuntimeError(f"the {who} process failed:\n{message}")
@@ -172,11 +179,11 @@ def run_pair(spec: PairSpec, prompts: list[list[int]]) -> tuple[AttentionResult,
     for process in processes:
         process.start()
     try:
-        attention_address = _receive(attention_conn, "attention")
-        expert_address = _receive(expert_conn, "expert")
+        attention_address = _receive(attention_conn, "attention", processes)
+        expert_address = _receive(expert_conn, "expert", processes)
         attention_conn.send({EXPERT: expert_address})
         expert_conn.send({ATTENTION: attention_address})
-        return _receive(attention_conn, "attention"), _receive(expert_conn, "expert")
+        return _receive(attention_conn, "attention", processes), _receive(expert_conn, "expert", processes)
     finally:
         for process in processes:
             process.join(10)

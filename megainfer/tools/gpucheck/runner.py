@@ -115,7 +115,7 @@ class Runner:
         if not_run:
             print(f"{len(not_run)} check(s) not run or cut off: the budget ({self.budget_s:g} s) ran out; "
                   "raise --budget-s or pick checks with --checks", flush=True)
-        return 1 if failed else 0
+        return 1 if failed else 2 if not_run else 0
 
     def _left(self) -> float:
         return self.deadline - SUMMARY_RESERVE_S - time.time()
@@ -184,7 +184,9 @@ class Runner:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megainfer.gpucheck",
-                                     description="Everything a GPU machine should tell megainfer, in one command.")
+                                     description="Everything a GPU machine should tell megainfer, in one command. "
+                                                 "Exit status: 0 all ran and none failed, 1 a check failed, 2 none "
+                                                 "failed but the budget cut some off.")
     parser.add_argument("--out", required=True, type=Path, help="folder for gpucheck.jsonl, gpucheck.md, gpucheck.log")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"stop by then, keeping what finished (default {DEFAULT_BUDGET_S:g})")
