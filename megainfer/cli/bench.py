@@ -51,6 +51,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                   "chart (PNG)")
     m.set_defaults(run=_run_m2n)
 
+    h = benches.add_parser(
+        "host", help="the host's CPU time per M2N round at a plan's scale (attention rank and expert node)",
+        description="The runner's dispatch and combine to the plan's N expert nodes, and the expert worker's "
+                    "round with the plan's M attention ranks, through the real code with the model compute "
+                    "stubbed: CPU microseconds per round (every thread of the measured process), per step, and "
+                    "against the plan's predicted t_a and t_e; at 4 KiB messages and at the plan's own size.")
+    h.add_argument("plan", help="plan.yaml (e.g. deploy/plans/qwen3-235b-h20-l40s.yaml)")
+    h.add_argument("--rounds", type=positive_int, default=400, help="timed rounds per side and size")
+    h.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    h.set_defaults(run=_run_host)
+
     pl = benches.add_parser("pipeline", help="decode throughput of a deployment for several micro-batch counts",
                             description="Deploy the plan once per micro-batch count (one Ray session) and measure "
                                         "decode throughput of a fixed workload on each.")
@@ -180,6 +191,12 @@ def _run_engine(args: argparse.Namespace) -> int:
                            output_len=args.output_len, seed=args.workload_seed, vs_hf=args.vs_hf,
                            hf_batch_size=args.hf_batch_size)
     return run_engine_bench(spec, engine_config(args), json_path=args.json)
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    from megainfer.tools.host_cost import run
+
+    return run(args.plan, args.rounds, args.json)
 
 
 def _run_m2n(args: argparse.Namespace) -> int:

@@ -1,0 +1,309 @@
+"""`megainfer bench host PLAN`: the host's CPU time per M2N round at the plan's scale.
+
+MegaScale-Infer's gain rests on a (layer, micro-batch)'s exchange fitting inside its compute,
+t_a on the attention side and t_e on the expert side. This measures what the host spends per
+round through the real code, with the model compute stubbed:
+
+- attention rank: one round is the runner's dispatch of (layer, j) to the plan's N expert
+  nodes and the combine of their N answers (`PipelinedModelRunner._send_dispatch` through
+  `_combine`: the per-peer slicing, the sends, the receives and releases; the answers' sum
+  into the residual is left out, device work on a GPU), the N expert nodes echoing from one
+  other process;
+- expert node: one (layer, micro-batch) of `ExpertWorker.run_step` (receive from every
+  attention rank, unpack, the experts replaced by zeros, answer every rank), the plan's M
+  attention ranks sending from one other process.
+
+CPU time is `time.process_time` of the measured process: every thread of it, so work moved to
+a progress thread is not hidden. Message sizes: a 4 KiB variant (one token per peer, in a
+model whose record is 4 KiB: isolates the per-message cost) and the plan's own (each rank's
+share of a micro-batch's decodes, the share of them routed to one expert node, in the plan's
+model). Reported beside the plan's predicted t_a and t_e. The pure-Python path is the only one
+today (`python`); the compiled core of issue 31 adds its own row (`core`) in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from megainfer.bench.report import format_table
+from megainfer.config import EngineConfig, ModelConfig, resolve_model
+from megainfer.disagg.expert_link import BUSY, record_bytes
+from megainfer.plan import Plan
+from transport import Endpoint, EndpointSpec, PeerClosed, PeerTimeout
+
+SECRET = b"megainfer-bench-host-secret-0123"
+SMALL_RECORD = 4096  # bytes: the per-message-cost variant's one-token message
+DTYPE = torch.bfloat16
+TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class HostScale:
+    """What the plan sets for one attention rank and one expert node."""
+
+    expert_nodes: int  # N: peers of one attention rank
+    attention_ranks: int  # M: peers of one expert node (attention nodes x their tp)
+    micro_batches: int
+    layers: int
+    hidden: int
+    top_k: int
+    experts: int
+    experts_per_node: int
+    tokens_per_peer: int  # the plan's message: one rank's tokens of a micro-batch routed to one expert node
+    t_a_ms: float  # the plan's predicted attention time of one (layer, micro-batch); 0: the plan predicts none
+    t_e_ms: float
+
+    @property
+    def rounds_per_step(self) -> int:
+        return self.layers * self.micro_batches
+
+
+def routed_share(experts: int, per_node: int, top_k: int) -> float:
+    """The chance a token's top-k experts include one of a node's `per_node` (uniform routing)."""
+    return 1.0 - math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
+
+
+def hidden_for_record(record: int, top_k: int) -> int:
+    """The bf16 hidden size whose dispatch record (hidden state, k int32 ids, k float32 weights)
+    takes `record` bytes: 2,016 at top-8 for 4 KiB."""
+    hidden = (record - 2 * 4 * top_k) // DTYPE.itemsize
+    return hidden - hidden % 2  # hidden * 2 bytes stays a multiple of 4 (the record's alignment)
+
+
+def scale_of(plan: Plan) -> HostScale:
+    model, _ = resolve_model(plan.model)
+    per_node = len(plan.expert_assignment(model)[0])
+    # Decode: every running sequence is one token of one micro-batch; a rank sends its 1/tp share.
+    tokens = plan.scheduler.max_num_seqs / plan.pipeline.micro_batches / plan.attention.tp
+    share = routed_share(model.num_experts, per_node, model.top_k)
+    predicted = plan.predicted
+    return HostScale(plan.experts.nodes, plan.attention.nodes * plan.attention.tp, plan.pipeline.micro_batches,
+                     model.num_layers, model.hidden_size, model.top_k, model.num_experts, per_node,
+                     max(1, math.ceil(tokens * share)), predicted.t_a_ms if predicted else 0.0,
+                     predicted.t_e_ms if predicted else 0.0)
+
+
+def _stub_model(scale: HostScale, hidden: int) -> ModelConfig:
+    """One layer of the plan's routing shape at `hidden`, everything else tiny (compute is stubbed)."""
+    return ModelConfig(model_type="qwen3_moe", vocab_size=256, hidden_size=hidden, num_layers=1, num_heads=4,
+                       num_kv_heads=4, head_dim=16, num_experts=scale.experts, top_k=scale.top_k,
+                       expert_intermediate_size=16, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                       max_position_embeddings=4096, name="bench-host")
+
+
+def _endpoint(name: str, rank: int, slot_bytes: int, slots: int) -> Endpoint:
+    return Endpoint(EndpointSpec(name=name, rank=rank, secret=SECRET, listen="127.0.0.1:0", slot_bytes=slot_bytes,
+                                 num_slots=slots, backend="shm", timeout_s=TIMEOUT_S))
+
+
+def _connect_all(endpoints: list[Endpoint], peer: str, address: str) -> None:
+    """Each endpoint to the one measured peer, concurrently (the measured side waits for all)."""
+    errors: list[BaseException] = []
+
+    def run(ep: Endpoint) -> None:
+        try:
+            ep.connect({peer: address})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(ep,)) for ep in endpoints]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    if errors:
+        raise errors[0]
+
+
+# -- the peers, in one other process -----------------------------------------------------------------------
+def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_bytes: int, max_tokens: int,
+                  conn) -> None:
+    """N expert nodes that answer each dispatch with token_count zero rows, until the rank leaves."""
+    try:
+        torch.set_num_threads(1)
+        endpoints = [_endpoint(n, 100 + i, slot_bytes, slots) for i, n in enumerate(names)]
+        conn.send([ep.address for ep in endpoints])
+        _connect_all(endpoints, "attention0", conn.recv())
+        zeros = bytes(answer_row_bytes * max_tokens)
+        while True:
+            for ep in endpoints:
+                msg = ep.poll("attention0")
+                if msg is None:
+                    continue
+                h = msg.header
+                msg.release()
+                ep.send("attention0", memoryview(zeros)[:h.token_count * answer_row_bytes], step=h.step,
+                        layer=h.layer, micro_batch=h.micro_batch, token_count=h.token_count, flags=BUSY)
+    except PeerClosed:
+        pass
+    except BaseException:
+        conn.send(traceback.format_exc())
+
+
+def _attention_senders(names: list[str], slot_bytes: int, slots: int, record_size: int, tokens: int,
+                       conn) -> None:
+    """M attention ranks that send each (layer 0, j) of every step and take its answer, until the node leaves."""
+    try:
+        torch.set_num_threads(1)
+        endpoints = [_endpoint(n, i, slot_bytes, slots) for i, n in enumerate(names)]
+        conn.send([ep.address for ep in endpoints])
+        _connect_all(endpoints, "experts0", conn.recv())
+        payload = memoryview(bytes(tokens * record_size))
+        step = 0
+        while True:
+            for j in range(slots):
+                for ep in endpoints:
+                    ep.send("experts0", payload, step=step, layer=0, micro_batch=j, token_count=tokens)
+            for j in range(slots):
+                for ep in endpoints:
+                    ep.recv("experts0", micro_batch=j).release()
+            step = (step + 1) & 0xFFFFFFFF
+    except (PeerClosed, PeerTimeout):
+        pass
+    except BaseException:
+        conn.send(traceback.format_exc())
+
+
+def _start(target, args) -> tuple[mp.Process, object, list[str]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(*args, child), daemon=True)
+    process.start()
+    if not parent.poll(TIMEOUT_S):
+        raise RuntimeError("the peers' process did not start")
+    addresses = parent.recv()
+    if isinstance(addresses, str):
+        raise RuntimeError(f"the peers' process failed:\n{addresses}")
+    return process, parent, addresses
+
+
+# -- the measured sides ------------------------------------------------------------------------------------
+@dataclass
+class RoundCost:
+    side: str  # "attention" or "expert"
+    peers: int
+    message_bytes: int
+    cpu_us: float  # CPU time of the measured process per round (every thread)
+    wall_us: float
+
+    def per_step_ms(self, scale: HostScale) -> float:
+        return self.cpu_us * scale.rounds_per_step / 1e3
+
+
+def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, rounds: int) -> RoundCost:
+    from megainfer.disagg.pipelined_runner import PendingDispatch, PipelinedModelRunner
+    from megainfer.model.weights import RandomWeights
+
+    n, m = scale.expert_nodes, scale.micro_batches
+    model = _stub_model(scale, hidden)
+    rec = record_bytes(hidden, scale.top_k, DTYPE)
+    answer_row = hidden * DTYPE.itemsize
+    names = [f"experts{k}" for k in range(n)]
+    process, conn, addresses = _start(_echo_experts, (names, tokens_per_peer * rec, m, answer_row, tokens_per_peer))
+    link = _endpoint("attention0", 0, tokens_per_peer * answer_row, m)
+    try:
+        conn.send(link.address)
+        link.connect(dict(zip(names, addresses)))
+        per = scale.experts // n
+        runner = PipelinedModelRunner(model, EngineConfig(dtype="bfloat16", num_kv_blocks=4, block_size=16),
+                                      RandomWeights(), 64, link=link, expert_nodes=names,
+                                      expert_assignment=[list(range(k * per, (k + 1) * per)) for k in range(n)],
+                                      micro_batches=m)
+        rows = n * tokens_per_peer
+        records = torch.zeros(rows, rec, dtype=torch.uint8)
+        offsets = torch.arange(0, rows + 1, tokens_per_peer, dtype=torch.int64)
+        token_ids = torch.arange(rows)
+        runner._busy = False  # what `_pass_layers` sets at a step's start: the rounds below are one step's
+
+        def one_round(j: int) -> None:
+            runner._outbox.append(PendingDispatch(0, j, runner.staging.to_host([records, offsets], slot=j), token_ids))
+            # No residual: the answers' sum into it is device work on a GPU (here it would be CPU
+            # compute, not host cost); what the host does with the messages stays.
+            runner._combine(0, j, None)
+
+        with torch.inference_mode():
+            for i in range(max(10, rounds // 10)):  # warm-up
+                one_round(i % m)
+            cpu, wall = time.process_time(), time.perf_counter()
+            for i in range(rounds):
+                one_round(i % m)
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:
+        link.close()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    return RoundCost("attention", n, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
+
+
+def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: int) -> RoundCost:
+    from megainfer.disagg.expert_worker import ExpertWorker
+    from megainfer.model.weights import RandomWeights
+
+    senders, m = scale.attention_ranks, scale.micro_batches
+    model = _stub_model(scale, hidden)
+    rec = record_bytes(hidden, scale.top_k, DTYPE)
+    names = [f"attention{a}" for a in range(senders)]
+    process, conn, addresses = _start(_attention_senders, (names, tokens_per_peer * hidden * DTYPE.itemsize, m, rec,
+                                                           tokens_per_peer))
+    link = _endpoint("experts0", 100, tokens_per_peer * rec, m)
+    try:
+        conn.send(link.address)
+        link.connect(dict(zip(names, addresses)))
+        worker = ExpertWorker(model, list(range(scale.experts_per_node)), "bfloat16", "cpu", RandomWeights(),
+                              attention_nodes=names, micro_batches=m, link=link)
+        worker.layers = [lambda x, ids, weights: torch.zeros_like(x)]  # the experts' GEMMs stubbed
+        for _ in range(max(3, steps // 10)):  # warm-up
+            worker.run_step()
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            worker.run_step()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:
+        link.close()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    rounds = steps * m
+    return RoundCost("expert", senders, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
+
+
+def run(plan_path: str, rounds: int, json_path: str | None) -> int:
+    import json
+
+    plan = Plan.load(plan_path)
+    scale = scale_of(plan)
+    torch.set_num_threads(1)
+    rows, results = [], {}
+    variants = (("4KiB", hidden_for_record(SMALL_RECORD, scale.top_k), 1), ("plan", scale.hidden, scale.tokens_per_peer))
+    for label, hidden, tokens in variants:
+        attention = measure_attention(scale, hidden, tokens, rounds)
+        expert = measure_expert(scale, hidden, tokens, max(1, rounds // scale.micro_batches))
+        for cost, budget in ((attention, scale.t_a_ms), (expert, scale.t_e_ms)):
+            ratio = f"{cost.cpu_us / (budget * 1e3):.1f}" if budget else "-"
+            rows.append([cost.side, "python", label, cost.peers, cost.message_bytes, f"{cost.cpu_us:,.0f}",
+                         f"{cost.wall_us:,.0f}", f"{cost.per_step_ms(scale):,.1f}", ratio])
+            results[f"{cost.side}_round_cpu_us" + ("" if label == "4KiB" else "_plan_size")] = {
+                "python": dataclasses.asdict(cost), "core": None}
+    print(f"{plan_path}: {scale.rounds_per_step} rounds per step ({scale.layers} layers x m = {scale.micro_batches}); "
+          f"an attention rank exchanges with N = {scale.expert_nodes} expert nodes, an expert node with M = "
+          f"{scale.attention_ranks} attention ranks; the plan's message {scale.tokens_per_peer} tokens "
+          f"({routed_share(scale.experts, scale.experts_per_node, scale.top_k):.0%} of a rank's micro-batch reach "
+          f"one node); predicted t_a {scale.t_a_ms:.3f} ms, t_e {scale.t_e_ms:.3f} ms"
+          + ("" if scale.t_a_ms else " (the plan predicts none)"))
+    print(format_table(["side", "path", "message", "peers", "bytes", "CPU us/round", "wall us/round", "CPU ms/step",
+                        "x t_a or t_e"], rows))
+    print("path python: the pure-Python backends, one call per message (no compiled core exists yet: issue 31)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"benchmark": "host", "plan": plan_path, "scale": dataclasses.asdict(scale), **results}, f,
+                      indent=2)
+    return 0

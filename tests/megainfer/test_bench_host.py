@@ -1,0 +1,45 @@
+"""`megainfer bench host PLAN`: the host's CPU time per M2N round through the real runner and
+expert worker (compute stubbed), at a plan's scale; here a small CPU plan, few rounds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from megainfer.plan import Plan
+from megainfer.tools.host_cost import routed_share, scale_of
+from tests.helpers import ROOT, megainfer
+
+PLAN_235B = ROOT / "deploy" / "plans" / "qwen3-235b-h20-l40s.yaml"
+
+
+def test_the_plans_scale_is_read_as_the_host_sees_it():
+    scale = scale_of(Plan.load(PLAN_235B))
+    assert (scale.expert_nodes, scale.attention_ranks, scale.micro_batches, scale.layers) == (32, 20, 4, 94)
+    assert scale.rounds_per_step == 376 and scale.experts_per_node == 4
+    # 4 of 128 experts on a node, top-8: 1 - C(124, 8) / C(128, 8) of a rank's tokens reach it.
+    assert math.isclose(routed_share(128, 4, 8), 1 - math.comb(124, 8) / math.comb(128, 8))
+    assert 20 <= scale.tokens_per_peer <= 40  # ~29 tokens of 8,256-byte records: ~230 KiB per message
+
+
+def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
+    path = tmp_path / "host.json"
+    out = megainfer("bench", "host", str(ROOT / "deploy" / "plans" / "tiny-cpu-2a.yaml"), "--rounds", "20",
+                    "--json", str(path), timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "CPU us/round" in out.stdout and "attention  python" in out.stdout and "expert     python" in out.stdout
+    result = json.loads(path.read_text())
+    for key in ("attention_round_cpu_us", "expert_round_cpu_us", "attention_round_cpu_us_plan_size",
+                "expert_round_cpu_us_plan_size"):
+        python = result[key]["python"]
+        assert python["cpu_us"] > 0 and python["wall_us"] > 0 and python["peers"] >= 1, key
+        assert result[key]["core"] is None  # no compiled core yet
+    assert result["attention_round_cpu_us"]["python"]["message_bytes"] == 4096
+
+
+def test_the_small_variant_sends_4_kib_records():
+    from megainfer.disagg.expert_link import record_bytes
+    from megainfer.tools.host_cost import DTYPE, hidden_for_record
+
+    for top_k in (1, 2, 4, 8):
+        assert record_bytes(hidden_for_record(4096, top_k), top_k, DTYPE) == 4096
