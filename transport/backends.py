@@ -3,7 +3,9 @@ the channels of a peer pair once its backend is chosen (transport/selection.py c
 
 Resources are made when first needed: the doorbell at once where shm is possible, the RDMA
 context when a pair chooses rdma (on the device the probe chose), the NIXL agent when a pair
-chooses nixl (with every send buffer declared so far registered on it).
+chooses nixl (with every send buffer declared so far registered on it). The acceptor serves
+each connection on a thread of its own, so the agent is made under a lock: one agent per
+endpoint, whatever number of peers connect at once.
 
 RDMA is offered only where the probe passed for the regions wiring will register (`rdma.Wiring`:
 the peers expected, this endpoint's slots and the peers'); connecting more peers than that
@@ -19,6 +21,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 
 from transport import nixl, rdma, rdma_host
 from transport.errors import BackendUnavailable
@@ -82,6 +85,7 @@ class BackendSet:
         self.doorbell = Doorbell() if self.capabilities.shm else None
         self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
         self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
+        self._nixl_lock = threading.Lock()  # handshake threads ask for the agent at once
         self._sources: list = []  # send buffers declared with register()
         self._inbound_ids = itertools.count()
 
@@ -169,16 +173,20 @@ class BackendSet:
 
     def register(self, buffer) -> None:
         """A host buffer payloads will be sent from (see Endpoint.register)."""
-        self._sources.append(buffer)
-        if self._nixl is not None:
-            self._nixl.register_source(buffer)
+        with self._nixl_lock:
+            self._sources.append(buffer)
+            if self._nixl is not None:
+                self._nixl.register_source(buffer)
 
     def renew(self) -> None:
         """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
-        peer failed crashes NIXL (SIGSEGV in transfer or get_new_notifs, 2 runs in 3)."""
-        if self._nixl is not None:
-            self._nixl.close()
-            self._nixl = None
+        peer failed crashes NIXL (SIGSEGV in transfer or get_new_notifs, 2 runs in 3). The old
+        one is torn down in the order transport/nixl_agent.py gives (or kept, where a write
+        is still in flight)."""
+        with self._nixl_lock:
+            agent, self._nixl = self._nixl, None
+        if agent is not None:
+            agent.close()
 
     def close(self) -> None:
         if self.doorbell is not None:
@@ -194,8 +202,10 @@ class BackendSet:
         return self._rdma
 
     def _nixl_agent(self) -> NixlAgent:
-        if self._nixl is None:
-            self._nixl = NixlAgent(self.name)
-            for buffer in self._sources:
-                self._nixl.register_source(buffer)
-        return self._nixl
+        with self._nixl_lock:
+            if self._nixl is None:
+                agent = NixlAgent(self.name)
+                for buffer in self._sources:
+                    agent.register_source(buffer)
+                self._nixl = agent
+            return self._nixl

@@ -269,8 +269,9 @@ class Endpoint:
         """The rest of a message: for tcp, what the kernel could not take at once, written as
         the socket drains, while every inbound tcp connection is read into its slots, so a
         peer that is sending to this endpoint at the same time is never left waiting for a
-        reader (full duplex: two senders never block each other); for nixl, the write until
-        it completes. Returns once the message is all out, so the caller may reuse its buffer."""
+        reader (full duplex: two senders never block each other). Returns once the message is
+        all out, so the caller may reuse its buffer. (nixl never comes here: its send returns
+        once the write is posted, transport/nixl.py.)"""
         peer = channel.peer
         deadline = time.monotonic() + limit
         readers = {ch.sock: name for name, ch in self.inbound.items()
@@ -496,8 +497,10 @@ class Endpoint:
     def register(self, buffer) -> None:
         """Declare a host buffer (a contiguous CPU torch tensor) that payloads will be sent
         from, for the life of this endpoint. Backends that write from registered memory
-        (nixl) then send a payload lying in it without copying it to staging first. A hint:
-        payloads anywhere else still work, through staging."""
+        (nixl) then send a payload lying in it without copying it to staging first, after
+        `send` returned: its bytes must stay as they are until the receiver has the message
+        (its answer came back, or its slot was released). A hint: payloads anywhere else
+        still work, through staging."""
         self.backends.register(buffer)
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":

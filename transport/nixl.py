@@ -1,9 +1,13 @@
 """NIXL channels: one-sided writes through NVIDIA's Inference Xfer Library (UCX underneath).
 
-Each endpoint owns one NIXL agent (`NixlAgent`), made when the first peer pair chooses nixl.
-The receiver of a channel registers its slot region with the agent once; the sender
-registers a staging region of the same shape once. Their agents' metadata and the slot
-region's address cross over the authenticated control connection, then:
+Each endpoint owns one NIXL agent (transport/nixl_agent.py), made when the first peer pair
+chooses nixl. The receiver of a channel registers its slot region with the agent once; the
+sender registers a staging region of the same shape once. Their agents' metadata and the
+slot region's address cross over the authenticated control connection; the sender then
+prepares two descriptor lists per peer, once (NIXL's prep_xfer_dlist): its staging slots and
+the peer's slots, each slot's payload cut into BLOCK_BYTES blocks, so a message is a
+`make_prepped_xfer` of its slot's first blocks (NIXL merges the neighbours into one write)
+and no descriptor is built per send. Then:
 
     sender                                   receiver
     copy payload into staging slot k
@@ -13,11 +17,26 @@ region's address cross over the authenticated control connection, then:
                                    <-----    release: notification CREDIT | k
     slot k may be written again
 
+A message is written whole blocks at a time: up to BLOCK_BYTES - 1 bytes past its end, from
+its own staging slot into its own slot of the peer, which reads only the header's length.
+A payload lying in a buffer declared with `Endpoint.register` is written from where it lies
+(no staging copy); its address is arbitrary, so that write's descriptors are made per call.
+
+`send` returns once the write is posted, never waiting for it: the agent completes it later
+(the next call on any of its channels, or its completer thread), and NIXL sends the
+notification then, after the bytes. A staging slot is written again only once its credit is
+back (which follows its notification, so the write completed) and the agent has seen the
+write's handle finish (the notification can arrive before the sender's UCX has seen it
+leave); a write that failed is raised by the channel's next call. A payload sent from a registered buffer must
+stay as it is until the receiver has the message (its answer came back, or its slot was
+released): the deployment's pinned staging is rewritten only after the answer to the
+message it held.
+
 A header-only message (no payload) is a bare notification: it writes no slot, so it holds
-none and its release returns no credit. Notifications are the only
-signal either way; they carry 1 kind byte, then the 32-byte message header (DATA) or the
-u16 slot (CREDIT). A receiver hands messages out in sequence order (a header-only
-notification can overtake the notification of a large write still in flight).
+none and its release returns no credit. Notifications are the only signal either way; they
+carry 1 kind byte, then the 32-byte message header (DATA) or the u16 slot (CREDIT). Writes
+complete out of order (a header-only notification, or a small write, can overtake a large
+write still in flight): a receiver hands messages out in sequence order.
 
 Each header is checked as its notification arrives (transport/wire_rules.py: magic, sender,
 length), its sequence number must lie within REORDER_WINDOW past the next expected one and
@@ -27,261 +46,34 @@ never against another peer's channel. A WRITE lands before its notification, so 
 writes into a slot still held has spoiled that slot by the time it is caught: its own slots
 only, since every channel has its own region.
 
-`send` returns once the write is done (the staging slot is then free again). Each agent
-runs NIXL's progress thread, napping 100 us between polls (`_new_agent` says why), so a
-message moves while either end computes; the endpoint also polls while it waits, since
-notifications do not wake a selector. The control connection stays open only to notice a
-peer that goes away.
+Each agent runs NIXL's progress thread, napping 100 us between polls (transport/nixl_agent.py
+says why); the endpoint polls while it waits, since notifications do not wake a selector.
+The control connection stays open only to notice a peer that goes away.
 
-Here NIXL runs on host memory over UCX's shared-memory and TCP transports; on a cluster
-UCX picks RDMA verbs without code changes. A receive region may be placed on a CUDA device
+Here NIXL runs on host memory over UCX's shared-memory and TCP transports; on a cluster UCX
+picks RDMA verbs without code changes. A receive region may be placed on a CUDA device
 (registered as VRAM); `Endpoint` keeps slots in host memory today.
 """
 
 from __future__ import annotations
 
-import secrets
 import socket
-import struct
-import threading
-from collections import deque
 
 import numpy as np
 
-from transport.errors import BackendUnavailable, HandshakeError, PeerClosed
+from transport.errors import HandshakeError, PeerClosed
+from transport.nixl_agent import CREDIT_SLOT, NOTIF_CREDIT, NOTIF_DATA, NixlAgent, available
 from transport.shm import PAYLOAD_OFFSET, slot_stride
 from transport.wire import HEADER, HEADER_BYTES, SEQ_MASK, Header, recv_json, send_json
 from transport.wire_rules import InboundRules, broke
 
-NOTIF_DATA, NOTIF_CREDIT = b"D", b"C"
+__all__ = ["NOTIF_CREDIT", "NOTIF_DATA", "NixlAgent", "NixlInbound", "NixlOutbound", "available", "slot_region"]
+
 NO_SLOT = -1  # a header-only message: it travels in its notification and occupies no slot
-CREDIT_SLOT = struct.Struct("<H")
-PROGRESS_THREAD_DELAY_US = 100  # the progress thread's nap between polls of the UCX worker
+BLOCK_BYTES = 4096  # the unit of a prepared write: a message is written in whole blocks of its slot
 # How far past the next expected sequence number a notification may arrive (header-only ones
 # overtake a write's; they hold no slot, so the slots do not bound this); beyond it, a skip.
 REORDER_WINDOW = 1024
-
-
-def _api():
-    """NIXL's Python module: the `nixl` meta package where installed, else the CUDA 12 build."""
-    try:
-        import nixl._api as api
-    except ImportError:
-        import nixl_cu12._api as api
-    return api
-
-
-_CONSTRUCTING = threading.Lock()
-
-
-def _new_agent(name: str):
-    """A NIXL agent with UCX and a progress thread that naps PROGRESS_THREAD_DELAY_US between
-    polls. NIXL's Python wrapper hard-codes a delay of 0, a busy-spinning thread: measured on
-    this 2-core host a notification then took 6 ms (p50), against 80 us with the nap. The
-    wrapper builds its config object and hands it to the binding's agent constructor; that
-    one call is intercepted to set the delay."""
-    api = _api()
-    binding = api.nixlBind
-    make_agent = binding.nixlAgent
-
-    def with_delay(agent_name, config):
-        config.pthrDelay = PROGRESS_THREAD_DELAY_US
-        return make_agent(agent_name, config)
-
-    # Strict sync: an endpoint's connector and acceptor threads handshake at once, beside the
-    # progress thread.
-    config = api.nixl_agent_config(enable_prog_thread=True, backends=[],  # UCX added below, with its parameters
-                                   sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-    with _CONSTRUCTING:
-        binding.nixlAgent = with_delay
-        try:
-            agent = api.nixl_agent(name, config)
-        finally:
-            binding.nixlAgent = make_agent
-    # No UCX peer-error mode: with it UCX keeps shared memory out of active messages (shm has
-    # no peer failure handler), so on one host every notification went over TCP loopback
-    # (7.6 us a notification against 2.2 us here). A failed peer is ours to notice: the
-    # control connection closes (PeerClosed) and every wait has a deadline (PeerTimeout).
-    agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
-    return agent
-
-
-def available() -> tuple[bool, str]:
-    """(True, "") where NIXL imports with a UCX plugin; otherwise (False, the reason)."""
-    try:
-        _api()
-    except ImportError:
-        return False, 'NIXL is not installed (pip install -e ".[nixl]", which installs nixl-cu12)'
-    except OSError as exc:  # a shared library the wheel needs is missing
-        return False, f"NIXL does not load ({exc})"
-    return True, ""
-
-
-class NixlAgent:
-    """This endpoint's agent: registers regions, knows its peers' agents, sorts notifications
-    into per-peer queues (data for inbound channels, credits for outbound ones)."""
-
-    def __init__(self, endpoint_name: str) -> None:
-        ok, reason = available()
-        if not ok:
-            raise BackendUnavailable(f"nixl: {reason}")
-        # Agent names must be unique among the agents that meet: an endpoint name plus a token.
-        self.name = f"{endpoint_name}.{secrets.token_hex(4)}"
-        try:
-            self.agent = _new_agent(self.name)
-        except RuntimeError as exc:
-            raise BackendUnavailable(f"nixl: cannot start an agent with the UCX backend ({exc})") from None
-        if "UCX" not in self.agent.backends:
-            raise BackendUnavailable("nixl: the UCX plugin is missing from this NIXL installation")
-        self.data: dict[str, deque[bytes]] = {}
-        self.credits: dict[str, list[int]] = {}
-        self.violations: dict[str, str] = {}  # peer agent -> what its malformed notification was
-        self._channels: dict[str, int] = {}  # peer agent -> channels using it (in and out share one)
-        self._sources: list[tuple[int, int, object]] = []  # registered send buffers: (start, end, the buffer)
-        self._setup = threading.Lock()  # handshakes run on two threads (Endpoint.connect)
-        self._registered = []
-
-    def add_peer(self, metadata_hex: str, regions_hex: str = "") -> str:
-        """Learn a peer's agent from its full metadata the first time; after that only load
-        `regions_hex` (partial metadata of newly registered regions, no connection info):
-        loading full metadata again re-creates the UCX endpoints and cancels what is in
-        flight on them (seen as "UCX AM send failed ... Request canceled" and lost
-        notifications)."""
-        with self._setup:
-            try:
-                name, full = self._split(metadata_hex)
-                if self._channels.get(name, 0) == 0:
-                    self.agent.add_remote_agent(full)
-                elif regions_hex:
-                    self.agent.add_remote_agent(bytes.fromhex(regions_hex))
-            except ValueError as exc:
-                raise HandshakeError(f"nixl: malformed agent metadata ({exc})") from None
-            self.data.setdefault(name, deque())
-            self.credits.setdefault(name, [])
-            self._channels[name] = self._channels.get(name, 0) + 1
-            return name
-
-    @staticmethod
-    def _split(metadata: str) -> tuple[str, bytes]:
-        """'name:hex' (see `metadata`) -> (the agent's name, its metadata)."""
-        name, sep, body = metadata.partition(":")
-        if not sep or not name:
-            raise ValueError("no agent name before the metadata")
-        return name, bytes.fromhex(body)
-
-    def register_source(self, buffer) -> None:
-        """Registers a host buffer messages are sent from (a contiguous CPU torch tensor kept
-        alive here), so a send whose payload lies in it is written from it directly, without
-        the staging copy."""
-        start = buffer.data_ptr()
-        if any(s <= start < e for s, e, _ in self._sources):
-            return
-        self.register(buffer)
-        self._sources.append((start, start + buffer.numel() * buffer.element_size(), buffer))
-
-    def source_of(self, address: int, length: int) -> bool:
-        """True when [address, address + length) lies in a registered send buffer."""
-        return any(s <= address and address + length <= e for s, e, _ in self._sources)
-
-    def metadata(self) -> str:
-        """This agent's name and full metadata (connection info and every registered region)."""
-        with self._setup:
-            return f"{self.name}:{self.agent.get_agent_metadata().hex()}"
-
-    def region_metadata(self, descs) -> str:
-        """Partial metadata: the regions `descs` only, no connection info."""
-        with self._setup:
-            return self.agent.get_partial_agent_metadata(descs, False).hex()
-
-    def register(self, region):
-        """Registers `region` once; returns its descriptor list (for `region_metadata`)."""
-        with self._setup:
-            descs = self.agent.register_memory(region)
-            self._registered.append(descs)
-            return descs
-
-    def pump(self) -> None:
-        """Move every notification that has arrived into its peer's queue."""
-        try:
-            arrived = self.agent.get_new_notifs()
-        except Exception as exc:  # nixl's own error types
-            raise PeerClosed(f"nixl: reading notifications failed ({type(exc).__name__}: {exc})") from None
-        for remote, notes in arrived.items():
-            remote = remote.decode() if isinstance(remote, bytes) else remote
-            for note in notes:
-                kind, body = note[:1], note[1:]
-                if kind == NOTIF_DATA:
-                    self.data.setdefault(remote, deque()).append(body)
-                elif kind == NOTIF_CREDIT and len(body) == CREDIT_SLOT.size:
-                    self.credits.setdefault(remote, []).append(CREDIT_SLOT.unpack(body)[0])
-                else:  # that agent's channels fail on their next look, no other peer's
-                    self.violations.setdefault(remote, f"a malformed {len(note)}-byte notification "
-                                                       f"({bytes(note[:16]).hex()}...)")
-
-    def check(self, peer_agent: str, peer: str) -> None:
-        """Raises the violation `peer_agent`'s notifications committed, if any."""
-        if self.violations and peer_agent in self.violations:
-            raise broke(peer, self.violations[peer_agent])
-
-    def write(self, local: tuple[int, int, int], remote: tuple[int, int, int], peer_agent: str, remote_type: str,
-              note: bytes):
-        """Post one WRITE of local host memory (addr, len, device) to the peer's (addr, len,
-        device) of `remote_type` (DRAM or VRAM) with a notification; returns the handle."""
-        agent = self.agent
-        try:
-            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs([local], "DRAM"),
-                                           agent.get_xfer_descs([remote], remote_type), peer_agent, note)
-        except Exception as exc:  # nixl's own error types (nixlNotFoundError, ...): the peer is unknown or gone
-            raise PeerClosed(f"nixl: cannot write to agent {peer_agent} ({type(exc).__name__}: {exc})") from None
-        if agent.transfer(handle) == "ERR":
-            agent.release_xfer_handle(handle)
-            raise PeerClosed(f"nixl: a write to agent {peer_agent} failed to post")
-        return handle
-
-    def done(self, handle, peer: str) -> bool:
-        try:
-            state = self.agent.check_xfer_state(handle)
-        except Exception as exc:  # nixl's own error types (nixlRemoteDisconnectError, ...)
-            raise PeerClosed(f"nixl: a write to {peer} failed ({type(exc).__name__}: {exc})") from None
-        if state == "ERR":
-            raise PeerClosed(f"nixl: a write to {peer} failed (the peer or its link is gone)")
-        return state == "DONE"
-
-    def release(self, handle) -> None:
-        try:
-            self.agent.release_xfer_handle(handle)
-        except Exception:  # a transfer still failing against a dead peer: its handle goes with the agent
-            pass
-
-    def notify(self, peer_agent: str, note: bytes) -> None:
-        try:
-            self.agent.send_notif(peer_agent, note)
-        except Exception as exc:  # nixl's own error types
-            raise PeerClosed(f"nixl: cannot notify agent {peer_agent} ({type(exc).__name__}: {exc})") from None
-
-    def forget(self, peer_agent: str) -> None:
-        """One channel to `peer_agent` closed; the agent is removed with the last."""
-        with self._setup:
-            left = self._channels.get(peer_agent, 0) - 1
-            if left > 0:
-                self._channels[peer_agent] = left
-                return
-            self._channels.pop(peer_agent, None)
-            self.data.pop(peer_agent, None)
-            self.credits.pop(peer_agent, None)
-            self.violations.pop(peer_agent, None)
-            try:
-                self.agent.remove_remote_agent(peer_agent)
-            except Exception:  # nixl raises its own error types; the peer is going away either way
-                pass
-
-    def close(self) -> None:
-        for descs in self._registered:
-            try:
-                self.agent.deregister_memory(descs)
-            except Exception:  # best effort at shutdown
-                pass
-        self._registered.clear()
 
 
 def slot_region(num_slots: int, slot_bytes: int, device=None):
@@ -403,7 +195,8 @@ class NixlInbound:
 
 
 class NixlOutbound:
-    """this endpoint -> peer: a registered staging region, one WRITE per message."""
+    """this endpoint -> peer: a registered staging region, prepared descriptor lists of it and
+    of the peer's slots, one WRITE per message, posted without waiting."""
 
     kind = "nixl"
 
@@ -421,7 +214,15 @@ class NixlOutbound:
         agent.register(self.staging)
         self.staging_view = memoryview(self.staging.numpy())
         self.busy = [False] * num_slots
-        self._writing = None  # the current message's write, until NIXL reports it done
+        # Prepared once: slot k's blocks are indices [k * blocks_per_slot, (k + 1) * blocks_per_slot)
+        # of both lists.
+        self.blocks_per_slot = -(-slot_bytes // BLOCK_BYTES)
+        self._local = agent.prepare("", slot_blocks(self.staging.data_ptr(), self.stride, slot_bytes, num_slots, 0),
+                                    "DRAM")
+        self._remote = agent.prepare(self.peer_agent, slot_blocks(self.remote_addr, self.stride, slot_bytes, num_slots,
+                                                                  self.remote_device), self.mem_type)
+        self._blocks = np.arange(num_slots * self.blocks_per_slot, dtype=np.int32)
+        self._failure: PeerClosed | None = None  # a write that failed after its send returned
 
     @classmethod
     def connect(cls, agent: NixlAgent, peer: str, slot_bytes: int, num_slots: int, sock: socket.socket,
@@ -433,9 +234,20 @@ class NixlOutbound:
         send_json(sock, {"nixl": {"metadata": agent.metadata()}})
         return channel
 
+    def fail(self, exc: PeerClosed) -> None:
+        """A write of this channel failed after its send returned (the agent found it): the
+        next call raises it."""
+        if self._failure is None:
+            self._failure = exc
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+
     def _take_credits(self) -> None:
         self.agent.pump()
         self.agent.check(self.peer_agent, self.peer)
+        self._check()
         credits = self.agent.credits.get(self.peer_agent)
         while credits:
             slot = credits.pop()
@@ -450,17 +262,19 @@ class NixlOutbound:
 
     @property
     def unsent(self) -> int:
-        """Nonzero while the current message's write is in flight (see `flush`)."""
-        return 1 if self._writing is not None else 0
+        """Always 0: a message is out once posted (the endpoint never waits for a write)."""
+        return 0
+
+    @property
+    def in_flight(self) -> int:
+        """This channel's writes posted and not yet seen complete."""
+        return self.agent.in_flight(self)
 
     def try_send(self, header: Header, payload) -> bool:
-        """Start a message into its slot: False while the peer holds the slot; True once the
+        """Post a message into its slot: False while the peer holds the slot; True once the
         write is posted (a header-only message: once its notification is sent, holding no
-        slot). The endpoint then calls `flush` until the write is done: NIXL sends a write's
-        notification only once the initiator has seen it complete, and the staging slot (or
-        the registered buffer the payload lies in) may be reused only then."""
-        if self._writing is not None:
-            raise RuntimeError(f"a message to {self.peer} is still being written: flush it first")
+        slot). Never waits for the write."""
+        self._check()
         note = NOTIF_DATA + header.pack()
         n = header.byte_length
         if n == 0:  # the header rides in the notification: no slot is written, none is held
@@ -471,31 +285,44 @@ class NixlOutbound:
             self._take_credits()
             if self.busy[slot]:
                 return False
+        if self.agent.writing(self, slot):  # its notification left (the credit is back) but UCX has not seen it go
+            return False
+        self._check()  # the last look may have found a write of this channel failed
         start = slot * self.stride + PAYLOAD_OFFSET
         address = _address_of(payload)
         if self.agent.source_of(address, n):  # written from where it lies: no staging copy
-            local = (address, n, 0)
+            self.agent.write(self, slot, (address, n, 0), (self.remote_addr + start, n, self.remote_device),
+                             self.mem_type, note)
         else:
             self.staging_view[start:start + n] = payload
-            local = (self.staging.data_ptr() + start, n, 0)
-        remote = (self.remote_addr + start, n, self.remote_device)
-        self._writing = self.agent.write(local, remote, self.peer_agent, self.mem_type, note)
-        self.flush()
+            first = slot * self.blocks_per_slot
+            blocks = self._blocks[first:first + -(-n // BLOCK_BYTES)]
+            self.agent.write_prepared(self, slot, self._local, self._remote, blocks, note)
         self.busy[slot] = True
         return True
 
     def flush(self) -> bool:
-        """True once the current write is done (its notification then goes out); never waits."""
-        if self._writing is None:
-            return True
-        if not self.agent.done(self._writing, self.peer):
-            return False
-        self.agent.release(self._writing)
-        self._writing = None
-        return True
+        """True once none of this channel's writes is in flight (completing those done); never waits."""
+        self.agent.complete()
+        self._check()
+        return self.agent.in_flight(self) == 0
 
     def close(self) -> None:
-        if self._writing is not None:
-            self.agent.release(self._writing)
-            self._writing = None
+        """Waits (a little: transport/nixl_agent.DRAIN_S) for this channel's writes to leave,
+        so the peer has them before the control connection closes; never releases one in
+        flight (the agent's close decides)."""
+        self.agent.drain(self)
+        self._local = self._remote = None
         self.agent.forget(self.peer_agent)
+
+
+def slot_blocks(base: int, stride: int, slot_bytes: int, num_slots: int, device: int) -> np.ndarray:
+    """Descriptors (N x 3: address, bytes, device) of every slot's payload cut into
+    BLOCK_BYTES blocks, slot by slot; each slot's last block is shorter where BLOCK_BYTES does
+    not divide slot_bytes."""
+    starts = np.arange(0, slot_bytes, BLOCK_BYTES, dtype=np.uint64)
+    lengths = np.minimum(np.uint64(BLOCK_BYTES), np.uint64(slot_bytes) - starts)
+    slots = np.arange(num_slots, dtype=np.uint64)[:, None] * np.uint64(stride)
+    addresses = (np.uint64(base + PAYLOAD_OFFSET) + slots + starts[None, :]).ravel()
+    return np.stack([addresses, np.tile(lengths, num_slots), np.full(addresses.size, device, dtype=np.uint64)],
+                    axis=1)
