@@ -185,6 +185,24 @@ def _start(target, args) -> tuple[mp.Process, object, list[str]]:
     return process, parent, addresses
 
 
+def _timed(fn, warmup: int, calls: int) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) of `calls` calls fn(i), after `warmup` calls."""
+    for i in range(warmup):
+        fn(i)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def _stop(link: Endpoint, process: mp.Process) -> None:
+    """The measured endpoint closed (the peers' cue to stop), then their process gone."""
+    link.close()
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+
+
 # -- the measured sides ------------------------------------------------------------------------------------
 @dataclass
 class RoundCost:
@@ -230,17 +248,9 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
             runner._combine(0, j, None)
 
         with torch.inference_mode():
-            for i in range(max(10, rounds // 10)):  # warm-up
-                one_round(i % m)
-            cpu, wall = time.process_time(), time.perf_counter()
-            for i in range(rounds):
-                one_round(i % m)
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            cpu, wall = _timed(lambda i: one_round(i % m), max(10, rounds // 10), rounds)
     finally:
-        link.close()
-        process.join(10)
-        if process.is_alive():
-            process.kill()
+        _stop(link, process)
     return RoundCost("attention", n, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
 
 
@@ -261,17 +271,9 @@ def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: i
         worker = ExpertWorker(model, list(range(scale.experts_per_node)), "bfloat16", "cpu", RandomWeights(),
                               attention_nodes=names, micro_batches=m, link=link)
         worker.layers = [lambda x, ids, weights: torch.zeros_like(x)]  # the experts' GEMMs stubbed
-        for _ in range(max(3, steps // 10)):  # warm-up
-            worker.run_step()
-        cpu, wall = time.process_time(), time.perf_counter()
-        for _ in range(steps):
-            worker.run_step()
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        cpu, wall = _timed(lambda i: worker.run_step(), max(3, steps // 10), steps)
     finally:
-        link.close()
-        process.join(10)
-        if process.is_alive():
-            process.kill()
+        _stop(link, process)
     rounds = steps * m
     return RoundCost("expert", senders, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
 
