@@ -124,14 +124,8 @@ def _paged_batch(lens: list[int], chunks: list[int], heads: Heads, suite: Suite,
     for s, n in enumerate(pages):
         tables[s, :n] = torch.arange(first, first + n)
         first += n
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + c)
-    batch = PagedAttentionBatch(tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
-                                torch.tensor(starts, dtype=torch.int32, device=device),
-                                torch.zeros(starts[-1], dtype=torch.int64, device=device),
-                                sum(1 for c in chunks if c == 1), lens, starts)
-    q = torch.randn(starts[-1], heads.q, heads.dim, device=device, generator=g).to(suite.dtype)
+    batch = PagedAttentionBatch.of(tables.to(device), lens, chunks)
+    q = torch.randn(batch.query_start_host[-1], heads.q, heads.dim, device=device, generator=g).to(suite.dtype)
     return q, kc, vc, batch
 
 

@@ -90,9 +90,9 @@ def shapes_met_while_serving() -> int:
     return _choice.met_while_serving
 
 
-def _pick(device: torch.device, key, triton_fn, reference_fn):
-    """Run the implementation `backend` picks; `key` (a shape bucket) is built only when timing."""
-    mode = backend(device)
+def _pick(mode: str, key, triton_fn, reference_fn):
+    """Run the implementation `mode` (what `backend` answered) picks; `key` (a shape bucket) is
+    built only when it is needed."""
     if mode == "reference":
         return reference_fn()
     if mode == "triton":
@@ -130,12 +130,19 @@ def paged_attention(query, key_cache, value_cache, batch, scale: float):
             "paged_attention", shape, (bucket(batch.num_single), bucket(batch.query_start_host[-1] - batch.num_single),
                                        bucket(max(batch.seq_lens_host, default=0))), ATTENTION_DIMS))
 
-    if backend(query.device) == FASTEST:
-        gather = r.gather_bytes(key_cache, batch)
-        if gather > REFERENCE_GATHER_LIMIT:
-            return _choice.fixed(key(), triton_fn, f"the torch reference would gather {gather / 2 ** 30:.1f} GiB "
-                                                   "of pages: not timed")
-    return _pick(query.device, key, triton_fn, lambda: r.paged_attention(query, key_cache, value_cache, batch, scale))
+    mode = backend(query.device)
+    if mode == FASTEST:  # once per batch, reused by every layer of the step
+        too_large = batch.memo(("reference_gather", shape), lambda: _over_gather_limit(r.gather_bytes(key_cache, batch)))
+        if too_large:
+            return _choice.fixed(key(), triton_fn, too_large)
+    return _pick(mode, key, triton_fn, lambda: r.paged_attention(query, key_cache, value_cache, batch, scale))
+
+
+def _over_gather_limit(gather: int) -> str:
+    """Why the reference is not timed at this shape ("" where it may be)."""
+    if gather <= REFERENCE_GATHER_LIMIT:
+        return ""
+    return f"the torch reference would gather {gather / 2 ** 30:.1f} GiB of pages: not timed"
 
 
 def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale: float):
@@ -150,7 +157,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scal
         return ShapeKey("decode_attention", _attention_shape(query, key_cache),
                         (bucket(query.shape[0]), bucket(block_tables.shape[1] * key_cache.shape[1])), ("seqs", "len"))
 
-    return _pick(query.device, key, triton_fn,
+    return _pick(backend(query.device), key, triton_fn,
                  lambda: r.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale))
 
 
@@ -168,7 +175,7 @@ def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, que
         return ShapeKey("prefill_attention", _attention_shape(query, key_cache),
                         (bucket(query.shape[0]), bucket(block_tables.shape[1] * key_cache.shape[1])), ("tokens", "len"))
 
-    return _pick(query.device, key, triton_fn, lambda: r.prefill_attention(
+    return _pick(backend(query.device), key, triton_fn, lambda: r.prefill_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale))
 
 
@@ -192,9 +199,10 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
     def reference():
         return r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
 
-    if backend(logits.device) == FASTEST:
+    mode = backend(logits.device)
+    if mode == FASTEST:
         return _choice.fixed(key(), triton_fn, GATING_RULE)
-    return _pick(logits.device, key, triton_fn, reference)
+    return _pick(mode, key, triton_fn, reference)
 
 
 def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packed=None):
@@ -223,4 +231,4 @@ def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packe
         offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else expert_offsets
         return r.grouped_expert_gemm(x, offsets, w_gate_up, w_down, row_weights)
 
-    return _pick(x.device, key, triton_fn, reference)
+    return _pick(backend(x.device), key, triton_fn, reference)

@@ -35,6 +35,20 @@ class PagedAttentionBatch:
     # layer of the step reuses it; not part of the batch's value.
     derived: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    @classmethod
+    def of(cls, block_tables: torch.Tensor, lens: list[int], chunks: list[int]) -> "PagedAttentionBatch":
+        """Sequences of `lens` cached tokens (after the write) computing their last `chunks[s]`
+        tokens, one-token chunks first, on `block_tables`' device (slot mapping left at zero:
+        for calls that write nothing to the cache)."""
+        starts = [0]
+        for n in chunks:
+            starts.append(starts[-1] + n)
+        device = block_tables.device
+        return cls(block_tables, torch.tensor(lens, dtype=torch.int32, device=device),
+                   torch.tensor(starts, dtype=torch.int32, device=device),
+                   torch.zeros(starts[-1], dtype=torch.int64, device=device), sum(1 for n in chunks if n == 1),
+                   list(lens), starts)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)

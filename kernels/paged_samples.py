@@ -57,11 +57,7 @@ def expected(cache, q, starts, scale):
 
 
 def batch_of(cache, chunks):
-    """A PagedAttentionBatch for sequences computing `chunks[s]` new tokens (ones first)."""
-    starts = [0]
-    for n in chunks:
-        starts.append(starts[-1] + n)
-    dev = cache.device
-    return PagedAttentionBatch(cache.block_tables, cache.seq_lens, torch.tensor(starts, dtype=torch.int32, device=dev),
-                               torch.zeros(starts[-1], dtype=torch.int64, device=dev), sum(1 for n in chunks if n == 1),
-                               cache.lens, starts), starts
+    """(a PagedAttentionBatch for sequences computing `chunks[s]` new tokens (ones first), the
+    query start offsets)."""
+    batch = PagedAttentionBatch.of(cache.block_tables, cache.lens, chunks)
+    return batch, batch.query_start_host

@@ -154,15 +154,9 @@ def _paged_batch(decodes: int, prefill: int, length: int, page: int, num_blocks:
     (read only: the warm-up writes nothing to the cache)."""
     seqs = decodes + (1 if prefill else 0)
     pages = -(-length // page)
-    tables = (torch.arange(seqs * pages, dtype=torch.int32) % num_blocks).view(seqs, pages)
-    starts = [0]
-    for s in range(seqs):
-        starts.append(starts[-1] + (1 if s < decodes else prefill))
-    lens = [length] * seqs
-    batch = PagedAttentionBatch(tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
-                                torch.tensor(starts, dtype=torch.int32, device=device),
-                                torch.zeros(starts[-1], dtype=torch.int64, device=device), decodes, lens, starts)
-    return batch, starts[-1]
+    tables = (torch.arange(seqs * pages, dtype=torch.int32) % num_blocks).view(seqs, pages).to(device)
+    batch = PagedAttentionBatch.of(tables, [length] * seqs, [1] * decodes + ([prefill] if prefill else []))
+    return batch, batch.query_start_host[-1]
 
 
 def warm_up_attention(key_cache: torch.Tensor, value_cache: torch.Tensor, query_heads: int, scale: float,

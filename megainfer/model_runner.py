@@ -363,7 +363,7 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
     batch = kernels.PagedAttentionBatch(
         # int32, as the kernel warm-up's batches (kernels/startup.py): Triton builds one variant
         # per pointer type, and a second one here would be built mid-serving.
-        block_tables=block_tables.to(torch.int32).to(device),
+        block_tables=block_tables.to(device=device, dtype=torch.int32),
         seq_lens=seq_lens_t.to(torch.int32).to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         slot_mapping=slots.to(device),
