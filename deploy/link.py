@@ -19,6 +19,7 @@ import time
 import torch
 
 from transport import Endpoint, EndpointSpec, Message, PeerTimeout, TransportError
+from transport.rounds import Arrivals
 
 
 class LinkInterrupted(TransportError):
@@ -80,13 +81,43 @@ class SwitchableLink:
         self.endpoint.send(peer, payload.contiguous(), step=step, layer=layer, micro_batch=micro_batch,
                            token_count=token_count, flags=flags)
 
-    def recv(self, peer: str, *, micro_batch: int) -> Message:
+    def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins, ends, token_counts, *, step: int,
+                   layer: int, micro_batch: int, flags: int = 0) -> None:
+        """One message to each of `peers` (transport/rounds.py); `buffer`: host memory."""
+        if self.interrupt.is_set():
+            raise LinkInterrupted("the deployment is re-wiring")
+        self.endpoint.post_round(peers, buffer, begins, ends, token_counts, step=step, layer=layer,
+                                 micro_batch=micro_batch, flags=flags)
+
+    def post_rows(self, peers: tuple[str, ...], buffer: torch.Tensor, token_counts, row_bytes: int, *, step: int,
+                  layer: int, micro_batch: int, flags: int = 0) -> None:
+        """post_round with each peer's rows end to end (transport/endpoint.py)."""
+        if self.interrupt.is_set():
+            raise LinkInterrupted("the deployment is re-wiring")
+        self.endpoint.post_rows(peers, buffer, token_counts, row_bytes, step=step, layer=layer,
+                                micro_batch=micro_batch, flags=flags)
+
+    def collect_round(self, peers: tuple[str, ...], *, micro_batch: int) -> Arrivals:
+        """A message from each of `peers`, waited for in POLL_S slices so an interrupt is seen
+        (a slice that ends loses nothing: what arrived stays taken). An expert node counts its
+        slots in use inside a wait in which nothing arrived for QUIET_S."""
+        return self._waiting(lambda timeout: self.endpoint.collect_round(peers, micro_batch=micro_batch,
+                                                                         timeout=timeout))
+
+    def poll_round(self, peers: tuple[str, ...], *, micro_batch: int) -> Arrivals | None:
+        if self.interrupt.is_set():
+            raise LinkInterrupted("the deployment is re-wiring")
+        return self.endpoint.poll_round(peers, micro_batch=micro_batch)
+
+    def _waiting(self, receive):
+        """receive(timeout) until it returns: QUIET_S first where counting is due, then POLL_S
+        slices, an interrupt checked between them, PeerTimeout after timeout_s in all."""
         waited = 0.0
         if self.count_when_quiet and time.monotonic() >= self._count_due:
             if self.interrupt.is_set():
                 raise LinkInterrupted("the deployment is re-wiring")
             try:
-                return self.endpoint.recv(peer, micro_batch=micro_batch, timeout=self.QUIET_S)
+                return receive(self.QUIET_S)
             except PeerTimeout:
                 self.count_usage(force=True)  # nothing arrived for QUIET_S: the peers are between steps
                 waited += self.QUIET_S
@@ -94,11 +125,14 @@ class SwitchableLink:
             if self.interrupt.is_set():
                 raise LinkInterrupted("the deployment is re-wiring")
             try:
-                return self.endpoint.recv(peer, micro_batch=micro_batch, timeout=self.POLL_S)
+                return receive(self.POLL_S)
             except PeerTimeout:
                 waited += self.POLL_S
                 if waited >= self.timeout_s:
                     raise
+
+    def recv(self, peer: str, *, micro_batch: int) -> Message:
+        return self._waiting(lambda timeout: self.endpoint.recv(peer, micro_batch=micro_batch, timeout=timeout))
 
     def poll(self, peer: str, *, micro_batch: int) -> Message | None:
         """The message `recv` would return, if it has arrived; None at once otherwise (the

@@ -7,6 +7,8 @@
     msg = ep.recv("expert0", micro_batch=1)     # msg.header, msg.tensor(torch.bfloat16)
     msg.release()                               # the sender may now reuse that slot
     ep.slots_in_use()                           # SlotUsage(held=0, unreleased=0, queued=0) when idle
+    ep.post_round(("e0", "e1"), buf, begins, ends, counts, layer=3, micro_batch=1)  # one call, every peer
+    arrivals = ep.collect_round(("e0", "e1"), micro_batch=1)   # .fields, .gather_into(buf), .release()
 
 Backends: shm (one host), tcp, rdma (pyverbs, where a verbs port works), nixl (NVIDIA NIXL
 over UCX), chosen per peer pair by `backend="auto"` (transport/selection.py; docs/transport.md).
@@ -15,9 +17,11 @@ Never imports megainfer.
 
 from transport.endpoint import Endpoint, EndpointSpec, Message, SlotUsage, host_id
 from transport.errors import (BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, PeerTimeout,
-                              ProtocolViolation, TransportError)
+                              ProtocolViolation, RoundFailed, TransportError)
+from transport.rounds import Arrivals
 from transport.wire import Header
 
-__all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "Header", "host_id", "TransportError",
+__all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "Header", "Arrivals", "host_id", "TransportError",
+           "RoundFailed",
            "HandshakeError", "PeerTimeout", "PeerClosed", "ProtocolViolation", "PayloadTooLarge",
            "BackendUnavailable"]

@@ -24,6 +24,7 @@ import socket
 import threading
 
 from transport import nixl, rdma, rdma_host
+from transport.core import CoreShmInbound, CoreShmOutbound
 from transport.errors import BackendUnavailable
 from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
 from transport.selection import Capabilities
@@ -68,9 +69,13 @@ def capabilities_of(wanted: str, wiring: rdma.Wiring | None = None,
 
 class BackendSet:
     def __init__(self, name: str, wanted: str, slot_bytes: int, num_slots: int, tcp_buffer_bytes: int | None,
-                 peers: int = 0, peer_slot_bytes: int | None = None, rdma_devices: tuple[str, ...] = ()) -> None:
+                 peers: int = 0, peer_slot_bytes: int | None = None, rdma_devices: tuple[str, ...] = (), *,
+                 rank: int = 0, core: bool = False) -> None:
         """`peers`: how many peers wiring will connect (0: not known yet; `expect_peers` then
-        checks at connect); `peer_slot_bytes`: their receive slots (None: the same as ours)."""
+        checks at connect); `peer_slot_bytes`: their receive slots (None: the same as ours);
+        `rank`: the sender rank headers carry; `core`: shm channels driven by the compiled core
+        (transport/core.py)."""
+        self.rank, self.core = rank, core
         self.name, self.wanted, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = \
             name, wanted, slot_bytes, num_slots, tcp_buffer_bytes
         self.peer_slot_bytes = slot_bytes if peer_slot_bytes is None else peer_slot_bytes
@@ -138,6 +143,9 @@ class BackendSet:
         """This endpoint -> `peer` over `kind`, from the peer's acknowledgement."""
         slot_bytes, num_slots = ack_sizes(ack)
         if kind == "shm":
+            if self.core:
+                return CoreShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock,
+                                       self.rank)
             return ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
         if kind == "rdma":
             return rdma.RdmaOutbound.connect(self._rdma_context(), peer, channel_id, slot_bytes, num_slots, sock,
@@ -153,8 +161,9 @@ class BackendSet:
         peer, sender = hello.name, hello.rank
         if kind == "shm":
             try:  # a /dev/shm too small for the slots: the peer is told why, not left to time out
-                channel = ShmInbound(peer, next(self._inbound_ids), self.slot_bytes, self.num_slots, self.doorbell,
-                                     sender=sender)
+                inbound = CoreShmInbound if self.core else ShmInbound
+                channel = inbound(peer, next(self._inbound_ids), self.slot_bytes, self.num_slots, self.doorbell,
+                                  sender=sender)
             except BackendUnavailable as exc:
                 send_json(sock, {"ok": False, "error": str(exc)})
                 raise

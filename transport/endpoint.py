@@ -30,8 +30,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from transport import core
 from transport.backends import BackendSet, host_id
-from transport.errors import PayloadTooLarge, PeerClosed, PeerTimeout, ProtocolViolation, TransportError
+from transport.errors import PayloadTooLarge, PeerClosed, PeerTimeout, ProtocolViolation, RoundFailed, TransportError
+from transport.rounds import Arrivals, CoreRound, MessageRound, byte_address, row_ranges
 from transport.peering import Acceptor, dial, parse_address
 from transport.selection import BACKENDS, Choice
 from transport.tcp import TcpInbound, TcpOutbound
@@ -67,6 +71,7 @@ class EndpointSpec:
     expected_peers: int = 0  # peers connect() will be given; 0: len(peers), or checked at connect
     peer_slot_bytes: int | None = None  # the peers' slot_bytes (this endpoint writes into them); None: ours
     rdma_devices: tuple[str, ...] = ()  # verbs devices rdma may use, nearest the GPU first; (): any
+    core: str = "auto"  # shm channels and rounds in the compiled core: "auto" | "on" | "off" (transport/core.py)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -89,6 +94,8 @@ class EndpointSpec:
             raise ValueError(f"EndpointSpec.expected_peers must be non-negative and peer_slot_bytes positive or "
                              f"None, got {self.expected_peers} and {self.peer_slot_bytes}")
         self.rdma_devices = tuple(self.rdma_devices)
+        if self.core not in core.CORE_CHOICES:
+            raise ValueError(f"EndpointSpec.core {self.core!r} is not one of {', '.join(core.CORE_CHOICES)}")
         parse_address(self.listen)
 
 
@@ -167,10 +174,13 @@ class Endpoint:
         self._spin_s = spec.spin_us * 1e-6  # busy-poll this long before sleeping (longer for rdma peers)
         self._selector = selectors.DefaultSelector()
         self.choices: dict[str, Choice] = {}  # peer -> the backend its pair uses and why
+        self._rounds: dict[tuple[str, ...], CoreRound | MessageRound] = {}  # peers -> how their rounds run
         try:  # a requested backend that cannot work (rdma past the locked-memory limit) fails here
+            self.uses_core = core.resolve(spec.core, spec.name)
             self.backends = BackendSet(spec.name, spec.backend, spec.slot_bytes, spec.num_slots,
                                        spec.tcp_buffer_bytes, spec.expected_peers or len(spec.peers),
-                                       spec.peer_slot_bytes, spec.rdma_devices)
+                                       spec.peer_slot_bytes, spec.rdma_devices, rank=spec.rank,
+                                       core=self.uses_core)
         except BaseException:
             self.listener.close()
             raise
@@ -357,6 +367,213 @@ class Endpoint:
             self._check_alive((peer,))
         return msg
 
+    # -- rounds ------------------------------------------------------------------------------
+    def post_round(self, peers: tuple[str, ...], buffer, begins, ends, token_counts, *, step: int = 0,
+                   layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None) -> None:
+        """One message to each of `peers`: peers[i] gets bytes [begins[i], ends[i]) of `buffer`
+        (a contiguous CPU tensor or numpy array) with header token count token_counts[i]. Returns
+        once every message is written (the buffer may then be reused). Peers whose slot is still
+        held are waited for, each within the timeout; a peer that fails (gone, or holding its
+        slot past the timeout) does not stop the others: RoundFailed names every one that did."""
+        round_ = self._rounds.get(peers) or self._round(peers)
+        check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
+        limit = self.spec.timeout_s if timeout is None else timeout
+        if isinstance(round_, MessageRound):
+            return self._post_each(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, limit)
+        address, nbytes = byte_address(buffer)
+        try:  # the arrays are converted to int64 by the core's binding where they are not already
+            pending = round_.native.post(step, layer, micro_batch, flags & 0xFFFF, address, nbytes, begins, ends,
+                                         token_counts)
+        except (IndexError, ValueError) as exc:  # a range outside the buffer, or past the peer's slot
+            raise PayloadTooLarge(f"endpoint {self.spec.name}: {exc}") from None
+        if pending:
+            self._post_pending(round_, micro_batch, limit)
+
+    def post_rows(self, peers: tuple[str, ...], buffer, token_counts, row_bytes: int, *, step: int = 0,
+                  layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None) -> None:
+        """`post_round` where peers[i]'s bytes are token_counts[i] rows of `row_bytes`, the peers'
+        rows end to end from the buffer's start (an expert node's answers, a dispatch's records
+        in node order)."""
+        round_ = self._rounds.get(peers) or self._round(peers)
+        if isinstance(round_, MessageRound):
+            begins, ends = row_ranges(token_counts, row_bytes)
+            return self.post_round(peers, buffer, begins, ends, token_counts, step=step, layer=layer,
+                                   micro_batch=micro_batch, flags=flags, timeout=timeout)
+        check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
+        address, nbytes = byte_address(buffer)
+        try:
+            pending = round_.native.post_rows(step, layer, micro_batch, flags & 0xFFFF, address, nbytes,
+                                              token_counts, row_bytes)
+        except (IndexError, ValueError) as exc:  # rows past the buffer, or past a peer's slot
+            raise PayloadTooLarge(f"endpoint {self.spec.name}: {exc}") from None
+        if pending:
+            self._post_pending(round_, micro_batch, self.spec.timeout_s if timeout is None else timeout)
+
+    def _post_each(self, peers, buffer, begins, ends, counts, step, layer, micro_batch, flags, limit) -> None:
+        view = buffer if isinstance(buffer, memoryview) else as_bytes(buffer)
+        failures: dict[str, TransportError] = {}
+        for i, peer in enumerate(peers):
+            try:
+                self.send(peer, view[begins[i]:ends[i]], step=step, layer=layer, micro_batch=micro_batch,
+                          token_count=int(counts[i]), flags=flags, timeout=limit)
+            except (PeerClosed, PeerTimeout) as exc:
+                failures[peer] = exc
+        if failures:
+            raise self._round_failed("post", micro_batch, failures)
+
+    def _post_pending(self, round_: CoreRound, micro_batch: int, limit: float) -> None:
+        """Peers that still held their slot at the post: spin, then sleep, until each frees it,
+        dies, or the timeout passes."""
+        deadline = time.monotonic() + limit
+        spin_until = time.monotonic() + self._spin_s
+        failures: dict[str, TransportError] = {}
+        pending = round_.pending
+        while True:
+            for i in np.flatnonzero(pending):
+                peer = round_.peers[i]
+                if peer in self._dead:
+                    failures[peer] = self._dead_error(peer)
+                    pending[i] = 0
+            if not pending.any():
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                for i in np.flatnonzero(pending):
+                    failures[round_.peers[i]] = PeerTimeout(
+                        f"endpoint {self.spec.name}: peer {round_.peers[i]} has not released its slot for micro-batch "
+                        f"{micro_batch} within {limit:g} s (it stopped consuming, or died)")
+                pending[:] = 0
+                break
+            if now < spin_until:
+                os.sched_yield()
+                round_.native.retry()
+            else:
+                waiting = [round_.outbound[i] for i in np.flatnonzero(pending)]
+                self._block(deadline, lambda: round_.native.retry() == 0, asleep=waiting)
+        if failures:
+            raise self._round_failed("post", micro_batch, failures)
+
+    def collect_round(self, peers: tuple[str, ...], *, micro_batch: int, timeout: float | None = None) -> Arrivals:
+        """A message for `micro_batch` from each of `peers`, as views on their slots until the
+        returned Arrivals is released. A peer that fails (gone, or broke the protocol) does not
+        stop the others from arriving; once each has arrived or failed, the round's messages
+        are released and RoundFailed names every peer that failed. Where peers are only slow,
+        PeerTimeout after `timeout` loses nothing: what arrived stays taken for the next call."""
+        arrivals = self._collect_round(peers, micro_batch, self.spec.timeout_s if timeout is None else timeout)
+        assert arrivals is not None
+        return arrivals
+
+    def poll_round(self, peers: tuple[str, ...], *, micro_batch: int) -> Arrivals | None:
+        """The round `collect_round` would return if all of it has arrived, else None at once
+        (what arrived so far stays taken, for the next call)."""
+        return self._collect_round(peers, micro_batch, None)
+
+    def _collect_round(self, peers, micro_batch: int, limit: float | None) -> Arrivals | None:
+        round_ = self._rounds.get(peers) or self._round(peers)
+        if isinstance(round_, CoreRound) and not self._pending_from(peers):
+            return self._collect_core(round_, micro_batch, limit)
+        return self._collect_each(round_, micro_batch, limit)
+
+    def _pending_from(self, peers) -> bool:
+        """Messages of these peers taken by recv/poll and not handed out yet (they come first)."""
+        return bool(self._pending) and any(m.peer in peers for m in self._pending)
+
+    def _collect_core(self, round_: CoreRound, micro_batch: int, limit: float | None) -> Arrivals | None:
+        native = round_.native
+        if limit is None:  # a poll: one look
+            if native.collect(micro_batch, 0.0, 0.0):
+                self._round_failures(round_, micro_batch)  # a broken or dead peer fails the poll too
+                return None
+        else:
+            deadline = time.monotonic() + limit
+            missing = native.collect(micro_batch, self._spin_s, min(limit, MAX_SLEEP_S))
+            while missing:
+                self._round_failures(round_, micro_batch)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    waiting = [round_.peers[i] for i in np.flatnonzero((round_.arrived == 0) & (round_.broken == 0))]
+                    raise PeerTimeout(f"endpoint {self.spec.name}: no message for micro-batch {micro_batch} from "
+                                      f"{', '.join(waiting)} within {limit:g} s")
+                missing = native.collect(micro_batch, 0.0, min(remaining, MAX_SLEEP_S))
+        if round_.broken.any():
+            self._round_failures(round_, micro_batch)
+        return Arrivals(round_.peers, round_.fields, round_)
+
+    def _round_failures(self, round_: CoreRound, micro_batch: int) -> None:
+        """Once every peer of the round has arrived or failed (gone, broke the protocol), and one
+        failed: the arrivals released, RoundFailed. Returns while some are still awaited."""
+        for i in np.flatnonzero(round_.broken):
+            self._drop(round_.peers[i], core.violation_error(round_.inbound[i]))
+        self._watch_controls()
+        if not self._dead:
+            return
+        failures = {peer: self._dead_error(peer) for i, peer in enumerate(round_.peers)
+                    if not round_.arrived[i] and peer in self._dead}
+        if not failures or len(failures) + int(round_.arrived.sum()) < len(round_.peers):
+            return
+        round_.release()
+        round_.broken[:] = 0
+        raise self._round_failed("collect", micro_batch, failures)
+
+    def _collect_each(self, round_: MessageRound, micro_batch: int, limit: float | None) -> Arrivals | None:
+        taken = round_.messages or [None] * len(round_.peers)  # a poll may have found part of the round
+        round_.messages = taken
+        deadline = None if limit is None else time.monotonic() + limit
+        failures: dict[str, TransportError] = {}
+        slow: list[str] = []
+        for i, peer in enumerate(round_.peers):
+            if taken[i] is not None:
+                continue
+            try:
+                taken[i] = (self.poll(peer, micro_batch=micro_batch) if deadline is None else
+                            self.recv(peer, micro_batch=micro_batch, timeout=max(0.0, deadline - time.monotonic())))
+            except PeerTimeout:
+                slow.append(peer)
+            except PeerClosed as exc:
+                failures[peer] = exc
+        if failures and not slow:
+            round_.release()
+            raise self._round_failed("collect", micro_batch, failures)
+        if slow:
+            raise PeerTimeout(f"endpoint {self.spec.name}: no message for micro-batch {micro_batch} from "
+                              f"{', '.join(slow)} within {limit:g} s")
+        if any(msg is None for msg in taken):
+            return None  # a poll: the rest is awaited by the next call
+        round_.take(taken)
+        return Arrivals(round_.peers, round_.fields, round_)
+
+    def _round(self, peers) -> CoreRound | MessageRound:
+        """How rounds with `peers` run: in the core where it drives every channel involved."""
+        peers = tuple(peers)
+        round_ = self._rounds.get(peers)
+        if round_ is not None:
+            return round_
+        unknown = [p for p in peers if p not in self.outbound or p not in self.inbound]
+        if unknown or not peers:
+            raise TransportError(f"endpoint {self.spec.name} has no peer {', '.join(map(repr, unknown)) or '(none)'}; "
+                                 f"peers: {', '.join(self.outbound)}")
+        channels = [self.outbound[p] for p in peers] + [self.inbound[p] for p in peers]
+        if all(getattr(ch, "core_driven", False) for ch in channels):
+            round_ = CoreRound(peers, [self.outbound[p] for p in peers], [self.inbound[p] for p in peers],
+                               self.doorbell.sock.fileno())
+        else:
+            round_ = MessageRound(peers)
+        self._rounds[peers] = round_
+        return round_
+
+    def _dead_error(self, peer: str) -> PeerClosed:
+        error = ProtocolViolation if peer in self._violators else PeerClosed
+        return error(f"endpoint {self.spec.name}: {self._dead[peer]}")
+
+    def _round_failed(self, what: str, micro_batch: int, failures: dict[str, TransportError]) -> RoundFailed:
+        detail = "; ".join(f"{peer}: {exc}" for peer, exc in failures.items())
+        return RoundFailed(f"endpoint {self.spec.name}: the {what} of micro-batch {micro_batch}'s round failed for "
+                           f"{len(failures)} peer(s): {detail}", failures)
+
+    def _watch_controls(self) -> None:
+        """Notices peers whose connection dropped, without waiting (a selector look)."""
+        self._handle(self._selector.select(timeout=0))
+
     def _poll_once(self, peer: str | None, micro_batch: int | None) -> Message | None:
         """One look for a matching message: already collected ones first, then the channels."""
         if self._pending:
@@ -434,6 +651,7 @@ class Endpoint:
                 unreleased += sum(channel.busy)  # shm never raises here: the others keep `busy`
         queued = len(self._pending)
         held = sum(channel.outstanding for channel in self.inbound.values()) - queued
+        queued += sum(getattr(channel, "queued", 0) for channel in self.inbound.values())  # the core's
         return SlotUsage(held=held, unreleased=unreleased, queued=queued)
 
     def _check_alive(self, peers) -> None:
@@ -472,6 +690,11 @@ class Endpoint:
                 time.sleep(min(timeout, self._max_sleep))
         else:
             events = self._selector.select(timeout=min(timeout, MAX_SLEEP_S))
+        self._handle(events)
+
+    def _handle(self, events) -> None:
+        """What a selector look found: doorbells drained, tcp data and credits read, dropped
+        control connections recorded as dead peers."""
         for key, _ in events:
             kind, peer = key.data
             if kind == "doorbell":
@@ -519,6 +742,7 @@ class Endpoint:
             ch.close()
             if getattr(ch, "control", None) is not None and ch.kind != "tcp":
                 ch.control.close()
+        self._rounds.clear()
         self.outbound.clear()
         self.inbound.clear()
         self._seq.clear()

@@ -29,3 +29,20 @@ class PayloadTooLarge(TransportError):
 
 class BackendUnavailable(TransportError):
     """The requested backend cannot serve this endpoint or peer (the reason is in the message)."""
+
+
+class RoundFailed(TransportError):
+    """Part of a round failed: `failures` maps each peer that failed to its error (PeerClosed,
+    PeerTimeout or ProtocolViolation); the other peers' messages were posted or collected
+    (a collected round's messages are released before this is raised). The message names
+    every failed peer and why."""
+
+    def __init__(self, message: str, failures: dict[str, TransportError]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+    @property
+    def peers_closed(self) -> bool:
+        """Every failed peer closed its end (rather than timing out): a clean way to stop."""
+        return all(isinstance(exc, PeerClosed) and not isinstance(exc, ProtocolViolation)
+                   for exc in self.failures.values())

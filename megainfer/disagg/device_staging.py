@@ -9,8 +9,8 @@ slot can be released at once) and one non-blocking host-to-device copy on the co
 which kernels launched after it on that stream see in order. A pinned buffer is written again
 only after the copy that last used it completed (its event), so nothing is read half-written.
 
-On the CPU the same calls elide the copies: `to_host` returns views of the tensors
-themselves, `to_device` returns the message bytes (concatenated when there are several).
+On the CPU the same calls elide the device copies: `to_host` returns views of the tensors
+themselves (the same objects), `landing` a reused host buffer per slot and `upload` that buffer itself.
 
 Pinned buffers, one per micro-batch slot and direction, are reserved up front at the size of
 the largest message the slot can carry (`StagingBytes`, computed in staging_sizes.py), so no
@@ -100,6 +100,8 @@ class DeviceStaging:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.outbound = [PinnedBuffer(f"to host #{i}", reserve.to_host) for i in range(slots)]
             self.inbound = [PinnedBuffer(f"to device #{i}", reserve.to_device) for i in range(slots)]
+        else:  # where rounds are gathered on the CPU: one buffer per slot, grown as needed
+            self._landing = [torch.empty(reserve.to_device, dtype=torch.uint8) for _ in range(slots)]
 
     def send_buffers(self) -> list[torch.Tensor]:
         """The pinned buffers payloads leave from (for the link to register); none on the CPU.
@@ -112,7 +114,7 @@ class DeviceStaging:
         pinned buffer on the copy stream. The returned views stay valid until the next
         `to_host` on the same slot."""
         if not self.on_cuda:
-            return HostCopy([t.view(t.shape) for t in tensors])
+            return HostCopy(list(tensors))
         flats = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]  # contiguous: on the compute stream
         offsets, total = aligned_layout([f.numel() for f in flats])
         host = self.outbound[slot].claim(total)
@@ -129,24 +131,23 @@ class DeviceStaging:
                  for t, f, begin in zip(tensors, flats, offsets)]
         return HostCopy(parts, copied)
 
-    def to_device(self, chunks: Sequence[torch.Tensor], slot: int) -> torch.Tensor:
-        """The host byte tensors `chunks` (message payloads) end to end, as one uint8 tensor on
-        the device, ordered on the compute stream. On CUDA the chunks are copied out before this
-        returns; on the CPU the result may be `chunks[0]` itself, so release the messages only
-        after the kernels that read the result were launched (on the CPU: ran)."""
+    def landing(self, nbytes: int, slot: int) -> torch.Tensor:
+        """Host bytes for slot `slot`'s arriving round to be gathered into (a transport round
+        copies its payloads there end to end), then `upload`ed: the pinned buffer on CUDA, once
+        the copy that last read it completed; a reused host buffer on the CPU."""
+        if self.on_cuda:
+            return self.inbound[slot].claim(nbytes)
+        if nbytes > self._landing[slot].numel():
+            self._landing[slot] = torch.empty(-(-nbytes // ALIGN) * ALIGN, dtype=torch.uint8)
+        return self._landing[slot][:nbytes]
+
+    def upload(self, host: torch.Tensor, slot: int) -> torch.Tensor:
+        """`landing`'s bytes on the device, ordered on the compute stream (on the CPU: `host`
+        itself, valid until slot `slot` lands its next round)."""
         if not self.on_cuda:
-            if len(chunks) == 1:
-                return chunks[0]
-            return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-        total = sum(c.numel() for c in chunks)
-        host = self.inbound[slot].claim(total)
-        begin = 0
-        for chunk in chunks:
-            host[begin:begin + chunk.numel()].copy_(chunk)  # host memcpy out of the transport slot
-            begin += chunk.numel()
-        compute = torch.cuda.current_stream(self.device)
+            return host
         on_device = host.to(self.device, non_blocking=True)
-        self.inbound[slot].last_use = compute.record_event()
+        self.inbound[slot].last_use = torch.cuda.current_stream(self.device).record_event()
         return on_device
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from megainfer.disagg.staging_sizes import FIELD_BYTES, record_size
@@ -32,25 +33,40 @@ from megainfer.disagg.staging_sizes import FIELD_BYTES, record_size
 BUSY = 1  # header flag on expert answers
 
 
-class LinkMessage(Protocol):
-    header: object  # .step, .layer, .micro_batch, .token_count, .flags
+class LinkArrivals(Protocol):
+    """One collected round (transport.rounds.Arrivals): a message from each peer."""
 
-    def tensor(self, dtype: torch.dtype = ...) -> torch.Tensor: ...
+    fields: np.ndarray  # [N, 9] int64, the headers' fields (transport.rounds' column names)
+    token_counts: np.ndarray
+    byte_lengths: np.ndarray
+
+    def gather_into(self, buffer: torch.Tensor) -> np.ndarray: ...
+
+    def mismatch(self, step: int, layer: int, row_bytes: int = -1, token_counts: np.ndarray | None = None) -> int: ...
 
     def release(self) -> None: ...
 
 
 class ExpertLink(Protocol):
     """A node's view of its peers (deploy/ binds it to a transport Endpoint). Payloads are
-    host tensors: the runner stages device tensors through pinned memory first."""
+    host tensors: the runner stages device tensors through pinned memory first. The data
+    plane runs in rounds (transport/rounds.py): a (layer, micro-batch) is posted to every
+    peer in one call and collected from every peer in one call."""
 
-    def send(self, peer: str, payload: torch.Tensor, *, step: int, layer: int, micro_batch: int,
-             token_count: int, flags: int = 0) -> None: ...
+    def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins: np.ndarray, ends: np.ndarray,
+                   token_counts: np.ndarray, *, step: int, layer: int, micro_batch: int, flags: int = 0) -> None:
+        """peers[i] gets bytes [begins[i], ends[i]) of `buffer`, token count token_counts[i]."""
+        ...
 
-    def recv(self, peer: str, *, micro_batch: int) -> LinkMessage: ...
+    def post_rows(self, peers: tuple[str, ...], buffer: torch.Tensor, token_counts: np.ndarray, row_bytes: int, *,
+                  step: int, layer: int, micro_batch: int, flags: int = 0) -> None:
+        """post_round where peers[i] gets token_counts[i] rows of `row_bytes`, end to end."""
+        ...
 
-    def poll(self, peer: str, *, micro_batch: int) -> LinkMessage | None:
-        """The message `recv` would return if it has arrived, else None at once."""
+    def collect_round(self, peers: tuple[str, ...], *, micro_batch: int) -> LinkArrivals: ...
+
+    def poll_round(self, peers: tuple[str, ...], *, micro_batch: int) -> LinkArrivals | None:
+        """The round `collect_round` would return if all of it has arrived, else None at once."""
         ...
 
     def register(self, buffer: torch.Tensor) -> None:
@@ -96,11 +112,9 @@ def unpack_dispatch(buf: torch.Tensor, tokens: int, hidden: int, top_k: int,
     if buf.numel() != tokens * size:
         raise ValueError(f"dispatch payload of {buf.numel()} bytes does not hold {tokens} tokens "
                          f"(expected {tokens * size})")
-    records = buf.view(tokens, size)
-    x_end = hidden * dtype.itemsize
-    ids_end = x_end + top_k * FIELD_BYTES
-    return (records[:, :x_end].view(dtype), records[:, x_end:ids_end].view(torch.int32),
-            records[:, ids_end:].view(torch.float32))
+    x, ids, weights = buf.view(tokens, size).split((hidden * dtype.itemsize, top_k * FIELD_BYTES, top_k * FIELD_BYTES),
+                                                   dim=1)
+    return x.view(dtype), ids.view(torch.int32), weights.view(torch.float32)
 
 
 def rank_share(count: int, tp_size: int, tp_rank: int) -> tuple[int, int]:

@@ -2,8 +2,10 @@
 follows, take the tokens of every attention node, run this node's experts on their union,
 and answer each attention node with its slice.
 
-The messages' records (expert_link.py) enter the device in one copy per (layer, micro-batch)
-through a pinned buffer (device_staging.py), so the transport slots are released at once;
+A (layer, micro-batch) is one transport round each way: one call collects every attention
+node's message, one gathers their records end to end into a pinned buffer (device_staging.py)
+that enters the device in one copy, so the transport slots are released at once, and one call
+answers every attention node from one buffer of answers (node i's rows a byte range of it);
 the answers leave on the copy stream and wait in an outbox until that copy has landed: they
 are sent while the node waits for its next messages (or at the step's end), so the host never
 waits for the device inside a layer and the next micro-batch's experts are launched while the
@@ -22,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -36,6 +39,7 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
+from transport.rounds import LAYER, STEP
 
 CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
 
@@ -47,7 +51,7 @@ class PendingAnswer:
     step: int
     layer: int
     micro_batch: int
-    counts: list[int]  # tokens of each attention node, in `attention_nodes` order
+    counts: np.ndarray  # int64: tokens of each attention node, in `attention_nodes` order
     copy: HostCopy | None  # [total, hidden] answers; None: no tokens
 
     def landed(self) -> bool:
@@ -78,6 +82,8 @@ class ExpertWorker:
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.attention_nodes = list(attention_nodes)
+        self.peers = tuple(attention_nodes)  # every round goes to all of them, in this order
+        self.answer_row_bytes = model_config.hidden_size * self.dtype.itemsize
         self.m = micro_batches
         self.link = link
         self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
@@ -86,6 +92,7 @@ class ExpertWorker:
             for buffer in self.staging.send_buffers():
                 link.register(buffer)
         self._answers: deque[PendingAnswer] = deque()
+        self._no_answers = torch.empty(0, dtype=torch.uint8)  # an empty (layer, micro-batch)'s answers
         before = memory_profile.baseline(self.device) if profile_tokens else None
         self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids, tp_rank, tp_size)
                        for layer in range(model_config.num_layers)]
@@ -142,25 +149,29 @@ class ExpertWorker:
         """(layer, j): every attention node's tokens through this node's experts, each node
         answered with its rows. Returns the attention nodes' step id and the tokens served."""
         t0 = time.perf_counter()
-        msgs = [self._receive(a, j) for a in self.attention_nodes]
+        arrivals = self._receive(j)
         t1 = time.perf_counter()
         self.timing["wait_attention"] += t1 - t0
-        step = self._check(msgs, layer)
-        counts = [msg.header.token_count for msg in msgs]
-        total = sum(counts)
-        timeline = self.timeline
-        if timeline.enabled:
-            timeline.span(SpanKind.WAIT, step, layer, j, t0, t1)
-            for n in counts:
-                timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
-        mark = timeline.compute_start()
-        records = self.staging.to_device([msg.tensor(torch.uint8) for msg, n in zip(msgs, counts) if n],
-                                         slot=j) if total else None
+        try:
+            step = self._check(arrivals, layer)
+            counts = arrivals.token_counts.copy()  # the arrivals' fields are reused by the next round
+            total = int(counts.sum())
+            timeline = self.timeline
+            if timeline.enabled:
+                timeline.span(SpanKind.WAIT, step, layer, j, t0, t1)
+                for n in counts.tolist():
+                    timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
+            mark = timeline.compute_start()
+            records = None
+            if total:
+                host = self.staging.landing(total * self.record_size, slot=j)
+                arrivals.gather_into(host)
+                records = self.staging.upload(host, slot=j)
+        finally:
+            arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
             self._share(layer, j, total, records)
         y = self._experts(layer, records, total) if total else None
-        for msg in msgs:  # the kernels that read them are launched (on the CPU: done)
-            msg.release()
         copy = self.staging.to_host([y], slot=j) if total else None
         self._answers.append(PendingAnswer(step, layer, j, counts, copy))
         self.timing["experts"] += time.perf_counter() - t1
@@ -168,16 +179,16 @@ class ExpertWorker:
         timeline.compute_end(mark, step, layer, j, total)
         return step, total
 
-    def _receive(self, attention_node: str, j: int):
-        """The next message of `attention_node` for micro-batch j; while it is awaited, answers
-        whose copies land are sent (the message may be waiting on one of them)."""
+    def _receive(self, j: int):
+        """Every attention node's message for micro-batch j, one round; while it is awaited,
+        answers whose copies land are sent (the round may be waiting on one of them)."""
         while self._answers:
-            msg = self.link.poll(attention_node, micro_batch=j)
-            if msg is not None:
-                return msg
+            arrivals = self.link.poll_round(self.peers, micro_batch=j)
+            if arrivals is not None:
+                return arrivals
             if self._answers[0].landed():
                 self._send_answer(self._answers.popleft())
-        return self.link.recv(attention_node, micro_batch=j)
+        return self.link.collect_round(self.peers, micro_batch=j)
 
     def _flush_landed(self) -> None:
         """Send, oldest first, every answer whose copy has reached the host; never waits."""
@@ -185,31 +196,28 @@ class ExpertWorker:
             self._send_answer(self._answers.popleft())
 
     def _send_answer(self, pending: PendingAnswer) -> None:
-        """Each attention node's rows of one (layer, micro-batch)'s answers (waiting for their
-        copy only if it has not landed)."""
-        answers = pending.copy.wait()[0] if pending.copy is not None else None
-        flags = BUSY if answers is not None else 0
-        offset = 0
-        for a, n in zip(self.attention_nodes, pending.counts):
-            payload = answers[offset:offset + n] if n else torch.empty(0, dtype=torch.uint8)
-            self.link.send(a, payload, step=pending.step, layer=pending.layer, micro_batch=pending.micro_batch,
-                           token_count=n, flags=flags)
-            self.timeline.instant(SpanKind.SEND, pending.step, pending.layer, pending.micro_batch, n)
-            offset += n
+        """Each attention node's rows of one (layer, micro-batch)'s answers, one round (waiting
+        for their copy only if it has not landed)."""
+        answers = pending.copy.wait()[0] if pending.copy is not None else self._no_answers
+        self.link.post_rows(self.peers, answers, pending.counts, self.answer_row_bytes, step=pending.step,
+                            layer=pending.layer, micro_batch=pending.micro_batch,
+                            flags=BUSY if pending.copy is not None else 0)
+        if self.timeline.enabled:
+            for n in pending.counts.tolist():
+                self.timeline.instant(SpanKind.SEND, pending.step, pending.layer, pending.micro_batch, n)
 
-    def _check(self, msgs: list, layer: int) -> int:
+    def _check(self, arrivals, layer: int) -> int:
         """The step every attention node's message belongs to; each must be (that step, `layer`)
         and hold exactly its header's records."""
-        step = msgs[0].header.step
-        for a, msg in zip(self.attention_nodes, msgs):
-            header = msg.header
-            if header.layer != layer or header.step != step:
-                raise RuntimeError(f"attention node {a} sent (step {header.step}, layer {header.layer}) where "
-                                   f"(step {step}, layer {layer}) was due")
-            if len(msg.data) != header.token_count * self.record_size:
-                raise RuntimeError(f"attention node {a} sent {len(msg.data)} bytes for {header.token_count} tokens "
-                                   f"of {self.record_size}-byte records (layer {layer})")
-        return step
+        a = arrivals.mismatch(-1, layer, self.record_size)
+        if a < 0:
+            return int(arrivals.fields[0, STEP])
+        fields, step = arrivals.fields, arrivals.fields[0, STEP]
+        if fields[a, LAYER] != layer or fields[a, STEP] != step:
+            raise RuntimeError(f"attention node {self.peers[a]} sent (step {fields[a, STEP]}, layer {fields[a, LAYER]}) "
+                               f"where (step {step}, layer {layer}) was due")
+        raise RuntimeError(f"attention node {self.peers[a]} sent {arrivals.byte_lengths[a]} bytes for "
+                           f"{arrivals.token_counts[a]} tokens of {self.record_size}-byte records (layer {layer})")
 
     def _experts(self, layer: int, records: torch.Tensor, total: int) -> torch.Tensor:
         cfg = self.cfg

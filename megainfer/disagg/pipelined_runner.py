@@ -28,13 +28,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
-from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, rank_share
+from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records
+from transport.rounds import FLAGS, LAYER, STEP
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
@@ -69,11 +71,28 @@ class PendingDispatch:
 
 @dataclass
 class RoutedTokens:
-    """What one (layer, micro-batch)'s dispatch sent each expert node: the answers' destination."""
+    """What one (layer, micro-batch)'s dispatch sent the expert nodes: the answers' destination."""
 
     layer: int
-    rows: list[torch.Tensor]  # per expert node: device indices of the tokens sent (this rank's share)
-    counts: list[int]  # per expert node: how many
+    rows: torch.Tensor  # device indices of the tokens sent (this rank's share), expert-node order
+    counts: np.ndarray  # int64 [N]: how many each expert node got
+
+
+def rank_shares(bounds: np.ndarray, tp_size: int, tp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """[begin, end) of each expert node's tokens this rank carries, from the node offsets [N + 1]:
+    `rank_share` of every node at once."""
+    if tp_size == 1:
+        return bounds[:-1], bounds[1:]
+    base, extra = np.divmod(np.diff(bounds), tp_size)
+    begins = bounds[:-1] + tp_rank * base + np.minimum(tp_rank, extra)
+    return begins, begins + base + (tp_rank < extra)
+
+
+def shared_positions(begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The positions [begin, end) of every node, end to end (what a rank's answers come back as)."""
+    counts = ends - begins
+    starts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum())) + np.repeat(begins - starts, counts)
 
 
 def tokens_in_node_order(token_ids: torch.Tensor, node_offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -118,6 +137,8 @@ class PipelinedModelRunner:
             torch.set_num_threads(config.num_threads)
         self.link = link
         self.expert_nodes = list(expert_nodes)
+        self.peers = tuple(expert_nodes)  # every round goes to all of them, in this order
+        self.answer_row_bytes = model_config.hidden_size * self.dtype.itemsize
         self.m = micro_batches
         node_of = expert_node_map(model_config.num_experts, expert_nodes, expert_assignment).to(self.device)
         self.tp_group = tp_group
@@ -145,12 +166,14 @@ class PipelinedModelRunner:
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
         self._outbox: deque[PendingDispatch] = deque()  # dispatches copying to the host, oldest first
         self._routed: list[RoutedTokens | None] = [None] * micro_batches  # per micro-batch: its last dispatch sent
+        self._no_records = torch.empty(0, dtype=torch.uint8)  # an empty step's dispatch
         # Seconds, summed over steps: "attention" is device time of the attention halves (CUDA events;
         # wall time on the CPU); "send" the host's time getting dispatches out (waiting for their
         # copies included); "wait_experts" its time waiting for answers.
         self.timing = {"attention": 0.0, "send": 0.0, "wait_experts": 0.0}
         self.attention_timer = ComputeTimer(self.device)
-        # Per message, for the metrics endpoint: one send, and the wait for one expert node's answer.
+        # Per round, for the metrics endpoint: posting a dispatch to every expert node, and the
+        # wait for all their answers.
         self.m2n = {"send": LatencyHistogram(), "receive_wait": LatencyHistogram()}
         # When each (layer, micro-batch) ran and waited, and each message left and arrived (off
         # until `bench pipeline` switches it on). The node loop records the steps themselves.
@@ -305,33 +328,39 @@ class PipelinedModelRunner:
         return routed
 
     def _send_dispatch(self, pending: PendingDispatch) -> None:
-        """Each expert node's records, this rank's share of them: a contiguous byte range each."""
+        """Every expert node's records, this rank's share of them, in one round: a contiguous
+        byte range of the records buffer each."""
         t0 = time.perf_counter()
         layer, j = pending.layer, pending.micro_batch
         if pending.copy is None:
-            bounds, records = [0] * (len(self.expert_nodes) + 1), None
+            records, bounds = self._no_records, np.zeros(len(self.peers) + 1, dtype=np.int64)
         else:
             records, offsets = pending.copy.wait()
-            bounds = offsets.tolist()  # pinned host memory, landed: no device access
-        rows, counts = [], []
-        for k, node in enumerate(self.expert_nodes):
-            begin, end = rank_share(bounds[k + 1] - bounds[k], self.tp_size, self.tp_rank)
-            begin, end = bounds[k] + begin, bounds[k] + end
-            payload = records[begin:end].view(-1) if records is not None else torch.empty(0, dtype=torch.uint8)
-            self._send(node, payload, layer, j, end - begin)
-            counts.append(end - begin)
-            rows.append(pending.token_ids[begin:end] if end > begin else None)
-        self._routed[j] = RoutedTokens(layer, rows, counts)
-        self.timing["send"] += time.perf_counter() - t0
-
-    def _send(self, node: str, payload: torch.Tensor, layer: int, j: int, tokens: int) -> None:
-        t0 = time.perf_counter()
+            bounds = offsets.numpy()  # pinned host memory, landed: no device access
+        begins, ends = rank_shares(bounds, self.tp_size, self.tp_rank)
+        counts = ends - begins
+        row = records.shape[1] if records.dim() == 2 else 0
         try:
-            self.link.send(node, payload, step=self.step_id, layer=layer, micro_batch=j, token_count=tokens)
+            if self.tp_size == 1:  # every node's records, end to end
+                self.link.post_rows(self.peers, records, counts, row, step=self.step_id, layer=layer, micro_batch=j)
+            else:
+                self.link.post_round(self.peers, records, begins * row, ends * row, counts, step=self.step_id,
+                                     layer=layer, micro_batch=j)
         except Exception as exc:
-            raise DataPlaneError(f"cannot reach expert node {node} (layer {layer}): {exc}") from exc
-        self.timeline.instant(SpanKind.SEND, self.step_id, layer, j, tokens)
-        self.m2n["send"].observe(time.perf_counter() - t0)
+            raise DataPlaneError(f"cannot reach the expert nodes (layer {layer}): {exc}") from exc
+        if pending.token_ids is None:
+            rows = None
+        elif self.tp_size == 1:  # the shares are the whole segments: the tokens sent are a prefix
+            rows = pending.token_ids[:int(bounds[-1])]
+        else:
+            rows = pending.token_ids[torch.from_numpy(shared_positions(begins, ends)).to(self.device)]
+        self._routed[j] = RoutedTokens(layer, rows, counts)
+        if self.timeline.enabled:
+            for tokens in counts.tolist():
+                self.timeline.instant(SpanKind.SEND, self.step_id, layer, j, tokens)
+        elapsed = time.perf_counter() - t0
+        self.m2n["send"].observe(elapsed)
+        self.timing["send"] += elapsed
 
     def reset(self) -> None:
         """After the deployment re-wired: every node starts again from step 0."""
@@ -340,59 +369,72 @@ class PipelinedModelRunner:
         self._outbox.clear()
 
     def _combine(self, layer: int, j: int, residual: torch.Tensor | None) -> torch.Tensor | None:
-        """Micro-batch j's answers of `layer` added into its residual stream: one copy to the
-        device and one `index_add_` over every routed token, in expert-node order."""
+        """Micro-batch j's answers of `layer` added into its residual stream: gathered end to end
+        into one host buffer, one copy to the device and one `index_add_` over every routed
+        token, in expert-node order."""
         routed = self._flush_through(layer, j)
         waited = time.perf_counter()
-        msgs = [self._receive(node, layer, j) for node in self.expert_nodes]
+        arrivals = self._receive(layer, j)
         self.timeline.span(SpanKind.WAIT, self.step_id, layer, j, waited, time.perf_counter())
         if layer + 1 < self.model_config.num_layers:  # the next layer's compute of j starts here
             self._compute_mark = self.timeline.compute_start()
-        answers, rows = [], []
-        for node, msg, sent, routed_rows in zip(self.expert_nodes, msgs, routed.counts, routed.rows):
-            if msg.header.token_count != sent:
-                raise DataPlaneError(f"expert node {node} answered {msg.header.token_count} tokens of layer "
-                                     f"{layer}, micro-batch {j}, where {sent} were sent")
-            if sent:
-                answers.append(msg.tensor(torch.uint8))
-                rows.append(routed_rows)
-        y = None
-        if residual is not None:
-            y = torch.zeros_like(residual)
-            if answers:
-                values = self.staging.to_device(answers, slot=j).view(self.dtype).view(-1, y.shape[1])
-                y.index_add_(0, rows[0] if len(rows) == 1 else torch.cat(rows), values)
-        for msg in msgs:  # the kernels that read them are launched (on the CPU: done)
-            msg.release()
+        try:
+            total = self._check_answers(arrivals, routed, layer, j)
+            y = None
+            if residual is not None:
+                y = torch.zeros_like(residual)
+                if total:
+                    host = self.staging.landing(total * y.shape[1] * y.element_size(), slot=j)
+                    arrivals.gather_into(host)
+                    values = self.staging.upload(host, slot=j).view(self.dtype).view(-1, y.shape[1])
+                    y.index_add_(0, routed.rows, values)
+        finally:
+            arrivals.release()  # gathered: the slots are free at once
         if y is None:
             return None
         if self.tp_size > 1:  # every rank added its share of the answers: sum them
             self.tp_group.all_reduce(y)
         return residual + y
 
-    def _receive(self, node: str, layer: int, j: int):
-        """Expert node `node`'s answer for (layer, j), checked against the step; while it is
-        awaited, dispatches whose copies land are sent."""
+    def _check_answers(self, arrivals, routed: RoutedTokens, layer: int, j: int) -> int:
+        """The answers belong to (this step, `layer`) and carry the tokens sent; returns their
+        total. Notes the BUSY flag."""
+        k = arrivals.mismatch(self.step_id, layer, self.answer_row_bytes, routed.counts)
+        fields, counts = arrivals.fields, arrivals.token_counts
+        if k >= 0:
+            node = self.peers[k]
+            if fields[k, STEP] != self.step_id or fields[k, LAYER] != layer:
+                raise DataPlaneError(f"expert node {node} answered (step {fields[k, STEP]}, layer {fields[k, LAYER]}) "
+                                     f"where (step {self.step_id}, layer {layer}) was due: the nodes are out of step")
+            if counts[k] != routed.counts[k]:
+                raise DataPlaneError(f"expert node {node} answered {counts[k]} tokens of layer {layer}, micro-batch "
+                                     f"{j}, where {routed.counts[k]} were sent")
+            raise DataPlaneError(f"expert node {node} answered {counts[k]} tokens of layer {layer} in "
+                                 f"{arrivals.byte_lengths[k]} bytes, not {self.answer_row_bytes} per token")
+        if not self._busy:
+            self._busy = bool((fields[:, FLAGS] & BUSY).any())
+        if self.timeline.enabled:
+            for tokens in counts.tolist():
+                self.timeline.instant(SpanKind.ARRIVE, self.step_id, layer, j, tokens)
+        return int(counts.sum())
+
+    def _receive(self, layer: int, j: int):
+        """Every expert node's answer for (layer, j), one round; while it is awaited,
+        dispatches whose copies land are sent."""
         t0, sending = time.perf_counter(), self.timing["send"]
         try:
-            msg = None
-            while msg is None and self._outbox:
-                msg = self.link.poll(node, micro_batch=j)
-                if msg is None:
+            arrivals = None
+            while arrivals is None and self._outbox:
+                arrivals = self.link.poll_round(self.peers, micro_batch=j)
+                if arrivals is None:
                     self._flush_landed()
-            if msg is None:
-                msg = self.link.recv(node, micro_batch=j)
+            if arrivals is None:
+                arrivals = self.link.collect_round(self.peers, micro_batch=j)
         except DataPlaneError:
             raise
         except Exception as exc:
-            raise DataPlaneError(f"expert node {node} did not answer (layer {layer}): {exc}") from exc
+            raise DataPlaneError(f"the expert nodes did not answer (layer {layer}): {exc}") from exc
         waited = time.perf_counter() - t0 - (self.timing["send"] - sending)  # dispatches sent meanwhile are "send"
         self.timing["wait_experts"] += waited
         self.m2n["receive_wait"].observe(waited)
-        header = msg.header
-        if header.layer != layer or header.step != self.step_id:
-            raise DataPlaneError(f"expert node {node} answered (step {header.step}, layer {header.layer}) where "
-                                 f"(step {self.step_id}, layer {layer}) was due: the nodes are out of step")
-        self._busy |= bool(header.flags & BUSY)
-        self.timeline.instant(SpanKind.ARRIVE, self.step_id, layer, j, header.token_count)
-        return msg
+        return arrivals

@@ -4,21 +4,27 @@ MegaScale-Infer's gain rests on a (layer, micro-batch)'s exchange fitting inside
 t_a on the attention side and t_e on the expert side. This measures what the host spends per
 round through the real code, with the model compute stubbed:
 
-- attention rank: one round is the runner's dispatch of (layer, j) to the plan's N expert
-  nodes and the combine of their N answers (`PipelinedModelRunner._send_dispatch` through
-  `_combine`: the per-peer slicing, the sends, the receives and releases; the answers' sum
-  into the residual is left out, device work on a GPU), the N expert nodes echoing from one
-  other process;
+- attention rank: one round is the runner's combine of micro-batch j's N answers and its
+  next dispatch of j to the plan's N expert nodes (`PipelinedModelRunner._combine` and
+  `_send_dispatch`: the checks, the gather of the answers, the post; the answers' sum into the
+  residual is left out, device work on a GPU), m rounds in flight as in a step, the N expert
+  nodes echoing from one other process;
 - expert node: one (layer, micro-batch) of `ExpertWorker.run_step` (receive from every
-  attention rank, unpack, the experts replaced by zeros, answer every rank), the plan's M
-  attention ranks sending from one other process.
+  attention rank, gather, unpack, the experts replaced by zeros, answer every rank), the
+  plan's M attention ranks in one other process sending micro-batch j's next message as soon
+  as its answers are in (the ping-pong's steady state).
+
+The peers are the compiled core's loopback loops (`transport._m2n_core.echo` and `drive`):
+fast stand-ins, so that what the measured side is charged is its own work, not a slow peer's
+(the Python path of the first measurement, whose peers were Python loops, spun while they
+answered); both paths are measured against the same peers.
 
 CPU time is `time.process_time` of the measured process: every thread of it, so work moved to
 a progress thread is not hidden. Message sizes: a 4 KiB variant (one token per peer, in a
 model whose record is 4 KiB: isolates the per-message cost) and the plan's own (each rank's
 share of a micro-batch's decodes, the share of them routed to one expert node, in the plan's
-model). Reported beside the plan's predicted t_a and t_e. The pure-Python path is the only one
-today (`python`); the compiled core of issue 31 adds its own row (`core`) in the same run.
+model). Reported beside the plan's predicted t_a and t_e, for both paths in the same run:
+`core` (rounds in the compiled core) and `python` (the pure-Python reference, per message).
 """
 
 from __future__ import annotations
@@ -35,9 +41,9 @@ import torch
 
 from megainfer.bench.report import format_table
 from megainfer.config import EngineConfig, ModelConfig, resolve_model
-from megainfer.disagg.expert_link import BUSY, record_bytes
+from megainfer.disagg.expert_link import record_bytes
 from megainfer.plan import Plan
-from transport import Endpoint, EndpointSpec, PeerClosed, PeerTimeout
+from transport import Endpoint, EndpointSpec
 
 SECRET = b"megainfer-bench-host-secret-0123"
 SMALL_RECORD = 4096  # bytes: the per-message-cost variant's one-token message
@@ -99,9 +105,9 @@ def _stub_model(scale: HostScale, hidden: int) -> ModelConfig:
                        max_position_embeddings=4096, name="bench-host")
 
 
-def _endpoint(name: str, rank: int, slot_bytes: int, slots: int) -> Endpoint:
+def _endpoint(name: str, rank: int, slot_bytes: int, slots: int, core: str) -> Endpoint:
     return Endpoint(EndpointSpec(name=name, rank=rank, secret=SECRET, listen="127.0.0.1:0", slot_bytes=slot_bytes,
-                                 num_slots=slots, backend="shm", timeout_s=TIMEOUT_S))
+                                 num_slots=slots, backend="shm", timeout_s=TIMEOUT_S, core=core))
 
 
 def _connect_all(endpoints: list[Endpoint], peer: str, address: str) -> None:
@@ -123,27 +129,24 @@ def _connect_all(endpoints: list[Endpoint], peer: str, address: str) -> None:
         raise errors[0]
 
 
-# -- the peers, in one other process -----------------------------------------------------------------------
-def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_bytes: int, max_tokens: int,
-                  conn) -> None:
+# -- the peers, in one other process: the core's loopback loops (fast stand-ins, so what the
+# measured side is charged is its own work, not a slow peer's; the same peers for both paths).
+def _peer_channels(endpoints: list[Endpoint], peer: str) -> tuple[list, list, list[int]]:
+    inbound = [ep.inbound[peer].core for ep in endpoints]
+    outbound = [ep.outbound[peer].core for ep in endpoints]
+    return inbound, outbound, [ep.inbound[peer].control.fileno() for ep in endpoints]
+
+
+def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_bytes: int, conn) -> None:
     """N expert nodes that answer each dispatch with token_count zero rows, until the rank leaves."""
+    from transport.core import native
+
     try:
-        torch.set_num_threads(1)
-        endpoints = [_endpoint(n, 100 + i, slot_bytes, slots) for i, n in enumerate(names)]
+        endpoints = [_endpoint(n, 100 + i, slot_bytes, slots, "on") for i, n in enumerate(names)]
         conn.send([ep.address for ep in endpoints])
         _connect_all(endpoints, "attention0", conn.recv())
-        zeros = bytes(answer_row_bytes * max_tokens)
-        while True:
-            for ep in endpoints:
-                msg = ep.poll("attention0")
-                if msg is None:
-                    continue
-                h = msg.header
-                msg.release()
-                ep.send("attention0", memoryview(zeros)[:h.token_count * answer_row_bytes], step=h.step,
-                        layer=h.layer, micro_batch=h.micro_batch, token_count=h.token_count, flags=BUSY)
-    except PeerClosed:
-        pass
+        inbound, outbound, controls = _peer_channels(endpoints, "attention0")
+        native.echo(inbound, outbound, answer_row_bytes, controls)
     except BaseException:
         conn.send(traceback.format_exc())
 
@@ -151,23 +154,14 @@ def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_byte
 def _attention_senders(names: list[str], slot_bytes: int, slots: int, record_size: int, tokens: int,
                        conn) -> None:
     """M attention ranks that send each (layer 0, j) of every step and take its answer, until the node leaves."""
+    from transport.core import native
+
     try:
-        torch.set_num_threads(1)
-        endpoints = [_endpoint(n, i, slot_bytes, slots) for i, n in enumerate(names)]
+        endpoints = [_endpoint(n, i, slot_bytes, slots, "on") for i, n in enumerate(names)]
         conn.send([ep.address for ep in endpoints])
         _connect_all(endpoints, "experts0", conn.recv())
-        payload = memoryview(bytes(tokens * record_size))
-        step = 0
-        while True:
-            for j in range(slots):
-                for ep in endpoints:
-                    ep.send("experts0", payload, step=step, layer=0, micro_batch=j, token_count=tokens)
-            for j in range(slots):
-                for ep in endpoints:
-                    ep.recv("experts0", micro_batch=j).release()
-            step = (step + 1) & 0xFFFFFFFF
-    except (PeerClosed, PeerTimeout):
-        pass
+        inbound, outbound, controls = _peer_channels(endpoints, "experts0")
+        native.drive(inbound, outbound, tokens * record_size, tokens, slots, controls)
     except BaseException:
         conn.send(traceback.format_exc())
 
@@ -204,9 +198,16 @@ def _stop(link: Endpoint, process: mp.Process) -> None:
 
 
 # -- the measured sides ------------------------------------------------------------------------------------
+PATHS = {"core": "on", "python": "off"}  # the measured endpoint's EndpointSpec.core
+
+
+def _path(core: str) -> str:
+    return next(path for path, setting in PATHS.items() if setting == core)
+
 @dataclass
 class RoundCost:
     side: str  # "attention" or "expert"
+    path: str  # "core" (the compiled core's rounds) or "python" (the pure-Python reference, per message)
     peers: int
     message_bytes: int
     cpu_us: float  # CPU time of the measured process per round (every thread)
@@ -216,7 +217,7 @@ class RoundCost:
         return self.cpu_us * scale.rounds_per_step / 1e3
 
 
-def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, rounds: int) -> RoundCost:
+def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, rounds: int, core: str) -> RoundCost:
     from megainfer.disagg.pipelined_runner import PendingDispatch, PipelinedModelRunner
     from megainfer.model.weights import RandomWeights
 
@@ -225,8 +226,8 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
     rec = record_bytes(hidden, scale.top_k, DTYPE)
     answer_row = hidden * DTYPE.itemsize
     names = [f"experts{k}" for k in range(n)]
-    process, conn, addresses = _start(_echo_experts, (names, tokens_per_peer * rec, m, answer_row, tokens_per_peer))
-    link = _endpoint("attention0", 0, tokens_per_peer * answer_row, m)
+    process, conn, addresses = _start(_echo_experts, (names, tokens_per_peer * rec, m, answer_row))
+    link = _endpoint("attention0", 0, tokens_per_peer * answer_row, m, core)
     try:
         conn.send(link.address)
         link.connect(dict(zip(names, addresses)))
@@ -241,20 +242,30 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
         token_ids = torch.arange(rows)
         runner._busy = False  # what `_pass_layers` sets at a step's start: the rounds below are one step's
 
-        def one_round(j: int) -> None:
+        def dispatch(j: int) -> None:
             runner._outbox.append(PendingDispatch(0, j, runner.staging.to_host([records, offsets], slot=j), token_ids))
+            runner._flush_landed()
+
+        def one_round(j: int) -> None:
+            """The ping-pong's order: micro-batch j's answers combined, then its next dispatch
+            (m - 1 other rounds in flight meanwhile, as in a step)."""
             # No residual: the answers' sum into it is device work on a GPU (here it would be CPU
             # compute, not host cost); what the host does with the messages stays.
             runner._combine(0, j, None)
+            dispatch(j)
 
         with torch.inference_mode():
+            for j in range(m):
+                dispatch(j)
             cpu, wall = _timed(lambda i: one_round(i % m), max(10, rounds // 10), rounds)
+            for j in range(m):  # the last answers, so the peers end between rounds
+                runner._combine(0, j, None)
     finally:
         _stop(link, process)
-    return RoundCost("attention", n, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
+    return RoundCost("attention", _path(core), n, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
 
 
-def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: int) -> RoundCost:
+def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: int, core: str) -> RoundCost:
     from megainfer.disagg.expert_worker import ExpertWorker
     from megainfer.model.weights import RandomWeights
 
@@ -264,7 +275,7 @@ def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: i
     names = [f"attention{a}" for a in range(senders)]
     process, conn, addresses = _start(_attention_senders, (names, tokens_per_peer * hidden * DTYPE.itemsize, m, rec,
                                                            tokens_per_peer))
-    link = _endpoint("experts0", 100, tokens_per_peer * rec, m)
+    link = _endpoint("experts0", 100, tokens_per_peer * rec, m, core)
     try:
         conn.send(link.address)
         link.connect(dict(zip(names, addresses)))
@@ -275,26 +286,33 @@ def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: i
     finally:
         _stop(link, process)
     rounds = steps * m
-    return RoundCost("expert", senders, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
+    return RoundCost("expert", _path(core), senders, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
 
 
 def run(plan_path: str, rounds: int, json_path: str | None) -> int:
     import json
 
+    from transport import core
+
+    if core.native is None:
+        raise SystemExit(f"bench host: {core.BUILD_ERROR}")
     plan = Plan.load(plan_path)
     scale = scale_of(plan)
     torch.set_num_threads(1)
     rows, results = [], {}
     variants = (("4KiB", hidden_for_record(SMALL_RECORD, scale.top_k), 1), ("plan", scale.hidden, scale.tokens_per_peer))
     for label, hidden, tokens in variants:
-        attention = measure_attention(scale, hidden, tokens, rounds)
-        expert = measure_expert(scale, hidden, tokens, max(1, rounds // scale.micro_batches))
-        for cost, budget in ((attention, scale.t_a_ms), (expert, scale.t_e_ms)):
-            ratio = f"{cost.cpu_us / (budget * 1e3):.1f}" if budget else "-"
-            rows.append([cost.side, "python", label, cost.peers, cost.message_bytes, f"{cost.cpu_us:,.0f}",
-                         f"{cost.wall_us:,.0f}", f"{cost.per_step_ms(scale):,.1f}", ratio])
-            results[f"{cost.side}_round_cpu_us" + ("" if label == "4KiB" else "_plan_size")] = {
-                "python": dataclasses.asdict(cost), "core": None}
+        key = "" if label == "4KiB" else "_plan_size"
+        for side, measure, count in (("attention", measure_attention, rounds),
+                                     ("expert", measure_expert, max(1, rounds // scale.micro_batches))):
+            costs = {path: measure(scale, hidden, tokens, count, setting) for path, setting in PATHS.items()}
+            budget = scale.t_a_ms if side == "attention" else scale.t_e_ms
+            for cost in costs.values():
+                ratio = f"{cost.cpu_us / (budget * 1e3):.2f}" if budget else "-"
+                rows.append([cost.side, cost.path, label, cost.peers, cost.message_bytes, f"{cost.cpu_us:,.1f}",
+                             f"{cost.wall_us:,.1f}", f"{cost.per_step_ms(scale):,.1f}", ratio,
+                             f"{costs['python'].cpu_us / cost.cpu_us:.1f}x"])
+            results[f"{side}_round_cpu_us{key}"] = {path: dataclasses.asdict(cost) for path, cost in costs.items()}
     print(f"{plan_path}: {scale.rounds_per_step} rounds per step ({scale.layers} layers x m = {scale.micro_batches}); "
           f"an attention rank exchanges with N = {scale.expert_nodes} expert nodes, an expert node with M = "
           f"{scale.attention_ranks} attention ranks; the plan's message {scale.tokens_per_peer} tokens "
@@ -302,8 +320,10 @@ def run(plan_path: str, rounds: int, json_path: str | None) -> int:
           f"one node); predicted t_a {scale.t_a_ms:.3f} ms, t_e {scale.t_e_ms:.3f} ms"
           + ("" if scale.t_a_ms else " (the plan predicts none)"))
     print(format_table(["side", "path", "message", "peers", "bytes", "CPU us/round", "wall us/round", "CPU ms/step",
-                        "x t_a or t_e"], rows))
-    print("path python: the pure-Python backends, one call per message (no compiled core exists yet: issue 31)")
+                        "x t_a or t_e", "python / path"], rows))
+    print("path core: rounds in the compiled M2N core (one call posts to every peer, one collects from every "
+          "peer); python: the pure-Python reference backends, one call per message. CPU time: every thread of "
+          "the measured process. Peers: the core's loopback loops in one other process, the same for both paths.")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"benchmark": "host", "plan": plan_path, "scale": dataclasses.asdict(scale), **results}, f,

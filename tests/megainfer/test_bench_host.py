@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from megainfer.plan import Plan
 from megainfer.tools.host_cost import routed_share, scale_of
 from tests.helpers import ROOT, megainfer
@@ -28,13 +30,26 @@ def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
                     "--json", str(path), timeout=600)
     assert out.returncode == 0, out.stderr
     assert "CPU us/round" in out.stdout and "attention  python" in out.stdout and "expert     python" in out.stdout
+    assert "attention    core" in out.stdout and "expert       core" in out.stdout
     result = json.loads(path.read_text())
     for key in ("attention_round_cpu_us", "expert_round_cpu_us", "attention_round_cpu_us_plan_size",
                 "expert_round_cpu_us_plan_size"):
-        python = result[key]["python"]
-        assert python["cpu_us"] > 0 and python["wall_us"] > 0 and python["peers"] >= 1, key
-        assert result[key]["core"] is None  # no compiled core yet
+        for path_name in ("core", "python"):  # both measured in the same run, against the same peers
+            cost = result[key][path_name]
+            assert cost["path"] == path_name and cost["cpu_us"] > 0 and cost["wall_us"] > 0 and cost["peers"] >= 1, key
     assert result["attention_round_cpu_us"]["python"]["message_bytes"] == 4096
+
+
+@pytest.mark.slow
+def test_on_the_235b_plan_the_core_is_several_times_cheaper_than_the_python_path(tmp_path):
+    """The issue's bar is <= 60 us per round on both sides (docs/benchmarks.md records the
+    figures); what a shared, noisy CI machine can hold to is the ratio, measured in one run."""
+    path = tmp_path / "host.json"
+    out = megainfer("bench", "host", str(PLAN_235B), "--rounds", "600", "--json", str(path), timeout=900)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(path.read_text())
+    for key in ("attention_round_cpu_us", "expert_round_cpu_us"):
+        assert result[key]["core"]["cpu_us"] * 3 < result[key]["python"]["cpu_us"], result[key]
 
 
 def test_the_small_variant_sends_4_kib_records():

@@ -203,10 +203,10 @@ def test_cpu_staging_elides_every_copy():
     assert copy.landed() and copy.event is None
     host_records, host_offsets = copy.wait()
     assert host_records.data_ptr() == records.data_ptr() and host_offsets.data_ptr() == offsets.data_ptr()
-    one = torch.arange(5, dtype=torch.uint8)
-    assert staging.to_device([one], slot=0) is one
-    assert torch.equal(staging.to_device([one, one[:2]], slot=0), torch.cat([one, one[:2]]))
-    assert staging.to_device([], slot=0).numel() == 0
+    land = staging.landing(5, slot=0)  # a round lands in a reused host buffer, uploaded as it is
+    assert land.numel() == 5 and staging.upload(land, slot=0) is land
+    assert staging.landing(3, slot=0).data_ptr() == land.data_ptr()  # no allocation while it fits
+    assert staging.landing(5000, slot=0).numel() == 5000 and staging.landing(0, slot=1).numel() == 0
     timer = ComputeTimer("cpu")
     timer.start()
     timer.stop()
@@ -228,9 +228,12 @@ def test_cuda_staging_copies_what_the_compute_stream_produced_without_waiting_fo
     host_x, host_offsets = copy.wait()
     assert host_x.is_pinned() and torch.equal(host_x, torch.full((1000,), 5.0))
     assert host_offsets.tolist() == [0, 1, 2, 3]
-    chunks = [torch.arange(10, dtype=torch.uint8), torch.arange(10, 30, dtype=torch.uint8)]
-    on_device = staging.to_device(chunks, slot=1)
-    chunks[0].fill_(0)  # copied out already: the transport slot may be reused
+    land = staging.landing(30, slot=1)  # where a round's payloads are gathered
+    assert land.is_pinned()
+    land.copy_(torch.arange(30, dtype=torch.uint8))
+    on_device = staging.upload(land, slot=1)
+    again = staging.landing(30, slot=1)  # waits for the upload to have read the buffer
+    again.fill_(0)
     assert on_device.is_cuda and torch.equal(on_device.cpu(), torch.arange(30, dtype=torch.uint8))
     grown = staging.to_host([torch.ones(1 << 20, device="cuda")], slot=0).wait()[0]
     assert torch.equal(grown, torch.ones(1 << 20)) and staging.outbound[0].data.numel() >= 4 << 20

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_model
 from megainfer.messages import NodeTimeline
 from megainfer.tools.gpucheck.context import CheckContext
-from transport import Endpoint, EndpointSpec, PeerClosed
+from transport import Endpoint, EndpointSpec, RoundFailed
 
 SECRET = b"megainfer-gpucheck-pair-secret!!"
 ATTENTION, EXPERT = "attention0", "expert0"
@@ -123,7 +123,7 @@ def attention_node(spec: PairSpec, prompts: list[list[int]], conn) -> None:
         tokens, steps, decode_tokens, decode_seconds = generate(engine, prompts, spec.max_tokens)
         timeline = engine.runner.timeline.read() if spec.record_timeline else None
         conn.send(AttentionResult(tokens, steps, decode_tokens, decode_seconds, timeline))
-        link.close()  # the expert node's next receive fails with PeerClosed: its cue to stop
+        link.close()  # the expert node's next round fails with the peer closed: its cue to stop
     except BaseException:
         conn.send(traceback.format_exc())
 
@@ -146,8 +146,9 @@ def expert_node(spec: PairSpec, conn) -> None:
         try:
             while True:
                 worker.run_step()
-        except PeerClosed:  # the attention node is done
-            pass
+        except RoundFailed as exc:  # the attention node is done: it closed its end
+            if not exc.peers_closed:
+                raise
         conn.send(ExpertResult(worker.steps, worker.timeline.read() if spec.record_timeline else None))
         link.close()
     except BaseException:

@@ -1,0 +1,132 @@
+"""The compiled M2N core (transport/csrc/m2n_core.cpp) as shared-memory channels.
+
+The core does per round what transport/shm.py does per message: the same segment layout,
+the same state words, doorbells and rules, in C++ with the GIL released, so a round to 32
+peers is one call instead of 32 (see `transport.rounds`). Where it drives a channel it owns
+that channel's sequence numbers and held slots: `CoreShmOutbound` and `CoreShmInbound` keep
+the reference classes' set-up (segment, handshake fields) and interface, so `Endpoint.send`,
+`recv` and `poll` work on them unchanged.
+
+Whether an endpoint uses it is `EndpointSpec.core`: "auto" (the core where it is built, the
+pure-Python reference otherwise, saying so in a warning with the reason), "on" (fail if it
+is not built) or "off" (the reference, as the benchmarks and the tests that compare the two
+ask for).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transport.errors import BackendUnavailable, ProtocolViolation
+from transport.shm import ShmInbound, ShmOutbound
+from transport.wire import Header
+from transport.wire_rules import InboundRules, broke
+
+logger = logging.getLogger(__name__)
+
+CORE_CHOICES = ("auto", "on", "off")
+
+try:
+    from transport import _m2n_core as native
+    BUILD_ERROR = ""
+except ImportError as exc:  # not built: pip install compiles it (setup.py); the reference runs instead
+    native = None
+    BUILD_ERROR = (f"the compiled M2N core is not built ({exc}); reinstall with a C++ compiler present "
+                   "(`pip install -e .`, or `python setup.py build_ext --inplace` in the checkout)")
+
+_warned = False
+
+
+def resolve(wanted: str, endpoint: str) -> bool:
+    """Whether endpoint `endpoint` drives its shm channels with the core; logged."""
+    global _warned
+    if wanted not in CORE_CHOICES:
+        raise ValueError(f"EndpointSpec.core {wanted!r} is not one of {', '.join(CORE_CHOICES)}")
+    if wanted == "off":
+        logger.info("endpoint %s: shm channels on the pure-Python reference (core='off')", endpoint)
+        return False
+    if native is None:
+        if wanted == "on":
+            raise BackendUnavailable(BUILD_ERROR)
+        if not _warned:  # once per process: every endpoint of it says the same
+            _warned = True
+            logger.warning("M2N: %s; shm rounds run on the pure-Python reference, one call per message", BUILD_ERROR)
+        return False
+    return True
+
+
+def violation_error(channel: "CoreShmInbound") -> ProtocolViolation:
+    """The channel's violation, in the reference's words (transport/shm.py, wire_rules.py)."""
+    code, a, b, fields = channel.core.violation_info()
+    peer = channel.peer
+    if code == native.BAD_STATE:
+        return broke(peer, f"slot {a}'s state word is {b} (0 free, 1 full)")
+    if code == native.WRONG_SLOT:
+        return broke(peer, f"message seq {fields[7]} for micro-batch {fields[3]} lies in slot {a}, not "
+                           f"{fields[3] % channel.num_slots}")
+    if code == native.SKIPPED:
+        return broke(peer, f"message seq {channel.core.next_seq} never arrived, yet seq {a} did (a message was "
+                           "skipped)")
+    if code == native.REWRITTEN:
+        return broke(peer, f"slot {a} was rewritten while this endpoint held message seq {b} in it")
+    rules = InboundRules(peer, channel.rules.sender, channel.slot_bytes, channel.num_slots)
+    rules.next_seq = a  # BAD_HEADER: a = the seq that was due
+    return rules._refusal(tuple(fields))
+
+
+class CoreShmOutbound(ShmOutbound):
+    """this endpoint -> peer over shm, written by the core (which stamps the sequence numbers)."""
+
+    core_driven = True
+
+    def __init__(self, peer: str, channel_id: int, slot_bytes: int, num_slots: int, doorbell, info: dict, control,
+                 rank: int) -> None:
+        super().__init__(peer, channel_id, slot_bytes, num_slots, doorbell, info, control)
+        self.core = native.OutChannel(self.segment.view, slot_bytes, self.stride, num_slots, rank,
+                                      doorbell._out.fileno(), self.peer_doorbell, self.peer_channel)
+
+    def try_send(self, header: Header, payload) -> bool:
+        return self.core.try_send(header.step, header.layer, header.micro_batch, header.flags, header.token_count,
+                                  payload)
+
+    def close(self) -> None:
+        self.core.close()
+        super().close()
+
+
+class CoreShmInbound(ShmInbound):
+    """peer -> this endpoint over shm, read by the core (which holds the sequence and the slots)."""
+
+    core_driven = True
+
+    def bind_peer(self, doorbell: str, channel: int, control) -> None:
+        super().bind_peer(doorbell, channel, control)
+        self.core = native.InChannel(self.segment.view, self.slot_bytes, self.stride, self.num_slots,
+                                     self.rules.sender, self.doorbell._out.fileno(), doorbell, channel)
+
+    @property
+    def outstanding(self) -> int:
+        """Messages handed out and not released (Endpoint.recv's pending ones included)."""
+        return self.core.held
+
+    @property
+    def queued(self) -> int:
+        """Messages the core admitted that nobody has taken yet."""
+        return self.core.queued
+
+    def poll(self) -> list[tuple[int, Header]]:
+        found = self.core.poll()
+        if not found and self.core.violation:
+            raise violation_error(self)
+        return [(slot, Header._make(fields)) for slot, fields in found]
+
+    def release(self, slot: int) -> None:
+        self.core.release(slot)  # a rewritten slot is recorded: the next poll raises it
+
+    def set_asleep(self, asleep: bool) -> None:
+        self.core.set_asleep(asleep)
+
+    def close(self) -> None:
+        if hasattr(self, "core"):
+            self.core.close()
+        super().close()

@@ -1,0 +1,186 @@
+"""Rounds: one call posts a (layer, micro-batch)'s messages to all its peers, one call
+collects a message from each of them.
+
+A round is what the M2N exchange is made of: an attention rank sends every expert node its
+tokens of a micro-batch and takes their answers; an expert node takes every attention rank's
+tokens and answers each. The caller lays a round's payloads end to end in one buffer (each
+peer's bytes a range of it) and gets the arrivals back as `Arrivals`: per-peer header fields
+in one array, payloads readable in place or gathered into one buffer in one call.
+
+Where every channel of a round is driven by the compiled core (transport/core.py), a post
+and a collect are one C++ call each (`CoreRound`); otherwise the round is a loop of the
+per-message calls (`MessageRound`), which is the reference the tests compare against. The
+endpoint (transport/endpoint.py) picks one per set of peers and keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from transport.wire import MAGIC
+
+if TYPE_CHECKING:
+    from transport.endpoint import Message
+
+# Columns of Arrivals.fields: the wire header's fields, magic first (transport/wire.py HEADER).
+MAGIC_COL, STEP, LAYER, MICRO_BATCH, SENDER, FLAGS, TOKEN_COUNT, SEQ, BYTE_LENGTH = range(9)
+
+
+def row_ranges(token_counts, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """[begin, end) bytes of each peer's rows, the peers' rows end to end (what post_rows sends)."""
+    ends = np.cumsum(np.asarray(token_counts, dtype=np.int64)) * row_bytes
+    return ends - np.asarray(token_counts, dtype=np.int64) * row_bytes, ends
+
+
+def byte_address(buffer) -> tuple[int, int]:
+    """(address, bytes) of a contiguous CPU torch tensor or numpy array: what the core copies from."""
+    if hasattr(buffer, "data_ptr"):  # torch
+        if buffer.device.type != "cpu":
+            raise TypeError("round payloads are host memory: stage CUDA tensors through pinned buffers first")
+        if not buffer.is_contiguous():
+            raise ValueError("a round's buffer must be contiguous (call .contiguous())")
+        return buffer.data_ptr(), buffer.nbytes
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise ValueError("a round's buffer must be contiguous")
+        return buffer.ctypes.data, buffer.nbytes
+    raise TypeError(f"a round's buffer is a contiguous CPU torch tensor or numpy array, not {type(buffer).__name__}")
+
+
+class Arrivals:
+    """One collected round: a message from each peer, valid until `release()`.
+
+    `fields` is [N, 9] int64 (magic, step, layer, micro_batch, sender, flags, token_count,
+    seq, byte_length), row i for peers[i]."""
+
+    __slots__ = ("peers", "fields", "_round", "_released")
+
+    def __init__(self, peers: tuple[str, ...], fields: np.ndarray, round_) -> None:
+        self.peers = peers
+        self.fields = fields
+        self._round = round_
+        self._released = False
+
+    @property
+    def token_counts(self) -> np.ndarray:
+        return self.fields[:, TOKEN_COUNT]
+
+    @property
+    def byte_lengths(self) -> np.ndarray:
+        return self.fields[:, BYTE_LENGTH]
+
+    def payload(self, i: int) -> memoryview:
+        """peers[i]'s payload, a view of its slot (no copy)."""
+        return self._round.payload(i)
+
+    def mismatch(self, step: int, layer: int, row_bytes: int = -1, token_counts: np.ndarray | None = None) -> int:
+        """The first peer whose message is not of (`step`, `layer`) (step < 0: the first peer's
+        step), or whose byte length is not its token count x `row_bytes` (< 0: not checked), or
+        whose token count is not token_counts[i] (None: not checked); -1 if none."""
+        return self._round.check(step, layer, row_bytes, token_counts)
+
+    def gather_into(self, buffer) -> np.ndarray:
+        """Every payload, peer order, end to end at the start of `buffer` (a contiguous CPU
+        tensor or array); returns their byte offsets [N + 1]."""
+        address, capacity = byte_address(buffer)
+        return self._round.gather(address, capacity)
+
+    def release(self) -> None:
+        """Frees every slot of the round: the senders may write them again."""
+        if not self._released:
+            self._released = True
+            self._round.release()
+
+    def __enter__(self) -> "Arrivals":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class CoreRound:
+    """A round whose channels the core drives: post and collect are one C++ call each."""
+
+    def __init__(self, peers: tuple[str, ...], outbound: list, inbound: list, doorbell_fd: int) -> None:
+        from transport.core import native
+
+        self.peers = peers
+        self.outbound, self.inbound = outbound, inbound
+        controls = sorted({ch.control.fileno() for ch in inbound if ch.control is not None})
+        self.native = native.Round([ch.core for ch in outbound], [ch.core for ch in inbound], doorbell_fd, controls)
+        self.fields = self.native.fields()
+        self.arrived, self.broken, self.pending, self.slots = (self.native.arrived(), self.native.broken(),
+                                                               self.native.pending(), self.native.slots())
+        self.offsets = np.zeros(len(inbound) + 1, dtype=np.int64)
+
+    def payload(self, i: int) -> memoryview:
+        ch = self.inbound[i]
+        if not self.arrived[i]:
+            raise IndexError(f"no message from {self.peers[i]} in this round")
+        return ch.payload(int(self.slots[i]), int(self.fields[i, BYTE_LENGTH]))
+
+    def gather(self, address: int, capacity: int) -> np.ndarray:
+        self.native.gather(address, capacity, self.offsets)
+        return self.offsets
+
+    def check(self, step: int, layer: int, row_bytes: int, token_counts) -> int:
+        return self.native.check(step, layer, row_bytes, token_counts)
+
+    def release(self) -> None:
+        self.native.release()
+
+
+class MessageRound:
+    """A round as a loop of per-message calls: the reference, and the path for channels the
+    core does not drive (tcp, rdma, nixl, or an endpoint with core='off')."""
+
+    def __init__(self, peers: tuple[str, ...]) -> None:
+        self.peers = peers
+        self.messages: list[Message] = []
+        self.fields = np.zeros((len(peers), 9), dtype=np.int64)
+
+    def take(self, messages: list[Message]) -> None:
+        """A whole round: `messages[i]` from peers[i]."""
+        self.messages = messages
+        for i, msg in enumerate(messages):
+            self.fields[i, 0] = MAGIC
+            self.fields[i, 1:] = msg.header
+
+    def payload(self, i: int) -> memoryview:
+        return self.messages[i].data
+
+    def check(self, step: int, layer: int, row_bytes: int, token_counts) -> int:
+        f = self.fields
+        bad = (f[:, STEP] != (f[0, STEP] if step < 0 else step)) | (f[:, LAYER] != layer)
+        if row_bytes >= 0:
+            bad |= f[:, BYTE_LENGTH] != f[:, TOKEN_COUNT] * row_bytes
+        if token_counts is not None:
+            bad |= f[:, TOKEN_COUNT] != np.asarray(token_counts)
+        where = np.flatnonzero(bad)
+        return int(where[0]) if where.size else -1
+
+    def gather(self, address: int, capacity: int) -> np.ndarray:
+        import ctypes
+
+        offsets = np.zeros(len(self.peers) + 1, dtype=np.int64)
+        total = sum(len(m.data) for m in self.messages)
+        if total > capacity:
+            raise ValueError(f"gather: {total} bytes arrived for a {capacity}-byte buffer")
+        dest = (ctypes.c_char * capacity).from_address(address)
+        view = memoryview(dest).cast("B")
+        at = 0
+        for i, msg in enumerate(self.messages):
+            offsets[i] = at
+            n = len(msg.data)
+            view[at:at + n] = msg.data
+            at += n
+        offsets[-1] = at
+        return offsets
+
+    def release(self) -> None:
+        for msg in self.messages:
+            if msg is not None:
+                msg.release()
+        self.messages = []
