@@ -10,12 +10,15 @@ the reference classes' set-up (segment, handshake fields) and interface, so `End
 Whether an endpoint uses it is `EndpointSpec.core`: "auto" (the core where it is built, the
 pure-Python reference otherwise, saying so in a warning with the reason), "on" (fail if it
 is not built) or "off" (the reference, as the benchmarks and the tests that compare the two
-ask for).
+ask for). The environment variable MEGAINFER_M2N_CORE (auto, on or off) overrides "auto" for
+every endpoint of a process: an operator's switch back to the reference, and how the
+transport tests run each case on both.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 from transport.errors import BackendUnavailable, ProtocolViolation
 from transport.shm import ShmInbound, ShmOutbound
@@ -25,6 +28,7 @@ from transport.wire_rules import InboundRules, broke
 logger = logging.getLogger(__name__)
 
 CORE_CHOICES = ("auto", "on", "off")
+CORE_ENV = "MEGAINFER_M2N_CORE"
 
 try:
     from transport import _m2n_core as native
@@ -42,8 +46,13 @@ def resolve(wanted: str, endpoint: str) -> bool:
     global _warned
     if wanted not in CORE_CHOICES:
         raise ValueError(f"EndpointSpec.core {wanted!r} is not one of {', '.join(CORE_CHOICES)}")
+    source = "core"
+    if wanted == "auto" and os.environ.get(CORE_ENV, "auto") != "auto":
+        wanted, source = os.environ[CORE_ENV], CORE_ENV
+        if wanted not in CORE_CHOICES:
+            raise ValueError(f"{CORE_ENV}={wanted!r} is not one of {', '.join(CORE_CHOICES)}")
     if wanted == "off":
-        logger.info("endpoint %s: shm channels on the pure-Python reference (core='off')", endpoint)
+        logger.info("endpoint %s: shm channels on the pure-Python reference (%s='off')", endpoint, source)
         return False
     if native is None:
         if wanted == "on":

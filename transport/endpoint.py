@@ -378,7 +378,8 @@ class Endpoint:
         round_ = self._rounds.get(peers) or self._round(peers)
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
         limit = self.spec.timeout_s if timeout is None else timeout
-        if isinstance(round_, MessageRound):
+        if isinstance(round_, MessageRound) or self._dead and not self._dead.keys().isdisjoint(peers):
+            # per message: a peer known dead fails alone (the others are posted), as send() does
             return self._post_each(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, limit)
         address, nbytes = byte_address(buffer)
         try:  # the arrays are converted to int64 by the core's binding where they are not already
@@ -395,7 +396,7 @@ class Endpoint:
         rows end to end from the buffer's start (an expert node's answers, a dispatch's records
         in node order)."""
         round_ = self._rounds.get(peers) or self._round(peers)
-        if isinstance(round_, MessageRound):
+        if isinstance(round_, MessageRound) or self._dead and not self._dead.keys().isdisjoint(peers):
             begins, ends = row_ranges(token_counts, row_bytes)
             return self.post_round(peers, buffer, begins, ends, token_counts, step=step, layer=layer,
                                    micro_batch=micro_batch, flags=flags, timeout=timeout)

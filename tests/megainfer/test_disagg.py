@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from megainfer import Engine, SamplingParams
 from megainfer.config import EngineConfig
 from megainfer.disagg import expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
+from megainfer.disagg.pipelined_runner import rank_shares, shared_positions
 from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
                                           unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
@@ -194,6 +196,23 @@ def test_a_tensor_parallel_ranks_share_is_tensor_splits_and_contiguous():
     begin, end = rank_share(7, 3, 1)  # rank 1 of 3 carries tokens 3 and 4
     got = unpack_dispatch(records[begin:end].view(-1), end - begin, 16, 2, torch.float32)
     assert (begin, end) == (3, 5) and torch.equal(got[0], x[3:5]) and torch.equal(got[2], w[3:5])
+
+
+def test_every_nodes_share_at_once_is_each_nodes_rank_share():
+    """The runner's vectorised shares (one numpy pass over the node offsets) against the
+    per-node reference, and the positions the answers come back in."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        counts = rng.integers(0, 9, size=rng.integers(1, 6))
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        for tp in (1, 2, 3, 4):
+            for r in range(tp):
+                begins, ends = rank_shares(bounds, tp, r)
+                want = [rank_share(int(c), tp, r) for c in counts]
+                assert begins.tolist() == [b + lo for b, (lo, _) in zip(bounds[:-1].tolist(), want)]
+                assert ends.tolist() == [b + hi for b, (_, hi) in zip(bounds[:-1].tolist(), want)]
+                expect = [p for b, e in zip(begins.tolist(), ends.tolist()) for p in range(b, e)]
+                assert shared_positions(begins, ends).tolist() == expect
 
 
 def test_cpu_staging_elides_every_copy():

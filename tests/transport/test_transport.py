@@ -23,6 +23,8 @@ from transport.handshake import authenticate
 from transport.wire import (IMM_CREDIT, IMM_DATA, QPInfo, check_header_fields, pack_tag, recv_frame, send_frame,
                             unpack_tag)
 
+pytestmark = pytest.mark.usefixtures("m2n_core")  # shm cases on the compiled core and the reference
+
 SECRET = b"x" * 32
 NIXL_OK, NIXL_REASON = nixl_backend.available()
 # Every backend that runs on this machine (rdma needs a verbs device: tests/transport/test_rdma*.py).

@@ -32,6 +32,8 @@ from transport.shm import FULL, HEADER_OFFSET, PAYLOAD_OFFSET, SLOTS_OFFSET, STA
 from transport.wire import (CREDIT, CREDIT_MAGIC, HEADER, IMM_CREDIT, IMM_DATA, MAGIC, Hello, recv_json, send_frame,
                             send_json)
 
+pytestmark = pytest.mark.usefixtures("m2n_core")  # shm cases on the compiled core and the reference
+
 SECRET = b"wire-fuzz-secret-0123456789abcdef"
 SLOT_BYTES = 256
 NUM_SLOTS = 4
