@@ -52,9 +52,9 @@ def run_floor_shm(role: Role, spec: BenchSpec, conn) -> None:
         FLOOR_FLAG.pack_into(region, 0, it + 1)
 
     def send_all(payload, it):
+        sent_at[0] = now_ns()  # one stamp per round, as M2N's rounds are timed
+        STAMP.pack_into(payload, 0, sent_at[0])
         for peer in others:
-            sent_at[0] = now_ns()
-            STAMP.pack_into(payload, 0, sent_at[0])
             write(outgoing[peer], payload, it)
 
     def wait_acks(it, size):
@@ -70,12 +70,13 @@ def run_floor_shm(role: Role, spec: BenchSpec, conn) -> None:
             for peer in list(pending):
                 r = incoming[peer]
                 if FLOOR_FLAG.unpack_from(r, 0)[0] == it + 1:
-                    stamps.append(now_ns() - STAMP.unpack_from(r, 64)[0])
+                    stamps.append(STAMP.unpack_from(r, 64)[0])
                     FLOOR_FLAG.pack_into(r, 0, 0)  # read: the writer may reuse the region
                     pending.remove(peer)
             if pending:
                 os.sched_yield()
-        return stamps
+        done = now_ns()  # the round is in: every message's latency ends here, as M2N's collect does
+        return [done - stamp for stamp in stamps]
 
     def ack_all(it, echo):
         for peer in others:
@@ -114,9 +115,9 @@ def run_floor_tcp(role: Role, spec: BenchSpec, conn) -> None:
     sender: list[threading.Thread] = []
 
     def send_each(payload):
+        sent_at[0] = now_ns()  # one stamp per round, as M2N's rounds are timed
+        STAMP.pack_into(payload, 0, sent_at[0])
         for peer in others:
-            sent_at[0] = now_ns()
-            STAMP.pack_into(payload, 0, sent_at[0])
             socks[peer].sendall(payload)
 
     def send_all(payload, it):
@@ -137,10 +138,11 @@ def run_floor_tcp(role: Role, spec: BenchSpec, conn) -> None:
         stamps = []
         for peer in others:
             _recv_into_exact(socks[peer], buf)
-            stamps.append(now_ns() - STAMP.unpack_from(buf, 0)[0])
+            stamps.append(STAMP.unpack_from(buf, 0)[0])
+        done = now_ns()  # the round is in
         if sender:
             sender.pop().join()
-        return stamps
+        return [done - stamp for stamp in stamps]
 
     def ack_all(it, echo):
         for peer in others:
@@ -174,9 +176,9 @@ def run_floor_rdma(role: Role, spec: BenchSpec, conn) -> None:
             pass
 
     def send_all(payload, it):
+        sent_at[0] = now_ns()  # one stamp per round, as M2N's rounds are timed
+        STAMP.pack_into(payload, 0, sent_at[0])
         for peer, qp in qps.items():
-            sent_at[0] = now_ns()
-            STAMP.pack_into(payload, 0, sent_at[0])
             qp.mr.write(bytes(payload), len(payload), 96)
             qp.write_with_imm(96, len(payload), 96, 0)
 
@@ -189,8 +191,9 @@ def run_floor_rdma(role: Role, spec: BenchSpec, conn) -> None:
         stamps = []
         for peer, qp in qps.items():
             wait_for(qp, peer)
-            stamps.append(now_ns() - STAMP.unpack_from(qp.mr.read(8, 96), 0)[0])
-        return stamps
+            stamps.append(STAMP.unpack_from(qp.mr.read(8, 96), 0)[0])
+        done = now_ns()  # the round is in
+        return [done - stamp for stamp in stamps]
 
     def ack_all(it, echo):
         for peer, qp in qps.items():

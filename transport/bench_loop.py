@@ -1,7 +1,8 @@
 """The benchmark processes: one measurement loop, and how M2N and torch.distributed plug
 into it (the floors, in transport/bench_floor.py, plug in the same way).
 
-Each iteration, by pattern:
+M2N runs its exchanges as rounds, as the deployment's data plane does (one call posts to every
+peer, one collects from every peer). Each iteration, by pattern:
   m2n / one-to-n  every sender writes one message to every receiver, then waits for an
                   empty acknowledgement from each; a receiver records one-way latency
                   (receive time minus the send time in the message's first 8 bytes).
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Callable
+
+import numpy as np
 
 from transport.bench_spec import STAMP, BenchSpec, Role, names, now_ns
 
@@ -91,32 +94,42 @@ def run_m2n(role: Role, spec: BenchSpec, conn) -> None:
                                timeout_s=spec.timeout_s))
     send(conn, {"address": ep.address})
     peers = recv(conn)["peers"]
-    others = receivers if role.sender else senders
+    others = tuple(receivers if role.sender else senders)
     ep.connect({p: peers[p] for p in others})
-    sent_at = {}
+    # The data plane runs in rounds (transport/rounds.py): one call posts to every peer, one
+    # collects from every peer; every peer gets the whole payload.
+    import torch
+
+    starts, ones = np.zeros(len(others), dtype=np.int64), np.ones(len(others), dtype=np.int64)
+    rounds: dict[int, tuple] = {}  # id(payload) -> (the payload as a tensor, each peer's end): one per size
+    empty = (torch.empty(0, dtype=torch.uint8), starts)
+    sent_at = [0]
+
+    def post(payload, it) -> None:
+        data, ends = empty if payload is None else rounds.get(id(payload)) or round_of(payload)
+        ep.post_round(others, data, starts, ends, ones, micro_batch=it % spec.slots, step=it)
+
+    def round_of(payload) -> tuple:
+        rounds.clear()  # the previous size's payload is gone
+        rounds[id(payload)] = torch.frombuffer(payload, dtype=torch.uint8), starts + len(payload)
+        return rounds[id(payload)]
 
     def send_all(payload, it):
-        for peer in others:
-            sent_at[peer] = now_ns()
-            STAMP.pack_into(payload, 0, sent_at[peer])
-            ep.send(peer, payload, micro_batch=it % spec.slots, step=it)
+        sent_at[0] = now_ns()
+        STAMP.pack_into(payload, 0, sent_at[0])
+        post(payload, it)
 
     def wait_acks(it, size):
-        for _ in others:
-            ep.recv().release()
-        return now_ns() - sent_at[others[0]]
+        ep.collect_round(others, micro_batch=it % spec.slots).release()
+        return now_ns() - sent_at[0]
 
     def receive_all(it, size):
-        stamps = []
-        for _ in others:
-            msg = ep.recv()
-            stamps.append(now_ns() - STAMP.unpack_from(msg.data, 0)[0])
-            msg.release()
-        return stamps
+        with ep.collect_round(others, micro_batch=it % spec.slots) as arrivals:
+            arrived = now_ns()
+            return [arrived - STAMP.unpack_from(arrivals.payload(i), 0)[0] for i in range(len(others))]
 
     def ack_all(it, echo):
-        for peer in others:
-            ep.send(peer, echo if echo is not None else b"", micro_batch=it % spec.slots, step=it)
+        post(echo, it)
 
     def register(payload):  # as a deployment registers its pinned send staging
         import torch

@@ -496,7 +496,7 @@ class Endpoint:
                     raise PeerTimeout(f"endpoint {self.spec.name}: no message for micro-batch {micro_batch} from "
                                       f"{', '.join(waiting)} within {limit:g} s")
                 missing = native.collect(micro_batch, 0.0, min(remaining, MAX_SLEEP_S))
-        if round_.broken.any():
+        if native.broken_count:
             self._round_failures(round_, micro_batch)
         return Arrivals(round_.peers, round_.fields, round_)
 
@@ -513,7 +513,7 @@ class Endpoint:
         if not failures or len(failures) + int(round_.arrived.sum()) < len(round_.peers):
             return
         round_.release()
-        round_.broken[:] = 0
+        round_.native.clear_broken()
         raise self._round_failed("collect", micro_batch, failures)
 
     def _collect_each(self, round_: MessageRound, micro_batch: int, limit: float | None) -> Arrivals | None:

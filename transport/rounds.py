@@ -36,17 +36,20 @@ def row_ranges(token_counts, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
 
 def byte_address(buffer) -> tuple[int, int]:
     """(address, bytes) of a contiguous CPU torch tensor or numpy array: what the core copies from."""
-    if hasattr(buffer, "data_ptr"):  # torch
-        if buffer.device.type != "cpu":
-            raise TypeError("round payloads are host memory: stage CUDA tensors through pinned buffers first")
-        if not buffer.is_contiguous():
-            raise ValueError("a round's buffer must be contiguous (call .contiguous())")
-        return buffer.data_ptr(), buffer.nbytes
-    if isinstance(buffer, np.ndarray):
+    try:
+        address = buffer.data_ptr()  # torch
+    except AttributeError:
+        if not isinstance(buffer, np.ndarray):
+            raise TypeError(f"a round's buffer is a contiguous CPU torch tensor or numpy array, not "
+                            f"{type(buffer).__name__}") from None
         if not buffer.flags.c_contiguous:
-            raise ValueError("a round's buffer must be contiguous")
-        return buffer.ctypes.data, buffer.nbytes
-    raise TypeError(f"a round's buffer is a contiguous CPU torch tensor or numpy array, not {type(buffer).__name__}")
+            raise ValueError("a round's buffer must be contiguous") from None
+        return buffer.__array_interface__["data"][0], buffer.nbytes
+    if buffer.is_cuda:
+        raise TypeError("round payloads are host memory: stage CUDA tensors through pinned buffers first")
+    if not buffer.is_contiguous():
+        raise ValueError("a round's buffer must be contiguous (call .contiguous())")
+    return address, buffer.nbytes
 
 
 class Arrivals:

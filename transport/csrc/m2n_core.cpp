@@ -491,7 +491,7 @@ class Round {
       if (t >= until) break;
       if (t < spin_until) {
         cpu_relax();
-        if ((++spins & 63) == 0) sched_yield();  // a peer may share this core
+        if ((++spins & 3) == 0) sched_yield();  // a peer may share this core: let it run
         missing = scan(micro_batch);
         continue;
       }
@@ -546,6 +546,13 @@ class Round {
   // Each arrived peer's slot (-1: none), for the Python side's views of the payloads.
   py::array slot_view(py::object self) { return py::array_t<int>(slot_.size(), slot_.data(), self); }
 
+  int broken_count() const { return broken_count_; }
+  // After the Python side dropped the broken peers: they count as broken no more.
+  void clear_broken() {
+    std::fill(broken_.begin(), broken_.end(), 0);
+    broken_count_ = 0;
+  }
+
   // numpy views of the per-peer arrays (their owner keeps this object alive).
   py::array fields_view(py::object self) {
     return py::array_t<int64_t>({static_cast<py::ssize_t>(in_.size()), static_cast<py::ssize_t>(kHeaderFields)},
@@ -595,6 +602,7 @@ class Round {
       if (s < 0) {
         if (!ch->admit()) {
           broken_[i] = 1;
+          ++broken_count_;
           continue;
         }
         s = ch->take(micro_batch);
@@ -648,6 +656,7 @@ class Round {
   std::vector<int> slot_;
   std::vector<int64_t> fields_;
   std::vector<uint8_t> broken_;
+  int broken_count_ = 0;  // peers marked broken and not yet cleared (clear_broken)
   PostArgs post_{};
   std::vector<int64_t> begins_, ends_, counts_;
   std::vector<int64_t> row_begins_, row_ends_;
@@ -769,6 +778,8 @@ PYBIND11_MODULE(_m2n_core, m) {
       .def("post", &Round::post)
       .def("post_rows", &Round::post_rows)
       .def("check", &Round::check)
+      .def_property_readonly("broken_count", &Round::broken_count)
+      .def("clear_broken", &Round::clear_broken)
       .def("retry", &Round::retry)
       .def("collect", &Round::collect)
       .def("gather", &Round::gather)
