@@ -97,3 +97,25 @@ def test_the_gpu_tests_collect_without_the_serving_packages(gpu_machine_env):
                          cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "error" not in out.stdout.splitlines()[-1]
+
+
+def test_the_m2n_core_build_says_why_it_failed(tmp_path):
+    from megainfer.tools.gpucheck.environment import build_m2n_core
+
+    built, said = build_m2n_core(tmp_path)  # no setup.py there
+    assert not built and "setup.py" in said
+
+
+@pytest.mark.slow
+def test_the_m2n_core_builds_in_place_from_the_checkout(tmp_path):
+    """What the GPU check does where pip did not build the core (~12 s of g++)."""
+    import shutil
+
+    from megainfer.tools.gpucheck.environment import build_m2n_core
+    from tests.helpers import ROOT
+
+    shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
+    shutil.copytree(ROOT / "transport" / "csrc", tmp_path / "transport" / "csrc")
+    built, said = build_m2n_core(tmp_path)
+    assert built, said
+    assert list((tmp_path / "transport").glob("_m2n_core*.so"))

@@ -1,10 +1,16 @@
-"""The `environment` check: what the GPU machine is, and whether Triton can build there."""
+"""The `environment` check: what the GPU machine is, whether Triton can build there, and the
+compiled M2N core (built in place where pip did not build it: the GPU machine has no package
+registry, but has setuptools, pybind11 and g++)."""
 
 from __future__ import annotations
 
+import importlib
 import platform
 import shutil
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +47,17 @@ def _c_compiler() -> str | None:
     return None
 
 
+def build_m2n_core(root: Path) -> tuple[bool, str]:
+    """`python setup.py build_ext --inplace` in the checkout `root`; (built, what it said)."""
+    try:
+        done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root, capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    said = (done.stderr or done.stdout).strip().splitlines()
+    return done.returncode == 0, "\n".join(said[-6:])
+
+
 def run(ctx: CheckContext) -> None:
     with ctx.case("versions and device") as case:
         f = case.figures
@@ -60,3 +77,17 @@ def run(ctx: CheckContext) -> None:
                                "launch and fails without one; install gcc")
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=10).stdout
         case.figures["cc_version"] = version.splitlines()[0] if version else ""
+    with ctx.case("the compiled M2N core (built here if missing)") as case:
+        from transport import core
+
+        case.figures["built_before"] = core.native is not None
+        if core.native is None:
+            t0 = time.monotonic()
+            built, said = build_m2n_core(Path(core.__file__).resolve().parent.parent)
+            case.figures["build_s"] = round(time.monotonic() - t0, 1)
+            importlib.invalidate_caches()
+            importlib.reload(core)  # the pair check's nodes, spawned later, import it afresh
+            if not built or core.native is None:
+                raise RuntimeError(f"the M2N core did not build, so the pair check runs the pure-Python path: {said}"
+                                   f" ({core.BUILD_ERROR})")
+        case.figures["m2n"] = "core"

@@ -22,6 +22,7 @@ from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_mode
 from megainfer.messages import NodeTimeline
 from megainfer.tools.gpucheck.context import CheckContext
 from transport import Endpoint, EndpointSpec, RoundFailed
+from transport import core as m2n_core
 
 SECRET = b"megainfer-gpucheck-pair-secret!!"
 ATTENTION, EXPERT = "attention0", "expert0"
@@ -218,7 +219,7 @@ def run(ctx: CheckContext) -> None:
             attention, expert = run_pair(spec, prompts)
             rates[m] = attention.decode_tokens / attention.decode_seconds if attention.decode_seconds else 0.0
             case.figures |= {"decode_tokens_per_s": round(rates[m], 1), "steps": attention.steps,
-                             "expert_steps": expert.steps}
+                             "expert_steps": expert.steps, "m2n": "core" if m2n_core.native else "python"}
             try:
                 case.figures |= _busy_fractions(attention, expert)
             except Exception as exc:  # too few decode steps to measure: a figure missing, not a failure

@@ -31,7 +31,8 @@ class Check:
 
 # In order of value: what no CPU run can tell first.
 CHECKS = (
-    Check("environment", "GPU, SMs, memory, driver, torch/Triton/CUDA, the C compiler Triton needs", 10, 60, 5),
+    Check("environment", "GPU, SMs, memory, driver, torch/Triton/CUDA, the C compiler Triton needs, the M2N core "
+          "(built in place if missing: ~15 s)", 25, 120, 5),
     Check("kernels", "every Triton kernel, forced, against its torch reference at real bf16 shapes", 150, 300, 20),
     Check("engine", "the colocated engine against transformers (float32 tokens equal, bf16 up to rounding)", 45,
           180, 15),
