@@ -30,6 +30,7 @@ from megainfer.config import (GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConf
                               kv_cache_budget_bytes)
 from megainfer.errors import PlanError
 from planner.catalog import GPU
+from planner.host_cost import HostCost
 from planner.operator_profile import OperatorProfile
 from planner.phase_lines import PhaseLines
 
@@ -136,7 +137,9 @@ class Side:
 class PerfModel:
     def __init__(self, model: ModelConfig, seq_len: int, dtype_bytes: int = 2,
                  efficiency: Efficiency = Efficiency(), calibration: Calibration | None = None, *,
-                 curves_path: str | None = None, profiles: list[OperatorProfile] = ()) -> None:
+                 curves_path: str | None = None, profiles: list[OperatorProfile] = (),
+                 host: HostCost | None = None) -> None:
+        """`host`: the host's CPU time per M2N round (planner/host_cost.py), charged where given."""
         if seq_len <= 0:
             raise PlanError(f"--seq-len must be positive, got {seq_len}")
         self.phases = PhaseLines(model, seq_len, dtype_bytes, curves_path, list(profiles))
@@ -145,6 +148,7 @@ class PerfModel:
         self.dtype_bytes = dtype_bytes
         self.eff = efficiency
         self.calibration = calibration or Calibration()
+        self.host = host
         self.utilization = self.calibration.utilization or UtilizationCurve()
         m = model
         self.attn_weight_params = m.attention_params_per_layer  # per layer, router included

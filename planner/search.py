@@ -21,6 +21,7 @@ from megainfer.errors import PlanError
 from megainfer.plan import (AttentionSpec, ExpertSpec, PipelineSpec, Plan, PredictedPerformance, SchedulerSpec, SLOSpec,
                             attention_tp_fits, check_tensor_parallel, expert_tp_fits)
 from planner.catalog import GPU, Catalog
+from planner.host_cost import host_bound
 from planner.perf_model import PREFILL_CHUNK_TOKENS, PerfModel, Side
 
 OBJECTIVES = ("cost", "power", "gpu")
@@ -80,6 +81,14 @@ class Candidate(Throughput):
     t_a: float
     t_e: float
     t_c: float
+    # The host's CPU time per M2N round on each side (planner/host_cost.py; 0: not charged).
+    # Where it exceeds T_a or T_e the host sets the pace: charged in the TBT, and refused by the search.
+    host_a: float = 0.0
+    host_e: float = 0.0
+
+    @property
+    def host_bound(self) -> bool:
+        return self.host_a > self.t_a or self.host_e > self.t_e
 
     @property
     def t_f(self) -> float:
@@ -196,7 +205,13 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
         msg = b_a * bytes_per_token_sent
         t_c = msg / f32(perf.utilization(msg)) * seconds_per_byte
         step_s = np.maximum.reduce([s * (batch / n_a) + c for s, c in step_lin])
-        return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m, step_s))
+        if perf.host is None:
+            return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m, step_s))
+        # An attention rank's round: its n_e expert nodes; an expert node's: every attention rank.
+        host_a = f32(perf.host.attention.round_s(n_e, msg))
+        host_e = f32(perf.host.expert.round_s(n_a * a_rows.tp, msg))
+        tbt = perf.iteration_time(np.maximum(t_a, host_a), np.maximum(t_e, host_e), t_c, m, step_s)
+        return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=tbt, host_a=host_a, host_e=host_e)
 
     lo = m.copy()  # one sequence per micro-batch: does even that meet the SLO and fit?
     first = evaluate(lo)
@@ -208,6 +223,8 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
         lo = np.where(ok, mid, lo)
         hi = np.where(ok, hi, mid - 1)
     best = evaluate(lo)
+    if perf.host is not None:  # the host cannot post these rounds within the micro-batch's compute
+        feasible &= ~host_bound(best["t_a"], best["t_e"], best["host_a"], best["host_e"])
 
     price = lambda cfgs, idx: np.array([c[0].price for c in cfgs])[idx]  # noqa: E731
     power_of = lambda cfgs, idx: np.array([c[0].power_w for c in cfgs])[idx]  # noqa: E731
@@ -221,7 +238,9 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
             attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=int(n_a[i]),
             expert_nodes=int(n_e[i]), experts_per_node=e, m=int(m[i]), batch=int(batch[i]),
             t_a=float(values["t_a"][i]), t_e=float(values["t_e"][i]), t_c=float(values["t_c"][i]),
-            tbt=float(values["tbt"][i]), gpus=int(gpus[i]), cost_per_hour=float(cost[i]), power_w=float(power[i]))
+            tbt=float(values["tbt"][i]), gpus=int(gpus[i]), cost_per_hour=float(cost[i]), power_w=float(power[i]),
+            host_a=float(values["host_a"][i]) if "host_a" in values else 0.0,
+            host_e=float(values["host_e"][i]) if "host_e" in values else 0.0)
 
     fits = capacity >= m
     fastest = candidate(int(np.argmin(np.where(fits, first["tbt"], np.inf))), first, m) if fits.any() else None
@@ -271,9 +290,16 @@ def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, atte
     t_e = float(perf.expert_time(e_side, batch / m * model.top_k / model.num_experts, experts_per_node)[0])
     t_c = float(perf.transfer_time(a_side, e_side, b_a, n_a, expert_nodes, experts_per_node)[0])
     step_s = max(float(s[0]) * batch / n_a + float(c[0]) for s, c in perf.step_lines([(ga, tp_a)]))
+    host_a = host_e = 0.0
+    if perf.host is not None:
+        msg = b_a * perf.node_hit_probability(np.array([experts_per_node], dtype=np.float64))[0] * perf.token_bytes \
+            / (tp_a * tp_e)
+        host_a = float(perf.host.attention.round_s(expert_nodes, msg))
+        host_e = float(perf.host.expert.round_s(n_a * tp_a, msg))
     return Candidate(
         attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=n_a, expert_nodes=expert_nodes,
-        experts_per_node=experts_per_node, m=m, batch=batch, t_a=t_a, t_e=t_e, t_c=t_c,
-        tbt=float(perf.iteration_time(t_a, t_e, t_c, m, step_s)), gpus=n_a * tp_a + expert_nodes * tp_e,
+        experts_per_node=experts_per_node, m=m, batch=batch, t_a=t_a, t_e=t_e, t_c=t_c, host_a=host_a, host_e=host_e,
+        tbt=float(perf.iteration_time(max(t_a, host_a), max(t_e, host_e), t_c, m, step_s)),
+        gpus=n_a * tp_a + expert_nodes * tp_e,
         cost_per_hour=n_a * tp_a * ga.price + expert_nodes * tp_e * ge.price,
         power_w=n_a * tp_a * ga.power_w + expert_nodes * tp_e * ge.power_w)

@@ -48,7 +48,7 @@ def makespan(phases: list[Phase]) -> float:
     return max(p.end for p in phases)
 
 
-def explain(c: Candidate, num_layers: int) -> str:
+def explain(c: Candidate, num_layers: int, host_source: str | None = None) -> str:
     """The chosen plan's timeline in words."""
     t_f = c.t_f
     trip = c.t_a + c.t_e + 2 * c.t_c
@@ -80,7 +80,19 @@ def explain(c: Candidate, num_layers: int) -> str:
                      f"the round trip ({trip * 1e3:.3f} ms) still fits in m*T_f = {c.m * t_f * 1e3:.3f} ms.")
     lines.append(f"An iteration is {num_layers} such layers: TBT = {c.tbt * 1e3:.1f} ms for {c.batch} sequences, "
                  f"{c.tokens_per_s:,.0f} tokens/s on {c.gpus} GPUs.")
+    lines.append(host_line(c, host_source))
     return "\n".join(lines)
+
+
+def host_line(c: Candidate, host_source: str | None) -> str:
+    """What the host spends per M2N round against the micro-batch's compute (issue 31)."""
+    if host_source is None:
+        return ("The host's CPU time per M2N round is not charged (give `--host-profile` a `megainfer bench host "
+                "--json` result to charge it).")
+    verdict = "the host sets the pace" if c.host_bound else "both fit inside the compute"
+    return (f"Host CPU per M2N round ({host_source}): an attention rank {c.host_a * 1e6:,.0f} us against T_a "
+            f"{c.t_a * 1e6:,.0f} us ({c.host_a / c.t_a:.0%}), an expert node {c.host_e * 1e6:,.0f} us against T_e "
+            f"{c.t_e * 1e6:,.0f} us ({c.host_e / c.t_e:.0%}): {verdict}.")
 
 
 def plot_gantt(c: Candidate, path: str, layers: int = 2) -> None:

@@ -31,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", action="append", default=[], metavar="PATH",
                    help="operator profile from `megainfer profile` (repeatable, one per GPU type and TP size): "
                         "prices that GPU and TP size from measurements; the rest from efficiency curves")
+    p.add_argument("--host-profile", metavar="PATH",
+                   help="the host's CPU time per M2N round, a `megainfer bench host PLAN --json PATH` result: charged "
+                        "per round, and plans whose rounds the host cannot post within T_a or T_e are refused "
+                        "(default: not charged)")
     p.add_argument("--curves", metavar="PATH", help="efficiency curves YAML (default: planner/efficiency_curves.yaml)")
     p.add_argument("--price", action="append", default=[], metavar="GPU=PRICE",
                    help="your own price per GPU-hour, repeatable (e.g. --price H100=2.99)")
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.config import DTYPE_BYTES
     from planner.catalog import Catalog
     from planner.colocated import best_colocated
+    from planner.host_cost import HostCost
     from planner.operator_profile import OperatorProfile
     from planner.perf_model import Calibration, PerfModel
     from planner.search import search
@@ -105,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
     gpus = [catalog[g].name for g in gpus]  # unknown names fail here, listing the known ones
     calibration = Calibration.load(args.calibration) if args.calibration else None
     profiles = [OperatorProfile.load(path) for path in args.profile]
+    host = HostCost.load(args.host_profile) if args.host_profile else None
     perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration, curves_path=args.curves,
-                     profiles=profiles)
+                     profiles=profiles, host=host)
     slo = args.tbt_slo_ms / 1e3
     start = time.perf_counter()
     result = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf,
@@ -120,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
         best_tbt = f"{f.tbt * 1e3:.1f} ms" if f else "n/a"
         raise PlanError(f"no plan meets a TBT SLO of {args.tbt_slo_ms:g} ms for {model.name} at seq-len "
                         f"{args.seq_len} on {', '.join(gpus)}; the best achievable TBT is {best_tbt} ({where}). "
-                        "Raise --tbt-slo-ms, shorten --seq-len, or add faster GPUs")
+                        "Raise --tbt-slo-ms, shorten --seq-len, or add faster GPUs"
+                        + (f"; the host profile {host.source} also refuses plans whose M2N rounds the host cannot "
+                           "post within the micro-batch's compute" if host else ""))
 
     print(f"{model.name}: {args.dtype}, seq-len {args.seq_len}, TBT SLO {args.tbt_slo_ms:g} ms, objective "
           f"{args.objective}, GPUs {','.join(gpus)}; {result.configurations:,} configurations searched in "
@@ -149,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
               f"{ratios['per_watt']:.2f}x per watt")
     if args.explain:
         print()
-        print(explain(best, model.num_layers))
+        print(explain(best, model.num_layers, host.source if host else None))
         print()
         print(explain_sources(perf, catalog, best, calibration))
     if args.plot:

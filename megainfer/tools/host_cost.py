@@ -326,6 +326,9 @@ def run(plan_path: str, rounds: int, json_path: str | None) -> int:
           "the measured process. Peers: the core's loopback loops in one other process, the same for both paths.")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"benchmark": "host", "plan": plan_path, "scale": dataclasses.asdict(scale), **results}, f,
-                      indent=2)
+            from megainfer.bench.m2n_report import machine
+
+            host = machine()
+            json.dump({"benchmark": "host", "plan": plan_path, "machine": f"{host['cpu']}, {host['cores']} cores",
+                       "scale": dataclasses.asdict(scale), **results}, f, indent=2)
     return 0
