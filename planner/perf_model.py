@@ -154,6 +154,7 @@ class PerfModel:
         self.attn_weight_params = m.attention_params_per_layer  # per layer, router included
         self.kv_bytes_per_token_layer = 2 * m.kv_size * dtype_bytes
         self.token_bytes = m.hidden_size * dtype_bytes  # one hidden vector on the wire
+        self.record_bytes = self.token_bytes + 8 * m.top_k  # a dispatch record: the vector, k ids, k weights
 
     # -- compute -------------------------------------------------------------------------
     def sides(self, configs: list[tuple[GPU, int]], role: str, experts_per_node=None) -> Side:

@@ -194,6 +194,7 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
     # T_c = msg / util(msg) * seconds_per_byte, msg = b_a * bytes_per_token_sent
     bytes_per_token_sent = f32(hit_cfg[ie] * perf.token_bytes / (a_rows.tp * e_rows.tp))
     seconds_per_byte = f32(perf.transfer_seconds_per_byte(a_rows, e_rows, n_a, n_e))
+    record_bytes_per_rank = f32(hit_cfg[ie] * perf.record_bytes / a_rows.tp)  # the host's messages, per token
     capacity = f32(np.minimum(n_a * seqs_cfg[ia], MAX_BATCH))  # sequences whose KV fits
 
     def evaluate(batch: np.ndarray) -> dict[str, np.ndarray]:
@@ -208,8 +209,11 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
         if perf.host is None:
             return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m, step_s))
         # An attention rank's round: its n_e expert nodes; an expert node's: every attention rank.
-        host_a = f32(perf.host.attention.round_s(n_e, msg))
-        host_e = f32(perf.host.expert.round_s(n_a * a_rows.tp, msg))
+        # A message is a rank's share of a node's records, whole (an expert node's leader takes
+        # it and shares it with its ranks), as `bench host` measures it.
+        host_msg = b_a * record_bytes_per_rank
+        host_a = f32(perf.host.attention.round_s(n_e, host_msg))
+        host_e = f32(perf.host.expert.round_s(n_a * a_rows.tp, host_msg))
         tbt = perf.iteration_time(np.maximum(t_a, host_a), np.maximum(t_e, host_e), t_c, m, step_s)
         return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=tbt, host_a=host_a, host_e=host_e)
 
@@ -219,7 +223,10 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
     hi = np.where(feasible, np.maximum(capacity, lo), lo)
     for _ in range(int(np.log2(max(hi.max(), 2))) + 1):  # largest B in [lo, hi] with tbt <= SLO
         mid = np.floor((lo + hi + 1) / 2)
-        ok = evaluate(mid)["tbt"] <= tbt_slo_s
+        at = evaluate(mid)
+        ok = at["tbt"] <= tbt_slo_s
+        if perf.host is not None:  # a batch whose rounds the host cannot post is no answer either
+            ok &= ~host_bound(at["t_a"], at["t_e"], at["host_a"], at["host_e"])
         lo = np.where(ok, mid, lo)
         hi = np.where(ok, hi, mid - 1)
     best = evaluate(lo)
@@ -291,9 +298,9 @@ def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, atte
     t_c = float(perf.transfer_time(a_side, e_side, b_a, n_a, expert_nodes, experts_per_node)[0])
     step_s = max(float(s[0]) * batch / n_a + float(c[0]) for s, c in perf.step_lines([(ga, tp_a)]))
     host_a = host_e = 0.0
-    if perf.host is not None:
-        msg = b_a * perf.node_hit_probability(np.array([experts_per_node], dtype=np.float64))[0] * perf.token_bytes \
-            / (tp_a * tp_e)
+    if perf.host is not None:  # as the search charges it
+        msg = b_a * perf.node_hit_probability(np.array([experts_per_node], dtype=np.float64))[0] * perf.record_bytes \
+            / tp_a
         host_a = float(perf.host.attention.round_s(expert_nodes, msg))
         host_e = float(perf.host.expert.round_s(n_a * tp_a, msg))
     return Candidate(

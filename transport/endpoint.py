@@ -471,50 +471,81 @@ class Endpoint:
 
     def _collect_round(self, peers, micro_batch: int, limit: float | None) -> Arrivals | None:
         round_ = self._rounds.get(peers) or self._round(peers)
-        if isinstance(round_, CoreRound) and not self._pending_from(peers):
-            return self._collect_core(round_, micro_batch, limit)
-        return self._collect_each(round_, micro_batch, limit)
+        if round_.handed_out:
+            raise TransportError(f"endpoint {self.spec.name}: the last round from {', '.join(round_.peers)} was not "
+                                 "released (Arrivals.release) before the next was collected")
+        if round_.partial is not None and round_.partial != micro_batch:
+            raise TransportError(f"endpoint {self.spec.name}: micro-batch {round_.partial}'s round from "
+                                 f"{', '.join(round_.peers)} is partly collected; collect it before micro-batch "
+                                 f"{micro_batch}'s")
+        if isinstance(round_, CoreRound):
+            if self._pending_from(peers):
+                raise TransportError(f"endpoint {self.spec.name}: messages from {', '.join(round_.peers)} were taken "
+                                     "by recv()/poll() and not handed out yet; a round cannot collect them (take "
+                                     "them with recv() first, or use rounds alone)")
+            round_.partial = micro_batch  # until it completes or fails
+            arrivals = self._collect_core(round_, micro_batch, limit)
+        else:
+            round_.partial = micro_batch
+            arrivals = self._collect_each(round_, micro_batch, limit)
+        if arrivals is not None:
+            round_.partial = None
+            round_.handed_out = True
+        return arrivals
 
     def _pending_from(self, peers) -> bool:
-        """Messages of these peers taken by recv/poll and not handed out yet (they come first)."""
+        """Messages of these peers taken by recv/poll and not handed out yet."""
         return bool(self._pending) and any(m.peer in peers for m in self._pending)
 
     def _collect_core(self, round_: CoreRound, micro_batch: int, limit: float | None) -> Arrivals | None:
         native = round_.native
-        if limit is None:  # a poll: one look
-            if native.collect(micro_batch, 0.0, 0.0):
-                self._round_failures(round_, micro_batch)  # a broken or dead peer fails the poll too
+        deadline = None if limit is None else time.monotonic() + limit
+        spin, slice_s = (0.0, 0.0) if limit is None else (self._spin_s, min(limit, MAX_SLEEP_S))
+        while True:
+            try:
+                missing = native.collect(micro_batch, spin, slice_s)
+            except RuntimeError as exc:  # the endpoint was closed (from another thread) during the round
+                round_.partial = None
+                raise PeerClosed(f"endpoint {self.spec.name}: {exc}") from None
+            if native.failed_count or missing:
+                missing = self._note_failures(round_)
+            if not missing:
+                if native.failed_count:
+                    failures = {peer: self._dead_error(peer) for i, peer in enumerate(round_.peers)
+                                if not round_.arrived[i]}
+                    round_.release()
+                    native.clear_failures()
+                    round_.partial = None
+                    raise self._round_failed("collect", micro_batch, failures)
+                return Arrivals(round_.peers, round_.fields, round_)
+            if deadline is None:  # a poll: what arrived stays taken
                 return None
-        else:
-            deadline = time.monotonic() + limit
-            missing = native.collect(micro_batch, self._spin_s, min(limit, MAX_SLEEP_S))
-            while missing:
-                self._round_failures(round_, micro_batch)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    waiting = [round_.peers[i] for i in np.flatnonzero((round_.arrived == 0) & (round_.broken == 0))]
-                    raise PeerTimeout(f"endpoint {self.spec.name}: no message for micro-batch {micro_batch} from "
-                                      f"{', '.join(waiting)} within {limit:g} s")
-                missing = native.collect(micro_batch, 0.0, min(remaining, MAX_SLEEP_S))
-        if native.broken_count:
-            self._round_failures(round_, micro_batch)
-        return Arrivals(round_.peers, round_.fields, round_)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waiting = [peer for i, peer in enumerate(round_.peers)
+                           if not round_.arrived[i] and peer not in self._dead]
+                raise PeerTimeout(f"endpoint {self.spec.name}: no message for micro-batch {micro_batch} from "
+                                  f"{', '.join(waiting)} within {limit:g} s")
+            spin, slice_s = 0.0, min(remaining, MAX_SLEEP_S)
 
-    def _round_failures(self, round_: CoreRound, micro_batch: int) -> None:
-        """Once every peer of the round has arrived or failed (gone, broke the protocol), and one
-        failed: the arrivals released, RoundFailed. Returns while some are still awaited."""
+    def _note_failures(self, round_: CoreRound) -> int:
+        """Peers of the round that broke the protocol are dropped, peers found gone (a selector
+        look) given up: the round waits for neither. Returns how many it still awaits."""
+        native = round_.native
         for i in np.flatnonzero(round_.broken):
-            self._drop(round_.peers[i], core.violation_error(round_.inbound[i]))
+            peer = round_.peers[i]
+            if peer not in self._violators:
+                self._drop(peer, core.violation_error(round_.inbound[i]))
         self._watch_controls()
-        if not self._dead:
-            return
-        failures = {peer: self._dead_error(peer) for i, peer in enumerate(round_.peers)
-                    if not round_.arrived[i] and peer in self._dead}
-        if not failures or len(failures) + int(round_.arrived.sum()) < len(round_.peers):
-            return
-        round_.release()
-        round_.native.clear_broken()
-        raise self._round_failed("collect", micro_batch, failures)
+        awaited = 0
+        for i, peer in enumerate(round_.peers):
+            if round_.arrived[i] or round_.broken[i]:
+                continue
+            if peer in self._dead:
+                native.give_up(i)
+            else:
+                awaited += 1
+        return awaited
 
     def _collect_each(self, round_: MessageRound, micro_batch: int, limit: float | None) -> Arrivals | None:
         taken = round_.messages or [None] * len(round_.peers)  # a poll may have found part of the round
@@ -532,14 +563,15 @@ class Endpoint:
                 slow.append(peer)
             except PeerClosed as exc:
                 failures[peer] = exc
-        if failures and not slow:
-            round_.release()
+        if failures and all(msg is not None or peer in failures for peer, msg in zip(round_.peers, taken)):
+            round_.release()  # every peer has arrived or failed: the round fails as a whole
+            round_.partial = None
             raise self._round_failed("collect", micro_batch, failures)
         if slow:
             raise PeerTimeout(f"endpoint {self.spec.name}: no message for micro-batch {micro_batch} from "
                               f"{', '.join(slow)} within {limit:g} s")
         if any(msg is None for msg in taken):
-            return None  # a poll: the rest is awaited by the next call
+            return None  # a poll: the rest is awaited by the next call (a failed peer is reported then)
         round_.take(taken)
         return Arrivals(round_.peers, round_.fields, round_)
 

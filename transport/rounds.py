@@ -111,8 +111,10 @@ class CoreRound:
 
         self.peers = peers
         self.outbound, self.inbound = outbound, inbound
-        controls = sorted({ch.control.fileno() for ch in inbound if ch.control is not None})
+        controls = [ch.control.fileno() if ch.control is not None else -1 for ch in inbound]
         self.native = native.Round([ch.core for ch in outbound], [ch.core for ch in inbound], doorbell_fd, controls)
+        self.partial: int | None = None  # the micro-batch of a round partly collected (a poll, a timeout)
+        self.handed_out = False  # a collected round not released yet
         self.fields = self.native.fields()
         self.arrived, self.broken, self.pending, self.slots = (self.native.arrived(), self.native.broken(),
                                                                self.native.pending(), self.native.slots())
@@ -132,6 +134,7 @@ class CoreRound:
         return self.native.check(step, layer, row_bytes, token_counts)
 
     def release(self) -> None:
+        self.handed_out = False
         self.native.release()
 
 
@@ -141,8 +144,10 @@ class MessageRound:
 
     def __init__(self, peers: tuple[str, ...]) -> None:
         self.peers = peers
-        self.messages: list[Message] = []
+        self.messages: list[Message | None] = []
         self.fields = np.zeros((len(peers), 9), dtype=np.int64)
+        self.partial: int | None = None  # the micro-batch of a round partly collected (a poll, a timeout)
+        self.handed_out = False  # a collected round not released yet
 
     def take(self, messages: list[Message]) -> None:
         """A whole round: `messages[i]` from peers[i]."""
@@ -183,6 +188,7 @@ class MessageRound:
         return offsets
 
     def release(self) -> None:
+        self.handed_out = False
         for msg in self.messages:
             if msg is not None:
                 msg.release()

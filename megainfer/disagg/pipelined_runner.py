@@ -384,7 +384,7 @@ class PipelinedModelRunner:
             if residual is not None:
                 y = torch.zeros_like(residual)
                 if total:
-                    host = self.staging.landing(total * y.shape[1] * y.element_size(), slot=j)
+                    host = self.staging.landing(total * self.answer_row_bytes, slot=j)
                     arrivals.gather_into(host)
                     values = self.staging.upload(host, slot=j).view(self.dtype).view(-1, y.shape[1])
                     y.index_add_(0, routed.rows, values)

@@ -17,11 +17,10 @@ from megainfer import Engine, SamplingParams
 from megainfer.config import EngineConfig
 from megainfer.disagg import expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
-from megainfer.disagg.pipelined_runner import rank_shares, shared_positions
 from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
                                           unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
-from megainfer.disagg.pipelined_runner import PipelinedModelRunner
+from megainfer.disagg.pipelined_runner import PipelinedModelRunner, rank_shares, shared_positions
 from megainfer.model.weights import SafetensorsCheckpoint
 from megainfer.step_layout import split_micro_batches
 from tests.helpers import connect_all, generate_all

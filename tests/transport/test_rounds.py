@@ -12,7 +12,8 @@ import torch
 
 from tests.helpers import connect_all
 from transport import (Endpoint, EndpointSpec, PayloadTooLarge, PeerClosed, PeerTimeout, ProtocolViolation,
-                       RoundFailed, SlotUsage)
+                       RoundFailed, SlotUsage, TransportError)
+from transport import nixl as nixl_backend
 from transport.rounds import BYTE_LENGTH, CoreRound, MessageRound, STEP, TOKEN_COUNT
 from transport.shm import FULL, HEADER_OFFSET, SLOTS_OFFSET, STATE
 from transport.wire import Header
@@ -110,9 +111,14 @@ def test_poll_round_keeps_what_arrived_and_a_timeout_loses_nothing(star, hub_cor
     assert hub.slots_in_use() == IDLE
 
 
-@pytest.mark.parametrize("hub_core", ["on", "off"])
-def test_a_peer_that_died_fails_the_round_alone_and_every_slot_is_freed(star, hub_core):
-    hub, spokes, names = star(4, hub_core=hub_core)
+NIXL_OK, NIXL_REASON = nixl_backend.available()
+
+
+@pytest.mark.parametrize("backend, hub_core", [
+    ("shm", "on"), ("shm", "off"), ("tcp", "on"),
+    pytest.param("nixl", "on", marks=pytest.mark.skipif(not NIXL_OK, reason=NIXL_REASON))])
+def test_a_peer_that_died_fails_the_round_alone_and_every_slot_is_freed(star, backend, hub_core):
+    hub, spokes, names = star(4, backend, hub_core=hub_core)
     for spoke in spokes[:3]:
         spoke.send("hub", b"answer", micro_batch=1, token_count=1)
     spokes[3].close()  # killed mid-round: the others' messages are in
@@ -196,3 +202,76 @@ def test_mismatch_names_the_first_peer_off_the_round(star):
         assert arrivals.mismatch(-1, 9) == 0 and arrivals.mismatch(4, 2, 8, np.array([1, 5, 3])) == 1
         assert arrivals.mismatch(5, 2) == 0 and arrivals.mismatch(4, 2, 7) == 0  # s0: 8 bytes for 1 row of 7
         arrivals.release()
+
+
+def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(star):
+    """A deployment re-wiring closes a node's endpoint from another thread while its loop waits
+    in a round: the wait ends in PeerClosed (the core's mapping stays until it lets go)."""
+    hub, spokes, names = star(2)
+    spokes[0].send("hub", b"in", micro_batch=0)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            hub.collect_round(names, micro_batch=0, timeout=5.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    hub.close()
+    waiter.join(3.0)
+    assert not waiter.is_alive() and len(errors) == 1 and isinstance(errors[0], PeerClosed), errors
+
+
+@pytest.mark.parametrize("hub_core", ["on", "off"])
+def test_recv_after_a_round_took_a_later_message_gets_the_earlier_one(star, hub_core):
+    hub, spokes, names = star(1, hub_core=hub_core)
+    spokes[0].send("hub", b"zero", micro_batch=0)
+    spokes[0].send("hub", b"one", micro_batch=1)
+    arrivals = hub.collect_round(names, micro_batch=1)  # seq 0 stays queued behind it
+    assert bytes(arrivals.payload(0)) == b"one"
+    arrivals.release()
+    with hub.recv("s0", micro_batch=0, timeout=2) as msg:
+        assert bytes(msg.data) == b"zero" and msg.header.seq == 0
+    assert hub.slots_in_use() == IDLE
+
+
+@pytest.mark.parametrize("hub_core", ["on", "off"])
+def test_a_round_out_of_turn_is_refused_saying_why(star, hub_core):
+    hub, spokes, names = star(2, hub_core=hub_core)
+    spokes[0].send("hub", b"a", micro_batch=0)
+    assert hub.poll_round(names, micro_batch=0) is None  # s0's is taken, s1's awaited
+    with pytest.raises(TransportError, match="micro-batch 0's round .* is partly collected"):
+        hub.collect_round(names, micro_batch=1, timeout=0.1)
+    spokes[1].send("hub", b"b", micro_batch=0)
+    arrivals = hub.collect_round(names, micro_batch=0, timeout=2)
+    with pytest.raises(TransportError, match="was not released"):
+        hub.collect_round(names, micro_batch=1, timeout=0.1)
+    arrivals.release()
+    assert hub.slots_in_use() == IDLE
+
+
+def test_a_core_round_refuses_messages_recv_already_took(star):
+    hub, spokes, names = star(1)
+    spokes[0].send("hub", b"zero", micro_batch=0)
+    spokes[0].send("hub", b"one", micro_batch=1)
+    hub.recv("s0", micro_batch=0, timeout=2).release()  # takes seq 1 into the endpoint's pending list too
+    with pytest.raises(TransportError, match=r"taken by recv\(\)/poll\(\)"):
+        hub.collect_round(names, micro_batch=1, timeout=0.1)
+    hub.recv("s0", micro_batch=1, timeout=2).release()
+
+
+@pytest.mark.parametrize("hub_core", ["on", "off"])
+def test_a_peer_that_dies_while_others_are_slow_fails_alone_once_they_arrive(star, hub_core):
+    hub, spokes, names = star(3, hub_core=hub_core)
+    spokes[0].send("hub", b"early", micro_batch=0)
+    spokes[1].close()
+    late = threading.Timer(0.3, lambda: spokes[2].send("hub", b"late", micro_batch=0))
+    late.start()
+    with pytest.raises(RoundFailed) as failed:
+        hub.collect_round(names, micro_batch=0, timeout=5.0)
+    late.join()
+    assert list(failed.value.failures) == ["s1"]
+    assert hub.slots_in_use().held == 0  # s0's and s2's messages were released with the failure

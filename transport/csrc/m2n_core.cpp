@@ -99,11 +99,15 @@ inline void cpu_relax() {
 }
 
 // A mapped segment, held through a buffer export of the Python object it came from
-// (shm._Segment's memoryview): while the core holds it, the segment cannot be unmapped under it
-// (its close() then keeps the mapping, as for any consumer's view), and close() lets it go.
+// (shm._Segment's memoryview) for as long as this object lives: the segment cannot be
+// unmapped under the core (its close() then keeps the mapping, as for any consumer's view),
+// even when the endpoint is closed from another thread while a round is copying or waiting.
+// close() only marks it closed: every call checks that first, and a wait in progress sees
+// it and returns (the memory it may still touch stays mapped until the export goes).
 struct Mapping {
   std::unique_ptr<py::buffer_info> info;
   uint8_t* base = nullptr;
+  std::atomic<bool> closed{false};
 
   void bind(py::buffer buffer, size_t need) {
     auto held = std::make_unique<py::buffer_info>(buffer.request(true));
@@ -112,14 +116,14 @@ struct Mapping {
     base = static_cast<uint8_t*>(held->ptr);
     info = std::move(held);
   }
-  void close() {
-    base = nullptr;
+  void close() { closed.store(true, std::memory_order_release); }
+  bool is_closed() const { return closed.load(std::memory_order_acquire); }
+  ~Mapping() {
     if (info) {
       py::gil_scoped_acquire gil;
       info.reset();
     }
   }
-  ~Mapping() { close(); }
 };
 
 // Rings a peer's doorbell: a datagram to its abstract UNIX socket, never blocking (a full queue
@@ -162,7 +166,7 @@ class OutChannel {
   // caller does, once per round (finish()).
   bool write(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
              const uint8_t* payload, size_t n) {
-    if (!map_.base) throw std::runtime_error("channel closed");
+    if (map_.is_closed()) throw std::runtime_error("channel closed");
     if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
     uint8_t* slot = slot_base(micro_batch % num_slots_);
     if (load_acquire(slot) != kFree) return false;
@@ -193,6 +197,7 @@ class OutChannel {
   bool slot_free(uint16_t micro_batch) const { return load_acquire(slot_base(micro_batch % num_slots_)) == kFree; }
   size_t slot_bytes() const { return slot_bytes_; }
   uint32_t seq() const { return seq_; }
+  bool is_closed() const { return map_.is_closed(); }
   void close() { map_.close(); }
 
  private:
@@ -219,49 +224,23 @@ class InChannel {
     bell_.set(doorbell_fd, peer_doorbell, peer_channel);
   }
 
-  // Admits, in sequence, every full slot this side does not hold yet (as `queued`). Returns
-  // false once the channel broke a rule (see violation()).
+  // Admits, in sequence, every full slot this side does not hold yet (as `queued`). A scan
+  // may read a slot just before its message lands and a later slot just after its own did;
+  // so where a gap shows, the slots are read once more after a fence, and then every message
+  // up to the newest one the first look saw must be there (else one was skipped), as
+  // shm.py's poll decides. Returns false once the channel broke a rule (see violation()).
   bool admit() {
     if (violation_) return false;
-    for (int pass = 0; pass < 2; ++pass) {
-      bool gap = false;
-      uint32_t newest_ahead = 0;
-      for (;;) {
-        bool progressed = false;
-        gap = false;
-        for (uint32_t s = 0; s < num_slots_; ++s) {
-          if (state_[s] != kEmpty) continue;
-          uint8_t* slot = slot_base(s);
-          uint32_t st = load_acquire(slot);
-          if (st == kFree) continue;
-          if (st != kFull) return fail(kBadState, s, st);
-          WireHeader h;
-          std::memcpy(&h, slot + kHeaderOffset, sizeof h);
-          uint32_t ahead = h.seq - next_seq_;
-          if (h.magic != kMagic || h.sender != sender_ || h.byte_length > slot_bytes_ || ahead >= num_slots_)
-            return fail_header(h);
-          if (ahead) {  // a later message: the next one may be landing right now
-            gap = true;
-            if (ahead > newest_ahead) newest_ahead = ahead;
-            continue;
-          }
-          if (h.micro_batch % num_slots_ != s) return fail(kWrongSlot, s, 0, &h);
-          headers_[s] = h;
-          held_seq_[s] = h.seq;
-          state_[s] = kQueued;
-          ++queued_;
-          next_seq_ += 1;
-          progressed = true;
-        }
-        if (!progressed) break;
-      }
-      if (!gap) return true;
-      if (pass == 0) {
-        fence();  // a scan may see a later slot fill before an earlier one: one more look
-      } else {
-        return fail(kSkipped, next_seq_ + newest_ahead, 0);
-      }
-    }
+    uint32_t first = next_seq_;
+    uint32_t newest = 0;  // the newest seq the first look saw, as an offset from `first`
+    bool gap = false;
+    if (!admit_pass(first, &gap, &newest)) return false;
+    if (!gap) return true;
+    fence();
+    bool again = false;
+    uint32_t ignored = 0;
+    if (!admit_pass(first, &again, &ignored)) return false;
+    if (next_seq_ - first <= newest) return fail(kSkipped, first + newest, 0);
     return true;
   }
 
@@ -272,6 +251,40 @@ class InChannel {
     state_[s] = kHanded;
     --queued_;
     return static_cast<int>(s);
+  }
+
+  // One look: admits the run of full slots that continues the sequence; notes a gap (a full
+  // slot further on) and the furthest one, as an offset from `first`.
+  bool admit_pass(uint32_t first, bool* gap, uint32_t* newest) {
+    for (;;) {
+      bool progressed = false;
+      *gap = false;
+      for (uint32_t s = 0; s < num_slots_; ++s) {
+        if (state_[s] != kEmpty) continue;
+        uint8_t* slot = slot_base(s);
+        uint32_t st = load_acquire(slot);
+        if (st == kFree) continue;
+        if (st != kFull) return fail(kBadState, s, st);
+        WireHeader h;
+        std::memcpy(&h, slot + kHeaderOffset, sizeof h);
+        uint32_t ahead = h.seq - next_seq_;
+        if (h.magic != kMagic || h.sender != sender_ || h.byte_length > slot_bytes_ || ahead >= num_slots_)
+          return fail_header(h);
+        if (ahead) {  // a later message: the next one may be landing right now
+          *gap = true;
+          *newest = std::max(*newest, h.seq - first);
+          continue;
+        }
+        if (h.micro_batch % num_slots_ != s) return fail(kWrongSlot, s, 0, &h);
+        headers_[s] = h;
+        held_seq_[s] = h.seq;
+        state_[s] = kQueued;
+        ++queued_;
+        next_seq_ += 1;
+        progressed = true;
+      }
+      if (!progressed) return true;
+    }
   }
 
   // Any queued message, handed out: its slot, or -1 (the echo peer's order does not matter).
@@ -303,30 +316,30 @@ class InChannel {
   }
 
   void set_asleep(bool asleep) {
+    if (map_.is_closed()) return;
     store_release(map_.base + kReceiverAsleep, asleep ? 1u : 0u);
     fence();
   }
 
-  // The single-message path (Endpoint.recv): every queued message, handed out, in seq order.
+  // The single-message path (Endpoint.recv): every queued message, handed out, oldest first.
+  // (A round may have taken a later one already: the queued ones need not be the newest.)
   py::list poll() {
     admit();
     py::list out;
-    if (!queued_) return out;  // a violation, if any, is read by the caller (after these are handed out)
-    // queued slots in seq order: next_seq_ - queued_ .. next_seq_ - 1
-    for (uint32_t k = queued_; k > 0; --k) {
-      uint32_t want = next_seq_ - k;
-      for (uint32_t s = 0; s < num_slots_; ++s) {
-        if (state_[s] == kQueued && headers_[s].seq == want) {
-          state_[s] = kHanded;
-          const WireHeader& h = headers_[s];
-          out.append(py::make_tuple(s, py::make_tuple(h.step, h.layer, h.micro_batch, h.sender, h.flags,
-                                                      h.token_count, h.seq, h.byte_length)));
-          break;
-        }
-      }
+    std::vector<uint32_t> slots;
+    for (uint32_t s = 0; s < num_slots_; ++s)
+      if (state_[s] == kQueued) slots.push_back(s);
+    // every queued seq lies behind next_seq_: (seq - next_seq_) mod 2^32 orders them oldest first
+    std::sort(slots.begin(), slots.end(),
+              [&](uint32_t a, uint32_t b) { return headers_[a].seq - next_seq_ < headers_[b].seq - next_seq_; });
+    for (uint32_t s : slots) {
+      state_[s] = kHanded;
+      --queued_;
+      const WireHeader& h = headers_[s];
+      out.append(py::make_tuple(s, py::make_tuple(h.step, h.layer, h.micro_batch, h.sender, h.flags,
+                                                  h.token_count, h.seq, h.byte_length)));
     }
-    queued_ = 0;
-    return out;
+    return out;  // a violation, if any, is read by the caller (after these are handed out)
   }
 
   const uint8_t* payload(uint32_t s) const { return slot_base(s) + kPayloadOffset; }
@@ -344,6 +357,7 @@ class InChannel {
   }
   uint32_t queued() const { return queued_; }
   uint32_t next_seq() const { return next_seq_; }
+  bool is_closed() const { return map_.is_closed(); }
   void close() { map_.close(); }
 
  private:
@@ -377,21 +391,28 @@ class InChannel {
 // may be empty), with per-peer results in arrays the Python side reads as numpy views.
 class Round {
  public:
+  // control_fds[i]: inbound peer i's control socket (-1: none), watched while it is awaited.
   Round(std::vector<OutChannel*> out, std::vector<InChannel*> in, int doorbell_fd, std::vector<int> control_fds)
       : out_(std::move(out)), in_(std::move(in)), doorbell_fd_(doorbell_fd), control_fds_(std::move(control_fds)),
         pending_(out_.size(), 0), arrived_(in_.size(), 0), slot_(in_.size(), -1),
-        fields_(in_.size() * kHeaderFields, 0), broken_(in_.size(), 0) {}
+        fields_(in_.size() * kHeaderFields, 0), broken_(in_.size(), 0), given_up_(in_.size(), 0) {
+    if (control_fds_.size() != in_.size()) throw std::invalid_argument("one control socket (or -1) per inbound peer");
+  }
+
+  // Every channel still open, else an error (a closed endpoint's round is over).
+  void check_open() const {
+    if (any_closed_channel()) throw std::runtime_error("a channel of this round was closed (the endpoint closed)");
+  }
+  bool any_closed_channel() const {
+    for (auto* o : out_)
+      if (o->is_closed()) return true;
+    for (auto* i : in_)
+      if (i->is_closed()) return true;
+    return false;
+  }
 
   // Posts peer i's bytes [begins[i], ends[i]) of the buffer at `address` with token count
   // counts[i]. Peers whose slot is still held are left pending (see retry()); returns how many.
-  // Every channel still open (a closed one's memory may be unmapped): else an error.
-  void check_open() const {
-    for (auto* o : out_)
-      if (!o->map_.base) throw std::runtime_error("a channel of this round was closed");
-    for (auto* i : in_)
-      if (!i->map_.base) throw std::runtime_error("a channel of this round was closed");
-  }
-
   int post(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address, size_t nbytes,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> begins,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> ends,
@@ -475,10 +496,11 @@ class Round {
     return write_pending();
   }
 
-  // Waits up to `slice_s` for micro-batch `micro_batch`'s message from every inbound peer:
-  // spins for `spin_s`, then sleeps on the doorbell (and the control sockets, whose activity
-  // means a peer went away: the Python side looks). Returns how many are still missing; a
-  // peer that broke a rule counts as arrived-and-broken (broken()[i] = 1).
+  // Waits up to `slice_s` for micro-batch `micro_batch`'s message from every inbound peer
+  // not given up: spins for `spin_s`, then sleeps on the doorbell (and the awaited peers'
+  // control sockets, whose activity means a peer went away: the Python side looks, and gives
+  // it up). Returns how many are still awaited; a peer that broke a rule is not awaited
+  // (broken()[i] = 1), nor one given up. Returns at once if the endpoint was closed meanwhile.
   int collect(uint16_t micro_batch, double spin_s, double slice_s) {
     check_open();
     py::gil_scoped_release nogil;
@@ -488,7 +510,7 @@ class Round {
     unsigned spins = 0;
     while (missing) {
       double t = now_s();
-      if (t >= until) break;
+      if (t >= until || any_closed_channel()) break;
       if (t < spin_until) {
         cpu_relax();
         if ((++spins & 3) == 0) sched_yield();  // a peer may share this core: let it run
@@ -546,11 +568,20 @@ class Round {
   // Each arrived peer's slot (-1: none), for the Python side's views of the payloads.
   py::array slot_view(py::object self) { return py::array_t<int>(slot_.size(), slot_.data(), self); }
 
-  int broken_count() const { return broken_count_; }
-  // After the Python side dropped the broken peers: they count as broken no more.
-  void clear_broken() {
+  // Peers broken or given up since the last clear_failures().
+  int failed_count() const { return failed_count_; }
+  // Peer i (gone, the Python side found) is no longer awaited by this round.
+  void give_up(size_t i) {
+    if (i >= in_.size()) throw std::out_of_range("give_up: no such peer");
+    if (arrived_[i] || broken_[i] || given_up_[i]) return;
+    given_up_[i] = 1;
+    ++failed_count_;
+  }
+  // After the Python side reported the round's failures: the next round awaits every peer again.
+  void clear_failures() {
     std::fill(broken_.begin(), broken_.end(), 0);
-    broken_count_ = 0;
+    std::fill(given_up_.begin(), given_up_.end(), 0);
+    failed_count_ = 0;
   }
 
   // numpy views of the per-peer arrays (their owner keeps this object alive).
@@ -596,13 +627,13 @@ class Round {
   int scan(uint16_t micro_batch) {
     int missing = 0;
     for (size_t i = 0; i < in_.size(); ++i) {
-      if (arrived_[i] || broken_[i]) continue;
+      if (arrived_[i] || broken_[i] || given_up_[i]) continue;
       InChannel* ch = in_[i];
       int s = ch->take(micro_batch);
       if (s < 0) {
         if (!ch->admit()) {
           broken_[i] = 1;
-          ++broken_count_;
+          ++failed_count_;
           continue;
         }
         s = ch->take(micro_batch);
@@ -621,16 +652,20 @@ class Round {
     return missing;
   }
 
-  // Sleeps on the doorbell until a wakeup or `limit_s`; true if a control socket spoke.
+  bool awaited(size_t i) const { return !arrived_[i] && !broken_[i] && !given_up_[i]; }
+
+  // Sleeps on the doorbell until a wakeup or `limit_s`; true if an awaited peer's control
+  // socket spoke (the Python side looks at it).
   bool sleep_once(uint16_t micro_batch, double limit_s) {
     for (size_t i = 0; i < in_.size(); ++i)
-      if (!arrived_[i] && !broken_[i]) in_[i]->set_asleep(true);
+      if (awaited(i)) in_[i]->set_asleep(true);
     bool spoke = false;
     if (scan(micro_batch)) {  // nothing landed between the last look and the asleep words
       std::vector<pollfd> fds;
       fds.reserve(1 + control_fds_.size());
       fds.push_back({doorbell_fd_, POLLIN, 0});
-      for (int fd : control_fds_) fds.push_back({fd, POLLIN, 0});
+      for (size_t i = 0; i < in_.size(); ++i)
+        if (awaited(i) && control_fds_[i] >= 0) fds.push_back({control_fds_[i], POLLIN, 0});
       int ms = static_cast<int>(limit_s * 1e3) + 1;
       if (ms > 50) ms = 50;  // a lost wakeup costs at most this (the reference's MAX_SLEEP_S)
       int ready = ::poll(fds.data(), fds.size(), ms);
@@ -656,7 +691,8 @@ class Round {
   std::vector<int> slot_;
   std::vector<int64_t> fields_;
   std::vector<uint8_t> broken_;
-  int broken_count_ = 0;  // peers marked broken and not yet cleared (clear_broken)
+  std::vector<uint8_t> given_up_;
+  int failed_count_ = 0;  // peers broken or given up, not yet cleared (clear_failures)
   PostArgs post_{};
   std::vector<int64_t> begins_, ends_, counts_;
   std::vector<int64_t> row_begins_, row_ends_;
@@ -778,8 +814,9 @@ PYBIND11_MODULE(_m2n_core, m) {
       .def("post", &Round::post)
       .def("post_rows", &Round::post_rows)
       .def("check", &Round::check)
-      .def_property_readonly("broken_count", &Round::broken_count)
-      .def("clear_broken", &Round::clear_broken)
+      .def_property_readonly("failed_count", &Round::failed_count)
+      .def("give_up", &Round::give_up)
+      .def("clear_failures", &Round::clear_failures)
       .def("retry", &Round::retry)
       .def("collect", &Round::collect)
       .def("gather", &Round::gather)
