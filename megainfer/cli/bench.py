@@ -59,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "against the plan's predicted t_a and t_e; at 4 KiB messages and at the plan's own size.")
     h.add_argument("plan", help="plan.yaml (e.g. deploy/plans/qwen3-235b-h20-l40s.yaml)")
     h.add_argument("--rounds", type=positive_int, default=400, help="timed rounds per side and size")
+    h.add_argument("--repeats", type=positive_int, default=3,
+                   help="measurements of each row (fresh peers each time); the median is reported")
     h.add_argument("--json", metavar="PATH", help="write the results as JSON")
     h.set_defaults(run=_run_host)
 
@@ -196,7 +198,7 @@ def _run_engine(args: argparse.Namespace) -> int:
 def _run_host(args: argparse.Namespace) -> int:
     from megainfer.tools.host_cost import run
 
-    return run(args.plan, args.rounds, args.json)
+    return run(args.plan, args.rounds, args.json, repeats=args.repeats)
 
 
 def _run_m2n(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ def test_the_plans_scale_is_read_as_the_host_sees_it():
 def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
     path = tmp_path / "host.json"
     out = megainfer("bench", "host", str(ROOT / "deploy" / "plans" / "tiny-cpu-2a.yaml"), "--rounds", "20",
-                    "--json", str(path), timeout=600)
+                    "--repeats", "1", "--json", str(path), timeout=600)
     assert out.returncode == 0, out.stderr
     assert "CPU us/round" in out.stdout and "attention  python" in out.stdout and "expert     python" in out.stdout
     assert "attention    core" in out.stdout and "expert       core" in out.stdout
