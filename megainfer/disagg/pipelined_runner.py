@@ -64,6 +64,7 @@ class PendingDispatch:
     micro_batch: int
     copy: HostCopy | None = None  # records [rows, record bytes] uint8 and node offsets [N + 1]; None: no tokens
     token_ids: torch.Tensor | None = None  # [rows] device: the tokens of the records, in send order
+    node_offsets: torch.Tensor | None = None  # [N + 1] device: where each expert node's records begin
 
     def landed(self) -> bool:
         return self.copy is None or self.copy.landed()
@@ -88,13 +89,6 @@ def rank_shares(bounds: np.ndarray, tp_size: int, tp_rank: int) -> tuple[np.ndar
     return begins, begins + base + (tp_rank < extra)
 
 
-def shared_positions(begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """The positions [begin, end) of every node, end to end (what a rank's answers come back as)."""
-    counts = ends - begins
-    starts = np.cumsum(counts) - counts
-    return np.arange(int(counts.sum())) + np.repeat(begins - starts, counts)
-
-
 def tokens_in_node_order(token_ids: torch.Tensor, node_offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Each expert node's segment of `token_ids` in ascending token order, spare entries (past
     the last offset) last. The Triton gating kernel fills a segment with atomics, so its order
@@ -104,6 +98,21 @@ def tokens_in_node_order(token_ids: torch.Tensor, node_offsets: torch.Tensor, nu
     node = torch.searchsorted(node_offsets[1:].to(torch.int64), positions, right=True)  # spare: past the last
     keys = node * num_tokens + token_ids.to(torch.int64)
     return (keys.sort().values % num_tokens).to(token_ids.dtype)
+
+
+def shared_positions_on(node_offsets: torch.Tensor, tp_size: int, tp_rank: int, total: int) -> torch.Tensor:
+    """The positions [begin, end) of every node's share (`rank_shares`), end to end (what a
+    rank's answers come back as), computed on the node offsets' device: device ops
+    only (`total`, the rank's token count, is known on the host, so repeat_interleave needs no
+    read back), where copying host-built positions to the device would wait for the copy."""
+    offsets = node_offsets.to(torch.int64)
+    counts = offsets[1:] - offsets[:-1]
+    base, extra = counts // tp_size, counts % tp_size
+    share = base + (extra > tp_rank).to(torch.int64)
+    begins = offsets[:-1] + tp_rank * base + extra.clamp(max=tp_rank)
+    starts = torch.cumsum(share, 0) - share
+    return torch.arange(total, device=offsets.device) + torch.repeat_interleave(begins - starts, share,
+                                                                                output_size=total)
 
 
 def expert_node_map(num_experts: int, expert_nodes: list[str], expert_assignment: list[list[int]]) -> torch.Tensor:
@@ -308,7 +317,7 @@ class PipelinedModelRunner:
             token_ids = tokens_in_node_order(token_ids, g.node_offsets, hidden.shape[0])
         records = pack_records(a.expert_input[token_ids], a.topk_ids[token_ids], a.topk_weights[token_ids])
         copy = self.staging.to_host([records, g.node_offsets], slot=j)
-        self._outbox.append(PendingDispatch(layer, j, copy, token_ids))
+        self._outbox.append(PendingDispatch(layer, j, copy, token_ids, g.node_offsets))
         self._flush_landed()
         self.timeline.compute_end(mark, self.step_id, layer, j, hidden.shape[0])
         return a.residual
@@ -352,8 +361,9 @@ class PipelinedModelRunner:
             rows = None
         elif self.tp_size == 1:  # the shares are the whole segments: the tokens sent are a prefix
             rows = pending.token_ids[:int(bounds[-1])]
-        else:
-            rows = pending.token_ids[torch.from_numpy(shared_positions(begins, ends)).to(self.device)]
+        else:  # this rank's share of every node's segment, found on the device: no copy, no sync
+            rows = pending.token_ids[shared_positions_on(pending.node_offsets, self.tp_size, self.tp_rank,
+                                                         int(counts.sum()))]
         self._routed[j] = RoutedTokens(layer, rows, counts)
         if self.timeline.enabled:
             for tokens in counts.tolist():

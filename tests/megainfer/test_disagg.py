@@ -20,7 +20,7 @@ from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCop
 from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
                                           unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
-from megainfer.disagg.pipelined_runner import PipelinedModelRunner, rank_shares, shared_positions
+from megainfer.disagg.pipelined_runner import PipelinedModelRunner, rank_shares, shared_positions_on
 from megainfer.model.weights import SafetensorsCheckpoint
 from megainfer.step_layout import split_micro_batches
 from tests.helpers import connect_all, generate_all
@@ -197,6 +197,13 @@ def test_a_tensor_parallel_ranks_share_is_tensor_splits_and_contiguous():
     assert (begin, end) == (3, 5) and torch.equal(got[0], x[3:5]) and torch.equal(got[2], w[3:5])
 
 
+def shared_positions(begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The positions [begin, end) of every node, end to end (what a rank's answers come back as)."""
+    counts = ends - begins
+    starts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum())) + np.repeat(begins - starts, counts)
+
+
 def test_every_nodes_share_at_once_is_each_nodes_rank_share():
     """The runner's vectorised shares (one numpy pass over the node offsets) against the
     per-node reference, and the positions the answers come back in."""
@@ -212,6 +219,8 @@ def test_every_nodes_share_at_once_is_each_nodes_rank_share():
                 assert ends.tolist() == [b + hi for b, (_, hi) in zip(bounds[:-1].tolist(), want)]
                 expect = [p for b, e in zip(begins.tolist(), ends.tolist()) for p in range(b, e)]
                 assert shared_positions(begins, ends).tolist() == expect
+                on_device = shared_positions_on(torch.from_numpy(bounds).to(torch.int32), tp, r, len(expect))
+                assert on_device.tolist() == expect
 
 
 def test_cpu_staging_elides_every_copy():
