@@ -61,6 +61,7 @@ def resolve(wanted: str, endpoint: str) -> bool:
             _warned = True
             logger.warning("M2N: %s; shm rounds run on the pure-Python reference, one call per message", BUILD_ERROR)
         return False
+    logger.info("endpoint %s: shm channels and their rounds in the compiled M2N core (%s)", endpoint, native.__file__)
     return True
 
 
