@@ -18,7 +18,6 @@ it was measured on: one measured on a small VM overstates a GPU server's host.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from megainfer.errors import PlanError
+from planner.json_file import read_json_file
 
 SIDES = ("attention", "expert")
 
@@ -50,13 +50,8 @@ class HostCost:
     def load(cls, path: str | os.PathLike) -> "HostCost":
         path = Path(path)
         fix = "write one with `megainfer bench host PLAN --json PATH`"
-        if not path.is_file():
-            raise PlanError(f"host profile {str(path)!r} does not exist; {fix}")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{path}: not valid JSON ({exc}); {fix}") from None
-        if not isinstance(data, dict) or data.get("benchmark") != "host":
+        data = read_json_file(path, f"--host-profile {str(path)!r}", fix)
+        if data.get("benchmark") != "host":
             raise PlanError(f"{path}: not a `megainfer bench host` result (its 'benchmark' is not 'host'); {fix}")
         sides = {side: _fit(path, data, side) for side in SIDES}
         where = data.get("machine") or "an unrecorded host"

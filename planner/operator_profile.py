@@ -42,6 +42,7 @@ import numpy as np
 
 from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
+from planner.json_file import read_json_file
 
 FORMAT_VERSION = 1
 
@@ -174,13 +175,8 @@ class OperatorProfile:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OperatorProfile":
         path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"--profile {str(path)!r}: no such file (write one with `megainfer profile`)")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"--profile {path}: not a JSON profile ({exc})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+        data = read_json_file(path, f"--profile {str(path)!r}", "write one with `megainfer profile`")
+        if data.get("format") != FORMAT_VERSION:
             raise PlanError(f"--profile {path}: not a format-{FORMAT_VERSION} profile from `megainfer profile`")
         try:
             device = ProfiledDevice(**data["device"])

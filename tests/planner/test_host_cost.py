@@ -46,7 +46,7 @@ def test_a_bench_host_result_gives_per_peer_and_per_byte_costs(tmp_path):
 
 
 @pytest.mark.parametrize("body, match", [
-    (None, "does not exist"), ("{", "not valid JSON"), ('{"benchmark": "m2n"}', "not a `megainfer bench host`"),
+    (None, "no such file"), ("{", "not valid JSON"), ('{"benchmark": "m2n"}', "not a `megainfer bench host`"),
     ('{"benchmark": "host", "attention_round_cpu_us": {"core": null}}', "need a 'core' row")])
 def test_a_bad_host_profile_says_what_and_how_to_make_one(tmp_path, body, match):
     path = tmp_path / "h.json"
@@ -95,4 +95,4 @@ def test_plan_explain_shows_the_host_cost(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "Host CPU per M2N round" in out.stdout and "test CPU" in out.stdout
     bad = megainfer("plan", "--model", "qwen3-30b-a3b", "--host-profile", str(tmp_path / "none.json"))
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "does not exist" in bad.stderr
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "no such file" in bad.stderr
