@@ -30,7 +30,7 @@ from megainfer.config import (GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConf
                               kv_cache_budget_bytes)
 from megainfer.errors import PlanError
 from planner.catalog import GPU
-from planner.host_cost import HostCost
+from planner.round_host_cost import HostCost
 from planner.operator_profile import OperatorProfile
 from planner.phase_lines import PhaseLines
 
@@ -139,7 +139,7 @@ class PerfModel:
                  efficiency: Efficiency = Efficiency(), calibration: Calibration | None = None, *,
                  curves_path: str | None = None, profiles: list[OperatorProfile] = (),
                  host: HostCost | None = None) -> None:
-        """`host`: the host's CPU time per M2N round (planner/host_cost.py), charged where given."""
+        """`host`: the host's CPU time per M2N round (planner/round_host_cost.py), charged where given."""
         if seq_len <= 0:
             raise PlanError(f"--seq-len must be positive, got {seq_len}")
         self.phases = PhaseLines(model, seq_len, dtype_bytes, curves_path, list(profiles))

@@ -21,7 +21,7 @@ from megainfer.errors import PlanError
 from megainfer.plan import (AttentionSpec, ExpertSpec, PipelineSpec, Plan, PredictedPerformance, SchedulerSpec, SLOSpec,
                             attention_tp_fits, check_tensor_parallel, expert_tp_fits)
 from planner.catalog import GPU, Catalog
-from planner.host_cost import host_bound
+from planner.round_host_cost import host_bound
 from planner.perf_model import PREFILL_CHUNK_TOKENS, PerfModel, Side
 
 OBJECTIVES = ("cost", "power", "gpu")
@@ -81,7 +81,7 @@ class Candidate(Throughput):
     t_a: float
     t_e: float
     t_c: float
-    # The host's CPU time per M2N round on each side (planner/host_cost.py; 0: not charged).
+    # The host's CPU time per M2N round on each side (planner/round_host_cost.py; 0: not charged).
     # Where it exceeds T_a or T_e the host sets the pace: charged in the TBT, and refused by the search.
     host_a: float = 0.0
     host_e: float = 0.0

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.config import DTYPE_BYTES
     from planner.catalog import Catalog
     from planner.colocated import best_colocated
-    from planner.host_cost import HostCost
+    from planner.round_host_cost import HostCost
     from planner.operator_profile import OperatorProfile
     from planner.perf_model import Calibration, PerfModel
     from planner.search import search

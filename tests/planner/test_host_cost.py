@@ -1,4 +1,4 @@
-"""The planner charges the host's CPU time per M2N round (planner/host_cost.py), from a
+"""The planner charges the host's CPU time per M2N round (planner/round_host_cost.py), from a
 `megainfer bench host --json` result, and refuses plans whose rounds the host cannot post
 within the micro-batch's compute."""
 
@@ -12,7 +12,7 @@ import pytest
 from megainfer.config import PRESETS
 from megainfer.errors import PlanError
 from planner.catalog import Catalog
-from planner.host_cost import HostCost
+from planner.round_host_cost import HostCost
 from planner.perf_model import PerfModel
 from planner.search import evaluate_plan, search
 from planner.timeline import explain
