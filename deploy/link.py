@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from transport import Endpoint, EndpointSpec, Message, PeerTimeout, TransportError
+from transport import Endpoint, EndpointSpec, PeerTimeout, TransportError
 from transport.rounds import Arrivals
 
 
@@ -72,15 +72,6 @@ class SwitchableLink:
         """Peer -> the M2N backend its pair chose (the reason is in this actor's log)."""
         return {peer: choice.backend for peer, choice in self.endpoint.choices.items()} if self.endpoint else {}
 
-    def send(self, peer: str, payload: torch.Tensor, *, step: int, layer: int, micro_batch: int,
-             token_count: int, flags: int = 0) -> None:
-        """`payload`: a host tensor (device tensors are staged through pinned memory by the
-        runner; the endpoint refuses them)."""
-        if self.interrupt.is_set():
-            raise LinkInterrupted("the deployment is re-wiring")
-        self.endpoint.send(peer, payload.contiguous(), step=step, layer=layer, micro_batch=micro_batch,
-                           token_count=token_count, flags=flags)
-
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins, ends, token_counts, *, step: int,
                    layer: int, micro_batch: int, flags: int = 0) -> None:
         """One message to each of `peers` (transport/rounds.py); `buffer`: host memory."""
@@ -130,19 +121,6 @@ class SwitchableLink:
                 waited += self.POLL_S
                 if waited >= self.timeout_s:
                     raise
-
-    def recv(self, peer: str, *, micro_batch: int) -> Message:
-        return self._waiting(lambda timeout: self.endpoint.recv(peer, micro_batch=micro_batch, timeout=timeout))
-
-    def poll(self, peer: str, *, micro_batch: int) -> Message | None:
-        """The message `recv` would return, if it has arrived; None at once otherwise (the
-        runner sends dispatches as their device copies land while it awaits an answer)."""
-        if self.interrupt.is_set():
-            raise LinkInterrupted("the deployment is re-wiring")
-        try:
-            return self.endpoint.recv(peer, micro_batch=micro_batch, timeout=0)
-        except PeerTimeout:
-            return None
 
     def count_usage(self, force: bool = False) -> None:
         """On the loop thread, between steps: count the slots in use (taking the credits that

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
 from transport import Endpoint
+from transport.endpoint import connect_concurrently
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 NEW_TOKENS = 32  # greedy tokens generated per prompt by the transformers references (conftest)
@@ -35,21 +35,8 @@ def generate_all(engine, prompts, params) -> list[list[int]]:
 
 def connect_all(endpoints: dict[str, Endpoint], links: dict[str, list[str]]) -> None:
     """Connect every endpoint to its listed peers concurrently (as separate processes would)."""
-    errors = []
-
-    def run(name):
-        try:
-            endpoints[name].connect({p: endpoints[p].address for p in links[name]})
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(n,)) for n in endpoints]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
+    connect_concurrently([(endpoints[name], {p: endpoints[p].address for p in links[name]}) for name in endpoints],
+                         30.0)
 
 
 def scrape(port: int) -> dict[str, float]:

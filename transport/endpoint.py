@@ -41,7 +41,7 @@ from transport.selection import BACKENDS, Choice
 from transport.tcp import TcpInbound, TcpOutbound
 from transport.wire import MAX_SLOTS, SEQ_MASK, Header, check_header_fields
 
-__all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "host_id", "parse_address"]
+__all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "connect_concurrently", "host_id", "parse_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -375,43 +375,53 @@ class Endpoint:
         once every message is written (the buffer may then be reused). Peers whose slot is still
         held are waited for, each within the timeout; a peer that fails (gone, or holding its
         slot past the timeout) does not stop the others: RoundFailed names every one that did."""
-        round_ = self._rounds.get(peers) or self._round(peers)
+        round_ = self._core_round_to_post(peers)
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
         limit = self.spec.timeout_s if timeout is None else timeout
-        if isinstance(round_, MessageRound) or self._dead and not self._dead.keys().isdisjoint(peers):
-            # per message: a peer known dead fails alone (the others are posted), as send() does
+        if round_ is None:
             return self._post_each(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, limit)
         address, nbytes = byte_address(buffer)
-        try:  # the arrays are converted to int64 by the core's binding where they are not already
-            pending = round_.native.post(step, layer, micro_batch, flags & 0xFFFF, address, nbytes, begins, ends,
-                                         token_counts)
-        except (IndexError, ValueError) as exc:  # a range outside the buffer, or past the peer's slot
-            raise PayloadTooLarge(f"endpoint {self.spec.name}: {exc}") from None
-        if pending:
-            self._post_pending(round_, micro_batch, limit)
+        # the arrays are converted to int64 by the core's binding where they are not already
+        self._post_core(round_, micro_batch, limit, round_.native.post, step, layer, micro_batch, flags & 0xFFFF,
+                        address, nbytes, begins, ends, token_counts)
 
     def post_rows(self, peers: tuple[str, ...], buffer, token_counts, row_bytes: int, *, step: int = 0,
                   layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None) -> None:
         """`post_round` where peers[i]'s bytes are token_counts[i] rows of `row_bytes`, the peers'
         rows end to end from the buffer's start (an expert node's answers, a dispatch's records
         in node order)."""
-        round_ = self._rounds.get(peers) or self._round(peers)
-        if isinstance(round_, MessageRound) or self._dead and not self._dead.keys().isdisjoint(peers):
+        round_ = self._core_round_to_post(peers)
+        if round_ is None:
             begins, ends = row_ranges(token_counts, row_bytes)
             return self.post_round(peers, buffer, begins, ends, token_counts, step=step, layer=layer,
                                    micro_batch=micro_batch, flags=flags, timeout=timeout)
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
         address, nbytes = byte_address(buffer)
+        self._post_core(round_, micro_batch, self.spec.timeout_s if timeout is None else timeout,
+                        round_.native.post_rows, step, layer, micro_batch, flags & 0xFFFF, address, nbytes,
+                        token_counts, row_bytes)
+
+    def _core_round_to_post(self, peers) -> CoreRound | None:
+        """The core's round to these peers, or None where the post goes per message: channels the
+        core does not drive, or a peer known dead (it fails alone and the others are posted, as
+        send() does)."""
+        round_ = self._rounds.get(peers) or self._round(peers)
+        if isinstance(round_, MessageRound) or self._dead and not self._dead.keys().isdisjoint(peers):
+            return None
+        return round_
+
+    def _post_core(self, round_: CoreRound, micro_batch: int, limit: float, post, *args) -> None:
+        """One call into the core posts the round (`post(*args)`); peers whose slot is still held
+        are then waited for."""
         try:
-            pending = round_.native.post_rows(step, layer, micro_batch, flags & 0xFFFF, address, nbytes,
-                                              token_counts, row_bytes)
-        except (IndexError, ValueError) as exc:  # rows past the buffer, or past a peer's slot
+            pending = post(*args)
+        except (IndexError, ValueError) as exc:  # a range outside the buffer, or past a peer's slot
             raise PayloadTooLarge(f"endpoint {self.spec.name}: {exc}") from None
         if pending:
-            self._post_pending(round_, micro_batch, self.spec.timeout_s if timeout is None else timeout)
+            self._post_pending(round_, micro_batch, limit)
 
     def _post_each(self, peers, buffer, begins, ends, counts, step, layer, micro_batch, flags, limit) -> None:
-        view = buffer if isinstance(buffer, memoryview) else as_bytes(buffer)
+        view = as_bytes(buffer)
         failures: dict[str, TransportError] = {}
         for i, peer in enumerate(peers):
             try:
@@ -804,3 +814,24 @@ class Endpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def connect_concurrently(wiring: list[tuple[Endpoint, dict[str, str]]], timeout_s: float) -> None:
+    """Connect each endpoint to its peers (name -> address), all at once on threads of their
+    own, as separate processes would (each `connect` waits for its peers to connect back);
+    raises the first error once every thread has ended or `timeout_s` passed."""
+    errors: list[BaseException] = []
+
+    def run(endpoint: Endpoint, peers: dict[str, str]) -> None:
+        try:
+            endpoint.connect(peers)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in wiring]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]

@@ -30,8 +30,9 @@ MAGIC_COL, STEP, LAYER, MICRO_BATCH, SENDER, FLAGS, TOKEN_COUNT, SEQ, BYTE_LENGT
 
 def row_ranges(token_counts, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """[begin, end) bytes of each peer's rows, the peers' rows end to end (what post_rows sends)."""
-    ends = np.cumsum(np.asarray(token_counts, dtype=np.int64)) * row_bytes
-    return ends - np.asarray(token_counts, dtype=np.int64) * row_bytes, ends
+    sizes = np.asarray(token_counts, dtype=np.int64) * row_bytes
+    ends = np.cumsum(sizes)
+    return ends - sizes, ends
 
 
 def byte_address(buffer) -> tuple[int, int]:

@@ -9,8 +9,8 @@ slot can be released at once) and one non-blocking host-to-device copy on the co
 which kernels launched after it on that stream see in order. A pinned buffer is written again
 only after the copy that last used it completed (its event), so nothing is read half-written.
 
-On the CPU the same calls elide the device copies: `to_host` returns views of the tensors
-themselves (the same objects), `landing` a reused host buffer per slot and `upload` that buffer itself.
+On the CPU the same calls elide the device copies: `to_host` returns the tensors themselves,
+`landing` a reused host buffer per slot and `upload` that buffer itself.
 
 Pinned buffers, one per micro-batch slot and direction, are reserved up front at the size of
 the largest message the slot can carry (`StagingBytes`, computed in staging_sizes.py), so no

@@ -36,7 +36,6 @@ from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records
-from transport.rounds import FLAGS, LAYER, STEP
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
@@ -52,6 +51,7 @@ from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
+from transport.rounds import FLAGS, LAYER, STEP
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing as mp
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from megainfer.config import EngineConfig, ModelConfig, resolve_model
 from megainfer.disagg.expert_link import record_bytes
 from megainfer.plan import Plan
 from transport import Endpoint, EndpointSpec
+from transport.endpoint import connect_concurrently
 
 SECRET = b"megainfer-bench-host-secret-0123"
 SMALL_RECORD = 4096  # bytes: the per-message-cost variant's one-token message
@@ -110,31 +110,18 @@ def _endpoint(name: str, rank: int, slot_bytes: int, slots: int, core: str) -> E
                                  num_slots=slots, backend="shm", timeout_s=TIMEOUT_S, core=core))
 
 
-def _connect_all(endpoints: list[Endpoint], peer: str, address: str) -> None:
-    """Each endpoint to the one measured peer, concurrently (the measured side waits for all)."""
-    errors: list[BaseException] = []
-
-    def run(ep: Endpoint) -> None:
-        try:
-            ep.connect({peer: address})
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(ep,)) for ep in endpoints]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S)
-    if errors:
-        raise errors[0]
-
-
 # -- the peers, in one other process: the core's loopback loops (fast stand-ins, so what the
 # measured side is charged is its own work, not a slow peer's; the same peers for both paths).
-def _peer_channels(endpoints: list[Endpoint], peer: str) -> tuple[list, list, list[int]]:
-    inbound = [ep.inbound[peer].core for ep in endpoints]
-    outbound = [ep.outbound[peer].core for ep in endpoints]
-    return inbound, outbound, [ep.inbound[peer].control.fileno() for ep in endpoints]
+def _wired_peers(names: list[str], first_rank: int, slot_bytes: int, slots: int, measured: str,
+                 conn) -> tuple[list, list, list[int]]:
+    """The peer endpoints, connected to the measured one (its address comes through `conn`):
+    their channels to it as the core's loops take them (inbound, outbound, control sockets)."""
+    endpoints = [_endpoint(n, first_rank + i, slot_bytes, slots, "on") for i, n in enumerate(names)]
+    conn.send([ep.address for ep in endpoints])
+    address = conn.recv()
+    connect_concurrently([(ep, {measured: address}) for ep in endpoints], TIMEOUT_S)
+    return ([ep.inbound[measured].core for ep in endpoints], [ep.outbound[measured].core for ep in endpoints],
+            [ep.inbound[measured].control.fileno() for ep in endpoints])
 
 
 def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_bytes: int, conn) -> None:
@@ -142,10 +129,7 @@ def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_byte
     from transport.core import native
 
     try:
-        endpoints = [_endpoint(n, 100 + i, slot_bytes, slots, "on") for i, n in enumerate(names)]
-        conn.send([ep.address for ep in endpoints])
-        _connect_all(endpoints, "attention0", conn.recv())
-        inbound, outbound, controls = _peer_channels(endpoints, "attention0")
+        inbound, outbound, controls = _wired_peers(names, 100, slot_bytes, slots, "attention0", conn)
         native.echo(inbound, outbound, answer_row_bytes, controls)
     except BaseException:
         conn.send(traceback.format_exc())
@@ -153,14 +137,11 @@ def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_byte
 
 def _attention_senders(names: list[str], slot_bytes: int, slots: int, record_size: int, tokens: int,
                        conn) -> None:
-    """M attention ranks that send each (layer 0, j) of every step and take its answer, until the node leaves."""
+    """M attention ranks in the ping-pong's steady state (transport._m2n_core.drive), until the node leaves."""
     from transport.core import native
 
     try:
-        endpoints = [_endpoint(n, i, slot_bytes, slots, "on") for i, n in enumerate(names)]
-        conn.send([ep.address for ep in endpoints])
-        _connect_all(endpoints, "experts0", conn.recv())
-        inbound, outbound, controls = _peer_channels(endpoints, "experts0")
+        inbound, outbound, controls = _wired_peers(names, 0, slot_bytes, slots, "experts0", conn)
         native.drive(inbound, outbound, tokens * record_size, tokens, slots, controls)
     except BaseException:
         conn.send(traceback.format_exc())

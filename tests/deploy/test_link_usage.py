@@ -32,7 +32,7 @@ class OwnedEndpoint:
         assert threading.get_ident() == self.owner, "a transport poll off the loop thread"
         return self.usage
 
-    def recv(self, peer, *, micro_batch, timeout):
+    def collect_round(self, peers, *, micro_batch, timeout):
         assert threading.get_ident() == self.owner
         if self.quiet:
             self.quiet -= 1
@@ -74,7 +74,7 @@ def test_an_expert_link_counts_in_a_quiet_wait_on_the_loop_thread():
 
     def loop():
         holder["endpoint"] = link.endpoint = OwnedEndpoint(threading.get_ident(), SlotUsage(held=0, unreleased=3))
-        return link.recv("attention0", micro_batch=1)
+        return link.collect_round(("attention0",), micro_batch=1)
 
     assert on_thread(loop) == "message for 1"  # the quiet receive timed out, counted, then waited on
     endpoint = holder["endpoint"]
@@ -117,10 +117,9 @@ def test_a_busy_tcp_pair_is_polled_by_the_expert_loop_only_and_reads_zero_when_q
 
     def expert_loop():
         for i in range(steps + 1):
-            msg = expert.recv("a0", micro_batch=i % 2)
-            msg.release()
+            expert.collect_round(("a0",), micro_batch=i % 2).release()
             if i < steps:
-                expert.send("a0", payload, step=i, layer=0, micro_batch=i % 2, token_count=0)
+                expert.post_round(("a0",), payload, [0], [16], [0], step=i, layer=0, micro_batch=i % 2)
         return expert.slot_usage()  # counted in the last, quiet wait
 
     def reader():
@@ -133,12 +132,12 @@ def test_a_busy_tcp_pair_is_polled_by_the_expert_loop_only_and_reads_zero_when_q
         t.start()
     try:
         for i in range(steps):
-            attention.send("e0", payload, step=i, layer=0, micro_batch=i % 2, token_count=0)
-            attention.recv("e0", micro_batch=i % 2).release()
+            attention.post_round(("e0",), payload, [0], [16], [0], step=i, layer=0, micro_batch=i % 2)
+            attention.collect_round(("e0",), micro_batch=i % 2).release()
             if i % 10 == 0:
                 time.sleep(0.005)  # between steps: the expert waits with nothing arriving
         time.sleep(0.02)  # every answer released: the expert's last wait is quiet
-        attention.send("e0", payload, step=steps, layer=0, micro_batch=steps % 2, token_count=0)
+        attention.post_round(("e0",), payload, [0], [16], [0], step=steps, layer=0, micro_batch=steps % 2)
         loop.join(10)
     finally:
         stop.set()
