@@ -14,8 +14,8 @@ import torch
 
 from megainfer import LLM, SamplingParams
 from megainfer.tools.gpucheck.engine_check import (BFLOAT16_ERROR_RATIO, BFLOAT16_NEAR_TIE, FLOAT32_LOGIT_ATOL, Greedy,
-                                                   first_disagreement, free_memory, mean_error, megainfer_greedy,
-                                                   transformers_forced, transformers_greedy)
+                                                   bfloat16_partings, first_disagreement, free_memory, mean_error,
+                                                   megainfer_greedy, transformers_forced, transformers_greedy)
 from megainfer.tools.gpucheck.engine_check import highest_float32_precision as float32_in_ieee
 
 
@@ -48,13 +48,13 @@ def test_engine_on_cuda_in_bfloat16_agrees_with_transformers_up_to_rounding(hf_r
     free_cuda()
     ours = megainfer_greedy(hf_ref.path, hf_ref.prompts, "bfloat16", "cuda")
     free_cuda()
-    # Rounding moves single logits too far for a per-logit bound (a token routed to other
-    # experts), so the partings are held to near-ties and the logits to float32 below.
-    problem = first_disagreement(ours, ref, logit_atol=math.inf, near_tie=BFLOAT16_NEAR_TIE)
-    assert not problem, problem
     truth = transformers_forced(hf_ref.path, hf_ref.prompts, ours.tokens, "float32", "cuda")
     theirs = transformers_forced(hf_ref.path, hf_ref.prompts, ours.tokens, "bfloat16", "cuda")
     free_cuda()
+    # Rounding moves single logits too far for a per-logit bound (a token routed to other
+    # experts), so each parting is judged by float32 and the logits by their mean error.
+    _, problem = bfloat16_partings(ours, ref, truth, BFLOAT16_NEAR_TIE)
+    assert not problem, problem
     ours_error, their_error = mean_error(ours.logits, truth), mean_error(theirs, truth)
     assert 0 < ours_error <= BFLOAT16_ERROR_RATIO * their_error, (
         f"megainfer's bfloat16 logits are off float32 by {ours_error:.4f} on average, transformers' by "
@@ -100,6 +100,25 @@ def test_a_parting_without_a_near_tie_is_reported():
     ref = _greedy([0, 1], [[2.0, 1.0], [0.0, 1.0]])
     ours = _greedy([0, 0], [[2.0, 1.0], [1.0, 0.0]])
     assert "step 1: chose 0, transformers 1" in first_disagreement(ours, ref, math.inf, near_tie=0.25)
+
+
+def test_a_bfloat16_parting_is_judged_by_float32_not_by_transformers_bfloat16():
+    # transformers' bfloat16 prefers its pick by 3 (a routing flip on its side); float32 is
+    # nearly tied between the two, so the parting is rounding's; later steps are not judged.
+    ref = _greedy([0, 1, 1], [[2.0, 1.0], [0.0, 3.0], [0.0, 9.0]])
+    ours = _greedy([0, 0, 0], [[2.0, 1.0], [1.0, 0.0], [9.0, 0.0]])
+    truth = [torch.tensor([[2.0, 1.0], [1.0, 1.1], [9.0, 0.0]])]
+    figures, problem = bfloat16_partings(ours, ref, truth, near_tie=0.25)
+    assert problem == ""
+    assert figures == {"partings": 1, "worst_float32_margin": pytest.approx(0.1), "worst_bfloat16_margin": 3.0}
+
+
+def test_a_bfloat16_parting_float32_disowns_is_reported():
+    ref = _greedy([0, 1], [[2.0, 1.0], [0.0, 1.0]])
+    ours = _greedy([0, 0], [[2.0, 1.0], [1.0, 0.0]])
+    truth = [torch.tensor([[2.0, 1.0], [0.0, 2.0]])]  # float32 prefers transformers' pick by 2
+    _, problem = bfloat16_partings(ours, ref, truth, near_tie=0.25)
+    assert "step 1: chose 0, transformers 1, whose float32 logit is higher by 2" in problem
 
 
 def test_logits_beyond_the_tolerance_are_reported_even_with_equal_tokens():
