@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from megainfer import memory_profile
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
+from megainfer.disagg.device_slots import DeviceSlots
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
@@ -39,7 +40,8 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
-from transport.rounds import LAYER, STEP
+from megainfer.errors import DataPlaneError
+from transport.rounds import LAYER, STEP, row_ranges
 
 CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
 
@@ -52,7 +54,8 @@ class PendingAnswer:
     layer: int
     micro_batch: int
     counts: np.ndarray  # int64: tokens of each attention node, in `attention_nodes` order
-    copy: HostCopy | None  # [total, hidden] answers; None: no tokens
+    copy: HostCopy | None  # [total, hidden] answers for the host's peers; None: nothing to copy
+    busy: bool  # some attention node had tokens
 
     def landed(self) -> bool:
         return self.copy is None or self.copy.landed()
@@ -63,7 +66,7 @@ class ExpertWorker:
                  weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink | None,
                  show_progress: bool = False, tp_group: TensorParallelGroup | None = None,
                  staging_bytes: StagingBytes | int = 0, name: str = "experts", profile_tokens: int = 0,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> None:
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, device_slot_bytes: int = 0) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
         every message with the attention nodes and broadcasts each (layer, micro-batch)'s records
         to the others (a header over the control group, the records over the activations'
@@ -73,7 +76,9 @@ class ExpertWorker:
         the first steps, as they need it). `profile_tokens`: on CUDA, the most tokens of one
         (layer, micro-batch) from every attention node, run once after loading to check that
         the weights and that step fit `gpu_memory_utilization` of the GPU (memory_profile.py;
-        0: not checked)."""
+        0: not checked). `device_slot_bytes`: the largest dispatch one attention node sends in a
+        (layer, micro-batch); non-zero: dispatches and answers go straight between the devices of
+        attention nodes on this host that use them too (device_slots.py; tensor-parallel size 1)."""
         self.cfg = model_config
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
@@ -91,6 +96,13 @@ class ExpertWorker:
         if link is not None:  # tensor-parallel followers have no link
             for buffer in self.staging.send_buffers():
                 link.register(buffer)
+        self.slots = None
+        if device_slot_bytes:
+            if tp_size > 1:
+                raise ValueError(f"device slots serve expert nodes of tensor-parallel size 1, not {tp_size}: "
+                                 f"leave device_slot_bytes at 0")
+            self.slots = DeviceSlots(name, self.peers, self.device, micro_batches, device_slot_bytes)
+        self._slots_wired = False  # offers traded with this wiring's attention nodes
         self._answers: deque[PendingAnswer] = deque()
         self._no_answers = torch.empty(0, dtype=torch.uint8)  # an empty (layer, micro-batch)'s answers
         before = memory_profile.baseline(self.device) if profile_tokens else None
@@ -134,6 +146,8 @@ class ExpertWorker:
         """One engine step of every attention node: all layers, all micro-batches. Returns the
         tokens this node processed in it."""
         self._answers.clear()  # a failed step's answers are not this step's
+        if self.slots is not None and not self._slots_wired:
+            self._wire_slots()
         start = time.perf_counter()
         served = [self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m)]
         step_tokens = sum(tokens for _, tokens in served)
@@ -162,22 +176,47 @@ class ExpertWorker:
                 for n in counts.tolist():
                     timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
             mark = timeline.compute_start()
-            records = None
-            if total:
-                host = self.staging.landing(total * self.record_size, slot=j)
-                arrivals.gather_into(host)
-                records = self.staging.upload(host, slot=j)
+            records = self._land(arrivals, j, total) if total else None
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
             self._share(layer, j, total, records)
         y = self._experts(layer, records, total) if total else None
-        copy = self.staging.to_host([y], slot=j) if total else None
-        self._answers.append(PendingAnswer(step, layer, j, counts, copy))
+        copy = None
+        if total and self.slots is not None and self.slots.any_direct:
+            begins, ends = row_ranges(counts, self.answer_row_bytes)
+            self.slots.write(j, y.contiguous().view(-1).view(torch.uint8), begins, ends)  # once the experts ran
+            if not self.slots.direct.all():
+                copy = self.staging.to_host([y], slot=j)
+        elif total:
+            copy = self.staging.to_host([y], slot=j)
+        self._answers.append(PendingAnswer(step, layer, j, counts, copy, busy=total > 0))
         self.timing["experts"] += time.perf_counter() - t1
         self._flush_landed()
         timeline.compute_end(mark, step, layer, j, total)
         return step, total
+
+    def _land(self, arrivals, j: int, total: int) -> torch.Tensor:
+        """A round's records on the device, attention-node order, as flat bytes."""
+        if self.slots is not None and self.slots.any_direct:
+            return self.slots.land(arrivals, j, self.record_size, self.staging)
+        host = self.staging.landing(total * self.record_size, slot=j)
+        arrivals.gather_into(host)
+        return self.staging.upload(host, slot=j)
+
+    def _wire_slots(self) -> None:
+        """Trade device-slot offers with the attention nodes (the first round of a wiring)."""
+        try:
+            self.slots.exchange(self.link)
+        except DataPlaneError:
+            raise
+        except Exception as exc:
+            raise DataPlaneError(f"cannot trade device-slot offers with the attention nodes: {exc}") from exc
+        self._slots_wired = True
+
+    def rewired(self) -> None:
+        """After the deployment re-wired: offers are traded again at the next step."""
+        self._slots_wired = False
 
     def _receive(self, j: int):
         """Every attention node's message for micro-batch j, one round; while it is awaited,
@@ -199,9 +238,14 @@ class ExpertWorker:
         """Each attention node's rows of one (layer, micro-batch)'s answers, one round (waiting
         for their copy only if it has not landed)."""
         answers = pending.copy.wait()[0] if pending.copy is not None else self._no_answers
-        self.link.post_rows(self.peers, answers, pending.counts, self.answer_row_bytes, step=pending.step,
-                            layer=pending.layer, micro_batch=pending.micro_batch,
-                            flags=BUSY if pending.copy is not None else 0)
+        flags = BUSY if pending.busy else 0
+        if self.slots is not None and self.slots.any_direct:  # direct peers' rows went by device slots
+            begins, ends = self.slots.host_ranges(*row_ranges(pending.counts, self.answer_row_bytes))
+            self.link.post_round(self.peers, answers, begins, ends, pending.counts, step=pending.step,
+                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)
+        else:
+            self.link.post_rows(self.peers, answers, pending.counts, self.answer_row_bytes, step=pending.step,
+                                layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)
         if self.timeline.enabled:
             for n in pending.counts.tolist():
                 self.timeline.instant(SpanKind.SEND, pending.step, pending.layer, pending.micro_batch, n)
@@ -209,7 +253,10 @@ class ExpertWorker:
     def _check(self, arrivals, layer: int) -> int:
         """The step every attention node's message belongs to; each must be (that step, `layer`)
         and hold exactly its header's records."""
-        a = arrivals.mismatch(-1, layer, self.record_size)
+        direct = self.slots is not None and self.slots.any_direct  # their headers carry no payload
+        a = arrivals.mismatch(-1, layer, -1 if direct else self.record_size)
+        if a < 0 and direct:
+            a = self.slots.length_mismatch(arrivals, self.record_size)
         if a < 0:
             return int(arrivals.fields[0, STEP])
         fields, step = arrivals.fields, arrivals.fields[0, STEP]

@@ -34,8 +34,9 @@ import torch
 from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
+from megainfer.disagg.device_slots import DeviceSlots
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
-from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records
+from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, record_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
@@ -62,9 +63,13 @@ class PendingDispatch:
 
     layer: int
     micro_batch: int
-    copy: HostCopy | None = None  # records [rows, record bytes] uint8 and node offsets [N + 1]; None: no tokens
+    # records [rows, record bytes] uint8 (not where every expert node takes device slots) and node
+    # offsets [N + 1]; None: no tokens
+    copy: HostCopy | None = None
     token_ids: torch.Tensor | None = None  # [rows] device: the tokens of the records, in send order
     node_offsets: torch.Tensor | None = None  # [N + 1] device: where each expert node's records begin
+    records: torch.Tensor | None = None  # [rows, record bytes] device, where some expert node takes device slots
+    records_ready: torch.cuda.Event | None = None  # CUDA: recorded on the compute stream after `records`
 
     def landed(self) -> bool:
         return self.copy is None or self.copy.landed()
@@ -133,11 +138,14 @@ class PipelinedModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
                  *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
                  micro_batches: int, tp_group: TensorParallelGroup | None = None,
-                 staging_bytes: StagingBytes | int = 0, name: str = "attention") -> None:
+                 staging_bytes: StagingBytes | int = 0, name: str = "attention", device_slot_bytes: int = 0) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel node: rank 0 schedules and
         samples and sends each step to the others; every rank runs its heads and dispatches its
         share of the routed tokens. `staging_bytes`: pinned host memory reserved up front per micro-
-        batch and direction on CUDA, for the largest messages (0: allocated as the first steps need it)."""
+        batch and direction on CUDA, for the largest messages (0: allocated as the first steps need it).
+        `device_slot_bytes`: the largest answer one expert node sends in a (layer, micro-batch);
+        non-zero: answers and dispatches go straight between the devices of expert nodes on this
+        host that use them too (device_slots.py; tensor-parallel size 1 only)."""
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -148,6 +156,7 @@ class PipelinedModelRunner:
         self.expert_nodes = list(expert_nodes)
         self.peers = tuple(expert_nodes)  # every round goes to all of them, in this order
         self.answer_row_bytes = model_config.hidden_size * self.dtype.itemsize
+        self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
         self.m = micro_batches
         node_of = expert_node_map(model_config.num_experts, expert_nodes, expert_assignment).to(self.device)
         self.tp_group = tp_group
@@ -170,6 +179,13 @@ class PipelinedModelRunner:
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
             link.register(buffer)
+        self.slots = None
+        if device_slot_bytes:
+            if tp_size > 1:
+                raise ValueError(f"device slots serve attention nodes of tensor-parallel size 1, not {tp_size}: "
+                                 f"leave device_slot_bytes at 0")
+            self.slots = DeviceSlots(name, self.peers, self.device, micro_batches, device_slot_bytes)
+        self._slots_wired = False  # offers traded with this wiring's expert nodes
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
@@ -277,6 +293,8 @@ class PipelinedModelRunner:
         residual: list[torch.Tensor | None] = [None] * self.m
         expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
         self._busy = False
+        if self.slots is not None and not self._slots_wired:
+            self._wire_slots()
         self._outbox.clear()  # a failed step's dispatches are not this step's
         self._routed = [None] * self.m
         for layer in range(cfg.num_layers):
@@ -316,8 +334,14 @@ class PipelinedModelRunner:
         if self.tp_size > 1:  # the ranks split each node's tokens by position: they must agree on the order
             token_ids = tokens_in_node_order(token_ids, g.node_offsets, hidden.shape[0])
         records = pack_records(a.expert_input[token_ids], a.topk_ids[token_ids], a.topk_weights[token_ids])
-        copy = self.staging.to_host([records, g.node_offsets], slot=j)
-        self._outbox.append(PendingDispatch(layer, j, copy, token_ids, g.node_offsets))
+        direct = self.slots is not None and self.slots.any_direct
+        ready = torch.cuda.current_stream(self.device).record_event() if direct and self.staging.on_cuda else None
+        if direct and self.slots.direct.all():  # the records go device to device: only the offsets to the host
+            copy = self.staging.to_host([g.node_offsets], slot=j)
+        else:
+            copy = self.staging.to_host([records, g.node_offsets], slot=j)
+        self._outbox.append(PendingDispatch(layer, j, copy, token_ids, g.node_offsets, records if direct else None,
+                                            ready))
         self._flush_landed()
         self.timeline.compute_end(mark, self.step_id, layer, j, hidden.shape[0])
         return a.residual
@@ -344,13 +368,20 @@ class PipelinedModelRunner:
         if pending.copy is None:
             records, bounds = self._no_records, np.zeros(len(self.peers) + 1, dtype=np.int64)
         else:
-            records, offsets = pending.copy.wait()
+            *parts, offsets = pending.copy.wait()
+            records = parts[0] if parts else self._no_records
             bounds = offsets.numpy()  # pinned host memory, landed: no device access
         begins, ends = rank_shares(bounds, self.tp_size, self.tp_rank)
         counts = ends - begins
-        row = records.shape[1] if records.dim() == 2 else 0
+        row = self.record_size
         try:
-            if self.tp_size == 1:  # every node's records, end to end
+            if self.slots is not None and self.slots.any_direct:
+                if pending.records is not None:
+                    self.slots.write(j, pending.records.view(-1), begins * row, ends * row, ready=pending.records_ready)
+                host_begins, host_ends = self.slots.host_ranges(begins * row, ends * row)
+                self.link.post_round(self.peers, records, host_begins, host_ends, counts, step=self.step_id,
+                                     layer=layer, micro_batch=j)
+            elif self.tp_size == 1:  # every node's records, end to end
                 self.link.post_rows(self.peers, records, counts, row, step=self.step_id, layer=layer, micro_batch=j)
             else:
                 self.link.post_round(self.peers, records, begins * row, ends * row, counts, step=self.step_id,
@@ -377,6 +408,21 @@ class PipelinedModelRunner:
         self.step_id = 0
         self.deployment_busy = False
         self._outbox.clear()
+        self._slots_wired = False  # new peers, perhaps: offers are traded again at the first step
+
+    def _wire_slots(self) -> None:
+        """Trade device-slot offers with the expert nodes (the first round of a wiring)."""
+        try:
+            self.slots.exchange(self.link)
+        except DataPlaneError:
+            raise
+        except Exception as exc:
+            raise DataPlaneError(f"cannot trade device-slot offers with the expert nodes: {exc}") from exc
+        self._slots_wired = True
+        direct = [p for p, d in zip(self.peers, self.slots.direct) if d]
+        logger.info("%s: device slots with %s; through the host with %s", self.timeline.name,
+                    ", ".join(direct) or "no expert node",
+                    ", ".join(p for p in self.peers if p not in direct) or "none")
 
     def _combine(self, layer: int, j: int, residual: torch.Tensor | None) -> torch.Tensor | None:
         """Micro-batch j's answers of `layer` added into its residual stream: gathered end to end
@@ -394,10 +440,7 @@ class PipelinedModelRunner:
             if residual is not None:
                 y = torch.zeros_like(residual)
                 if total:
-                    host = self.staging.landing(total * self.answer_row_bytes, slot=j)
-                    arrivals.gather_into(host)
-                    values = self.staging.upload(host, slot=j).view(self.dtype).view(-1, y.shape[1])
-                    y.index_add_(0, routed.rows, values)
+                    y.index_add_(0, routed.rows, self._land(arrivals, j, total).view(self.dtype).view(-1, y.shape[1]))
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if y is None:
@@ -406,10 +449,21 @@ class PipelinedModelRunner:
             self.tp_group.all_reduce(y)
         return residual + y
 
+    def _land(self, arrivals, j: int, total: int) -> torch.Tensor:
+        """A round's answers on the device, expert-node order, as flat bytes."""
+        if self.slots is not None and self.slots.any_direct:
+            return self.slots.land(arrivals, j, self.answer_row_bytes, self.staging)
+        host = self.staging.landing(total * self.answer_row_bytes, slot=j)
+        arrivals.gather_into(host)
+        return self.staging.upload(host, slot=j)
+
     def _check_answers(self, arrivals, routed: RoutedTokens, layer: int, j: int) -> int:
         """The answers belong to (this step, `layer`) and carry the tokens sent; returns their
         total. Notes the BUSY flag."""
-        k = arrivals.mismatch(self.step_id, layer, self.answer_row_bytes, routed.counts)
+        direct = self.slots is not None and self.slots.any_direct  # their headers carry no payload
+        k = arrivals.mismatch(self.step_id, layer, -1 if direct else self.answer_row_bytes, routed.counts)
+        if k < 0 and direct:
+            k = self.slots.length_mismatch(arrivals, self.answer_row_bytes)
         fields, counts = arrivals.fields, arrivals.token_counts
         if k >= 0:
             node = self.peers[k]

@@ -3,7 +3,10 @@
 attention node's greedy tokens must equal the colocated engine's, and the expert node must
 have served exactly the attention node's steps. Measured: decode tokens/s at m = 1 and m = 2
 (their ratio: what the ping-pong buys on one GPU, where the two sides share the device), and
-each node's busy fraction from its own timeline.
+each node's busy fraction from its own timeline. Then m = 2 again over device slots
+(megainfer/disagg/device_slots.py: on CUDA the bytes go device to device through CUDA IPC, the
+host carrying only headers; on the CPU through a shared /dev/shm region), tokens equal, its
+decode tokens/s against the staged path's.
 
 The model is the shipped demo checkpoint (`megainfer-demo`, a Mixtral-style MoE), in bfloat16
 on CUDA (the staging between nodes then carries bf16 records) and float32 on the CPU. Each
@@ -38,6 +41,7 @@ class AttentionResult:
     decode_tokens: int  # tokens sampled in steps with no prompt left to prefill
     decode_seconds: float  # wall time of those steps
     timeline: NodeTimeline | None
+    direct_peers: int = 0  # expert nodes reached through device slots
 
 
 @dataclass
@@ -55,6 +59,7 @@ class PairSpec:
     micro_batches: int
     max_tokens: int
     record_timeline: bool = False
+    device_slots: bool = False  # dispatches and answers device to device (device_slots.py)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(device=self.device, dtype=self.dtype, num_kv_blocks=64, block_size=8,
@@ -65,6 +70,11 @@ def _greedy(max_tokens: int):
     from megainfer import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _answer_bytes(model: ModelConfig, spec: PairSpec) -> int:
+    """The largest answer of one (layer, micro-batch): a row per token of the batch."""
+    return BATCH_TOKENS * model.hidden_size * getattr(torch, spec.dtype).itemsize
 
 
 def _endpoint(name: str, rank: int, slot_bytes: int, spec: PairSpec) -> Endpoint:
@@ -116,14 +126,17 @@ def attention_node(spec: PairSpec, prompts: list[list[int]], conn) -> None:
         def runner(mc, cfg, weights, max_len):
             return PipelinedModelRunner(mc, cfg, weights, max_len, link=link, expert_nodes=[EXPERT],
                                         expert_assignment=[list(range(mc.num_experts))],
-                                        micro_batches=spec.micro_batches)
+                                        micro_batches=spec.micro_batches, name=ATTENTION,
+                                        device_slot_bytes=_answer_bytes(mc, spec) if spec.device_slots else 0)
 
         engine = Engine(spec.path, spec.engine_config(), runner_factory=runner)
         engine.runner.timeline.switch(spec.record_timeline)
         _wire(link, conn)
         tokens, steps, decode_tokens, decode_seconds = generate(engine, prompts, spec.max_tokens)
         timeline = engine.runner.timeline.read() if spec.record_timeline else None
-        conn.send(AttentionResult(tokens, steps, decode_tokens, decode_seconds, timeline))
+        slots = engine.runner.slots
+        conn.send(AttentionResult(tokens, steps, decode_tokens, decode_seconds, timeline,
+                                  int(slots.direct.sum()) if slots is not None else 0))
         link.close()  # the expert node's next round fails with the peer closed: its cue to stop
     except BaseException:
         conn.send(traceback.format_exc())
@@ -138,10 +151,12 @@ def expert_node(spec: PairSpec, conn) -> None:
         torch.set_num_threads(1)
         model = ModelConfig.from_pretrained(spec.path)
         dtype = getattr(torch, spec.dtype)
-        link = _endpoint(EXPERT, 100, dispatch_bytes(BATCH_TOKENS, model.hidden_size, model.top_k, dtype), spec)
+        records = dispatch_bytes(BATCH_TOKENS, model.hidden_size, model.top_k, dtype)
+        link = _endpoint(EXPERT, 100, records, spec)
         worker = ExpertWorker(model, list(range(model.num_experts)), spec.dtype, spec.device,
                               SafetensorsCheckpoint(spec.path), attention_nodes=[ATTENTION],
-                              micro_batches=spec.micro_batches, link=link, profile_tokens=BATCH_TOKENS)
+                              micro_batches=spec.micro_batches, link=link, profile_tokens=BATCH_TOKENS,
+                              name=EXPERT, device_slot_bytes=records if spec.device_slots else 0)
         worker.timeline.switch(spec.record_timeline)
         _wire(link, conn)
         try:
@@ -211,15 +226,22 @@ def run(ctx: CheckContext) -> None:
     dtype = "bfloat16" if ctx.on_gpu else "float32"
     max_tokens = 64 if ctx.on_gpu else 8
     prompts = [[0, 5, 9, 14, 3], [0, 77, 3], [0, 12, 40, 41, 42, 43, 44, 45], [0, 1000]]
-    rates: dict[int, float] = {}
-    for m in (1, 2):
-        spec = PairSpec(str(path), ctx.device.type, dtype, "shm", m, max_tokens, record_timeline=True)
-        with ctx.case(f"{DEMO_MODEL} {dtype} m = {m}: tokens equal to the colocated engine") as case:
-            expected = colocated(spec, prompts)
+    rates: dict[tuple[int, bool], float] = {}
+    expected = None
+    for m, slots in ((1, False), (2, False), (2, True)):
+        spec = PairSpec(str(path), ctx.device.type, dtype, "shm", m, max_tokens, record_timeline=True,
+                        device_slots=slots)
+        over = " over device slots" if slots else ""
+        with ctx.case(f"{DEMO_MODEL} {dtype} m = {m}{over}: tokens equal to the colocated engine") as case:
+            expected = expected or colocated(spec, prompts)
             attention, expert = run_pair(spec, prompts)
-            rates[m] = attention.decode_tokens / attention.decode_seconds if attention.decode_seconds else 0.0
-            case.figures |= {"decode_tokens_per_s": round(rates[m], 1), "steps": attention.steps,
+            rates[m, slots] = attention.decode_tokens / attention.decode_seconds if attention.decode_seconds else 0.0
+            case.figures |= {"decode_tokens_per_s": round(rates[m, slots], 1), "steps": attention.steps,
                              "expert_steps": expert.steps, "m2n": "core" if m2n_core.native else "python"}
+            if slots:
+                case.figures["direct_peers"] = attention.direct_peers
+                if attention.direct_peers != 1:
+                    raise AssertionError("the expert node was reached through the host, not device slots")
             try:
                 case.figures |= _busy_fractions(attention, expert)
             except Exception as exc:  # too few decode steps to measure: a figure missing, not a failure
@@ -229,7 +251,10 @@ def run(ctx: CheckContext) -> None:
             if expert.steps != attention.steps:
                 raise AssertionError(f"the expert node served {expert.steps} steps, the attention node took "
                                      f"{attention.steps}")
-    if rates.get(1) and rates.get(2):
+    if rates.get((1, False)) and rates.get((2, False)):
         with ctx.case("decode tokens/s, m = 2 over m = 1") as case:
-            case.figures["m2_over_m1"] = round(rates[2] / rates[1], 3)
+            case.figures["m2_over_m1"] = round(rates[2, False] / rates[1, False], 3)
             case.detail = "both nodes share one device here: the ratio shows the ping-pong's cost or gain, not a plan's"
+    if rates.get((2, False)) and rates.get((2, True)):
+        with ctx.case("decode tokens/s at m = 2, device slots over the staged path") as case:
+            case.figures["slots_over_staged"] = round(rates[2, True] / rates[2, False], 3)

@@ -1,0 +1,128 @@
+"""Device slots (megainfer/disagg/device_slots.py) on the CPU, where the region is a shared
+/dev/shm file: the offers traded over real shm endpoints, each pair's choice of path, and a
+round's bytes landing in peer order whether they came direct or through the host."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from megainfer.disagg import device_slots
+from megainfer.disagg.device_slots import DeviceSlots, SlotOffer
+from megainfer.disagg.device_staging import DeviceStaging
+from megainfer.errors import DataPlaneError
+from tests.helpers import connect_all
+from transport import Endpoint, EndpointSpec
+
+SECRET = b"d" * 32
+REGION = 256
+
+
+def _offer(**changes) -> SlotOffer:
+    base = dict(name="a", host="h/boot", device="cpu", device_uuid="", peers=("e",), micro_batches=2,
+                region_bytes=REGION, region=("/dev/shm/x",))
+    return SlotOffer(**(base | changes))
+
+
+def test_a_pair_goes_direct_only_on_one_host_and_one_kind_of_device():
+    assert _offer().direct_with(_offer(name="e"))
+    assert not _offer().direct_with(_offer(name="e", host="other/boot"))
+    assert not _offer().direct_with(_offer(name="e", device="cuda", device_uuid="GPU-1"))
+    assert _offer(device="cuda", device_uuid="GPU-1").direct_with(_offer(device="cuda", device_uuid="GPU-1"))
+
+
+@pytest.fixture
+def hub_and_spokes():
+    """An attention-like hub `a` and two spokes, shm endpoints, two micro-batch slots."""
+    names = ("a", "e0", "e1")
+    endpoints = {n: Endpoint(EndpointSpec(name=n, rank=i, secret=SECRET, backend="shm", slot_bytes=4096, num_slots=2,
+                                          timeout_s=10.0)) for i, n in enumerate(names)}
+    connect_all(endpoints, {"a": ["e0", "e1"], "e0": ["a"], "e1": ["a"]})
+    yield endpoints
+    for ep in endpoints.values():
+        ep.close()
+
+
+def _exchange_all(slots: dict[str, DeviceSlots], endpoints) -> None:
+    errors = []
+
+    def run(name):
+        try:
+            slots[name].exchange(endpoints[name])
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in slots]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+
+
+def test_a_round_lands_in_peer_order_from_direct_and_host_peers(hub_and_spokes, monkeypatch):
+    endpoints = hub_and_spokes
+    slots = {"a": DeviceSlots("a", ("e0", "e1"), "cpu", 2, REGION),
+             "e0": DeviceSlots("e0", ("a",), "cpu", 2, REGION)}
+    monkeypatch.setattr(device_slots, "host_identity", lambda: "elsewhere/boot")  # e1 is on another host
+    slots["e1"] = DeviceSlots("e1", ("a",), "cpu", 2, REGION)
+    _exchange_all(slots, endpoints)
+    assert slots["a"].direct.tolist() == [True, False]
+    assert slots["e0"].direct.tolist() == [True] and slots["e1"].direct.tolist() == [False]
+
+    # Each spoke answers micro-batch 1 with its rows: e0 by the region, e1 through the host.
+    rows = {"e0": torch.arange(12, dtype=torch.uint8), "e1": torch.arange(100, 108, dtype=torch.uint8)}
+    for name, data in rows.items():
+        s = slots[name]
+        begins, ends = np.array([0]), np.array([data.numel()])
+        s.write(1, data, begins, ends)
+        host_begins, host_ends = s.host_ranges(begins, ends)
+        endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1)
+    arrivals = endpoints["a"].collect_round(("e0", "e1"), micro_batch=1)
+    try:
+        assert arrivals.byte_lengths.tolist() == [0, 8]  # e0's header carried no payload
+        assert slots["a"].length_mismatch(arrivals, 4) == -1
+        assert slots["a"].length_mismatch(arrivals, 2) == 1  # e1's 8 bytes are not 2 rows of 2
+        landed = slots["a"].land(arrivals, 1, 4, DeviceStaging("cpu", 2))
+    finally:
+        arrivals.release()
+    assert torch.equal(landed, torch.cat([rows["e0"], rows["e1"]]))
+    for s in slots.values():
+        s.close()
+
+
+def test_a_write_past_the_peers_region_is_refused(hub_and_spokes):
+    endpoints = hub_and_spokes
+    slots = {"a": DeviceSlots("a", ("e0", "e1"), "cpu", 2, REGION),
+             "e0": DeviceSlots("e0", ("a",), "cpu", 2, REGION), "e1": DeviceSlots("e1", ("a",), "cpu", 2, REGION)}
+    _exchange_all(slots, endpoints)
+    too_big = torch.zeros(REGION + 1, dtype=torch.uint8)
+    with pytest.raises(DataPlaneError, match="exceed its device slot of 256 bytes"):
+        slots["e0"].write(0, too_big, np.array([0]), np.array([REGION + 1]))
+    with pytest.raises(DataPlaneError, match="past its device slot"):
+        slots["a"].read(0, 0, REGION + 1)
+    for s in slots.values():
+        s.close()
+
+
+def test_a_data_round_where_offers_are_due_is_a_clear_error(hub_and_spokes):
+    endpoints = hub_and_spokes
+    a = DeviceSlots("a", ("e0", "e1"), "cpu", 2, REGION)
+    for name in ("e0", "e1"):  # spokes without device slots: their first round is data
+        endpoints[name].post_round(("a",), torch.zeros(8, dtype=torch.uint8), np.array([0]), np.array([8]),
+                                   np.array([2]), micro_batch=0)
+    with pytest.raises(DataPlaneError, match="does not use device slots"):
+        a.exchange(endpoints["a"])
+    a.close()
+
+
+def test_close_removes_the_shared_file():
+    s = DeviceSlots("a", ("e0",), "cpu", 2, REGION)
+    path = s.offer.region[0]
+    assert path.startswith("/dev/shm/") and os.path.exists(path)
+    s.close()
+    assert not os.path.exists(path)
