@@ -66,7 +66,9 @@ class AttentionNode(TimelineCalls):
             return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts,
                                         expert_assignment=assignment, micro_batches=self.plan.pipeline.micro_batches,
                                         staging_bytes=runtime.staging_bytes,
-                                        tp_group=tp_group, name=self.name)
+                                        tp_group=tp_group, name=self.name,
+                                        device_slot_bytes=(runtime.receive_slot_bytes
+                                                           if self.plan.pipeline.device_slots else 0))
 
         self.engine = Engine(self.plan.model, runtime.engine, runner_factory=runner)
         self.core = EngineCore(self.engine)
@@ -104,10 +106,11 @@ class AttentionNode(TimelineCalls):
     def health(self) -> NodeHealth:
         if self.engine is None:
             return NodeHealth(self.name, NodeRole.ATTENTION, NodeStatus.WIRING)
-        scheduler = self.engine.scheduler
+        scheduler, slots = self.engine.scheduler, self.engine.runner.slots
         return NodeHealth(self.name, NodeRole.ATTENTION, self.loop.state, error=self.loop.error,
                           running=scheduler.num_running, waiting=scheduler.num_waiting + self.core.num_queued,
-                          timing={**self.engine.runner.timing, "step": self.step_seconds})
+                          timing={**self.engine.runner.timing, "step": self.step_seconds},
+                          device_slot_peers=slots.direct_peers() if slots is not None else [])
 
     def state(self) -> NodeState | None:
         """The scheduler's state for the router (a NodeState), with the steps measured and the

@@ -26,7 +26,8 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
                         link=link, tp_group=tp_group,
                         staging_bytes=runtime.staging_bytes if link is not None else 0,  # followers stage nothing
                         name=runtime.ranks[tp_group.rank if tp_group is not None else 0],
-                        profile_tokens=runtime.profile_tokens, gpu_memory_utilization=runtime.gpu_memory_utilization)
+                        profile_tokens=runtime.profile_tokens, gpu_memory_utilization=runtime.gpu_memory_utilization,
+                        device_slot_bytes=runtime.receive_slot_bytes if plan.pipeline.device_slots else 0)
 
 
 class ExpertNode(LoopActor, TimelineCalls):
@@ -68,10 +69,13 @@ class ExpertNode(LoopActor, TimelineCalls):
 
     def connect(self, peers: dict[str, str]) -> None:
         self.link.connect(peers)
+        if self.worker is not None:
+            self.worker.rewired()  # device-slot offers are traded again with the new peers
 
     def health(self) -> NodeHealth:
         health = super().health()
         health.experts = list(self.expert_ids)
         if self.worker is not None:
             health.steps, health.tokens, health.timing = self.worker.steps, self.worker.tokens, dict(self.worker.timing)
+            health.device_slot_peers = self.worker.slots.direct_peers() if self.worker.slots is not None else []
         return health

@@ -152,6 +152,7 @@ class NodeHealth:
     steps: int = 0  # expert node: steps served, tokens computed
     tokens: int = 0
     timing: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over steps
+    device_slot_peers: list[str] = field(default_factory=list)  # peers reached device to device (device_slots.py)
 
     @property
     def serving(self) -> bool:
@@ -163,9 +164,10 @@ class NodeHealth:
             return self.error or ""
         if self.rank:
             return "tensor-parallel follower"
+        slots = f", device slots with {', '.join(self.device_slot_peers)}" if self.device_slot_peers else ""
         if self.role is NodeRole.ATTENTION:
-            return f"running {self.running}, waiting {self.waiting}"
-        return f"experts {self.experts}, steps {self.steps}"
+            return f"running {self.running}, waiting {self.waiting}{slots}"
+        return f"experts {self.experts}, steps {self.steps}{slots}"
 
 
 @dataclass

@@ -64,6 +64,9 @@ class ExpertSpec:
 class PipelineSpec:
     micro_batches: int = 2  # m: micro-batches ping-ponging per iteration
     global_batch: int = 64  # B: sequences decoding at once in one instance
+    # Dispatches and answers written device to device between nodes of one host (CUDA IPC;
+    # megainfer/disagg/device_slots.py), the host carrying only headers; tensor-parallel size 1.
+    device_slots: bool = False
 
     def __post_init__(self) -> None:
         _positive("pipeline", micro_batches=self.micro_batches, global_batch=self.global_batch)
@@ -183,6 +186,9 @@ class Plan:
             raise PlanError(f"max_model_len must be positive, got {self.max_model_len}")
         if (self.attention.gpu == CPU) != (self.experts.gpu == CPU):
             raise PlanError("attention.gpu and experts.gpu must both be 'cpu' or both name GPU types")
+        if self.pipeline.device_slots and (self.attention.tp > 1 or self.experts.tp > 1):
+            raise PlanError(f"pipeline.device_slots serves nodes of tensor-parallel size 1 (attention.tp is "
+                            f"{self.attention.tp}, experts.tp {self.experts.tp}): set it to false, or both tp to 1")
         if self.autoscale is not None and self.serve.router != "predictive":
             raise PlanError(f"autoscale acts on predicted TTFT: set serve.router to 'predictive' "
                             f"(it is {self.serve.router!r})")

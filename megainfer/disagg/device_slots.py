@@ -188,6 +188,10 @@ class DeviceSlots:
             return rebuild(*args)
         return torch.from_file(offer.region[0], shared=True, size=int(np.prod(shape)), dtype=torch.uint8).view(shape)
 
+    def direct_peers(self) -> list[str]:
+        """The peers this node reaches device to device (none before the offers are traded)."""
+        return [peer for peer, direct in zip(self.peers, self.direct) if direct]
+
     @property
     def any_direct(self) -> bool:
         return bool(self.direct.any())

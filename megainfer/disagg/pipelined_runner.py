@@ -419,7 +419,7 @@ class PipelinedModelRunner:
         except Exception as exc:
             raise DataPlaneError(f"cannot trade device-slot offers with the expert nodes: {exc}") from exc
         self._slots_wired = True
-        direct = [p for p, d in zip(self.peers, self.slots.direct) if d]
+        direct = self.slots.direct_peers()
         logger.info("%s: device slots with %s; through the host with %s", self.timeline.name,
                     ", ".join(direct) or "no expert node",
                     ", ".join(p for p in self.peers if p not in direct) or "none")

@@ -29,12 +29,12 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the m
 
 
 def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1,
-              policy: str = "chunked", tp_e: int = 1) -> Plan:
+              policy: str = "chunked", tp_e: int = 1, device_slots: bool = False) -> Plan:
     return Plan.from_dict({
         "model": model, "dtype": "float32",
         "attention": {"gpu": "cpu", "tp": tp_a, "nodes": attention},
         "experts": {"gpu": "cpu", "tp": tp_e, "nodes": experts},
-        "pipeline": {"micro_batches": m, "global_batch": 64},
+        "pipeline": {"micro_batches": m, "global_batch": 64, "device_slots": device_slots},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64, "prefill_policy": policy,
                       "group_tokens": 8},
     })
@@ -81,6 +81,29 @@ def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy, tp_e):
         info = served.client.info()
         assert [n.state for n in info.nodes] == ["serving"] * (2 * tp_a + 2 * tp_e)
         assert "micro_batches: " + str(m) in info.plan_yaml
+    finally:
+        served.close()
+
+
+def test_device_slots_match_colocated_and_are_traded_again_after_a_node_is_replaced(hf_ref):
+    """Every pair of a 2 x 2 CPU deployment on this host goes direct (/dev/shm regions); after an
+    expert node is killed and replaced, the offers are traded again and the tokens still match."""
+    expected = colocated(hf_ref.path, hf_ref.prompts)
+    served = Served(make_plan(str(hf_ref.path), 2, 2, 2, device_slots=True))
+    try:
+        assert [served.generate(p) for p in hf_ref.prompts] == expected
+        details = {n.name: n.detail for n in served.client.info().nodes}
+        assert all("device slots with" in d for d in details.values()), details
+        ray.kill(served.deployment.experts[0], no_restart=False)
+        tokens, deadline = None, time.monotonic() + 120
+        while tokens is None and time.monotonic() < deadline:
+            try:
+                if all(n.state == "serving" for n in served.client.info().nodes):
+                    tokens = served.generate(hf_ref.prompts[0])
+            except grpc.RpcError:  # a request caught by the failure fails alone
+                pass
+            time.sleep(0.5)
+        assert tokens == expected[0]
     finally:
         served.close()
 

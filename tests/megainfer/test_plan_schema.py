@@ -47,6 +47,9 @@ def test_design_example_loads_and_round_trips(tmp_path):
     (("dtype: bfloat16", "dtype: int4"), "dtype 'int4'"),
     (("model: mixtral-8x22b\n", "modle: mixtral-8x22b\n"), "unknown key 'modle'"),
     (("tp: 2, nodes: 8}", "tp: true, nodes: 8}"), "attention.tp must be int"),
+    (("global_batch: 1024}", "global_batch: 1024, device_slots: true}"),
+     "pipeline.device_slots serves nodes of tensor-parallel size 1 .attention.tp is 2, experts.tp 1.: set it to false"),
+    (("global_batch: 1024}", "global_batch: 1024, device_slots: yes please}"), "pipeline.device_slots must be bool"),
 ])
 def test_bad_plans_name_the_key(tmp_path, change, match):
     with pytest.raises(PlanError, match=match):
