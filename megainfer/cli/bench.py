@@ -56,11 +56,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="The runner's dispatch and combine to the plan's N expert nodes, and the expert worker's "
                     "round with the plan's M attention ranks, through the real code with the model compute "
                     "stubbed: CPU microseconds per round (every thread of the measured process), per step, and "
-                    "against the plan's predicted t_a and t_e; at 4 KiB messages and at the plan's own size.")
+                    "against the plan's predicted t_a and t_e; at 4 KiB messages and at the plan's own size. Then "
+                    "an attention rank's step boundary (scheduling, inputs, sampling, bookkeeping, deltas; the "
+                    "layers skipped) at several running-sequence counts, and the serving process's delta handling "
+                    "for the plan's attention nodes.")
     h.add_argument("plan", help="plan.yaml (e.g. deploy/plans/qwen3-235b-h20-l40s.yaml)")
     h.add_argument("--rounds", type=positive_int, default=400, help="timed rounds per side and size")
     h.add_argument("--repeats", type=positive_int, default=3,
                    help="measurements of each row (fresh peers each time); the median is reported")
+    h.add_argument("--running", type=positive_int, action="append", default=[], metavar="N",
+                   help="also measure the step boundary at N running sequences (repeatable; always at 512, "
+                        "1,024 and the plan's max_num_seqs)")
     h.add_argument("--json", metavar="PATH", help="write the results as JSON")
     h.set_defaults(run=_run_host)
 
@@ -198,7 +204,7 @@ def _run_engine(args: argparse.Namespace) -> int:
 def _run_host(args: argparse.Namespace) -> int:
     from megainfer.tools.host_cost import run
 
-    return run(args.plan, args.rounds, args.json, repeats=args.repeats)
+    return run(args.plan, args.rounds, args.json, repeats=args.repeats, boundary_running=tuple(args.running))
 
 
 def _run_m2n(args: argparse.Namespace) -> int:

@@ -277,7 +277,8 @@ def median_of(measure, repeats: int) -> RoundCost:
     return runs[len(runs) // 2]
 
 
-def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3) -> int:
+def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
+        boundary_running: tuple[int, ...] = ()) -> int:
     import json
 
     from transport import core
@@ -313,6 +314,7 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3) ->
     print(f"median of {repeats} runs of {rounds} rounds each. path core: rounds in the compiled M2N core (one call posts to every peer, one collects from every "
           "peer); python: the pure-Python reference backends, one call per message. CPU time: every thread of "
           "the measured process. Peers: the core's loopback loops in one other process, the same for both paths.")
+    results |= step_boundary_rows(plan, scale, boundary_running)
     if json_path:
         with open(json_path, "w") as f:
             from megainfer.bench.m2n_report import machine
@@ -321,3 +323,36 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3) ->
             json.dump({"benchmark": "host", "plan": plan_path, "machine": f"{host['cpu']}, {host['cores']} cores",
                        "scale": dataclasses.asdict(scale), **results}, f, indent=2)
     return 0
+
+
+BOUNDARY_CONTEXT = 730  # tokens of context per running sequence (the plans' sequence length)
+
+
+def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, ...] = ()) -> dict:
+    """The attention rank's step boundary at 512, 1,024, the plan's max_num_seqs and
+    `extra_running` running sequences, by phase, and the serving process's delta handling for the plan's attention
+    nodes (megainfer/tools/step_boundary.py); printed as a table, returned for the JSON."""
+    from megainfer.tools.step_boundary import last_step_deltas, measure_boundary, measure_driver
+
+    model, _ = resolve_model(plan.model)
+    sizes = sorted({512, 1024, plan.scheduler.max_num_seqs, *extra_running})
+    rows, by_size = [], {}
+    for running in sizes:
+        phases = measure_boundary(running, BOUNDARY_CONTEXT, scale.micro_batches, model).per_step_ms()
+        total = sum(phases.values())
+        by_size[running] = {**phases, "total": total}
+        rows.append([f"{running:,}", *(f"{phases[k]:.1f}" for k in ("prepare", "sample", "bookkeeping", "deltas_out")),
+                     f"{total:.1f}", f"{total / running * 1e3:.1f}"])
+    most = plan.scheduler.max_num_seqs
+    driver_ms = measure_driver(last_step_deltas(most, BOUNDARY_CONTEXT, scale.micro_batches, model), plan.attention.nodes)
+    print(f"\nstep boundary of one attention rank (decode steps, {BOUNDARY_CONTEXT}-token contexts, m = "
+          f"{scale.micro_batches}, layers skipped; CPU ms per step):")
+    print(format_table(["running", "prepare", "sample", "bookkeeping", "deltas out", "total", "us/sequence"], rows))
+    print(f"prepare: StepLayout and every micro-batch's inputs; sample: the sampler's host side; bookkeeping: "
+          f"schedule, update_from_output, detokenization, deltas; deltas out: pickling them for the driver. The "
+          f"steps are synchronous, so the expert nodes wait through all of it.\n"
+          f"driver: {driver_ms:.1f} CPU ms per step to unpickle and deliver {most:,} deltas from each of the "
+          f"plan's {plan.attention.nodes} attention nodes")
+    boundary = by_size[most]["total"]
+    return {"step_boundary_cpu_ms": boundary, "boundary_wait_ms": boundary, "driver_delta_cpu_ms": driver_ms,
+            "step_boundary_by_running": by_size}

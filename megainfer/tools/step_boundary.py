@@ -1,0 +1,171 @@
+"""The attention rank's step boundary at a plan's scale, for `megainfer bench host`.
+
+Between two steps an attention rank schedules, prepares every micro-batch's inputs, samples,
+updates its sequences, detokenizes and packs the deltas for the serving process; none of it is
+device work, and in a synchronous step it all adds to the step the expert nodes wait through.
+This runs that host code for real (`Engine.step`: the scheduler, `StepLayout` with the plan's
+micro-batches, `MicroBatchState.prepare`, the sampler's host side, `update_from_output`,
+detokenization with the demo model's tokenizer, the delta batch the node hands the driver)
+with `n` running decode sequences at the plan's context length, the layers skipped
+(`BoundaryRunner`). Its device work shrinks to nothing: logits come from a fixed tensor of the
+demo vocabulary's width, the embeddings from the demo model (256 wide), no KV cache is
+allocated. Expert counts have the plan's model's shape, as the engine's bookkeeping reads them.
+
+CPU time is `time.process_time`: every thread of this process. Phases are timed around the
+engine's own calls (`BoundaryPhases`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_model
+from megainfer.engine import Engine
+from megainfer.model.moe_model import MoEModel
+from megainfer.model_runner import CohortHiddenStates, MicroBatchState, StepResult, sample_rows
+from megainfer.sampler import Sampler
+from megainfer.sampling_params import SamplingParams
+from megainfer.step_layout import StepLayout
+
+
+@dataclass
+class BoundaryPhases:
+    """CPU seconds per phase, summed over the measured steps."""
+
+    prepare: float = 0.0  # StepLayout and every micro-batch's inputs
+    sample: float = 0.0  # the sampler's host side (logits of the demo vocabulary's width)
+    bookkeeping: float = 0.0  # the rest of Engine.step: schedule, update_from_output, deltas
+    deltas_out: float = 0.0  # the node packing its deltas for the driver (pickled, as Ray does)
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def per_step_ms(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {"prepare": self.prepare / n * 1e3, "sample": self.sample / n * 1e3,
+                "bookkeeping": self.bookkeeping / n * 1e3, "deltas_out": self.deltas_out / n * 1e3}
+
+
+class BoundaryRunner:
+    """`PipelinedModelRunner._run` without the layers: the same layout, inputs, cohort keeping and
+    sampling, timed per phase; no KV cache, no link."""
+
+    steps_when_idle = False
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, weights, max_model_len: int, *,
+                 micro_batches: int, num_blocks: int, plan_model: ModelConfig) -> None:
+        self.model_config, self.config = model_config, config
+        self.device = torch.device("cpu")
+        self.m = micro_batches
+        self.model = MoEModel(model_config, torch.float32, self.device, max_model_len, with_experts=False)
+        self.model.load_weights(weights)
+        self.num_blocks = num_blocks
+        self.kernels = None
+        self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
+        self.cohort_hidden = CohortHiddenStates()
+        self.phases = BoundaryPhases()
+        self._logits = torch.randn(config.max_num_seqs, model_config.vocab_size,
+                                   generator=torch.Generator().manual_seed(0))
+        self._counts = [[0] * plan_model.num_experts for _ in range(plan_model.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, out) -> StepResult:
+        t0 = time.process_time()
+        layout = StepLayout.of(out, self.m)
+        seqs = out.all_seqs
+        self.cohort_hidden.forget_departed(seqs, layout)
+        states = [MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden, self.config.block_size,
+                                          self.device) for batch in layout.micro_batches]
+        for state in states:
+            self.cohort_hidden.keep(seqs, layout, state)
+        t1 = time.process_time()
+        result = sample_rows(lambda hidden: self._logits[:hidden.shape[0]],
+                             lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,
+                             self.sampler, seqs, layout)
+        result.expert_counts = self._counts
+        t2 = time.process_time()
+        self.phases.prepare += t1 - t0
+        self.phases.sample += t2 - t1
+        return result
+
+
+def boundary_engine(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> Engine:
+    """A demo-model engine on a `BoundaryRunner` with `running` sequences decoding at `context`
+    tokens each (their prompts prefilled in a few large steps)."""
+    model, _ = resolve_model(DEMO_MODEL)
+    block_size = 16
+    blocks = running * (-(-(context + 64) // block_size)) + 16
+    # A token budget that prefills every prompt in a few steps (the decode steps ignore it).
+    config = EngineConfig(max_num_seqs=running, max_num_batched_tokens=max(8192, running * context // 4),
+                          block_size=block_size,
+                          num_kv_blocks=blocks, max_model_len=min(model.max_position_embeddings, context + 1024))
+
+    def runner(mc, cfg, weights, max_len):
+        return BoundaryRunner(mc, cfg, weights, max_len, micro_batches=micro_batches, num_blocks=blocks,
+                              plan_model=plan_model)
+
+    engine = Engine(DEMO_MODEL, config, runner_factory=runner)
+    # The engine's per-expert totals at the plan's model's shape (what its bookkeeping walks).
+    engine._totals.expert_tokens = [[0] * plan_model.num_experts for _ in range(plan_model.num_layers)]
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    for i in range(running):
+        engine.add_request(f"r{i}", torch.randint(3, model.vocab_size, (context,), generator=g).tolist(), params)
+    while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    return engine
+
+
+def measure_boundary(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
+                     steps: int = 5) -> BoundaryPhases:
+    """CPU time per decode step of the whole boundary at `running` sequences, by phase."""
+    engine = boundary_engine(running, context, micro_batches, plan_model)
+    phases = engine.runner.phases = BoundaryPhases()
+    for _ in range(steps):
+        t0 = time.process_time()
+        deltas = engine.step()
+        t1 = time.process_time()
+        pickle.dumps(deltas, protocol=pickle.HIGHEST_PROTOCOL)
+        t2 = time.process_time()
+        phases.bookkeeping += (t1 - t0)
+        phases.deltas_out += t2 - t1
+        phases.steps += 1
+        if len(deltas) != running:
+            raise RuntimeError(f"a decode step of {running} sequences gave {len(deltas)} deltas")
+    phases.bookkeeping -= phases.prepare + phases.sample
+    return phases
+
+
+def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> float:
+    """CPU ms per step of the serving process's delta handling for `attention_nodes` nodes, each
+    handing over `deltas` (one step's): the node's answer unpickled (as Ray's reply is) and every
+    delta put into its request's stream (`StreamRegistry.deliver`, what the frontend ends in)."""
+    from megainfer.messages import DeltaBatch
+    from megainfer.server.backend import StreamRegistry
+
+    import dataclasses
+
+    payloads = [pickle.dumps(DeltaBatch(f"node{n}", len(deltas),
+                                        [dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas]),
+                             protocol=pickle.HIGHEST_PROTOCOL) for n in range(attention_nodes)]
+    registry = StreamRegistry(max_open=len(deltas) * attention_nodes)
+    streams = [registry.open(f"{n}/{d.request_id}") for n in range(attention_nodes) for d in deltas]
+    spent = 0.0
+    for _ in range(repeats):
+        t0 = time.process_time()
+        for payload in payloads:
+            for d in pickle.loads(payload).deltas:
+                registry.deliver(d)
+        spent += time.process_time() - t0
+        for stream in streams:
+            stream.deltas.get_nowait()
+    return spent / repeats * 1e3
+
+
+def last_step_deltas(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> list:
+    """One decode step's deltas at `running` sequences."""
+    engine = boundary_engine(running, context, micro_batches, plan_model)
+    return engine.step()
