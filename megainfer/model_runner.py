@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import chain
 from types import SimpleNamespace
 from typing import Callable
 
@@ -341,37 +342,41 @@ def _prompt_logprobs(to_logits: Callable[[torch.Tensor], torch.Tensor], final: F
 def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
     """Input ids, positions and attention metadata of `seqs`, each computing its next
-    `num_tokens[i]` tokens (the first `num_single` with one token each)."""
-    token_ids: list[int] = []
-    starts = [0]
-    seq_lens = []
-    for seq, n in zip(seqs, num_tokens):
-        begin = seq.num_computed_tokens
-        token_ids.extend(seq.token_ids[begin:begin + n])
-        starts.append(starts[-1] + n)
-        seq_lens.append(begin + n)
-    width = max(len(s.block_table) for s in seqs)
-    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    query_lens = torch.tensor(num_tokens)
-    seq_lens_t = torch.tensor(seq_lens)
-    # Position of each query token: its sequence's cached length minus the tokens after it.
-    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
-    positions = torch.arange(len(token_ids)) - torch.tensor(starts[:-1])[seq_of_token] \
-        + (seq_lens_t - query_lens)[seq_of_token]
-    block_tables = torch.tensor(tables, dtype=torch.int64)
+    `num_tokens[i]` tokens (the first `num_single` with one token each). Array work: one pass
+    over the sequences reads their counters, ids and block tables, numpy builds the rest."""
+    n = len(seqs)
+    counts = np.asarray(num_tokens, dtype=np.int64)
+    begins = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    ends = begins + counts
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    if num_single == n:  # decodes: the one token after the computed ones
+        token_ids = [s.token_ids[b] for s, b in zip(seqs, begins.tolist())]
+    else:
+        token_ids = []
+        for seq, b, e in zip(seqs, begins.tolist(), ends.tolist()):
+            token_ids.extend(seq.token_ids[b:e])
+    tables = [s.block_table for s in seqs]
+    widths = np.fromiter(map(len, tables), np.int64, n)
+    block_tables = np.zeros((n, int(widths.max())), dtype=np.int64)
+    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int64, int(widths.sum()))
+    # Position of each query token: its sequence's computed length plus its place in the query.
+    seq_of_token = np.repeat(np.arange(n), counts)
+    positions = np.arange(starts[-1]) - starts[:-1][seq_of_token] + begins[seq_of_token]
     slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     batch = kernels.PagedAttentionBatch(
         # int32, as the kernel warm-up's batches (kernels/startup.py): Triton builds one variant
         # per pointer type, and a second one here would be built mid-serving.
-        block_tables=block_tables.to(device=device, dtype=torch.int32),
-        seq_lens=seq_lens_t.to(torch.int32).to(device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        slot_mapping=slots.to(device),
+        block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(ends.astype(np.int32)).to(device),
+        query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         num_single=num_single,
-        seq_lens_host=seq_lens,
-        query_start_host=starts,
+        seq_lens_host=ends.tolist(),
+        query_start_host=starts.tolist(),
     )
-    return torch.tensor(token_ids, device=device), positions.to(device), batch
+    return torch.tensor(token_ids, device=device), torch.from_numpy(positions).to(device), batch
 
 
 def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_model_len: int, device: torch.device,

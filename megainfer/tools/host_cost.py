@@ -338,17 +338,20 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     sizes = sorted({512, 1024, plan.scheduler.max_num_seqs, *extra_running})
     rows, by_size = [], {}
     for running in sizes:
-        phases = measure_boundary(running, BOUNDARY_CONTEXT, scale.micro_batches, model).per_step_ms()
+        measured = measure_boundary(running, BOUNDARY_CONTEXT, scale.micro_batches, model)
+        phases = measured.per_step_ms()
         total = sum(phases.values())
-        by_size[running] = {**phases, "total": total}
+        by_size[running] = {**phases, "total": total, "argmax_stand_in": measured.argmax_ms()}
         rows.append([f"{running:,}", *(f"{phases[k]:.1f}" for k in ("prepare", "sample", "bookkeeping", "deltas_out")),
-                     f"{total:.1f}", f"{total / running * 1e3:.1f}"])
+                     f"{total:.1f}", f"{total / running * 1e3:.1f}", f"{measured.argmax_ms():.1f}"])
     most = plan.scheduler.max_num_seqs
     driver_ms = measure_driver(last_step_deltas(most, BOUNDARY_CONTEXT, scale.micro_batches, model), plan.attention.nodes)
     print(f"\nstep boundary of one attention rank (decode steps, {BOUNDARY_CONTEXT}-token contexts, m = "
           f"{scale.micro_batches}, layers skipped; CPU ms per step):")
-    print(format_table(["running", "prepare", "sample", "bookkeeping", "deltas out", "total", "us/sequence"], rows))
-    print(f"prepare: StepLayout and every micro-batch's inputs; sample: the sampler's host side; bookkeeping: "
+    print(format_table(["running", "prepare", "sample", "bookkeeping", "deltas out", "total", "us/sequence",
+                        "argmax (not in total)"], rows))
+    print(f"prepare: StepLayout and every micro-batch's inputs; sample: the sampler's host side (its argmax over the "
+          f"demo model's 2,048-token vocabulary, device work on a GPU, timed apart and left out); bookkeeping: "
           f"schedule, update_from_output, detokenization, deltas; deltas out: pickling them for the driver. The "
           f"steps are synchronous, so the expert nodes wait through all of it.\n"
           f"driver: {driver_ms:.1f} CPU ms per step to unpickle and deliver {most:,} deltas from each of the "
