@@ -194,6 +194,36 @@ class DeltaBatch:
     last: int  # sequence number of the last delta in `deltas` (the cursor if there are none)
     deltas: list[RequestDelta] = field(default_factory=list)
 
+    def __reduce__(self):
+        """Pickled in columns (Ray's reply to the driver, every step of every attention node):
+        the plain deltas, one new token and its text, as three lists; the others whole, with
+        their places. Unpickling a thousand objects field by field cost the driver ~2.4 us each;
+        the columns cost a quarter of that, and the node's pickling an eighth."""
+        ids, tokens, texts, places, others = [], [], [], [], []
+        for place, d in enumerate(self.deltas):
+            if d.finished or len(d.new_token_ids) != 1 or d.logprobs is not None or d.prompt_logprobs is not None \
+                    or d.stop_reason is not None or d.metrics is not None or d.error is not None:
+                others.append((place, d))
+                continue
+            ids.append(d.request_id)
+            tokens.append(d.new_token_ids[0])
+            texts.append(d.new_text)
+        return _delta_batch_from_columns, (self.incarnation, self.last, ids, tokens, texts, others)
+
+
+def _delta_batch_from_columns(incarnation: str, last: int, ids: list[str], tokens: list[int], texts: list[str],
+                              others: list[tuple[int, RequestDelta]]) -> DeltaBatch:
+    plain = map(RequestDelta, ids, ([t] for t in tokens), texts)
+    if not others:
+        return DeltaBatch(incarnation, last, list(plain))
+    deltas: list[RequestDelta] = []
+    for place, delta in others:  # in order: the plain ones fill the places between
+        while len(deltas) < place:
+            deltas.append(next(plain))
+        deltas.append(delta)
+    deltas.extend(plain)
+    return DeltaBatch(incarnation, last, deltas)
+
 
 @dataclass
 class NodeResources:

@@ -455,34 +455,37 @@ class Scheduler:
         return advanced
 
     def _advance(self, seq: Sequence, n: int, token: int | None, now: float, advanced: list[Sequence]) -> None:
-        if seq.is_finished:  # aborted or failed while the step ran
+        # Runs for every sequence of every step: attributes read once, no property calls.
+        if seq.status is SequenceStatus.FINISHED:  # aborted or failed while the step ran
             return
         seq.num_computed_tokens += n
         if token is None:
             return
-        seq.token_ids.append(token)
+        token_ids = seq.token_ids
+        token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
         seq.token_times.append(now)
         advanced.append(seq)
-        reason = self._stop_reason(seq, token)
+        reason = self._stop_reason(seq, token, len(token_ids))
         if reason is not None:
             self.running.remove(seq)
             self._finish(seq, reason)
 
     # -- internals -----------------------------------------------------------------------
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> FinishReason | None:
         params = seq.params
+        generated = num_tokens - len(seq.prompt_token_ids)
         # The sampler masks EOS and stop tokens while fewer than min_tokens were generated before
         # this one, so a stop token counts only past min_tokens: the two agree.
-        if seq.num_output_tokens > params.min_tokens:
+        if generated > params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP  # stop_reason stays None for EOS, as vLLM's
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 seq.stop_reason = token
                 return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if generated >= params.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

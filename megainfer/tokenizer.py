@@ -230,11 +230,14 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the newly completed text (possibly empty)."""
-        if self.tokenizer is None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             return ""
-        self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        ids = self.ids
+        ids.extend(new_ids)
+        skip = self.skip_special_tokens
+        prefix = tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
             return ""  # an incomplete character: wait for the next token
         delta = full[len(prefix):]

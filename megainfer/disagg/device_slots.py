@@ -26,17 +26,19 @@ to this round, and that answer was computed (stream order: after the receiver's 
 it was sent. For the same reason a send event of micro-batch j is recorded again only after
 every receiver has enqueued its wait on the previous record.
 
-The offers are pickled: the link carries them between peers that authenticated each other
-with the deployment's secret (transport/handshake.py), and only those.
+An offer travels as JSON of plain fields (`SlotOffer.to_json`, `from_json`), never pickled:
+nothing a peer sends is unpickled (docs/reliability.md). The CUDA handles are the arguments
+torch's own `reduce_tensor` gives its `rebuild_cuda_tensor`, written field by field, and the
+classes among them are looked up in a fixed list on arrival.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -60,8 +62,27 @@ class SlotOffer:
     peers: tuple[str, ...]  # the order of the region's peer rows
     micro_batches: int
     region_bytes: int  # per (micro-batch, peer)
-    region: tuple  # CUDA: (rebuild function, args) from reduce_tensor; CPU: (path of the /dev/shm file,)
+    region: tuple  # CUDA: rebuild_cuda_tensor's arguments from reduce_tensor; CPU: (path of the /dev/shm file,)
     events: tuple[bytes, ...] = ()  # CUDA: the IPC handles of its send events, one per micro-batch
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self) | {"region": [_plain(v) for v in self.region],
+                                          "events": [e.hex() for e in self.events]}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, peer: str) -> "SlotOffer":
+        """The offer `peer` sent, every field checked; DataPlaneError naming what is wrong."""
+        try:
+            raw = json.loads(data)
+            offer = cls(str(raw["name"]), str(raw["host"]), str(raw["device"]), str(raw["device_uuid"]),
+                        tuple(str(p) for p in raw["peers"]), int(raw["micro_batches"]), int(raw["region_bytes"]),
+                        tuple(_from_plain(v) for v in raw["region"]), tuple(bytes.fromhex(e) for e in raw["events"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataPlaneError(f"{peer} sent a malformed device-slot offer ({exc})") from None
+        if offer.device not in ("cpu", "cuda") or offer.micro_batches <= 0 or offer.region_bytes <= 0:
+            raise DataPlaneError(f"{peer} sent a device-slot offer out of range: device {offer.device!r}, "
+                                 f"{offer.micro_batches} micro-batches, {offer.region_bytes} bytes")
+        return offer
 
     def direct_with(self, other: "SlotOffer") -> bool:
         """Whether these two nodes write into each other's regions: one host, one kind of device
@@ -71,6 +92,44 @@ class SlotOffer:
         if self.device == "cpu" or self.device_uuid == other.device_uuid:
             return True
         return _peer_access(self.device_uuid, other.device_uuid)
+
+
+# The classes and dtypes a CUDA region's handle may name (what reduce_tensor writes for a uint8
+# tensor); nothing else is looked up.
+_CLASSES = {f"{c.__module__}.{c.__qualname__}": c for c in
+            (torch.Tensor, torch.UntypedStorage, torch.storage.TypedStorage, torch.storage.UntypedStorage)}
+_DTYPES = {"torch.uint8": torch.uint8}
+
+
+def _plain(value):
+    """One argument of a handle as JSON: bytes as hex, sizes as lists, classes and dtypes by name."""
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": bytes(value).hex()}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value)}
+    if isinstance(value, type):
+        return {"class": f"{value.__module__}.{value.__qualname__}"}
+    if isinstance(value, (tuple, list, torch.Size)):
+        return {"tuple": [_plain(v) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a device-slot handle holds a {type(value).__name__}, which an offer cannot carry")
+
+
+def _from_plain(value):
+    if isinstance(value, dict):
+        if "bytes" in value:
+            return bytes.fromhex(value["bytes"])
+        if "dtype" in value:
+            return _DTYPES[value["dtype"]]
+        if "class" in value:
+            return _CLASSES[value["class"]]
+        if "tuple" in value:
+            return tuple(_from_plain(v) for v in value["tuple"])
+        raise ValueError(f"unknown field {sorted(value)}")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"unexpected {type(value).__name__}")
 
 
 def host_identity() -> str:
@@ -129,7 +188,10 @@ class DeviceSlots:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.send_events = [torch.cuda.Event(interprocess=True) for _ in range(micro_batches)]
             handles = tuple(bytes(e.ipc_handle()) for e in self.send_events)
-            shared, uuid_ = reduce_tensor(self.region), _device_uuid(self.device)
+            rebuild, args = reduce_tensor(self.region)
+            if rebuild.__name__ != "rebuild_cuda_tensor":
+                raise RuntimeError(f"torch shares this region through {rebuild.__name__}, not rebuild_cuda_tensor")
+            shared, uuid_ = tuple(args), _device_uuid(self.device)
         else:
             self._path = os.path.join(SHM_DIR, f"megainfer-slots-{name}-{uuid.uuid4().hex}")
             with open(self._path, "wb") as f:
@@ -147,7 +209,7 @@ class DeviceSlots:
         """Trade offers with every peer over `link` (one round each way, micro-batch 0) and open
         the direct peers' regions and events. Both ends of every pair call it at the same point
         of their protocol: the first round of a wiring."""
-        blob = np.frombuffer(pickle.dumps(self.offer), dtype=np.uint8).copy()
+        blob = np.frombuffer(self.offer.to_json(), dtype=np.uint8).copy()
         n = len(self.peers)
         link.post_round(self.peers, torch.from_numpy(blob), np.zeros(n, np.int64), np.full(n, blob.size, np.int64),
                         np.zeros(n, np.int64), step=0, layer=0, micro_batch=0, flags=OFFER)
@@ -156,7 +218,7 @@ class DeviceSlots:
             if ((arrivals.fields[:, FLAGS] & OFFER) == 0).any():
                 raise DataPlaneError(f"{self.name}: a peer sent a data round where the device slots' offers were due "
                                      f"(one end of a pair does not use device slots)")
-            offers = [pickle.loads(bytes(arrivals.payload(i))) for i in range(n)]
+            offers = [SlotOffer.from_json(bytes(arrivals.payload(i)), self.peers[i]) for i in range(n)]
         finally:
             arrivals.release()
         self.attach(offers)
@@ -184,8 +246,9 @@ class DeviceSlots:
     def _open(self, offer: SlotOffer) -> torch.Tensor:
         shape = (offer.micro_batches, len(offer.peers), offer.region_bytes)
         if offer.device == "cuda":
-            rebuild, args = offer.region
-            return rebuild(*args)
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            return rebuild_cuda_tensor(*offer.region)
         return torch.from_file(offer.region[0], shared=True, size=int(np.prod(shape)), dtype=torch.uint8).view(shape)
 
     def direct_peers(self) -> list[str]:

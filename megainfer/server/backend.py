@@ -7,7 +7,7 @@ per-request queue plumbing they share.
 
 from __future__ import annotations
 
-import queue
+from collections import deque
 import threading
 import time
 from collections.abc import Callable
@@ -26,34 +26,34 @@ class RequestStream:
     request_id: str
     prompt_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
-    deltas: queue.Queue[RequestDelta] = field(default_factory=queue.Queue)
+    # Queued deltas and their one lock (a deque and a condition, not a queue.Queue: the driver
+    # puts every request's delta of every step, and a Queue takes a second lock per put).
+    deltas: deque[RequestDelta] = field(default_factory=deque)
     _listener: Callable[[RequestDelta], None] | None = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _ready: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def put(self, delta: RequestDelta) -> None:
         """Deliver a delta (from the thread that pumps the engine's output)."""
-        with self._lock:  # held while the listener runs, so no delta overtakes one being handed over
+        with self._ready:  # held while the listener runs, so no delta overtakes one being handed over
             if self._listener is None:
-                self.deltas.put(delta)
+                self.deltas.append(delta)
+                self._ready.notify()
             else:
                 self._listener(delta)
 
     def listen(self, listener: Callable[[RequestDelta], None]) -> None:
         """Hand every delta to `listener` from now on, those already queued first. It runs on
         the delivering thread and must not block (e.g. `loop.call_soon_threadsafe(q.put_nowait, d)`)."""
-        with self._lock:
-            while True:
-                try:
-                    listener(self.deltas.get_nowait())
-                except queue.Empty:
-                    break
+        with self._ready:
+            while self.deltas:
+                listener(self.deltas.popleft())
             self._listener = listener
 
     def get(self, timeout: float) -> RequestDelta | None:
-        try:
-            return self.deltas.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        with self._ready:
+            if not self.deltas and not self._ready.wait_for(lambda: self.deltas, timeout):
+                return None
+            return self.deltas.popleft()
 
     def wait_finished(self, stall_s: float) -> RequestDelta:
         """Consume deltas until the last one and return it. Raises DataPlaneError if the

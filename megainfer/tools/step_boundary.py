@@ -12,12 +12,13 @@ demo vocabulary's width, the embeddings from the demo model (256 wide), no KV ca
 allocated. Expert counts have the plan's model's shape, as the engine's bookkeeping reads them.
 
 CPU time is `time.process_time`: every thread of this process. Phases are timed around the
-engine's own calls (`BoundaryPhases`).
+engine's own calls (`BoundaryPhases`). The deltas' hand-over is timed with Ray's own serializer
+(`ray.cloudpickle`, what carries a node's reply to the driver) on this process's own objects:
+nothing received is unpickled here.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -126,16 +127,29 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
     return engine
 
 
+def _ray_serializer():
+    """Ray's serializer of Python objects; None (with the reason) where Ray is not installed."""
+    try:
+        from ray import cloudpickle
+    except ImportError as exc:
+        return None, f"Ray is not installed ({exc}): the deltas' hand-over is not timed"
+    return cloudpickle, ""
+
+
 def measure_boundary(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
                      steps: int = 5) -> BoundaryPhases:
     """CPU time per decode step of the whole boundary at `running` sequences, by phase."""
+    from megainfer.messages import DeltaBatch
+
+    serializer, _ = _ray_serializer()
     engine = boundary_engine(running, context, micro_batches, plan_model)
     phases = engine.runner.phases = BoundaryPhases()
     for _ in range(steps):
         t0 = time.process_time()
         deltas = engine.step()
         t1 = time.process_time()
-        pickle.dumps(deltas, protocol=pickle.HIGHEST_PROTOCOL)
+        if serializer is not None:  # the node's reply to the driver's poll
+            serializer.dumps(DeltaBatch("node", len(deltas), deltas))
         t2 = time.process_time()
         phases.bookkeeping += (t1 - t0)
         phases.deltas_out += t2 - t1
@@ -146,29 +160,33 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
     return phases
 
 
-def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> float:
+def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> float | None:
     """CPU ms per step of the serving process's delta handling for `attention_nodes` nodes, each
     handing over `deltas` (one step's): the node's answer unpickled (as Ray's reply is) and every
-    delta put into its request's stream (`StreamRegistry.deliver`, what the frontend ends in)."""
+    delta put into its request's stream (`StreamRegistry.deliver`, what the frontend ends in).
+    None without Ray."""
     from megainfer.messages import DeltaBatch
     from megainfer.server.backend import StreamRegistry
 
     import dataclasses
 
-    payloads = [pickle.dumps(DeltaBatch(f"node{n}", len(deltas),
+    serializer, _ = _ray_serializer()
+    if serializer is None:
+        return None
+    payloads = [serializer.dumps(DeltaBatch(f"node{n}", len(deltas),
                                         [dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas]),
-                             protocol=pickle.HIGHEST_PROTOCOL) for n in range(attention_nodes)]
+                             ) for n in range(attention_nodes)]
     registry = StreamRegistry(max_open=len(deltas) * attention_nodes)
     streams = [registry.open(f"{n}/{d.request_id}") for n in range(attention_nodes) for d in deltas]
     spent = 0.0
     for _ in range(repeats):
         t0 = time.process_time()
         for payload in payloads:
-            for d in pickle.loads(payload).deltas:
+            for d in serializer.loads(payload).deltas:
                 registry.deliver(d)
         spent += time.process_time() - t0
         for stream in streams:
-            stream.deltas.get_nowait()
+            stream.deltas.popleft()
     return spent / repeats * 1e3
 
 

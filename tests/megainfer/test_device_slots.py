@@ -126,3 +126,24 @@ def test_close_removes_the_shared_file():
     assert path.startswith("/dev/shm/") and os.path.exists(path)
     s.close()
     assert not os.path.exists(path)
+
+
+def test_an_offer_travels_as_checked_json_and_its_cuda_handle_round_trips():
+    """The arguments torch's reduce_tensor gives rebuild_cuda_tensor, as plain JSON and back."""
+    handle = (torch.Tensor, torch.Size([2, 3, 256]), (768, 256, 1), 0, torch.storage.TypedStorage, torch.uint8, 0,
+              b"\x01\x02", 1536, 0, False, b"/torch_ref", 5, b"\x07" * 64, True)
+    offer = SlotOffer("a", "h/boot", "cuda", "GPU-1", ("e0", "e1"), 2, 256, handle, (b"\x00\xff",))
+    assert b"pickle" not in offer.to_json() and SlotOffer.from_json(offer.to_json(), "a") == offer
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"not json", "malformed device-slot offer"),
+    (b'{"name": "a"}', "malformed device-slot offer"),
+    (b'{"name": "a", "host": "h", "device": "tpu", "device_uuid": "", "peers": [], "micro_batches": 2, '
+     b'"region_bytes": 64, "region": [], "events": []}', "out of range: device 'tpu'"),
+    (b'{"name": "a", "host": "h", "device": "cuda", "device_uuid": "", "peers": [], "micro_batches": 2, '
+     b'"region_bytes": 64, "region": [{"class": "os.system"}], "events": []}', "malformed device-slot offer"),
+])
+def test_a_bad_offer_is_a_clear_error_naming_the_peer(data, match):
+    with pytest.raises(DataPlaneError, match=match):
+        SlotOffer.from_json(data, "e7")
