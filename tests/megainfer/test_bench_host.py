@@ -38,6 +38,13 @@ def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
             cost = result[key][path_name]
             assert cost["path"] == path_name and cost["cpu_us"] > 0 and cost["wall_us"] > 0 and cost["peers"] >= 1, key
     assert result["attention_round_cpu_us"]["python"]["message_bytes"] == 4096
+    # The step boundary at 512, 1,024 and the plan's max_num_seqs, and the driver's share.
+    assert "step boundary of one attention rank" in out.stdout and "driver:" in out.stdout
+    assert result["step_boundary_cpu_ms"] > 0 and result["boundary_wait_ms"] > 0 and result["driver_delta_cpu_ms"] > 0
+    by_running = result["step_boundary_by_running"]
+    assert {"512", "1024"} <= set(by_running)
+    assert all(row["total"] == pytest.approx(sum(row[k] for k in ("prepare", "sample", "bookkeeping", "deltas_out")))
+               for row in by_running.values())
 
 
 @pytest.mark.slow
