@@ -346,16 +346,15 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
                      f"{total:.1f}", f"{total / running * 1e3:.1f}", f"{measured.argmax_ms():.1f}"])
     most = plan.scheduler.max_num_seqs
     driver_ms = measure_driver(last_step_deltas(most, BOUNDARY_CONTEXT, scale.micro_batches, model), plan.attention.nodes)
-    driver = (f"{driver_ms:.1f} CPU ms per step to unpickle and deliver {most:,} deltas from each of the plan's "
-              f"{plan.attention.nodes} attention nodes" if driver_ms is not None else
-              "not measured (Ray is not installed: its serializer carries the deltas)")
+    driver = (f"{driver_ms:.1f} CPU ms per step to rebuild and deliver {most:,} deltas from each of the plan's "
+              f"{plan.attention.nodes} attention nodes (Ray's byte copy of the columns not included)")
     print(f"\nstep boundary of one attention rank (decode steps, {BOUNDARY_CONTEXT}-token contexts, m = "
           f"{scale.micro_batches}, layers skipped; CPU ms per step):")
     print(format_table(["running", "prepare", "sample", "bookkeeping", "deltas out", "total", "us/sequence",
                         "argmax (not in total)"], rows))
     print(f"prepare: StepLayout and every micro-batch's inputs; sample: the sampler's host side (its argmax over the "
           f"demo model's 2,048-token vocabulary, device work on a GPU, timed apart and left out); bookkeeping: "
-          f"schedule, update_from_output, detokenization, deltas; deltas out: pickling them for the driver. The "
+          f"schedule, update_from_output, detokenization, deltas; deltas out: their columns for the driver's poll. The "
           f"steps are synchronous, so the expert nodes wait through all of it.\n"
           f"driver: {driver}")
     boundary = by_size[most]["total"]

@@ -12,9 +12,10 @@ demo vocabulary's width, the embeddings from the demo model (256 wide), no KV ca
 allocated. Expert counts have the plan's model's shape, as the engine's bookkeeping reads them.
 
 CPU time is `time.process_time`: every thread of this process. Phases are timed around the
-engine's own calls (`BoundaryPhases`). The deltas' hand-over is timed with Ray's own serializer
-(`ray.cloudpickle`, what carries a node's reply to the driver) on this process's own objects:
-nothing received is unpickled here.
+engine's own calls (`BoundaryPhases`). The deltas' hand-over is timed as far as it is our code:
+`DeltaBatch`'s columns built on the node (`__reduce__`) and the batch rebuilt from them on the
+driver; the byte copy of those three lists by Ray's serializer (C code, about 0.3 ms per 1,884
+deltas on this machine) is not in it, since no module here may import a pickler or Ray.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class BoundaryPhases:
     sample: float = 0.0  # the sampler's host side, its argmax stand-in taken out
     argmax: float = 0.0  # the argmax over the logits (demo vocabulary, 2,048 wide): device work on a GPU
     bookkeeping: float = 0.0  # the rest of Engine.step: schedule, update_from_output, deltas
-    deltas_out: float = 0.0  # the node packing its deltas for the driver (pickled, as Ray does)
+    deltas_out: float = 0.0  # the node packing its deltas for the driver (DeltaBatch's columns)
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -127,15 +128,6 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
     return engine
 
 
-def _ray_serializer():
-    """Ray's serializer of Python objects; None (with the reason) where Ray is not installed."""
-    try:
-        from ray import cloudpickle
-    except ImportError as exc:
-        return None, f"Ray is not installed ({exc}): the deltas' hand-over is not timed"
-    return cloudpickle, ""
-
-
 def measure_boundary(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
                      steps: int = 7) -> BoundaryPhases:
     """CPU time of the whole boundary at `running` sequences, by phase: the median decode step
@@ -143,7 +135,6 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
     is noise, not cost)."""
     from megainfer.messages import DeltaBatch
 
-    serializer, _ = _ray_serializer()
     engine = boundary_engine(running, context, micro_batches, plan_model)
     measured = []
     for _ in range(steps):
@@ -151,8 +142,7 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
         t0 = time.process_time()
         deltas = engine.step()
         t1 = time.process_time()
-        if serializer is not None:  # the node's reply to the driver's poll
-            serializer.dumps(DeltaBatch("node", len(deltas), deltas))
+        DeltaBatch("node", len(deltas), deltas).__reduce__()  # the node's reply to the driver's poll, in columns
         t2 = time.process_time()
         phases.bookkeeping = (t1 - t0) - phases.prepare - phases.sample - 2 * phases.argmax  # the argmax ran twice
         phases.deltas_out = t2 - t1
@@ -164,29 +154,25 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
     return measured[len(measured) // 2]
 
 
-def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> float | None:
+def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> float:
     """CPU ms per step of the serving process's delta handling for `attention_nodes` nodes, each
     handing over `deltas` (one step's): the node's answer unpickled (as Ray's reply is) and every
-    delta put into its request's stream (`StreamRegistry.deliver`, what the frontend ends in).
-    None without Ray."""
+    delta put into its request's stream (`StreamRegistry.deliver`, what the frontend ends in)."""
+    import dataclasses
+
     from megainfer.messages import DeltaBatch
     from megainfer.server.backend import StreamRegistry
 
-    import dataclasses
-
-    serializer, _ = _ray_serializer()
-    if serializer is None:
-        return None
-    payloads = [serializer.dumps(DeltaBatch(f"node{n}", len(deltas),
-                                        [dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas]),
-                             ) for n in range(attention_nodes)]
+    replies = [DeltaBatch(f"node{n}", len(deltas),
+                          [dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas]).__reduce__()
+               for n in range(attention_nodes)]
     registry = StreamRegistry(max_open=len(deltas) * attention_nodes)
     streams = [registry.open(f"{n}/{d.request_id}") for n in range(attention_nodes) for d in deltas]
     spent = 0.0
     for _ in range(repeats):
         t0 = time.process_time()
-        for payload in payloads:
-            for d in serializer.loads(payload).deltas:
+        for rebuild, args in replies:
+            for d in rebuild(*args).deltas:
                 registry.deliver(d)
         spent += time.process_time() - t0
         for stream in streams:
