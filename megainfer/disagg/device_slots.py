@@ -162,6 +162,18 @@ class _Peer:
     events: list = field(default_factory=list)  # CUDA: the peer's send events, opened here
 
 
+def device_slots_for(name: str, peers: tuple[str, ...], device, micro_batches: int, region_bytes: int,
+                     tp_size: int) -> "DeviceSlots | None":
+    """A node's device slots where it asks for them (`region_bytes` > 0), else None; refused for
+    tensor-parallel nodes, whose ranks share each message (their shares stay on the host path)."""
+    if not region_bytes:
+        return None
+    if tp_size > 1:
+        raise ValueError(f"device slots serve nodes of tensor-parallel size 1, not {tp_size} ({name}): leave "
+                         f"device_slot_bytes at 0")
+    return DeviceSlots(name, peers, device, micro_batches, region_bytes)
+
+
 class DeviceSlots:
     """One node's receive region and send events, and its pairs' choice of path."""
 

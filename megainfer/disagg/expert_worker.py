@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from megainfer import memory_profile
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
-from megainfer.disagg.device_slots import DeviceSlots
+from megainfer.disagg.device_slots import device_slots_for
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
@@ -96,12 +96,7 @@ class ExpertWorker:
         if link is not None:  # tensor-parallel followers have no link
             for buffer in self.staging.send_buffers():
                 link.register(buffer)
-        self.slots = None
-        if device_slot_bytes:
-            if tp_size > 1:
-                raise ValueError(f"device slots serve expert nodes of tensor-parallel size 1, not {tp_size}: "
-                                 f"leave device_slot_bytes at 0")
-            self.slots = DeviceSlots(name, self.peers, self.device, micro_batches, device_slot_bytes)
+        self.slots = device_slots_for(name, self.peers, self.device, micro_batches, device_slot_bytes, tp_size)
         self._slots_wired = False  # offers traded with this wiring's attention nodes
         self._answers: deque[PendingAnswer] = deque()
         self._no_answers = torch.empty(0, dtype=torch.uint8)  # an empty (layer, micro-batch)'s answers

@@ -34,7 +34,7 @@ import torch
 from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
-from megainfer.disagg.device_slots import DeviceSlots
+from megainfer.disagg.device_slots import device_slots_for
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, record_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
@@ -161,30 +161,12 @@ class PipelinedModelRunner:
         node_of = expert_node_map(model_config.num_experts, expert_nodes, expert_assignment).to(self.device)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        before = memory_profile.baseline(self.device) if config.sizes_kv_from_memory else None
-        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
-                              tp_rank=tp_rank, tp_size=tp_size)
-        for layer in self.model.attention_layers:  # routing lays tokens out per expert node
-            layer.set_expert_nodes(node_of, len(self.expert_nodes))
-        with torch.inference_mode():
-            self.model.load_weights(weights, show_progress=config.show_progress)
-        # Kernels built and decided before serving and before the memory profile (kernel_warmup.py).
-        warmup = warm_up_engine(self.model, config, max_model_len)
-        kv_budget = self.profile_memory(before, max_model_len)
-        self.kernels = warmup.finish()
-        # Each rank caches its own KV heads; all ranks agree on the block count.
-        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device, tp_group,
-                                                             kv_budget)
+        self._load(weights, max_model_len, node_of)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
             link.register(buffer)
-        self.slots = None
-        if device_slot_bytes:
-            if tp_size > 1:
-                raise ValueError(f"device slots serve attention nodes of tensor-parallel size 1, not {tp_size}: "
-                                 f"leave device_slot_bytes at 0")
-            self.slots = DeviceSlots(name, self.peers, self.device, micro_batches, device_slot_bytes)
+        self.slots = device_slots_for(name, self.peers, self.device, micro_batches, device_slot_bytes, tp_size)
         self._slots_wired = False  # offers traded with this wiring's expert nodes
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
@@ -205,6 +187,25 @@ class PipelinedModelRunner:
         self.timeline = Timeline(name, NodeRole.ATTENTION, self.device)
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
         self._compute_mark = None  # where the running (layer, micro-batch)'s compute began
+
+    def _load(self, weights: WeightSource, max_model_len: int, node_of: torch.Tensor) -> None:
+        """This rank's attention halves with their weights, kernels warmed up, and its KV cache
+        sized by the memory profile."""
+        config, model_config = self.config, self.model_config
+        before = memory_profile.baseline(self.device) if config.sizes_kv_from_memory else None
+        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
+                              tp_rank=self.tp_rank, tp_size=self.tp_size)
+        for layer in self.model.attention_layers:  # routing lays tokens out per expert node
+            layer.set_expert_nodes(node_of, len(self.expert_nodes))
+        with torch.inference_mode():
+            self.model.load_weights(weights, show_progress=config.show_progress)
+        # Kernels built and decided before serving and before the memory profile (kernel_warmup.py).
+        warmup = warm_up_engine(self.model, config, max_model_len)
+        kv_budget = self.profile_memory(before, max_model_len)
+        self.kernels = warmup.finish()
+        # Each rank caches its own KV heads; all ranks agree on the block count.
+        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
+                                                             self.tp_group, kv_budget)
 
     def profile_memory(self, before: MemorySnapshot | None, max_model_len: int) -> int | None:
         """The KV budget gpu_memory_utilization leaves this rank after `profile_step`, the least
