@@ -203,6 +203,56 @@ class HFTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """Each token id's bytes where decoding is their concatenation read as UTF-8 (a byte-level
+        BPE whose decoder is exactly `ByteLevel`, with no clean-up): what `tokenizers`' ByteLevel
+        decoder maps each token's characters to (a token with a character outside the byte
+        alphabet gives its own UTF-8 bytes), special tokens empty when skipped. None otherwise.
+        Built once per setting, on first use."""
+        if self._clean_up or type(self._tok.decoder).__name__ != "ByteLevel":
+            return None
+        tables = self.__dict__.setdefault("_token_bytes", {})
+        if skip_special_tokens not in tables:
+            byte_of = _byte_level_alphabet()
+            special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+            table = []
+            for i in range(self.vocab_size):
+                token = self._tok.id_to_token(i)
+                if token is None or (skip_special_tokens and i in special):
+                    table.append(b"")
+                elif all(c in byte_of for c in token):
+                    table.append(bytes(byte_of[c] for c in token))
+                else:
+                    table.append(token.encode("utf-8"))
+            tables[skip_special_tokens] = table
+        return tables[skip_special_tokens]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character map, inverted: the character byte-level BPE writes for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _complete_prefix(data: bytearray) -> int:
+    """How many leading bytes of `data` to decode now: all but a trailing UTF-8 sequence that is
+    still incomplete (a lead byte whose continuation bytes have not all arrived)."""
+    n = len(data)
+    for back in range(1, min(3, n) + 1):
+        b = data[n - back]
+        if b & 0xC0 == 0x80:  # a continuation byte: look further back for its lead
+            continue
+        need = 2 if 0xC2 <= b <= 0xDF else 3 if 0xE0 <= b <= 0xEF else 4 if 0xF0 <= b <= 0xF4 else 1
+        return n - back if need > back else n
+    return n
+
 
 def load_tokenizer(checkpoint: Path | None, cfg: ModelConfig) -> Tokenizer | None:
     """The checkpoint's tokenizer.json, the byte tokenizer for byte-vocabulary models, or None
@@ -215,7 +265,11 @@ def load_tokenizer(checkpoint: Path | None, cfg: ModelConfig) -> Tokenizer | Non
 
 
 class IncrementalDetokenizer:
-    """Text of the generated ids so far, emitted as deltas (vLLM's prefix/read offsets)."""
+    """A request's generated ids as text deltas. A byte-level BPE (`HFTokenizer.token_bytes`)
+    appends each token's bytes and reads off the complete UTF-8, holding back an unfinished
+    character; any other tokenizer decodes two windows per token (vLLM's prefix/read offsets),
+    since its decoding is not concatenation (Metaspace, byte fallback, stripping, clean-up).
+    Either way the deltas and the flush add up to `decode` of all the ids."""
 
     def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -223,7 +277,11 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""
+        # Byte-level BPE: decoding is concatenation, so each token's bytes are appended and the
+        # complete UTF-8 read off (a step's cost per sequence a dict-free lookup, not two decodes).
+        table = getattr(tokenizer, "token_bytes", None)
+        self._bytes: list[bytes] | None = table(skip_special_tokens) if table is not None else None
+        self._pending = bytearray()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -233,6 +291,16 @@ class IncrementalDetokenizer:
         tokenizer = self.tokenizer
         if tokenizer is None:
             return ""
+        if self._bytes is not None:
+            pending, table = self._pending, self._bytes
+            for i in new_ids:
+                pending += table[i]
+            cut = _complete_prefix(pending)
+            if not cut:
+                return ""
+            delta = pending[:cut].decode("utf-8", errors="replace")
+            del pending[:cut]
+            return delta
         ids = self.ids
         ids.extend(new_ids)
         skip = self.skip_special_tokens
@@ -244,15 +312,17 @@ class IncrementalDetokenizer:
         # The last emitted piece stays as context, so merges and leading spaces decode right.
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        self.text += delta
         return delta
 
     def flush(self) -> str:
         """At the end: whatever was held back, replacement characters included."""
+        if self._bytes is not None:
+            delta = self._pending.decode("utf-8", errors="replace")
+            self._pending.clear()
+            return delta
         if self.tokenizer is None or self.read_offset == len(self.ids):
             return ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         delta = self._decode(self.ids[self.prefix_offset:])[len(prefix):]
         self.read_offset = len(self.ids)
-        self.text += delta
         return delta

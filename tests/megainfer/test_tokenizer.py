@@ -123,3 +123,25 @@ def test_unknown_special_token_in_config_is_a_checkpoint_error(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="added_tokens_decoder"):
         HFTokenizer(tmp_path)
+
+
+def test_byte_level_tokenizers_stream_by_bytes_and_others_by_windows(tmp_path):
+    qwen = HFTokenizer(write_qwen_style_tokenizer(tmp_path / "qwen"))
+    llama = HFTokenizer(write_llama_style_tokenizer(tmp_path / "llama"))
+    assert IncrementalDetokenizer(qwen)._bytes is not None  # ByteLevel decoder: concatenation
+    assert IncrementalDetokenizer(llama)._bytes is None  # Metaspace, byte fallback, strip: windows
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_byte_path_equals_decode_on_random_ids_special_tokens_and_broken_utf8_included(tmp_path, skip):
+    """Any ids, not only what a text encodes to: a model may sample half a character, a special
+    token or bytes that are not UTF-8 at all. Streamed and flushed, the text is decode's."""
+    import random
+
+    tok = HFTokenizer(write_qwen_style_tokenizer(tmp_path, additional_special_tokens=["<|im_start|>", "<|im_end|>"]))
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        pieces = [detok.add([i]) for i in ids]
+        assert "".join(pieces) + detok.flush() == tok.decode(ids, skip_special_tokens=skip), ids
