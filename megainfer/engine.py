@@ -24,7 +24,7 @@ from megainfer.output_stream import OutputStream
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput
-from megainfer.sequence import Sequence
+from megainfer.sequence import Sequence, SequenceStatus
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -202,19 +202,24 @@ class Engine:
         return [self._delta(seq, logprobs.get(seq.request_id)) for seq in advanced]
 
     def _delta(self, seq: Sequence, logprobs: PositionLogprobs | None) -> RequestDelta:
+        # Runs for every sequence of every step: no property calls, prompt logprobs looked at
+        # only where the request asked for them.
         token = seq.token_ids[-1]
         stream = self._streams[seq.request_id]
         try:
             text = stream.next_text(seq)
             token_logprobs = stream.with_text([logprobs]) if logprobs is not None else None
-            prompt_logprobs = stream.take_prompt_logprobs() if seq.num_output_tokens == 1 else None
+            prompt_logprobs = stream.take_prompt_logprobs() if stream.prompt_logprobs is not None and \
+                len(seq.token_ids) - len(seq.prompt_token_ids) == 1 else None
         except Exception as exc:  # e.g. a token the tokenizer cannot decode: this request alone fails
             return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
-        if stream.stop_string is not None:  # finished now: its blocks are freed before the next step
-            self.scheduler.stop(seq, stream.stop_string)
-        delta = RequestDelta(seq.request_id, [token], text, seq.is_finished, seq.finish_reason,
-                             logprobs=token_logprobs, prompt_logprobs=prompt_logprobs, stop_reason=seq.stop_reason)
-        if seq.is_finished:
+        stops = stream.stops
+        if stops is not None and stops.stop_string is not None:  # finished now: blocks freed before the next step
+            self.scheduler.stop(seq, stops.stop_string)
+        finished = seq.status is SequenceStatus.FINISHED
+        delta = RequestDelta(seq.request_id, [token], text, finished, seq.finish_reason, None, None, token_logprobs,
+                             prompt_logprobs, seq.stop_reason)
+        if finished:
             delta.metrics = self._metrics(seq)
             self._forget(seq.request_id)
         return delta
