@@ -35,6 +35,7 @@ classes among them are looked up in a fixed list on arrival.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import uuid
@@ -46,6 +47,8 @@ import torch
 from megainfer.disagg.staging_sizes import ALIGN
 from megainfer.errors import DataPlaneError
 from transport.rounds import BYTE_LENGTH, FLAGS
+
+logger = logging.getLogger(__name__)
 
 OFFER = 2  # header flag of the offers' round (expert_link.BUSY is 1)
 SHM_DIR = "/dev/shm"
@@ -162,6 +165,14 @@ class _Peer:
     events: list = field(default_factory=list)  # CUDA: the peer's send events, opened here
 
 
+def stage_round(arrivals, micro_batch: int, row_bytes: int, staging) -> torch.Tensor:
+    """A round's rows, peer order, through the host: gathered into `staging`'s landing buffer for
+    the micro-batch, then one copy to the device (on the CPU, the buffer itself)."""
+    host = staging.landing(int(arrivals.token_counts.sum()) * row_bytes, slot=micro_batch)
+    arrivals.gather_into(host)
+    return staging.upload(host, slot=micro_batch)
+
+
 def device_slots_for(name: str, peers: tuple[str, ...], device, micro_batches: int, region_bytes: int,
                      tp_size: int) -> "DeviceSlots | None":
     """A node's device slots where it asks for them (`region_bytes` > 0), else None; refused for
@@ -220,7 +231,19 @@ class DeviceSlots:
     def exchange(self, link) -> None:
         """Trade offers with every peer over `link` (one round each way, micro-batch 0) and open
         the direct peers' regions and events. Both ends of every pair call it at the same point
-        of their protocol: the first round of a wiring."""
+        of their protocol: the first round of a wiring. Any failure is a DataPlaneError."""
+        try:
+            self._exchange(link)
+        except DataPlaneError:
+            raise
+        except Exception as exc:
+            raise DataPlaneError(f"{self.name}: cannot trade device-slot offers with {', '.join(self.peers)}: "
+                                 f"{exc}") from exc
+        direct = self.direct_peers()
+        logger.info("%s: device slots with %s; through the host with %s", self.name, ", ".join(direct) or "no peer",
+                    ", ".join(p for p in self.peers if p not in direct) or "none")
+
+    def _exchange(self, link) -> None:
         blob = np.frombuffer(self.offer.to_json(), dtype=np.uint8).copy()
         n = len(self.peers)
         link.post_round(self.peers, torch.from_numpy(blob), np.zeros(n, np.int64), np.full(n, blob.size, np.int64),
@@ -328,6 +351,13 @@ class DeviceSlots:
         if not pieces:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def land_or_stage(self, arrivals, micro_batch: int, row_bytes: int, staging) -> torch.Tensor:
+        """`land` where some peer is direct, else the staged path: every payload gathered into
+        `staging`'s landing buffer and uploaded in one copy."""
+        if self.any_direct:
+            return self.land(arrivals, micro_batch, row_bytes, staging)
+        return stage_round(arrivals, micro_batch, row_bytes, staging)
 
     def length_mismatch(self, arrivals, row_bytes: int) -> int:
         """The first host peer whose message is not its token count x `row_bytes` bytes (direct

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from megainfer import memory_profile
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
-from megainfer.disagg.device_slots import device_slots_for
+from megainfer.disagg.device_slots import device_slots_for, stage_round
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
@@ -40,7 +40,6 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
-from megainfer.errors import DataPlaneError
 from transport.rounds import LAYER, STEP, row_ranges
 
 CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
@@ -171,7 +170,7 @@ class ExpertWorker:
                 for n in counts.tolist():
                     timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
             mark = timeline.compute_start()
-            records = self._land(arrivals, j, total) if total else None
+            records = self._land(arrivals, j) if total else None
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
@@ -191,22 +190,15 @@ class ExpertWorker:
         timeline.compute_end(mark, step, layer, j, total)
         return step, total
 
-    def _land(self, arrivals, j: int, total: int) -> torch.Tensor:
+    def _land(self, arrivals, j: int) -> torch.Tensor:
         """A round's records on the device, attention-node order, as flat bytes."""
-        if self.slots is not None and self.slots.any_direct:
-            return self.slots.land(arrivals, j, self.record_size, self.staging)
-        host = self.staging.landing(total * self.record_size, slot=j)
-        arrivals.gather_into(host)
-        return self.staging.upload(host, slot=j)
+        if self.slots is not None:
+            return self.slots.land_or_stage(arrivals, j, self.record_size, self.staging)
+        return stage_round(arrivals, j, self.record_size, self.staging)
 
     def _wire_slots(self) -> None:
         """Trade device-slot offers with the attention nodes (the first round of a wiring)."""
-        try:
-            self.slots.exchange(self.link)
-        except DataPlaneError:
-            raise
-        except Exception as exc:
-            raise DataPlaneError(f"cannot trade device-slot offers with the attention nodes: {exc}") from exc
+        self.slots.exchange(self.link)
         self._slots_wired = True
 
     def rewired(self) -> None:

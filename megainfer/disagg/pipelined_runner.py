@@ -34,7 +34,7 @@ import torch
 from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
-from megainfer.disagg.device_slots import device_slots_for
+from megainfer.disagg.device_slots import device_slots_for, stage_round
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, record_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
@@ -413,17 +413,8 @@ class PipelinedModelRunner:
 
     def _wire_slots(self) -> None:
         """Trade device-slot offers with the expert nodes (the first round of a wiring)."""
-        try:
-            self.slots.exchange(self.link)
-        except DataPlaneError:
-            raise
-        except Exception as exc:
-            raise DataPlaneError(f"cannot trade device-slot offers with the expert nodes: {exc}") from exc
+        self.slots.exchange(self.link)
         self._slots_wired = True
-        direct = self.slots.direct_peers()
-        logger.info("%s: device slots with %s; through the host with %s", self.timeline.name,
-                    ", ".join(direct) or "no expert node",
-                    ", ".join(p for p in self.peers if p not in direct) or "none")
 
     def _combine(self, layer: int, j: int, residual: torch.Tensor | None) -> torch.Tensor | None:
         """Micro-batch j's answers of `layer` added into its residual stream: gathered end to end
@@ -441,7 +432,7 @@ class PipelinedModelRunner:
             if residual is not None:
                 y = torch.zeros_like(residual)
                 if total:
-                    y.index_add_(0, routed.rows, self._land(arrivals, j, total).view(self.dtype).view(-1, y.shape[1]))
+                    y.index_add_(0, routed.rows, self._land(arrivals, j).view(self.dtype).view(-1, y.shape[1]))
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if y is None:
@@ -450,13 +441,11 @@ class PipelinedModelRunner:
             self.tp_group.all_reduce(y)
         return residual + y
 
-    def _land(self, arrivals, j: int, total: int) -> torch.Tensor:
+    def _land(self, arrivals, j: int) -> torch.Tensor:
         """A round's answers on the device, expert-node order, as flat bytes."""
-        if self.slots is not None and self.slots.any_direct:
-            return self.slots.land(arrivals, j, self.answer_row_bytes, self.staging)
-        host = self.staging.landing(total * self.answer_row_bytes, slot=j)
-        arrivals.gather_into(host)
-        return self.staging.upload(host, slot=j)
+        if self.slots is not None:
+            return self.slots.land_or_stage(arrivals, j, self.answer_row_bytes, self.staging)
+        return stage_round(arrivals, j, self.answer_row_bytes, self.staging)
 
     def _check_answers(self, arrivals, routed: RoutedTokens, layer: int, j: int) -> int:
         """The answers belong to (this step, `layer`) and carry the tokens sent; returns their
