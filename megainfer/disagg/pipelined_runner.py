@@ -272,9 +272,8 @@ class PipelinedModelRunner:
         seqs = out.all_seqs
         self.step_tokens = (out.total_tokens, out.total_tokens - out.num_single_token)
         self.cohort_hidden.forget_departed(seqs, layout)
-        states = [MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden, self.config.block_size,
-                                          self.device) for batch in layout.micro_batches]
-        expert_counts = self._pass_layers(layout, states)
+        states: list[MicroBatchState | None] = [None] * self.m  # each prepared just before its first layer
+        expert_counts = self._pass_layers(layout, states, seqs)
         # Every rank keeps the cohort's hidden states for the next group (followers too: each
         # rank's attention needs them whole); after the last group, completed prompts sample.
         for state in states:
@@ -286,10 +285,13 @@ class PipelinedModelRunner:
         self.timeline.end_step()
         return result
 
-    def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState]) -> torch.Tensor:
+    def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState | None], seqs: list) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer
         before, then runs this layer's attention and dispatches. Returns tokens routed to each
-        expert, [layer, expert], on the device."""
+        expert, [layer, expert], on the device. Micro-batch j's inputs are prepared (into
+        `states[j]`) right before its first layer: the expert nodes, idle between steps, get
+        micro-batch 0's dispatch without waiting for the others' inputs, which are built while
+        they work on it."""
         cfg = self.model_config
         residual: list[torch.Tensor | None] = [None] * self.m
         expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
@@ -302,6 +304,10 @@ class PipelinedModelRunner:
             for j, state in enumerate(states):
                 if layer:
                     state.hidden = self._combine(layer - 1, j, residual[j])
+                else:
+                    states[j] = state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[j],
+                                                                self.cohort_hidden, self.config.block_size,
+                                                                self.device)
                 state.cross(layout, layer)
                 residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer),
                                                         expert_counts)

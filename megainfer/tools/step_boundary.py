@@ -39,6 +39,7 @@ class BoundaryPhases:
     """CPU seconds per phase, summed over the measured steps."""
 
     prepare: float = 0.0  # StepLayout and every micro-batch's inputs
+    prepare_after_first: float = 0.0  # of it, micro-batches 1.. (built once micro-batch 0 is dispatched)
     sample: float = 0.0  # the sampler's host side, its argmax stand-in taken out
     argmax: float = 0.0  # the argmax over the logits (demo vocabulary, 2,048 wide): device work on a GPU
     bookkeeping: float = 0.0  # the rest of Engine.step: schedule, update_from_output, deltas
@@ -53,6 +54,13 @@ class BoundaryPhases:
 
     def argmax_ms(self) -> float:
         return self.argmax / max(self.steps, 1) * 1e3
+
+    def wait_ms(self) -> float:
+        """The part of the boundary the expert nodes wait through: from the last answer of a step
+        to the first dispatch of the next, i.e. all of it but micro-batches 1..'s inputs, which
+        the runner builds after micro-batch 0's first layer (`PipelinedModelRunner._pass_layers`).
+        Micro-batch 0's layer-0 attention is device work, not counted."""
+        return sum(self.per_step_ms().values()) - self.prepare_after_first / max(self.steps, 1) * 1e3
 
 
 class BoundaryRunner:
@@ -83,11 +91,17 @@ class BoundaryRunner:
         layout = StepLayout.of(out, self.m)
         seqs = out.all_seqs
         self.cohort_hidden.forget_departed(seqs, layout)
-        states = [MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden, self.config.block_size,
-                                          self.device) for batch in layout.micro_batches]
+        states = []
+        for batch in layout.micro_batches:  # in the runner's order; 1.. after micro-batch 0's dispatch
+            if len(states) == 1:
+                first = time.process_time()
+            states.append(MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden,
+                                                  self.config.block_size, self.device))
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
         t1 = time.process_time()
+        if len(states) > 1:
+            self.phases.prepare_after_first += t1 - first
         result = sample_rows(lambda hidden: self._logits[:hidden.shape[0]],
                              lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,
                              self.sampler, seqs, layout)

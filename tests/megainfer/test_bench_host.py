@@ -40,7 +40,8 @@ def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
     assert result["attention_round_cpu_us"]["python"]["message_bytes"] == 4096
     # The step boundary at 512, 1,024 and the plan's max_num_seqs, and the driver's share.
     assert "step boundary of one attention rank" in out.stdout and "driver:" in out.stdout
-    assert result["step_boundary_cpu_ms"] > 0 and result["boundary_wait_ms"] > 0 and result["driver_delta_cpu_ms"] > 0
+    assert result["step_boundary_cpu_ms"] > 0 and result["driver_delta_cpu_ms"] > 0
+    assert 0 < result["boundary_wait_ms"] <= result["step_boundary_cpu_ms"]
     by_running = result["step_boundary_by_running"]
     assert {"512", "1024"} <= set(by_running)
     assert all(row["total"] == pytest.approx(sum(row[k] for k in ("prepare", "sample", "bookkeeping", "deltas_out")))
