@@ -378,19 +378,29 @@ class Scheduler:
         blocks = self.block_manager
         # Decodes before prefill chunks (stable): decodes never wait behind a prompt, and
         # the preemption victims taken from the tail are always not-yet-scheduled ones.
-        self.running = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))
+        self.running = deque(sorted(self.running, key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1))
         capped = self.step_cap is None or not self.policy.uses_token_budget
+        block_size, schedules_itself = blocks.block_size, self.policy.schedules_itself
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self.policy.schedules_itself(seq):
+            if schedules_itself(seq):
                 i += 1
                 continue
-            if seq.num_uncomputed_tokens > 1 and not capped:  # the decodes are in: cap the prompts
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            # The common case, written out (it runs for every decode of every step): one token
+            # whose KV fits the sequence's last block.
+            if uncomputed == 1 and seq.num_computed_tokens < len(seq.block_table) * block_size:
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(1)
+                budget -= 1
+                i += 1
+                continue
+            if uncomputed > 1 and not capped:  # the decodes are in: cap the prompts
                 budget, capped = self._capped(out, budget), True
                 if budget <= 0:
                     break
-            n = 1 if seq.num_uncomputed_tokens == 1 else self.policy.num_prefill_tokens(seq, budget)
+            n = 1 if uncomputed == 1 else self.policy.num_prefill_tokens(seq, budget)
             if n <= 0:
                 break
             while not blocks.can_allocate(seq, n):
