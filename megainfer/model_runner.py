@@ -53,17 +53,8 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        before = memory_profile.baseline(self.device) if config.sizes_kv_from_memory else None
-        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len)
-        with torch.inference_mode():
-            self.model.load_weights(weights, show_progress=config.show_progress)
-        # Every kernel variant built and every shape's implementation decided before serving (and
-        # before the memory profile, whose largest step then runs what serving will run).
-        warmup = warm_up_engine(self.model, config, max_model_len)
-        kv_budget = self.profile_memory(before, max_model_len)
-        self.kernels = warmup.finish()
-        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
-                                                             kv_budget_bytes=kv_budget)
+        load_and_size(self, lambda: MoEModel(model_config, self.dtype, self.device, max_model_len), weights,
+                      max_model_len)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
@@ -377,6 +368,26 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
         query_start_host=starts.tolist(),
     )
     return torch.tensor(token_ids, device=device), torch.from_numpy(positions).to(device), batch
+
+
+def load_and_size(runner, build: Callable[[], MoEModel], weights: WeightSource, max_model_len: int,
+                  tp_group: TensorParallelGroup | None = None) -> None:
+    """A runner's model and KV cache, in the one order that works: the memory baseline, the model
+    (`build()`) with its weights, every kernel variant built and every shape's implementation
+    decided (before serving, and before the memory profile, whose largest step then runs what
+    serving will run), the profile (`runner.profile_memory`, which runs `runner.model`), then the
+    KV cache in what it leaves (a tensor-parallel node's ranks agree on the block count). Sets
+    `runner.model`, `kernels`, `num_blocks` and `kv_caches`."""
+    config = runner.config
+    before = memory_profile.baseline(runner.device) if config.sizes_kv_from_memory else None
+    runner.model = build()
+    with torch.inference_mode():
+        runner.model.load_weights(weights, show_progress=config.show_progress)
+    warmup = warm_up_engine(runner.model, config, max_model_len)
+    kv_budget = runner.profile_memory(before, max_model_len)
+    runner.kernels = warmup.finish()
+    runner.num_blocks, runner.kv_caches = allocate_kv_caches(runner.model_config, config, max_model_len, runner.device,
+                                                             tp_group, kv_budget)
 
 
 def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_model_len: int, device: torch.device,

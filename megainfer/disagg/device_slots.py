@@ -165,12 +165,25 @@ class _Peer:
     events: list = field(default_factory=list)  # CUDA: the peer's send events, opened here
 
 
-def stage_round(arrivals, micro_batch: int, row_bytes: int, staging) -> torch.Tensor:
-    """A round's rows, peer order, through the host: gathered into `staging`'s landing buffer for
-    the micro-batch, then one copy to the device (on the CPU, the buffer itself)."""
+def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None") -> torch.Tensor:
+    """A collected round's rows, peer order, end to end, as flat bytes on the node's device: by
+    `slots.land` where some peer is direct, else through the host (gathered into `staging`'s
+    landing buffer for the micro-batch, then one copy to the device; on the CPU the buffer)."""
+    if slots is not None and slots.any_direct:
+        return slots.land(arrivals, micro_batch, row_bytes, staging)
     host = staging.landing(int(arrivals.token_counts.sum()) * row_bytes, slot=micro_batch)
     arrivals.gather_into(host)
     return staging.upload(host, slot=micro_batch)
+
+
+def round_mismatch(arrivals, step: int, layer: int, row_bytes: int, slots: "DeviceSlots | None",
+                   token_counts: np.ndarray | None = None) -> int:
+    """`Arrivals.mismatch` where a direct peer's header carries no payload: its byte length is
+    not checked (its bytes went by the region), every host peer's is."""
+    if slots is None or not slots.any_direct:
+        return arrivals.mismatch(step, layer, row_bytes, token_counts)
+    k = arrivals.mismatch(step, layer, -1, token_counts)
+    return k if k >= 0 else slots.length_mismatch(arrivals, row_bytes)
 
 
 def device_slots_for(name: str, peers: tuple[str, ...], device, micro_batches: int, region_bytes: int,
@@ -351,13 +364,6 @@ class DeviceSlots:
         if not pieces:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-    def land_or_stage(self, arrivals, micro_batch: int, row_bytes: int, staging) -> torch.Tensor:
-        """`land` where some peer is direct, else the staged path: every payload gathered into
-        `staging`'s landing buffer and uploaded in one copy."""
-        if self.any_direct:
-            return self.land(arrivals, micro_batch, row_bytes, staging)
-        return stage_round(arrivals, micro_batch, row_bytes, staging)
 
     def length_mismatch(self, arrivals, row_bytes: int) -> int:
         """The first host peer whose message is not its token count x `row_bytes` bytes (direct

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from megainfer import memory_profile
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
-from megainfer.disagg.device_slots import device_slots_for, stage_round
+from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
@@ -170,7 +170,7 @@ class ExpertWorker:
                 for n in counts.tolist():
                     timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
             mark = timeline.compute_start()
-            records = self._land(arrivals, j) if total else None
+            records = land_round(arrivals, j, self.record_size, self.staging, self.slots) if total else None
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
@@ -189,12 +189,6 @@ class ExpertWorker:
         self._flush_landed()
         timeline.compute_end(mark, step, layer, j, total)
         return step, total
-
-    def _land(self, arrivals, j: int) -> torch.Tensor:
-        """A round's records on the device, attention-node order, as flat bytes."""
-        if self.slots is not None:
-            return self.slots.land_or_stage(arrivals, j, self.record_size, self.staging)
-        return stage_round(arrivals, j, self.record_size, self.staging)
 
     def _wire_slots(self) -> None:
         """Trade device-slot offers with the attention nodes (the first round of a wiring)."""
@@ -240,10 +234,7 @@ class ExpertWorker:
     def _check(self, arrivals, layer: int) -> int:
         """The step every attention node's message belongs to; each must be (that step, `layer`)
         and hold exactly its header's records."""
-        direct = self.slots is not None and self.slots.any_direct  # their headers carry no payload
-        a = arrivals.mismatch(-1, layer, -1 if direct else self.record_size)
-        if a < 0 and direct:
-            a = self.slots.length_mismatch(arrivals, self.record_size)
+        a = round_mismatch(arrivals, -1, layer, self.record_size, self.slots)
         if a < 0:
             return int(arrivals.fields[0, STEP])
         fields, step = arrivals.fields, arrivals.fields[0, STEP]

@@ -34,20 +34,19 @@ import torch
 from megainfer import memory_profile
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
-from megainfer.disagg.device_slots import device_slots_for, stage_round
+from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, record_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.errors import DataPlaneError
-from megainfer.kernel_warmup import warm_up_engine
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.memory_profile import MemorySnapshot
-from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, allocate_kv_caches,
-                                    profile_inputs, profile_sampling, sample_step)
+from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, load_and_size, profile_inputs,
+                                    profile_sampling, sample_step)
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import StepLayout
@@ -161,7 +160,8 @@ class PipelinedModelRunner:
         node_of = expert_node_map(model_config.num_experts, expert_nodes, expert_assignment).to(self.device)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        self._load(weights, max_model_len, node_of)
+        # Each rank caches its own KV heads; all ranks agree on the block count.
+        load_and_size(self, lambda: self._attention_model(max_model_len, node_of), weights, max_model_len, tp_group)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
@@ -188,24 +188,13 @@ class PipelinedModelRunner:
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
         self._compute_mark = None  # where the running (layer, micro-batch)'s compute began
 
-    def _load(self, weights: WeightSource, max_model_len: int, node_of: torch.Tensor) -> None:
-        """This rank's attention halves with their weights, kernels warmed up, and its KV cache
-        sized by the memory profile."""
-        config, model_config = self.config, self.model_config
-        before = memory_profile.baseline(self.device) if config.sizes_kv_from_memory else None
-        self.model = MoEModel(model_config, self.dtype, self.device, max_model_len, with_experts=False,
-                              tp_rank=self.tp_rank, tp_size=self.tp_size)
-        for layer in self.model.attention_layers:  # routing lays tokens out per expert node
+    def _attention_model(self, max_model_len: int, node_of: torch.Tensor) -> MoEModel:
+        """This rank's attention halves (its heads), routing tokens out per expert node."""
+        model = MoEModel(self.model_config, self.dtype, self.device, max_model_len, with_experts=False,
+                         tp_rank=self.tp_rank, tp_size=self.tp_size)
+        for layer in model.attention_layers:
             layer.set_expert_nodes(node_of, len(self.expert_nodes))
-        with torch.inference_mode():
-            self.model.load_weights(weights, show_progress=config.show_progress)
-        # Kernels built and decided before serving and before the memory profile (kernel_warmup.py).
-        warmup = warm_up_engine(self.model, config, max_model_len)
-        kv_budget = self.profile_memory(before, max_model_len)
-        self.kernels = warmup.finish()
-        # Each rank caches its own KV heads; all ranks agree on the block count.
-        self.num_blocks, self.kv_caches = allocate_kv_caches(model_config, config, max_model_len, self.device,
-                                                             self.tp_group, kv_budget)
+        return model
 
     def profile_memory(self, before: MemorySnapshot | None, max_model_len: int) -> int | None:
         """The KV budget gpu_memory_utilization leaves this rank after `profile_step`, the least
@@ -438,7 +427,8 @@ class PipelinedModelRunner:
             if residual is not None:
                 y = torch.zeros_like(residual)
                 if total:
-                    y.index_add_(0, routed.rows, self._land(arrivals, j).view(self.dtype).view(-1, y.shape[1]))
+                    values = land_round(arrivals, j, self.answer_row_bytes, self.staging, self.slots)
+                    y.index_add_(0, routed.rows, values.view(self.dtype).view(-1, y.shape[1]))
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if y is None:
@@ -447,19 +437,10 @@ class PipelinedModelRunner:
             self.tp_group.all_reduce(y)
         return residual + y
 
-    def _land(self, arrivals, j: int) -> torch.Tensor:
-        """A round's answers on the device, expert-node order, as flat bytes."""
-        if self.slots is not None:
-            return self.slots.land_or_stage(arrivals, j, self.answer_row_bytes, self.staging)
-        return stage_round(arrivals, j, self.answer_row_bytes, self.staging)
-
     def _check_answers(self, arrivals, routed: RoutedTokens, layer: int, j: int) -> int:
         """The answers belong to (this step, `layer`) and carry the tokens sent; returns their
         total. Notes the BUSY flag."""
-        direct = self.slots is not None and self.slots.any_direct  # their headers carry no payload
-        k = arrivals.mismatch(self.step_id, layer, -1 if direct else self.answer_row_bytes, routed.counts)
-        if k < 0 and direct:
-            k = self.slots.length_mismatch(arrivals, self.answer_row_bytes)
+        k = round_mismatch(arrivals, self.step_id, layer, self.answer_row_bytes, self.slots, routed.counts)
         fields, counts = arrivals.fields, arrivals.token_counts
         if k >= 0:
             node = self.peers[k]
