@@ -212,7 +212,8 @@ class DeviceSlots:
         if self.on_cuda and self.device.index is None:  # IPC events are opened on a numbered device
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.micro_batches = micro_batches
-        self.region_bytes = -(-region_bytes // ALIGN) * ALIGN  # every row starts aligned for any dtype view
+        # Every row starts aligned, so any dtype view of a peer's bytes is valid.
+        self.region_bytes = region_bytes = -(-region_bytes // ALIGN) * ALIGN
         shape = (micro_batches, len(self.peers), region_bytes)
         self._path = ""
         if self.on_cuda:

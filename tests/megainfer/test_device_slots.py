@@ -147,3 +147,12 @@ def test_an_offer_travels_as_checked_json_and_its_cuda_handle_round_trips():
 def test_a_bad_offer_is_a_clear_error_naming_the_peer(data, match):
     with pytest.raises(DataPlaneError, match=match):
         SlotOffer.from_json(data, "e7")
+
+
+def test_rows_are_aligned_and_the_offer_says_the_size_the_region_has():
+    """A row per (micro-batch, peer), each starting aligned: the offer names the rounded size, which
+    is what the peer maps and what reads are bounded by."""
+    s = DeviceSlots("a", ("e0", "e1"), "cpu", 2, 100)
+    assert s.region.shape == (2, 2, 128) and s.offer.region_bytes == s.region_bytes == 128
+    assert all(s.region[j, i].data_ptr() % 64 == 0 for j in range(2) for i in range(2))
+    s.close()
