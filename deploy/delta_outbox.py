@@ -43,4 +43,4 @@ class DeltaOutbox:
                 self._ready.wait(timeout)
             if not self._deltas:
                 return DeltaBatch(self.incarnation, max(after, self._next - 1))
-            return DeltaBatch(self.incarnation, self._deltas[-1][0], [d for _, d in self._deltas])
+            return DeltaBatch.of(self.incarnation, self._deltas[-1][0], [d for _, d in self._deltas])

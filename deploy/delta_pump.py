@@ -1,5 +1,6 @@
 """A thread per attention node that long-polls the node's outbox and hands each token delta
-to the frontend: tokens ride Ray's control plane, a few bytes per request and step. Each poll
+to the frontend, a batch at a time (`DeltaBatch`'s columns): tokens ride Ray's control plane, a
+few bytes per request and step. Each poll
 acknowledges what the last one returned (delta_outbox.py), so a poll lost to a timeout loses
 no delta."""
 
@@ -12,7 +13,7 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from megainfer.messages import RequestDelta
+from megainfer.messages import DeltaBatch
 
 POLL_S = 0.05  # the node answers a poll after this long with nothing to say
 POLL_TIMEOUT_S = 10.0
@@ -20,8 +21,8 @@ RETRY_S = 0.2  # after a failed poll: the supervisor handles the node, the pump 
 
 
 class DeltaPump:
-    def __init__(self, node, index: int, deliver: Callable[[int, RequestDelta], None]) -> None:
-        """deliver(index, delta): a delta of attention node number `index`."""
+    def __init__(self, node, index: int, deliver: Callable[[int, DeltaBatch], None]) -> None:
+        """deliver(index, batch): a poll answer of attention node number `index` (its columns)."""
         self.node = node
         self.index = index
         self.deliver = deliver
@@ -40,8 +41,8 @@ class DeltaPump:
                 time.sleep(RETRY_S)
                 continue
             self._incarnation, self._cursor = batch.incarnation, batch.last
-            for delta in batch.deltas:
-                self.deliver(self.index, delta)
+            if len(batch):
+                self.deliver(self.index, batch)
 
     def stop(self) -> None:
         self._stop.set()

@@ -21,9 +21,9 @@ from deploy.node_group import NodeGroup, states_of
 from deploy.ray_calls import cause
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.errors import DataPlaneError
-from megainfer.messages import NodeLoad, NodeState, RequestDelta
+from megainfer.messages import DeltaBatch, NodeLoad, NodeState, RequestDelta
 from megainfer.sampling_params import SamplingParams
-from megainfer.server.backend import RequestStream, StreamRegistry
+from megainfer.server.backend import RequestStream, StreamRegistry, foreign_places, without_places
 
 LOAD_REFRESH_S = 0.05  # how stale a router's view of the attention nodes may get
 SUBMIT_TIMEOUT_S = 30.0
@@ -82,7 +82,7 @@ class Frontend:
             first = len(self._nodes)
             self.groups.append(group)
             self._nodes += group.attention
-            self._pumps += [DeltaPump(node, first + i, self._deliver_from) for i, node in enumerate(group.attention)]
+            self._pumps += [DeltaPump(node, first + i, self._deliver_batch) for i, node in enumerate(group.attention)]
             self.registry.max_open = self.max_open_per_group * len(self.groups)
         self.refresh()
 
@@ -239,14 +239,39 @@ class Frontend:
         """A delta of node `node`. A request not held there (failed here while its node hung and
         sent elsewhere, a submission that timed out yet reached it) is dropped and aborted there."""
         if self._owner.get(delta.request_id) != node:
-            actor = None if delta.finished else self._actor(node)
-            if actor is not None:
-                actor.abort.remote(delta.request_id)  # frees its blocks
+            self._stray(node, delta.request_id, delta.finished)
             return
         self.ttft_feedback.observe(delta, self.router)
         if delta.finished:
             self._owner.pop(delta.request_id, None)
         self.registry.deliver(delta)
+
+    def _deliver_batch(self, node: int, batch: DeltaBatch) -> None:
+        """A poll answer of node `node`, every step: its plain deltas checked and handed on as
+        columns (`foreign_places`, `StreamRegistry.deliver_batch`), the others one by one."""
+        strays = foreign_places(batch.request_ids, self._owner, node)
+        if strays:
+            for place in strays:
+                self._stray(node, batch.request_ids[place], False)
+            batch = without_places(batch, strays)
+        self.ttft_feedback.observe_first(batch.request_ids, self.router)
+        others = []
+        for before, delta in batch.others:
+            if self._owner.get(delta.request_id) != node:
+                self._stray(node, delta.request_id, delta.finished)
+                continue
+            self.ttft_feedback.observe(delta, self.router)
+            if delta.finished:
+                self._owner.pop(delta.request_id, None)
+            others.append((before, delta))
+        batch.others = others
+        self.registry.deliver_batch(batch)
+
+    def _stray(self, node: int, request_id: str, finished: bool) -> None:
+        """A delta of a request not held at `node`: dropped, and the request aborted there."""
+        actor = None if finished else self._actor(node)
+        if actor is not None:
+            actor.abort.remote(request_id)  # frees its blocks
 
     def _forget(self, request_id: str) -> None:
         self.registry.close(request_id)
@@ -289,15 +314,24 @@ class TtftFeedback:
     def expect(self, request_id: str, submitted: float, predicted_ttft_s: float) -> None:
         self._predicted[request_id] = (submitted, predicted_ttft_s)
 
+    def observe_first(self, request_ids: list[str], router) -> None:
+        """Plain deltas (one token each), as columns: only a request's first is looked at."""
+        if self._predicted:
+            for request_id in self._predicted.keys() & request_ids:
+                submitted, predicted = self._predicted.pop(request_id)
+                self._learn(router, predicted, time.monotonic() - submitted)
+
     def observe(self, delta: RequestDelta, router) -> None:
         if delta.request_id in self._predicted and (delta.new_token_ids or delta.finished):
             submitted, predicted = self._predicted.pop(delta.request_id)
             if delta.new_token_ids:
-                measured = time.monotonic() - submitted
-                self.router_error.observe(abs(measured - predicted))
-                learn = getattr(router, "observe_ttft", None)
-                if learn is not None:
-                    learn(predicted, measured)
+                self._learn(router, predicted, time.monotonic() - submitted)
+
+    def _learn(self, router, predicted: float, measured: float) -> None:
+        self.router_error.observe(abs(measured - predicted))
+        learn = getattr(router, "observe_ttft", None)
+        if learn is not None:
+            learn(predicted, measured)
 
     def forget(self, request_id: str) -> None:
         self._predicted.pop(request_id, None)

@@ -188,41 +188,49 @@ class DeltaBatch:
     cursor to acknowledge them with. Deltas stay on the node until acknowledged, so a poll whose
     answer never reached the poller (it timed out while the node was stopped, and ran later)
     loses nothing: the next poll returns them again. `incarnation` names the node's process; a
-    restarted node starts counting anew."""
+    restarted node starts counting anew.
+
+    It travels in columns, every step of every attention node: the plain deltas (one new token
+    and its text, nothing else: almost all of them) as three lists, which pickle and unpickle in
+    C and which the driver fans out to streams without building an object per delta
+    (`StreamRegistry.deliver_batch`); the others whole, each with the number of plain deltas
+    that come before it, so the order within a request holds."""
 
     incarnation: str
-    last: int  # sequence number of the last delta in `deltas` (the cursor if there are none)
-    deltas: list[RequestDelta] = field(default_factory=list)
+    last: int  # sequence number of the last delta in the batch (the cursor if there are none)
+    request_ids: list[str] = field(default_factory=list)  # the plain deltas, in order
+    token_ids: list[int] = field(default_factory=list)  # each one's new token
+    texts: list[str] = field(default_factory=list)  # each one's new text
+    others: list[tuple[int, RequestDelta]] = field(default_factory=list)  # (plain deltas before it, delta)
 
-    def __reduce__(self):
-        """Pickled in columns (Ray's reply to the driver, every step of every attention node):
-        the plain deltas, one new token and its text, as three lists; the others whole, with
-        their places. Unpickling a thousand objects field by field cost the driver ~2.4 us each;
-        the columns cost a quarter of that, and the node's pickling an eighth."""
-        ids, tokens, texts, places, others = [], [], [], [], []
-        for place, d in enumerate(self.deltas):
+    @classmethod
+    def of(cls, incarnation: str, last: int, deltas: list[RequestDelta]) -> "DeltaBatch":
+        batch = cls(incarnation, last)
+        ids, tokens, texts, others = batch.request_ids, batch.token_ids, batch.texts, batch.others
+        for d in deltas:
             if d.finished or len(d.new_token_ids) != 1 or d.logprobs is not None or d.prompt_logprobs is not None \
                     or d.stop_reason is not None or d.metrics is not None or d.error is not None:
-                others.append((place, d))
+                others.append((len(ids), d))
                 continue
             ids.append(d.request_id)
             tokens.append(d.new_token_ids[0])
             texts.append(d.new_text)
-        return _delta_batch_from_columns, (self.incarnation, self.last, ids, tokens, texts, others)
+        return batch
 
+    def __len__(self) -> int:
+        return len(self.request_ids) + len(self.others)
 
-def _delta_batch_from_columns(incarnation: str, last: int, ids: list[str], tokens: list[int], texts: list[str],
-                              others: list[tuple[int, RequestDelta]]) -> DeltaBatch:
-    plain = map(RequestDelta, ids, ([t] for t in tokens), texts)
-    if not others:
-        return DeltaBatch(incarnation, last, list(plain))
-    deltas: list[RequestDelta] = []
-    for place, delta in others:  # in order: the plain ones fill the places between
-        while len(deltas) < place:
-            deltas.append(next(plain))
-        deltas.append(delta)
-    deltas.extend(plain)
-    return DeltaBatch(incarnation, last, deltas)
+    @property
+    def deltas(self) -> list[RequestDelta]:
+        """Every delta as an object, in order (warm-up, tests; the driver's pump reads the columns)."""
+        plain = list(map(RequestDelta, self.request_ids, ([t] for t in self.token_ids), self.texts))
+        out: list[RequestDelta] = []
+        taken = 0
+        for before, delta in self.others:
+            out += plain[taken:before]
+            out.append(delta)
+            taken = before
+        return out + plain[taken:]
 
 
 @dataclass

@@ -10,50 +10,71 @@ from __future__ import annotations
 from collections import deque
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from megainfer.messages import ErrorCode, FinishReason, NodeRole, NodeStatus, RequestDelta
+from megainfer.messages import DeltaBatch, ErrorCode, FinishReason, NodeRole, NodeStatus, RequestDelta
 from megainfer.sampling_params import SamplingParams
 
 
 @dataclass
 class RequestStream:
-    """One request's deltas, in order: queued for a thread that calls `get`, or handed to a
-    listener (an event loop's, through `loop.call_soon_threadsafe`) once one is set."""
+    """One request's deltas, in order, read by its consumer: a thread that calls `get`, or one
+    woken through `listen` (a fan-in queue, an event loop) that then calls `pop`.
+
+    The driver delivers every request's delta of every step, so a delivery is one deque append
+    and one wake, with no lock and no object built (`StreamRegistry.deliver_batch` queues a
+    plain delta as its token and its text; `pop` makes the `RequestDelta` on the reading thread,
+    as it writes the response). Order needs no lock: one thread delivers to a stream and only
+    its consumer pops."""
 
     request_id: str
     prompt_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
-    # Queued deltas and their one lock (a deque and a condition, not a queue.Queue: the driver
-    # puts every request's delta of every step, and a Queue takes a second lock per put).
-    deltas: deque[RequestDelta] = field(default_factory=deque)
-    _listener: Callable[[RequestDelta], None] | None = field(default=None, repr=False)
-    _ready: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    # Deltas, a plain one as two items (token, text: `StreamRegistry.deliver_batch`)
+    deltas: deque[RequestDelta | int | str] = field(default_factory=deque)
+    _wake: Callable[[], None] | None = field(default=None, repr=False)
+    _ready: threading.Condition = field(default_factory=threading.Condition, repr=False)  # for `get`
 
     def put(self, delta: RequestDelta) -> None:
         """Deliver a delta (from the thread that pumps the engine's output)."""
-        with self._ready:  # held while the listener runs, so no delta overtakes one being handed over
-            if self._listener is None:
-                self.deltas.append(delta)
-                self._ready.notify()
-            else:
-                self._listener(delta)
+        self.deltas.append(delta)
+        self.woken()
 
-    def listen(self, listener: Callable[[RequestDelta], None]) -> None:
-        """Hand every delta to `listener` from now on, those already queued first. It runs on
-        the delivering thread and must not block (e.g. `loop.call_soon_threadsafe(q.put_nowait, d)`)."""
-        with self._ready:
-            while self.deltas:
-                listener(self.deltas.popleft())
-            self._listener = listener
+    def woken(self) -> None:
+        """A delta was appended: tell the consumer."""
+        wake = self._wake
+        if wake is not None:
+            wake()
+        else:
+            with self._ready:
+                self._ready.notify()
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` for every delta from now on (and now, once per delta already queued).
+        It runs on the delivering thread and must not block; the consumer then calls `pop`. A
+        delta delivered while this runs may be announced twice, so a wake may find nothing."""
+        self._wake = wake
+        for _ in range(len(self.deltas)):
+            wake()
+
+    def pop(self) -> RequestDelta | None:
+        """The next delta, or None if there is none."""
+        deltas = self.deltas
+        try:
+            item = deltas.popleft()
+        except IndexError:
+            return None
+        if isinstance(item, RequestDelta):
+            return item
+        return RequestDelta(self.request_id, [item], deltas.popleft())  # a plain delta: its token, then its text
 
     def get(self, timeout: float) -> RequestDelta | None:
         with self._ready:
             if not self.deltas and not self._ready.wait_for(lambda: self.deltas, timeout):
                 return None
-            return self.deltas.popleft()
+        return self.pop()
 
     def wait_finished(self, stall_s: float) -> RequestDelta:
         """Consume deltas until the last one and return it. Raises DataPlaneError if the
@@ -68,6 +89,27 @@ class RequestStream:
                 if delta.finish_reason is FinishReason.ERROR:
                     raise DataPlaneError(f"request {self.request_id} failed: {delta.error}")
                 return delta
+
+
+def foreign_places(request_ids: list[str], owner: Mapping[str, int], node: int) -> list[int]:
+    """The places in `request_ids` (a poll answer of node `node`) of requests `owner` does not
+    place at `node`: one lookup each in C, then a look at each place only when some differ."""
+    owners = list(map(owner.get, request_ids))
+    if owners.count(node) == len(owners):
+        return []
+    return [place for place, n in enumerate(owners) if n != node]
+
+
+def without_places(batch: DeltaBatch, places: list[int]) -> DeltaBatch:
+    """`batch` without the plain deltas at `places` (the others keep their order)."""
+    dropped = set(places)
+    keep = [p for p in range(len(batch.request_ids)) if p not in dropped]
+    before = [0] * (len(batch.request_ids) + 1)  # plain deltas kept before each old place
+    for p in range(len(batch.request_ids)):
+        before[p + 1] = before[p] + (p not in dropped)
+    return DeltaBatch(batch.incarnation, batch.last, [batch.request_ids[p] for p in keep],
+                      [batch.token_ids[p] for p in keep], [batch.texts[p] for p in keep],
+                      [(before[b], d) for b, d in batch.others])
 
 
 @dataclass
@@ -132,6 +174,37 @@ class StreamRegistry:
                 del self._streams[delta.request_id]
         if stream is not None:
             stream.put(delta)
+
+    def deliver_batch(self, batch: DeltaBatch) -> None:
+        """Every delta of an attention node's poll answer to its stream, in order. A plain delta
+        costs a lookup, an append and a wake (`RequestStream`); the others go through `deliver`."""
+        taken = 0
+        for before, delta in batch.others:
+            self._deliver_plain(batch, taken, before)
+            self.deliver(delta)
+            taken = before
+        self._deliver_plain(batch, taken, len(batch.request_ids))
+
+    def _deliver_plain(self, batch: DeltaBatch, start: int, stop: int) -> None:
+        if start == stop:
+            return
+        # Lock-free reads of the dict: a plain delta never ends its stream, and a stream closed
+        # meanwhile only gets a delta nobody reads.
+        lookup = self._streams.get
+        ids, tokens, texts = batch.request_ids, batch.token_ids, batch.texts
+        if start or stop != len(ids):
+            ids, tokens, texts = ids[start:stop], tokens[start:stop], texts[start:stop]
+        # A plain delta is queued as its token then its text, one atomic `extend`: nothing is
+        # allocated that outlives the call, so thousands of deltas a step start no collection
+        # of the garbage collector's older generations (a tuple each did, every few steps).
+        for stream, token, text in zip(map(lookup, ids), tokens, texts):
+            if stream is not None:
+                stream.deltas.extend((token, text))
+                wake = stream._wake
+                if wake is not None:
+                    wake()
+                else:
+                    stream.woken()
 
     def fail_all(self, error: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         """End every open stream with a failure (what produced their deltas is gone)."""

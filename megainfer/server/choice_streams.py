@@ -1,9 +1,10 @@
 """The engine requests behind one API request (each prompt times n), bridged into asyncio.
 
 Submitting may block (a deployment's submit waits on its attention node), so it runs in the
-server's executor; each request's deltas then arrive on the engine's (or the pump's) thread and
-are handed to the event loop with `call_soon_threadsafe`, one queue for the whole group, so the
-loop never waits on the engine. `close()` aborts whatever has not finished (the client left, or
+server's executor; each request's deltas then arrive on the engine's (or the pump's) thread,
+whose wakes are gathered per event loop (`LoopWakes`: one `call_soon_threadsafe` per burst, not
+per delta) and read on the loop into one queue for the whole group, so the loop never waits on
+the engine. `close()` aborts whatever has not finished (the client left, or
 one choice failed), freeing its KV blocks.
 """
 
@@ -13,9 +14,12 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
 
 from megainfer.messages import FinishReason, PositionLogprobs, RequestDelta
 from megainfer.sampling_params import SamplingParams
@@ -60,6 +64,46 @@ class Choice:
             self.stop_reason = delta.stop_reason
 
 
+class LoopWakes:
+    """The wakes of every stream read on one event loop, gathered: the delivering thread appends
+    (group, choice) and schedules one drain while none is pending, so a poll answer of thousands
+    of deltas costs the loop one `call_soon_threadsafe` (a self-pipe write), not one each."""
+
+    _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWakes]" = weakref.WeakKeyDictionary()
+    _made = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._woken: deque[tuple[ChoiceStreams, Choice]] = deque()
+        self._scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopWakes":
+        with cls._made:
+            wakes = cls._of_loop.get(loop)
+            if wakes is None:
+                wakes = cls._of_loop[loop] = cls(loop)
+            return wakes
+
+    def wake(self, group: "ChoiceStreams", choice: Choice) -> None:
+        """On the delivering thread."""
+        self._woken.append((group, choice))
+        if not self._scheduled:
+            self._scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: the HTTP server stopped
+                pass
+
+    def _drain(self) -> None:
+        # Cleared before draining: a wake appended from here on schedules a drain of its own.
+        self._scheduled = False
+        woken = self._woken
+        while woken:
+            group, choice = woken.popleft()
+            group.take(choice)
+
+
 class ChoiceStreams:
     def __init__(self, backend: GenerationBackend, metrics: ServingMetrics | None, executor: Executor) -> None:
         self.backend = backend
@@ -68,6 +112,7 @@ class ChoiceStreams:
         self.loop = asyncio.get_running_loop()
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[tuple[Choice, RequestDelta]] = asyncio.Queue()
+        self._wakes = LoopWakes.of(self.loop)
         self._lock = threading.Lock()  # choices submitted vs. closed, across the submitting thread
         self._closed = False
 
@@ -89,14 +134,13 @@ class ChoiceStreams:
             if closed:  # the client left while its requests were being submitted
                 self._abort([choice.request_id])
                 continue
-            choice.stream.listen(lambda delta, c=choice: self._deliver(c, delta))
+            choice.stream.listen(partial(self._wakes.wake, self, choice))
 
-    def _deliver(self, choice: Choice, delta: RequestDelta) -> None:
-        """On the engine's thread: hand the delta to the event loop."""
-        try:
-            self.loop.call_soon_threadsafe(self._queue.put_nowait, (choice, delta))
-        except RuntimeError:  # the loop is closed: the HTTP server stopped
-            pass
+    def take(self, choice: Choice) -> None:
+        """On the loop: `choice`'s next delta (one wake's) into the group's queue."""
+        delta = choice.stream.pop()
+        if delta is not None:  # else a delta announced twice (`RequestStream.listen`)
+            self._queue.put_nowait((choice, delta))
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
         """Every choice's deltas as they come, each added to its choice first, until all finished."""

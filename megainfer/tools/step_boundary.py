@@ -13,8 +13,10 @@ allocated. Expert counts have the plan's model's shape, as the engine's bookkeep
 
 CPU time is `time.process_time`: every thread of this process. Phases are timed around the
 engine's own calls (`BoundaryPhases`). The deltas' hand-over is timed as far as it is our code:
-`DeltaBatch`'s columns built on the node (`__reduce__`) and the batch rebuilt from them on the
-driver; the byte copy of those three lists by Ray's serializer (C code, about 0.3 ms per 1,884
+`DeltaBatch`'s columns built on the node (`DeltaBatch.of`, the outbox's poll answer) and, on the
+driver, the frontend's ownership check and the fan-out to every request's stream and its reader's
+wake (`foreign_places`, `StreamRegistry.deliver_batch`, a `FanIn` per stream as the gRPC service
+reads them); the byte copy of the columns by Ray's serializer (C code, about 0.3 ms per 1,884
 deltas on this machine) is not in it, since no module here may import a pickler or Ray.
 """
 
@@ -156,7 +158,7 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
         t0 = time.process_time()
         deltas = engine.step()
         t1 = time.process_time()
-        DeltaBatch("node", len(deltas), deltas).__reduce__()  # the node's reply to the driver's poll, in columns
+        DeltaBatch.of("node", len(deltas), deltas)  # the node's reply to the driver's poll, in columns
         t2 = time.process_time()
         phases.bookkeeping = (t1 - t0) - phases.prepare - phases.sample - 2 * phases.argmax  # the argmax ran twice
         phases.deltas_out = t2 - t1
@@ -170,28 +172,34 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
 
 def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> float:
     """CPU ms per step of the serving process's delta handling for `attention_nodes` nodes, each
-    handing over `deltas` (one step's): the node's answer unpickled (as Ray's reply is) and every
-    delta put into its request's stream (`StreamRegistry.deliver`, what the frontend ends in)."""
+    handing over `deltas` (one step's) as its poll answer: the frontend's check that each request
+    is held where its delta came from, then every delta to its request's stream and that stream's
+    reader woken (`Frontend._deliver_batch`'s path). The readers' own work (popping, writing the
+    response) is theirs, per request, and not in it."""
     import dataclasses
 
     from megainfer.messages import DeltaBatch
-    from megainfer.server.backend import StreamRegistry
+    from megainfer.server.backend import StreamRegistry, foreign_places
+    from megainfer.server.fan_in import FanIn
 
-    replies = [DeltaBatch(f"node{n}", len(deltas),
-                          [dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas]).__reduce__()
+    replies = [DeltaBatch.of(f"node{n}", len(deltas),
+                             [dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas])
                for n in range(attention_nodes)]
+    owner = {rid: n for n, batch in enumerate(replies) for rid in batch.request_ids}
     registry = StreamRegistry(max_open=len(deltas) * attention_nodes)
-    streams = [registry.open(f"{n}/{d.request_id}") for n in range(attention_nodes) for d in deltas]
-    spent = 0.0
+    readers = [FanIn([registry.open(rid)]) for rid in owner]
+    spent = []
     for _ in range(repeats):
         t0 = time.process_time()
-        for rebuild, args in replies:
-            for d in rebuild(*args).deltas:
-                registry.deliver(d)
-        spent += time.process_time() - t0
-        for stream in streams:
-            stream.deltas.popleft()
-    return spent / repeats * 1e3
+        for node, batch in enumerate(replies):
+            if foreign_places(batch.request_ids, owner, node):
+                raise RuntimeError("a delta from a node that does not hold its request")
+            registry.deliver_batch(batch)
+        spent.append(time.process_time() - t0)
+        for reader in readers:
+            if reader.get(0.0) is None:
+                raise RuntimeError("a stream's reader was not woken")
+    return sorted(spent)[len(spent) // 2] * 1e3  # the median step: a neighbour's burst is noise
 
 
 def last_step_deltas(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> list:

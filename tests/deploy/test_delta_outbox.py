@@ -43,3 +43,34 @@ def test_a_poll_waits_for_the_first_delta():
     threading.Timer(0.05, box.put, args=([delta("a", 9)],)).start()
     batch = box.poll(None, 0, 5.0)
     assert [d.new_token_ids for d in batch.deltas] == [[9]]
+
+
+def test_the_frontend_aborts_a_request_its_node_does_not_hold_and_streams_the_rest():
+    """A poll answer naming a request that is held elsewhere (sent on after its node hung): the
+    delta is dropped and the request aborted on the node that sent it; the others stream."""
+    from deploy.frontend import Frontend
+    from megainfer.messages import DeltaBatch, FinishReason
+    from megainfer.server.fan_in import FanIn
+
+    aborted = []
+
+    class Node:
+        class abort:
+            @staticmethod
+            def remote(request_id):
+                aborted.append(request_id)
+
+    frontend = Frontend(router=None, max_open_per_group=8)
+    frontend.registry.max_open = 8
+    frontend._nodes = [Node(), Node()]
+    readers = {}
+    for rid, node in (("a", 0), ("b", 1), ("c", 0)):
+        readers[rid] = FanIn([frontend.registry.open(rid)])
+        frontend._owner[rid] = node
+    last = RequestDelta("c", [4], "", True, FinishReason.LENGTH)
+    frontend._deliver_batch(0, DeltaBatch.of("n0", 4, [delta("a", 1), delta("b", 2), delta("c", 3), last]))
+    assert aborted == ["b"]
+    assert readers["a"].get(0.0) == (0, delta("a", 1))
+    assert readers["b"].get(0.0) is None
+    assert [readers["c"].get(0.0), readers["c"].get(0.0)] == [(0, delta("c", 3)), (0, last)]
+    assert frontend.owner_of("c") is None and frontend.owner_of("a") == 0
