@@ -171,13 +171,13 @@ class AttentionNode(TimelineCalls):
         with self.lock:
             self.link.count_usage()  # between steps: the last step's answers consumed, its dispatches released
             t0, step = time.perf_counter(), runner.step_id
-            deltas = self.core.step()
-            if deltas:
+            deltas = self.core.step_columns()
+            if len(deltas):
                 self.step_seconds += time.perf_counter() - t0
             runner.record_step(step, t0)  # the whole step: scheduling and detokenizing too
             idle = not self.core.has_work()
         self._emit(deltas)
-        failed = [d for d in deltas if d.error_code is ErrorCode.UNAVAILABLE]
+        failed = [d for _, d in deltas.others if d.error_code is ErrorCode.UNAVAILABLE]
         if failed:  # the data plane broke mid-step: nothing else can be served now
             raise DataPlaneError(failed[0].error)
         if idle and not self.engine.runner.deployment_busy:

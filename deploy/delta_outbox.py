@@ -13,23 +13,25 @@ import os
 import threading
 import uuid
 
-from megainfer.messages import DeltaBatch, RequestDelta
+from megainfer.messages import DeltaBatch, DeltaColumns, RequestDelta
 
 
 class DeltaOutbox:
     def __init__(self) -> None:
         self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # this process's: a restart counts anew
         self._ready = threading.Condition()
-        self._deltas: list[tuple[int, RequestDelta]] = []  # (sequence number, delta), oldest first
+        # Each step's deltas, in columns, with the sequence number of the last of them, oldest
+        # first. A poll answers whole entries, so a cursor always falls between two.
+        self._steps: list[tuple[int, DeltaColumns]] = []
         self._next = 1
 
-    def put(self, deltas: list[RequestDelta]) -> None:
-        if not deltas:
+    def put(self, deltas: DeltaColumns | list[RequestDelta]) -> None:
+        columns = deltas if isinstance(deltas, DeltaColumns) else DeltaColumns.of(deltas)
+        if not len(columns):
             return
         with self._ready:
-            for delta in deltas:
-                self._deltas.append((self._next, delta))
-                self._next += 1
+            self._next += len(columns)
+            self._steps.append((self._next - 1, columns))
             self._ready.notify_all()
 
     def poll(self, incarnation: str | None, after: int, timeout: float) -> DeltaBatch:
@@ -38,9 +40,14 @@ class DeltaOutbox:
         if incarnation != self.incarnation:
             after = 0
         with self._ready:
-            self._deltas = [(seq, d) for seq, d in self._deltas if seq > after]  # acknowledged: gone
-            if not self._deltas:
+            self._steps = [(last, columns) for last, columns in self._steps if last > after]  # acknowledged: gone
+            if not self._steps:
                 self._ready.wait(timeout)
-            if not self._deltas:
+            if not self._steps:
                 return DeltaBatch(self.incarnation, max(after, self._next - 1))
-            return DeltaBatch.of(self.incarnation, self._deltas[-1][0], [d for _, d in self._deltas])
+            if len(self._steps) == 1:
+                return DeltaBatch(self.incarnation, self._steps[0][0], self._steps[0][1])
+            merged = DeltaColumns()
+            for _, columns in self._steps:
+                merged.extend(columns)
+            return DeltaBatch(self.incarnation, self._steps[-1][0], merged)

@@ -23,7 +23,7 @@ from megainfer.disagg.latency import LatencyHistogram
 from megainfer.errors import DataPlaneError
 from megainfer.messages import DeltaBatch, NodeLoad, NodeState, RequestDelta
 from megainfer.sampling_params import SamplingParams
-from megainfer.server.backend import RequestStream, StreamRegistry, foreign_places, without_places
+from megainfer.server.backend import RequestStream, StreamRegistry, foreign_places
 
 LOAD_REFRESH_S = 0.05  # how stale a router's view of the attention nodes may get
 SUBMIT_TIMEOUT_S = 30.0
@@ -249,14 +249,15 @@ class Frontend:
     def _deliver_batch(self, node: int, batch: DeltaBatch) -> None:
         """A poll answer of node `node`, every step: its plain deltas checked and handed on as
         columns (`foreign_places`, `StreamRegistry.deliver_batch`), the others one by one."""
-        strays = foreign_places(batch.request_ids, self._owner, node)
+        columns = batch.columns
+        strays = foreign_places(columns.request_ids, self._owner, node)
         if strays:
             for place in strays:
-                self._stray(node, batch.request_ids[place], False)
-            batch = without_places(batch, strays)
-        self.ttft_feedback.observe_first(batch.request_ids, self.router)
+                self._stray(node, columns.request_ids[place], False)
+            columns = columns.without_places(strays)
+        self.ttft_feedback.observe_first(columns.request_ids, self.router)
         others = []
-        for before, delta in batch.others:
+        for before, delta in columns.others:
             if self._owner.get(delta.request_id) != node:
                 self._stray(node, delta.request_id, delta.finished)
                 continue
@@ -264,8 +265,8 @@ class Frontend:
             if delta.finished:
                 self._owner.pop(delta.request_id, None)
             others.append((before, delta))
-        batch.others = others
-        self.registry.deliver_batch(batch)
+        columns.others = others
+        self.registry.deliver_batch(columns)
 
     def _stray(self, node: int, request_id: str, finished: bool) -> None:
         """A delta of a request not held at `node`: dropped, and the request aborted there."""

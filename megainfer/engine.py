@@ -12,11 +12,13 @@ import os
 import time
 from collections import deque
 
+import numpy as np
+
 from kernels.compile_watch import WATCH
 from megainfer.config import EngineConfig, resolve_model
 from megainfer.energy import EnergyMeter
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
-from megainfer.messages import (EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
+from megainfer.messages import (DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
                                 RequestMetrics, StepSample)
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepResult
@@ -57,8 +59,11 @@ class Engine:
                                                eos_token_ids=self.model_config.eos_token_ids,
                                                num_layers=self.model_config.num_layers)
         self._streams: dict[str, OutputStream] = {}  # by request id: what its client has seen
-        self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks, expert_tokens=[
-            [0] * self.model_config.num_experts for _ in range(self.model_config.num_layers)])
+        self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks)
+        # Tokens routed to each (layer, expert) so far, and the last step's: arrays, into the
+        # stats' lists when they are asked for.
+        self._expert_tokens = np.zeros((self.model_config.num_layers, self.model_config.num_experts), dtype=np.int64)
+        self._last_expert_counts: np.ndarray | None = None
         self._expert_bytes = self.model_config.expert_bytes(self.config.dtype)
         self._energy = EnergyMeter(self.config.device)
         # What a router learns from (drained by node_state()); bounded if nobody asks.
@@ -145,12 +150,17 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """One step; its deltas as objects (`step_columns` gives them in columns)."""
+        return self.step_columns().deltas
+
+    def step_columns(self) -> DeltaColumns:
+        """One step: schedule, execute, update; the deltas in columns, as a node hands them on."""
         out = self.scheduler.schedule()
         if out.is_empty:
             self._last_step_end = None
             if getattr(self.runner, "steps_when_idle", False):
                 self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
-            return []
+            return DeltaColumns()
         started = time.perf_counter()
         # A step that follows a busy one directly is measured from that one's end: what happens
         # between steps (scheduling, streaming, the driver's calls waiting on the node) delays
@@ -164,7 +174,7 @@ class Engine:
             code = ErrorCode.UNAVAILABLE if isinstance(exc, DataPlaneError) else ErrorCode.INTERNAL
             if code is ErrorCode.INTERNAL:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
-            return [self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs]
+            return DeltaColumns.of([self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs])
         advanced = self.scheduler.update_from_output(out, result.sampled)
         deltas = self._deltas(out, result, advanced)
         ended = time.perf_counter()
@@ -190,7 +200,7 @@ class Engine:
         each number together (the router adds their work up); -1 on a colocated runner."""
         return getattr(self.runner, "step_id", -1)
 
-    def _deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence]) -> list[RequestDelta]:
+    def _deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence]) -> DeltaColumns:
         """The step's deltas: one per sequence that gained a token. Prompt logprobs computed this
         step are kept until the request's first delta."""
         seqs = out.all_seqs
@@ -199,7 +209,27 @@ class Engine:
             if stream is not None and not seqs[i].is_finished:
                 stream.add_prompt_logprobs(first_position, entries)
         logprobs = {seqs[i].request_id: entry for i, entry in result.logprobs.items()}
-        return [self._delta(seq, logprobs.get(seq.request_id)) for seq in advanced]
+        columns = DeltaColumns()
+        ids, tokens, texts, others = columns.request_ids, columns.token_ids, columns.texts, columns.others
+        streams, running = self._streams, SequenceStatus.RUNNING
+        for seq in advanced:
+            # Runs for every sequence of every step. A request that asked for nothing but text
+            # (no stop strings, no logprobs) and runs on gives its token and the text it completes
+            # straight into the columns; any other goes through `_delta`.
+            stream = streams[seq.request_id]
+            if stream.plain and seq.status is running:
+                token = seq.token_ids[-1]
+                try:
+                    text = stream.detokenizer.add_one(token)
+                except Exception as exc:  # a token the tokenizer cannot decode: this request alone fails
+                    others.append((len(ids), self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])))
+                    continue
+                ids.append(seq.request_id)
+                tokens.append(token)
+                texts.append(text)
+            else:
+                others.append((len(ids), self._delta(seq, logprobs.get(seq.request_id))))
+        return columns
 
     def _delta(self, seq: Sequence, logprobs: PositionLogprobs | None) -> RequestDelta:
         # Runs for every sequence of every step: no property calls, prompt logprobs looked at
@@ -256,23 +286,26 @@ class Engine:
         self.runner.sampler.forget(request_id)
 
     def _record(self, out: SchedulerOutput, result: StepResult) -> None:
+        # Array work: the plan's models route to [94 layers x 128 experts] every step.
         t = self._totals
         t.num_steps += 1
         t.num_computed_tokens += out.total_tokens
-        t.num_generated_tokens += sum(tok is not None for tok in result.sampled)
-        activated = []
-        for layer, counts in enumerate(result.expert_counts):
-            row = t.expert_tokens[layer]
-            for e, c in enumerate(counts):
-                row[e] += c
-            activated.append([e for e, c in enumerate(counts) if c])
-        num_activated = sum(map(len, activated))
+        t.num_generated_tokens += len(result.sampled) - result.sampled.count(None)
+        counts = np.asarray(result.expert_counts, dtype=np.int64)
+        if counts.size:
+            self._expert_tokens += counts
+        num_activated = int(np.count_nonzero(counts))
         t.expert_activations += num_activated
         t.expert_bytes_read += num_activated * self._expert_bytes
-        t.last_step_expert_load = ExpertLoad(activated, num_activated * self._expert_bytes)
+        self._last_expert_counts = counts
 
     def stats(self) -> EngineStats:
         s = copy.deepcopy(self._totals)
+        s.expert_tokens = self._expert_tokens.tolist()
+        last = self._last_expert_counts
+        if last is not None:
+            s.last_step_expert_load = ExpertLoad([np.flatnonzero(row).tolist() for row in last],
+                                                 int(np.count_nonzero(last)) * self._expert_bytes)
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_running = self.scheduler.num_running
         s.num_waiting = self.scheduler.num_waiting

@@ -10,13 +10,14 @@ overtakes its request.
 
 from __future__ import annotations
 
+import operator
 import queue
 import threading
 from dataclasses import dataclass
 
 from megainfer.engine import Engine, Prompt
 from megainfer.errors import RequestError
-from megainfer.messages import ErrorCode, RequestDelta
+from megainfer.messages import DeltaColumns, ErrorCode, RequestDelta
 from megainfer.sampling_params import SamplingParams
 from megainfer.sequence import Sequence
 
@@ -83,8 +84,18 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Drain the queue into the engine, then one engine step."""
+        return self.step_columns().deltas
+
+    def step_columns(self) -> DeltaColumns:
+        """`step`, its deltas in columns (what an attention node hands the driver)."""
         refused = self.drain()
-        return refused + self._ended(self._current(self.engine.step()))
+        columns = self._current_columns(self.engine.step_columns())
+        self._ended([d for _, d in columns.others])
+        if not refused:
+            return columns
+        out = DeltaColumns.of(refused)
+        out.extend(columns)
+        return out
 
     def drain(self) -> list[RequestDelta]:
         """Hand what was queued to the engine, in order (between steps; the caller holds the
@@ -120,6 +131,21 @@ class EngineCore:
         with self._live_lock:
             return [d for d in deltas if (seq := self._live.get(d.request_id)) is not None
                     and (seq.is_finished or requests.get(d.request_id) is seq)]
+
+    def _current_columns(self, columns: DeltaColumns) -> DeltaColumns:
+        """`_current` of a step's columns: its plain deltas checked with one C-level lookup each
+        (a plain delta's request runs on, so it is current where the engine holds the very
+        sequence the callers hold), the others one by one."""
+        ids = columns.request_ids
+        held = list(map(self.engine.scheduler.requests.get, ids))
+        with self._live_lock:
+            live = list(map(self._live.get, ids))
+        if not all(map(operator.is_, live, held)):
+            columns = columns.without_places([p for p, (a, b) in enumerate(zip(live, held)) if a is not b])
+        if columns.others:
+            current = {id(d) for d in self._current([d for _, d in columns.others])}
+            columns.others = [(before, d) for before, d in columns.others if id(d) in current]
+        return columns
 
     def _ended(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         """Forget the ids of requests that ended (unless the id was since taken by a new request)."""

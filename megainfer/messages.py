@@ -183,30 +183,23 @@ class RankPlacement:
 
 
 @dataclass
-class DeltaBatch:
-    """An attention node's answer to a poll: the token deltas after the poller's cursor, and the
-    cursor to acknowledge them with. Deltas stay on the node until acknowledged, so a poll whose
-    answer never reached the poller (it timed out while the node was stopped, and ran later)
-    loses nothing: the next poll returns them again. `incarnation` names the node's process; a
-    restarted node starts counting anew.
+class DeltaColumns:
+    """Token deltas in columns, in order: the plain ones (one new token and its text, nothing
+    else: almost every delta of a step) as three lists, the others whole, each with the number of
+    plain deltas before it, so each request's order holds. What an engine step gives
+    (`Engine.step_columns`) and an attention node's poll answer carries: lists of str and int
+    pickle and unpickle in C, and the driver fans them out to streams without an object per
+    delta (`StreamRegistry.deliver_batch`)."""
 
-    It travels in columns, every step of every attention node: the plain deltas (one new token
-    and its text, nothing else: almost all of them) as three lists, which pickle and unpickle in
-    C and which the driver fans out to streams without building an object per delta
-    (`StreamRegistry.deliver_batch`); the others whole, each with the number of plain deltas
-    that come before it, so the order within a request holds."""
-
-    incarnation: str
-    last: int  # sequence number of the last delta in the batch (the cursor if there are none)
     request_ids: list[str] = field(default_factory=list)  # the plain deltas, in order
     token_ids: list[int] = field(default_factory=list)  # each one's new token
     texts: list[str] = field(default_factory=list)  # each one's new text
     others: list[tuple[int, RequestDelta]] = field(default_factory=list)  # (plain deltas before it, delta)
 
     @classmethod
-    def of(cls, incarnation: str, last: int, deltas: list[RequestDelta]) -> "DeltaBatch":
-        batch = cls(incarnation, last)
-        ids, tokens, texts, others = batch.request_ids, batch.token_ids, batch.texts, batch.others
+    def of(cls, deltas: list[RequestDelta]) -> "DeltaColumns":
+        columns = cls()
+        ids, tokens, texts, others = columns.request_ids, columns.token_ids, columns.texts, columns.others
         for d in deltas:
             if d.finished or len(d.new_token_ids) != 1 or d.logprobs is not None or d.prompt_logprobs is not None \
                     or d.stop_reason is not None or d.metrics is not None or d.error is not None:
@@ -215,14 +208,14 @@ class DeltaBatch:
             ids.append(d.request_id)
             tokens.append(d.new_token_ids[0])
             texts.append(d.new_text)
-        return batch
+        return columns
 
     def __len__(self) -> int:
         return len(self.request_ids) + len(self.others)
 
     @property
     def deltas(self) -> list[RequestDelta]:
-        """Every delta as an object, in order (warm-up, tests; the driver's pump reads the columns)."""
+        """Every delta as an object, in order (the offline API, warm-up, tests)."""
         plain = list(map(RequestDelta, self.request_ids, ([t] for t in self.token_ids), self.texts))
         out: list[RequestDelta] = []
         taken = 0
@@ -231,6 +224,44 @@ class DeltaBatch:
             out.append(delta)
             taken = before
         return out + plain[taken:]
+
+    def extend(self, more: "DeltaColumns") -> None:
+        """Append `more`'s deltas after these."""
+        offset = len(self.request_ids)
+        self.request_ids += more.request_ids
+        self.token_ids += more.token_ids
+        self.texts += more.texts
+        self.others += [(before + offset, delta) for before, delta in more.others]
+
+    def without_places(self, places: list[int]) -> "DeltaColumns":
+        """These deltas without the plain ones at `places` (the others keep their order)."""
+        dropped = set(places)
+        kept_before = [0]  # plain deltas kept before each place
+        for place in range(len(self.request_ids)):
+            kept_before.append(kept_before[-1] + (place not in dropped))
+        keep = [p for p in range(len(self.request_ids)) if p not in dropped]
+        return DeltaColumns([self.request_ids[p] for p in keep], [self.token_ids[p] for p in keep],
+                            [self.texts[p] for p in keep], [(kept_before[b], d) for b, d in self.others])
+
+
+@dataclass
+class DeltaBatch:
+    """An attention node's answer to a poll: the token deltas after the poller's cursor, and the
+    cursor to acknowledge them with. Deltas stay on the node until acknowledged, so a poll whose
+    answer never reached the poller (it timed out while the node was stopped, and ran later)
+    loses nothing: the next poll returns them again. `incarnation` names the node's process; a
+    restarted node starts counting anew."""
+
+    incarnation: str
+    last: int  # sequence number of the last delta in the batch (the cursor if there are none)
+    columns: DeltaColumns = field(default_factory=DeltaColumns)
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    @property
+    def deltas(self) -> list[RequestDelta]:
+        return self.columns.deltas
 
 
 @dataclass

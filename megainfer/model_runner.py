@@ -36,7 +36,7 @@ PROMPT_LOGPROB_ROWS = 256
 @dataclass
 class StepResult:
     sampled: list[int | None]  # new token per scheduled sequence; None where it was mid-prompt
-    expert_counts: list[list[int]]  # [layer][expert] tokens routed this step
+    expert_counts: np.ndarray | list  # [layer, expert] tokens routed this step (int64; empty when none)
     # By sequence index, for sequences that sampled and asked for logprobs: the sampled token's.
     logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)
     # By sequence index, for sequences asking for prompt logprobs whose prompt rows completed
@@ -95,7 +95,7 @@ class ModelRunner:
         # One micro-batch without a cohort: every row is a decode row of fwd.hidden (normed).
         result = sample_rows(self.model.compute_logits, lambda j, in_cohort: fwd.hidden, self.sampler,
                              out.all_seqs, layout)
-        result.expert_counts = fwd.expert_counts.tolist()
+        result.expert_counts = fwd.expert_counts.cpu().numpy()
         return result
 
     def _execute_layered(self, out: SchedulerOutput, layout: StepLayout) -> StepResult:
@@ -117,7 +117,7 @@ class ModelRunner:
         state.cross(layout, cfg.num_layers)
         self.cohort_hidden.keep(seqs, layout, state)
         result = sample_step(self.model, self.sampler, seqs, layout, [state])
-        result.expert_counts = expert_counts.tolist()
+        result.expert_counts = expert_counts.cpu().numpy()
         return result
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:

@@ -20,6 +20,9 @@ class OutputStream:
         # One entry per prompt position, None at position 0 (nothing predicts it), as vLLM.
         self.prompt_logprobs: list[PositionLogprobs | None] | None = \
             [None] * seq.num_prompt_tokens if params.prompt_logprobs is not None else None
+        # Asks for nothing but text: while it runs, a step's delta is its token and the text the
+        # detokenizer completes (the engine's column fast path).
+        self.plain = self.stops is None and params.logprobs is None and params.prompt_logprobs is None
 
     @property
     def stop_string(self) -> str | None:

@@ -228,6 +228,22 @@ class HFTokenizer:
         return tables[skip_special_tokens]
 
 
+    def token_texts(self, skip_special_tokens: bool) -> list[str | None]:
+        """`token_bytes` decoded where a token's bytes are whole UTF-8 on their own, else None
+        (a token that ends inside a character, or holds invalid bytes). Built once per setting."""
+        tables = self.__dict__.setdefault("_token_texts", {})
+        if skip_special_tokens not in tables:
+            tables[skip_special_tokens] = [_whole_utf8(b) for b in self.token_bytes(skip_special_tokens)]
+        return tables[skip_special_tokens]
+
+
+def _whole_utf8(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-to-character map, inverted: the character byte-level BPE writes for each byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -281,6 +297,10 @@ class IncrementalDetokenizer:
         # complete UTF-8 read off (a step's cost per sequence a dict-free lookup, not two decodes).
         table = getattr(tokenizer, "token_bytes", None)
         self._bytes: list[bytes] | None = table(skip_special_tokens) if table is not None else None
+        # Each token's text where its bytes are whole UTF-8 on their own (None where not): with
+        # nothing pending, a token's delta is that text, one list lookup.
+        self._texts: list[str | None] | None = tokenizer.token_texts(skip_special_tokens) \
+            if self._bytes is not None else None
         self._pending = bytearray()
 
     def _decode(self, ids: list[int]) -> str:
@@ -313,6 +333,15 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return delta
+
+    def add_one(self, token_id: int) -> str:
+        """`add([token_id])`, without the work where nothing is pending and the token's bytes are
+        whole UTF-8 (almost every token of a byte-level BPE)."""
+        if self._texts is not None and not self._pending:
+            text = self._texts[token_id]
+            if text is not None:
+                return text
+        return self.add([token_id])
 
     def flush(self) -> str:
         """At the end: whatever was held back, replacement characters included."""

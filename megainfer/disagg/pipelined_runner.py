@@ -270,7 +270,7 @@ class PipelinedModelRunner:
         if self.tp_rank:  # followers: the leader samples
             return StepResult([None] * layout.num_sequences, [])
         result = sample_step(self.model, self.sampler, seqs, layout, states)
-        result.expert_counts = expert_counts.tolist()  # the step's one read of the counts
+        result.expert_counts = expert_counts.cpu().numpy()  # the step's one read of the counts
         self.timeline.end_step()
         return result
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from megainfer.messages import DeltaBatch, ErrorCode, FinishReason, NodeRole, NodeStatus, RequestDelta
+from megainfer.messages import DeltaColumns, ErrorCode, FinishReason, NodeRole, NodeStatus, RequestDelta
 from megainfer.sampling_params import SamplingParams
 
 
@@ -100,18 +100,6 @@ def foreign_places(request_ids: list[str], owner: Mapping[str, int], node: int) 
     return [place for place, n in enumerate(owners) if n != node]
 
 
-def without_places(batch: DeltaBatch, places: list[int]) -> DeltaBatch:
-    """`batch` without the plain deltas at `places` (the others keep their order)."""
-    dropped = set(places)
-    keep = [p for p in range(len(batch.request_ids)) if p not in dropped]
-    before = [0] * (len(batch.request_ids) + 1)  # plain deltas kept before each old place
-    for p in range(len(batch.request_ids)):
-        before[p + 1] = before[p] + (p not in dropped)
-    return DeltaBatch(batch.incarnation, batch.last, [batch.request_ids[p] for p in keep],
-                      [batch.token_ids[p] for p in keep], [batch.texts[p] for p in keep],
-                      [(before[b], d) for b, d in batch.others])
-
-
 @dataclass
 class NodeInfo:
     """One node (or rank) as ServerInfo shows it."""
@@ -175,8 +163,8 @@ class StreamRegistry:
         if stream is not None:
             stream.put(delta)
 
-    def deliver_batch(self, batch: DeltaBatch) -> None:
-        """Every delta of an attention node's poll answer to its stream, in order. A plain delta
+    def deliver_batch(self, batch: DeltaColumns) -> None:
+        """Every delta of a step (or of a poll answer) to its stream, in order. A plain delta
         costs a lookup, an append and a wake (`RequestStream`); the others go through `deliver`."""
         taken = 0
         for before, delta in batch.others:
@@ -185,7 +173,7 @@ class StreamRegistry:
             taken = before
         self._deliver_plain(batch, taken, len(batch.request_ids))
 
-    def _deliver_plain(self, batch: DeltaBatch, start: int, stop: int) -> None:
+    def _deliver_plain(self, batch: DeltaColumns, start: int, stop: int) -> None:
         if start == stop:
             return
         # Lock-free reads of the dict: a plain delta never ends its stream, and a stream closed

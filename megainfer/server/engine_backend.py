@@ -83,9 +83,8 @@ class EngineBackend:
                     self.core.wait_for_work(IDLE_WAIT_S)
                     continue
                 with self.lock:
-                    deltas = self.core.step()
-                for d in deltas:
-                    self.registry.deliver(d)
+                    deltas = self.core.step_columns()
+                self.registry.deliver_batch(deltas)
         except Exception as exc:  # a bug: fail what is open rather than leave clients waiting forever
             logger.exception("the engine's step loop failed; the server reports the engine broken")
             self.registry.fail_all(f"the engine's step loop failed: {exc!r}")

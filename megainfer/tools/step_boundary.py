@@ -13,7 +13,7 @@ allocated. Expert counts have the plan's model's shape, as the engine's bookkeep
 
 CPU time is `time.process_time`: every thread of this process. Phases are timed around the
 engine's own calls (`BoundaryPhases`). The deltas' hand-over is timed as far as it is our code:
-`DeltaBatch`'s columns built on the node (`DeltaBatch.of`, the outbox's poll answer) and, on the
+the engine's columns (`Engine.step_columns`) wrapped as the outbox's poll answer and, on the
 driver, the frontend's ownership check and the fan-out to every request's stream and its reader's
 wake (`foreign_places`, `StreamRegistry.deliver_batch`, a `FanIn` per stream as the gRPC service
 reads them); the byte copy of the columns by Ray's serializer (C code, about 0.3 ms per 1,884
@@ -25,10 +25,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_model
 from megainfer.engine import Engine
+from megainfer.engine_core import EngineCore
 from megainfer.model.moe_model import MoEModel
 from megainfer.model_runner import CohortHiddenStates, MicroBatchState, StepResult, sample_rows
 from megainfer.sampler import Sampler
@@ -85,7 +87,7 @@ class BoundaryRunner:
         self.phases = BoundaryPhases()
         self._logits = torch.randn(config.max_num_seqs, model_config.vocab_size,
                                    generator=torch.Generator().manual_seed(0))
-        self._counts = [[0] * plan_model.num_experts for _ in range(plan_model.num_layers)]
+        self._counts = np.zeros((plan_model.num_layers, plan_model.num_experts), dtype=np.int64)
 
     @torch.inference_mode()
     def execute(self, out) -> StepResult:
@@ -104,22 +106,25 @@ class BoundaryRunner:
         t1 = time.process_time()
         if len(states) > 1:
             self.phases.prepare_after_first += t1 - first
+        # The sampler's argmax, timed alone just before it runs, so both read the logits from the
+        # same cache (18 MB at 2,290 rows: a cold read costs the argmax half as much again).
+        self._logits[:len(layout.sampled_rows)].argmax(dim=-1)
+        t2 = time.process_time()
         result = sample_rows(lambda hidden: self._logits[:hidden.shape[0]],
                              lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,
                              self.sampler, seqs, layout)
         result.expert_counts = self._counts
-        t2 = time.process_time()
-        self._logits[:len(layout.sampled_rows)].argmax(dim=-1)  # the sampler's argmax again, timed alone
         t3 = time.process_time()
         self.phases.prepare += t1 - t0
-        self.phases.sample += (t2 - t1) - (t3 - t2)
-        self.phases.argmax += t3 - t2
+        self.phases.sample += (t3 - t2) - (t2 - t1)
+        self.phases.argmax += t2 - t1
         return result
 
 
-def boundary_engine(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> Engine:
-    """A demo-model engine on a `BoundaryRunner` with `running` sequences decoding at `context`
-    tokens each (their prompts prefilled in a few large steps)."""
+def boundary_engine(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> EngineCore:
+    """A demo-model engine on a `BoundaryRunner`, in the `EngineCore` an attention node steps,
+    with `running` sequences decoding at `context` tokens each (their prompts prefilled in a few
+    large steps)."""
     model, _ = resolve_model(DEMO_MODEL)
     block_size = 16
     blocks = running * (-(-(context + 64) // block_size)) + 16
@@ -132,16 +137,18 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
         return BoundaryRunner(mc, cfg, weights, max_len, micro_batches=micro_batches, num_blocks=blocks,
                               plan_model=plan_model)
 
-    engine = Engine(DEMO_MODEL, config, runner_factory=runner)
+    core = EngineCore(Engine(DEMO_MODEL, config, runner_factory=runner))
+    engine = core.engine
     # The engine's per-expert totals at the plan's model's shape (what its bookkeeping walks).
-    engine._totals.expert_tokens = [[0] * plan_model.num_experts for _ in range(plan_model.num_layers)]
+    engine._expert_tokens = np.zeros((plan_model.num_layers, plan_model.num_experts), dtype=np.int64)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     for i in range(running):
-        engine.add_request(f"r{i}", torch.randint(3, model.vocab_size, (context,), generator=g).tolist(), params)
+        core.submit(f"r{i}", torch.randint(3, model.vocab_size, (context,), generator=g).tolist(), params)
+    core.drain()
     while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
-        engine.step()
-    return engine
+        core.step_columns()
+    return core
 
 
 def measure_boundary(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
@@ -151,14 +158,14 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
     is noise, not cost)."""
     from megainfer.messages import DeltaBatch
 
-    engine = boundary_engine(running, context, micro_batches, plan_model)
+    core = boundary_engine(running, context, micro_batches, plan_model)
     measured = []
     for _ in range(steps):
-        phases = engine.runner.phases = BoundaryPhases()
+        phases = core.engine.runner.phases = BoundaryPhases()
         t0 = time.process_time()
-        deltas = engine.step()
+        deltas = core.step_columns()  # what the node's step loop runs; the deltas come out in columns
         t1 = time.process_time()
-        DeltaBatch.of("node", len(deltas), deltas)  # the node's reply to the driver's poll, in columns
+        DeltaBatch("node", len(deltas), deltas)  # the outbox's answer to the driver's poll
         t2 = time.process_time()
         phases.bookkeeping = (t1 - t0) - phases.prepare - phases.sample - 2 * phases.argmax  # the argmax ran twice
         phases.deltas_out = t2 - t1
@@ -178,23 +185,22 @@ def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> floa
     response) is theirs, per request, and not in it."""
     import dataclasses
 
-    from megainfer.messages import DeltaBatch
+    from megainfer.messages import DeltaColumns
     from megainfer.server.backend import StreamRegistry, foreign_places
     from megainfer.server.fan_in import FanIn
 
-    replies = [DeltaBatch.of(f"node{n}", len(deltas),
-                             [dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas])
+    replies = [DeltaColumns.of([dataclasses.replace(d, request_id=f"{n}/{d.request_id}") for d in deltas])
                for n in range(attention_nodes)]
-    owner = {rid: n for n, batch in enumerate(replies) for rid in batch.request_ids}
+    owner = {rid: n for n, columns in enumerate(replies) for rid in columns.request_ids}
     registry = StreamRegistry(max_open=len(deltas) * attention_nodes)
     readers = [FanIn([registry.open(rid)]) for rid in owner]
     spent = []
     for _ in range(repeats):
         t0 = time.process_time()
-        for node, batch in enumerate(replies):
-            if foreign_places(batch.request_ids, owner, node):
+        for node, columns in enumerate(replies):
+            if foreign_places(columns.request_ids, owner, node):
                 raise RuntimeError("a delta from a node that does not hold its request")
-            registry.deliver_batch(batch)
+            registry.deliver_batch(columns)
         spent.append(time.process_time() - t0)
         for reader in readers:
             if reader.get(0.0) is None:
@@ -204,5 +210,4 @@ def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> floa
 
 def last_step_deltas(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> list:
     """One decode step's deltas at `running` sequences."""
-    engine = boundary_engine(running, context, micro_batches, plan_model)
-    return engine.step()
+    return boundary_engine(running, context, micro_batches, plan_model).step_columns().deltas

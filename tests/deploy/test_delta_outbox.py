@@ -49,7 +49,7 @@ def test_the_frontend_aborts_a_request_its_node_does_not_hold_and_streams_the_re
     """A poll answer naming a request that is held elsewhere (sent on after its node hung): the
     delta is dropped and the request aborted on the node that sent it; the others stream."""
     from deploy.frontend import Frontend
-    from megainfer.messages import DeltaBatch, FinishReason
+    from megainfer.messages import DeltaBatch, DeltaColumns, FinishReason
     from megainfer.server.fan_in import FanIn
 
     aborted = []
@@ -68,7 +68,7 @@ def test_the_frontend_aborts_a_request_its_node_does_not_hold_and_streams_the_re
         readers[rid] = FanIn([frontend.registry.open(rid)])
         frontend._owner[rid] = node
     last = RequestDelta("c", [4], "", True, FinishReason.LENGTH)
-    frontend._deliver_batch(0, DeltaBatch.of("n0", 4, [delta("a", 1), delta("b", 2), delta("c", 3), last]))
+    frontend._deliver_batch(0, DeltaBatch("n0", 4, DeltaColumns.of([delta("a", 1), delta("b", 2), delta("c", 3), last])))
     assert aborted == ["b"]
     assert readers["a"].get(0.0) == (0, delta("a", 1))
     assert readers["b"].get(0.0) is None

@@ -10,8 +10,8 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megainfer.messages import DeltaBatch, FinishReason, RequestDelta
-from megainfer.server.backend import StreamRegistry, foreign_places, without_places
+from megainfer.messages import DeltaBatch, DeltaColumns, FinishReason, RequestDelta
+from megainfer.server.backend import StreamRegistry, foreign_places
 from megainfer.server.choice_streams import LoopWakes
 from megainfer.server.fan_in import FanIn
 
@@ -51,10 +51,17 @@ def deltas_of(steps: list[list[str]]) -> list[RequestDelta]:
 @given(steps_strategy)
 def test_a_batch_in_columns_gives_back_every_delta_in_order(steps):
     deltas = deltas_of(steps)
-    batch = DeltaBatch.of("node", len(deltas), deltas)
-    assert len(batch) == len(deltas)
-    assert batch.deltas == deltas
-    assert all(isinstance(t, int) for t in batch.token_ids)  # the plain ones are columns, not objects
+    columns = DeltaColumns.of(deltas)
+    assert len(columns) == len(deltas)
+    assert columns.deltas == deltas
+    assert all(isinstance(t, int) for t in columns.token_ids)  # the plain ones are columns, not objects
+    batch = DeltaBatch("node", len(deltas), columns)
+    assert len(batch) == len(deltas) and batch.deltas == deltas
+    # Steps appended to one another (a poll answering several) keep the order.
+    half = len(deltas) // 2
+    joined = DeltaColumns.of(deltas[:half])
+    joined.extend(DeltaColumns.of(deltas[half:]))
+    assert joined.deltas == deltas
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,7 +70,7 @@ def test_the_fan_out_keeps_each_requests_order_and_wakes_its_reader(steps):
     deltas = deltas_of(steps)
     registry = StreamRegistry(max_open=8)
     readers = {f"r{r}": FanIn([registry.open(f"r{r}")]) for r in range(4)}
-    registry.deliver_batch(DeltaBatch.of("node", len(deltas), deltas))
+    registry.deliver_batch(DeltaColumns.of(deltas))
     for rid, reader in readers.items():
         got = []
         while (item := reader.get(0.0)) is not None:
@@ -82,7 +89,7 @@ def test_a_closed_stream_takes_no_delta_and_a_thread_reader_is_woken():
     got = []
     reader = threading.Thread(target=lambda: got.append(stream.get(5.0)))
     reader.start()
-    registry.deliver_batch(DeltaBatch.of("node", 2, [plain("gone", 1), plain("a", 2)]))
+    registry.deliver_batch(DeltaColumns.of([plain("gone", 1), plain("a", 2)]))
     reader.join(5)
     assert got == [plain("a", 2)]
 
@@ -90,7 +97,7 @@ def test_a_closed_stream_takes_no_delta_and_a_thread_reader_is_woken():
 def test_a_delta_announced_twice_is_read_once():
     registry = StreamRegistry(max_open=1)
     stream = registry.open("a")
-    registry.deliver_batch(DeltaBatch.of("node", 1, [plain("a", 1)]))
+    registry.deliver_batch(DeltaColumns.of([plain("a", 1)]))
     reader = FanIn([stream])
     stream._wake()  # the race `listen` allows: one delta, two wakes
     assert reader.get(0.0) == (0, plain("a", 1))
@@ -98,11 +105,11 @@ def test_a_delta_announced_twice_is_read_once():
 
 
 def test_foreign_places_and_dropping_them_keep_the_rest_in_order():
-    batch = DeltaBatch.of("node", 5, [plain("a", 1), plain("b", 2), finished("x", 3), plain("c", 4), plain("b", 5)])
+    batch = DeltaColumns.of([plain("a", 1), plain("b", 2), finished("x", 3), plain("c", 4), plain("b", 5)])
     owner = {"a": 0, "b": 1, "c": 0, "x": 0}
     assert foreign_places(batch.request_ids, owner, 0) == [1, 3]
     assert foreign_places(["a", "c"], owner, 0) == []
-    kept = without_places(batch, [1, 3])
+    kept = batch.without_places([1, 3])
     assert kept.deltas == [plain("a", 1), finished("x", 3), plain("c", 4)]
 
 
@@ -134,7 +141,7 @@ def test_an_event_loop_is_woken_once_per_burst():
         for r in range(100):
             choice = Choice(registry.open(f"r{r}"))
             choice.stream.listen(lambda c=choice: wakes.wake(group, c))
-        batch = DeltaBatch.of("node", 100, [plain(f"r{r}", r) for r in range(100)])
+        batch = DeltaColumns.of([plain(f"r{r}", r) for r in range(100)])
         await loop.run_in_executor(None, registry.deliver_batch, batch)
         await asyncio.sleep(0.05)
         return scheduled, group.taken

@@ -145,3 +145,8 @@ def test_the_byte_path_equals_decode_on_random_ids_special_tokens_and_broken_utf
         detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
         pieces = [detok.add([i]) for i in ids]
         assert "".join(pieces) + detok.flush() == tok.decode(ids, skip_special_tokens=skip), ids
+        # The engine's one-token path (a table lookup where nothing is pending) gives the same pieces.
+        one = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        assert [one.add_one(i) for i in ids] == pieces, ids
+    table = tok.token_texts(skip)
+    assert any(t is None for t in table) and sum(t is not None for t in table) > tok.vocab_size // 2
