@@ -16,22 +16,20 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from deploy.delta_delivery import DeltaDelivery, TtftFeedback
 from deploy.delta_pump import DeltaPump
 from deploy.node_group import NodeGroup, states_of
 from deploy.ray_calls import cause
-from megainfer.disagg.latency import LatencyHistogram
 from megainfer.errors import DataPlaneError
-from megainfer.messages import DeltaBatch, NodeLoad, NodeState, RequestDelta
+from megainfer.messages import NodeLoad, NodeState, RequestDelta
 from megainfer.sampling_params import SamplingParams
-from megainfer.server.backend import RequestStream, StreamRegistry, foreign_places
+from megainfer.server.backend import RequestStream, StreamRegistry
 
 LOAD_REFRESH_S = 0.05  # how stale a router's view of the attention nodes may get
 SUBMIT_TIMEOUT_S = 30.0
 RETRY_EVERY_S = 0.25  # a request waiting for a recovery asks again this often
 DOWN_MARK_S = 1.0  # a node that refused a request is routed around this long (then asked again)
 ABORT_TIMEOUT_S = 10.0
-# |predicted - measured| TTFT of requests the predictive router placed, seconds.
-ROUTER_ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class _NodeUnavailable(Exception):
@@ -64,12 +62,13 @@ class Frontend:
         self.max_open_per_group = max_open_per_group
         self.recovery_wait_s = recovery_wait_s  # plan serve.recovery_wait_s: see `send`
         self.registry = StreamRegistry(max_open=0)
-        self.ttft_feedback = TtftFeedback()
+        self.ttft_feedback = TtftFeedback(router)
         self.groups: list[NodeGroup] = []
         self._nodes: list = []  # attention leader actors, numbered across the groups
         self._pumps: list[DeltaPump] = []  # one per attention node, same numbering
         self._loads: list[NodeLoad] = []  # per node: the last snapshot, plus what was routed since
         self._owner: dict[str, int] = {}  # request id -> attention node
+        self.deliveries = DeltaDelivery(self.registry, self._owner, self.ttft_feedback, self._actor)
         self._down = DownNodes()  # nodes that refused a request lately: routed around
         self._lock = threading.Lock()  # the router's state: loads, groups, the router itself
         self._stop = threading.Event()
@@ -82,7 +81,7 @@ class Frontend:
             first = len(self._nodes)
             self.groups.append(group)
             self._nodes += group.attention
-            self._pumps += [DeltaPump(node, first + i, self._deliver_batch) for i, node in enumerate(group.attention)]
+            self._pumps += [DeltaPump(node, first + i, self.deliveries.batch) for i, node in enumerate(group.attention)]
             self.registry.max_open = self.max_open_per_group * len(self.groups)
         self.refresh()
 
@@ -129,6 +128,7 @@ class Frontend:
         """Route with `router` from now on; it sees every node's state at once."""
         with self._lock:
             self.router = router
+            self.ttft_feedback.router = router
         self.refresh()
 
     def refresh(self) -> None:
@@ -233,46 +233,7 @@ class Frontend:
         """Requests on attention nodes that died went with them: tell their clients."""
         for request_id, node in list(self._owner.items()):
             if node in nodes:
-                self._deliver_from(node, RequestDelta.failure(request_id, reason))
-
-    def _deliver_from(self, node: int, delta: RequestDelta) -> None:
-        """A delta of node `node`. A request not held there (failed here while its node hung and
-        sent elsewhere, a submission that timed out yet reached it) is dropped and aborted there."""
-        if self._owner.get(delta.request_id) != node:
-            self._stray(node, delta.request_id, delta.finished)
-            return
-        self.ttft_feedback.observe(delta, self.router)
-        if delta.finished:
-            self._owner.pop(delta.request_id, None)
-        self.registry.deliver(delta)
-
-    def _deliver_batch(self, node: int, batch: DeltaBatch) -> None:
-        """A poll answer of node `node`, every step: its plain deltas checked and handed on as
-        columns (`foreign_places`, `StreamRegistry.deliver_batch`), the others one by one."""
-        columns = batch.columns
-        strays = foreign_places(columns.request_ids, self._owner, node)
-        if strays:
-            for place in strays:
-                self._stray(node, columns.request_ids[place], False)
-            columns = columns.without_places(strays)
-        self.ttft_feedback.observe_first(columns.request_ids, self.router)
-        others = []
-        for before, delta in columns.others:
-            if self._owner.get(delta.request_id) != node:
-                self._stray(node, delta.request_id, delta.finished)
-                continue
-            self.ttft_feedback.observe(delta, self.router)
-            if delta.finished:
-                self._owner.pop(delta.request_id, None)
-            others.append((before, delta))
-        columns.others = others
-        self.registry.deliver_batch(columns)
-
-    def _stray(self, node: int, request_id: str, finished: bool) -> None:
-        """A delta of a request not held at `node`: dropped, and the request aborted there."""
-        actor = None if finished else self._actor(node)
-        if actor is not None:
-            actor.abort.remote(request_id)  # frees its blocks
+                self.deliveries.one(node, RequestDelta.failure(request_id, reason))
 
     def _forget(self, request_id: str) -> None:
         self.registry.close(request_id)
@@ -302,40 +263,6 @@ def attention_nodes_of(groups: list[NodeGroup], group: NodeGroup) -> range:
             return range(first, first + len(g.attention))
         first += len(g.attention)
     return range(0)
-
-
-class TtftFeedback:
-    """The predictive router's TTFT forecasts against what its requests measured: the error
-    histogram (a metric) and the router's own correction (`observe_ttft`)."""
-
-    def __init__(self) -> None:
-        self.router_error = LatencyHistogram(ROUTER_ERROR_BUCKETS)
-        self._predicted: dict[str, tuple[float, float]] = {}  # request id -> (submitted at, predicted TTFT)
-
-    def expect(self, request_id: str, submitted: float, predicted_ttft_s: float) -> None:
-        self._predicted[request_id] = (submitted, predicted_ttft_s)
-
-    def observe_first(self, request_ids: list[str], router) -> None:
-        """Plain deltas (one token each), as columns: only a request's first is looked at."""
-        if self._predicted:
-            for request_id in self._predicted.keys() & request_ids:
-                submitted, predicted = self._predicted.pop(request_id)
-                self._learn(router, predicted, time.monotonic() - submitted)
-
-    def observe(self, delta: RequestDelta, router) -> None:
-        if delta.request_id in self._predicted and (delta.new_token_ids or delta.finished):
-            submitted, predicted = self._predicted.pop(delta.request_id)
-            if delta.new_token_ids:
-                self._learn(router, predicted, time.monotonic() - submitted)
-
-    def _learn(self, router, predicted: float, measured: float) -> None:
-        self.router_error.observe(abs(measured - predicted))
-        learn = getattr(router, "observe_ttft", None)
-        if learn is not None:
-            learn(predicted, measured)
-
-    def forget(self, request_id: str) -> None:
-        self._predicted.pop(request_id, None)
 
 
 class DownNodes:

@@ -68,7 +68,7 @@ def test_the_frontend_aborts_a_request_its_node_does_not_hold_and_streams_the_re
         readers[rid] = FanIn([frontend.registry.open(rid)])
         frontend._owner[rid] = node
     last = RequestDelta("c", [4], "", True, FinishReason.LENGTH)
-    frontend._deliver_batch(0, DeltaBatch("n0", 4, DeltaColumns.of([delta("a", 1), delta("b", 2), delta("c", 3), last])))
+    frontend.deliveries.batch(0, DeltaBatch("n0", 4, DeltaColumns.of([delta("a", 1), delta("b", 2), delta("c", 3), last])))
     assert aborted == ["b"]
     assert readers["a"].get(0.0) == (0, delta("a", 1))
     assert readers["b"].get(0.0) is None
