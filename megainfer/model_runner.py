@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, groupby
+from operator import attrgetter
 from types import SimpleNamespace
 from typing import Callable
 
@@ -13,6 +14,7 @@ import torch
 
 import kernels
 from megainfer import memory_profile
+from megainfer.block_table_rows import BlockTableRows
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.kernel_warmup import warm_up_engine
 from megainfer.memory_profile import MemorySnapshot
@@ -57,6 +59,7 @@ class ModelRunner:
                       max_model_len)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
+        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)
 
@@ -88,6 +91,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         layout = StepLayout.of(out, 1)
         self.cohort_hidden.forget_departed(out.all_seqs, layout)
+        self.block_tables.retain(out.all_seqs)
         if layout.has_cohort:
             return self._execute_layered(out, layout)
         input_ids, positions, batch = self._prepare(out)
@@ -104,7 +108,7 @@ class ModelRunner:
         cfg = self.model_config
         seqs = out.all_seqs
         state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[0], self.cohort_hidden,
-                                        self.config.block_size, self.device)
+                                        self.config.block_size, self.device, self.block_tables)
         # Summed on the device and read once, after sampling: no host sync inside a layer.
         expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
         for layer in range(cfg.num_layers):
@@ -122,7 +126,7 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
         return prepare_batch(out.seqs, out.num_scheduled_tokens, out.num_single_token, self.config.block_size,
-                             self.device)
+                             self.device, self.block_tables)
 
 
 BatchInputs = tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]  # input ids, positions, metadata
@@ -181,10 +185,11 @@ class MicroBatchState:
 
     @classmethod
     def prepare(cls, model: MoEModel, seqs: list, layout: StepLayout, batch: MicroBatchLayout,
-                cohort_hidden: CohortHiddenStates, block_size: int, device: torch.device) -> "MicroBatchState":
+                cohort_hidden: CohortHiddenStates, block_size: int, device: torch.device,
+                tables: BlockTableRows | None = None) -> "MicroBatchState":
         """Inputs of both batches, the decodes' embeddings and the cohort's entering rows."""
-        decode = _prepare_rows(seqs, layout, batch.decode_sequences, block_size, device)
-        combined = _prepare_rows(seqs, layout, batch.sequences, block_size, device) \
+        decode = _prepare_rows(seqs, layout, batch.decode_sequences, block_size, device, tables)
+        combined = _prepare_rows(seqs, layout, batch.sequences, block_size, device, tables) \
             if batch.cohort_sequences else decode
         hidden = model.embed(decode[0]) if decode is not None else None
         return cls(batch, decode, combined, hidden, cohort_hidden.entering(model, seqs, layout, batch, combined))
@@ -208,12 +213,12 @@ class MicroBatchState:
 
 
 def _prepare_rows(seqs: list, layout: StepLayout, indices: tuple[int, ...], block_size: int,
-                  device: torch.device) -> BatchInputs | None:
+                  device: torch.device, tables: BlockTableRows | None) -> BatchInputs | None:
     """`prepare_batch` of the step's sequences at these sequence indices; None for none."""
     if not indices:
         return None
     counts = [layout.num_tokens[i] for i in indices]
-    return prepare_batch([seqs[i] for i in indices], counts, sum(1 for n in counts if n == 1), block_size, device)
+    return prepare_batch([seqs[i] for i in indices], counts, counts.count(1), block_size, device, tables)
 
 
 # A micro-batch's rows after the last layer: final(micro_batch, in_cohort) -> its decode rows
@@ -246,20 +251,20 @@ def sample_rows(to_logits: Callable[[torch.Tensor], torch.Tensor], final: FinalR
 
 def _gather_rows(final: FinalRows, rows) -> torch.Tensor:
     """The hidden states of `rows` (SampledRows), in order: one gather per run of rows from the
-    same micro-batch's decode or cohort rows."""
-    parts, run, source = [], [], None
-    for r in rows:
-        if (r.micro_batch, r.in_cohort) != source and run:
-            parts.append(_index(final(*source), run))
-            run = []
-        source = (r.micro_batch, r.in_cohort)
-        run.append(r.row)
-    parts.append(_index(final(*source), run))
+    same micro-batch's decode or cohort rows, none where a run is all of them (decodes)."""
+    parts = [_index(final(*source), list(map(_ROW, run))) for source, run in groupby(rows, key=_SOURCE)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _index(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if len(rows) == hidden.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1:  # ascending: every row
+        return hidden
     return hidden[torch.tensor(rows, device=hidden.device)]
+
+
+_SOURCE = attrgetter("micro_batch", "in_cohort")
+_ROW = attrgetter("row")
+_GREEDY_ONLY = attrgetter("greedy_only")
 
 
 def sample_tokens(sampler: Sampler, logits: torch.Tensor, seqs: list,
@@ -267,6 +272,8 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, seqs: list,
     """Tokens from `logits` (one row per sampled row, in order), placed by sequence index, and
     the logprobs of those that asked, by sequence index (from the raw logits)."""
     owners = [seqs[r.sequence] for r in layout.sampled_rows]
+    if all(map(_GREEDY_ONLY, owners)):  # the common case: one argmax, nothing read per row
+        return layout.place_samples(sampler.greedy(logits)), {}
     tokens = sampler.sample(logits, [s.request_id for s in owners], [s.params for s in owners], owners)
     wanted = [k for k, s in enumerate(owners) if s.params.logprobs is not None]
     logprobs = {}
@@ -330,11 +337,13 @@ def _prompt_logprobs(to_logits: Callable[[torch.Tensor], torch.Tensor], final: F
     return entries
 
 
-def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
+def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int, device: torch.device,
+                  tables: BlockTableRows | None = None) -> tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]:
     """Input ids, positions and attention metadata of `seqs`, each computing its next
     `num_tokens[i]` tokens (the first `num_single` with one token each). Array work: one pass
-    over the sequences reads their counters, ids and block tables, numpy builds the rest."""
+    over the sequences reads their counters and ids, numpy builds the rest; the block tables
+    come from the runner's persistent rows (`tables`, updated with what changed) or, without
+    them, are built here."""
     n = len(seqs)
     counts = np.asarray(num_tokens, dtype=np.int64)
     begins = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
@@ -347,11 +356,14 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
         token_ids = []
         for seq, b, e in zip(seqs, begins.tolist(), ends.tolist()):
             token_ids.extend(seq.token_ids[b:e])
-    tables = [s.block_table for s in seqs]
-    widths = np.fromiter(map(len, tables), np.int64, n)
-    block_tables = np.zeros((n, int(widths.max())), dtype=np.int64)
-    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
-        chain.from_iterable(tables), np.int64, int(widths.sum()))
+    if tables is not None:
+        block_tables, widths = tables.gather(seqs)
+    else:
+        lists = [s.block_table for s in seqs]
+        widths = np.fromiter(map(len, lists), np.int64, n)
+        block_tables = np.zeros((n, int(widths.max())), dtype=np.int64)
+        block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+            chain.from_iterable(lists), np.int64, int(widths.sum()))
     # Position of each query token: its sequence's computed length plus its place in the query.
     seq_of_token = np.repeat(np.arange(n), counts)
     positions = np.arange(starts[-1]) - starts[:-1][seq_of_token] + begins[seq_of_token]

@@ -68,6 +68,10 @@ class Sampler:
             sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled.tolist()
 
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """`sample` of rows that are all greedy without penalties or min_tokens: one argmax."""
+        return logits.argmax(dim=-1).tolist()
+
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: Sequence[TokenHistory] | None) -> torch.Tensor:
         """min_tokens and penalties, on a copy; `logits` itself when no row needs them."""

@@ -44,9 +44,16 @@ class Sequence:
         """Every time between tokens, seconds (one fewer than the generated tokens)."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
+    # Sampled by a bare argmax: greedy, no penalties, no min_tokens mask, no logprobs (what the
+    # sampler's one-argmax path serves when every row of a step is so).
+    greedy_only: bool = field(init=False, default=False)
+
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        params = self.params
+        self.greedy_only = params.greedy and not params.min_tokens and not params.has_penalties \
+            and params.logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

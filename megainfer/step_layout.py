@@ -37,17 +37,25 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
     may be empty."""
     if m == 1:
         return [list(range(len(num_tokens)))]
-    groups: list[list[int]] = [[] for _ in range(m)]
-    load = [0] * m
-    for i, n in enumerate(num_tokens):
+    # The leading one-token entries (a step's decodes come first) go round-robin, which is what
+    # the rule gives them (the loads stay equal, or the first ones one ahead), built in C.
+    ones = num_tokens.count(1)
+    if num_tokens[:ones] != [1] * ones:
+        ones = 0
+    groups = [list(range(j, ones, m)) for j in range(m)]
+    load = [len(g) for g in groups]
+    for i in range(ones, len(num_tokens)):
         j = load.index(min(load))
         groups[j].append(i)
-        load[j] += n
+        load[j] += num_tokens[i]
     return groups
 
 
-def _query_starts(num_tokens: tuple[int, ...], indices: list[int], start: int = 0) -> list[int]:
-    """Offsets (rows) at which each of `indices` begins, from `start`, plus the end."""
+def _query_starts(num_tokens: tuple[int, ...], indices: list[int], start: int = 0, ones: int = 0) -> list[int]:
+    """Offsets (rows) at which each of `indices` begins, from `start`, plus the end. Indices
+    below `ones` are known to compute one token each (the step's leading decodes)."""
+    if not indices or indices[-1] < ones:  # every one a one-token decode: consecutive rows
+        return list(range(start, start + len(indices) + 1))
     return list(accumulate((num_tokens[i] for i in indices), initial=start))
 
 
@@ -153,11 +161,15 @@ class StepLayout:
         """The m micro-batches, in the order they run; any may be empty (the node still
         exchanges a zero-token message for it with every expert node)."""
         num_decodes, m = self.num_decode_sequences, self.num_micro_batches
+        decode_tokens = list(self.num_tokens[:num_decodes])
+        ones = decode_tokens.count(1)
+        if decode_tokens[:ones] != [1] * ones:
+            ones = 0
         batches = []
-        for decodes, members in zip(split_micro_batches(list(self.num_tokens[:num_decodes]), m),
+        for decodes, members in zip(split_micro_batches(decode_tokens, m),
                                     split_micro_batches(list(self.num_tokens[num_decodes:]), m)):
             members = [num_decodes + i for i in members]
-            decode_starts = _query_starts(self.num_tokens, decodes)
+            decode_starts = _query_starts(self.num_tokens, decodes, 0, ones)
             combined_starts = decode_starts + _query_starts(self.num_tokens, members, decode_starts[-1])[1:]
             batches.append(MicroBatchLayout(tuple(decodes), tuple(members), tuple(decode_starts),
                                             tuple(combined_starts)))

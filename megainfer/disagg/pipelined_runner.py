@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from megainfer import memory_profile
+from megainfer.block_table_rows import BlockTableRows
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.disagg import step_sync
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
@@ -171,6 +172,7 @@ class PipelinedModelRunner:
         self.step_id = 0
         self.deployment_busy = False  # did any attention node send tokens in the last step?
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
+        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
         self._outbox: deque[PendingDispatch] = deque()  # dispatches copying to the host, oldest first
         self._routed: list[RoutedTokens | None] = [None] * micro_batches  # per micro-batch: its last dispatch sent
         self._no_records = torch.empty(0, dtype=torch.uint8)  # an empty step's dispatch
@@ -261,6 +263,7 @@ class PipelinedModelRunner:
         seqs = out.all_seqs
         self.step_tokens = (out.total_tokens, out.total_tokens - out.num_single_token)
         self.cohort_hidden.forget_departed(seqs, layout)
+        self.block_tables.retain(seqs)
         states: list[MicroBatchState | None] = [None] * self.m  # each prepared just before its first layer
         expert_counts = self._pass_layers(layout, states, seqs)
         # Every rank keeps the cohort's hidden states for the next group (followers too: each
@@ -296,7 +299,7 @@ class PipelinedModelRunner:
                 else:
                     states[j] = state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[j],
                                                                 self.cohort_hidden, self.config.block_size,
-                                                                self.device)
+                                                                self.device, self.block_tables)
                 state.cross(layout, layer)
                 residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer),
                                                         expert_counts)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from megainfer.block_table_rows import BlockTableRows
 from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_model
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
@@ -84,6 +85,7 @@ class BoundaryRunner:
         self.kernels = None
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
+        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
         self.phases = BoundaryPhases()
         self._logits = torch.randn(config.max_num_seqs, model_config.vocab_size,
                                    generator=torch.Generator().manual_seed(0))
@@ -95,12 +97,13 @@ class BoundaryRunner:
         layout = StepLayout.of(out, self.m)
         seqs = out.all_seqs
         self.cohort_hidden.forget_departed(seqs, layout)
+        self.block_tables.retain(seqs)
         states = []
         for batch in layout.micro_batches:  # in the runner's order; 1.. after micro-batch 0's dispatch
             if len(states) == 1:
                 first = time.process_time()
             states.append(MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden,
-                                                  self.config.block_size, self.device))
+                                                  self.config.block_size, self.device, self.block_tables))
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
         t1 = time.process_time()

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
@@ -136,6 +138,25 @@ def test_micro_batch_split_balances_tokens_and_keeps_order():
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
     assert all(g == sorted(g) for g in groups)
     assert split_micro_batches([5], 3)[1:] == [[], []]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), max_size=60), st.integers(1, 5))
+def test_micro_batch_split_is_the_least_loaded_rule_with_its_fast_round_robin(num_tokens, m):
+    """The leading one-token entries go round-robin at C speed; that is what the rule (each to
+    the least loaded micro-batch, the first of equals) gives them, for any tail after them."""
+    decodes_first = sorted(num_tokens, key=lambda n: n > 1)  # as a step orders them
+    assert split_micro_batches(decodes_first, m) == _least_loaded(decodes_first, m)
+    assert split_micro_batches(num_tokens, m) == _least_loaded(num_tokens, m)
+
+
+def _least_loaded(num_tokens, m):
+    groups, load = [[] for _ in range(m)], [0] * m
+    for i, n in enumerate(num_tokens):
+        j = load.index(min(load))
+        groups[j].append(i)
+        load[j] += n
+    return groups
 
 
 def test_dispatch_payload_round_trip():
@@ -301,17 +322,21 @@ def test_the_hot_path_reads_nothing_back_from_the_device(mixtral_ref, monkeypatc
 
     direct: dict[str, int] = {}
     reads_of_staged = [0]
+    host_copies: dict[int, torch.Tensor] = {}  # what a counted .cpu() returned: its .numpy() is no second read
     for method in ("tolist", "item", "cpu", "numpy"):
         original = getattr(torch.Tensor, method)
 
-        def counted(tensor, *args, _original=original, **kwargs):
+        def counted(tensor, *args, _original=original, _method=method, **kwargs):
             caller = sys._getframe(1).f_code
             if Path(caller.co_filename).name in HOT_PATH_FILES:
                 if id(tensor) in staged:
                     reads_of_staged[0] += 1
-                else:
+                elif not (_method == "numpy" and id(tensor) in host_copies):
                     direct[caller.co_name] = direct.get(caller.co_name, 0) + 1
-            return _original(tensor, *args, **kwargs)
+            result = _original(tensor, *args, **kwargs)
+            if _method == "cpu":
+                host_copies[id(result)] = result
+            return result
 
         monkeypatch.setattr(torch.Tensor, method, counted)
     monkeypatch.setattr(DeviceStaging, "to_host", staged_to_host)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from megainfer import LLM, SamplingParams
-from megainfer.sampler import Sampler
 from tests.helpers import NEW_TOKENS
 
 CONFIGS = {
@@ -24,16 +23,19 @@ CONFIGS = {
 
 @pytest.fixture
 def captured_logits(monkeypatch):
-    """Logits each request was sampled from, step by step (recorded on the real path)."""
+    """Logits each request was sampled from, step by step (recorded on the real path: every
+    runner samples through `model_runner.sample_tokens`, whichever sampler path it takes)."""
+    from megainfer import model_runner
+
     seen: dict[str, list[torch.Tensor]] = {}
-    original = Sampler.sample
+    original = model_runner.sample_tokens
 
-    def recording(self, logits, request_ids, params, histories=None):
-        for row, rid in enumerate(request_ids):
-            seen.setdefault(rid, []).append(logits[row].clone())
-        return original(self, logits, request_ids, params, histories)
+    def recording(sampler, logits, seqs, layout):
+        for row, sampled in enumerate(layout.sampled_rows):
+            seen.setdefault(seqs[sampled.sequence].request_id, []).append(logits[row].clone())
+        return original(sampler, logits, seqs, layout)
 
-    monkeypatch.setattr(Sampler, "sample", recording)
+    monkeypatch.setattr(model_runner, "sample_tokens", recording)
     return seen
 
 

@@ -82,3 +82,52 @@ def test_prepare_batch_equals_the_per_sequence_build(batch):
         assert g.dtype == w.dtype and torch.equal(g, w), name
     for name in ("num_single", "seq_lens_host", "query_start_host"):
         assert getattr(got[2], name) == getattr(want[2], name), name
+
+
+# A step sequence for the persistent block tables: per step, each of a few requests either runs
+# (its table grows by 0-2 blocks), is freed and starts again (a new, shorter list: preemption),
+# sits the step out, or ends (a new request takes its id's place later).
+step_actions = st.lists(st.lists(st.sampled_from(["grow", "grow", "same", "free", "skip", "end"]),
+                                 min_size=5, max_size=5), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(step_actions, st.integers(1, 6))
+def test_persistent_block_table_rows_equal_the_tables_built_afresh(steps, rows):
+    """BlockTableRows mirrors the block manager's lists across steps (grown in place, replaced,
+    requests leaving and new ones taking rows, more requests than rows) and gives the same
+    zero-padded tables prepare_batch builds from scratch."""
+    from megainfer.block_table_rows import BlockTableRows
+
+    tables = BlockTableRows(rows, 2)
+    next_block = iter(range(1, 10_000))
+    seqs = {f"r{i}": SimpleNamespace(request_id=f"r{i}", block_table=[next(next_block)]) for i in range(5)}
+    fresh = 5
+    for actions in steps:
+        running = []
+        for (rid, seq), action in zip(list(seqs.items()), actions):
+            if action == "grow":
+                seq.block_table.extend(next(next_block) for _ in range(2))
+            elif action == "free":
+                seq.block_table = [next(next_block)]
+            elif action == "end":
+                del seqs[rid]
+                rid = f"r{fresh}"
+                fresh += 1
+                seqs[rid] = seq = SimpleNamespace(request_id=rid, block_table=[next(next_block)])
+            if action != "skip":
+                running.append(seq)
+        if not running:
+            continue
+        tables.retain(running)
+        got, widths = tables.gather(running)
+        width = max(len(s.block_table) for s in running)
+        assert got.tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in running]
+        assert widths.tolist() == [len(s.block_table) for s in running]
+        # Through prepare_batch: the same batch as without the rows.
+        for s in running:
+            s.num_computed_tokens, s.token_ids = len(s.block_table) * BLOCK - 1, [7] * len(s.block_table) * BLOCK
+        with_rows = prepare_batch(running, [1] * len(running), len(running), BLOCK, torch.device("cpu"), tables)
+        afresh = prepare_batch(running, [1] * len(running), len(running), BLOCK, torch.device("cpu"))
+        assert torch.equal(with_rows[2].block_tables, afresh[2].block_tables)
+        assert torch.equal(with_rows[2].slot_mapping, afresh[2].slot_mapping)
