@@ -16,14 +16,22 @@ recomputes its prompt and generated tokens as one prompt. Nothing is lost or rep
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
+import numpy as np
+
 from megainfer.config import EngineConfig
 from megainfer.kv_cache import BlockManager
 from megainfer.sequence import FinishReason, Sequence, SequenceStatus
+
+
+_COMPUTED = operator.attrgetter("num_computed_tokens")
+_TOKEN_IDS = operator.attrgetter("token_ids")
+_BLOCK_TABLE = operator.attrgetter("block_table")
 
 
 class PrefillPolicy(Protocol):
@@ -36,6 +44,9 @@ class PrefillPolicy(Protocol):
     # Whether `schedule_prompts` spends the step's token budget (and so the step-time cap, which
     # is worked out only for policies that read it).
     uses_token_budget: bool
+    # Whether `schedules_itself` is False for every sequence (the running loop's array fast
+    # path then asks no sequence).
+    never_schedules_itself: bool
 
     def schedules_itself(self, seq: Sequence) -> bool:
         """Whether the running `seq` is left out of the scheduler's running loop because
@@ -75,6 +86,7 @@ class ChunkedPrefill:
 
     name = "chunked"
     uses_token_budget = True
+    never_schedules_itself = True
 
     def schedules_itself(self, seq: Sequence) -> bool:
         return False  # running prompts take their next chunk in the running loop
@@ -118,6 +130,7 @@ class LayeredPrefill:
 
     name = "layered"
     uses_token_budget = False  # a cohort is bounded by its chunk limit, not the step's budget
+    never_schedules_itself = False
 
     def __init__(self, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_tokens: int) -> None:
         self.num_layers = num_layers
@@ -266,7 +279,9 @@ class SchedulerOutput:
 
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (and so samples a new one)."""
-        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_scheduled_tokens)]
+        seqs = self.seqs
+        return list(map(operator.eq, map(operator.add, map(_COMPUTED, seqs), self.num_scheduled_tokens),
+                        map(len, map(_TOKEN_IDS, seqs))))
 
     def all_samples(self) -> list[bool]:
         """`samples()` for `all_seqs`: a cohort's chunks that end their prompt sample a first
@@ -282,6 +297,10 @@ class SchedulerOutput:
 def chunk_work(seqs: list[Sequence], num_tokens: list[int]) -> tuple[int, float, float]:
     """Tokens, attention query-key pairs and cached tokens read for chunks starting at each
     sequence's computed prefix (causal inside a chunk): what prices a step."""
+    if len(seqs) > 64:  # a real step's thousands of sequences: array sums, exact in integers
+        p = np.fromiter(map(_COMPUTED, seqs), np.int64, len(seqs))
+        n = np.asarray(num_tokens, dtype=np.int64)
+        return int(n.sum()), float(int((n * p).sum()) + int((n * (n + 1) // 2).sum())), float(int((p + n).sum()))
     tokens, pairs, kv = 0, 0.0, 0.0
     for seq, n in zip(seqs, num_tokens):
         p = seq.num_computed_tokens
@@ -378,10 +397,16 @@ class Scheduler:
         blocks = self.block_manager
         # Decodes before prefill chunks (stable): decodes never wait behind a prompt, and
         # the preemption victims taken from the tail are always not-yet-scheduled ones.
-        self.running = deque(sorted(self.running, key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1))
+        running = self.running
+        uncomputed = list(map(operator.sub, map(len, map(_TOKEN_IDS, running)), map(_COMPUTED, running)))
+        if max(uncomputed, default=0) > 1:
+            prompt = [u > 1 for u in uncomputed]
+            if prompt != sorted(prompt):
+                self.running = deque(sorted(running, key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1))
         capped = self.step_cap is None or not self.policy.uses_token_budget
         block_size, schedules_itself = blocks.block_size, self.policy.schedules_itself
-        i = 0
+        i = self._schedule_decodes(out, uncomputed, budget) if uncomputed else 0
+        budget -= i
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if schedules_itself(seq):
@@ -422,6 +447,27 @@ class Scheduler:
         self.policy.schedule_prompts(self, out, budget)
         return self._ordered(out)
 
+    def _schedule_decodes(self, out: SchedulerOutput, uncomputed: list[int], budget: int) -> int:
+        """The running loop's common case at once: every running sequence a one-token decode
+        the policy leaves to the loop, within the budget, and the blocks the ones at a block's
+        end need are free. Array work, no per-sequence branch; returns how many it scheduled
+        (0: the loop does it all, preempting where it must)."""
+        running, blocks = self.running, self.block_manager
+        n = len(running)
+        if n > budget or uncomputed.count(1) != n or \
+                (not self.policy.never_schedules_itself and any(map(self.policy.schedules_itself, running))):
+            return 0
+        computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
+        room = np.fromiter(map(len, map(_BLOCK_TABLE, running)), np.int64, n) * blocks.block_size
+        full = np.flatnonzero(computed >= room).tolist()
+        if len(full) > blocks.num_free_blocks:
+            return 0
+        for k in full:
+            blocks.allocate(running[k], 1)
+        out.seqs.extend(running)
+        out.num_scheduled_tokens.extend([1] * n)
+        return n
+
     @property
     def has_room(self) -> bool:
         """Whether one more sequence may start running (`max_num_seqs`)."""
@@ -444,10 +490,13 @@ class Scheduler:
         return min(budget, cap if out.seqs else max(cap, 1))
 
     def _ordered(self, out: SchedulerOutput) -> SchedulerOutput:
-        order = sorted(range(len(out.seqs)), key=lambda j: out.num_scheduled_tokens[j] > 1)
-        out.seqs = [out.seqs[j] for j in order]
-        out.num_scheduled_tokens = [out.num_scheduled_tokens[j] for j in order]
-        out.num_single_token = sum(1 for n in out.num_scheduled_tokens if n == 1)
+        counts = out.num_scheduled_tokens
+        single = counts.count(1)
+        if counts[:single] != [1] * single:  # some prompt chunk before a one-token entry
+            order = sorted(range(len(out.seqs)), key=lambda j: counts[j] > 1)
+            out.seqs = [out.seqs[j] for j in order]
+            out.num_scheduled_tokens = [counts[j] for j in order]
+        out.num_single_token = single
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:

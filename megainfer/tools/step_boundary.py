@@ -159,25 +159,37 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
     """CPU time of the whole boundary at `running` sequences, by phase: the median decode step
     of `steps` (by total; the machines are shared, and one step's share of a neighbour's burst
     is noise, not cost)."""
-    from megainfer.messages import DeltaBatch
-
     core = boundary_engine(running, context, micro_batches, plan_model)
     measured = []
-    for _ in range(steps):
-        phases = core.engine.runner.phases = BoundaryPhases()
-        t0 = time.process_time()
-        deltas = core.step_columns()  # what the node's step loop runs; the deltas come out in columns
-        t1 = time.process_time()
-        DeltaBatch("node", len(deltas), deltas)  # the outbox's answer to the driver's poll
-        t2 = time.process_time()
-        phases.bookkeeping = (t1 - t0) - phases.prepare - phases.sample - 2 * phases.argmax  # the argmax ran twice
-        phases.deltas_out = t2 - t1
-        phases.steps = 1
-        if len(deltas) != running:
-            raise RuntimeError(f"a decode step of {running} sequences gave {len(deltas)} deltas")
-        measured.append(phases)
+    # One torch thread: the argmax stand-in (device work on a GPU) otherwise spreads over the
+    # cores and its share of a step swings with the neighbours; the host code is one thread anyway.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            measured.append(_measure_step(core, running))
+    finally:
+        torch.set_num_threads(threads)
     measured.sort(key=lambda ph: sum(ph.per_step_ms().values()))
     return measured[len(measured) // 2]
+
+
+def _measure_step(core: EngineCore, running: int) -> BoundaryPhases:
+    """One decode step, by phase."""
+    from megainfer.messages import DeltaBatch
+
+    phases = core.engine.runner.phases = BoundaryPhases()
+    t0 = time.process_time()
+    deltas = core.step_columns()  # what the node's step loop runs; the deltas come out in columns
+    t1 = time.process_time()
+    DeltaBatch("node", len(deltas), deltas)  # the outbox's answer to the driver's poll
+    t2 = time.process_time()
+    phases.bookkeeping = (t1 - t0) - phases.prepare - phases.sample - 2 * phases.argmax  # the argmax ran twice
+    phases.deltas_out = t2 - t1
+    phases.steps = 1
+    if len(deltas) != running:
+        raise RuntimeError(f"a decode step of {running} sequences gave {len(deltas)} deltas")
+    return phases
 
 
 def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> float:

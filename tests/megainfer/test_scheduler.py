@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from megainfer.kv_cache import BlockManager
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import ChunkedPrefill, Scheduler
@@ -187,3 +190,32 @@ def test_first_scheduled_time_is_set_once_despite_preemption():
         run_step(s)
     assert s.num_preemptions > 0
     assert (a.first_scheduled_time, b.first_scheduled_time) == first
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=12),
+       st.integers(6, 40), st.integers(2, 24), st.integers(0, 2**16))
+def test_the_decode_fast_path_schedules_what_the_running_loop_does(requests, num_blocks, budget, seed):
+    """`_schedule_decodes` (every running sequence a one-token decode: one array pass) against
+    the running loop alone, step for step, through admissions, block ends, preemptions and
+    finishes: the same sequences, tokens, preemptions and blocks."""
+    import random
+
+    fast = make_scheduler(num_blocks=num_blocks, budget=budget)
+    slow = make_scheduler(num_blocks=num_blocks, budget=budget)
+    slow._schedule_decodes = lambda out, uncomputed, budget: 0
+    for s in (fast, slow):
+        for i, (prompt, new) in enumerate(requests):
+            s.add(seq(f"r{i}", prompt, max_tokens=new))
+    rng_fast, rng_slow = random.Random(seed), random.Random(seed)
+    for _ in range(200):
+        if not fast.has_unfinished:
+            break
+        a, b = fast.schedule(), slow.schedule()
+        assert [s.request_id for s in a.seqs] == [s.request_id for s in b.seqs]
+        assert a.num_scheduled_tokens == b.num_scheduled_tokens and a.num_single_token == b.num_single_token
+        assert [s.request_id for s in a.preempted] == [s.request_id for s in b.preempted]
+        assert [s.block_table for s in a.seqs] == [s.block_table for s in b.seqs]
+        fast.update_from_output(a, [rng_fast.choice([7, 7, 7, 99]) if x else None for x in a.samples()])
+        slow.update_from_output(b, [rng_slow.choice([7, 7, 7, 99]) if x else None for x in b.samples()])
+    assert not slow.has_unfinished and not fast.has_unfinished
