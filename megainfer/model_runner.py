@@ -241,18 +241,23 @@ def sample_rows(to_logits: Callable[[torch.Tensor], torch.Tensor], final: FinalR
     asked) and the prompt logprobs of the prompt rows this step completed, from the rows'
     final hidden states; `to_logits` turns such rows into float32 logits. Expert counts empty."""
     result = StepResult([None] * layout.num_sequences, [])
-    if layout.sampled_rows:
-        logits = to_logits(_gather_rows(final, layout.sampled_rows))
+    if layout.sampled_sequences:
+        logits = to_logits(_gather_rows(final, layout))
         result.sampled, result.logprobs = sample_tokens(sampler, logits, seqs, layout)
     for rows in prompt_logprob_rows(seqs, layout):
         result.prompt_logprobs[rows.sequence] = (rows.first_position, _prompt_logprobs(to_logits, final, seqs, rows))
     return result
 
 
-def _gather_rows(final: FinalRows, rows) -> torch.Tensor:
-    """The hidden states of `rows` (SampledRows), in order: one gather per run of rows from the
-    same micro-batch's decode or cohort rows, none where a run is all of them (decodes)."""
-    parts = [_index(final(*source), list(map(_ROW, run))) for source, run in groupby(rows, key=_SOURCE)]
+def _gather_rows(final: FinalRows, layout: StepLayout) -> torch.Tensor:
+    """The hidden states of the sampled rows, in order: in a plain decode step every micro-batch's
+    rows as they are; else one gather per run of rows from the same micro-batch's decode or
+    cohort rows, none where a run is all of them."""
+    if layout.every_row_samples:
+        parts = [final(j, False) for j, batch in enumerate(layout.micro_batches) if batch.decode_sequences]
+    else:
+        parts = [_index(final(*source), list(map(_ROW, run)))
+                 for source, run in groupby(layout.sampled_rows, key=_SOURCE)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -271,7 +276,7 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, seqs: list,
                   layout: StepLayout) -> tuple[list[int | None], dict[int, PositionLogprobs]]:
     """Tokens from `logits` (one row per sampled row, in order), placed by sequence index, and
     the logprobs of those that asked, by sequence index (from the raw logits)."""
-    owners = [seqs[r.sequence] for r in layout.sampled_rows]
+    owners = list(map(seqs.__getitem__, layout.sampled_sequences))
     if all(map(_GREEDY_ONLY, owners)):  # the common case: one argmax, nothing read per row
         return layout.place_samples(sampler.greedy(logits)), {}
     tokens = sampler.sample(logits, [s.request_id for s in owners], [s.params for s in owners], owners)
@@ -280,7 +285,7 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, seqs: list,
     if wanted:
         entries = position_logprobs(logits[torch.tensor(wanted, device=logits.device)], [tokens[k] for k in wanted],
                                     [owners[k].params.logprobs for k in wanted])
-        logprobs = {layout.sampled_rows[k].sequence: entry for k, entry in zip(wanted, entries)}
+        logprobs = {layout.sampled_sequences[k]: entry for k, entry in zip(wanted, entries)}
     return layout.place_samples(tokens), logprobs
 
 

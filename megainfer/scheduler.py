@@ -504,8 +504,29 @@ class Scheduler:
         None where that sequence was mid-prompt. Returns the sequences that gained a token."""
         advanced = []
         now = self.clock()
+        eos, max_len, running = self.eos_token_ids, self.max_model_len, SequenceStatus.RUNNING
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled):
-            self._advance(seq, n, token, now, advanced)
+            if token is None or seq.status is not running:
+                self._advance(seq, n, token, now, advanced)
+                continue
+            # `_advance` written out for a running sequence that gained a token (every decode
+            # of every step), its stop conditions asked only where one could hold.
+            seq.num_computed_tokens += n
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            seq.token_times.append(now)
+            advanced.append(seq)
+            params = seq.params
+            num_tokens = len(token_ids)
+            if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= max_len \
+                    or token in eos or params.stop_token_ids or params.min_tokens:
+                reason = self._stop_reason(seq, token, num_tokens)
+                if reason is not None:
+                    self.running.remove(seq)
+                    self._finish(seq, reason)
         if out.layered is not None:
             if out.layered.last:  # the chunks are now complete in every layer
                 for seq, n, token in zip(out.layered.seqs, out.layered.num_tokens, sampled[len(out.seqs):]):

@@ -22,9 +22,10 @@ Names used throughout:
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -182,6 +183,20 @@ class StepLayout:
         rows."""
         return _sampled_rows(self.micro_batches, self.samples)
 
+    @cached_property
+    def every_row_samples(self) -> bool:
+        """A plain decode step: no cohort, one token per sequence, each sampling, so each
+        micro-batch's rows are its decodes' in order and all of them sample."""
+        return not self.has_cohort and all(self.samples) and self.num_tokens.count(1) == len(self.num_tokens)
+
+    @cached_property
+    def sampled_sequences(self) -> list[int]:
+        """The sequence index of each sampled row, in `sampled_rows` order (in a plain decode
+        step, without making the rows)."""
+        if self.every_row_samples:
+            return list(chain.from_iterable(batch.decode_sequences for batch in self.micro_batches))
+        return [row.sequence for row in self.sampled_rows]
+
     @property
     def num_sampled(self) -> int:
         return sum(self.samples)
@@ -208,11 +223,11 @@ class StepLayout:
     def place_samples(self, tokens: list[int]) -> list[int | None]:
         """One entry per sequence index: the token sampled from its row (`tokens` in
         `sampled_rows` order), None for a sequence that did not sample."""
-        if len(tokens) != len(self.sampled_rows):
-            raise ValueError(f"{len(tokens)} tokens for {len(self.sampled_rows)} sampled rows")
+        sequences = self.sampled_sequences
+        if len(tokens) != len(sequences):
+            raise ValueError(f"{len(tokens)} tokens for {len(sequences)} sampled rows")
         placed: list[int | None] = [None] * self.num_sequences
-        for row, token in zip(self.sampled_rows, tokens):
-            placed[row.sequence] = token
+        deque(map(placed.__setitem__, sequences, tokens), maxlen=0)  # placed[sequence] = token, in C
         return placed
 
 

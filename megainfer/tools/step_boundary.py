@@ -111,7 +111,7 @@ class BoundaryRunner:
             self.phases.prepare_after_first += t1 - first
         # The sampler's argmax, timed alone just before it runs, so both read the logits from the
         # same cache (18 MB at 2,290 rows: a cold read costs the argmax half as much again).
-        self._logits[:len(layout.sampled_rows)].argmax(dim=-1)
+        self._logits[:len(layout.sampled_sequences)].argmax(dim=-1)
         t2 = time.process_time()
         result = sample_rows(lambda hidden: self._logits[:hidden.shape[0]],
                              lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,

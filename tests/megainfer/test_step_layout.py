@@ -154,3 +154,20 @@ def test_bad_arguments_are_refused():
     layout = StepLayout.of(SchedulerOutput(seqs=[decoding("a")], num_scheduled_tokens=[1], num_single_token=1), 1)
     with pytest.raises(ValueError, match="2 tokens for 1 sampled rows"):
         layout.place_samples([1, 2])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("group", [0, 1, 2])
+def test_sampled_sequences_follow_the_sampled_rows_and_a_plain_decode_step_needs_none(m, group):
+    plain = SchedulerOutput(seqs=[decoding(f"d{i}") for i in range(7)], num_scheduled_tokens=[1] * 7,
+                            num_single_token=7)
+    mixed = SchedulerOutput(seqs=[decoding("a"), decoding("b"), prompt("c", 10, computed=2)],
+                            num_scheduled_tokens=[1, 1, 5], num_single_token=2)
+    for out, every in ((plain, True), (mixed, False), (cohort_step(group=group), False)):
+        layout = StepLayout.of(out, m)
+        assert layout.every_row_samples is every
+        assert layout.sampled_sequences == [r.sequence for r in layout.sampled_rows]
+        tokens = list(range(100, 100 + len(layout.sampled_sequences)))
+        placed = layout.place_samples(tokens)
+        assert [placed[r.sequence] for r in layout.sampled_rows] == tokens
+        assert sum(t is not None for t in placed) == len(tokens)
