@@ -226,6 +226,18 @@ def _prepare_rows(seqs: list, layout: StepLayout, indices: tuple[int, ...], bloc
 FinalRows = Callable[[int, bool], torch.Tensor]
 
 
+def samples_by_micro_batch(seqs: list, layout: StepLayout) -> bool:
+    """Whether a step's tokens may be sampled micro-batch by micro-batch, each as its last layer
+    ends (`greedy_rows`): a plain decode step whose every row is greedy-only, so the tokens
+    are the argmax of rows that need nothing of the others, whatever batch computes them."""
+    return layout.every_row_samples and all(map(_GREEDY_ONLY, seqs))
+
+
+def greedy_rows(model: MoEModel, sampler: Sampler, hidden: torch.Tensor) -> list[int]:
+    """The greedy tokens of final hidden states (not yet normed), one per row."""
+    return sampler.greedy(model.compute_logits(model.norm(hidden)))
+
+
 def sample_step(model: MoEModel, sampler: Sampler, seqs: list, layout: StepLayout,
                 states: list[MicroBatchState]) -> StepResult:
     """Sample the step's sampling rows from the micro-batches' final hidden states (not yet

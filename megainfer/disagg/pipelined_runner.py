@@ -46,8 +46,8 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.memory_profile import MemorySnapshot
-from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, load_and_size, profile_inputs,
-                                    profile_sampling, sample_step)
+from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, greedy_rows, load_and_size,
+                                    profile_inputs, profile_sampling, sample_step, samples_by_micro_batch)
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import StepLayout
@@ -265,19 +265,24 @@ class PipelinedModelRunner:
         self.cohort_hidden.forget_departed(seqs, layout)
         self.block_tables.retain(seqs)
         states: list[MicroBatchState | None] = [None] * self.m  # each prepared just before its first layer
-        expert_counts = self._pass_layers(layout, states, seqs)
+        # A plain greedy decode step samples each micro-batch as its last answers arrive, while
+        # the expert nodes still work on the later ones (the leader: followers do not sample).
+        early = [] if not self.tp_rank and samples_by_micro_batch(seqs, layout) else None
+        expert_counts = self._pass_layers(layout, states, seqs, early)
         # Every rank keeps the cohort's hidden states for the next group (followers too: each
         # rank's attention needs them whole); after the last group, completed prompts sample.
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
         if self.tp_rank:  # followers: the leader samples
             return StepResult([None] * layout.num_sequences, [])
-        result = sample_step(self.model, self.sampler, seqs, layout, states)
+        result = StepResult(layout.place_samples(early), []) if early is not None else \
+            sample_step(self.model, self.sampler, seqs, layout, states)
         result.expert_counts = expert_counts.cpu().numpy()  # the step's one read of the counts
         self.timeline.end_step()
         return result
 
-    def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState | None], seqs: list) -> torch.Tensor:
+    def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState | None], seqs: list,
+                     early: list[int] | None = None) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer
         before, then runs this layer's attention and dispatches. Returns tokens routed to each
         expert, [layer, expert], on the device. Micro-batch j's inputs are prepared (into
@@ -306,6 +311,8 @@ class PipelinedModelRunner:
         for j, state in enumerate(states):
             state.hidden = self._combine(cfg.num_layers - 1, j, residual[j])
             state.cross(layout, cfg.num_layers)
+            if early is not None and state.hidden is not None:  # `early`: this step's tokens, micro-batch by micro-batch
+                early.extend(greedy_rows(self.model, self.sampler, state.hidden))
         self.timing["attention"] += self.attention_timer.collect()
         self.deployment_busy = self._busy
         self.step_id = (self.step_id + 1) & 0xFFFFFFFF

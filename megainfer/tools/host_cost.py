@@ -346,18 +346,21 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
                      f"{total:.1f}", f"{measured.wait_ms():.1f}", f"{total / running * 1e3:.1f}",
                      f"{measured.argmax_ms():.1f}"])
     most = plan.scheduler.max_num_seqs
-    driver_ms = measure_driver(last_step_deltas(most, BOUNDARY_CONTEXT, scale.micro_batches, model), plan.attention.nodes)
-    driver = (f"{driver_ms:.1f} CPU ms per step to rebuild and deliver {most:,} deltas from each of the plan's "
-              f"{plan.attention.nodes} attention nodes (Ray's byte copy of the columns not included)")
+    driver_by_running = {n: measure_driver(last_step_deltas(n, BOUNDARY_CONTEXT, scale.micro_batches, model),
+                                           plan.attention.nodes) for n in sorted({most, max(sizes)})}
+    driver_ms = driver_by_running[most]
+    driver = "; ".join(f"{ms:.1f} CPU ms per step to check and fan out {n:,} deltas from each of the plan's "
+                       f"{plan.attention.nodes} attention nodes" for n, ms in driver_by_running.items())
+    driver += " (to their streams, waking each reader; Ray's byte copy of the columns not included)"
     print(f"\nstep boundary of one attention rank (decode steps, {BOUNDARY_CONTEXT}-token contexts, m = "
           f"{scale.micro_batches}, layers skipped; CPU ms per step):")
     print(format_table(["running", "prepare", "sample", "bookkeeping", "deltas out", "total", "experts wait",
                         "us/sequence", "argmax (not in total)"], rows))
     print(f"prepare: StepLayout and every micro-batch's inputs; sample: the sampler's host side (its argmax over the "
           f"demo model's 2,048-token vocabulary, device work on a GPU, timed apart and left out); bookkeeping: "
-          f"schedule, update_from_output, detokenization, deltas; deltas out: their columns for the driver's poll. "
+          f"schedule, update_from_output, detokenization, the deltas' columns; deltas out: the outbox's poll answer. "
           f"Experts wait: all of it but micro-batches 1..'s inputs, built after micro-batch 0 is dispatched.\n"
           f"driver: {driver}")
     boundary = by_size[most]["total"]
     return {"step_boundary_cpu_ms": boundary, "boundary_wait_ms": by_size[most]["wait"], "driver_delta_cpu_ms": driver_ms,
-            "step_boundary_by_running": by_size}
+            "step_boundary_by_running": by_size, "driver_delta_cpu_ms_by_running": driver_by_running}
