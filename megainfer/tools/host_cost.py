@@ -332,6 +332,7 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     """The attention rank's step boundary at 512, 1,024, the plan's max_num_seqs and
     `extra_running` running sequences, by phase, and the serving process's delta handling for the plan's attention
     nodes (megainfer/tools/step_boundary.py); printed as a table, returned for the JSON."""
+    from megainfer.tools.launch_count import decode_launches
     from megainfer.tools.step_boundary import last_step_deltas, measure_boundary, measure_driver
 
     model, _ = resolve_model(plan.model)
@@ -361,6 +362,12 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
           f"schedule, update_from_output, detokenization, the deltas' columns; deltas out: the outbox's poll answer. "
           f"Experts wait: all of it but micro-batches 1..'s inputs, built after micro-batch 0 is dispatched.\n"
           f"driver: {driver}")
+    launches = decode_launches(model)
+    print(f"launches per (layer, micro-batch) of a decode step, counted by the torch dispatcher on the CPU path "
+          f"({launches.model}, the family's tiny preset: the op sequence, not the sizes): attention half "
+          f"{launches.attention.launches} (+{launches.attention.views} views), expert half {launches.expert.launches} "
+          f"(+{launches.expert.views} views); on CUDA the attention, KV write and gating are one Triton kernel each")
     boundary = by_size[most]["total"]
     return {"step_boundary_cpu_ms": boundary, "boundary_wait_ms": by_size[most]["wait"], "driver_delta_cpu_ms": driver_ms,
-            "step_boundary_by_running": by_size, "driver_delta_cpu_ms_by_running": driver_by_running}
+            "step_boundary_by_running": by_size, "driver_delta_cpu_ms_by_running": driver_by_running,
+            "launches_per_layer_micro_batch": dataclasses.asdict(launches)}

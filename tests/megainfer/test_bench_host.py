@@ -46,6 +46,10 @@ def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
     assert {"512", "1024"} <= set(by_running)
     assert all(row["total"] == pytest.approx(sum(row[k] for k in ("prepare", "sample", "bookkeeping", "deltas_out")))
                for row in by_running.values())
+    # Launches per (layer, micro-batch), counted by the dispatcher on the plan's family.
+    launches = result["launches_per_layer_micro_batch"]
+    assert launches["attention"]["launches"] > launches["expert"]["launches"] > 0
+    assert "launches per (layer, micro-batch)" in out.stdout
 
 
 @pytest.mark.slow
