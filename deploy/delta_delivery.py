@@ -28,13 +28,8 @@ class DeltaDelivery:
 
     def one(self, node: int, delta: RequestDelta) -> None:
         """A delta of node `node`."""
-        if self.owner.get(delta.request_id) != node:
-            self._stray(node, delta.request_id, delta.finished)
-            return
-        self.ttft_feedback.observe(delta)
-        if delta.finished:
-            self.owner.pop(delta.request_id, None)
-        self.registry.deliver(delta)
+        if self._accept(node, delta):
+            self.registry.deliver(delta)
 
     def batch(self, node: int, batch: DeltaBatch) -> None:
         """A poll answer of node `node`, every step: its plain deltas checked and handed on as
@@ -46,17 +41,19 @@ class DeltaDelivery:
                 self._stray(node, columns.request_ids[place], False)
             columns = columns.without_places(strays)
         self.ttft_feedback.observe_first(columns.request_ids)
-        others = []
-        for before, delta in columns.others:
-            if self.owner.get(delta.request_id) != node:
-                self._stray(node, delta.request_id, delta.finished)
-                continue
-            self.ttft_feedback.observe(delta)
-            if delta.finished:
-                self.owner.pop(delta.request_id, None)
-            others.append((before, delta))
-        columns.others = others
+        columns.others = [(before, delta) for before, delta in columns.others if self._accept(node, delta)]
         self.registry.deliver_batch(columns)
+
+    def _accept(self, node: int, delta: RequestDelta) -> bool:
+        """Whether a delta of node `node` goes on to its stream (its request is held there; a
+        finished one is no longer owned); a stray is dropped and aborted there."""
+        if self.owner.get(delta.request_id) != node:
+            self._stray(node, delta.request_id, delta.finished)
+            return False
+        self.ttft_feedback.observe(delta)
+        if delta.finished:
+            self.owner.pop(delta.request_id, None)
+        return True
 
     def _stray(self, node: int, request_id: str, finished: bool) -> None:
         actor = None if finished else self.actor(node)

@@ -504,29 +504,9 @@ class Scheduler:
         None where that sequence was mid-prompt. Returns the sequences that gained a token."""
         advanced = []
         now = self.clock()
-        eos, max_len, running = self.eos_token_ids, self.max_model_len, SequenceStatus.RUNNING
+        advance = self._advance
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled):
-            if token is None or seq.status is not running:
-                self._advance(seq, n, token, now, advanced)
-                continue
-            # `_advance` written out for a running sequence that gained a token (every decode
-            # of every step), its stop conditions asked only where one could hold.
-            seq.num_computed_tokens += n
-            token_ids = seq.token_ids
-            token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            seq.token_times.append(now)
-            advanced.append(seq)
-            params = seq.params
-            num_tokens = len(token_ids)
-            if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= max_len \
-                    or token in eos or params.stop_token_ids or params.min_tokens:
-                reason = self._stop_reason(seq, token, num_tokens)
-                if reason is not None:
-                    self.running.remove(seq)
-                    self._finish(seq, reason)
+            advance(seq, n, token, now, advanced)
         if out.layered is not None:
             if out.layered.last:  # the chunks are now complete in every layer
                 for seq, n, token in zip(out.layered.seqs, out.layered.num_tokens, sampled[len(out.seqs):]):
@@ -548,10 +528,14 @@ class Scheduler:
         seq.last_token_time = now
         seq.token_times.append(now)
         advanced.append(seq)
-        reason = self._stop_reason(seq, token, len(token_ids))
-        if reason is not None:
-            self.running.remove(seq)
-            self._finish(seq, reason)
+        params, num_tokens = seq.params, len(token_ids)
+        # The stop conditions asked only where one could hold (most decodes of a step: none).
+        if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= self.max_model_len \
+                or token in self.eos_token_ids or params.stop_token_ids or params.min_tokens:
+            reason = self._stop_reason(seq, token, num_tokens)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
 
     # -- internals -----------------------------------------------------------------------
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> FinishReason | None:
