@@ -56,8 +56,9 @@ class RequestStream:
         It runs on the delivering thread and must not block; the consumer then calls `pop`. A
         delta delivered while this runs may be announced twice, so a wake may find nothing."""
         self._wake = wake
-        for _ in range(len(self.deltas)):
-            wake()
+        for item in list(self.deltas):
+            if not isinstance(item, str):  # a delta, or a plain one's token (its text follows)
+                wake()
 
     def pop(self) -> RequestDelta | None:
         """The next delta, or None if there is none."""

@@ -149,3 +149,15 @@ def test_an_event_loop_is_woken_once_per_burst():
     scheduled, taken = asyncio.run(main())
     assert sum(getattr(c, "__name__", "") == "_drain" for c in scheduled) == 1  # one drain for 100 deltas
     assert taken == [plain(f"r{r}", r) for r in range(100)]
+
+
+def test_a_reader_that_listens_late_is_woken_once_per_queued_delta():
+    registry = StreamRegistry(max_open=1)
+    stream = registry.open("a")
+    registry.deliver_batch(DeltaColumns.of([plain("a", 1), plain("a", 2)]))
+    stream.put(finished("a", 3))
+    wakes = []
+    stream.listen(lambda: wakes.append(1))
+    assert len(wakes) == 3
+    assert [stream.pop(), stream.pop(), stream.pop(), stream.pop()] == [plain("a", 1), plain("a", 2),
+                                                                      finished("a", 3), None]
