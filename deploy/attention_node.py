@@ -171,8 +171,9 @@ class AttentionNode(TimelineCalls):
         with self.lock:
             self.link.count_usage()  # between steps: the last step's answers consumed, its dispatches released
             t0, step = time.perf_counter(), runner.step_id
-            deltas = self.core.step_columns()
-            if len(deltas):
+            busy = self.core.has_work()
+            deltas = self.core.step_columns(emit=self._emit)  # a step settled mid-step emits at once
+            if busy:
                 self.step_seconds += time.perf_counter() - t0
             runner.record_step(step, t0)  # the whole step: scheduling and detokenizing too
             idle = not self.core.has_work()

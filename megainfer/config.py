@@ -446,6 +446,9 @@ class EngineConfig:
     num_layer_groups: int | None = None  # layered: a fixed G instead
     layered_chunk_tokens: int = 8192  # layered: prompt tokens of one cohort (longer prompts go in chunks)
     target_step_ms: float | None = None  # attention balancing: cap prompt tokens by predicted step time
+    # Schedule the next step while this one's last layer runs (a runner that takes `StepHooks`:
+    # an attention node's); the colocated runner always schedules after the step.
+    async_scheduling: bool = False
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     show_progress: bool = False  # progress bar while loading weights
 
@@ -463,6 +466,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"engine option '{name}' must be a positive integer, got {value!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"engine option 'async_scheduling' must be true or false, got {self.async_scheduling!r}")
         if self.target_step_ms is not None and (isinstance(self.target_step_ms, bool) or
                                                 not isinstance(self.target_step_ms, (int, float)) or
                                                 self.target_step_ms <= 0):

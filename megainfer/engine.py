@@ -11,6 +11,10 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from operator import attrgetter
 
 import numpy as np
 
@@ -21,11 +25,11 @@ from megainfer.errors import ConfigError, DataPlaneError, RequestError
 from megainfer.messages import (DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
                                 RequestMetrics, StepSample)
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
-from megainfer.model_runner import ModelRunner, StepResult
+from megainfer.model_runner import ModelRunner, StepHooks, StepResult
 from megainfer.output_stream import OutputStream
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.scheduler import Scheduler, SchedulerOutput, without_finished
 from megainfer.sequence import Sequence, SequenceStatus
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
@@ -70,6 +74,12 @@ class Engine:
         self._measured_steps: deque[StepSample] = deque(maxlen=1024)
         self._last_step_end: float | None = None  # while busy: when the last step ended
         self._finished_lengths: deque[tuple[int, int]] = deque(maxlen=1024)
+        # Asynchronous scheduling: the next step, scheduled while this one ran, and this step,
+        # to be settled inside the next one.
+        self._takes_hooks = getattr(self.runner, "takes_step_hooks", False)
+        self._schedules_ahead = self.config.async_scheduling and self._takes_hooks
+        self._ahead: ScheduledAhead | None = None
+        self._pending: PendingStep | None = None
         self.step_model: OnlineStepModel | None = None
         if self.config.target_step_ms is not None:  # attention balancing, on this node's own step times
             self.step_model = OnlineStepModel()
@@ -146,45 +156,93 @@ class Engine:
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._pending is not None
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """One step; its deltas as objects (`step_columns` gives them in columns)."""
         return self.step_columns().deltas
 
-    def step_columns(self) -> DeltaColumns:
-        """One step: schedule, execute, update; the deltas in columns, as a node hands them on."""
-        out = self.scheduler.schedule()
+    def step_columns(self, emit: Callable[[DeltaColumns], None] | None = None) -> DeltaColumns:
+        """One step: schedule, execute, update; the deltas in columns, as a node hands them on.
+
+        With asynchronous scheduling (`EngineConfig.async_scheduling`, on a runner that takes
+        `StepHooks`: an attention node's), the next step is scheduled while this one's last
+        layer runs (`_look_ahead`), this step ends with its tokens written where the next
+        step's inputs read them, and the rest of it (stop conditions, detokenization, deltas,
+        statistics) is settled inside the next step, once its micro-batches are all under way.
+        Those deltas go to `emit` as they are made (else they are returned by the call that made
+        them: one step late)."""
+        produced = DeltaColumns()
+        pending, self._pending = self._pending, None
+        out = self._ahead.take(self.scheduler) if self._ahead is not None else self.scheduler.schedule()
+        self._ahead = None
+        settle = partial(self._settle, pending, emit, produced) if pending is not None else None
         if out.is_empty:
             self._last_step_end = None
+            if settle is not None:
+                settle()
             if getattr(self.runner, "steps_when_idle", False):
                 self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
-            return DeltaColumns()
+            return produced
         started = time.perf_counter()
         # A step that follows a busy one directly is measured from that one's end: what happens
         # between steps (scheduling, streaming, the driver's calls waiting on the node) delays
         # the next token as much as the compute does, and the router predicts wall-clock time.
         began = self._last_step_end if self._last_step_end is not None else started
         step_id = self._step_id()
+        hooks = StepHooks(partial(self._look_ahead, out) if self._schedules_ahead else None, settle)
         try:
-            result = self.runner.execute(out)
+            result = self.runner.execute(out, hooks) if self._takes_hooks else self.runner.execute(out)
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
-            self._last_step_end = None
+            self._last_step_end, self._ahead = None, None
+            hooks.run_settle()
             code = ErrorCode.UNAVAILABLE if isinstance(exc, DataPlaneError) else ErrorCode.INTERNAL
             if code is ErrorCode.INTERNAL:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
-            return DeltaColumns.of([self._fail(seq, f"step failed: {exc}", code=code) for seq in out.all_seqs])
+            produced.extend(DeltaColumns.of([self._fail(seq, f"step failed: {exc}", code=code)
+                                             for seq in out.all_seqs]))
+            return produced
+        hooks.run_settle()  # a runner that did not (a step too short to reach its first layer's end)
+        if self._ahead is not None:  # scheduled ahead: settled in the next step
+            self.scheduler.place(out, result.sampled)
+            self._pending = PendingStep(out, result, began, time.perf_counter(), step_id)
+            return produced
         advanced = self.scheduler.update_from_output(out, result.sampled)
-        deltas = self._deltas(out, result, advanced)
-        ended = time.perf_counter()
-        self._last_step_end = ended if self.scheduler.has_unfinished else None
-        measured = StepSample.of(out, ended - began, self.model_config.num_layers, step_id)
+        produced.extend(self._step_done(PendingStep(out, result, began, time.perf_counter(), step_id), advanced))
+        return produced
+
+    def _look_ahead(self, out: SchedulerOutput) -> None:
+        """Runner hook, once step `out` is under way: schedule the next step now. Left to the
+        next call: a step with a layered cohort or under a policy that schedules prompts itself
+        (its group advances only once the step is done), and one whose sampling reads its
+        sequences' tokens so far (penalties, min_tokens), which the look-ahead's placeholders
+        would change."""
+        if out.layered is None and self.scheduler.policy.never_schedules_itself and \
+                not any(map(_READS_HISTORY, out.seqs)):
+            self.scheduler.advance_ahead(out)
+            self._ahead = ScheduledAhead(self.scheduler.schedule(), self.scheduler.num_finished)
+
+    def _settle(self, pending: "PendingStep", emit: Callable[[DeltaColumns], None] | None,
+                produced: DeltaColumns) -> None:
+        """The rest of a step scheduled ahead: its stop conditions, its deltas (to `emit`, or
+        into `produced`) and its statistics."""
+        columns = self._step_done(pending, self.scheduler.settle(pending.out, pending.result.sampled))
+        if emit is not None:
+            emit(columns)
+        else:
+            produced.extend(columns)
+
+    def _step_done(self, step: "PendingStep", advanced: list[Sequence]) -> DeltaColumns:
+        """A step's deltas and statistics, once its sequences are advanced."""
+        deltas = self._deltas(step.out, step.result, advanced)
+        self._last_step_end = step.ended if self.scheduler.has_unfinished else None
+        measured = StepSample.of(step.out, step.ended - step.began, self.model_config.num_layers, step.step_id)
         self._measured_steps.append(measured)
         if self.step_model is not None:
             self.step_model.observe((measured,))
         self._finished_lengths.extend((s.num_prompt_tokens, s.num_output_tokens) for s in advanced if s.is_finished)
-        self._record(out, result)
+        self._record(step.out, step.result)
         return deltas
 
     def node_state(self, now: float = 0.0) -> NodeState:
@@ -278,8 +336,13 @@ class Engine:
         return delta
 
     def fail_all(self, error: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> list[RequestDelta]:
-        """Fail every unfinished request (their blocks are freed): the node cannot serve them."""
-        return [self._fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
+        """Fail every unfinished request (their blocks are freed): the node cannot serve them. A
+        step scheduled ahead is settled first: its deltas come before the failures."""
+        settled = DeltaColumns()
+        pending, self._pending, self._ahead = self._pending, None, None
+        if pending is not None:
+            self._settle(pending, None, settled)
+        return settled.deltas + [self._fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -317,3 +380,31 @@ class Engine:
         if s.energy_j is not None and s.num_generated_tokens:
             s.energy_per_token_j = s.energy_j / s.num_generated_tokens
         return s
+
+
+_READS_HISTORY = attrgetter("reads_history")
+
+
+@dataclass
+class PendingStep:
+    """A step that ran and awaits its settling (its deltas and statistics)."""
+
+    out: SchedulerOutput
+    result: StepResult
+    began: float
+    ended: float
+    step_id: int
+
+
+@dataclass
+class ScheduledAhead:
+    """The next step, scheduled while the last one ran, with the scheduler's count of finished
+    sequences then: one finished since (aborted, failed, or stopped while settling) leaves the
+    step before it runs, since its blocks are free."""
+
+    out: SchedulerOutput
+    finished_then: int
+
+    def take(self, scheduler: Scheduler) -> SchedulerOutput:
+        return self.out if scheduler.num_finished == self.finished_then else without_finished(self.out)
+

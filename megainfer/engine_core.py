@@ -13,6 +13,8 @@ from __future__ import annotations
 import operator
 import queue
 import threading
+from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 
 from megainfer.engine import Engine, Prompt
@@ -86,16 +88,27 @@ class EngineCore:
         """Drain the queue into the engine, then one engine step."""
         return self.step_columns().deltas
 
-    def step_columns(self) -> DeltaColumns:
-        """`step`, its deltas in columns (what an attention node hands the driver)."""
+    def step_columns(self, emit: Callable[[DeltaColumns], None] | None = None) -> DeltaColumns:
+        """`step`, its deltas in columns (what an attention node hands the driver). With `emit`,
+        deltas the engine makes mid-step (a step scheduled ahead, settled inside the next: see
+        `Engine.step_columns`) are checked and handed to it at once."""
         refused = self.drain()
-        columns = self._current_columns(self.engine.step_columns())
-        self._ended([d for _, d in columns.others])
+        sink = partial(self._emit_checked, emit) if emit is not None else None
+        columns = self._checked(self.engine.step_columns(sink))
         if not refused:
             return columns
         out = DeltaColumns.of(refused)
         out.extend(columns)
         return out
+
+    def _emit_checked(self, emit: Callable[[DeltaColumns], None], columns: DeltaColumns) -> None:
+        emit(self._checked(columns))
+
+    def _checked(self, columns: DeltaColumns) -> DeltaColumns:
+        """The deltas of requests the callers still hold; the ids of those that ended forgotten."""
+        columns = self._current_columns(columns)
+        self._ended([d for _, d in columns.others])
+        return columns
 
     def drain(self) -> list[RequestDelta]:
         """Hand what was queued to the engine, in order (between steps; the caller holds the

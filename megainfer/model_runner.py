@@ -36,6 +36,29 @@ PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
+class StepHooks:
+    """What an engine scheduling asynchronously asks of a runner during a step (a runner with
+    `takes_step_hooks`), once every micro-batch's inputs are built and its first layer is under
+    way: `settle` (the step before: its stops, deltas and statistics), then `lookahead` (the
+    next step scheduled), as vLLM schedules ahead once a step is launched. Each runs at most
+    once, `settle` first; the engine runs whatever the runner did not reach."""
+
+    lookahead: Callable[[], None] | None = None
+    settle: Callable[[], None] | None = None
+
+    def run_lookahead(self) -> None:
+        self.run_settle()  # the step before is settled first: the look-ahead reads what it decided
+        hook, self.lookahead = self.lookahead, None
+        if hook is not None:
+            hook()
+
+    def run_settle(self) -> None:
+        hook, self.settle = self.settle, None
+        if hook is not None:
+            hook()
+
+
+@dataclass
 class StepResult:
     sampled: list[int | None]  # new token per scheduled sequence; None where it was mid-prompt
     expert_counts: np.ndarray | list  # [layer, expert] tokens routed this step (int64; empty when none)

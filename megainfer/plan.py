@@ -84,8 +84,13 @@ class SchedulerSpec:
     layered_chunk_tokens: int = 8192  # layered prefill: prompt tokens of one cohort (longer prompts go in chunks)
     # Attention balancing: admit prompt tokens only while a step's predicted time stays under this.
     target_step_ms: float | None = None
+    # The next step scheduled while this one's last layer runs, this one settled inside the next
+    # (vLLM's async scheduling; steps with a layered cohort are scheduled after they end).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            raise PlanError(f"scheduler.async_scheduling must be true or false, got {self.async_scheduling!r}")
         if self.target_step_ms is not None:
             _positive("scheduler", target_step_ms=self.target_step_ms)
         if self.prefill_policy not in PREFILL_POLICIES:

@@ -29,6 +29,10 @@ from megainfer.kv_cache import BlockManager
 from megainfer.sequence import FinishReason, Sequence, SequenceStatus
 
 
+# The token of a sequence whose step is still running while the next one is scheduled
+# (`Scheduler.advance_ahead`); `Scheduler.place` writes the sampled token over it.
+PLACEHOLDER = -1
+
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 _TOKEN_IDS = operator.attrgetter("token_ids")
 _BLOCK_TABLE = operator.attrgetter("block_table")
@@ -294,6 +298,14 @@ class SchedulerOutput:
         return samples
 
 
+def without_finished(out: SchedulerOutput) -> SchedulerOutput:
+    """A step scheduled ahead without the sequences that finished since (their blocks are free):
+    the others keep their order and tokens."""
+    kept = [(seq, n) for seq, n in zip(out.seqs, out.num_scheduled_tokens) if seq.status is not SequenceStatus.FINISHED]
+    counts = [n for _, n in kept]
+    return SchedulerOutput([seq for seq, _ in kept], counts, counts.count(1), out.preempted, out.layered)
+
+
 def chunk_work(seqs: list[Sequence], num_tokens: list[int]) -> tuple[int, float, float]:
     """Tokens, attention query-key pairs and cached tokens read for chunks starting at each
     sequence's computed prefix (causal inside a chunk): what prices a step."""
@@ -334,6 +346,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence by request id
         self.num_preemptions = 0
+        self.num_finished = 0  # sequences finished so far, however they ended
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
@@ -514,6 +527,43 @@ class Scheduler:
         self.policy.step_done(out)
         return advanced
 
+    # -- asynchronous scheduling: step n+1 scheduled before step n's tokens are known ----------
+    def advance_ahead(self, out: SchedulerOutput) -> None:
+        """While step `out` is still running: every sequence as if the step were done (its
+        computed tokens counted, a sequence that samples holding `PLACEHOLDER` for its token),
+        so `schedule` forms the next step now (vLLM's async scheduling). A sequence that stops on
+        this token runs in the next step too; its token there is dropped (`settle`). Only steps
+        without a layered cohort: a cohort's group advances in `update_from_output`."""
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            token_ids = seq.token_ids
+            if seq.num_computed_tokens + n == len(token_ids):
+                token_ids.append(PLACEHOLDER)
+            seq.num_computed_tokens += n
+        self.policy.step_done(out)
+
+    def place(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
+        """Step `out`'s tokens into the places `advance_ahead` held for them (what the next
+        step's inputs read), nothing else."""
+        for seq, token in zip(out.seqs, sampled):
+            if token is not None:
+                token_ids = seq.token_ids
+                if token_ids and token_ids[-1] == PLACEHOLDER:
+                    token_ids[-1] = token
+
+    def settle(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """The rest of `update_from_output` for a step advanced ahead: the token times and the
+        stop conditions; a sequence that stops is finished now (it may be in the running step:
+        its token there is dropped, its blocks are taken only by a later schedule). Returns
+        the sequences that gained a token, as `update_from_output`."""
+        advanced = []
+        now = self.clock()
+        for seq, token in zip(out.seqs, sampled):
+            if token is not None and seq.status is not SequenceStatus.FINISHED:
+                self._gained(seq, token, len(seq.token_ids), now, advanced)  # its token is the last one
+        return advanced
+
     def _advance(self, seq: Sequence, n: int, token: int | None, now: float, advanced: list[Sequence]) -> None:
         # Runs for every sequence of every step: attributes read once, no property calls.
         if seq.status is SequenceStatus.FINISHED:  # aborted or failed while the step ran
@@ -521,20 +571,24 @@ class Scheduler:
         seq.num_computed_tokens += n
         if token is None:
             return
-        token_ids = seq.token_ids
-        token_ids.append(token)
+        seq.token_ids.append(token)
+        self._gained(seq, token, len(seq.token_ids), now, advanced)
+
+    def _gained(self, seq: Sequence, token: int, num_tokens: int, now: float, advanced: list[Sequence]) -> None:
+        """`seq` gained `token`, its `num_tokens`-th: timed, and finished if it stops there."""
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
         seq.token_times.append(now)
         advanced.append(seq)
-        params, num_tokens = seq.params, len(token_ids)
+        params = seq.params
         # The stop conditions asked only where one could hold (most decodes of a step: none).
         if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= self.max_model_len \
                 or token in self.eos_token_ids or params.stop_token_ids or params.min_tokens:
             reason = self._stop_reason(seq, token, num_tokens)
             if reason is not None:
-                self.running.remove(seq)
+                # Advanced ahead, it may have been preempted meanwhile: it waits, not runs.
+                (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
                 self._finish(seq, reason)
 
     # -- internals -----------------------------------------------------------------------
@@ -563,6 +617,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.num_finished += 1
         self.policy.drop(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -47,13 +47,17 @@ class Sequence:
     # Sampled by a bare argmax: greedy, no penalties, no min_tokens mask, no logprobs (what the
     # sampler's one-argmax path serves when every row of a step is so).
     greedy_only: bool = field(init=False, default=False)
+    # Its step's sampling reads its tokens or counters so far (penalties, the min_tokens mask,
+    # prompt logprobs): the next step may not be scheduled ahead of that sampling, since the
+    # look-ahead advances them (`Scheduler.advance_ahead`).
+    reads_history: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         params = self.params
-        self.greedy_only = params.greedy and not params.min_tokens and not params.has_penalties \
-            and params.logprobs is None
+        self.reads_history = params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
+        self.greedy_only = params.greedy and not self.reads_history and params.logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -46,8 +46,9 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.memory_profile import MemorySnapshot
-from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, greedy_rows, load_and_size,
-                                    profile_inputs, profile_sampling, sample_step, samples_by_micro_batch)
+from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, greedy_rows,
+                                    load_and_size, profile_inputs, profile_sampling, sample_step,
+                                    samples_by_micro_batch)
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import StepLayout
@@ -237,11 +238,13 @@ class PipelinedModelRunner:
             profile_sampling(self.model.compute_logits(self.model.norm(hidden[last_rows])), self.config.seed,
                              cfg.eos_token_ids)
 
+    takes_step_hooks = True  # the engine may schedule asynchronously (`StepHooks`)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, hooks: StepHooks | None = None) -> StepResult:
         if self.tp_size > 1:
             step_sync.broadcast_step(self.tp_group, out)  # the follower ranks run the same step
-        return self._run(out)
+        return self._run(out, hooks)
 
     @torch.inference_mode()
     def execute_follower(self) -> None:
@@ -255,7 +258,7 @@ class PipelinedModelRunner:
         """The timeline's STEP span of step `step`, begun at `start` (the node loop's clock)."""
         self.timeline.span(SpanKind.STEP, step, -1, -1, start, time.perf_counter(), *self.step_tokens)
 
-    def _run(self, out: SchedulerOutput) -> StepResult:
+    def _run(self, out: SchedulerOutput, hooks: StepHooks | None = None) -> StepResult:
         """Every micro-batch through every layer, ping-ponging with the expert nodes. With layered
         prefill, micro-batch j also carries its share of the cohort inside this step's layer
         group: it joins j's tokens at the group's first layer and leaves after its last."""
@@ -268,7 +271,7 @@ class PipelinedModelRunner:
         # A plain greedy decode step samples each micro-batch as its last answers arrive, while
         # the expert nodes still work on the later ones (the leader: followers do not sample).
         early = [] if not self.tp_rank and samples_by_micro_batch(seqs, layout) else None
-        expert_counts = self._pass_layers(layout, states, seqs, early)
+        expert_counts = self._pass_layers(layout, states, seqs, early, hooks or StepHooks())
         # Every rank keeps the cohort's hidden states for the next group (followers too: each
         # rank's attention needs them whole); after the last group, completed prompts sample.
         for state in states:
@@ -282,7 +285,7 @@ class PipelinedModelRunner:
         return result
 
     def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState | None], seqs: list,
-                     early: list[int] | None = None) -> torch.Tensor:
+                     early: list[int] | None, hooks: StepHooks) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer
         before, then runs this layer's attention and dispatches. Returns tokens routed to each
         expert, [layer, expert], on the device. Micro-batch j's inputs are prepared (into
@@ -308,6 +311,8 @@ class PipelinedModelRunner:
                 state.cross(layout, layer)
                 residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer),
                                                         expert_counts)
+            if not layer:  # every micro-batch's inputs built and its first layer under way:
+                hooks.run_lookahead()  # the step before settled, the next one scheduled
         for j, state in enumerate(states):
             state.hidden = self._combine(cfg.num_layers - 1, j, residual[j])
             state.cross(layout, cfg.num_layers)

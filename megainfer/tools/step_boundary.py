@@ -33,7 +33,8 @@ from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_mode
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
 from megainfer.model.moe_model import MoEModel
-from megainfer.model_runner import CohortHiddenStates, MicroBatchState, StepResult, sample_rows
+from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, sample_rows,
+                                    samples_by_micro_batch)
 from megainfer.sampler import Sampler
 from megainfer.sampling_params import SamplingParams
 from megainfer.step_layout import StepLayout
@@ -44,38 +45,44 @@ class BoundaryPhases:
     """CPU seconds per phase, summed over the measured steps."""
 
     prepare: float = 0.0  # StepLayout and every micro-batch's inputs
-    prepare_after_first: float = 0.0  # of it, micro-batches 1.. (built once micro-batch 0 is dispatched)
     sample: float = 0.0  # the sampler's host side, its argmax stand-in taken out
     argmax: float = 0.0  # the argmax over the logits (demo vocabulary, 2,048 wide): device work on a GPU
-    bookkeeping: float = 0.0  # the rest of Engine.step: schedule, update_from_output, deltas
-    deltas_out: float = 0.0  # the node packing its deltas for the driver (DeltaBatch's columns)
+    beside: float = 0.0  # run beside the layers: the step before settled, the next one scheduled (async)
+    bookkeeping: float = 0.0  # the rest of the step: schedule and update (synchronous), deltas, checks
+    deltas_out: float = 0.0  # the outbox's answer to the driver's poll
+    wait: float = 0.0  # what the expert nodes wait through before this step (`BoundaryRunner`)
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        return {"prepare": self.prepare / n * 1e3, "sample": self.sample / n * 1e3,
+        return {"prepare": self.prepare / n * 1e3, "sample": self.sample / n * 1e3, "beside": self.beside / n * 1e3,
                 "bookkeeping": self.bookkeeping / n * 1e3, "deltas_out": self.deltas_out / n * 1e3}
 
     def argmax_ms(self) -> float:
         return self.argmax / max(self.steps, 1) * 1e3
 
     def wait_ms(self) -> float:
-        """The part of the boundary the expert nodes wait through: from the last answer of a step
-        to the first dispatch of the next, i.e. all of it but micro-batches 1..'s inputs, which
-        the runner builds after micro-batch 0's first layer (`PipelinedModelRunner._pass_layers`).
-        Micro-batch 0's layer-0 attention is device work, not counted."""
-        return sum(self.per_step_ms().values()) - self.prepare_after_first / max(self.steps, 1) * 1e3
+        return self.wait / max(self.steps, 1) * 1e3
 
 
 class BoundaryRunner:
-    """`PipelinedModelRunner._run` without the layers: the same layout, inputs, cohort keeping and
-    sampling, timed per phase; no KV cache, no link."""
+    """`PipelinedModelRunner._run` without the layers: the same layout, inputs, cohort keeping,
+    hooks (`StepHooks`: the step before settled once every micro-batch's inputs are built, the
+    next one scheduled where the last layer would run) and sampling (micro-batch by micro-batch
+    where `samples_by_micro_batch`), timed per phase; no KV cache, no link.
+
+    The expert nodes' wait before a step is measured from where the step before had its last
+    answer (before sampling its last micro-batch) to where this step's micro-batch 0 has its
+    inputs (its dispatch follows its layer-0 attention, device work), the argmax's share taken
+    out; plus what the step before's sampling of its other micro-batches took beyond the
+    m x t_e the expert nodes spend answering its last layer."""
 
     steps_when_idle = False
+    takes_step_hooks = True
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights, max_model_len: int, *,
-                 micro_batches: int, num_blocks: int, plan_model: ModelConfig) -> None:
+                 micro_batches: int, num_blocks: int, plan_model: ModelConfig, t_e_s: float) -> None:
         self.model_config, self.config = model_config, config
         self.device = torch.device("cpu")
         self.m = micro_batches
@@ -87,12 +94,16 @@ class BoundaryRunner:
         self.cohort_hidden = CohortHiddenStates()
         self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
         self.phases = BoundaryPhases()
+        self.t_e_s = t_e_s
         self._logits = torch.randn(config.max_num_seqs, model_config.vocab_size,
                                    generator=torch.Generator().manual_seed(0))
         self._counts = np.zeros((plan_model.num_layers, plan_model.num_experts), dtype=np.int64)
+        self._last_answer: float | None = None  # process time of the step before's last answer
+        self._wait_after = 0.0  # what of the step before's last layer and sampling the experts wait for
 
     @torch.inference_mode()
-    def execute(self, out) -> StepResult:
+    def execute(self, out, hooks: StepHooks | None = None) -> StepResult:
+        hooks = hooks or StepHooks()
         t0 = time.process_time()
         layout = StepLayout.of(out, self.m)
         seqs = out.all_seqs
@@ -100,45 +111,79 @@ class BoundaryRunner:
         self.block_tables.retain(seqs)
         states = []
         for batch in layout.micro_batches:  # in the runner's order; 1.. after micro-batch 0's dispatch
-            if len(states) == 1:
-                first = time.process_time()
             states.append(MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden,
                                                   self.config.block_size, self.device, self.block_tables))
+            if len(states) == 1 and self._last_answer is not None:
+                self.phases.wait += time.process_time() - self._last_answer + self._wait_after
+        t1 = time.process_time()
+        hooks.run_lookahead()  # as the runner, after layer 0: the step before settled, the next scheduled
+        t2 = time.process_time()
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
-        t1 = time.process_time()
-        if len(states) > 1:
-            self.phases.prepare_after_first += t1 - first
+        t3 = time.process_time()
         # The sampler's argmax, timed alone just before it runs, so both read the logits from the
         # same cache (18 MB at 2,290 rows: a cold read costs the argmax half as much again).
         self._logits[:len(layout.sampled_sequences)].argmax(dim=-1)
-        t2 = time.process_time()
-        result = sample_rows(lambda hidden: self._logits[:hidden.shape[0]],
-                             lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,
-                             self.sampler, seqs, layout)
+        t4 = time.process_time()
+        argmax = t4 - t3
+        if samples_by_micro_batch(seqs, layout):
+            result, before_last = self._sample_by_micro_batch(layout)
+        else:
+            self._last_answer, before_last = time.process_time(), 0.0
+            result = self._sample_whole(layout, states, seqs)
         result.expert_counts = self._counts
-        t3 = time.process_time()
-        self.phases.prepare += t1 - t0
-        self.phases.sample += (t3 - t2) - (t2 - t1)
-        self.phases.argmax += t2 - t1
+        t5 = time.process_time()
+        # The argmax is device work: the last micro-batch's share out of the wait, the others'
+        # out of what the last layer's host work takes beyond the expert nodes' answering it.
+        last = len(layout.micro_batches[-1].decode_sequences) / max(len(layout.sampled_sequences), 1)
+        host_before_last = max(0.0, before_last - argmax * (1 - last))
+        self._wait_after = max(0.0, host_before_last - self.m * self.t_e_s) - argmax * last
+        self.phases.prepare += (t1 - t0) + (t3 - t2)
+        self.phases.beside += t2 - t1
+        self.phases.sample += (t5 - t4) - argmax
+        self.phases.argmax += argmax
         return result
 
+    def _sample_whole(self, layout: StepLayout, states: list[MicroBatchState], seqs: list) -> StepResult:
+        """As the runner's `sample_step`: every sampled row at once, after the last answers."""
+        return sample_rows(lambda hidden: self._logits[:hidden.shape[0]],
+                           lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,
+                           self.sampler, seqs, layout)
 
-def boundary_engine(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> EngineCore:
+    def _sample_by_micro_batch(self, layout: StepLayout) -> tuple[StepResult, float]:
+        """As the runner: each micro-batch's greedy rows as its last answers arrive. Returns the
+        result and the host time spent before the last micro-batch's answers."""
+        tokens, row = [], 0
+        start = time.process_time()
+        before_last = 0.0
+        for j, batch in enumerate(layout.micro_batches):
+            if j == len(layout.micro_batches) - 1:
+                self._last_answer = time.process_time()
+                before_last = self._last_answer - start
+            rows = len(batch.decode_sequences)
+            if rows:
+                tokens.extend(self.sampler.greedy(self._logits[row:row + rows]))
+                row += rows
+        return StepResult(layout.place_samples(tokens), []), before_last
+
+
+def boundary_engine(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
+                    async_scheduling: bool = True, t_e_s: float = 0.0) -> EngineCore:
     """A demo-model engine on a `BoundaryRunner`, in the `EngineCore` an attention node steps,
     with `running` sequences decoding at `context` tokens each (their prompts prefilled in a few
-    large steps)."""
+    large steps); scheduling as the plan's attention nodes do (`async_scheduling`), the expert
+    nodes taking `t_e_s` per (layer, micro-batch)."""
     model, _ = resolve_model(DEMO_MODEL)
     block_size = 16
     blocks = running * (-(-(context + 64) // block_size)) + 16
     # A token budget that prefills every prompt in a few steps (the decode steps ignore it).
     config = EngineConfig(max_num_seqs=running, max_num_batched_tokens=max(8192, running * context // 4),
-                          block_size=block_size,
+                          block_size=block_size, async_scheduling=async_scheduling,
                           num_kv_blocks=blocks, max_model_len=min(model.max_position_embeddings, context + 1024))
 
     def runner(mc, cfg, weights, max_len):
         return BoundaryRunner(mc, cfg, weights, max_len, micro_batches=micro_batches, num_blocks=blocks,
-                              plan_model=plan_model)
+                              plan_model=plan_model, t_e_s=t_e_s)
 
     core = EngineCore(Engine(DEMO_MODEL, config, runner_factory=runner))
     engine = core.engine
@@ -155,11 +200,11 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
 
 
 def measure_boundary(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
-                     steps: int = 7) -> BoundaryPhases:
+                     steps: int = 7, async_scheduling: bool = True, t_e_s: float = 0.0) -> BoundaryPhases:
     """CPU time of the whole boundary at `running` sequences, by phase: the median decode step
     of `steps` (by total; the machines are shared, and one step's share of a neighbour's burst
     is noise, not cost)."""
-    core = boundary_engine(running, context, micro_batches, plan_model)
+    core = boundary_engine(running, context, micro_batches, plan_model, async_scheduling, t_e_s)
     measured = []
     # One torch thread: the argmax stand-in (device work on a GPU) otherwise spreads over the
     # cores and its share of a step swings with the neighbours; the host code is one thread anyway.
@@ -179,16 +224,22 @@ def _measure_step(core: EngineCore, running: int) -> BoundaryPhases:
     from megainfer.messages import DeltaBatch
 
     phases = core.engine.runner.phases = BoundaryPhases()
+    emitted = []
     t0 = time.process_time()
-    deltas = core.step_columns()  # what the node's step loop runs; the deltas come out in columns
+    # What the node's step loop runs; the deltas come out in columns, those of a step settled
+    # inside this one as they are made (to the outbox: here, a list).
+    deltas = core.step_columns(emit=emitted.append)
     t1 = time.process_time()
-    DeltaBatch("node", len(deltas), deltas)  # the outbox's answer to the driver's poll
+    for columns in [*emitted, deltas]:
+        DeltaBatch("node", len(columns), columns)  # the outbox's answer to the driver's poll
     t2 = time.process_time()
-    phases.bookkeeping = (t1 - t0) - phases.prepare - phases.sample - 2 * phases.argmax  # the argmax ran twice
+    # The argmax ran twice (timed apart, then in the sampler).
+    phases.bookkeeping = (t1 - t0) - phases.prepare - phases.sample - phases.beside - 2 * phases.argmax
     phases.deltas_out = t2 - t1
     phases.steps = 1
-    if len(deltas) != running:
-        raise RuntimeError(f"a decode step of {running} sequences gave {len(deltas)} deltas")
+    made = len(deltas) + sum(map(len, emitted))
+    if made != running:
+        raise RuntimeError(f"a decode step of {running} sequences gave {made} deltas")
     return phases
 
 
@@ -225,4 +276,4 @@ def measure_driver(deltas: list, attention_nodes: int, repeats: int = 5) -> floa
 
 def last_step_deltas(running: int, context: int, micro_batches: int, plan_model: ModelConfig) -> list:
     """One decode step's deltas at `running` sequences."""
-    return boundary_engine(running, context, micro_batches, plan_model).step_columns().deltas
+    return boundary_engine(running, context, micro_batches, plan_model, async_scheduling=False).step_columns().deltas

@@ -105,11 +105,14 @@ def colocated(path, prompts, device="cpu"):
     return generate_all(Engine(str(path), config), prompts, GREEDY)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_two_by_two_deployment_matches_colocated(hf_ref, m):
+def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling):
+    """Asynchronous scheduling too: each step scheduled while the one before ran, its tokens
+    written into the placeholders the look-ahead held, settled inside the next step."""
     prompts = hf_ref.prompts
     expected = colocated(hf_ref.path, prompts)
-    got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts)
+    got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts, async_scheduling=async_scheduling)
     assert got == expected
     assert all(s.kv_cache_usage == 0.0 for s in stats)
 

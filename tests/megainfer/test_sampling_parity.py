@@ -330,6 +330,36 @@ def test_disaggregated_node_gives_the_colocated_logprobs(mixtral_ref, options):
             assert [lp.logprob for lp in a.values()] == pytest.approx([lp.logprob for lp in b.values()], abs=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_node_scheduling_ahead_gives_the_colocated_outputs(mixtral_ref, m, monkeypatch):
+    """Asynchronous scheduling on an attention node (each step scheduled while the one before
+    ran, settled inside the next): seeded sampling with logprobs, stop strings, EOS and short
+    max_tokens end as on the colocated engine, token for token and character for character;
+    a request with penalties sends its steps back to scheduling after them."""
+    prompts = mixtral_ref.prompts
+    kinds = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, logprobs=1),
+             SamplingParams(max_tokens=3, temperature=0.0),
+             SamplingParams(max_tokens=12, temperature=0.0, stop=["e", "a"]),
+             SamplingParams(max_tokens=2, temperature=1.0, seed=3, repetition_penalty=1.3)]
+    requests = {f"r{i}": (p, kinds[i % len(kinds)]) for i, p in enumerate(prompts * 2)}
+    expected = run(Engine(str(mixtral_ref.path), dtype="float32", **TINY), requests)
+    from megainfer.scheduler import Scheduler
+
+    ahead, advance_ahead = [], Scheduler.advance_ahead
+    monkeypatch.setattr(Scheduler, "advance_ahead", lambda self, out: ahead.append(out) or advance_ahead(self, out))
+    got = run_pair(mixtral_ref.path, m, requests, async_scheduling=True)
+    assert len(ahead) >= 5  # most decode steps were scheduled ahead
+    for rid in requests:
+        assert tokens(got[rid]) == tokens(expected[rid]), rid
+        assert text(got[rid]) == text(expected[rid]), rid
+        assert (got[rid][-1].finish_reason, got[rid][-1].stop_reason) == \
+            (expected[rid][-1].finish_reason, expected[rid][-1].stop_reason), rid
+        for ours, theirs in zip(got[rid], expected[rid]):
+            assert (ours.logprobs is None) == (theirs.logprobs is None)
+            if ours.logprobs:
+                assert list(ours.logprobs[0]) == list(theirs.logprobs[0])
+
+
 # -- special tokens in the text --------------------------------------------------------------------
 
 def stream_text(params, generated, finish=None):

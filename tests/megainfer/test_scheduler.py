@@ -219,3 +219,60 @@ def test_the_decode_fast_path_schedules_what_the_running_loop_does(requests, num
         fast.update_from_output(a, [rng_fast.choice([7, 7, 7, 99]) if x else None for x in a.samples()])
         slow.update_from_output(b, [rng_slow.choice([7, 7, 7, 99]) if x else None for x in b.samples()])
     assert not slow.has_unfinished and not fast.has_unfinished
+
+
+def _token_for(seq) -> int:
+    """A model stand-in: the next token is a function of the request and its position, EOS (99)
+    now and then, so two schedules of the same requests generate the same text."""
+    return 99 if hash((seq.request_id, len(seq.prompt_token_ids), seq.num_tokens)) % 11 == 0 else 7
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=12),
+       st.integers(8, 40), st.integers(2, 24))
+def test_scheduling_ahead_generates_what_scheduling_after_does(requests, num_blocks, budget):
+    """Asynchronous scheduling at the scheduler's level: step n+1 scheduled with step n's tokens
+    held as placeholders (`advance_ahead`), the tokens written in (`place`) and settled later
+    (`settle`), as an attention node's engine runs it. A sequence that stops runs one step too
+    many and that token is dropped: every request ends with the same tokens and reason as
+    under `update_from_output`, and every block comes back."""
+    from megainfer.scheduler import PLACEHOLDER
+
+    def sampled(out):
+        return [_token_for(s) if flag else None for s, flag in zip(out.seqs, out.samples())]
+
+    def make():
+        s = make_scheduler(num_blocks=num_blocks, budget=budget)
+        seqs = [seq(f"r{i}", prompt, max_tokens=new) for i, (prompt, new) in enumerate(requests)]
+        for q in seqs:
+            s.add(q)
+        return s, seqs
+
+    sync, sync_seqs = make()
+    for _ in range(300):
+        if not sync.has_unfinished:
+            break
+        out = sync.schedule()
+        sync.update_from_output(out, sampled(out))
+
+    ahead, ahead_seqs = make()
+    out, pending = ahead.schedule(), None
+    for _ in range(300):
+        if out.is_empty and pending is None:
+            break
+        if pending is not None:  # inside step n+1, once under way: step n settled
+            ahead.settle(*pending)
+            pending = None
+        if out.is_empty:
+            out = ahead.schedule()
+            continue
+        tokens = sampled(out)  # the step's sampling (placeholders of the step before already written)
+        assert PLACEHOLDER not in [t for s in out.seqs for t in s.token_ids[:s.num_computed_tokens]]
+        ahead.advance_ahead(out)
+        following = ahead.schedule()
+        ahead.place(out, tokens)
+        pending, out = (out, tokens), following
+    assert not ahead.has_unfinished and not sync.has_unfinished
+    for a, b in zip(sync_seqs, ahead_seqs):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), a.request_id
+    assert ahead.block_manager.num_free_blocks == num_blocks

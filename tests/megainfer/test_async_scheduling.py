@@ -1,0 +1,129 @@
+"""Asynchronous scheduling through the engine (`EngineConfig.async_scheduling`, a runner that
+takes `StepHooks`): requests aborted while their step is scheduled ahead, failures with a step
+pending, and the idle end. The runner is the step-boundary bench's (`BoundaryRunner`: the real
+layout, inputs and sampling, the layers skipped), which calls the hooks where the attention
+node's runner does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megainfer.config import DEMO_MODEL, EngineConfig, resolve_model
+from megainfer.engine import Engine
+from megainfer.engine_core import EngineCore
+from megainfer.messages import FinishReason
+from megainfer.sampling_params import SamplingParams
+from megainfer.scheduler import PLACEHOLDER
+from megainfer.step_layout import StepLayout
+from megainfer.model_runner import StepResult
+from megainfer.tools.step_boundary import BoundaryRunner
+
+
+class SequenceTokens(BoundaryRunner):
+    """The bench's runner with a model stand-in that answers each sequence by its own tokens
+    (a function of the request and how many tokens it has), as a model answers by its inputs:
+    not by the row it sits in, which scheduling ahead may shift."""
+
+    def execute(self, out, hooks=None):
+        self._seqs = out.all_seqs
+        return super().execute(out, hooks)
+
+    def _tokens(self, layout: StepLayout) -> StepResult:
+        tokens = []
+        for i in layout.sampled_sequences:
+            seq = self._seqs[i]
+            known = len(seq.token_ids) - (seq.token_ids[-1] == PLACEHOLDER)
+            tokens.append(3 + hash((seq.request_id, known)) % 2000)
+        return StepResult(layout.place_samples(tokens), [])
+
+    def _sample_whole(self, layout, states, seqs) -> StepResult:
+        return self._tokens(layout)
+
+    def _sample_by_micro_batch(self, layout: StepLayout) -> tuple[StepResult, float]:
+        self._last_answer = 0.0
+        return self._tokens(layout), 0.0
+
+
+def make_core(async_scheduling: bool) -> EngineCore:
+    plan_model, _ = resolve_model(DEMO_MODEL)  # the expert counts at the engine's own shape
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=128, block_size=8,
+                          max_model_len=512, async_scheduling=async_scheduling)
+
+    def runner(mc, cfg, weights, max_len):
+        return SequenceTokens(mc, cfg, weights, max_len, micro_batches=2, num_blocks=128, plan_model=plan_model,
+                              t_e_s=0.0)
+
+    return EngineCore(Engine(DEMO_MODEL, config, runner_factory=runner))
+
+
+def serve(core: EngineCore, requests: dict, abort_at: dict[str, int] | None = None) -> dict:
+    """Each request's deltas (emitted mid-step or returned), aborting `abort_at[rid]` at that step."""
+    got = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        core.submit(rid, prompt, params)
+
+    def take(columns):
+        for d in columns.deltas:
+            got[d.request_id].append(d)
+
+    for step in range(200):
+        if not core.has_work():
+            break
+        for rid, when in (abort_at or {}).items():
+            if when == step:
+                core.abort(rid)
+        take(core.step_columns(emit=take))
+    assert not core.has_work()
+    return got
+
+
+def requests_of(n: int = 6) -> dict:
+    g = torch.Generator().manual_seed(0)
+    # Greedy: every decode step samples micro-batch by micro-batch (the stand-in above).
+    kinds = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=11, temperature=0.0, stop=["e", "t"], ignore_eos=True)]
+    return {f"r{i}": (torch.randint(3, 2000, (20 + 3 * i,), generator=g).tolist(), kinds[i % 3]) for i in range(n)}
+
+
+def test_scheduling_ahead_streams_what_scheduling_after_does():
+    sync = serve(make_core(False), requests_of())
+    ahead = serve(make_core(True), requests_of())
+    for rid in sync:
+        assert [d.new_token_ids for d in ahead[rid]] == [d.new_token_ids for d in sync[rid]], rid
+        assert "".join(d.new_text for d in ahead[rid]) == "".join(d.new_text for d in sync[rid]), rid
+        assert ahead[rid][-1].finish_reason == sync[rid][-1].finish_reason
+
+
+@pytest.mark.parametrize("when", [1, 2, 4])
+def test_a_request_aborted_while_its_next_step_is_scheduled_leaves_it_and_its_blocks(when):
+    core = make_core(True)
+    requests = requests_of()
+    got = serve(core, requests, abort_at={"r0": when, "r4": when + 1})
+    expected = serve(make_core(False), {rid: r for rid, r in requests.items() if rid not in ("r0", "r4")})
+    for rid, deltas in expected.items():
+        assert [d.new_token_ids for d in got[rid]] == [d.new_token_ids for d in deltas], rid
+    assert not any(d.finished for d in got["r0"] + got["r4"])  # the frontend ends an aborted stream itself
+    engine = core.engine
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    assert engine._ahead is None and engine._pending is None
+
+
+def test_failing_every_request_settles_the_pending_step_first():
+    core = make_core(True)
+    for rid, (prompt, params) in requests_of(3).items():
+        core.submit(rid, prompt, params)
+    emitted = []
+    for _ in range(4):  # prompts, then decode steps scheduled ahead
+        emitted += core.step_columns(emit=lambda c: emitted.extend(c.deltas)).deltas
+    assert core.engine._pending is not None
+    last = core.fail_all("the node lost its data plane")
+    pending_tokens = [d for d in last if not d.finished]
+    failures = [d for d in last if d.finished]
+    assert pending_tokens and all(d.new_token_ids for d in pending_tokens)
+    assert {d.request_id for d in failures} == {"r0", "r1", "r2"}
+    assert all(d.finish_reason is FinishReason.ERROR for d in failures)
+    assert last.index(pending_tokens[-1]) < last.index(failures[0])
+    blocks = core.engine.scheduler.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
