@@ -167,9 +167,9 @@ class Engine:
         """One step: schedule, execute, update; the deltas in columns, as a node hands them on.
 
         With asynchronous scheduling (`EngineConfig.async_scheduling`, on a runner that takes
-        `StepHooks`: an attention node's), the next step is scheduled while this one's last
-        layer runs (`_look_ahead`), this step ends with its tokens written where the next
-        step's inputs read them, and the rest of it (stop conditions, detokenization, deltas,
+        `StepHooks`: an attention node's), the next step is scheduled once this one is under
+        way (`_look_ahead`), this step ends with its tokens written where the next step's
+        inputs read them, and the rest of it (stop conditions, detokenization, deltas,
         statistics) is settled inside the next step, once its micro-batches are all under way.
         Those deltas go to `emit` as they are made (else they are returned by the call that made
         them: one step late)."""
@@ -212,16 +212,18 @@ class Engine:
         produced.extend(self._step_done(PendingStep(out, result, began, time.perf_counter(), step_id), advanced))
         return produced
 
-    def _look_ahead(self, out: SchedulerOutput) -> None:
-        """Runner hook, once step `out` is under way: schedule the next step now. Left to the
-        next call: a step with a layered cohort or under a policy that schedules prompts itself
-        (its group advances only once the step is done), and one whose sampling reads its
-        sequences' tokens so far (penalties, min_tokens), which the look-ahead's placeholders
-        would change."""
-        if out.layered is None and self.scheduler.policy.never_schedules_itself and \
-                not any(map(_READS_HISTORY, out.seqs)):
-            self.scheduler.advance_ahead(out)
-            self._ahead = ScheduledAhead(self.scheduler.schedule(), self.scheduler.num_finished)
+    def _look_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """Runner hook, once step `out` is under way: schedule the next step now, and return it
+        (the runner lays it out meanwhile). Left to the next call: a step with a layered cohort
+        or under a policy that schedules prompts itself (its group advances only once the step
+        is done), and one whose sampling reads its sequences' state (penalties, min_tokens,
+        prompt logprobs), which the look-ahead's placeholders would change."""
+        if out.layered is not None or not self.scheduler.policy.never_schedules_itself or \
+                any(map(_READS_HISTORY, out.seqs)):
+            return None
+        self.scheduler.advance_ahead(out)
+        self._ahead = ScheduledAhead(self.scheduler.schedule(), self.scheduler.num_finished)
+        return self._ahead.out
 
     def _settle(self, pending: "PendingStep", emit: Callable[[DeltaColumns], None] | None,
                 produced: DeltaColumns) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from itertools import chain, groupby
 from operator import attrgetter
 from types import SimpleNamespace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -43,14 +43,14 @@ class StepHooks:
     next step scheduled), as vLLM schedules ahead once a step is launched. Each runs at most
     once, `settle` first; the engine runs whatever the runner did not reach."""
 
-    lookahead: Callable[[], None] | None = None
+    lookahead: Callable[[], Any] | None = None  # returns the next step (a SchedulerOutput), or None
     settle: Callable[[], None] | None = None
 
-    def run_lookahead(self) -> None:
+    def run_lookahead(self):
+        """The next step as scheduled ahead (to lay out meanwhile), or None."""
         self.run_settle()  # the step before is settled first: the look-ahead reads what it decided
         hook, self.lookahead = self.lookahead, None
-        if hook is not None:
-            hook()
+        return hook() if hook is not None else None
 
     def run_settle(self) -> None:
         hook, self.settle = self.settle, None

@@ -241,3 +241,26 @@ def _sampled_rows(batches: tuple[MicroBatchLayout, ...], samples: tuple[bool, ..
         ranges = batch.cohort_row_ranges
         rows += [SampledRow(i, j, True, end - 1) for i, (_, end) in zip(batch.cohort_sequences, ranges) if samples[i]]
     return tuple(rows)
+
+
+class LayoutAhead:
+    """A runner's layout of the step scheduled ahead (asynchronous scheduling), worked out while
+    the step before runs, so the next step's first inputs do not wait for it."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[SchedulerOutput, StepLayout] | None = None
+
+    def keep(self, out: SchedulerOutput | None, m: int) -> None:
+        if out is None or out.is_empty:
+            self._kept = None
+            return
+        layout = StepLayout.of(out, m)
+        for worked_out in ("micro_batches", "sampled_sequences"):  # cached properties: worked out now
+            getattr(layout, worked_out)
+        self._kept = (out, layout)
+
+    def of(self, out: SchedulerOutput, m: int) -> StepLayout:
+        """`out`'s layout: the one kept if `out` is the step kept (not one filtered since)."""
+        kept, self._kept = self._kept, None
+        return kept[1] if kept is not None and kept[0] is out else StepLayout.of(out, m)
+

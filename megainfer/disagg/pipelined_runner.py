@@ -51,7 +51,7 @@ from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHoo
                                     samples_by_micro_batch)
 from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
-from megainfer.step_layout import StepLayout
+from megainfer.step_layout import LayoutAhead, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
 from transport.rounds import FLAGS, LAYER, STEP
 
@@ -174,6 +174,7 @@ class PipelinedModelRunner:
         self.deployment_busy = False  # did any attention node send tokens in the last step?
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
         self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
+        self.layouts = LayoutAhead()  # the next step's layout, worked out while this one runs
         self._outbox: deque[PendingDispatch] = deque()  # dispatches copying to the host, oldest first
         self._routed: list[RoutedTokens | None] = [None] * micro_batches  # per micro-batch: its last dispatch sent
         self._no_records = torch.empty(0, dtype=torch.uint8)  # an empty step's dispatch
@@ -262,7 +263,7 @@ class PipelinedModelRunner:
         """Every micro-batch through every layer, ping-ponging with the expert nodes. With layered
         prefill, micro-batch j also carries its share of the cohort inside this step's layer
         group: it joins j's tokens at the group's first layer and leaves after its last."""
-        layout = StepLayout.of(out, self.m)
+        layout = self.layouts.of(out, self.m)
         seqs = out.all_seqs
         self.step_tokens = (out.total_tokens, out.total_tokens - out.num_single_token)
         self.cohort_hidden.forget_departed(seqs, layout)
@@ -312,7 +313,8 @@ class PipelinedModelRunner:
                 residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer),
                                                         expert_counts)
             if not layer:  # every micro-batch's inputs built and its first layer under way:
-                hooks.run_lookahead()  # the step before settled, the next one scheduled
+                # the step before settled, the next one scheduled and laid out
+                self.layouts.keep(hooks.run_lookahead(), self.m)
         for j, state in enumerate(states):
             state.hidden = self._combine(cfg.num_layers - 1, j, residual[j])
             state.cross(layout, cfg.num_layers)

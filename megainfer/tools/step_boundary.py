@@ -37,7 +37,7 @@ from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHoo
                                     samples_by_micro_batch)
 from megainfer.sampler import Sampler
 from megainfer.sampling_params import SamplingParams
-from megainfer.step_layout import StepLayout
+from megainfer.step_layout import LayoutAhead, StepLayout
 
 
 @dataclass
@@ -93,6 +93,7 @@ class BoundaryRunner:
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
         self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
+        self.layouts = LayoutAhead()
         self.phases = BoundaryPhases()
         self.t_e_s = t_e_s
         self._logits = torch.randn(config.max_num_seqs, model_config.vocab_size,
@@ -105,7 +106,7 @@ class BoundaryRunner:
     def execute(self, out, hooks: StepHooks | None = None) -> StepResult:
         hooks = hooks or StepHooks()
         t0 = time.process_time()
-        layout = StepLayout.of(out, self.m)
+        layout = self.layouts.of(out, self.m)
         seqs = out.all_seqs
         self.cohort_hidden.forget_departed(seqs, layout)
         self.block_tables.retain(seqs)
@@ -116,7 +117,8 @@ class BoundaryRunner:
             if len(states) == 1 and self._last_answer is not None:
                 self.phases.wait += time.process_time() - self._last_answer + self._wait_after
         t1 = time.process_time()
-        hooks.run_lookahead()  # as the runner, after layer 0: the step before settled, the next scheduled
+        # As the runner, after layer 0: the step before settled, the next scheduled and laid out.
+        self.layouts.keep(hooks.run_lookahead(), self.m)
         t2 = time.process_time()
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
