@@ -346,9 +346,9 @@ def test_the_hot_path_reads_nothing_back_from_the_device(mixtral_ref, monkeypatc
     steps = [0]
     run = PipelinedModelRunner._run
 
-    def counted_run(self, out):
+    def counted_run(self, out, hooks=None):
         steps[0] += 1
-        return run(self, out)
+        return run(self, out, hooks)
 
     monkeypatch.setattr(PipelinedModelRunner, "_run", counted_run)
     prompts = mixtral_ref.prompts[:3]
