@@ -104,7 +104,7 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           prefill_policy=s.prefill_policy,
                           group_tokens=s.group_tokens, layered_chunk_tokens=s.layered_chunk_tokens,
-                          target_step_ms=s.target_step_ms, async_scheduling=s.async_scheduling, num_threads=threads,
+                          target_step_ms=s.target_step_ms, async_scheduling=plan.async_scheduling, num_threads=threads,
                           gpu_memory_utilization=plan.serve.gpu_memory_utilization)
     tokens, tp_a = step_tokens(engine), plan.attention.tp
     share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens

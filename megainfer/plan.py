@@ -84,13 +84,14 @@ class SchedulerSpec:
     layered_chunk_tokens: int = 8192  # layered prefill: prompt tokens of one cohort (longer prompts go in chunks)
     # Attention balancing: admit prompt tokens only while a step's predicted time stays under this.
     target_step_ms: float | None = None
-    # The next step scheduled while this one's last layer runs, this one settled inside the next
-    # (vLLM's async scheduling; steps with a layered cohort are scheduled after they end).
-    async_scheduling: bool = True
+    # The next step scheduled once this one is under way, this one settled inside the next
+    # (vLLM's async scheduling). null: on for GPU plans, off for CPU plans, whose layers run on
+    # the host's own cores, so bookkeeping beside them hides nothing (`Plan.async_scheduling`).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.async_scheduling, bool):
-            raise PlanError(f"scheduler.async_scheduling must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise PlanError(f"scheduler.async_scheduling must be true, false or null, got {self.async_scheduling!r}")
         if self.target_step_ms is not None:
             _positive("scheduler", target_step_ms=self.target_step_ms)
         if self.prefill_policy not in PREFILL_POLICIES:
@@ -201,6 +202,12 @@ class Plan:
     @property
     def is_cpu(self) -> bool:
         return self.attention.gpu == CPU and self.experts.gpu == CPU
+
+    @property
+    def async_scheduling(self) -> bool:
+        """`scheduler.async_scheduling`, null resolved: on unless the plan runs on CPUs."""
+        chosen = self.scheduler.async_scheduling
+        return not self.is_cpu if chosen is None else chosen
 
     def expert_assignment(self, model: ModelConfig) -> list[list[int]]:
         """Expert ids of each expert node: contiguous, equal shares."""

@@ -340,7 +340,7 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     rows, by_size = [], {}
     for running in sizes:
         measured = measure_boundary(running, BOUNDARY_CONTEXT, scale.micro_batches, model,
-                                    async_scheduling=plan.scheduler.async_scheduling, t_e_s=scale.t_e_ms / 1e3)
+                                    async_scheduling=plan.async_scheduling, t_e_s=scale.t_e_ms / 1e3)
         phases = measured.per_step_ms()
         total = sum(phases.values())
         by_size[running] = {**phases, "total": total, "wait": measured.wait_ms(), "argmax_stand_in": measured.argmax_ms()}
@@ -355,19 +355,19 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     driver = "; ".join(f"{ms:.1f} CPU ms per step to check and fan out {n:,} deltas from each of the plan's "
                        f"{plan.attention.nodes} attention nodes" for n, ms in driver_by_running.items())
     driver += " (to their streams, waking each reader; Ray's byte copy of the columns not included)"
-    scheduling = "asynchronous" if plan.scheduler.async_scheduling else "synchronous"
+    scheduling = "asynchronous" if plan.async_scheduling else "synchronous"
     print(f"\nstep boundary of one attention rank (decode steps, {BOUNDARY_CONTEXT}-token contexts, m = "
           f"{scale.micro_batches}, {scheduling} scheduling as the plan sets it, layers skipped; CPU ms per step):")
     print(format_table(["running", "prepare", "sample", "beside layers", "bookkeeping", "deltas out", "total",
                         "experts wait", "us/sequence", "argmax (not in total)"], rows))
     print(f"prepare: StepLayout and every micro-batch's inputs; sample: the sampler's host side (its argmax over the "
           f"demo model's 2,048-token vocabulary, device work on a GPU, timed apart and left out); beside layers: "
-          f"with asynchronous scheduling, the step before settled (stops, detokenization, deltas) once every "
-          f"micro-batch's inputs are built, and the next step scheduled during the last layer; bookkeeping: the "
+          f"with asynchronous scheduling, the step before settled (stops, detokenization, deltas) and the next one "
+          f"scheduled and laid out, once every micro-batch's inputs are built; bookkeeping: the "
           f"rest (schedule and update_from_output when synchronous, checks, statistics); deltas out: the outbox's "
           f"poll answer. Experts wait: from a step's last answer to the next step's micro-batch 0 inputs (its "
-          f"dispatch follows its attention), plus what the last layer's host work takes beyond the expert nodes' "
-          f"m x t_e ({scale.t_e_ms:.3f} ms) for that layer.\n"
+          f"dispatch follows its attention), plus what sampling the other micro-batches takes beyond the expert "
+          f"nodes' m x t_e ({scale.t_e_ms:.3f} ms) for the last layer.\n"
           f"driver: {driver}")
     launches = decode_launches(model)
     print(f"launches per (layer, micro-batch) of a decode step, counted by the torch dispatcher on the CPU path "

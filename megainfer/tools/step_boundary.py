@@ -217,8 +217,13 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
             measured.append(_measure_step(core, running))
     finally:
         torch.set_num_threads(threads)
+    waits = sorted(ph.wait for ph in measured)
     measured.sort(key=lambda ph: sum(ph.per_step_ms().values()))
-    return measured[len(measured) // 2]
+    median = measured[len(measured) // 2]
+    # The wait's own median: one step's wait may hold a garbage collection the median step's
+    # total does not show.
+    median.wait = waits[len(waits) // 2]
+    return median
 
 
 def _measure_step(core: EngineCore, running: int) -> BoundaryPhases:

@@ -30,14 +30,15 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the m
 
 
 def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1,
-              policy: str = "chunked", tp_e: int = 1, device_slots: bool = False) -> Plan:
+              policy: str = "chunked", tp_e: int = 1, device_slots: bool = False,
+              async_scheduling: bool | None = None) -> Plan:
     return Plan.from_dict({
         "model": model, "dtype": "float32",
         "attention": {"gpu": "cpu", "tp": tp_a, "nodes": attention},
         "experts": {"gpu": "cpu", "tp": tp_e, "nodes": experts},
         "pipeline": {"micro_batches": m, "global_batch": 64, "device_slots": device_slots},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64, "prefill_policy": policy,
-                      "group_tokens": 8},
+                      "group_tokens": 8, "async_scheduling": async_scheduling},
     })
 
 
@@ -60,13 +61,17 @@ def colocated(path, prompts) -> list[list[int]]:
     return generate_all(Engine(str(path), EngineConfig(max_num_batched_tokens=64)), prompts, GREEDY)
 
 
-@pytest.mark.parametrize("m, tp_a, policy, tp_e", [(1, 1, "chunked", 1), (2, 1, "chunked", 1),
-                                                   (3, 1, "chunked", 1), (2, 2, "chunked", 1),
-                                                   (2, 1, "chunked", 2), (2, 1, "layered", 1),
-                                                   (2, 2, "layered", 1)])
-def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy, tp_e):
+@pytest.mark.parametrize("m, tp_a, policy, tp_e, scheduled_ahead", [
+    (1, 1, "chunked", 1, False), (2, 1, "chunked", 1, False), (3, 1, "chunked", 1, False),
+    (2, 2, "chunked", 1, False), (2, 1, "chunked", 2, False), (2, 1, "layered", 1, False),
+    (2, 2, "layered", 1, False), (2, 1, "chunked", 1, True), (2, 2, "chunked", 1, True)])
+def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy, tp_e, scheduled_ahead):
+    """`scheduled_ahead`: asynchronous scheduling (a CPU plan's default is off), the deltas of a
+    step settled mid-step emitted to the outbox at once; with tp 2 the followers run the step
+    the leader scheduled ahead."""
     expected = colocated(hf_ref.path, hf_ref.prompts)
-    served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a, policy=policy, tp_e=tp_e))
+    served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a, policy=policy, tp_e=tp_e,
+                              async_scheduling=scheduled_ahead))
     try:
         results = [None] * len(hf_ref.prompts)
 
