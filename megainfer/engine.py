@@ -204,12 +204,17 @@ class Engine:
                                              for seq in out.all_seqs]))
             return produced
         hooks.run_settle()  # a runner that did not (a step too short to reach its first layer's end)
+        ended = time.perf_counter()
         if self._ahead is not None:  # scheduled ahead: settled in the next step
             self.scheduler.place(out, result.sampled)
-            self._pending = PendingStep(out, result, began, time.perf_counter(), step_id)
+            self._pending = PendingStep(out, result, began, ended, step_id)
+            self._last_step_end = ended  # the next step is due at once
             return produced
         advanced = self.scheduler.update_from_output(out, result.sampled)
-        produced.extend(self._step_done(PendingStep(out, result, began, time.perf_counter(), step_id), advanced))
+        produced.extend(self._deltas(out, result, advanced))
+        ended = time.perf_counter()  # detokenizing is part of the step here
+        self._last_step_end = ended if self.scheduler.has_unfinished else None
+        self._step_stats(PendingStep(out, result, began, ended, step_id), advanced)
         return produced
 
     def _look_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
@@ -229,23 +234,23 @@ class Engine:
                 produced: DeltaColumns) -> None:
         """The rest of a step scheduled ahead: its stop conditions, its deltas (to `emit`, or
         into `produced`) and its statistics."""
-        columns = self._step_done(pending, self.scheduler.settle(pending.out, pending.result.sampled))
+        advanced = self.scheduler.settle(pending.out, pending.result.sampled)
+        columns = self._deltas(pending.out, pending.result, advanced)
+        self._step_stats(pending, advanced)
         if emit is not None:
             emit(columns)
         else:
             produced.extend(columns)
 
-    def _step_done(self, step: "PendingStep", advanced: list[Sequence]) -> DeltaColumns:
-        """A step's deltas and statistics, once its sequences are advanced."""
-        deltas = self._deltas(step.out, step.result, advanced)
-        self._last_step_end = step.ended if self.scheduler.has_unfinished else None
+    def _step_stats(self, step: "PendingStep", advanced: list[Sequence]) -> None:
+        """A step's statistics, once its sequences are advanced: its time for the router, the
+        requests it finished, its expert loads."""
         measured = StepSample.of(step.out, step.ended - step.began, self.model_config.num_layers, step.step_id)
         self._measured_steps.append(measured)
         if self.step_model is not None:
             self.step_model.observe((measured,))
         self._finished_lengths.extend((s.num_prompt_tokens, s.num_output_tokens) for s in advanced if s.is_finished)
         self._record(step.out, step.result)
-        return deltas
 
     def node_state(self, now: float = 0.0) -> NodeState:
         """The scheduler's state for a router, with the steps measured and the requests

@@ -129,3 +129,19 @@ def test_failing_every_request_settles_the_pending_step_first():
     assert last.index(pending_tokens[-1]) < last.index(failures[0])
     blocks = core.engine.scheduler.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_steps_scheduled_ahead_are_timed_once_each_for_the_router():
+    """Each step's measured time runs from the step before's end to its own (what the router's
+    step model learns from): scheduled ahead, the steps' times add up to the wall time, not to
+    twice it."""
+    import time
+
+    core = make_core(True)
+    started = time.perf_counter()
+    serve(core, requests_of())
+    elapsed = time.perf_counter() - started
+    steps = core.engine.node_state().steps
+    assert len(steps) >= 8
+    assert sum(s.seconds for s in steps) <= elapsed
+    assert all(s.seconds > 0 for s in steps)
