@@ -41,11 +41,15 @@ def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
     # The step boundary at 512, 1,024 and the plan's max_num_seqs, and the driver's share.
     assert "step boundary of one attention rank" in out.stdout and "driver:" in out.stdout
     assert result["step_boundary_cpu_ms"] > 0 and result["driver_delta_cpu_ms"] > 0
-    assert 0 < result["boundary_wait_ms"] <= result["step_boundary_cpu_ms"]
+    # Measured on its own (from a step's last answer to the next one's first inputs), the wait
+    # holds part of the node loop's turn, outside any step: about the step's size at most here.
+    assert 0 < result["boundary_wait_ms"] <= 2 * result["step_boundary_cpu_ms"]
     by_running = result["step_boundary_by_running"]
     assert {"512", "1024"} <= set(by_running)
-    assert all(row["total"] == pytest.approx(sum(row[k] for k in ("prepare", "sample", "bookkeeping", "deltas_out")))
-               for row in by_running.values())
+    phases = ("prepare", "sample", "beside", "bookkeeping", "deltas_out")
+    assert all(row["total"] == pytest.approx(sum(row[k] for k in phases)) for row in by_running.values())
+    # A CPU plan schedules synchronously (its default): nothing runs beside the layers.
+    assert "synchronous scheduling" in out.stdout and all(row["beside"] < 0.1 for row in by_running.values())
     # Launches per (layer, micro-batch), counted by the dispatcher on the plan's family.
     launches = result["launches_per_layer_micro_batch"]
     assert launches["attention"]["launches"] > launches["expert"]["launches"] > 0

@@ -75,22 +75,24 @@ def transformers_forced(path, prompts: list[list[int]], tokens: list[list[int]],
 
 @contextmanager
 def recorded_logits():
-    """Records, per request id, the logits the sampler reads (the engine's own, unchanged)."""
-    from megainfer.sampler import Sampler
+    """Records, per request id, the logits the colocated engine samples from (the engine's own,
+    unchanged): every path of its sampler (the one-argmax path of greedy-only rows too) is
+    reached through `model_runner.sample_tokens`."""
+    from megainfer import model_runner
 
     seen: dict[str, list[torch.Tensor]] = {}
-    original = Sampler.sample
+    original = model_runner.sample_tokens
 
-    def recording(self, logits, request_ids, params, histories=None):
-        for row, rid in enumerate(request_ids):
-            seen.setdefault(rid, []).append(logits[row].float().cpu())
-        return original(self, logits, request_ids, params, histories)
+    def recording(sampler, logits, seqs, layout):
+        for row, sequence in enumerate(layout.sampled_sequences):
+            seen.setdefault(seqs[sequence].request_id, []).append(logits[row].float().cpu())
+        return original(sampler, logits, seqs, layout)
 
-    Sampler.sample = recording
+    model_runner.sample_tokens = recording
     try:
         yield seen
     finally:
-        Sampler.sample = original
+        model_runner.sample_tokens = original
 
 
 def megainfer_greedy(path, prompts: list[list[int]], dtype: str, device: str, new_tokens: int = NEW_TOKENS) -> Greedy:
