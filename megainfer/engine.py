@@ -204,8 +204,8 @@ class Engine:
                                              for seq in out.all_seqs]))
             return produced
         hooks.run_settle()  # a runner that did not (a step too short to reach its first layer's end)
-        ended = time.perf_counter()
         if self._ahead is not None:  # scheduled ahead: settled in the next step
+            ended = time.perf_counter()
             self.scheduler.place(out, result.sampled)
             self._pending = PendingStep(out, result, began, ended, step_id)
             self._last_step_end = ended  # the next step is due at once
@@ -287,7 +287,7 @@ class Engine:
                 try:
                     text = stream.detokenizer.add_one(token)
                 except Exception as exc:  # a token the tokenizer cannot decode: this request alone fails
-                    others.append((len(ids), self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])))
+                    others.append((len(ids), self._undecodable(seq, token, exc)))
                     continue
                 ids.append(seq.request_id)
                 tokens.append(token)
@@ -307,7 +307,7 @@ class Engine:
             prompt_logprobs = stream.take_prompt_logprobs() if stream.prompt_logprobs is not None and \
                 len(seq.token_ids) - len(seq.prompt_token_ids) == 1 else None
         except Exception as exc:  # e.g. a token the tokenizer cannot decode: this request alone fails
-            return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
+            return self._undecodable(seq, token, exc)
         stops = stream.stops
         if stops is not None and stops.stop_string is not None:  # finished now: blocks freed before the next step
             self.scheduler.stop(seq, stops.stop_string)
@@ -318,6 +318,10 @@ class Engine:
             delta.metrics = self._metrics(seq)
             self._forget(seq.request_id)
         return delta
+
+    def _undecodable(self, seq: Sequence, token: int, exc: Exception) -> RequestDelta:
+        """The last delta of a request whose text could not be made: it alone fails."""
+        return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
 
     def _metrics(self, seq: Sequence) -> RequestMetrics | None:
         """How the request's time was spent, as it ends; None if it was never scheduled. One that

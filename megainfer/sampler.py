@@ -47,7 +47,7 @@ class Sampler:
         logits = self._process(logits, params, histories)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return self.greedy(logits)
         temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                                    device=logits.device)
         scaled = logits / temperature[:, None]

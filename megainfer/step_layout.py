@@ -40,9 +40,7 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
         return [list(range(len(num_tokens)))]
     # The leading one-token entries (a step's decodes come first) go round-robin, which is what
     # the rule gives them (the loads stay equal, or the first ones one ahead), built in C.
-    ones = num_tokens.count(1)
-    if num_tokens[:ones] != [1] * ones:
-        ones = 0
+    ones = _leading_ones(num_tokens)
     groups = [list(range(j, ones, m)) for j in range(m)]
     load = [len(g) for g in groups]
     for i in range(ones, len(num_tokens)):
@@ -50,6 +48,12 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
         groups[j].append(i)
         load[j] += num_tokens[i]
     return groups
+
+
+def _leading_ones(num_tokens: list[int]) -> int:
+    """How many entries at the start are 1 (all the ones, counted in C, when they lead)."""
+    ones = num_tokens.count(1)
+    return ones if num_tokens[:ones] == [1] * ones else 0
 
 
 def _query_starts(num_tokens: tuple[int, ...], indices: list[int], start: int = 0, ones: int = 0) -> list[int]:
@@ -163,9 +167,7 @@ class StepLayout:
         exchanges a zero-token message for it with every expert node)."""
         num_decodes, m = self.num_decode_sequences, self.num_micro_batches
         decode_tokens = list(self.num_tokens[:num_decodes])
-        ones = decode_tokens.count(1)
-        if decode_tokens[:ones] != [1] * ones:
-            ones = 0
+        ones = _leading_ones(decode_tokens)
         batches = []
         for decodes, members in zip(split_micro_batches(decode_tokens, m),
                                     split_micro_batches(list(self.num_tokens[num_decodes:]), m)):
