@@ -149,6 +149,24 @@ def gemm_reports(name: str, experts: int, h: int, i: int, rows: int, dtype: torc
             for fn in (moe_triton._gate_up_kernel, moe_triton._down_kernel)]
 
 
+def gating_reports(name: str, experts: int, top_k: int, nodes: int, dtype: torch.dtype, arch: int) -> list[Report]:
+    """The gating kernels with and without a live-row count (a captured decode batch's padding)."""
+    from kernels import moe_triton
+
+    pointers = {"logits_ptr": "*" + TYPES[dtype], "ids_ptr": "*i64", "weights_ptr": "*fp32",
+                "pair_order_ptr": "*i64", "pair_positions_ptr": "*i64", "expert_offsets_ptr": "*i64",
+                "node_offsets_ptr": "*i64", "node_tokens_ptr": "*i64"}
+    reports = []
+    for has_valid in (False, True):
+        shape = f"{name} k={top_k}, {nodes} nodes{', padded' if has_valid else ''}"
+        reports.append(compile_one(moe_triton._gating_kernel, dict(
+            E=experts, K=top_k, RENORMALIZE=True, NUM_NODES=nodes, BLOCK_E=pow2(experts), BLOCK_K=pow2(top_k),
+            HAS_VALID=has_valid), pointers, 4, 1, arch, shape))
+        reports.append(compile_one(moe_triton._scatter_kernel, dict(
+            K=top_k, NUM_NODES=nodes, BLOCK_K=pow2(top_k), HAS_VALID=has_valid), pointers, 4, 1, arch, shape))
+    return reports
+
+
 def all_reports(arch: int, quick: bool = False) -> list[Report]:
     """Every tile-table row at the shapes above. quick: the rows nearest a limit or that differ
     by architecture: the attention kernels at Qwen3's 16-head groups (POD with %smid, two
@@ -166,6 +184,7 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
     reports += attention_reports(*ATTENTION[0], torch.float32, arch)
     reports += [r for e in EXPERTS for rows in ROWS_PER_EXPERT for r in gemm_reports(*e, rows, torch.bfloat16, arch)]
     reports += gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.float32, arch)
+    reports += gating_reports("qwen3-235b", 128, 8, 32, torch.bfloat16, arch)
     return reports
 
 

@@ -179,7 +179,7 @@ def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, que
         query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale))
 
 
-def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0):
+def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0, valid=None):
     """On CUDA always the Triton kernel (not timed): every rank of a tensor-parallel node must
     route its tokens alike, and a per-process timed choice could pick differently on two ranks
     (ties rounded differently); the reference also synchronises the host (`nonzero`). Only
@@ -189,7 +189,7 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
     def triton_fn():
         from kernels import moe_triton as t
 
-        return t.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
+        return t.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, valid)
 
     def key():
         nodes = num_nodes if expert_node is not None else 0
@@ -197,7 +197,7 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
                         (bucket(logits.shape[0]),), ("tokens",))
 
     def reference():
-        return r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
+        return r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, valid)
 
     mode = backend(logits.device)
     if mode == FASTEST:

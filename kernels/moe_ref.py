@@ -48,19 +48,23 @@ class Gating:
 
 
 def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_node: torch.Tensor | None = None,
-                 num_nodes: int = 0) -> Gating:
+                 num_nodes: int = 0, valid: torch.Tensor | None = None) -> Gating:
     """logits [T, E] -> softmax -> top-k (renormalised if asked) -> per-expert and per-node counts
-    and the permutations that lay pairs out by expert and tokens out by destination node."""
+    and the permutations that lay pairs out by expert and tokens out by destination node.
+    `valid`: [1] int32 on the logits' device, the live rows; rows at or past it (a captured batch's
+    padding) get ids and weights but are counted for no expert and sent to no node."""
     e = logits.shape[1]
     probs = F.softmax(logits.float(), dim=-1)
     values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, ids = values[:, :top_k], order[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    g = Gating(ids, weights, torch.bincount(ids.reshape(-1), minlength=e))
+    live = None if valid is None else torch.arange(logits.shape[0], device=logits.device) < valid
+    g = Gating(ids, weights, torch.bincount((ids if live is None else ids[live]).reshape(-1), minlength=e))
     if expert_node is not None:
         hits = expert_node[ids]  # [T, k] node of each choice
-        per_node = [(hits == n).any(dim=1).nonzero().flatten() for n in range(num_nodes)]
+        sent = [(hits == n).any(dim=1) for n in range(num_nodes)]
+        per_node = [(s if live is None else s & live).nonzero().flatten() for s in sent]
         g.node_counts = torch.tensor([len(x) for x in per_node], dtype=torch.int64, device=logits.device)
         g.node_offsets = torch.zeros(num_nodes + 1, dtype=torch.int64, device=logits.device)
         g.node_offsets[1:] = torch.cumsum(g.node_counts, 0)

@@ -32,10 +32,13 @@ INTERPRETED = interpreted()
 
 
 @triton.jit
-def _gating_kernel(logits_ptr, ids_ptr, weights_ptr, expert_counts_ptr, expert_node_ptr, node_counts_ptr,
+def _gating_kernel(logits_ptr, ids_ptr, weights_ptr, expert_counts_ptr, expert_node_ptr, node_counts_ptr, valid_ptr,
                    E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_NODES: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_VALID: tl.constexpr):
     t = tl.program_id(0)
+    limit = t + 1
+    if HAS_VALID:  # rows at or past the live count (a captured batch's padding) are counted nowhere
+        limit = tl.load(valid_ptr)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
@@ -54,36 +57,40 @@ def _gating_kernel(logits_ptr, ids_ptr, weights_ptr, expert_counts_ptr, expert_n
         vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
     tl.store(ids_ptr + t * K + kk, ids.to(tl.int64), mask=kk < K)
     tl.store(weights_ptr + t * K + kk, vals, mask=kk < K)
-    tl.atomic_add(expert_counts_ptr + ids, 1, mask=kk < K)
+    tl.atomic_add(expert_counts_ptr + ids, 1, mask=(kk < K) & (kk * 0 + t < limit))  # a block mask
     if NUM_NODES > 0:
         nodes = tl.load(expert_node_ptr + ids, mask=kk < K, other=-1)
         for n in tl.static_range(NUM_NODES):
-            hit = tl.sum((nodes == n).to(tl.int32), axis=0) > 0
+            hit = (tl.sum((nodes == n).to(tl.int32), axis=0) > 0) & (t < limit)
             tl.atomic_add(node_counts_ptr + n, hit.to(tl.int32))
 
 
 @triton.jit
 def _scatter_kernel(ids_ptr, expert_offsets_ptr, expert_cursor_ptr, pair_order_ptr, pair_positions_ptr,
-                    expert_node_ptr, node_offsets_ptr, node_cursor_ptr, node_tokens_ptr,
-                    K: tl.constexpr, NUM_NODES: tl.constexpr, BLOCK_K: tl.constexpr):
+                    expert_node_ptr, node_offsets_ptr, node_cursor_ptr, node_tokens_ptr, valid_ptr,
+                    K: tl.constexpr, NUM_NODES: tl.constexpr, BLOCK_K: tl.constexpr, HAS_VALID: tl.constexpr):
     t = tl.program_id(0)
-    kk = tl.arange(0, BLOCK_K)
-    ids = tl.load(ids_ptr + t * K + kk, mask=kk < K, other=0)
-    for j in tl.static_range(K):
-        e = tl.sum(tl.where(kk == j, ids, 0), axis=0)
-        pos = tl.load(expert_offsets_ptr + e) + tl.atomic_add(expert_cursor_ptr + e, 1)
-        tl.store(pair_order_ptr + pos, t * K + j)
-        tl.store(pair_positions_ptr + t * K + j, pos)
-    if NUM_NODES > 0:
-        nodes = tl.load(expert_node_ptr + ids, mask=kk < K, other=-1)
-        for n in tl.static_range(NUM_NODES):
-            if tl.sum((nodes == n).to(tl.int32), axis=0) > 0:
-                pos = tl.load(node_offsets_ptr + n) + tl.atomic_add(node_cursor_ptr + n, 1)
-                tl.store(node_tokens_ptr + pos, t)
+    limit = t + 1
+    if HAS_VALID:  # padding rows take no place in any segment (their pair positions stay unset)
+        limit = tl.load(valid_ptr)
+    if t < limit:
+        kk = tl.arange(0, BLOCK_K)
+        ids = tl.load(ids_ptr + t * K + kk, mask=kk < K, other=0)
+        for j in tl.static_range(K):
+            e = tl.sum(tl.where(kk == j, ids, 0), axis=0)
+            pos = tl.load(expert_offsets_ptr + e) + tl.atomic_add(expert_cursor_ptr + e, 1)
+            tl.store(pair_order_ptr + pos, t * K + j)
+            tl.store(pair_positions_ptr + t * K + j, pos)
+        if NUM_NODES > 0:
+            nodes = tl.load(expert_node_ptr + ids, mask=kk < K, other=-1)
+            for n in tl.static_range(NUM_NODES):
+                if tl.sum((nodes == n).to(tl.int32), axis=0) > 0:
+                    pos = tl.load(node_offsets_ptr + n) + tl.atomic_add(node_cursor_ptr + n, 1)
+                    tl.store(node_tokens_ptr + pos, t)
 
 
 def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_node: torch.Tensor | None = None,
-                 num_nodes: int = 0) -> Gating:
+                 num_nodes: int = 0, valid: torch.Tensor | None = None) -> Gating:
     t, e = logits.shape
     dev = logits.device
     block_e, block_k = triton.next_power_of_2(e), triton.next_power_of_2(top_k)
@@ -94,8 +101,9 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
     node_of = expert_node.to(torch.int32) if nodes else torch.zeros(1, dtype=torch.int32, device=dev)
     node_counts = torch.zeros(max(nodes, 1), dtype=torch.int32, device=dev)
     if t:
-        _gating_kernel[(t,)](logits.contiguous(), ids, weights, expert_counts, node_of, node_counts, E=e, K=top_k,
-                             RENORMALIZE=renormalize, NUM_NODES=nodes, BLOCK_E=block_e, BLOCK_K=block_k)
+        _gating_kernel[(t,)](logits.contiguous(), ids, weights, expert_counts, node_of, node_counts,
+                             node_of if valid is None else valid, E=e, K=top_k, RENORMALIZE=renormalize,
+                             NUM_NODES=nodes, BLOCK_E=block_e, BLOCK_K=block_k, HAS_VALID=valid is not None)
     expert_offsets = torch.zeros(e + 1, dtype=torch.int64, device=dev)
     expert_offsets[1:] = torch.cumsum(expert_counts, 0)
     node_offsets = torch.zeros(nodes + 1, dtype=torch.int64, device=dev)
@@ -109,7 +117,8 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
         _scatter_kernel[(t,)](ids, expert_offsets, torch.zeros(e, dtype=torch.int32, device=dev), pair_order,
                               pair_positions, node_of, node_offsets, torch.zeros(max(nodes, 1), dtype=torch.int32,
                                                                                   device=dev),
-                              node_tokens, K=top_k, NUM_NODES=nodes, BLOCK_K=block_k)
+                              node_tokens, node_of if valid is None else valid, K=top_k, NUM_NODES=nodes,
+                              BLOCK_K=block_k, HAS_VALID=valid is not None)
     g = Gating(ids, weights, expert_counts.to(torch.int64), _pair_order=pair_order, _pair_positions=pair_positions)
     if nodes:
         g.node_counts, g.node_offsets, g.node_token_ids = node_counts.to(torch.int64), node_offsets, node_tokens

@@ -352,6 +352,26 @@ def test_fused_gating_matches_reference(experts, top_k, renormalize):
     torch.testing.assert_close(ref.topk_weights[rows], w / w.sum(-1, keepdim=True) if renormalize else w)
 
 
+@pytest.mark.parametrize("impl", [moe_ref, moe_triton], ids=["reference", "triton"])
+def test_fused_gating_counts_and_sends_no_padding_row(impl):
+    """A captured decode batch pads its rows up to the graph's size: rows at or past `valid` are
+    routed (their ids exist) but counted for no expert and sent to no expert node, so the
+    dispatch is exactly that of the live rows alone."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(24, 8, generator=g)
+    node = torch.arange(8) % 3
+    live = impl.fused_gating(logits[:17], 2, True, node, 3)
+    padded = impl.fused_gating(logits, 2, True, node, 3, valid=torch.tensor([17], dtype=torch.int32))
+    assert torch.equal(padded.topk_ids[:17], live.topk_ids)
+    assert torch.equal(padded.expert_counts, live.expert_counts)
+    assert torch.equal(padded.node_offsets, live.node_offsets)
+    bounds = live.node_offsets.tolist()
+    for n in range(3):
+        got = padded.node_token_ids[bounds[n]:bounds[n + 1]].tolist()
+        assert sorted(got) == sorted(live.node_token_ids[bounds[n]:bounds[n + 1]].tolist())
+        assert max(got, default=0) < 17
+
+
 def test_fused_gating_of_no_tokens():
     for impl in (moe_ref, moe_triton):
         g = impl.fused_gating(torch.zeros(0, 8), 2, True, torch.zeros(8, dtype=torch.int64), 1)
