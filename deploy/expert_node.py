@@ -27,7 +27,8 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
                         staging_bytes=runtime.staging_bytes if link is not None else 0,  # followers stage nothing
                         name=runtime.ranks[tp_group.rank if tp_group is not None else 0],
                         profile_tokens=runtime.profile_tokens, gpu_memory_utilization=runtime.gpu_memory_utilization,
-                        device_slot_bytes=runtime.receive_slot_bytes if plan.pipeline.device_slots else 0)
+                        device_slot_bytes=runtime.receive_slot_bytes if plan.pipeline.device_slots else 0,
+                        decode_graph_tokens=runtime.decode_graph_tokens)
 
 
 class ExpertNode(LoopActor, TimelineCalls):

@@ -59,6 +59,9 @@ class ExpertRuntime:
     gpu_memory_utilization: float = 0.9  # plan serve.gpu_memory_utilization (memory_profile.py)
     peers: int = 0  # M2N peers of the node's leader: every attention rank
     peer_slot_bytes: int = 0  # their receive slots, which this node writes into (0: unknown)
+    # The most tokens of one decode (layer, micro-batch), every attention node's: the largest
+    # CUDA graph size (decode_graphs.py); 0: none captured (a CPU, or serve.enforce_eager).
+    decode_graph_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
                           prefill_policy=s.prefill_policy,
                           group_tokens=s.group_tokens, layered_chunk_tokens=s.layered_chunk_tokens,
                           target_step_ms=s.target_step_ms, async_scheduling=plan.async_scheduling, num_threads=threads,
-                          gpu_memory_utilization=plan.serve.gpu_memory_utilization)
+                          gpu_memory_utilization=plan.serve.gpu_memory_utilization,
+                          enforce_eager=plan.serve.enforce_eager)
     tokens, tp_a = step_tokens(engine), plan.attention.tp
     share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens
     value_bytes = DTYPE_BYTES[plan.dtype]
@@ -116,6 +120,7 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     a_staging = attention_staging(tokens, model.hidden_size, model.top_k, value_bytes, plan.experts.nodes, tp_a)
     e_staging = expert_staging(tokens, model.hidden_size, model.top_k, value_bytes, plan.attention.nodes)
     m = plan.pipeline.micro_batches
+    graph_tokens = 0 if plan.serve.enforce_eager else plan.attention.nodes * math.ceil(s.max_num_seqs / m)
     # CPU ranks take core slots in order: attention ranks, node by node, then expert ranks.
     tp_e, a_ranks = plan.experts.tp, plan.attention.nodes * tp_a
     ranks = a_ranks + plan.experts.nodes * tp_e if device == "cpu" else 0
@@ -131,7 +136,8 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     experts = tuple(ExpertRuntime(k, f"expert{k}", rank_names(f"expert{k}", tp_e), device, tuple(ids),
                                   dispatch_bytes, m, threads, e_staging, slots(a_ranks + k * tp_e, tp_e), ranks,
                                   profile_tokens=plan.attention.nodes * tokens,
-                                  gpu_memory_utilization=plan.serve.gpu_memory_utilization, peers=a_ranks, peer_slot_bytes=answer_bytes)
+                                  gpu_memory_utilization=plan.serve.gpu_memory_utilization, peers=a_ranks,
+                                  peer_slot_bytes=answer_bytes, decode_graph_tokens=graph_tokens)
                     for k, ids in enumerate(plan.expert_assignment(model)))
     return DeploymentRuntime(plan, model, device, attention, experts)
 

@@ -8,10 +8,10 @@ measured faster the first time (`kernels.choice`); the reference elsewhere;
 `python -m kernels.compile_check` compiles every tile row for NVIDIA GPUs without one.
 """
 
-from kernels.dispatch import (KernelUnavailable, backend, decode_attention, fused_gating, grouped_expert_gemm,
-                              paged_attention, prefill_attention)
+from kernels.dispatch import (KernelUnavailable, backend, decode_attention, fused_gating, graph_region,
+                              grouped_expert_gemm, paged_attention, prefill_attention)
 from kernels.moe_ref import Gating
 from kernels.paged_attention_ref import PagedAttentionBatch, store_kv
 
 __all__ = ["Gating", "KernelUnavailable", "PagedAttentionBatch", "backend", "decode_attention", "fused_gating",
-           "grouped_expert_gemm", "paged_attention", "prefill_attention", "store_kv"]
+           "graph_region", "grouped_expert_gemm", "paged_attention", "prefill_attention", "store_kv"]

@@ -9,8 +9,10 @@ The Triton modules are imported on first use, so CPU-only runs never import Trit
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import threading
 
 import torch
 
@@ -42,9 +44,35 @@ def _triton_available() -> bool:
     return True
 
 
+# Inside `graph_region`, on this thread: Triton kernels only, nothing timed. Per thread: in a
+# process running several nodes (tests, the GPU check's pair) the others' eager calls are theirs.
+_region = threading.local()
+
+
+@contextlib.contextmanager
+def graph_region():
+    """A CUDA graph's region is being warmed up or captured: every kernel is the Triton one (the
+    references synchronise with the host, and timing one against the other would launch and
+    wait inside the capture), on CUDA or under Triton's interpreter."""
+    if not _triton_available():
+        raise KernelUnavailable("CUDA graphs capture the Triton kernels, and Triton is not installed: "
+                                "pip install triton, or run eager (--enforce-eager)")
+    before, _region.active = _capturing(), True
+    try:
+        yield
+    finally:
+        _region.active = before
+
+
+def _capturing() -> bool:
+    return getattr(_region, "active", False)
+
+
 def backend(device: torch.device) -> str:
     """How kernels on `device` are picked now: "reference", "triton", or FASTEST (on CUDA: per
     shape bucket, whichever of the two measured faster)."""
+    if _capturing():
+        return "triton"
     choice = env_choice()
     if choice and choice not in BACKENDS:
         raise KernelUnavailable(f"{ENV}={choice!r}: choose one of {', '.join(BACKENDS)} (or leave it unset)")
@@ -212,7 +240,7 @@ def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packe
     tensors unless MEGAINFER_KERNELS asks for another backend."""
     from kernels import moe_ref as r
 
-    if packed is not None and x.device.type == "cpu" and not os.environ.get(ENV):
+    if packed is not None and x.device.type == "cpu" and not os.environ.get(ENV) and not _capturing():
         from kernels import moe_packed
 
         offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)

@@ -43,6 +43,7 @@ class KernelReport:
     decisions: tuple[Decision, ...] = ()  # per shape, where the mode is "fastest"
     built: int = 0  # Triton variants built during the warm-up
     seconds: float = 0.0  # the warm-up's wall time
+    decode: str = ""  # how decode runs: CUDA graphs captured (how many, at which sizes), or eager and why
 
     def by_operator(self) -> dict[str, dict[str, int]]:
         """operator -> implementation -> shapes that run it."""
@@ -56,15 +57,16 @@ class KernelReport:
         """For the start-up log: the mode, then per operator its implementations (timing: with
         the warm-up's time and builds, which differ between nodes of the same choices)."""
         head = f"kernels: {self.mode} ({self.why})"
+        decode = [f"  decode: {self.decode}"] if self.decode else []
         if self.mode != dispatch.FASTEST:
-            return [head]
+            return [head, *decode]
         if timing:
             head += f"; warm-up {self.seconds:.1f} s, {self.built} Triton variants built"
         ops = [f"  {op}: " + ", ".join(f"{impl} on {n} shape{'s' if n > 1 else ''}" for impl, n in sorted(c.items()))
                for op, c in sorted(self.by_operator().items())]
         refs = [f"    {d.key}: reference ({d.reason}: Triton {d.triton_ms:.3f} ms, reference {d.reference_ms:.3f} ms)"
                 for d in self.decisions if d.implementation == "reference" and d.triton_ms and d.reference_ms]
-        return [head, *ops, *refs]
+        return [head, *ops, *refs, *decode]
 
 
 def mode_of(device: torch.device) -> tuple[str, str]:

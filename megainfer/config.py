@@ -449,6 +449,10 @@ class EngineConfig:
     # Schedule the next step while this one's last layer runs (a runner that takes `StepHooks`:
     # an attention node's); the colocated runner always schedules after the step.
     async_scheduling: bool = False
+    # CUDA: decode's (layer, micro-batch) computations run as CUDA graphs captured at start-up
+    # (megainfer/disagg/decode_graphs.py) unless this is set (vLLM's --enforce-eager)
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: a ladder to the largest
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     show_progress: bool = False  # progress bar while loading weights
 
@@ -466,8 +470,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"engine option '{name}' must be a positive integer, got {value!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ConfigError(f"engine option 'async_scheduling' must be true or false, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"engine option '{name}' must be true or false, got {getattr(self, name)!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if not isinstance(sizes, (tuple, list)) or not sizes or any(
+                    isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
+                raise ConfigError(f"engine option 'cuda_graph_sizes' must be a list of positive integers (decode "
+                                  f"batch sizes to capture) or None, got {sizes!r}")
+            self.cuda_graph_sizes = tuple(sorted(set(sizes)))
         if self.target_step_ms is not None and (isinstance(self.target_step_ms, bool) or
                                                 not isinstance(self.target_step_ms, (int, float)) or
                                                 self.target_step_ms <= 0):

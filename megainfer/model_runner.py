@@ -423,13 +423,14 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
 
 
 def load_and_size(runner, build: Callable[[], MoEModel], weights: WeightSource, max_model_len: int,
-                  tp_group: TensorParallelGroup | None = None) -> None:
+                  tp_group: TensorParallelGroup | None = None, spare_blocks: int = 0) -> None:
     """A runner's model and KV cache, in the one order that works: the memory baseline, the model
     (`build()`) with its weights, every kernel variant built and every shape's implementation
     decided (before serving, and before the memory profile, whose largest step then runs what
     serving will run), the profile (`runner.profile_memory`, which runs `runner.model`), then the
     KV cache in what it leaves (a tensor-parallel node's ranks agree on the block count). Sets
-    `runner.model`, `kernels`, `num_blocks` and `kv_caches`."""
+    `runner.model`, `kernels`, `num_blocks` and `kv_caches` (with `spare_blocks` more blocks
+    than `num_blocks`, past them, for the runner's own use)."""
     config = runner.config
     before = memory_profile.baseline(runner.device) if config.sizes_kv_from_memory else None
     runner.model = build()
@@ -439,21 +440,23 @@ def load_and_size(runner, build: Callable[[], MoEModel], weights: WeightSource, 
     kv_budget = runner.profile_memory(before, max_model_len)
     runner.kernels = warmup.finish()
     runner.num_blocks, runner.kv_caches = allocate_kv_caches(runner.model_config, config, max_model_len, runner.device,
-                                                             tp_group, kv_budget)
+                                                             tp_group, kv_budget, spare_blocks)
 
 
 def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_model_len: int, device: torch.device,
-                       tp_group: TensorParallelGroup | None = None, kv_budget_bytes: int | None = None
-                       ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+                       tp_group: TensorParallelGroup | None = None, kv_budget_bytes: int | None = None,
+                       spare_blocks: int = 0) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(blocks, per-layer (K, V) caches of [blocks, block_size, this rank's KV heads, head_dim]);
     the block count comes from the config, else from `kv_budget_bytes` (what the memory
     profile left, megainfer/memory_profile.py; the ranks of a tensor-parallel node agreed on
     it, so they all hold the same blocks: the leader's scheduler allocates block ids for every
-    rank), else the CPU's default budget."""
+    rank), else the CPU's default budget. `spare_blocks`: blocks past the counted ones, which the
+    scheduler never hands out."""
     tp_size = 1 if tp_group is None else tp_group.size
     num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, kv_budget_bytes, tp_size)
     dtype = getattr(torch, config.dtype)
-    shape = (num_blocks, config.block_size, model_config.num_kv_heads // tp_size, model_config.head_dim)
+    shape = (num_blocks + spare_blocks, config.block_size, model_config.num_kv_heads // tp_size,
+             model_config.head_dim)
     return num_blocks, [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
                         for _ in range(model_config.num_layers)]
 

@@ -136,8 +136,13 @@ class ServeSpec:
     # The share of each GPU's total memory a node may use (vLLM's --gpu-memory-utilization): an
     # attention rank's KV cache gets what its profiling step leaves of it (memory_profile.py).
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    # CUDA: decode runs eager instead of as CUDA graphs captured at start-up (vLLM's
+    # --enforce-eager; `megainfer deploy --enforce-eager` sets it; megainfer/disagg/decode_graphs.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise PlanError(f"serve.enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not 0 < self.port < 65536:
             raise PlanError(f"serve.port must lie in 1..65535, got {self.port}")
         check_gpu_memory_utilization(self.gpu_memory_utilization, "serve.gpu_memory_utilization", PlanError)

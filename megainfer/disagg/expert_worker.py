@@ -19,6 +19,7 @@ have (layer, j)'s answers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 
 from megainfer import memory_profile
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
+from megainfer.disagg import decode_graphs
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
@@ -65,7 +67,8 @@ class ExpertWorker:
                  weights: WeightSource, *, attention_nodes: list[str], micro_batches: int, link: ExpertLink | None,
                  show_progress: bool = False, tp_group: TensorParallelGroup | None = None,
                  staging_bytes: StagingBytes | int = 0, name: str = "experts", profile_tokens: int = 0,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, device_slot_bytes: int = 0) -> None:
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, device_slot_bytes: int = 0,
+                 decode_graph_tokens: int = 0, cuda_graph_sizes: tuple[int, ...] | None = None) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
         every message with the attention nodes and broadcasts each (layer, micro-batch)'s records
         to the others (a header over the control group, the records over the activations'
@@ -77,7 +80,8 @@ class ExpertWorker:
         the weights and that step fit `gpu_memory_utilization` of the GPU (memory_profile.py;
         0: not checked). `device_slot_bytes`: the largest dispatch one attention node sends in a
         (layer, micro-batch); non-zero: dispatches and answers go straight between the devices of
-        attention nodes on this host that use them too (device_slots.py; tensor-parallel size 1)."""
+        attention nodes on this host that use them too (device_slots.py; tensor-parallel size 1).
+        `decode_graph_tokens`, `cuda_graph_sizes`: decode's CUDA graphs (`_capture`)."""
         self.cfg = model_config
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
@@ -99,11 +103,26 @@ class ExpertWorker:
         self._slots_wired = False  # offers traded with this wiring's attention nodes
         self._answers: deque[PendingAnswer] = deque()
         self._no_answers = torch.empty(0, dtype=torch.uint8)  # an empty (layer, micro-batch)'s answers
+        self._load(model_config, weights, show_progress, profile_tokens, gpu_memory_utilization)
+        self.decode_graphs = self._capture(decode_graph_tokens, cuda_graph_sizes, name)
+        self.steps = 0
+        self.tokens = 0  # tokens processed (per layer, summed), for stats
+        # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
+        # holding its answers on the host (on CUDA: the copies and the experts' device time).
+        self.timing = {"experts": 0.0, "wait_attention": 0.0}
+        # When each step and (layer, micro-batch) ran and waited, and each message arrived and left
+        # (off until `bench pipeline` switches it on).
+        self.timeline = Timeline(name, NodeRole.EXPERT, self.device)
+
+    def _load(self, model_config: ModelConfig, weights: WeightSource, show_progress: bool, profile_tokens: int,
+              gpu_memory_utilization: float) -> None:
+        """The experts' weights, every kernel built and decided, and (on CUDA, with
+        `profile_tokens`) the largest (layer, micro-batch) checked to fit. Sets `layers`, `kernels`."""
         before = memory_profile.baseline(self.device) if profile_tokens else None
-        self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, expert_ids, tp_rank, tp_size)
+        self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, self.expert_ids, self.tp_rank, self.tp_size)
                        for layer in range(model_config.num_layers)]
         with torch.inference_mode():
-            for layer in tqdm(self.layers, desc=f"loading experts {expert_ids[0]}..{expert_ids[-1]}", unit="layer",
+            for layer in tqdm(self.layers, desc=f"loading experts {self.expert_ids[0]}..{self.expert_ids[-1]}", unit="layer",
                               disable=not show_progress):
                 layer.load_weights(weights)
         # Kernels built and decided before serving and before the memory profile (kernel_warmup.py).
@@ -113,14 +132,23 @@ class ExpertWorker:
                                                              partial(self.profile_step, profile_tokens),
                                                              gpu_memory_utilization))
         self.kernels = warmup.finish()
-        self.steps = 0
-        self.tokens = 0  # tokens processed (per layer, summed), for stats
-        # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
-        # holding its answers on the host (on CUDA: the copies and the experts' device time).
-        self.timing = {"experts": 0.0, "wait_attention": 0.0}
-        # When each step and (layer, micro-batch) ran and waited, and each message arrived and left
-        # (off until `bench pipeline` switches it on).
-        self.timeline = Timeline(name, NodeRole.EXPERT, self.device)
+
+    def _capture(self, most_tokens: int, sizes: tuple[int, ...] | None, name: str) -> decode_graphs.ExpertGraphs | None:
+        """Decode's graphs, every (layer, size) (decode_graphs.py), on CUDA: (layer, micro-batch)s of
+        up to `most_tokens` (a decode's most from every attention node) replay them, at `sizes` or a
+        ladder's; None: eager (0 tokens: --enforce-eager)."""
+        capture = decode_graphs.decode_capture(self.device, not most_tokens, name)
+        if capture is None:
+            self.kernels = dataclasses.replace(self.kernels, decode=decode_graphs.eager_reason(
+                self.device, not most_tokens))
+            return None
+        sizes = decode_graphs.capture_sizes(most_tokens, sizes)
+        reduce = None if self.tp_size == 1 else partial(self.tp_group.reduce, dst=0)
+        graphs = decode_graphs.ExpertGraphs(self.layers, sizes, self.record_size, self.dtype, self.device, reduce)
+        with torch.inference_mode():
+            report = decode_graphs.capture_timed(lambda: graphs.capture(capture), sizes, self.device)
+        self.kernels = dataclasses.replace(self.kernels, decode=report.status())
+        return graphs
 
     @torch.inference_mode()
     def profile_step(self, tokens: int) -> None:
@@ -245,6 +273,10 @@ class ExpertWorker:
                            f"{arrivals.token_counts[a]} tokens of {self.record_size}-byte records (layer {layer})")
 
     def _experts(self, layer: int, records: torch.Tensor, total: int) -> torch.Tensor:
+        """`total` tokens' answers of `layer` (on a tensor-parallel node: summed on the leader):
+        by a graph where one holds them, else eager."""
+        if self.decode_graphs is not None and (y := self.decode_graphs.run(layer, records, total)) is not None:
+            return y
         cfg = self.cfg
         x, ids, weights = unpack_dispatch(records, total, cfg.hidden_size, cfg.top_k, self.dtype)
         y = self.layers[layer](x, ids.to(torch.int64), weights)

@@ -23,6 +23,7 @@ unchanged; `steps_when_idle` tells the engine to step even with nothing schedule
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -34,7 +35,8 @@ import torch
 from megainfer import memory_profile
 from megainfer.block_table_rows import BlockTableRows
 from megainfer.config import EngineConfig, ModelConfig
-from megainfer.disagg import step_sync
+from megainfer.disagg import decode_graphs, step_sync
+from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, record_bytes
@@ -95,17 +97,6 @@ def rank_shares(bounds: np.ndarray, tp_size: int, tp_rank: int) -> tuple[np.ndar
     return begins, begins + base + (tp_rank < extra)
 
 
-def tokens_in_node_order(token_ids: torch.Tensor, node_offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Each expert node's segment of `token_ids` in ascending token order, spare entries (past
-    the last offset) last. The Triton gating kernel fills a segment with atomics, so its order
-    varies from run to run, and the ranks of a tensor-parallel node, which each run it, would
-    split a segment into overlapping shares. Sorting on the device needs no host sync."""
-    positions = torch.arange(token_ids.numel(), device=token_ids.device)
-    node = torch.searchsorted(node_offsets[1:].to(torch.int64), positions, right=True)  # spare: past the last
-    keys = node * num_tokens + token_ids.to(torch.int64)
-    return (keys.sort().values % num_tokens).to(token_ids.dtype)
-
-
 def shared_positions_on(node_offsets: torch.Tensor, tp_size: int, tp_rank: int, total: int) -> torch.Tensor:
     """The positions [begin, end) of every node's share (`rank_shares`), end to end (what a
     rank's answers come back as), computed on the node offsets' device: device ops
@@ -162,8 +153,12 @@ class PipelinedModelRunner:
         node_of = expert_node_map(model_config.num_experts, expert_nodes, expert_assignment).to(self.device)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        # Each rank caches its own KV heads; all ranks agree on the block count.
-        load_and_size(self, lambda: self._attention_model(max_model_len, node_of), weights, max_model_len, tp_group)
+        capture = decode_graphs.decode_capture(self.device, config.enforce_eager, name)
+        # Each rank caches its own KV heads; all ranks agree on the block count (with CUDA graphs
+        # one more, past the scheduler's, for the padding rows: decode_graphs.py).
+        load_and_size(self, lambda: self._attention_model(max_model_len, node_of), weights, max_model_len, tp_group,
+                      spare_blocks=int(capture is not None))
+        self.decode_graphs = self._capture(capture, max_model_len)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
@@ -191,6 +186,25 @@ class PipelinedModelRunner:
         self.timeline = Timeline(name, NodeRole.ATTENTION, self.device)
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
         self._compute_mark = None  # where the running (layer, micro-batch)'s compute began
+
+    def _capture(self, capture: decode_graphs.Capture | None, max_model_len: int) -> decode_graphs.AttentionGraphs | None:
+        """Decode's graphs, every (layer, micro-batch, size) (decode_graphs.py); None: eager. Sets
+        `expert_counts`, the step's tokens routed to each expert of each layer, which the graphs
+        add to (so it lives as long as they do)."""
+        cfg = self.model_config
+        self.expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
+        if capture is None:
+            self.kernels = dataclasses.replace(self.kernels, decode=decode_graphs.eager_reason(
+                self.device, self.config.enforce_eager))
+            return None
+        sizes = decode_graphs.capture_sizes(-(-self.config.max_num_seqs // self.m), self.config.cuda_graph_sizes)
+        graphs = decode_graphs.AttentionGraphs(
+            self.model, self.kv_caches, self.expert_counts, sizes, self.m, -(-max_model_len // self.config.block_size),
+            self.config.block_size, self.num_blocks, len(self.expert_nodes), self.record_size, self.tp_size)
+        with torch.inference_mode():
+            report = decode_graphs.capture_timed(lambda: graphs.capture(capture), sizes, self.device)
+        self.kernels = dataclasses.replace(self.kernels, decode=report.status())
+        return graphs
 
     def _attention_model(self, max_model_len: int, node_of: torch.Tensor) -> MoEModel:
         """This rank's attention halves (its heads), routing tokens out per expert node."""
@@ -295,7 +309,7 @@ class PipelinedModelRunner:
         they work on it."""
         cfg = self.model_config
         residual: list[torch.Tensor | None] = [None] * self.m
-        expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
+        expert_counts = self.expert_counts.zero_()
         self._busy = False
         if self.slots is not None and not self._slots_wired:
             self._wire_slots()
@@ -309,6 +323,9 @@ class PipelinedModelRunner:
                     states[j] = state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[j],
                                                                 self.cohort_hidden, self.config.block_size,
                                                                 self.device, self.block_tables)
+                    if self.decode_graphs is not None:  # a decode-only micro-batch replays graphs
+                        self.decode_graphs.load(j, None if state.layout.cohort_sequences else state.decode_inputs,
+                                                state.layout.num_decode_rows)
                 state.cross(layout, layer)
                 residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer),
                                                         expert_counts)
@@ -335,29 +352,30 @@ class PipelinedModelRunner:
             return None
         if mark is None:  # layer 0: no answers came before
             mark = self.timeline.compute_start()
-        _, positions, batch = inp
         self.attention_timer.start()
-        a = self.model.attention_layers[layer](hidden, positions, self.model.rotary, self.kv_caches[layer], batch)
+        parts = self._attend(layer, j, hidden, inp, expert_counts)
         self.attention_timer.stop()
-        g = a.gating
-        expert_counts[layer] += g.expert_counts
-        # Past node_offsets[-1] the entries are spare (uninitialised on the Triton path): clamped
-        # so the gather stays in bounds. Those records are copied but never sent.
-        token_ids = g.node_token_ids.clamp(0, hidden.shape[0] - 1)
-        if self.tp_size > 1:  # the ranks split each node's tokens by position: they must agree on the order
-            token_ids = tokens_in_node_order(token_ids, g.node_offsets, hidden.shape[0])
-        records = pack_records(a.expert_input[token_ids], a.topk_ids[token_ids], a.topk_weights[token_ids])
+        records, node_offsets, token_ids = parts.records, parts.node_offsets, parts.token_ids
         direct = self.slots is not None and self.slots.any_direct
         ready = torch.cuda.current_stream(self.device).record_event() if direct and self.staging.on_cuda else None
         if direct and self.slots.direct.all():  # the records go device to device: only the offsets to the host
-            copy = self.staging.to_host([g.node_offsets], slot=j)
+            copy = self.staging.to_host([node_offsets], slot=j)
         else:
-            copy = self.staging.to_host([records, g.node_offsets], slot=j)
-        self._outbox.append(PendingDispatch(layer, j, copy, token_ids, g.node_offsets, records if direct else None,
+            copy = self.staging.to_host([records, node_offsets], slot=j)
+        self._outbox.append(PendingDispatch(layer, j, copy, token_ids, node_offsets, records if direct else None,
                                             ready))
         self._flush_landed()
         self.timeline.compute_end(mark, self.step_id, layer, j, hidden.shape[0])
-        return a.residual
+        return parts.residual
+
+    def _attend(self, layer: int, j: int, hidden: torch.Tensor, inp, expert_counts: torch.Tensor) -> DispatchParts:
+        """Micro-batch j's attention half of `layer`: its graph where this step loaded one, else eager."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.active[j] is not None:
+            return graphs.run(layer, j, hidden)
+        _, positions, batch = inp
+        return attend_and_pack(self.model.attention_layers[layer], self.model.rotary, self.kv_caches[layer], hidden,
+                               positions, batch, expert_counts[layer], self.tp_size)
 
     def _flush_landed(self) -> None:
         """Send, oldest first, every dispatch whose copy has reached the host; never waits."""

@@ -69,7 +69,10 @@ class AttentionLayer(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: kernels.PagedAttentionBatch) -> AttentionOutput:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: kernels.PagedAttentionBatch,
+                valid: torch.Tensor | None = None) -> AttentionOutput:
+        """`valid` ([1] int32 on the device): the live rows of a padded batch (a CUDA graph's
+        size); the rows past it are routed to no expert (kernels.fused_gating)."""
         cfg = self.cfg
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(self.input_norm(hidden)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -87,14 +90,14 @@ class AttentionLayer(nn.Module):
             tensor_parallel.current().all_reduce(out)
         residual = hidden + out
         expert_input = self.post_norm(residual)
-        return AttentionOutput(residual, expert_input, self.route(expert_input))
+        return AttentionOutput(residual, expert_input, self.route(expert_input, valid))
 
-    def route(self, x: torch.Tensor) -> kernels.Gating:
+    def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> kernels.Gating:
         """Softmax in float32 over all experts, top-k, renormalised where the model does; with an
         expert-node map (an attention node of a deployment) also each node's tokens in send order."""
         nodes = self.expert_node
         return kernels.fused_gating(self.router(x), self.cfg.top_k, self.cfg.norm_topk_prob, nodes,
-                                    0 if nodes is None else self.num_expert_nodes)
+                                    0 if nodes is None else self.num_expert_nodes, valid)
 
     def set_expert_nodes(self, expert_node: torch.Tensor, num_nodes: int) -> None:
         """Expert id -> expert node index, so routing lays tokens out per destination."""

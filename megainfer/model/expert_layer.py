@@ -53,10 +53,15 @@ class ExpertLayer(nn.Module):
         # the GEMM library would otherwise repack them on every call, once per micro-batch.
         self.packed: moe_packed.PackedExperts | None = None
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_ids [T, k] global ids, topk_weights [T, k] -> [T, H]."""
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], topk_ids [T, k] global ids, topk_weights [T, k] -> [T, H]. `valid` ([1] int32
+        on the device): the live rows of a padded batch (a CUDA graph's size); the rows past it
+        are computed by no expert and come out zero."""
         k, n = topk_ids.shape[1], len(self.expert_ids)
         local = self.local_index[topk_ids.reshape(-1)]
+        if valid is not None:  # padding rows' pairs go where pairs of experts held elsewhere go
+            local = torch.where(torch.arange(local.numel(), device=x.device) < valid * k, local, n)
         # Sort (token, choice) pairs by expert so each expert runs one contiguous GEMM; the
         # stable sort keeps token order inside an expert, as transformers' loop does. Pairs of
         # experts held elsewhere (id n) come last, past the last offset.
@@ -68,7 +73,7 @@ class ExpertLayer(nn.Module):
         offsets = torch.cat([counts.new_zeros(1), counts[:n].cumsum(0)])
         out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down,
                                           topk_weights.reshape(-1)[order], packed=self.packed)
-        if not self.holds_all:  # rows past the last offset were never computed (uninitialised)
+        if not self.holds_all or valid is not None:  # rows past the last offset were never computed
             out = torch.where((local < n)[:, None], out, 0)
         return torch.zeros_like(x).index_add_(0, token_ids, out)
 

@@ -31,8 +31,10 @@ SECRET = b"d" * 32
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", device="cpu", **engine_options):
-    """Wire a deployment in threads; return each prompt's greedy tokens."""
+def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", device="cpu", worker_options=None,
+                         **engine_options):
+    """Wire a deployment in threads; return each prompt's greedy tokens. `worker_options`: more
+    ExpertWorker arguments."""
     engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, device=device,
                                  **engine_options)
     probe = Engine(str(path), engine_config)
@@ -54,7 +56,7 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
     endpoints = {name: link.endpoint for name, link in links.items()}
     connect_all(endpoints, {**{a: expert_names for a in attn_names}, **{e: attn_names for e in expert_names}})
     workers = [ExpertWorker(model_config, assignment[k], "float32", device, SafetensorsCheckpoint(path),
-                            attention_nodes=attn_names, micro_batches=m, link=links[name])
+                            attention_nodes=attn_names, micro_batches=m, link=links[name], **(worker_options or {}))
                for k, name in enumerate(expert_names)]
     engines = []
     for name in attn_names:
@@ -441,7 +443,7 @@ def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
 def test_each_nodes_tokens_come_in_token_order_whatever_order_gating_wrote():
     """Tensor-parallel ranks split each node's segment by position; their gating kernels may
     fill a segment in any order, so the runner sorts each segment by token."""
-    from megainfer.disagg.pipelined_runner import tokens_in_node_order
+    from megainfer.disagg.attention_dispatch import tokens_in_node_order
 
     offsets = torch.tensor([0, 3, 3, 5], dtype=torch.int32)  # node 1 gets nothing; 2 spare entries
     written = torch.tensor([4, 0, 2, 3, 1, 7, 7], dtype=torch.int32)  # as one run's atomics left it

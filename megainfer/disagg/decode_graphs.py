@@ -1,0 +1,345 @@
+"""CUDA graphs of decode: each (layer, micro-batch)'s attention half on an attention rank and
+expert half on an expert node, captured once per batch size and replayed, so a decode
+(layer, micro-batch) costs the host one graph launch instead of dozens of kernel launches
+(vLLM's `cudagraph_capture_sizes`; its AFD plugin and FastAFD run decode the same way).
+
+A graph replays fixed addresses and fixed shapes. So every graph reads and writes static
+buffers (a `AttentionSlot` or `ExpertSlot`): a step copies its rows in, padded up to the
+nearest captured size, replays, and reads the outputs as views of the first rows. Padding
+rows are harmless by construction: the gating kernel routes no row at or past the live count
+(`valid`, a device scalar the graph reads at replay), an expert layer computes none, and on
+an attention rank a padding row is a one-token sequence whose key and value land in a block
+of its own (`pad_block`, one past the scheduler's blocks), which no sequence owns.
+
+Attention graphs are per (layer, micro-batch, size): a micro-batch's inputs (positions, block
+tables, lengths, slots) are copied once per step into its own slot and read by every layer's
+graph, and its outputs stay in its slot until its answers come back, which is before the slot
+is written again. Expert graphs are per (layer, size), one slot per size shared by the
+micro-batches: the answers are copied out of it right after the replay, since the slot's next
+user may replay before the answers' copy to the host has run.
+
+Decode only: a micro-batch with prompt tokens, or larger than the largest size, runs eager.
+The captured functions are the eager ones (`attend_and_pack`, `ExpertLayer.forward`): both
+paths compute the same thing. `capture_audit.py` checks on the CPU that they are
+capture-safe. On the CPU nothing is captured (`Capture` is injected: tests replay a region by
+running it again, to check the static-buffer and padding logic).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+import kernels
+from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
+from megainfer.disagg.expert_link import unpack_dispatch
+from megainfer.model.expert_layer import ExpertLayer
+from megainfer.model.moe_model import MoEModel
+
+logger = logging.getLogger(__name__)
+
+BatchInputs = tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]  # ids, positions, metadata
+
+
+def capture_sizes(most_rows: int, sizes: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The batch sizes to capture: `sizes` as given (sorted), else 1, 2, 4, 8, then two a
+    doubling (x1.5, x2: no batch pads by more than a third) up to the first that holds
+    `most_rows`."""
+    if sizes is not None:
+        if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
+            raise ValueError(f"CUDA graph sizes must be positive integers, got {list(sizes)!r}")
+        return tuple(sorted(set(sizes)))
+    ladder, n = [], 1
+    while True:
+        ladder.append(n)
+        if n >= most_rows:
+            return tuple(ladder)
+        if n < 8:
+            n *= 2
+        else:  # 8, 12, 16, 24, 32, 48, 64 ...: x1.5 from a power of two, x4/3 back to the next
+            n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
+
+
+def size_for(sizes: tuple[int, ...], rows: int) -> int | None:
+    """The smallest captured size holding `rows`, or None (run eager)."""
+    k = bisect.bisect_left(sizes, rows)
+    return sizes[k] if k < len(sizes) else None
+
+
+class Replay(Protocol):
+    def replay(self) -> None: ...
+
+
+class Capture(Protocol):
+    """Records a region once; the replay runs it again."""
+
+    def warm_up(self, region: Callable[[], None]) -> None: ...
+
+    def __call__(self, region: Callable[[], None]) -> Replay: ...
+
+
+class CudaCapture:
+    """`Capture` on CUDA: one `torch.cuda.CUDAGraph` per region, all in one memory pool (they
+    never run at once), captured on a side stream as torch requires."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def warm_up(self, region: Callable[[], None]) -> None:
+        """Run once before capture (kernel compilation, cuBLAS workspaces), on the capture stream."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            region()
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def __call__(self, region: Callable[[], None]) -> Replay:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            region()
+        return graph
+
+
+@dataclass
+class CaptureReport:
+    """What a node captured, for its log and status."""
+
+    graphs: int
+    sizes: tuple[int, ...]
+    seconds: float
+    pool_bytes: int  # device memory the graphs and their static buffers took
+
+    def status(self) -> str:
+        """For the node's kernel report (alike on every rank of a node: no timing)."""
+        return (f"CUDA graphs, {self.graphs} captured at {len(self.sizes)} batch sizes "
+                f"{self.sizes[0]}..{self.sizes[-1]} (prompts and larger batches eager)")
+
+    def summary(self) -> str:
+        return f"{self.status()} in {self.seconds:.1f} s, {self.pool_bytes / 2 ** 20:.0f} MiB of device memory"
+
+
+def decode_capture(device: torch.device, enforce_eager: bool, node: str) -> "Capture | None":
+    """How `node` captures decode's graphs, or None where it runs eager (said in its log where
+    a GPU could have captured)."""
+    if device.type != "cuda":
+        return None
+    reason = eager_reason(device, enforce_eager)
+    if reason:
+        (logger.info if enforce_eager else logger.warning)("%s: decode runs %s", node, reason)
+        return None
+    return CudaCapture(device)
+
+
+def eager_reason(device: torch.device, enforce_eager: bool) -> str:
+    """Why decode runs eager on `device` ("" where it can capture)."""
+    if enforce_eager:
+        return "eager (--enforce-eager)"
+    if device.type != "cuda":
+        return "eager (CUDA graphs need a GPU)"
+    if kernels.backend(device) == "reference":
+        return ("eager: MEGAINFER_KERNELS=reference, and the torch references synchronise with the host, which a "
+                "CUDA graph cannot; unset it to capture")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "eager: Triton is not installed, and the graphs capture its kernels (pip install triton)"
+    return ""
+
+
+@dataclass
+class AttentionSlot:
+    """One micro-batch's static buffers at one size: what its attention graphs read and write."""
+
+    size: int
+    hidden: torch.Tensor  # [B, H]
+    positions: torch.Tensor  # [B] int64
+    batch: kernels.PagedAttentionBatch  # block tables [B, W], lengths, slots: all B rows decoding
+    valid: torch.Tensor  # [1] int32: live rows this step
+    # The graphs' outputs, copied there by every layer's graph: what a graph allocates comes
+    # from the pool the graphs share, where the next capture may reuse it.
+    out: DispatchParts
+    rows: int = 0  # live rows this step
+    padded_from: int = 0  # rows at or past this hold the padding row's metadata
+
+    @classmethod
+    def empty(cls, size: int, hidden_size: int, max_blocks: int, block_size: int, dtype: torch.dtype,
+              device: torch.device, pad_block: int, records_per_row: int, record_size: int,
+              expert_nodes: int) -> "AttentionSlot":
+        i32 = dict(dtype=torch.int32, device=device)
+        width = max_blocks * block_size  # the attention kernel plans its splits for the longest a sequence can be
+        batch = kernels.PagedAttentionBatch(
+            block_tables=torch.full((size, max_blocks), pad_block, **i32), seq_lens=torch.ones(size, **i32),
+            query_start_loc=torch.arange(size + 1, **i32),
+            slot_mapping=torch.full((size,), pad_block * block_size, dtype=torch.int64, device=device),
+            num_single=size, seq_lens_host=[width] * size, query_start_host=list(range(size + 1)))
+        rows = max(1, size * records_per_row)  # as the gating kernel sizes its send order
+        out = DispatchParts(torch.zeros(size, hidden_size, dtype=dtype, device=device),
+                            torch.zeros(rows, record_size, dtype=torch.uint8, device=device),
+                            torch.zeros(expert_nodes + 1, dtype=torch.int64, device=device),
+                            torch.zeros(rows, dtype=torch.int64, device=device))
+        return cls(size, torch.zeros(size, hidden_size, dtype=dtype, device=device),
+                   torch.zeros(size, dtype=torch.int64, device=device), batch, torch.zeros(1, **i32), out)
+
+    def load(self, inputs: BatchInputs, rows: int, pad_block: int, block_size: int) -> None:
+        """This step's metadata of the micro-batch's `rows` decodes; rows past them padding."""
+        _, positions, batch = inputs
+        static = self.batch
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        static.block_tables[:rows, :batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
+        static.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)
+        static.slot_mapping[:rows].copy_(batch.slot_mapping, non_blocking=True)
+        if rows < self.padded_from:  # rows the last step used become padding again
+            span = slice(rows, self.padded_from)
+            self.positions[span].zero_()
+            static.block_tables[span, 0] = pad_block
+            static.seq_lens[span] = 1
+            static.slot_mapping[span] = pad_block * block_size
+        self.padded_from = rows
+        self.valid.fill_(rows)
+        self.rows = rows
+
+    def outputs(self, records_per_row: int) -> DispatchParts:
+        """The live rows' views of the outputs."""
+        r, out = self.rows, self.out
+        return DispatchParts(out.residual[:r], out.records[:r * records_per_row], out.node_offsets,
+                             out.token_ids[:r * records_per_row])
+
+
+class AttentionGraphs:
+    """An attention rank's decode graphs: per (layer, micro-batch, size)."""
+
+    def __init__(self, model: MoEModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], expert_counts: torch.Tensor,
+                 sizes: tuple[int, ...], micro_batches: int, max_blocks: int, block_size: int, pad_block: int,
+                 expert_nodes: int, record_size: int, tp_size: int = 1) -> None:
+        """`expert_counts`: the runner's [layers, experts] counts, which the graphs add to (so it
+        lives as long as they do); `pad_block`: a KV block no sequence owns."""
+        self.model, self.kv_caches, self.expert_counts = model, kv_caches, expert_counts
+        self.sizes, self.tp_size = sizes, tp_size
+        self.pad_block, self.block_size = pad_block, block_size
+        self.records_per_row = min(model.cfg.top_k, expert_nodes)  # a token goes to at most this many nodes
+        device, dtype = model.embed.weight.device, model.embed.weight.dtype
+        self.slots = [{size: AttentionSlot.empty(size, model.cfg.hidden_size, max_blocks, block_size, dtype, device,
+                                                 pad_block, self.records_per_row, record_size, expert_nodes)
+                       for size in sizes} for _ in range(micro_batches)]
+        self.graphs: dict[tuple[int, int, int], Replay] = {}
+        self.active: list[AttentionSlot | None] = [None] * micro_batches  # this step's slot of each micro-batch
+
+    def _region(self, layer: int, slot: AttentionSlot) -> Callable[[], None]:
+        def region() -> None:
+            parts = attend_and_pack(self.model.attention_layers[layer], self.model.rotary, self.kv_caches[layer],
+                                    slot.hidden, slot.positions, slot.batch, self.expert_counts[layer],
+                                    self.tp_size, slot.valid)
+            out = slot.out
+            out.residual.copy_(parts.residual)
+            out.records.copy_(parts.records)
+            out.node_offsets.copy_(parts.node_offsets)
+            out.token_ids.copy_(parts.token_ids)
+        return region
+
+    def capture(self, capture: Capture) -> int:
+        """Every (layer, micro-batch, size) graph; returns how many. Each slot runs once first: the
+        Triton kernels compile then, and the attention kernel's launch plan (device tensors made
+        from host lists) is built then, for every layer's graph to read, not inside a capture.
+        The regions run with padding rows only (valid = 0): they write the padding block and
+        count nothing."""
+        with kernels.graph_region():
+            for size in self.sizes:
+                for slots in self.slots:  # each slot's batch plans its attention launch once, here
+                    capture.warm_up(self._region(0, slots[size]))
+                for layer in range(len(self.kv_caches)):
+                    for j, slots in enumerate(self.slots):
+                        self.graphs[layer, j, size] = capture(self._region(layer, slots[size]))
+        return len(self.graphs)
+
+    def load(self, j: int, inputs: BatchInputs | None, rows: int) -> bool:
+        """Micro-batch j's step inputs into its slot, where this step can replay graphs (a decode
+        batch of at most the largest size); False: it runs eager this step."""
+        size = size_for(self.sizes, rows) if inputs is not None and rows else None
+        if size is None or inputs[2].num_single != rows:
+            self.active[j] = None
+            return False
+        slot = self.active[j] = self.slots[j][size]
+        slot.load(inputs, rows, self.pad_block, self.block_size)
+        return True
+
+    def run(self, layer: int, j: int, hidden: torch.Tensor) -> DispatchParts:
+        """Micro-batch j's attention half of `layer` by its graph (after `load` said yes)."""
+        slot = self.active[j]
+        slot.hidden[:slot.rows].copy_(hidden)
+        self.graphs[layer, j, slot.size].replay()
+        return slot.outputs(self.records_per_row)
+
+
+@dataclass
+class ExpertSlot:
+    """One size's static buffers on an expert node."""
+
+    size: int
+    records: torch.Tensor  # [B * record bytes] uint8
+    valid: torch.Tensor  # [1] int32
+    out: torch.Tensor  # [B, H] the graphs' output, copied there (see AttentionSlot.out)
+
+
+class ExpertGraphs:
+    """An expert node's (or rank's) decode graphs: per (layer, size)."""
+
+    def __init__(self, layers: list[ExpertLayer], sizes: tuple[int, ...], record_size: int, dtype: torch.dtype,
+                 device: torch.device, reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+        """`reduce`: a tensor-parallel rank's sum of the partial outputs onto its leader."""
+        self.layers, self.sizes, self.record_size, self.dtype, self.reduce = layers, sizes, record_size, dtype, reduce
+        hidden = layers[0].cfg.hidden_size
+        self.slots = {size: ExpertSlot(size, torch.zeros(size * record_size, dtype=torch.uint8, device=device),
+                                       torch.zeros(1, dtype=torch.int32, device=device),
+                                       torch.zeros(size, hidden, dtype=dtype, device=device)) for size in sizes}
+        self.graphs: dict[tuple[int, int], Replay] = {}
+
+    def _region(self, layer: int, slot: ExpertSlot) -> Callable[[], None]:
+        cfg = self.layers[layer].cfg
+
+        def region() -> None:
+            x, ids, weights = unpack_dispatch(slot.records, slot.size, cfg.hidden_size, cfg.top_k, self.dtype)
+            y = self.layers[layer](x, ids.to(torch.int64), weights, slot.valid)
+            if self.reduce is not None:
+                self.reduce(y)
+            slot.out.copy_(y)
+        return region
+
+    def capture(self, capture: Capture) -> int:
+        """Every (layer, size) graph; returns how many (each size run once first, as above)."""
+        with kernels.graph_region():
+            for size in self.sizes:
+                capture.warm_up(self._region(0, self.slots[size]))
+                for layer in range(len(self.layers)):
+                    self.graphs[layer, size] = capture(self._region(layer, self.slots[size]))
+        return len(self.graphs)
+
+    def run(self, layer: int, records: torch.Tensor, tokens: int) -> torch.Tensor | None:
+        """`tokens` tokens' answers of `layer` by its graph, or None where no size holds them (run
+        eager). The answers are a copy: the slot's next replay may come before they are sent."""
+        size = size_for(self.sizes, tokens)
+        if size is None:
+            return None
+        slot = self.slots[size]
+        slot.records[:records.numel()].copy_(records.view(-1), non_blocking=True)
+        slot.valid.fill_(tokens)
+        self.graphs[layer, size].replay()
+        return slot.out[:tokens].clone()
+
+
+def capture_timed(capture_all: Callable[[], int], sizes: tuple[int, ...], device: torch.device) -> CaptureReport:
+    """Run `capture_all` (a graphs' `capture`) and report what it took."""
+    start = time.perf_counter()
+    before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    graphs = capture_all()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    used = (torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - before
+    report = CaptureReport(graphs, sizes, time.perf_counter() - start, used)
+    logger.info("%s", report.summary())
+    return report
