@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="where tensors live (default: the plan's); 'cpu' rehearses a GPU plan with its real "
                         "placement (GPU counts, GPU types, TP groups) on a cluster that declares those resources")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode eager on CUDA instead of as CUDA graphs captured at start-up (vLLM's flag; "
+                        "the plan's serve.enforce_eager)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each node's runtime configuration, bundles and groups without starting anything; "
                         "exit 1 when the runtime would not reach the plan's predicted batch")
@@ -52,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.server.endpoints import Endpoints
 
     plan = Plan.load(args.plan)
+    if args.enforce_eager:
+        plan.serve.enforce_eager = True
     if args.dry_run:
         from deploy import dry_run
         from deploy.runtime_config import runtime_of

@@ -25,7 +25,7 @@ def describe(runtime: DeploymentRuntime, check: BatchCheck) -> str:
              f"micro-batches m = {plan.pipeline.micro_batches}; one micro-batch carries up to "
              f"{runtime.micro_batch_tokens} tokens"]
     if not plan.is_cpu:
-        lines += staging_lines(runtime)
+        lines += staging_lines(runtime) + [graph_line(runtime)]
     lines.append("")
     data_backend = "nccl" if runtime.device == "cuda" else "gloo"
     rows = []
@@ -43,6 +43,22 @@ def describe(runtime: DeploymentRuntime, check: BatchCheck) -> str:
                                "kv heads", "kv blocks/rank", "recv slot"], rows))
     lines += ["", _batch_line(check, runtime)]
     return "\n".join(lines)
+
+
+def graph_line(runtime: DeploymentRuntime) -> str:
+    """What decode's CUDA graphs will be (megainfer/disagg/decode_graphs.py), or that it runs eager."""
+    from megainfer.disagg.decode_graphs import capture_sizes
+
+    plan, layers = runtime.plan, runtime.model.num_layers
+    if plan.serve.enforce_eager:
+        return "decode: eager (serve.enforce_eager / --enforce-eager)"
+    m = plan.pipeline.micro_batches
+    engine = runtime.attention[0].engine
+    a_sizes = capture_sizes(-(-engine.max_num_seqs // m), engine.cuda_graph_sizes)
+    e_sizes = capture_sizes(runtime.experts[0].decode_graph_tokens)
+    return (f"decode: CUDA graphs captured at start-up, per attention rank {layers * m * len(a_sizes):,} (layers x "
+            f"micro-batches x sizes {a_sizes[0]}..{a_sizes[-1]}), per expert rank {layers * len(e_sizes):,} (layers x "
+            f"sizes {e_sizes[0]}..{e_sizes[-1]}); prompts and larger batches eager")
 
 
 def _bundle(bundle: dict) -> str:

@@ -6,7 +6,9 @@ have served exactly the attention node's steps. Measured: decode tokens/s at m =
 each node's busy fraction from its own timeline. Then m = 2 again over device slots
 (megainfer/disagg/device_slots.py: on CUDA the bytes go device to device through CUDA IPC, the
 host carrying only headers; on the CPU through a shared /dev/shm region), tokens equal, its
-decode tokens/s against the staged path's.
+decode tokens/s against the staged path's. On a GPU decode runs as CUDA graphs
+(megainfer/disagg/decode_graphs.py), and m = 2 runs once more with --enforce-eager: decode
+tokens/s with graphs over without.
 
 The model is the shipped demo checkpoint (`megainfer-demo`, a Mixtral-style MoE), in bfloat16
 on CUDA (the staging between nodes then carries bf16 records) and float32 on the CPU. Each
@@ -42,6 +44,7 @@ class AttentionResult:
     decode_seconds: float  # wall time of those steps
     timeline: NodeTimeline | None
     direct_peers: int = 0  # expert nodes reached through device slots
+    decode: str = ""  # how decode ran: CUDA graphs or eager (the kernel report's line)
 
 
 @dataclass
@@ -60,10 +63,12 @@ class PairSpec:
     max_tokens: int
     record_timeline: bool = False
     device_slots: bool = False  # dispatches and answers device to device (device_slots.py)
+    enforce_eager: bool = False  # on CUDA: decode eager, not CUDA graphs (decode_graphs.py)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(device=self.device, dtype=self.dtype, num_kv_blocks=64, block_size=8,
-                            max_num_batched_tokens=BATCH_TOKENS)
+                            max_num_batched_tokens=BATCH_TOKENS, max_num_seqs=BATCH_TOKENS,
+                            enforce_eager=self.enforce_eager)
 
 
 def _greedy(max_tokens: int):
@@ -136,7 +141,7 @@ def attention_node(spec: PairSpec, prompts: list[list[int]], conn) -> None:
         timeline = engine.runner.timeline.read() if spec.record_timeline else None
         slots = engine.runner.slots
         conn.send(AttentionResult(tokens, steps, decode_tokens, decode_seconds, timeline,
-                                  int(slots.direct.sum()) if slots is not None else 0))
+                                  int(slots.direct.sum()) if slots is not None else 0, engine.runner.kernels.decode))
         link.close()  # the expert node's next round fails with the peer closed: its cue to stop
     except BaseException:
         conn.send(traceback.format_exc())
@@ -156,7 +161,8 @@ def expert_node(spec: PairSpec, conn) -> None:
         worker = ExpertWorker(model, list(range(model.num_experts)), spec.dtype, spec.device,
                               SafetensorsCheckpoint(spec.path), attention_nodes=[ATTENTION],
                               micro_batches=spec.micro_batches, link=link, profile_tokens=BATCH_TOKENS,
-                              name=EXPERT, device_slot_bytes=records if spec.device_slots else 0)
+                              name=EXPERT, device_slot_bytes=records if spec.device_slots else 0,
+                              decode_graph_tokens=0 if spec.enforce_eager else BATCH_TOKENS)
         worker.timeline.switch(spec.record_timeline)
         _wire(link, conn)
         try:
@@ -226,18 +232,22 @@ def run(ctx: CheckContext) -> None:
     dtype = "bfloat16" if ctx.on_gpu else "float32"
     max_tokens = 64 if ctx.on_gpu else 8
     prompts = [[0, 5, 9, 14, 3], [0, 77, 3], [0, 12, 40, 41, 42, 43, 44, 45], [0, 1000]]
-    rates: dict[tuple[int, bool], float] = {}
+    rates: dict[tuple[int, bool, bool], float] = {}
     expected = None
-    for m, slots in ((1, False), (2, False), (2, True)):
+    # On a GPU decode runs as CUDA graphs; m = 2 once more eager, to compare.
+    for m, slots, eager in ((1, False, False), (2, False, False), (2, True, False)) + (
+            ((2, False, True),) if ctx.on_gpu else ()):
         spec = PairSpec(str(path), ctx.device.type, dtype, "shm", m, max_tokens, record_timeline=True,
-                        device_slots=slots)
-        over = " over device slots" if slots else ""
+                        device_slots=slots, enforce_eager=eager)
+        over = (" over device slots" if slots else "") + (", --enforce-eager" if eager else "")
         with ctx.case(f"{DEMO_MODEL} {dtype} m = {m}{over}: tokens equal to the colocated engine") as case:
             expected = expected or colocated(spec, prompts)
             attention, expert = run_pair(spec, prompts)
-            rates[m, slots] = attention.decode_tokens / attention.decode_seconds if attention.decode_seconds else 0.0
-            case.figures |= {"decode_tokens_per_s": round(rates[m, slots], 1), "steps": attention.steps,
-                             "expert_steps": expert.steps, "m2n": "core" if m2n_core.native else "python"}
+            rate = attention.decode_tokens / attention.decode_seconds if attention.decode_seconds else 0.0
+            rates[m, slots, eager] = rate
+            case.figures |= {"decode_tokens_per_s": round(rate, 1), "steps": attention.steps,
+                             "expert_steps": expert.steps, "m2n": "core" if m2n_core.native else "python",
+                             "decode": attention.decode}
             if slots:
                 case.figures["direct_peers"] = attention.direct_peers
                 if attention.direct_peers != 1:
@@ -251,10 +261,14 @@ def run(ctx: CheckContext) -> None:
             if expert.steps != attention.steps:
                 raise AssertionError(f"the expert node served {expert.steps} steps, the attention node took "
                                      f"{attention.steps}")
-    if rates.get((1, False)) and rates.get((2, False)):
+    staged = rates.get((2, False, False))
+    if rates.get((1, False, False)) and staged:
         with ctx.case("decode tokens/s, m = 2 over m = 1") as case:
-            case.figures["m2_over_m1"] = round(rates[2, False] / rates[1, False], 3)
+            case.figures["m2_over_m1"] = round(staged / rates[1, False, False], 3)
             case.detail = "both nodes share one device here: the ratio shows the ping-pong's cost or gain, not a plan's"
-    if rates.get((2, False)) and rates.get((2, True)):
+    if staged and rates.get((2, True, False)):
         with ctx.case("decode tokens/s at m = 2, device slots over the staged path") as case:
-            case.figures["slots_over_staged"] = round(rates[2, True] / rates[2, False], 3)
+            case.figures["slots_over_staged"] = round(rates[2, True, False] / staged, 3)
+    if staged and rates.get((2, False, True)):
+        with ctx.case("decode tokens/s at m = 2, CUDA graphs over eager") as case:
+            case.figures["graphs_over_eager"] = round(staged / rates[2, False, True], 3)
