@@ -113,7 +113,8 @@ class CaptureReport:
     graphs: int
     sizes: tuple[int, ...]
     seconds: float
-    pool_bytes: int  # device memory the graphs and their static buffers took
+    pool_bytes: int  # device memory the captures took (the graphs' pool)
+    static_bytes: int  # the static buffers the graphs read and write
 
     def status(self) -> str:
         """For the node's kernel report (alike on every rank of a node: no timing)."""
@@ -121,7 +122,8 @@ class CaptureReport:
                 f"{self.sizes[0]}..{self.sizes[-1]} (prompts and larger batches eager)")
 
     def summary(self) -> str:
-        return f"{self.status()} in {self.seconds:.1f} s, {self.pool_bytes / 2 ** 20:.0f} MiB of device memory"
+        return (f"{self.status()} in {self.seconds:.1f} s; device memory: {self.static_bytes / 2 ** 20:.0f} MiB of "
+                f"static buffers, {self.pool_bytes / 2 ** 20:.0f} MiB in the graphs' pool (outside the memory profile)")
 
 
 def decode_capture(device: torch.device, enforce_eager: bool, node: str) -> "Capture | None":
@@ -230,6 +232,11 @@ class AttentionGraphs:
         self.graphs: dict[tuple[int, int, int], Replay] = {}
         self.active: list[AttentionSlot | None] = [None] * micro_batches  # this step's slot of each micro-batch
 
+    def static_bytes(self) -> int:
+        return static_bytes(t for slots in self.slots for slot in slots.values() for t in (
+            slot.hidden, slot.positions, slot.batch.block_tables, slot.batch.seq_lens, slot.batch.slot_mapping,
+            slot.out.residual, slot.out.records, slot.out.token_ids))
+
     def _region(self, layer: int, slot: AttentionSlot) -> Callable[[], None]:
         def region() -> None:
             parts = attend_and_pack(self.model.attention_layers[layer], self.model.rotary, self.kv_caches[layer],
@@ -299,6 +306,9 @@ class ExpertGraphs:
                                        torch.zeros(size, hidden, dtype=dtype, device=device)) for size in sizes}
         self.graphs: dict[tuple[int, int], Replay] = {}
 
+    def static_bytes(self) -> int:
+        return static_bytes(t for slot in self.slots.values() for t in (slot.records, slot.out))
+
     def _region(self, layer: int, slot: ExpertSlot) -> Callable[[], None]:
         cfg = self.layers[layer].cfg
 
@@ -332,14 +342,18 @@ class ExpertGraphs:
         return slot.out[:tokens].clone()
 
 
-def capture_timed(capture_all: Callable[[], int], sizes: tuple[int, ...], device: torch.device) -> CaptureReport:
-    """Run `capture_all` (a graphs' `capture`) and report what it took."""
+def static_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def capture_timed(graphs: "AttentionGraphs | ExpertGraphs", capture: Capture, device: torch.device) -> CaptureReport:
+    """Capture every graph of `graphs` and report what it took."""
     start = time.perf_counter()
     before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    graphs = capture_all()
+    count = graphs.capture(capture)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     used = (torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - before
-    report = CaptureReport(graphs, sizes, time.perf_counter() - start, used)
+    report = CaptureReport(count, graphs.sizes, time.perf_counter() - start, used, graphs.static_bytes())
     logger.info("%s", report.summary())
     return report

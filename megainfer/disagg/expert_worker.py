@@ -146,7 +146,7 @@ class ExpertWorker:
         reduce = None if self.tp_size == 1 else partial(self.tp_group.reduce, dst=0)
         graphs = decode_graphs.ExpertGraphs(self.layers, sizes, self.record_size, self.dtype, self.device, reduce)
         with torch.inference_mode():
-            report = decode_graphs.capture_timed(lambda: graphs.capture(capture), sizes, self.device)
+            report = decode_graphs.capture_timed(graphs, capture, self.device)
         self.kernels = dataclasses.replace(self.kernels, decode=report.status())
         return graphs
 

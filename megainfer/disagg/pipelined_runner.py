@@ -202,7 +202,7 @@ class PipelinedModelRunner:
             self.model, self.kv_caches, self.expert_counts, sizes, self.m, -(-max_model_len // self.config.block_size),
             self.config.block_size, self.num_blocks, len(self.expert_nodes), self.record_size, self.tp_size)
         with torch.inference_mode():
-            report = decode_graphs.capture_timed(lambda: graphs.capture(capture), sizes, self.device)
+            report = decode_graphs.capture_timed(graphs, capture, self.device)
         self.kernels = dataclasses.replace(self.kernels, decode=report.status())
         return graphs
 

@@ -153,8 +153,8 @@ def test_the_attention_regions_dispatch_nothing_capture_forbids():
                                                  "aten.bincount.default"}, eager.ops
 
 
-@torch.inference_mode()
-def test_the_expert_regions_dispatch_nothing_capture_forbids():
+def expert_setup():
+    """Two layers of half the experts, as one of two expert nodes holds them, and their graphs."""
     cfg = PRESETS["tiny-qwen3-moe"]
     layers = [ExpertLayer(cfg, i, torch.float32, "cpu", expert_ids=list(range(cfg.num_experts // 2)))
               for i in range(2)]
@@ -162,6 +162,12 @@ def test_the_expert_regions_dispatch_nothing_capture_forbids():
         layer.load_weights(RandomWeights(0))
     graphs = ExpertGraphs(layers, (4, 8), record_bytes(cfg.hidden_size, cfg.top_k, torch.float32), torch.float32,
                           torch.device("cpu"))
+    return cfg, layers, graphs
+
+
+@torch.inference_mode()
+def test_the_expert_regions_dispatch_nothing_capture_forbids():
+    _, _, graphs = expert_setup()
     capture = AuditingCapture()
     graphs.capture(capture)
     assert capture.violations == []
@@ -216,13 +222,7 @@ def test_attention_graphs_give_the_eager_dispatch_and_touch_only_the_padding_blo
 
 @torch.inference_mode()
 def test_expert_graphs_answer_the_live_tokens_as_eager():
-    cfg = PRESETS["tiny-qwen3-moe"]
-    layers = [ExpertLayer(cfg, i, torch.float32, "cpu", expert_ids=list(range(cfg.num_experts // 2)))
-              for i in range(2)]
-    for layer in layers:
-        layer.load_weights(RandomWeights(0))
-    size = record_bytes(cfg.hidden_size, cfg.top_k, torch.float32)
-    graphs = ExpertGraphs(layers, (4, 8), size, torch.float32, torch.device("cpu"))
+    cfg, layers, graphs = expert_setup()
     graphs.capture(RerunCapture())
     g = torch.Generator().manual_seed(2)
     for tokens, layer in ((7, 0), (3, 1)):
