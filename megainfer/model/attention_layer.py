@@ -61,8 +61,12 @@ class AttentionLayer(nn.Module):
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
         # The output bias is added once: by rank 0, before the all-reduce.
         self.o_proj = nn.Linear(self.q_size, h, bias=cfg.attention_bias and tp_rank == 0, **kw)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        # Qwen3's per-head q and k norms as one: a row of weights per head, the query heads' then
+        # the KV heads' (one pass over q and k together: the same arithmetic per head, half the launches).
+        self.qk_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        if self.qk_norm is not None:
+            self.qk_norm.weight = nn.Parameter(torch.ones(self.num_heads + self.num_kv_heads, cfg.head_dim, **kw),
+                                               requires_grad=False)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
         self.router = nn.Linear(h, cfg.num_experts, bias=False, **kw)
         self.scale = cfg.head_dim ** -0.5
@@ -75,13 +79,14 @@ class AttentionLayer(nn.Module):
         size); the rows past it are routed to no expert (kernels.fused_gating)."""
         cfg = self.cfg
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(self.input_norm(hidden)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, cfg.head_dim)
-        k = k.view(t, self.num_kv_heads, cfg.head_dim)
-        v = v.view(t, self.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(self.input_norm(hidden))
+        # q and k side by side ([T, Hq + Hkv, D]): normed (Qwen3) and rotated in one pass each.
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, cfg.head_dim)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = rotary.rotate(positions, qk)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         key_cache, value_cache = kv_cache
         kernels.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         attn = kernels.paged_attention(q, key_cache, value_cache, batch, self.scale)
@@ -115,7 +120,7 @@ class AttentionLayer(nn.Module):
             if self.o_proj.bias is not None:
                 self.o_proj.bias.copy_(t["o_bias"])
         if self.cfg.qk_norm:
-            self.q_norm.weight.copy_(t["q_norm"])
-            self.k_norm.weight.copy_(t["k_norm"])
+            self.qk_norm.weight[:self.num_heads].copy_(t["q_norm"].expand(self.num_heads, -1))
+            self.qk_norm.weight[self.num_heads:].copy_(t["k_norm"].expand(self.num_kv_heads, -1))
         self.post_norm.weight.copy_(t["post_norm"])
         self.router.weight.copy_(t["router"])

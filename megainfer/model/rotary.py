@@ -17,11 +17,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated q, k."""
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] (any heads: q and k side by side rotate in one pass), positions [T]."""
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

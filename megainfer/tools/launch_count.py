@@ -4,8 +4,8 @@
 Every op that reaches the dispatcher below autograd is recorded (`OpLog`, a
 `TorchDispatchMode`); ops that only make a new view of a tensor's memory launch nothing and are
 counted apart. What runs is the torch path on the CPU: a decode micro-batch's attention half
-(the `AttentionLayer` with its router and the deployment's node routing, as an attention rank
-runs it) and expert half (the `ExpertLayer` of one node's experts, as an expert node runs it), on
+(`attend_and_pack`: the `AttentionLayer` with its router and the deployment's node routing, and
+the dispatch records packed, as an attention rank runs it) and expert half (the `ExpertLayer` of one node's experts, as an expert node runs it), on
 the family's tiny preset with random weights: the op sequence depends on the family (QK norm,
 renormalised top-k), not on the sizes. On CUDA the attention, the KV-cache write and the gating
 are each one Triton kernel where the node's start-up chose Triton (`kernels.choice`), so the
@@ -25,7 +25,7 @@ from megainfer.config import PRESETS, ModelConfig
 
 # Ops that return a view of their input's memory: no kernel.
 VIEW_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.slice.Tensor",
+    "aten.view.default", "aten.view.dtype", "aten._unsafe_view.default", "aten.reshape.default", "aten.slice.Tensor",
     "aten.select.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default", "aten.transpose.int",
     "aten.t.default", "aten.permute.default", "aten.expand.default", "aten.alias.default", "aten.detach.default",
     "aten.as_strided.default", "aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int",
@@ -77,6 +77,7 @@ class DecodeLaunches:
 
 def decode_launches(model: ModelConfig, rows: int = 16, context: int = 64, expert_nodes: int = 2) -> DecodeLaunches:
     """Launches of one decode micro-batch of `rows` sequences at `context` tokens, each half."""
+    from megainfer.disagg.attention_dispatch import attend_and_pack
     from megainfer.model.expert_layer import ExpertLayer
     from megainfer.model.moe_model import MoEModel
     from megainfer.model.weights import RandomWeights
@@ -104,8 +105,10 @@ def decode_launches(model: ModelConfig, rows: int = 16, context: int = 64, exper
     with torch.inference_mode():
         hidden = tiny.embed(ids)
         attention = OpLog()
-        with attention:
-            out = tiny.attention_layers[0](hidden, positions, tiny.rotary, cache, batch)
+        with attention:  # the attention half and its dispatch records, as an attention rank runs them
+            attend_and_pack(tiny.attention_layers[0], tiny.rotary, cache, hidden, positions, batch,
+                            torch.zeros(cfg.num_experts, dtype=torch.int64))
+        out = tiny.attention_layers[0](hidden, positions, tiny.rotary, cache, batch)
         expert = OpLog()
         with expert:
             experts(out.expert_input, out.topk_ids, out.topk_weights)
