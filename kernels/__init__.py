@@ -8,10 +8,11 @@ measured faster the first time (`kernels.choice`); the reference elsewhere;
 `python -m kernels.compile_check` compiles every tile row for NVIDIA GPUs without one.
 """
 
-from kernels.dispatch import (KernelUnavailable, backend, decode_attention, fused_gating, graph_region,
-                              grouped_expert_gemm, paged_attention, prefill_attention)
+from kernels.dispatch import (KernelUnavailable, add_rms_norm, backend, decode_attention, fused_gating, graph_region,
+                              grouped_expert_gemm, paged_attention, prefill_attention, rotary_store_kv)
 from kernels.moe_ref import Gating
 from kernels.paged_attention_ref import PagedAttentionBatch, store_kv
 
-__all__ = ["Gating", "KernelUnavailable", "PagedAttentionBatch", "backend", "decode_attention", "fused_gating",
-           "graph_region", "grouped_expert_gemm", "paged_attention", "prefill_attention", "store_kv"]
+__all__ = ["Gating", "KernelUnavailable", "PagedAttentionBatch", "add_rms_norm", "backend", "decode_attention",
+           "fused_gating", "graph_region", "grouped_expert_gemm", "paged_attention", "prefill_attention",
+           "rotary_store_kv", "store_kv"]

@@ -66,7 +66,7 @@ class Report:
 
 
 def _signature(fn, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
-    """Triton's type of each argument: constexpr, a typed pointer, float32 `scale`, else int32."""
+    """Triton's type of each argument: constexpr, a typed pointer, float32 `scale` and `eps`, else int32."""
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -74,7 +74,7 @@ def _signature(fn, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]
         elif name.endswith("_ptr"):
             sig[name] = pointers.get(name, "*i32")
         else:
-            sig[name] = "fp32" if name == "scale" else "i32"
+            sig[name] = "fp32" if name in ("scale", "eps") else "i32"
     return sig
 
 
@@ -167,6 +167,22 @@ def gating_reports(name: str, experts: int, top_k: int, nodes: int, dtype: torch
     return reports
 
 
+def fused_reports(name: str, hq: int, hkv: int, d: int, hidden: int, dtype: torch.dtype, arch: int) -> list[Report]:
+    """The attention half's fused kernels: the residual add with its norm, the rotation with the KV write."""
+    from kernels import norm_rope_triton as t
+
+    ty = "*" + TYPES[dtype]
+    norm = compile_one(t._add_rms_norm_kernel, dict(H=hidden, BLOCK=pow2(hidden)),
+                       {n: ty for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}, 4, 1, arch,
+                       f"{name} hidden {hidden} {TYPES[dtype]}")
+    rope = compile_one(t._rotary_store_kv_kernel,
+                       dict(NUM_Q=hq, HEADS=hq + hkv, D=d, HALF=d // 2, HALF_PAD=pow2(d // 2), D_PAD=pow2(d)),
+                       {n: ty for n in ("qk_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr", "v_cache_ptr",
+                                        "out_ptr")} | {"pos_ptr": "*i64", "slot_ptr": "*i64"}, 1, 1, arch,
+                       f"{name} {hq}/{hkv}x{d} {TYPES[dtype]}")
+    return [norm, rope]
+
+
 def all_reports(arch: int, quick: bool = False) -> list[Report]:
     """Every tile-table row at the shapes above. quick: the rows nearest a limit or that differ
     by architecture: the attention kernels at Qwen3's 16-head groups (POD with %smid, two
@@ -185,6 +201,8 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
     reports += [r for e in EXPERTS for rows in ROWS_PER_EXPERT for r in gemm_reports(*e, rows, torch.bfloat16, arch)]
     reports += gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.float32, arch)
     reports += gating_reports("qwen3-235b", 128, 8, 32, torch.bfloat16, arch)
+    reports += fused_reports("qwen3-235b tp4", 16, 1, 128, 4096, torch.bfloat16, arch)
+    reports += fused_reports("mixtral-8x22b", 48, 8, 128, 6144, torch.bfloat16, arch)
     return reports
 
 

@@ -25,6 +25,7 @@ FASTEST = "fastest"  # what `backend` answers on CUDA without an override: per s
 _choice = ShapeChoice()
 ATTENTION_DIMS = ("decodes", "prefill_tokens", "max_len")
 GATING_RULE = "always Triton on CUDA: every rank must route alike (and the reference syncs the host)"
+FUSED_RULE = "always Triton on CUDA: one launch where the reference takes several, each a pass over memory"
 # The most the torch reference may gather (keys and values of a batch's pages) to be timed or
 # run: beyond it the Triton kernel, which pages in place, runs untimed. A warm-up's largest
 # shapes would otherwise hold tens of GB through the memory profile, and a serving step that
@@ -230,6 +231,47 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
     mode = backend(logits.device)
     if mode == FASTEST:
         return _choice.fixed(key(), triton_fn, GATING_RULE)
+    return _pick(mode, key, triton_fn, reference)
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    """(RMSNorm(residual + x), residual + x): a layer's residual add and the norm after it, one
+    kernel on CUDA (not timed: `FUSED_RULE`)."""
+    from kernels import norm_rope_ref as r
+
+    def triton_fn():
+        from kernels import norm_rope_triton as t
+
+        return t.add_rms_norm(x, residual, weight, eps)
+
+    def key():
+        return ShapeKey("add_rms_norm", (x.dtype, x.shape[1]), (bucket(x.shape[0]),), ("tokens",))
+
+    return _fused(x.device, key, triton_fn, lambda: r.add_rms_norm(x, residual, weight, eps))
+
+
+def rotary_store_kv(qk, v, positions, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads: int):
+    """q and k side by side ([T, Hq + Hkv, D]) rotated at `positions`, the rotated keys and the
+    values written to their cache slots; returns the rotated qk. One kernel on CUDA (`FUSED_RULE`)."""
+    from kernels import norm_rope_ref as r
+
+    def triton_fn():
+        from kernels import norm_rope_triton as t
+
+        return t.rotary_store_kv(qk, v, positions, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads)
+
+    def key():
+        return ShapeKey("rotary_store_kv", (qk.dtype, num_q_heads, qk.shape[1], qk.shape[2]), (bucket(qk.shape[0]),),
+                        ("tokens",))
+
+    return _fused(qk.device, key, triton_fn, lambda: r.rotary_store_kv(qk, v, positions, cos, sin, key_cache,
+                                                                         value_cache, slot_mapping, num_q_heads))
+
+
+def _fused(device, key, triton_fn, reference):
+    mode = backend(device)
+    if mode == FASTEST:
+        return _choice.fixed(key(), triton_fn, FUSED_RULE)
     return _pick(mode, key, triton_fn, reference)
 
 

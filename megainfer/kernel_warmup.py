@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.startup import Warmup, attention_grid, warm_up_attention, warm_up_experts, warm_up_gating
+from kernels.startup import (Warmup, attention_grid, warm_up_attention, warm_up_experts, warm_up_gating,
+                             warm_up_norm_rope)
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.model.attention_layer import AttentionLayer
 from megainfer.model.expert_layer import ExpertLayer
@@ -23,7 +24,7 @@ from megainfer.model.expert_layer import ExpertLayer
 SCRATCH_BLOCKS = 64  # pages of the warm-up's scratch cache (sequences read them round-robin)
 
 
-def _attention(layer: AttentionLayer, config: EngineConfig, max_model_len: int, cfg: ModelConfig) -> None:
+def _attention(layer: AttentionLayer, rotary, config: EngineConfig, max_model_len: int, cfg: ModelConfig) -> None:
     tokens = config.max_step_tokens
     weight = layer.qkv_proj.weight
     shape = (SCRATCH_BLOCKS, config.block_size, layer.num_kv_heads, cfg.head_dim)
@@ -31,6 +32,8 @@ def _attention(layer: AttentionLayer, config: EngineConfig, max_model_len: int, 
     value_cache = torch.randn(shape, device=weight.device, dtype=weight.dtype)
     warm_up_attention(key_cache, value_cache, layer.num_heads, layer.scale,
                       attention_grid(config.max_num_seqs, tokens, max_model_len))
+    warm_up_norm_rope(layer.num_heads, layer.num_kv_heads, layer.post_norm.weight, layer.post_norm.eps, rotary.cos,
+                      rotary.sin, key_cache, value_cache)
     warm_up_gating(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, layer.expert_node,
                    0 if layer.expert_node is None else layer.num_expert_nodes, tokens, key_cache.dtype,
                    key_cache.device)
@@ -44,7 +47,7 @@ def warm_up_engine(model, config: EngineConfig, max_model_len: int) -> Warmup:
     warmup = Warmup(torch.device(config.device))
     if warmup.active:
         cfg = model.cfg
-        _attention(model.attention_layers[0], config, max_model_len, cfg)
+        _attention(model.attention_layers[0], model.rotary, config, max_model_len, cfg)
         if getattr(model, "expert_layers", None):
             experts = model.expert_layers[0]
             warm_up_experts(experts.w_gate_up, experts.w_down, cfg.top_k, config.max_step_tokens * cfg.top_k)

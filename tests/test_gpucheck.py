@@ -66,11 +66,12 @@ def test_gpucheck_runs_on_the_cpu_without_the_serving_packages(gpu_machine_env, 
     assert out.stdout.startswith("megainfer GPU check on cpu: budget 420 s")  # the plan comes first
     records = _records(tmp_path)
     checks = {r.check for r in records}
-    assert checks == {"environment", "kernels", "engine", "pair", "memory", "kernel_bench"}
+    assert checks == {"environment", "kernels", "engine", "pair", "graphs", "memory", "kernel_bench"}
     assert not [r for r in records if r.status in (Status.FAILED, Status.NOT_RUN)]
     passed = {(r.check, r.case) for r in records if r.status is Status.PASSED}
     assert any(check == "kernels" and case.startswith("pod ") for check, case in passed)
     assert any(check == "pair" and "m = 2" in case for check, case in passed)
+    assert any(check == "graphs" and case.startswith("attention half") for check, case in passed)
     summary = (tmp_path / SUMMARY).read_text()
     assert "| kernels | decode gqa4" in summary and "| pair |" in summary
 

@@ -85,16 +85,16 @@ class AttentionLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, cfg.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = rotary.rotate(positions, qk)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         key_cache, value_cache = kv_cache
-        kernels.store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
-        attn = kernels.paged_attention(q, key_cache, value_cache, batch, self.scale)
+        # Rotated, and the rotated keys and the values written to the cache: one kernel on CUDA.
+        qk = kernels.rotary_store_kv(qk, v, positions, rotary.cos, rotary.sin, key_cache, value_cache,
+                                     batch.slot_mapping, self.num_heads)
+        attn = kernels.paged_attention(qk[:, :self.num_heads], key_cache, value_cache, batch, self.scale)
         out = self.o_proj(attn.reshape(t, self.q_size))
         if self.tp_size > 1:
             tensor_parallel.current().all_reduce(out)
-        residual = hidden + out
-        expert_input = self.post_norm(residual)
+        # The residual add and the post-attention norm: one kernel on CUDA.
+        expert_input, residual = kernels.add_rms_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
         return AttentionOutput(residual, expert_input, self.route(expert_input, valid))
 
     def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> kernels.Gating:

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half form), cos/sin precomputed for every position."""
+"""Rotary position embedding's tables, cos and sin for every position (the rotation itself, rotate-half
+form, fused with the KV-cache write: `kernels.rotary_store_kv`)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
-
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] (any heads: q and k side by side rotate in one pass), positions [T]."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

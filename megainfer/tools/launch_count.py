@@ -99,7 +99,7 @@ def decode_launches(model: ModelConfig, rows: int = 16, context: int = 64, exper
         layer.set_expert_nodes(node_of, expert_nodes)
     shape = (rows * blocks_per_seq, block, cfg.num_kv_heads, cfg.head_dim)
     cache = (torch.zeros(shape), torch.zeros(shape))
-    seqs = [_Decoding(f"r{i}", context, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(rows)]
+    seqs = [DecodingSequence(f"r{i}", context, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(rows)]
     ids, positions, batch = prepare_batch(seqs, [1] * rows, rows, block, device)
     experts = ExpertLayer(cfg, 0, torch.float32, device, expert_ids=list(range(per_node)))
     with torch.inference_mode():
@@ -120,7 +120,7 @@ def _half(log: OpLog) -> HalfLaunches:
                         dict(sorted(((op, n) for op, n in log.ops.items() if op not in VIEW_OPS), key=lambda kv: -kv[1])))
 
 
-class _Decoding:
+class DecodingSequence:
     """A sequence decoding its next token (what prepare_batch reads)."""
 
     def __init__(self, request_id: str, context: int, block_table: list[int]) -> None:

@@ -615,3 +615,41 @@ def test_the_reference_is_not_timed_where_it_would_gather_too_much(monkeypatch):
     torch.testing.assert_close(out, expected(cache, q, starts, 32 ** -0.5), **TOL[torch.float32])
     (decision,) = dispatch.decisions()
     assert not timed and decision.implementation == TRITON and "would gather" in decision.reason
+
+
+# -- the attention half's fused kernels ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_reference(dtype):
+    from kernels import norm_rope_ref, norm_rope_triton
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    residual = torch.randn(7, 2 * 96, generator=g).to(dtype)[:, ::2]  # strided rows: a view, as the stream may be
+    weight = torch.rand(96, generator=g).to(dtype)
+    want, want_sum = norm_rope_ref.add_rms_norm(x, residual, weight, 1e-6)
+    got, got_sum = norm_rope_triton.add_rms_norm(x, residual.contiguous(), weight, 1e-6)
+    # Equal in float32; in bf16 the interpreter's rounding of float32 to bf16 is not the GPU's.
+    torch.testing.assert_close(got_sum, want_sum, **(TOL[dtype] if dtype != torch.float32 else dict(atol=0, rtol=0)))
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 24)])
+def test_rotary_store_kv_matches_reference_and_writes_the_cache(dtype, d):
+    from kernels import norm_rope_ref, norm_rope_triton
+    from megainfer.model.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, tokens = 4, 2, 5
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    qk = qkv[:, :(hq + hkv) * d].view(tokens, hq + hkv, d)  # strided, as the layer's view of its projection
+    v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+    rotary = RotaryEmbedding(d, 10000.0, 64, dtype, "cpu")
+    positions = torch.tensor([0, 5, 17, 63, 2])
+    slots = torch.tensor([3, 9, 0, 14, 7])
+    caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(4)]
+    want = norm_rope_ref.rotary_store_kv(qk, v, positions, rotary.cos, rotary.sin, caches[0], caches[1], slots, hq)
+    got = norm_rope_triton.rotary_store_kv(qk, v, positions, rotary.cos, rotary.sin, caches[2], caches[3], slots, hq)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(caches[2], caches[0], **TOL[dtype])
+    assert torch.equal(caches[3], caches[1])  # the values, copied
+    assert caches[2].view(-1, hkv, d)[1].abs().sum() == 0  # slots nobody wrote stay untouched

@@ -17,6 +17,7 @@ MODULES = {"environment": "megainfer.tools.gpucheck.environment",
            "kernels": "megainfer.tools.gpucheck.kernel_checks",
            "engine": "megainfer.tools.gpucheck.engine_check",
            "pair": "megainfer.tools.gpucheck.pair_check",
+           "graphs": "megainfer.tools.gpucheck.graph_check",
            "memory": "megainfer.tools.gpucheck.memory_check",
            "kernel_bench": "megainfer.tools.gpucheck.kernel_bench"}
 

@@ -8,7 +8,8 @@ GQA 4), Mixtral-8x22B (48/8, GQA 6), Qwen3-30B-A3B (32/4, GQA 8) and Qwen3-235B-
 GQA 16); contexts up to 32K; POD hybrid batches (64 decodes over 4K-16K beside a 2K chunk and a
 512-token prompt) reading %smid; expert GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and
 Mixtral-8x22B from decode (4 tokens) to prefill (4096) sizes; fused gating at Qwen3's routing
-shape; and a step's hot path launched without a host synchronisation."""
+shape; the attention half's fused kernels (residual add + RMSNorm, rotary + KV write); and a
+step's hot path launched without a host synchronisation."""
 
 from __future__ import annotations
 
@@ -231,6 +232,41 @@ def check_gating(ctx: CheckContext, scale: Scale, experts: Experts) -> None:
         case.figures["max_weight_err"] = (out.topk_weights - ref.topk_weights).abs().max().item()
 
 
+def check_fused(ctx: CheckContext, scale: Scale, heads: Heads, hidden: int) -> None:
+    """The attention half's fused kernels against their float32 ground truth, the references beside."""
+    from kernels import norm_rope_ref, norm_rope_triton
+    from megainfer.model.rotary import RotaryEmbedding
+
+    tokens = 512 if ctx.on_gpu else 9
+    g = torch.Generator(device=ctx.device).manual_seed(7)
+    with ctx.case(f"residual add + RMSNorm, {tokens} tokens x {hidden}") as case:
+        x, res = (torch.randn(tokens, hidden, generator=g, device=ctx.device) for _ in range(2))
+        weight = torch.rand(hidden, generator=g, device=ctx.device)
+        want = norm_rope_ref.add_rms_norm(x, res, weight, 1e-6)[0]
+        low = [t.to(scale.dtype) for t in (x, res, weight)]
+        out = norm_rope_triton.add_rms_norm(*low, 1e-6)[0]
+        _errors(case, out, want, norm_rope_ref.add_rms_norm(*low, 1e-6)[0], scale.atol)
+    with ctx.case(f"rotary + KV write {heads}, {tokens} tokens") as case:
+        qk = torch.randn(tokens, heads.q + heads.kv, heads.dim, generator=g, device=ctx.device)
+        v = torch.randn(tokens, heads.kv, heads.dim, generator=g, device=ctx.device)
+        positions = torch.randint(0, 32768, (tokens,), generator=g, device=ctx.device)
+        slots = torch.randperm(tokens * 2, generator=g, device=ctx.device)[:tokens]
+        caches = [torch.zeros(-(-tokens * 2 // scale.page), scale.page, heads.kv, heads.dim, device=ctx.device)
+                  for _ in range(2)]
+        exact = RotaryEmbedding(heads.dim, 1e6, 32768, torch.float32, ctx.device)
+        want = norm_rope_ref.rotary_store_kv(qk, v, positions, exact.cos, exact.sin, *caches, slots, heads.q)
+        rotary = RotaryEmbedding(heads.dim, 1e6, 32768, scale.dtype, ctx.device)
+        low = [[c.to(scale.dtype) for c in caches] for _ in range(2)]
+        ref = norm_rope_ref.rotary_store_kv(qk.to(scale.dtype), v.to(scale.dtype), positions, rotary.cos, rotary.sin,
+                                            *low[0], slots, heads.q)
+        out = norm_rope_triton.rotary_store_kv(qk.to(scale.dtype), v.to(scale.dtype), positions, rotary.cos,
+                                               rotary.sin, *low[1], slots, heads.q)
+        _errors(case, out, want, ref, scale.atol)
+        torch.testing.assert_close(low[1][0].float(), caches[0], atol=scale.atol, rtol=scale.atol)
+        if not torch.equal(low[1][1], low[0][1]):
+            raise AssertionError("the values written to the cache differ from the reference's")
+
+
 def check_smid_folds(ctx: CheckContext) -> None:
     import triton
     import triton.language as tl
@@ -305,6 +341,7 @@ def run(ctx: CheckContext) -> None:
         for tokens in scale.expert_tokens:
             check_grouped_gemm(ctx, scale, experts, tokens)
     check_gating(ctx, scale, scale.experts[0])
+    check_fused(ctx, scale, scale.heads[-1], scale.experts[1].hidden if ctx.on_gpu else scale.experts[0].hidden)
     if ctx.on_gpu:
         check_smid_folds(ctx)
         check_hot_path(ctx, scale)

@@ -36,7 +36,10 @@ CHECKS = (
     Check("kernels", "every Triton kernel, forced, against its torch reference at real bf16 shapes", 150, 300, 20),
     Check("engine", "the colocated engine against transformers (float32 tokens equal, bf16 up to rounding)", 45,
           180, 15),
-    Check("pair", "an attention and an expert node in two processes, bf16, m = 1 and 2", 60, 180, 20),
+    Check("pair", "an attention and an expert node in two processes, bf16, m = 1 and 2, CUDA graphs and eager", 80,
+          200, 20),
+    Check("graphs", "decode's CUDA graphs captured, replayed against eager and timed (Qwen3-235B plan's halves)", 40,
+          150, 15),
     Check("memory", "pinned host<->device copies, KV sizing, an NVML energy read", 20, 90, 5),
     Check("kernel_bench", "POD vs the serial pair, grouped GEMM vs a cuBLAS loop, decode vs SDPA", 60, 180, 15),
 )
