@@ -105,7 +105,7 @@ def _router_prior(plan, args: argparse.Namespace) -> tuple[float, ...] | None:
     if not args.profile:
         return None
     from megainfer.config import resolve_model
-    from megainfer.routing.step_prior import step_prior
+    from planner.step_prior import step_prior
     from planner.catalog import Catalog
     from planner.operator_profile import OperatorProfile
     from planner.step_cost_model import ColocatedStepModel

@@ -33,7 +33,7 @@ class Deployment:
                  device: str | None = None, step_prior: tuple[float, ...] | None = None) -> None:
         """`device`: where tensors live, default the plan's; "cpu" rehearses a GPU plan (its
         placement, GPU types and groups) with CPU tensors. `step_prior`: the predictive
-        router's prior step model (routing.step_prior), where the plan routes predictively."""
+        router's prior step model (planner.step_prior), where the plan routes predictively."""
         self.plan = plan
         self.address = address
         self.show_progress = show_progress

@@ -18,8 +18,18 @@ import time
 
 import torch
 
+from megainfer.disagg import expert_link
 from transport import Endpoint, EndpointSpec, PeerTimeout, TransportError
+from transport import rounds
 from transport.rounds import Arrivals
+
+# The runtime reads these header columns under its own names (megainfer/disagg/expert_link.py,
+# which imports no transport); this binding is where the two meet, so it checks they agree.
+HEADER_COLUMNS = ("STEP", "LAYER", "FLAGS", "BYTE_LENGTH")
+_disagreeing = [c for c in HEADER_COLUMNS if getattr(expert_link, c) != getattr(rounds, c)]
+if _disagreeing:
+    raise ImportError(f"megainfer/disagg/expert_link.py names header columns {_disagreeing} otherwise than "
+                      "transport/rounds.py lays them out: make them agree")
 
 
 class LinkInterrupted(TransportError):

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 class ReplicaSet:
     def __init__(self, plan: Plan, address: str | None = None, show_progress: bool = True,
                  device: str | None = None, step_prior: tuple[float, ...] | None = None) -> None:
-        """`step_prior`: the predictive router's prior step model (routing.step_prior)."""
+        """`step_prior`: the predictive router's prior step model (planner.step_prior)."""
         if plan.autoscale is None:
             raise ValueError("ReplicaSet needs a plan with an autoscale section")
         self.plan = plan

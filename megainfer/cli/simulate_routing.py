@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.simulator import routing_experiment as rx
     from megainfer.simulator.experiment import rate_range
     from megainfer.cli.step_model_options import build_step_models
-    from megainfer.routing.step_prior import step_prior
+    from planner.step_prior import step_prior
     from planner.step_cost_model import device_label
 
     routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())

@@ -44,9 +44,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from megainfer.disagg.expert_link import BYTE_LENGTH, FLAGS
 from megainfer.disagg.staging_sizes import ALIGN
 from megainfer.errors import DataPlaneError
-from transport.rounds import BYTE_LENGTH, FLAGS
 
 logger = logging.getLogger(__name__)
 

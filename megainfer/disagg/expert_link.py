@@ -31,12 +31,23 @@ import torch
 from megainfer.disagg.staging_sizes import FIELD_BYTES, record_size
 
 BUSY = 1  # header flag on expert answers
+# Columns of `LinkArrivals.fields` that the runtime reads: the wire header's step, layer, flags
+# and payload length, where the transport lays them out (transport.rounds; the binding,
+# deploy/link.py, checks that they agree, so the runtime names them without importing the transport).
+STEP, LAYER, FLAGS, BYTE_LENGTH = 1, 2, 5, 8
+
+
+def row_ranges(token_counts, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """[begin, end) bytes of each peer's rows, the peers' rows end to end (what `post_rows` sends)."""
+    sizes = np.asarray(token_counts, dtype=np.int64) * row_bytes
+    ends = np.cumsum(sizes)
+    return ends - sizes, ends
 
 
 class LinkArrivals(Protocol):
     """One collected round (transport.rounds.Arrivals): a message from each peer."""
 
-    fields: np.ndarray  # [N, 9] int64, the headers' fields (transport.rounds' column names)
+    fields: np.ndarray  # [N, 9] int64, the headers' fields (columns above)
     token_counts: np.ndarray
     byte_lengths: np.ndarray
 

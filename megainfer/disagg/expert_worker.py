@@ -34,7 +34,7 @@ from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
 from megainfer.disagg import decode_graphs
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
-from megainfer.disagg.expert_link import BUSY, ExpertLink, record_bytes, unpack_dispatch
+from megainfer.disagg.expert_link import BUSY, LAYER, STEP, ExpertLink, record_bytes, row_ranges, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.kernel_warmup import warm_up_expert_node
@@ -42,7 +42,6 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
-from transport.rounds import LAYER, STEP, row_ranges
 
 CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
 

@@ -39,7 +39,7 @@ from megainfer.disagg import decode_graphs, step_sync
 from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
-from megainfer.disagg.expert_link import BUSY, ExpertLink, pack_records, record_bytes
+from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink, pack_records, record_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
@@ -55,7 +55,6 @@ from megainfer.sampler import Sampler
 from megainfer.scheduler import SchedulerOutput
 from megainfer.step_layout import LayoutAhead, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
-from transport.rounds import FLAGS, LAYER, STEP
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ class RoutingSpec:
     ttft_slo_s: float = 3.0
     snapshot_s: float = 0.25
     seed: int = 0
-    step_prior: tuple[float, ...] | None = None  # the predictive router's prior (routing.step_prior)
+    step_prior: tuple[float, ...] | None = None  # the predictive router's prior (planner.step_prior)
 
     def requests(self, rate: float) -> list:
         return generate(self.workload, num_requests=self.num_requests, rate=rate,

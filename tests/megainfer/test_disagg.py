@@ -450,3 +450,18 @@ def test_each_nodes_tokens_come_in_token_order_whatever_order_gating_wrote():
     again = torch.tensor([2, 4, 0, 1, 3, 0, 0], dtype=torch.int32)  # another run (or rank)
     assert tokens_in_node_order(written, offsets, 8).tolist()[:5] == [0, 2, 4, 1, 3]
     assert tokens_in_node_order(again, offsets, 8).tolist()[:5] == [0, 2, 4, 1, 3]
+
+
+def test_the_runtime_names_the_header_columns_where_the_transport_lays_them_out():
+    """megainfer/disagg reads the arrivals' header columns under its own names (it imports no
+    transport); the binding (deploy/link.py) refuses to load where they disagree."""
+    import numpy as np
+
+    from deploy import link
+    from megainfer.disagg import expert_link
+    from transport import rounds
+
+    for column in link.HEADER_COLUMNS:
+        assert getattr(expert_link, column) == getattr(rounds, column), column
+    for got, want in zip(expert_link.row_ranges([3, 0, 5], 12), rounds.row_ranges([3, 0, 5], 12)):
+        assert np.array_equal(got, want)

@@ -9,7 +9,7 @@ import pytest
 from megainfer.cli import main
 from megainfer.config import PRESETS
 from megainfer.errors import PlanError
-from megainfer.routing.step_prior import step_prior
+from planner.step_prior import step_prior
 from planner.catalog import Catalog
 from planner.efficiency_curves import EfficiencyCurves
 from planner.operator_profile import OPERATOR_AXES, OperatorProfile, OperatorTable, ProfiledDevice, model_shape
