@@ -1,7 +1,7 @@
 """Time and energy of one engine step on a colocated instance (the model on `tp` devices of one
 node, attention and experts tensor-parallel), from what the step computes.
 
-The simulator (`megainfer.simulator`) describes each step of the real scheduler as a few
+The simulator (`megainfer.tools.simulator`) describes each step of the real scheduler as a few
 layer classes: how many tokens pass a layer, the attention work (decoding sequences and the
 context they read, prompt chunks and what precedes them), and how many distinct experts its
 tokens activated in each layer. This module sums the operators' seconds for that work

@@ -13,10 +13,10 @@ from megainfer.cli import main
 from megainfer.config import EngineConfig, resolve_model
 from megainfer.errors import PlanError
 from megainfer.model.weights import RandomWeights
-from megainfer.profiler.engine_overhead import operator_seconds
-from megainfer.profiler.operator_grid import default_grid, geometric
-from megainfer.profiler.operator_timing import OperatorBench
-from megainfer.profiler.profile_run import default_output_name
+from megainfer.tools.profiler.engine_overhead import operator_seconds
+from megainfer.tools.profiler.operator_grid import default_grid, geometric
+from megainfer.tools.profiler.operator_timing import OperatorBench
+from megainfer.tools.profiler.profile_run import default_output_name
 from planner.operator_profile import OPERATOR_AXES, OperatorProfile, OperatorTable
 
 

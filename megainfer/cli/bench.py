@@ -210,7 +210,7 @@ def _run_host(args: argparse.Namespace) -> int:
 def _run_m2n(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from megainfer.bench import m2n_report
+    from megainfer.tools import m2n_report
     from megainfer.errors import ConfigError, MegaInferError
     from transport.bench import BenchSpec, measure
     from transport.errors import TransportError
@@ -289,7 +289,7 @@ def _add_mixed_options(p: argparse.ArgumentParser) -> None:
 
 
 def _run_simulator(args: argparse.Namespace) -> int:
-    from megainfer.bench.simulator_check import POLICIES, CheckSpec, run_check
+    from megainfer.tools.simulator_check import POLICIES, CheckSpec, run_check
 
     spec = CheckSpec(model=args.model, profile=args.profile, trace=args.trace, requests=args.requests, rate=args.rate,
                      input_len=args.input_len_range, output_len=args.output_len_range, seed=args.seed,

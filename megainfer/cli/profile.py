@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megainfer.profiler.profile_run import ProfileRequest, default_output_name, run_profile, summary_table
+    from megainfer.tools.profiler.profile_run import ProfileRequest, default_output_name, run_profile, summary_table
 
     request = ProfileRequest(model=args.model, device=args.device, dtype=args.dtype, tp=args.tp,
                              threads=args.threads, max_model_len=args.max_model_len, quick=args.quick,

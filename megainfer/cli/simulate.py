@@ -13,7 +13,7 @@ from megainfer.cli.step_model_options import add_step_model_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from megainfer.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
+    from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 
     p = sub.add_parser(
         "simulate", help="simulate the scheduler on a GPU instance: chunked vs layered prefill",
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-skew", type=float, default=FITTED_SKEW,
                    help=f"expert popularity ~ (rank + {FITTED_RANK_OFFSET:g})^-S per layer, each token's top-k drawn "
                         f"by it; the default {FITTED_SKEW:g} is fitted to Qwen3-30B-A3B's measured expert coverage "
-                        f"on ShareGPT (megainfer/simulator/routing_skew.py); 0: uniform routing")
+                        f"on ShareGPT (megainfer/tools/simulator/routing_skew.py); 0: uniform routing")
     p.add_argument("--tbt-slo-ms", type=float, default=125.0)
     p.add_argument("--ttft-slo-s", type=float, default=10.0)
     p.add_argument("--sweep-rates", metavar="A:B:STEP", help="SLO attainment against request rate, both policies")
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megainfer.config import resolve_model
     from megainfer.errors import ConfigError
-    from megainfer.simulator import experiment as ex
+    from megainfer.tools.simulator import experiment as ex
     from megainfer.cli.step_model_options import build_step_models, describe_sources
 
     if args.tbt_slo_ms <= 0 or args.ttft_slo_s <= 0:

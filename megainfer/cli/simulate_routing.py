@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from megainfer.config import resolve_model
     from megainfer.errors import ConfigError
     from megainfer.routing.policies import ROUTERS
-    from megainfer.simulator import routing_experiment as rx
-    from megainfer.simulator.experiment import rate_range
+    from megainfer.tools.simulator import routing_experiment as rx
+    from megainfer.tools.simulator.experiment import rate_range
     from megainfer.cli.step_model_options import build_step_models
     from planner.step_prior import step_prior
     from planner.step_cost_model import device_label

@@ -317,7 +317,7 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
     results |= step_boundary_rows(plan, scale, boundary_running)
     if json_path:
         with open(json_path, "w") as f:
-            from megainfer.bench.m2n_report import machine
+            from megainfer.tools.m2n_report import machine
 
             host = machine()
             json.dump({"benchmark": "host", "plan": plan_path, "machine": f"{host['cpu']}, {host['cores']} cores",

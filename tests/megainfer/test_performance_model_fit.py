@@ -10,10 +10,10 @@ import pytest
 
 from megainfer.config import PRESETS, EngineConfig
 from megainfer.errors import ConfigError
-from megainfer.simulator import curve_fit as cf
-from megainfer.simulator.experiment import SimulationSpec
-from megainfer.simulator.sim import Simulator
-from megainfer.simulator.workload import SimRequest
+from megainfer.tools.simulator import curve_fit as cf
+from megainfer.tools.simulator.experiment import SimulationSpec
+from megainfer.tools.simulator.sim import Simulator
+from megainfer.tools.simulator.workload import SimRequest
 from planner.catalog import Catalog
 from planner.efficiency_curves import DEFAULT_CURVES, EfficiencyCurves
 from planner.step_cost_model import ColocatedStepModel

@@ -462,7 +462,7 @@ def test_autoscale_section_errors_name_the_key(section, message):
 
 
 def fleet(autoscaler=None, replicas: int = 4):
-    from megainfer.simulator.cluster import ClusterSimulator
+    from megainfer.tools.simulator.cluster import ClusterSimulator
     from planner.catalog import Catalog
     from planner.step_cost_model import ColocatedStepModel
 
@@ -473,7 +473,7 @@ def fleet(autoscaler=None, replicas: int = 4):
 
 
 def test_autoscaler_in_the_fleet_adds_before_queues_build_and_retires_when_idle():
-    from megainfer.simulator.workload import generate
+    from megainfer.tools.simulator.workload import generate
 
     model = PRESETS["qwen3-30b-a3b"]
     # Rates for one H100 per replica as the fitted H100 curves price it (a long ShareGPT prompt
@@ -504,7 +504,7 @@ def test_autoscaler_in_the_fleet_adds_before_queues_build_and_retires_when_idle(
 
 
 def test_fleet_simulation_reports_prediction_error_and_the_cli_compares_routers(tmp_path):
-    from megainfer.simulator.workload import generate
+    from megainfer.tools.simulator.workload import generate
 
     model = PRESETS["qwen3-30b-a3b"]
     requests = generate("sharegpt", num_requests=300, rate=8.0, max_model_len=model.max_position_embeddings)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megainfer.simulator import routing_skew as rs
-from megainfer.simulator.expert_load import ExpertActivation
+from megainfer.tools.simulator import routing_skew as rs
+from megainfer.tools.simulator.expert_load import ExpertActivation
 
 
 def test_committed_popularity_is_the_least_squares_fit():

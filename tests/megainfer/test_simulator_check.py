@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from megainfer.bench.simulator_check import (CheckSpec, ServerSettings, compare, generate_trace, real_figures,
+from megainfer.tools.simulator_check import (CheckSpec, ServerSettings, compare, generate_trace, real_figures,
                                              run_check, write_trace)
 from megainfer.config import resolve_model
 from megainfer.errors import ConfigError, PlanError
-from megainfer.simulator.workload import load_trace
+from megainfer.tools.simulator.workload import load_trace
 from planner.operator_profile import (OPERATOR_AXES, OperatorProfile, OperatorTable, ProfiledDevice,
                                       model_shape)
 
@@ -146,7 +146,7 @@ def test_the_simulator_with_a_measured_profile_tracks_the_real_engine(tmp_path):
     15%. Mean TTFT and TBT do not yet meet the issue's 15% on the 2-core VM (sim/real 0.65-0.90
     across runs, docs/performance-model.md says why); this holds them within 40% so a
     regression of the profile or the step model shows."""
-    from megainfer.bench.simulator_check import run_check
+    from megainfer.tools.simulator_check import run_check
     from megainfer.cli import main
 
     profile = tmp_path / "cpu.json"

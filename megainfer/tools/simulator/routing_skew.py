@@ -12,7 +12,7 @@ the b = 512 point a one-sided bound (a residual only below 98%), with scipy's
 `least_squares`. Both parameters are needed: a plain Zipf law (rank_offset 0) fits at best
 skew 1.25 with errors up to 6 percentage points (too few experts at b = 4..16, too many at
 b = 64..128), and one-parameter log-normal or exponential popularity miss by 3 to 4 points;
-with the offset every point lies within 2.2 points (`python -m megainfer.simulator.routing_skew`
+with the offset every point lies within 2.2 points (`python -m megainfer.tools.simulator.routing_skew`
 prints the table).
 """
 
@@ -53,7 +53,7 @@ class PopularityFit:
 
 def coverage(skew: float, rank_offset: float, num_experts: int = NUM_EXPERTS, top_k: int = TOP_K) -> dict[int, float]:
     """Expected share of experts touched at each measured batch size."""
-    from megainfer.simulator.expert_load import ExpertActivation
+    from megainfer.tools.simulator.expert_load import ExpertActivation
 
     act = ExpertActivation(num_experts, top_k, skew=skew, rank_offset=rank_offset)
     return {tokens: act.expected(tokens) / num_experts for tokens in MEASURED_COVERAGE}

@@ -8,9 +8,9 @@ time of one 8,192-token prompt at small and large chunks. Each objective evaluat
 simulator exactly as `megainfer simulate` does (the command's own defaults: seed, expert
 skew, group tokens) with candidate curves, and scores the squared log errors.
 
-    python -m megainfer.simulator.curve_fit --gpu H100            # fit, print the table
-    python -m megainfer.simulator.curve_fit --gpu H100 --write    # and update the yaml entry
-    python -m megainfer.simulator.curve_fit --gpu H100 --no-fit   # the committed curves' table
+    python -m megainfer.tools.simulator.curve_fit --gpu H100            # fit, print the table
+    python -m megainfer.tools.simulator.curve_fit --gpu H100 --write    # and update the yaml entry
+    python -m megainfer.tools.simulator.curve_fit --gpu H100 --no-fit   # the committed curves' table
 
 docs/performance-model.md ("Default GPU curves: the H100 fit") gives the data, the method
 and the result.
@@ -35,9 +35,9 @@ import numpy as np
 
 from megainfer.config import PRESETS, EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
-from megainfer.simulator.experiment import SimulationSpec
-from megainfer.simulator.sim import Simulator
-from megainfer.simulator.workload import SimRequest
+from megainfer.tools.simulator.experiment import SimulationSpec
+from megainfer.tools.simulator.sim import Simulator
+from megainfer.tools.simulator.workload import SimRequest
 from planner.catalog import GPU, Catalog
 from planner.efficiency_curves import DEFAULT_CURVES, EfficiencyCurves, OperatorCurves, Saturation
 from planner.step_cost_model import ColocatedStepModel
@@ -226,7 +226,7 @@ class FitProblem:
     def __init__(self, gpu: str, *, curves_path: str | Path | None = None, catalog: str | None = None) -> None:
         if gpu not in MEASURED_GPUS:
             raise ConfigError(f"--gpu {gpu!r}: the fit has measurements for {', '.join(MEASURED_GPUS)} only; "
-                              f"add that GPU's ServingMeasurement constants to megainfer/simulator/curve_fit.py")
+                              f"add that GPU's ServingMeasurement constants to megainfer/tools/simulator/curve_fit.py")
         self.gpu_name = gpu
         self.gpu: GPU = Catalog.load(catalog)[gpu]
         self.model: ModelConfig = PRESETS[MODEL]
@@ -447,7 +447,7 @@ def entry_text(gpu: str, curves: EfficiencyCurves, result: FitResult | None = No
                     if f"{op}.{leg}.peak" in names and f"{op}.{leg}.half" not in names} |
                    {n for n in ("launch_s", "allreduce_latency_s", "link") if n not in names})
     lines = [f"{gpu}:",
-             f"  # Fitted by `python -m megainfer.simulator.curve_fit --gpu {gpu} --write`"
+             f"  # Fitted by `python -m megainfer.tools.simulator.curve_fit --gpu {gpu} --write`"
              + (f" (objective {result.objective:.4f}, {result.evaluations} evaluations)" if result else "") + ";",
              *textwrap.wrap(f"held at `default`: {', '.join(fixed)}. Data and method: docs/performance-model.md.",
                             width=100, initial_indent="  # ", subsequent_indent="  # "),
@@ -484,7 +484,7 @@ def write_entry(path: Path, gpu: str, text: str) -> None:
 
 # -- the command ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megainfer.simulator.curve_fit", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megainfer.tools.simulator.curve_fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", default="H100", help=f"GPU whose entry to fit ({', '.join(MEASURED_GPUS)})")
     parser.add_argument("--curves", help="efficiency-curves YAML (default: planner/efficiency_curves.yaml)")
     parser.add_argument("--max-evaluations", type=int, default=120, help="Nelder-Mead evaluations after the grid")

@@ -2,7 +2,7 @@
 
 The closed loop: a trace (generated, or a JSONL file) is served by the real colocated engine
 (`megainfer serve` in a subprocess, one per prefill policy, the trace replayed by `bench serve`'s
-code over gRPC) and simulated (`megainfer.simulator`, its step model reading the operator profile
+code over gRPC) and simulated (`megainfer.tools.simulator`, its step model reading the operator profile
 measured on this machine by `megainfer profile`), with the same scheduler settings and the same
 number of KV blocks. Mean TTFT, mean time between tokens and output throughput are compared as
 sim / real ratios against a tolerance.
@@ -37,16 +37,16 @@ from pathlib import Path
 import numpy as np
 
 from megainfer.bench import serve_bench
-from megainfer.bench.m2n_report import machine
+from megainfer.tools.m2n_report import machine
 from megainfer.bench.report import format_table, write_json
 from megainfer.bench.serve_datasets import DatasetSpec
 from megainfer.config import ModelConfig, resolve_model
 from megainfer.errors import ConfigError, MegaInferError
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.client import Client
-from megainfer.simulator.experiment import SimulationSpec
-from megainfer.simulator.sim import Simulator
-from megainfer.simulator.workload import SimRequest, arrival_times, describe, load_trace
+from megainfer.tools.simulator.experiment import SimulationSpec
+from megainfer.tools.simulator.sim import Simulator
+from megainfer.tools.simulator.workload import SimRequest, arrival_times, describe, load_trace
 from planner.operator_profile import OperatorProfile
 from planner.step_cost_model import ColocatedStepModel
 

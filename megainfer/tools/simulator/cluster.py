@@ -32,9 +32,9 @@ from megainfer.routing.policies import PredictiveRouter, Router
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
-from megainfer.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
-from megainfer.simulator.sim import Simulator
-from megainfer.simulator.workload import SimRequest
+from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
+from megainfer.tools.simulator.sim import Simulator
+from megainfer.tools.simulator.workload import SimRequest
 from planner.step_cost_model import ColocatedStepModel
 
 _TOKEN = 0  # every simulated token: only lengths matter

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
-from megainfer.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
-from megainfer.simulator.sim import Simulator
-from megainfer.simulator.workload import WORKLOADS, SimRequest, describe, generate, load_trace
+from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
+from megainfer.tools.simulator.sim import Simulator
+from megainfer.tools.simulator.workload import WORKLOADS, SimRequest, describe, generate, load_trace
 from planner.step_cost_model import ColocatedStepModel, device_label
 
 

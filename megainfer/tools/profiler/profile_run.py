@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 from megainfer.config import SUPPORTED_MODEL_TYPES, EngineConfig, ModelConfig, resolve_model
 from megainfer.errors import ConfigError
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
-from megainfer.profiler import device_info
-from megainfer.profiler.allreduce_timing import measure_allreduce
-from megainfer.profiler.operator_grid import OperatorGrid, default_grid, pricing_grid
-from megainfer.profiler.operator_timing import OperatorBench
-from megainfer.profiler.timing import median_seconds
+from megainfer.tools.profiler import device_info
+from megainfer.tools.profiler.allreduce_timing import measure_allreduce
+from megainfer.tools.profiler.operator_grid import OperatorGrid, default_grid, pricing_grid
+from megainfer.tools.profiler.operator_timing import OperatorBench
+from megainfer.tools.profiler.timing import median_seconds
 from planner.operator_profile import OPERATOR_AXES, OperatorProfile, OperatorTable, model_shape
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def _step_overhead_skip_reason(target: ResolvedTarget, free_before: int | None) 
 def _measure_step_overhead(target: ResolvedTarget, request: ProfileRequest, grid: OperatorGrid,
                            prices: dict[str, OperatorTable], bar: tqdm) -> OperatorTable:
     from megainfer.engine import Engine
-    from megainfer.profiler.engine_overhead import measure_step_overhead
+    from megainfer.tools.profiler.engine_overhead import measure_step_overhead
 
     bar.set_description("step_overhead")
     if target.device.type == "cuda":

@@ -10,8 +10,8 @@ import numpy as np
 
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.routing.policies import make_router
-from megainfer.simulator.cluster import ClusterSimulator
-from megainfer.simulator.workload import generate
+from megainfer.tools.simulator.cluster import ClusterSimulator
+from megainfer.tools.simulator.workload import generate
 from planner.step_cost_model import ColocatedStepModel
 
 
