@@ -24,6 +24,7 @@ from megainfer.energy import EnergyMeter
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
 from megainfer.messages import (DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
                                 RequestMetrics, StepSample)
+from megainfer.node_state import snapshot, step_sample
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepHooks, StepResult
 from megainfer.output_stream import OutputStream
@@ -245,7 +246,7 @@ class Engine:
     def _step_stats(self, step: "PendingStep", advanced: list[Sequence]) -> None:
         """A step's statistics, once its sequences are advanced: its time for the router, the
         requests it finished, its expert loads."""
-        measured = StepSample.of(step.out, step.ended - step.began, self.model_config.num_layers, step.step_id)
+        measured = step_sample(step.out, step.ended - step.began, self.model_config.num_layers, step.step_id)
         self._measured_steps.append(measured)
         if self.step_model is not None:
             self.step_model.observe((measured,))
@@ -258,7 +259,7 @@ class Engine:
         steps, finished = list(self._measured_steps), list(self._finished_lengths)
         self._measured_steps.clear()
         self._finished_lengths.clear()
-        return NodeState.of(self.scheduler, now, steps, finished, self._step_id())
+        return snapshot(self.scheduler, now, steps, finished, self._step_id())
 
     def _step_id(self) -> int:
         """A disaggregated runner numbers its steps, and every attention node of the replica runs

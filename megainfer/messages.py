@@ -43,9 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kernels.startup import KernelReport  # no import at run time: the CLI's --help and plan stay torch-free  # the constructors below read engine objects; the types themselves need none
-    from megainfer.scheduler import Scheduler, SchedulerOutput
-    from megainfer.sequence import Sequence
+    from kernels.startup import KernelReport  # no import at run time: the CLI's --help and plan stay torch-free
 
 
 class FinishReason(str, enum.Enum):
@@ -357,21 +355,6 @@ class StepSample:
     peak: tuple[float, float, float] | None = None
 
     @classmethod
-    def of(cls, out: SchedulerOutput, seconds: float = 0.0, num_layers: int = 1, step: int = -1) -> "StepSample":
-        """The step's work averaged over layers: a layered-prefill cohort passes only its group."""
-        from megainfer.scheduler import chunk_work
-
-        tokens, pairs, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
-        seqs = len(out.seqs)
-        lp = out.layered
-        if lp is not None:
-            share = (lp.layers[1] - lp.layers[0]) / max(num_layers, 1)
-            c_tokens, c_pairs, c_kv = chunk_work(lp.seqs, lp.num_tokens)
-            tokens, pairs, kv = tokens + share * c_tokens, pairs + share * c_pairs, kv + share * c_kv
-            seqs += len(lp.seqs)
-        return cls(round(tokens), seqs, kv, pairs, seconds, step)
-
-    @classmethod
     def lockstep(cls, samples: list["StepSample"]) -> "StepSample":
         """One step of nodes in lockstep: their work adds up (the expert nodes compute it all),
         the busiest node's share bounds the attention half, and the step lasts as long as the
@@ -402,17 +385,6 @@ class SchedulingKnobs:
     num_layer_groups: int | None = None
     layered_chunk_tokens: int = 512
 
-    @classmethod
-    def of(cls, scheduler: Scheduler) -> "SchedulingKnobs":
-        bm, policy = scheduler.block_manager, scheduler.policy
-        common = (bm.num_blocks, bm.block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
-                  scheduler.max_model_len, policy.name)
-        layered = policy.layered_settings()
-        if layered is None:
-            return cls(*common)
-        return cls(*common, num_layers=layered.num_layers, group_tokens=layered.group_tokens,
-                   num_layer_groups=layered.num_layer_groups, layered_chunk_tokens=layered.chunk_tokens)
-
 
 # A request as (prompt tokens, tokens so far (prompt + generated), tokens cached, max_tokens).
 RequestLengths = tuple[int, int, int, int]
@@ -428,16 +400,6 @@ class NodeState:
     finished: list[tuple[int, int]] = field(default_factory=list)  # (prompt, output tokens) since the last one
     time: float = 0.0  # the node's clock when taken (seconds; the router's clock must agree)
     steps_done: int = -1  # lockstep nodes: every step numbered below this one has run (-1: colocated)
-
-    @classmethod
-    def of(cls, scheduler: Scheduler, now: float, steps: list[StepSample] = (),
-           finished: list[tuple[int, int]] = (), steps_done: int = -1) -> "NodeState":
-        def lengths(s: Sequence) -> RequestLengths:
-            return (s.num_prompt_tokens, s.num_tokens, s.num_computed_tokens, s.params.max_tokens)
-
-        return cls(SchedulingKnobs.of(scheduler), [lengths(s) for s in scheduler.running],
-                   [lengths(s) for s in scheduler.waiting], scheduler.block_manager.num_free_blocks,
-                   list(steps), list(finished), now, steps_done)
 
     def load(self) -> "NodeLoad":
         """The heuristic routers' view."""

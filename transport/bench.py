@@ -22,7 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from transport.bench_loop import recv, send, worker
+from transport.bench_loop import recv, send
+from transport.bench_worker import worker
 from transport.bench_spec import BenchSpec, Result, Role, names
 
 __all__ = ["BenchSpec", "Result", "measure"]

@@ -23,24 +23,6 @@ import numpy as np
 from transport.bench_spec import STAMP, BenchSpec, Role, names, now_ns
 
 
-def worker(role_json: str, conn) -> None:
-    """A benchmark process's entry point: run the role, report, never hang the parent."""
-    role = Role(**json.loads(role_json))
-    spec = BenchSpec(**role.spec)
-    try:
-        if role.system == "floor":
-            from transport.bench_floor import FLOOR_RUNNERS
-
-            runner = FLOOR_RUNNERS[spec.backend]
-        else:
-            runner = {"m2n": run_m2n, "torch": run_torch}[role.system]
-        runner(role, spec, conn)
-    except BaseException as exc:
-        conn.send_bytes(json.dumps({"error": f"{role.name}: {type(exc).__name__}: {exc}"}).encode())
-    finally:
-        conn.close()
-
-
 def send(conn, obj) -> None:
     conn.send_bytes(json.dumps(obj).encode())
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from megainfer.kv_cache import BlockManager
 from megainfer.messages import NodeState, StepSample
+from megainfer.node_state import step_sample
 from megainfer.routing.length_estimator import OutputLengthEstimator
 from megainfer.routing.online_step_model import OnlineStepModel
 from megainfer.sampling_params import SamplingParams
@@ -337,7 +338,7 @@ class NodeForecast:
             outs = [replay.scheduler.schedule() if replay.scheduler.has_unfinished else None for replay in replays]
             if any(out is not None and out.is_empty for out in outs):
                 break  # nothing fits (a KV cache full of waiting prompts): the tail takes over
-            work.append([StepSample.of(out, num_layers=replay.num_layers).work() if out is not None else idle
+            work.append([step_sample(out, num_layers=replay.num_layers).work() if out is not None else idle
                          for replay, out in zip(replays, outs)])
             for replay, out in zip(replays, outs):
                 replay.record(out)

@@ -17,6 +17,7 @@ from megainfer.config import PRESETS, EngineConfig
 from megainfer.errors import PlanError
 from megainfer.kv_cache import BlockManager
 from megainfer.messages import NodeLoad, NodeState, StepSample
+from megainfer.node_state import snapshot, step_sample
 from megainfer.plan import Plan
 from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler, ScaleAction
 from megainfer.routing.forecast import NodeForecast, RequestForecast
@@ -57,7 +58,7 @@ def run_steps(sched: Scheduler, clock: list[float], until=lambda: False, limit: 
         if not sched.has_unfinished or until():
             return
         out = sched.schedule()
-        clock[0] += truth_seconds(StepSample.of(out))
+        clock[0] += truth_seconds(step_sample(out))
         sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
 
 
@@ -127,7 +128,7 @@ def busy_node(clock) -> Scheduler:
 def test_forecast_predicts_what_the_scheduler_then_does(prompt, output):
     clock = [0.0]
     sched = busy_node(clock)
-    state = NodeState.of(sched, clock[0])
+    state = snapshot(sched, clock[0])
     forecast = NodeForecast.build(state, calibrated(), MaxTokensEstimator())
     ttft, e2e = forecast.predict(clock[0], prompt, output)
     # The truth: the same scheduler with the newcomer at the back of its queue, stepped on.
@@ -142,13 +143,13 @@ def test_forecast_predicts_what_the_scheduler_then_does(prompt, output):
 
 def test_forecast_of_an_idle_node_and_past_the_horizon():
     model = calibrated()
-    idle = NodeForecast.build(NodeState.of(scheduler(), 5.0), model, MaxTokensEstimator())
+    idle = NodeForecast.build(snapshot(scheduler(), 5.0), model, MaxTokensEstimator())
     ttft, _ = idle.predict(7.0, 128, 4)  # two chunks of 64 on an empty node
     assert ttft == pytest.approx(2 * model.seconds(64, 1, 64, 64 * 65 / 2), rel=0.3)
     clock = [0.0]
     sched = busy_node(clock)
-    short = NodeForecast.build(NodeState.of(sched, clock[0]), model, MaxTokensEstimator(), horizon=3)
-    full = NodeForecast.build(NodeState.of(sched, clock[0]), model, MaxTokensEstimator())
+    short = NodeForecast.build(snapshot(sched, clock[0]), model, MaxTokensEstimator(), horizon=3)
+    full = NodeForecast.build(snapshot(sched, clock[0]), model, MaxTokensEstimator())
     # Extrapolation past a short horizon stays in the same range as the full forecast.
     assert short.predict(clock[0], 300, 5)[0] == pytest.approx(full.predict(clock[0], 300, 5)[0], rel=0.5)
 
@@ -160,7 +161,7 @@ def test_forecast_prices_a_long_prompt_chunk_by_chunk_past_the_horizon(busy):
     clock = [0.0]
     sched = busy_node(clock) if busy else scheduler(clock=lambda: clock[0])
     model = OnlineStepModel(heavy)
-    forecast = NodeForecast.build(NodeState.of(sched, clock[0]), model, MaxTokensEstimator(), horizon=2)
+    forecast = NodeForecast.build(snapshot(sched, clock[0]), model, MaxTokensEstimator(), horizon=2)
     ttft, _ = forecast.predict(clock[0], 1500, 2)
     arrived = clock[0]
     new = add(sched, "long", 1500, 2, arrival=arrived)
@@ -168,7 +169,7 @@ def test_forecast_prices_a_long_prompt_chunk_by_chunk_past_the_horizon(busy):
         if new.num_output_tokens:
             break
         out = sched.schedule()
-        clock[0] += model.predict(StepSample.of(out))
+        clock[0] += model.predict(step_sample(out))
         sched.update_from_output(out, [0 if s else None for s in out.all_samples()])
     true_ttft = new.first_token_time - arrived
     assert ttft == pytest.approx(true_ttft, rel=0.15)
@@ -185,15 +186,15 @@ def test_forecast_waits_for_kv_rather_than_predicting_a_preempted_start():
     for i in range(4):
         add(roomy, f"d{i}", 80, 60)
     run_steps(roomy, [0.0], limit=10)
-    f_tight = NodeForecast.build(NodeState.of(tight, clock[0]), model, MaxTokensEstimator())
-    f_roomy = NodeForecast.build(NodeState.of(roomy, clock[0]), model, MaxTokensEstimator())
+    f_tight = NodeForecast.build(snapshot(tight, clock[0]), model, MaxTokensEstimator())
+    f_roomy = NodeForecast.build(snapshot(roomy, clock[0]), model, MaxTokensEstimator())
     t_tight, _ = f_tight.predict(clock[0], 150, 20)
     t_roomy, _ = f_roomy.predict(clock[0], 150, 20)
     assert t_tight > 3 * t_roomy  # it can only start once the decodes free their blocks
 
 
 def test_commit_makes_the_next_request_wait_for_the_first():
-    forecast = NodeForecast.build(NodeState.of(scheduler(), 0.0), calibrated(), MaxTokensEstimator())
+    forecast = NodeForecast.build(snapshot(scheduler(), 0.0), calibrated(), MaxTokensEstimator())
     first, _ = forecast.predict(0.0, 256, 10)
     forecast.commit(0.0, 256, 10)
     second, _ = forecast.predict(0.0, 256, 10)
@@ -204,7 +205,7 @@ def test_commit_makes_the_next_request_wait_for_the_first():
 def predictive(nodes: list[Scheduler], now: float = 0.0) -> PredictiveRouter:
     router = PredictiveRouter(MaxTokensEstimator(), clock=lambda: now, step_prior=TRUTH)
     for i, sched in enumerate(nodes):
-        router.observe(i, NodeState.of(sched, now), now)
+        router.observe(i, snapshot(sched, now), now)
     return router
 
 
@@ -219,7 +220,7 @@ def test_predictive_routes_to_the_lowest_predicted_ttft_and_remembers_what_it_ro
     assert picks.count(0) >= 1 and picks.count(1) >= 1  # the idle node fills up until it is the busier
     # A snapshot taken before those decisions keeps them (replayed onto the new forecast).
     before = router.predict(1, 100, 10, clock[0])[0]
-    router.observe(1, NodeState.of(idle, clock[0]), clock[0])
+    router.observe(1, snapshot(idle, clock[0]), clock[0])
     assert router.predict(1, 100, 10, clock[0])[0] == pytest.approx(before, rel=0.2)
 
 
@@ -240,8 +241,8 @@ def test_lockstep_nodes_share_one_step_model_and_one_timeline():
                     reports[node].append(StepSample(w[0], w[1], 0.0, 0.0, seconds, step))
         done = 3 * round_ + 3
         # Node 1 reports its last step late: that step waits for it before the model sees it.
-        states = [NodeState.of(scheduler(), 0.0, reports[0], steps_done=done),
-                  NodeState.of(scheduler(), 0.0, reports[1][:-1], steps_done=done - 1)]
+        states = [snapshot(scheduler(), 0.0, reports[0], steps_done=done),
+                  snapshot(scheduler(), 0.0, reports[1][:-1], steps_done=done - 1)]
         router.observe_lockstep(0, states, 0.0)
         router._unmatched[0].setdefault(done - 1, []).append(reports[1][-1])
     model = router.models[0]
@@ -253,8 +254,8 @@ def test_lockstep_nodes_share_one_step_model_and_one_timeline():
     busy = busy_node(clock)
     heavy = (0.004, 4e-4, 1e-4, 1e-7, 1e-9)  # prompt tokens dominate a step
     router = PredictiveRouter(MaxTokensEstimator(), clock=lambda: clock[0], step_prior=heavy)
-    router.observe_lockstep(0, [NodeState.of(busy, clock[0]), NodeState.of(scheduler(), clock[0])], clock[0])
-    alone = NodeForecast.build(NodeState.of(scheduler(), clock[0]), OnlineStepModel(heavy), MaxTokensEstimator())
+    router.observe_lockstep(0, [snapshot(busy, clock[0]), snapshot(scheduler(), clock[0])], clock[0])
+    alone = NodeForecast.build(snapshot(scheduler(), clock[0]), OnlineStepModel(heavy), MaxTokensEstimator())
     beside_busy, _ = router.predict(1, 60, 5, clock[0])
     assert beside_busy > 1.5 * alone.predict(clock[0], 60, 5)[0]  # its steps carry the busy node's prompts
     before = router.predict(0, 20, 5, clock[0])[0]
@@ -321,7 +322,7 @@ def test_lockstep_prompt_goes_beside_the_other_nodes_prompt_when_attention_runs_
         nodes[0].update_from_output(out, [0 if s else None for s in out.all_samples()])
     now = clock[0]
     router = PredictiveRouter(MaxTokensEstimator(), clock=lambda: now, step_prior=SIDE_BY_SIDE)
-    router.observe_lockstep(0, [NodeState.of(n, now) for n in nodes], now)
+    router.observe_lockstep(0, [snapshot(n, now) for n in nodes], now)
     predicted = [router.predict(i, 1024, 2, now)[0] for i in range(2)]
     measured = []
     for target in range(2):
@@ -337,7 +338,7 @@ def test_lockstep_prompt_goes_beside_the_other_nodes_prompt_when_attention_runs_
     assert router.choose([NodeLoad(6400), NodeLoad(6400)], 1024, 2) == 1
     summed = PredictiveRouter(MaxTokensEstimator(), clock=lambda: now,
                               step_prior=(0.004, 2.5e-4, 1e-4, 0.0, 0.0))  # a node alone priced the same
-    summed.observe_lockstep(0, [NodeState.of(n, now) for n in nodes], now)
+    summed.observe_lockstep(0, [snapshot(n, now) for n in nodes], now)
     assert summed.predict(1, 1024, 2, now)[0] > 1.3 * measured[1]
 
 
@@ -348,18 +349,18 @@ def test_a_request_on_its_way_stays_in_the_forecast_until_a_snapshot_holds_it():
     clock = [0.0]
     nodes = [scheduler(budget=128), scheduler(budget=128)]
     router = PredictiveRouter(MaxTokensEstimator(), clock=lambda: clock[0], step_prior=SIDE_BY_SIDE)
-    router.observe_lockstep(0, [NodeState.of(n, 0.0) for n in nodes], 0.0)
+    router.observe_lockstep(0, [snapshot(n, 0.0) for n in nodes], 0.0)
     loads = [NodeLoad(6400), NodeLoad(6400)]
     first = router.choose(loads, 1024, 2)
     routed_at = router.last.at
     clock[0] = 0.01
-    router.observe_lockstep(0, [NodeState.of(n, 0.01) for n in nodes], 0.01)  # the request is still on its way
+    router.observe_lockstep(0, [snapshot(n, 0.01) for n in nodes], 0.01)  # the request is still on its way
     assert router.choose(loads, 1024, 2) == 1 - first  # not queued behind the first
     router.placed(first, routed_at, 0.012)
     router.placed(1 - first, router.last.at, None)  # the second was refused by its node
     add(nodes[first], "first", 1024, 2)
     clock[0] = 0.02
-    router.observe_lockstep(0, [NodeState.of(n, 0.02) for n in nodes], 0.02)  # holds the first
+    router.observe_lockstep(0, [snapshot(n, 0.02) for n in nodes], 0.02)  # holds the first
     assert router._routed == [[], []]
     assert router.predict(first, 1024, 2, 0.02)[0] > 1.5 * router.predict(1 - first, 1024, 2, 0.02)[0]
 
@@ -403,7 +404,7 @@ def test_predictive_decisions_take_under_a_millisecond_at_p99_with_16_candidates
 def test_every_router_name_builds_and_heuristics_ignore_snapshots():
     for name in ("round_robin", "random", "least_loaded", "predictive"):
         router = make_router(name)
-        router.observe(0, NodeState.of(scheduler(), 0.0), 0.0)
+        router.observe(0, snapshot(scheduler(), 0.0), 0.0)
         assert router.choose([NodeLoad(100), NodeLoad(100)], 10, 10) in (0, 1)
 
 

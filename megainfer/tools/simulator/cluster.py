@@ -27,6 +27,7 @@ import numpy as np
 from megainfer.config import EngineConfig, ModelConfig
 from megainfer.errors import ConfigError
 from megainfer.messages import NodeLoad, NodeState, StepSample
+from megainfer.node_state import snapshot, step_sample
 from megainfer.routing.autoscale import Autoscaler, ScaleEvent
 from megainfer.routing.policies import PredictiveRouter, Router
 from megainfer.sampling_params import SamplingParams
@@ -180,7 +181,7 @@ class ClusterSimulator:
                                   f"model's context of {self.max_model_len}")
         pending = sorted(requests, key=lambda request: request.arrival_s)
         self.now = pending[0].arrival_s if pending else 0.0
-        self.loads = [NodeState.of(rep.scheduler, self.now).load() for rep in self.fleet]
+        self.loads = [snapshot(rep.scheduler, self.now).load() for rep in self.fleet]
         self.steps_in_flight = []
         self.unfinished = 0
         self.measured = _Measured()
@@ -192,7 +193,7 @@ class ClusterSimulator:
         for k, rep in enumerate(self.fleet):
             if not rep.serving(self.now):
                 continue
-            state = NodeState.of(rep.scheduler, self.now, rep.steps, rep.finished)
+            state = snapshot(rep.scheduler, self.now, rep.steps, rep.finished)
             rep.steps, rep.finished = [], []
             self.loads[k] = state.load()
             self.router.observe(k, state, self.now)
@@ -255,7 +256,7 @@ class ClusterSimulator:
         cost = rep.sim.step_model.step(rep.sim.describe_step(out), sampled=samples.count(True),
                                        seqs=len(out.all_seqs))
         rep.step, rep.step_start = out, self.now
-        rep.step_sample = StepSample.of(out, num_layers=self.model.num_layers)
+        rep.step_sample = step_sample(out, num_layers=self.model.num_layers)
         heapq.heappush(self.steps_in_flight, (self.now + cost.seconds, k))
 
     def _result(self, num_requests: int, rate: float, duration_s: float, first_event: int,
@@ -283,7 +284,7 @@ class ClusterSimulator:
             rep = self._replica(len(self.fleet))
             rep.ready_at = rep.idle_since = self.now + self.start_delay_s
             self.fleet.append(rep)
-            self.loads.append(NodeState.of(rep.scheduler, self.now).load())
+            self.loads.append(snapshot(rep.scheduler, self.now).load())
 
     def _retire(self) -> None:
         if self.autoscaler is None or len(self.fleet) <= 1:
