@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from megainfer.cli.serve import add_frontend_options, frontend_access, wait_for_signal
+from megainfer.server.frontend_options import add_frontend_options, frontend_access, wait_for_signal
 from megainfer.routing.policies import ROUTERS
 
 

@@ -23,8 +23,10 @@ import yaml
 
 from megainfer.config import DTYPE_BYTES, GPU_MEMORY_UTILIZATION, ModelConfig, check_gpu_memory_utilization
 from megainfer.errors import PlanError
-from megainfer.routing.autoscale import AutoscalePolicy
-from megainfer.routing.policies import ROUTERS
+
+# serve.router: how requests are spread over attention nodes (megainfer/routing/policies.py
+# implements each; the schema names them so it imports no router).
+ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
 
 PREFILL_POLICIES = ("chunked", "layered")
 TRANSPORT_BACKENDS = ("auto", "shm", "tcp", "rdma", "nixl")
@@ -150,6 +152,26 @@ class ServeSpec:
             raise PlanError(f"serve.recovery_wait_s must lie in 0..3600 seconds, got {self.recovery_wait_s}")
         if self.router not in ROUTERS:
             raise PlanError(f"serve.router {self.router!r} is not one of {', '.join(ROUTERS)}")
+
+
+@dataclass
+class AutoscalePolicy:
+    """plan.yaml's `autoscale` section."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    predicted_ttft_s: float = 2.0  # add a replica when a new request's best predicted TTFT passes this
+    idle_s: float = 60.0  # retire the newest replica after it has been idle this long
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise PlanError(f"autoscale.min_replicas must be at least 1, got {self.min_replicas}")
+        if self.max_replicas < self.min_replicas:
+            raise PlanError(f"autoscale.max_replicas ({self.max_replicas}) must be at least "
+                            f"autoscale.min_replicas ({self.min_replicas})")
+        for key in ("predicted_ttft_s", "idle_s"):
+            if getattr(self, key) <= 0:
+                raise PlanError(f"autoscale.{key} must be positive, got {getattr(self, key)}")
 
 
 @dataclass

@@ -16,27 +16,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from megainfer.errors import PlanError
-
-
-@dataclass
-class AutoscalePolicy:
-    """plan.yaml's `autoscale` section."""
-
-    min_replicas: int = 1
-    max_replicas: int = 1
-    predicted_ttft_s: float = 2.0  # add a replica when a new request's best predicted TTFT passes this
-    idle_s: float = 60.0  # retire the newest replica after it has been idle this long
-
-    def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise PlanError(f"autoscale.min_replicas must be at least 1, got {self.min_replicas}")
-        if self.max_replicas < self.min_replicas:
-            raise PlanError(f"autoscale.max_replicas ({self.max_replicas}) must be at least "
-                            f"autoscale.min_replicas ({self.min_replicas})")
-        for key in ("predicted_ttft_s", "idle_s"):
-            if getattr(self, key) <= 0:
-                raise PlanError(f"autoscale.{key} must be positive, got {getattr(self, key)}")
+from megainfer.plan import AutoscalePolicy  # plan.yaml's `autoscale` section
 
 
 class ScaleAction(str, enum.Enum):

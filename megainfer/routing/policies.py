@@ -24,11 +24,11 @@ import numpy as np
 
 from megainfer.errors import ConfigError
 from megainfer.messages import NodeLoad, StepSample
+from megainfer.plan import ROUTERS
 from megainfer.routing.forecast import NodeForecast, RequestForecast
 from megainfer.routing.length_estimator import BucketedLengthEstimator
 from megainfer.routing.online_step_model import OnlineStepModel
 
-ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
 OBJECTIVES = ("ttft", "e2e")
 OFFSET_GAIN = 0.05  # how fast the TTFT offset follows measured errors (about the last 20 requests)
 IN_FLIGHT_S = 30.0  # a routed request no one said reached its node is forgotten after this
