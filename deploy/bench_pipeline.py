@@ -17,7 +17,7 @@ import ray
 from deploy.deployment import Deployment
 from deploy.placement import connect_ray
 from deploy.timeline_calls import read_timelines, trace
-from megainfer.bench.pipeline_overlap import PipelineOverlap, overlap, plot_gantt
+from megainfer.bench.pipeline_overlap import PipelineOverlap, overlap, plot_measured_gantt
 from megainfer.bench.report import format_table, write_json
 from megainfer.errors import DataPlaneError, PlanError
 from megainfer.messages import FinishReason
@@ -132,7 +132,7 @@ def run(plan_path: str, micro_batches: list[int], requests: int | None, prompt_l
     print("from the nodes' own timelines, over the decode window (the decode-only steps): busy = stepping and not "
           "waiting for a peer; efficiency = the bottleneck's (*) busy time / the window")
     if plot_path:
-        plot_gantt([(f"m = {r['micro_batches']}", timelines, result) for r, (timelines, result) in zip(rows, traces)],
+        plot_measured_gantt([(f"m = {r['micro_batches']}", timelines, result) for r, (timelines, result) in zip(rows, traces)],
                    plot_path, title=f"{plan_path} ({plan.model}): {requests} requests, decode")
         print(f"wrote {plot_path}")
     if json_path:

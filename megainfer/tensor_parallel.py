@@ -38,10 +38,6 @@ class TensorParallelGroup:
         self.data_group = data_group
         self.data_backend = "nccl" if self.device.type == "cuda" else "gloo"
 
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
     # -- control: host int64 over gloo --------------------------------------------------------
     def broadcast_control(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._check_control("broadcast_control", tensor)

@@ -186,10 +186,6 @@ class PerfModel:
         """T_a: one micro-batch of b_a tokens through one layer's attention half on one node."""
         return np.maximum.reduce([slope * b_a + const for slope, const in self.attention_pieces(side)])
 
-    def attention_tokens_within(self, side: Side, seconds):
-        """The largest b_a with T_a(b_a) <= seconds (<= 0 where even one token takes longer)."""
-        return np.minimum.reduce([(seconds - const) / slope for slope, const in self.attention_pieces(side)])
-
     def expert_pieces(self, side: Side, experts_per_node) -> list[tuple[object, object]]:
         """T_e as max over linear pieces of b_e (tokens each expert receives): the operator
         model's lines (drawn for the side's experts per node), or the calibrated

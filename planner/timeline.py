@@ -95,7 +95,7 @@ def host_line(c: Candidate, host_source: str | None) -> str:
             f"{c.t_e * 1e6:,.0f} us ({c.host_e / c.t_e:.0%}): {verdict}.")
 
 
-def plot_gantt(c: Candidate, path: str, layers: int = 2) -> None:
+def plot_predicted_gantt(c: Candidate, path: str, layers: int = 2) -> None:
     """Gantt chart of the attention, network and expert lanes for `layers` layers."""
     import matplotlib
 

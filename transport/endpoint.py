@@ -151,7 +151,8 @@ def as_bytes(payload) -> memoryview:
         return memoryview(payload)
     if hasattr(payload, "is_cuda"):  # a torch tensor
         if payload.is_cuda:
-            raise TypeError("CUDA tensors go through transport.cuda.StreamOrderedSender (stream-ordered staging)")
+            raise TypeError("CUDA tensors are staged through pinned host memory by the caller (megainfer's "
+                            "disagg/device_staging.py), or registered for RDMA (transport/rdma.py)")
         if not payload.is_contiguous():
             raise ValueError("tensor payloads must be contiguous (call .contiguous())")
         payload = payload.detach().view(-1).view(dtype=__import__("torch").uint8).numpy()

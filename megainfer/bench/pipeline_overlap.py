@@ -91,7 +91,7 @@ def overlap(timelines: list[NodeTimeline]) -> PipelineOverlap:
     return PipelineOverlap((lo, hi), steps, nodes)
 
 
-def plot_gantt(runs: list[tuple[str, list[NodeTimeline], PipelineOverlap]], path: str, seconds: float | None = None,
+def plot_measured_gantt(runs: list[tuple[str, list[NodeTimeline], PipelineOverlap]], path: str, seconds: float | None = None,
                title: str = "") -> None:
     """One panel per run (its label, timelines and overlap), lanes per node, on a common time
     span: `seconds` (default: two decode steps of the first run) from the middle of each run's

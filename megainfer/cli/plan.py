@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.operator_profile import OperatorProfile
     from planner.perf_model import Calibration, PerfModel
     from planner.search import search
-    from planner.timeline import explain, plot_gantt
+    from planner.timeline import explain, plot_predicted_gantt
 
     if args.tbt_slo_ms <= 0:
         raise PlanError(f"--tbt-slo-ms must be positive, got {args.tbt_slo_ms}")
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(explain_sources(perf, catalog, best, calibration))
     if args.plot:
-        plot_gantt(best, args.plot)
+        plot_predicted_gantt(best, args.plot)
         print(f"timeline chart: {args.plot}")
     if args.output:
         plan = best.to_plan(args.model, args.dtype, args.tbt_slo_ms, args.seq_len)

@@ -12,7 +12,7 @@ groups later: `lag`), and its last token `output - 1` steps after that. A predic
 couple of binary searches, not a simulation: microseconds per candidate.
 
 Nodes that run every step together (the attention nodes of a disaggregated replica, which meet
-the expert nodes every layer) are forecast together on one `Timeline`: it keeps each node's
+the expert nodes every layer) are forecast together on one `LockstepSteps`: it keeps each node's
 work in each step, and prices a step on all of it (the sums the experts compute, the busiest
 node's share the attention half waits on), so a node idle beside a busy one is predicted at the
 busy one's pace, a request committed to one lengthens its siblings' steps, and a prompt beside
@@ -57,7 +57,7 @@ TOKENS, SEQS, KV_TOKENS, SCORE_PAIRS = range(4)
 PEAK_COLUMNS = [TOKENS, KV_TOKENS, SCORE_PAIRS]  # the columns the busiest node bounds
 
 
-class Timeline:
+class LockstepSteps:
     """When a forecast's steps end. Nodes in lockstep (a disaggregated replica's attention
     nodes meet the experts every layer) share one: it holds every member's work in every step
     (rows of tokens, seqs, kv_tokens, score_pairs) and each step lasts as long as the model
@@ -119,7 +119,7 @@ class Timeline:
 
 
 class NodeForecast:
-    def __init__(self, t0: float, timeline: Timeline, spare: np.ndarray, lag: np.ndarray, kv_free: np.ndarray, *,
+    def __init__(self, t0: float, timeline: LockstepSteps, spare: np.ndarray, lag: np.ndarray, kv_free: np.ndarray, *,
                  budget: int, tail_backlog: int, tail_decodes: int, tail_kv: float, model: OnlineStepModel,
                  cohort_lag: int = 0) -> None:
         self.t0 = t0
@@ -342,7 +342,7 @@ class NodeForecast:
                          for replay, out in zip(replays, outs)])
             for replay, out in zip(replays, outs):
                 replay.record(out)
-        timeline = Timeline(np.asarray(work, dtype=np.float64).reshape(len(work), len(replays), 4).transpose(1, 0, 2),
+        timeline = LockstepSteps(np.asarray(work, dtype=np.float64).reshape(len(work), len(replays), 4).transpose(1, 0, 2),
                             model)
         forecasts = [replay.forecast(state.time, timeline, model) for replay, state in zip(replays, states)]
         timeline.reindex()
@@ -394,7 +394,7 @@ class _Replay:
         if out is not None:
             self.scheduler.update_from_output(out, [0 if sampled else None for sampled in out.all_samples()])
 
-    def forecast(self, t0: float, timeline: Timeline, model: OnlineStepModel) -> NodeForecast:
+    def forecast(self, t0: float, timeline: LockstepSteps, model: OnlineStepModel) -> NodeForecast:
         scheduler = self.scheduler
         backlog = sum(s.num_uncomputed_tokens for s in scheduler.waiting) + \
             sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megainfer.bench.pipeline_overlap import decode_window, overlap, plot_gantt
+from megainfer.bench.pipeline_overlap import decode_window, overlap, plot_measured_gantt
 from megainfer.disagg import node_timeline as timeline_module
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.errors import MegaInferError
@@ -175,6 +175,6 @@ def test_plot_gantt_writes_a_png_for_two_runs(tmp_path):
     one = [attention_timeline(), expert_timeline(-100.0)]
     two = [attention_timeline(), expert_timeline(0.0)]
     path = tmp_path / "gantt.png"
-    plot_gantt([("aligned", one, overlap(one)), ("unaligned", two, overlap(two))], str(path), title="test")
+    plot_measured_gantt([("aligned", one, overlap(one)), ("unaligned", two, overlap(two))], str(path), title="test")
     assert path.is_file()
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

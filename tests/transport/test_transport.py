@@ -313,19 +313,3 @@ def test_qp_info_exchange_format():
     assert info.gid_text == "0001:0203:0405:0607:0809:0a0b:0c0d:0e0f"
     with pytest.raises(HandshakeError, match="46"):
         QPInfo.unpack(packed[:-1])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (stream-ordered send/receive)")
-def test_cuda_stream_ordered_exchange(mesh):
-    from transport.cuda import StreamOrderedReceiver, StreamOrderedSender
-
-    senders, receivers = mesh("shm", 1, 1, slot_bytes=1 << 20)
-    x = torch.randn(1024, 64, device="cuda")
-    producer = torch.cuda.Stream()
-    with torch.cuda.stream(producer):
-        y = x * 2
-        done = producer.record_event()
-    StreamOrderedSender(senders["a0"], 1 << 20).send("e0", y, event=done)
-    header, out = StreamOrderedReceiver(receivers["e0"], 1 << 20).recv("a0", dtype=torch.float32, shape=(1024, 64))
-    torch.cuda.current_stream().synchronize()
-    assert torch.equal(out, x * 2) and header.byte_length == x.numel() * 4

@@ -59,10 +59,6 @@ class OperatorGrid:
     def total_points(self) -> int:
         return sum(self.num_points(op) for op in self.axes)
 
-    @property
-    def max_decode_context(self) -> int:
-        return self.axes["attention_decode"][1][-1]
-
 
 def default_grid(model: ModelConfig, device_kind: str, max_model_len: int, tp: int, dtype_bytes: int,
                  quick: bool = False) -> OperatorGrid:
