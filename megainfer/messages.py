@@ -7,14 +7,21 @@ attributes, never keys.
 | `Plan`           | driver (deploy)              | every node actor, at construction   | the plan (megainfer/plan.py)              |
 | `SamplingParams` | driver frontend              | attention node (`add_request`)      | a request's sampling settings             |
 | `RequestDelta`   | attention node / engine loop | frontend -> the request's stream    | one request's tokens of one step, or its end |
+| `DeltaBatch`     | attention node (`poll`)      | driver (`DeltaDelivery`) -> streams | the deltas after a cursor, as `DeltaColumns` |
+| `DeltaColumns`   | inside `DeltaBatch`; `Engine.step_columns` | `StreamRegistry.deliver_batch` | a step's plain deltas as columns, the others whole |
 | `Logprob`        | inside `RequestDelta`        | the servers, `LLM`                  | one token's log-probability and rank      |
 | `RequestMetrics` | inside a request's last `RequestDelta` | the servers' metrics      | queue, prefill, decode times; token counts |
 | `NodeHealth`     | every node actor (`health`)  | node group (supervision, info)      | status, error, what the node is doing     |
 | `RankPlacement`  | every node actor (`placement`) | node group (`placements`, tests)  | the Ray node, GPU type and GPUs of a rank |
 | `NodeStats`      | attention leader (`stats`)   | frontend (metrics endpoint, benches)| engine counters and M2N histograms        |
+| `EngineStats`    | inside `NodeStats`; `EngineBackend` | metrics endpoint, benches    | the engine's counters, kernel report, expert load |
+| `ExpertLoad`     | inside `EngineStats`         | metrics endpoint, energy estimate   | experts a step activated, bytes read      |
+| `NodeResources`  | every node actor (`resources`) | `bench soak`, leak checks         | resident memory, KV blocks, M2N slots held |
 | `NodeState`      | attention leader (`state`)   | frontend -> router                  | scheduler snapshot, measured steps        |
 | `StepSample`     | inside `NodeState`           | router's step-time model            | one step's work and seconds               |
 | `SchedulingKnobs`| inside `NodeState`           | router's forecast                   | the scheduler settings to reproduce       |
+| `LayeredSettings`| inside `SchedulingKnobs`     | router's forecast                   | a layered-prefill policy's settings       |
+| `RequestLengths` | inside `NodeState`           | router's forecast                   | one request's prompt, tokens, cached, max_tokens |
 | `HistogramSnapshot` | inside `NodeStats`        | metrics endpoint                    | bucket counts of a latency histogram      |
 | `NodeTimeline`   | every node actor (`timeline`) | `bench pipeline` (table, Gantt)    | the node's spans: steps, computes, waits, messages |
 | `Span`           | inside `NodeTimeline`        | `bench pipeline`                    | one interval or instant on the node's clock |
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from kernels.startup import KernelReport  # no import at run time: the CLI's --help and plan stay torch-free
@@ -371,6 +378,16 @@ class StepSample:
 
 
 @dataclass(frozen=True)
+class LayeredSettings:
+    """A layered-prefill policy's settings."""
+
+    num_layers: int  # layers of the model, which the groups cut
+    group_tokens: int  # cohort tokens per layer group when the group count is derived
+    num_layer_groups: int | None  # fixed number of groups; None: derived from the cohort's tokens
+    chunk_tokens: int  # most prompt tokens one cohort carries
+
+
+@dataclass(frozen=True)
 class SchedulingKnobs:
     """The scheduler settings a forecast must reproduce."""
 
@@ -380,14 +397,16 @@ class SchedulingKnobs:
     max_num_batched_tokens: int
     max_model_len: int
     prefill_policy: str = "chunked"
-    num_layers: int = 1
-    group_tokens: int = 512
-    num_layer_groups: int | None = None
-    layered_chunk_tokens: int = 512
+    layered: LayeredSettings | None = None  # the layered policy's own settings (None: chunked)
 
 
-# A request as (prompt tokens, tokens so far (prompt + generated), tokens cached, max_tokens).
-RequestLengths = tuple[int, int, int, int]
+class RequestLengths(NamedTuple):
+    """One request as a node's snapshot holds it."""
+
+    prompt: int  # prompt tokens
+    tokens: int  # tokens so far: prompt and generated
+    cached: int  # tokens computed into the KV cache
+    max_tokens: int
 
 
 @dataclass
@@ -404,9 +423,10 @@ class NodeState:
     def load(self) -> "NodeLoad":
         """The heuristic routers' view."""
         k = self.knobs
-        pending = sum(n - c for _, n, c, _ in self.waiting) + sum(n - c for _, n, c, _ in self.running if n - c > 1)
+        pending = sum(r.tokens - r.cached for r in self.waiting) + sum(
+            r.tokens - r.cached for r in self.running if r.tokens - r.cached > 1)
         return NodeLoad(capacity_tokens=k.num_blocks * k.block_size,
-                        used_tokens=sum(c for _, _, c, _ in self.running), pending_prefill_tokens=pending,
+                        used_tokens=sum(r.cached for r in self.running), pending_prefill_tokens=pending,
                         running=len(self.running), waiting=len(self.waiting))
 
 

@@ -25,13 +25,8 @@ def step_sample(out: SchedulerOutput, seconds: float = 0.0, num_layers: int = 1,
 
 def scheduling_knobs(scheduler: Scheduler) -> SchedulingKnobs:
     bm, policy = scheduler.block_manager, scheduler.policy
-    common = (bm.num_blocks, bm.block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
-              scheduler.max_model_len, policy.name)
-    layered = policy.layered_settings()
-    if layered is None:
-        return SchedulingKnobs(*common)
-    return SchedulingKnobs(*common, num_layers=layered.num_layers, group_tokens=layered.group_tokens,
-                           num_layer_groups=layered.num_layer_groups, layered_chunk_tokens=layered.chunk_tokens)
+    return SchedulingKnobs(bm.num_blocks, bm.block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+                           scheduler.max_model_len, policy.name, policy.layered_settings())
 
 
 def snapshot(scheduler: Scheduler, now: float, steps: list[StepSample] = (), finished: list[tuple[int, int]] = (),
@@ -44,4 +39,4 @@ def snapshot(scheduler: Scheduler, now: float, steps: list[StepSample] = (), fin
 
 
 def _lengths(s: Sequence) -> RequestLengths:
-    return (s.num_prompt_tokens, s.num_tokens, s.num_computed_tokens, s.params.max_tokens)
+    return RequestLengths(s.num_prompt_tokens, s.num_tokens, s.num_computed_tokens, s.params.max_tokens)

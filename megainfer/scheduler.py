@@ -26,6 +26,7 @@ import numpy as np
 
 from megainfer.config import EngineConfig
 from megainfer.kv_cache import BlockManager
+from megainfer.messages import LayeredSettings
 from megainfer.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -73,16 +74,6 @@ class PrefillPolicy(Protocol):
     def layered_settings(self) -> LayeredSettings | None:
         """The layered-prefill settings (what a replay needs to rebuild the policy), None for a
         policy that is not layered."""
-
-
-@dataclass(frozen=True)
-class LayeredSettings:
-    """A layered-prefill policy's settings."""
-
-    num_layers: int  # layers of the model, which the groups cut
-    group_tokens: int  # cohort tokens per layer group when the group count is derived
-    num_layer_groups: int | None  # fixed number of groups; None: derived from the cohort's tokens
-    chunk_tokens: int  # most prompt tokens one cohort carries
 
 
 class ChunkedPrefill:

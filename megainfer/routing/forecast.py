@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.kv_cache import BlockManager
-from megainfer.messages import NodeState, StepSample
+from megainfer.messages import NodeState, RequestLengths, StepSample
 from megainfer.node_state import step_sample
 from megainfer.routing.length_estimator import OutputLengthEstimator
 from megainfer.routing.online_step_model import OnlineStepModel
@@ -355,17 +355,18 @@ class _Replay:
 
     def __init__(self, state: NodeState, estimator: OutputLengthEstimator) -> None:
         knobs = state.knobs
-        self.num_layers = knobs.num_layers
+        layered = knobs.layered
         self.block_manager = block_manager = BlockManager(knobs.num_blocks, knobs.block_size)
-        self.layered = knobs.prefill_policy == "layered"
-        policy = LayeredPrefill(knobs.num_layers, knobs.group_tokens, knobs.num_layer_groups,
-                                knobs.layered_chunk_tokens) if self.layered else ChunkedPrefill()
+        self.num_layers = layered.num_layers if layered is not None else 1
+        self.layered = layered is not None
+        policy = LayeredPrefill(layered.num_layers, layered.group_tokens, layered.num_layer_groups,
+                                layered.chunk_tokens) if layered is not None else ChunkedPrefill()
         self.scheduler = scheduler = Scheduler(block_manager, policy, max_num_seqs=knobs.max_num_seqs,
                                                max_num_batched_tokens=knobs.max_num_batched_tokens,
                                                max_model_len=knobs.max_model_len, clock=lambda: 0.0)
         for i, lengths in enumerate(state.running):
             seq = _sequence(f"r{i}", lengths, estimator)
-            cached = lengths[2]
+            cached = lengths.cached
             if block_manager.blocks_for_tokens(cached) > block_manager.num_free_blocks:
                 scheduler.add(seq)  # the snapshot raced a preemption: it recomputes, as the node will
                 continue
@@ -376,11 +377,11 @@ class _Replay:
             scheduler.requests[seq.request_id] = seq
         for i, lengths in enumerate(state.waiting):
             scheduler.add(_sequence(f"w{i}", lengths, estimator))
-        self.budget = knobs.layered_chunk_tokens if self.layered else knobs.max_num_batched_tokens
+        self.budget = layered.chunk_tokens if layered is not None else knobs.max_num_batched_tokens
         self.group_lag = 0
         if self.layered:
-            groups = knobs.num_layer_groups or max(1, -(-self.budget // knobs.group_tokens))
-            self.group_lag = min(groups, knobs.num_layers) - 1
+            groups = layered.num_layer_groups or max(1, -(-self.budget // layered.group_tokens))
+            self.group_lag = min(groups, layered.num_layers) - 1
         self.spare: list[int] = []
         self.lag: list[int] = []
         self.kv_free: list[int] = []
@@ -405,12 +406,12 @@ class _Replay:
                             cohort_lag=self.group_lag)
 
 
-def _sequence(request_id: str, lengths: tuple[int, int, int, int], estimator: OutputLengthEstimator) -> Sequence:
-    prompt, num_tokens, _, max_tokens = lengths
-    generated = num_tokens - prompt
-    total = estimator.estimate(prompt, generated, max_tokens)
-    return Sequence(request_id, [0] * prompt, SamplingParams(max_tokens=max(total, generated + 1), ignore_eos=True),
-                    token_ids=[0] * num_tokens, arrival_time=0.0)
+def _sequence(request_id: str, lengths: RequestLengths, estimator: OutputLengthEstimator) -> Sequence:
+    generated = lengths.tokens - lengths.prompt
+    total = estimator.estimate(lengths.prompt, generated, lengths.max_tokens)
+    return Sequence(request_id, [0] * lengths.prompt,
+                    SamplingParams(max_tokens=max(total, generated + 1), ignore_eos=True),
+                    token_ids=[0] * lengths.tokens, arrival_time=0.0)
 
 
 def _room(scheduler: Scheduler, out, layered: bool, budget: int, group_lag: int) -> tuple[int, int]:
