@@ -237,7 +237,8 @@ class AttentionGraphs:
             slot.hidden, slot.positions, slot.batch.block_tables, slot.batch.seq_lens, slot.batch.slot_mapping,
             slot.out.residual, slot.out.records, slot.out.token_ids))
 
-    def _region(self, layer: int, slot: AttentionSlot) -> Callable[[], None]:
+    def region(self, layer: int, slot: AttentionSlot) -> Callable[[], None]:
+        """What `layer`'s graph on `slot` records (run it under `kernels.graph_region` to launch it op by op)."""
         def region() -> None:
             parts = attend_and_pack(self.model.attention_layers[layer], self.model.rotary, self.kv_caches[layer],
                                     slot.hidden, slot.positions, slot.batch, self.expert_counts[layer],
@@ -258,10 +259,10 @@ class AttentionGraphs:
         with kernels.graph_region():
             for size in self.sizes:
                 for slots in self.slots:  # each slot's batch plans its attention launch once, here
-                    capture.warm_up(self._region(0, slots[size]))
+                    capture.warm_up(self.region(0, slots[size]))
                 for layer in range(len(self.kv_caches)):
                     for j, slots in enumerate(self.slots):
-                        self.graphs[layer, j, size] = capture(self._region(layer, slots[size]))
+                        self.graphs[layer, j, size] = capture(self.region(layer, slots[size]))
         return len(self.graphs)
 
     def load(self, j: int, inputs: BatchInputs | None, rows: int) -> bool:
@@ -309,7 +310,8 @@ class ExpertGraphs:
     def static_bytes(self) -> int:
         return static_bytes(t for slot in self.slots.values() for t in (slot.records, slot.out))
 
-    def _region(self, layer: int, slot: ExpertSlot) -> Callable[[], None]:
+    def region(self, layer: int, slot: ExpertSlot) -> Callable[[], None]:
+        """What `layer`'s graph on `slot` records."""
         cfg = self.layers[layer].cfg
 
         def region() -> None:
@@ -324,9 +326,9 @@ class ExpertGraphs:
         """Every (layer, size) graph; returns how many (each size run once first, as above)."""
         with kernels.graph_region():
             for size in self.sizes:
-                capture.warm_up(self._region(0, self.slots[size]))
+                capture.warm_up(self.region(0, self.slots[size]))
                 for layer in range(len(self.layers)):
-                    self.graphs[layer, size] = capture(self._region(layer, self.slots[size]))
+                    self.graphs[layer, size] = capture(self.region(layer, self.slots[size]))
         return len(self.graphs)
 
     def run(self, layer: int, records: torch.Tensor, tokens: int) -> torch.Tensor | None:

@@ -138,8 +138,9 @@ class ExpertWorker:
         ladder's; None: eager (0 tokens: --enforce-eager)."""
         capture = decode_graphs.decode_capture(self.device, not most_tokens, name)
         if capture is None:
-            self.kernels = dataclasses.replace(self.kernels, decode=decode_graphs.eager_reason(
-                self.device, not most_tokens))
+            reason = decode_graphs.eager_reason(self.device, False) if most_tokens else \
+                "eager (no decode batch size to capture for: --enforce-eager, or decode_graph_tokens 0)"
+            self.kernels = dataclasses.replace(self.kernels, decode=reason)
             return None
         sizes = decode_graphs.capture_sizes(most_tokens, sizes)
         reduce = None if self.tp_size == 1 else partial(self.tp_group.reduce, dst=0)

@@ -146,7 +146,7 @@ def test_the_attention_regions_dispatch_nothing_capture_forbids():
     fresh = AttentionGraphs(model, caches, counts, (8,), 1, 32, BLOCK, PAD_BLOCK, NODES,
                             record_bytes(cfg.hidden_size, cfg.top_k, torch.float32))
     with kernels.graph_region(), eager:
-        fresh._region(0, fresh.slots[0][8])()
+        fresh.region(0, fresh.slots[0][8])()
     with eager:
         model.attention_layers[1].route(torch.randn(5, cfg.hidden_size))
     assert {v.op for v in eager.violations} == {"aten.lift_fresh.default", "aten.nonzero.default",
