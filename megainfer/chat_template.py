@@ -35,6 +35,15 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
 def _environment():
     import jinja2
     from jinja2.ext import Extension, loopcontrols
@@ -86,17 +95,10 @@ def _environment():
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters, which would change the prompt.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=_strftime_now, dict=TemplateDict(),
                        namespace=SafeNamespace)
     return env
 

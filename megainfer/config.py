@@ -39,6 +39,22 @@ RANDOM_WEIGHTS_MAX_BYTES = 4 << 30
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+def _rope_theta(cfg: dict[str, Any], name: str, model_type: str) -> float:
+    """The checkpoint's RoPE theta, refusing what megainfer does not run (scaled RoPE, sliding windows)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{name}: rope type {rope_type!r} (rope_parameters.rope_type) is not "
+                          "supported; only the default RoPE is")
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    if rope_theta is None:
+        raise ConfigError(f"{name}: no rope theta: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
+    sliding = cfg.get("sliding_window")
+    if sliding is not None and cfg.get("use_sliding_window", model_type == "mixtral"):
+        raise ConfigError(f"{name}: sliding_window={sliding} is not supported; set it to null")
+    return rope_theta
+
+
 def _checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
     """config.json's weights dtype (`torch_dtype`, or `dtype` as transformers 5 writes it)."""
     value = cfg.get("torch_dtype", cfg.get("dtype"))
@@ -180,18 +196,7 @@ class ModelConfig:
                     return cfg[k]
             raise ConfigError(f"{name or 'config.json'}: required field '{key}' is missing")
 
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"{name}: rope type {rope_type!r} (rope_parameters.rope_type) is not "
-                              "supported; only the default RoPE is")
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
-        if rope_theta is None:
-            raise ConfigError(f"{name}: no rope theta: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
-        sliding = cfg.get("sliding_window")
-        if sliding is not None and cfg.get("use_sliding_window", model_type == "mixtral"):
-            raise ConfigError(f"{name}: sliding_window={sliding} is not supported; set it to null")
-
+        rope_theta = _rope_theta(cfg, name, model_type)
         if model_type == "qwen3_moe":
             if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
                 raise ConfigError(f"{name}: dense (mlp_only_layers / decoder_sparse_step) layers are not "

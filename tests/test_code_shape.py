@@ -1,6 +1,8 @@
-"""The shape the deployment side keeps (one job per module): no class in deploy/ over 200
-lines, no function over 60 lines in deploy/ or the disaggregated runtime, routing and
-simulator packages; one module per name."""
+"""The shape the code keeps (one job per module): no class in deploy/ over 200 lines; no function
+over 60 lines in deploy/, kernels/ or megainfer/ (its CLI's argument tables apart, `megainfer/cli/`);
+one module per name. Not yet held: classes over 200 lines outside deploy/ (the engine, the
+scheduler, the runners, the transport's endpoint), functions over 60 in transport/'s benchmark
+floors and the planner's search."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_CLASS_LINES = {"deploy": 200}
-MAX_FUNCTION_LINES = {"deploy": 60, "megainfer/disagg": 60, "megainfer/routing": 60, "megainfer/tools/simulator": 60}
+MAX_FUNCTION_LINES = {"deploy": 60, "kernels": 60, "megainfer": 60}
+EXEMPT_FUNCTIONS = ("megainfer/cli/",)  # argument tables
 
 
-def _definitions(folder: str, kinds: tuple[type, ...]):
+def _definitions(folder: str, kinds: tuple[type, ...], exempt: tuple[str, ...] = ()):
     for path in sorted((ROOT / folder).rglob("*.py")):
+        if path.relative_to(ROOT).as_posix().startswith(exempt):
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, kinds):
                 yield f"{path.relative_to(ROOT)}:{node.name}", node.end_lineno - node.lineno + 1
@@ -26,9 +31,10 @@ def test_no_class_in_deploy_over_200_lines():
         assert not long, f"classes over {limit} lines: {long}"
 
 
-def test_no_function_over_60_lines_in_the_deployment_side():
+def test_no_function_over_60_lines():
     for folder, limit in MAX_FUNCTION_LINES.items():
-        long = {name: n for name, n in _definitions(folder, (ast.FunctionDef, ast.AsyncFunctionDef)) if n > limit}
+        long = {name: n for name, n in _definitions(folder, (ast.FunctionDef, ast.AsyncFunctionDef), EXEMPT_FUNCTIONS)
+                if n > limit}
         assert not long, f"functions over {limit} lines: {long}"
 
 

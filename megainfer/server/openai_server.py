@@ -142,20 +142,7 @@ class OpenAIServer:
     def _build(self) -> FastAPI:
         app = FastAPI(title="megainfer", version=megainfer.__version__, docs_url=None, redoc_url=None)
         app.add_middleware(RequestSizeLimit, max_bytes=MAX_REQUEST_BYTES)  # 413 before a body is parsed
-
-        @app.exception_handler(RequestValidationError)
-        async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
-            return error_response(validation_error(list(exc.errors())))
-
-        @app.exception_handler(HTTPException)
-        async def http_error(request: Request, exc: HTTPException) -> Response:  # unknown route, wrong method
-            kind = NOT_FOUND if exc.status_code == HTTPStatus.NOT_FOUND else "invalid_request_error"
-            detail = f"{request.method} {request.url.path}: {exc.detail}"
-            return error_response(ApiError(exc.status_code, detail, kind))
-
-        @app.exception_handler(Exception)
-        async def bug(request: Request, exc: Exception) -> Response:  # the server logs it and serves on
-            return error_response(api_error(exc))
+        _handle_errors(app)
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -203,3 +190,22 @@ class OpenAIServer:
 
     def _card(self, name: str) -> ModelCard:
         return ModelCard(id=name, root=self.served.root, max_model_len=self.served.max_model_len)
+
+
+def _handle_errors(app: FastAPI) -> None:
+    """Every error as the OpenAI API shapes it: a bad body (400), an unknown route or method, a bug
+    (500, logged; the server serves on)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:  # unknown route, wrong method
+        kind = NOT_FOUND if exc.status_code == HTTPStatus.NOT_FOUND else "invalid_request_error"
+        detail = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(ApiError(exc.status_code, detail, kind))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> Response:  # the server logs it and serves on
+        return error_response(api_error(exc))

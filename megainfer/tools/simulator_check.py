@@ -315,15 +315,19 @@ def run_check(spec: CheckSpec, json_path: str | None = None) -> list[PolicyCheck
     print(f"machine: {host['cpu']}, {host['cores']} cores; real timings share it with the client and anything "
           f"else running, the simulation is noise-free")
     if json_path:
-        write_json(json_path, {"config": {**asdict(spec), "dtype": dtype, "threads": threads},
-                               "machine": host, "trace": {"requests": [asdict(r) for r in requests],
-                                                               "stats": describe(requests)},
-                               "tolerance": spec.tolerance,
-                               "policies": {c.policy: {"server": asdict(c.server), "real": c.real, "sim": c.sim,
-                                                       "comparison": c.comparison} for c in checks},
-                               "within": {c.policy: {k: v["within"] for k, v in c.comparison.items()}
-                                          for c in checks}})
+        _write_checks(json_path, spec, dtype, threads, host, requests, checks)
     return checks
+
+
+def _write_checks(json_path: str, spec: CheckSpec, dtype: str, threads, host: dict, requests: list,
+                  checks: list[PolicyCheck]) -> None:
+    write_json(json_path, {"config": {**asdict(spec), "dtype": dtype, "threads": threads},
+                           "machine": host, "trace": {"requests": [asdict(r) for r in requests],
+                                                      "stats": describe(requests)},
+                           "tolerance": spec.tolerance,
+                           "policies": {c.policy: {"server": asdict(c.server), "real": c.real, "sim": c.sim,
+                                                   "comparison": c.comparison} for c in checks},
+                           "within": {c.policy: {k: v["within"] for k, v in c.comparison.items()} for c in checks}})
 
 
 def _trace(spec: CheckSpec, model: ModelConfig, work: Path) -> tuple[Path, list[SimRequest]]:

@@ -112,6 +112,15 @@ def resolve_target(request: ProfileRequest) -> ResolvedTarget:
     return ResolvedTarget(model, checkpoint, config, max_model_len, device, getattr(torch, config.dtype))
 
 
+def _measure_allreduce(target, grid, tp: int, min_time_s: float, bar) -> OperatorTable:
+    """The all-reduce table across `tp` spawned ranks, at the grid's byte sizes."""
+    bar.set_description("allreduce")
+    (bytes_axis,) = grid.axes["allreduce"]
+    seconds = measure_allreduce(bytes_axis, tp, target.device, target.dtype, min_time_s, torch.get_num_threads())
+    bar.update(len(bytes_axis))
+    return OperatorTable((tuple(map(float, bytes_axis)),), np.asarray(seconds))
+
+
 def run_profile(request: ProfileRequest, show_progress: bool = True) -> ProfileResult:
     began = time.perf_counter()
     target = resolve_target(request)
@@ -148,12 +157,7 @@ def run_profile(request: ProfileRequest, show_progress: bool = True) -> ProfileR
         del bench
         if request.tp > 1:
             started = time.perf_counter()
-            bar.set_description("allreduce")
-            (bytes_axis,) = grid.axes["allreduce"]
-            seconds = measure_allreduce(bytes_axis, request.tp, target.device, target.dtype, min_time_s,
-                                        torch.get_num_threads())
-            tables["allreduce"] = OperatorTable((tuple(map(float, bytes_axis)),), np.asarray(seconds))
-            bar.update(len(bytes_axis))
+            tables["allreduce"] = _measure_allreduce(target, grid, request.tp, min_time_s, bar)
             spent["allreduce"] = time.perf_counter() - started
         started = time.perf_counter()
         device = device_info.profiled_device(target.device, target.dtype, request.tp, min_time_s)
