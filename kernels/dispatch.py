@@ -37,7 +37,7 @@ class KernelUnavailable(RuntimeError):
     """The requested kernel backend cannot run here (the message says why and what to do)."""
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         importlib.import_module("triton")
     except ImportError:
@@ -55,7 +55,7 @@ def graph_region():
     """A CUDA graph's region is being warmed up or captured: every kernel is the Triton one (the
     references synchronise with the host, and timing one against the other would launch and
     wait inside the capture), on CUDA or under Triton's interpreter."""
-    if not _triton_available():
+    if not triton_available():
         raise KernelUnavailable("CUDA graphs capture the Triton kernels, and Triton is not installed: "
                                 "pip install triton, or run eager (--enforce-eager)")
     before, _region.active = _capturing(), True
@@ -80,13 +80,13 @@ def backend(device: torch.device) -> str:
     if choice == "reference":
         return "reference"
     if choice == "triton":
-        if not _triton_available():
+        if not triton_available():
             raise KernelUnavailable(f"{ENV}=triton but Triton is not installed: pip install triton")
         if device.type != "cuda" and not interpreted():
             raise KernelUnavailable(f"{ENV}=triton on {device.type} tensors needs Triton's interpreter: set "
                                     "TRITON_INTERPRET=1 (slow; meant for tests), or unset " + ENV)
         return "triton"
-    return FASTEST if device.type == "cuda" and _triton_available() else "reference"
+    return FASTEST if device.type == "cuda" and triton_available() else "reference"
 
 
 def env_choice() -> str:

@@ -21,13 +21,14 @@ user may replay before the answers' copy to the host has run.
 Decode only: a micro-batch with prompt tokens, or larger than the largest size, runs eager.
 The captured functions are the eager ones (`attend_and_pack`, `ExpertLayer.forward`): both
 paths compute the same thing. `capture_audit.py` checks on the CPU that they are
-capture-safe. On the CPU nothing is captured (`Capture` is injected: tests replay a region by
-running it again, to check the static-buffer and padding logic).
+capture-safe. On the CPU nothing is captured (`Capture` is injected: `RerunCapture` replays a
+region by running it again, to check the static-buffer and padding logic).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -106,6 +107,36 @@ class CudaCapture:
         return graph
 
 
+class RerunCapture:
+    """`Capture` where there is no GPU (the tests, the GPU check on a CPU): a replay runs the
+    region again, op by op, on the same static buffers a graph would read and write, so
+    everything but the recording itself is the real path. `lock`: held around each run (Triton's
+    interpreter is not thread-safe, and a deployment in threads runs several nodes' regions)."""
+
+    def __init__(self, lock: contextlib.AbstractContextManager | None = None) -> None:
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.regions = 0
+        self.replays = 0
+
+    def warm_up(self, region: Callable[[], None]) -> None:
+        with self.lock:
+            region()
+
+    def __call__(self, region: Callable[[], None]) -> Replay:
+        self.regions += 1
+        return _Rerun(self, region)
+
+
+class _Rerun:
+    def __init__(self, capture: RerunCapture, region: Callable[[], None]) -> None:
+        self.capture, self.region = capture, region
+
+    def replay(self) -> None:
+        self.capture.replays += 1
+        with self.capture.lock, kernels.graph_region():
+            self.region()
+
+
 @dataclass
 class CaptureReport:
     """What a node captured, for its log and status."""
@@ -147,9 +178,7 @@ def eager_reason(device: torch.device, enforce_eager: bool) -> str:
     if kernels.backend(device) == "reference":
         return ("eager: MEGAINFER_KERNELS=reference, and the torch references synchronise with the host, which a "
                 "CUDA graph cannot; unset it to capture")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not kernels.dispatch.triton_available():
         return "eager: Triton is not installed, and the graphs capture its kernels (pip install triton)"
     return ""
 
@@ -166,6 +195,9 @@ class AttentionSlot:
     # The graphs' outputs, copied there by every layer's graph: what a graph allocates comes
     # from the pool the graphs share, where the next capture may reuse it.
     out: DispatchParts
+    pad_block: int  # the KV block padding rows write to (no sequence owns it)
+    block_size: int
+    records_per_row: int  # the most records one row gives (a token goes to at most this many nodes)
     rows: int = 0  # live rows this step
     padded_from: int = 0  # rows at or past this hold the padding row's metadata
 
@@ -186,9 +218,10 @@ class AttentionSlot:
                             torch.zeros(expert_nodes + 1, dtype=torch.int64, device=device),
                             torch.zeros(rows, dtype=torch.int64, device=device))
         return cls(size, torch.zeros(size, hidden_size, dtype=dtype, device=device),
-                   torch.zeros(size, dtype=torch.int64, device=device), batch, torch.zeros(1, **i32), out)
+                   torch.zeros(size, dtype=torch.int64, device=device), batch, torch.zeros(1, **i32), out, pad_block,
+                   block_size, records_per_row)
 
-    def load(self, inputs: BatchInputs, rows: int, pad_block: int, block_size: int) -> None:
+    def load(self, inputs: BatchInputs, rows: int) -> None:
         """This step's metadata of the micro-batch's `rows` decodes; rows past them padding."""
         _, positions, batch = inputs
         static = self.batch
@@ -199,18 +232,17 @@ class AttentionSlot:
         if rows < self.padded_from:  # rows the last step used become padding again
             span = slice(rows, self.padded_from)
             self.positions[span].zero_()
-            static.block_tables[span, 0] = pad_block
+            static.block_tables[span, 0] = self.pad_block
             static.seq_lens[span] = 1
-            static.slot_mapping[span] = pad_block * block_size
+            static.slot_mapping[span] = self.pad_block * self.block_size
         self.padded_from = rows
         self.valid.fill_(rows)
         self.rows = rows
 
-    def outputs(self, records_per_row: int) -> DispatchParts:
+    def outputs(self) -> DispatchParts:
         """The live rows' views of the outputs."""
-        r, out = self.rows, self.out
-        return DispatchParts(out.residual[:r], out.records[:r * records_per_row], out.node_offsets,
-                             out.token_ids[:r * records_per_row])
+        r, out, n = self.rows, self.out, self.rows * self.records_per_row
+        return DispatchParts(out.residual[:r], out.records[:n], out.node_offsets, out.token_ids[:n])
 
 
 class AttentionGraphs:
@@ -223,11 +255,10 @@ class AttentionGraphs:
         lives as long as they do); `pad_block`: a KV block no sequence owns."""
         self.model, self.kv_caches, self.expert_counts = model, kv_caches, expert_counts
         self.sizes, self.tp_size = sizes, tp_size
-        self.pad_block, self.block_size = pad_block, block_size
-        self.records_per_row = min(model.cfg.top_k, expert_nodes)  # a token goes to at most this many nodes
+        records_per_row = min(model.cfg.top_k, expert_nodes)  # a token goes to at most this many nodes
         device, dtype = model.embed.weight.device, model.embed.weight.dtype
         self.slots = [{size: AttentionSlot.empty(size, model.cfg.hidden_size, max_blocks, block_size, dtype, device,
-                                                 pad_block, self.records_per_row, record_size, expert_nodes)
+                                                 pad_block, records_per_row, record_size, expert_nodes)
                        for size in sizes} for _ in range(micro_batches)]
         self.graphs: dict[tuple[int, int, int], Replay] = {}
         self.active: list[AttentionSlot | None] = [None] * micro_batches  # this step's slot of each micro-batch
@@ -273,7 +304,7 @@ class AttentionGraphs:
             self.active[j] = None
             return False
         slot = self.active[j] = self.slots[j][size]
-        slot.load(inputs, rows, self.pad_block, self.block_size)
+        slot.load(inputs, rows)
         return True
 
     def run(self, layer: int, j: int, hidden: torch.Tensor) -> DispatchParts:
@@ -281,7 +312,7 @@ class AttentionGraphs:
         slot = self.active[j]
         slot.hidden[:slot.rows].copy_(hidden)
         self.graphs[layer, j, slot.size].replay()
-        return slot.outputs(self.records_per_row)
+        return slot.outputs()
 
 
 @dataclass

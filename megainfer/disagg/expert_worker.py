@@ -136,7 +136,7 @@ class ExpertWorker:
         """Decode's graphs, every (layer, size) (decode_graphs.py), on CUDA: (layer, micro-batch)s of
         up to `most_tokens` (a decode's most from every attention node) replay them, at `sizes` or a
         ladder's; None: eager (0 tokens: --enforce-eager)."""
-        capture = decode_graphs.decode_capture(self.device, not most_tokens, name)
+        capture = decode_graphs.decode_capture(self.device, False, name) if most_tokens else None
         if capture is None:
             reason = decode_graphs.eager_reason(self.device, False) if most_tokens else \
                 "eager (no decode batch size to capture for: --enforce-eager, or decode_graph_tokens 0)"

@@ -39,7 +39,7 @@ from megainfer.disagg import decode_graphs, step_sync
 from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
-from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink, pack_records, record_bytes
+from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink, record_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
@@ -237,17 +237,16 @@ class PipelinedModelRunner:
                                                                    self.tp_size)
         hidden = self.model.embed(ids)
         rows = answer_rows(hidden.shape[0], cfg.top_k, len(self.expert_nodes), self.tp_size)
+        counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device=self.device)
         for layer in self.model.attention_layers:
-            a = layer(hidden, positions, self.model.rotary, cache, batch)
-            token_ids = a.gating.node_token_ids.clamp(0, hidden.shape[0] - 1)
-            records = pack_records(a.expert_input[token_ids], a.topk_ids[token_ids], a.topk_weights[token_ids])
-            answered = token_ids[:rows]
+            parts = attend_and_pack(layer, self.model.rotary, cache, hidden, positions, batch, counts, self.tp_size)
+            answered = parts.token_ids[:rows]
             answers = torch.zeros(answered.numel(), cfg.hidden_size, dtype=self.dtype, device=self.device)
-            y = torch.zeros_like(a.residual).index_add_(0, answered, answers)
+            y = torch.zeros_like(parts.residual).index_add_(0, answered, answers)
             if self.tp_size > 1:
                 self.tp_group.all_reduce(y)
-            hidden = a.residual + y
-            del records, answers, y  # freed before the next layer's, as the step's outbox drains
+            hidden = parts.residual + y
+            del parts, answers, y  # freed before the next layer's, as the step's outbox drains
         if self.tp_rank == 0:
             profile_sampling(self.model.compute_logits(self.model.norm(hidden[last_rows])), self.config.seed,
                              cfg.eos_token_ids)

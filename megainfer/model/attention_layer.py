@@ -63,10 +63,8 @@ class AttentionLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, h, bias=cfg.attention_bias and tp_rank == 0, **kw)
         # Qwen3's per-head q and k norms as one: a row of weights per head, the query heads' then
         # the KV heads' (one pass over q and k together: the same arithmetic per head, half the launches).
-        self.qk_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
-        if self.qk_norm is not None:
-            self.qk_norm.weight = nn.Parameter(torch.ones(self.num_heads + self.num_kv_heads, cfg.head_dim, **kw),
-                                               requires_grad=False)
+        self.qk_norm = RMSNorm((self.num_heads + self.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps, **kw) \
+            if cfg.qk_norm else None
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
         self.router = nn.Linear(h, cfg.num_experts, bias=False, **kw)
         self.scale = cfg.head_dim ** -0.5

@@ -9,7 +9,8 @@ from kernels.norm_rope_ref import rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, size: int | tuple[int, ...], eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        """`size`: the weight's shape (the normalised dimension last; a per-head norm may hold a row per head)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps

@@ -123,8 +123,8 @@ def _half(log: OpLog) -> HalfLaunches:
 class DecodingSequence:
     """A sequence decoding its next token (what prepare_batch reads)."""
 
-    def __init__(self, request_id: str, context: int, block_table: list[int]) -> None:
+    def __init__(self, request_id: str, context: int, block_table: list[int], token: int = 3) -> None:
         self.request_id = request_id
         self.num_computed_tokens = context
-        self.token_ids = [3] * (context + 1)
+        self.token_ids = [token] * (context + 1)
         self.block_table = block_table

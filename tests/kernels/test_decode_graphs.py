@@ -22,12 +22,14 @@ from megainfer.config import PRESETS  # noqa: E402
 from megainfer.disagg import decode_graphs  # noqa: E402
 from megainfer.disagg.attention_dispatch import attend_and_pack  # noqa: E402
 from megainfer.disagg.capture_audit import CaptureAudit  # noqa: E402
-from megainfer.disagg.decode_graphs import AttentionGraphs, ExpertGraphs, capture_sizes, size_for  # noqa: E402
+from megainfer.disagg.decode_graphs import (AttentionGraphs, ExpertGraphs, RerunCapture, capture_sizes,  # noqa: E402
+                                            size_for)
 from megainfer.disagg.expert_link import pack_records, record_bytes  # noqa: E402
 from megainfer.model.expert_layer import ExpertLayer  # noqa: E402
 from megainfer.model.moe_model import MoEModel  # noqa: E402
 from megainfer.model.weights import RandomWeights  # noqa: E402
 from megainfer.model_runner import prepare_batch  # noqa: E402
+from megainfer.tools.launch_count import DecodingSequence  # noqa: E402
 
 if not attention_triton.INTERPRETED:
     pytest.skip("runs the Triton kernels under the interpreter (a session without -m gpu)", allow_module_level=True)
@@ -38,42 +40,6 @@ NODES = 2
 
 # Triton's interpreter is not thread-safe: the nodes of a deployment in threads take turns.
 INTERPRETER = threading.Lock()
-
-
-class RerunCapture:
-    """`decode_graphs.Capture` without a GPU: a replay runs the region again, on the same static
-    buffers a graph would read and write, so everything but the recording itself is the real path."""
-
-    def __init__(self) -> None:
-        self.regions = 0
-        self.replays = [0]
-
-    def warm_up(self, region) -> None:
-        with INTERPRETER:
-            region()
-
-    def __call__(self, region):
-        self.regions += 1
-        return _Rerun(region, self.replays)
-
-
-class _Rerun:
-    def __init__(self, region, replays: list[int]) -> None:
-        self.region, self.replays = region, replays
-
-    def replay(self) -> None:
-        self.replays[0] += 1
-        with INTERPRETER, kernels.graph_region():
-            self.region()
-
-
-class _Decoding:
-    """A sequence decoding its next token (what prepare_batch reads)."""
-
-    def __init__(self, context: int, block_table: list[int], token: int) -> None:
-        self.num_computed_tokens = context
-        self.token_ids = [token] * (context + 1)
-        self.block_table = block_table
 
 
 PAD_BLOCK = 28  # the cache's spare block, past the 28 sequences use
@@ -94,7 +60,8 @@ def attention_setup(num_blocks: int = PAD_BLOCK):
 
 
 def decode_inputs(rows: int, first_token: int = 3):
-    seqs = [_Decoding(5 + 2 * i, [3 * i, 3 * i + 1, 3 * i + 2], first_token + i) for i in range(rows)]
+    seqs = [DecodingSequence(f"r{i}", 5 + 2 * i, [3 * i, 3 * i + 1, 3 * i + 2], first_token + i)
+            for i in range(rows)]
     return prepare_batch(seqs, [1] * rows, rows, BLOCK, torch.device("cpu"))
 
 
@@ -216,7 +183,7 @@ def test_attention_graphs_give_the_eager_dispatch_and_touch_only_the_padding_blo
             assert changed <= written | {PAD_BLOCK}  # the live rows' slots and the padding block
             assert all(torch.equal(k[b], ke[b]) for b in written)
     assert not graphs.load(0, decode_inputs(9), 9)  # past the largest size
-    prompt = prepare_batch([_Decoding(4, [0], 3)] * 2, [2, 1], 1, BLOCK, torch.device("cpu"))
+    prompt = prepare_batch([DecodingSequence("p", 4, [0])] * 2, [2, 1], 1, BLOCK, torch.device("cpu"))
     assert not graphs.load(0, prompt, 3)  # not a decode batch
 
 
@@ -245,7 +212,7 @@ def test_a_deployment_with_decode_graphs_matches_colocated(qwen3_ref, monkeypatc
     captures = []
 
     def capture_on_cpu(device, enforce_eager, node):
-        captures.append(RerunCapture())
+        captures.append(RerunCapture(INTERPRETER))
         return captures[-1]
 
     monkeypatch.setattr(decode_graphs, "decode_capture", capture_on_cpu)
@@ -255,5 +222,5 @@ def test_a_deployment_with_decode_graphs_matches_colocated(qwen3_ref, monkeypatc
                                       worker_options={"decode_graph_tokens": 8, "cuda_graph_sizes": (2, 4, 8)})
     assert got == expected
     assert len(captures) == 4  # both attention nodes and both expert nodes captured, and replayed
-    assert all(c.replays[0] > 0 for c in captures), [c.replays for c in captures]
+    assert all(c.replays > 0 for c in captures), [c.replays for c in captures]
     assert all(s.kv_cache_usage == 0.0 for s in stats)
