@@ -8,7 +8,6 @@ import os
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,9 @@ from megainfer.config import EngineConfig
 from megainfer.engine import Engine, Prompt
 from megainfer.errors import RequestError
 from megainfer.generation_config import generation_defaults
-from megainfer.messages import FinishReason, PositionLogprobs, RequestDelta
+from megainfer.messages import FinishReason, RequestDelta
 from megainfer.outputs import CompletionOutput, OutputMetrics, RequestOutput
+from megainfer.request_group import Completion, RequestGroup
 from megainfer.sampling_params import SamplingParams
 
 Message = dict[str, Any]  # {"role": ..., "content": ...} as transformers' chat templates take it
@@ -115,24 +115,25 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(items):
                 raise RequestError(f"sampling_params has {len(params_list)} entries for {len(items)} {what}s")
-        requests = [_Request(str(next(self._ids)), text, params) for (text, _), params in zip(items, params_list)]
-        running: dict[str, _Choice] = {}  # engine request id -> its choice, until its last delta
+        runs = [_PromptRun(RequestGroup.of(str(next(self._ids)), prompt, params, text or ""), text)
+                for (text, prompt), params in zip(items, params_list)]
+        running: dict[str, tuple[_PromptRun, Completion]] = {}  # engine request id -> its run, until its last delta
         try:
-            for i, (request, (_, prompt)) in enumerate(zip(requests, items)):
+            for i, run in enumerate(runs):
                 try:
-                    request.submit(self.engine, prompt)
+                    run.start(self.engine)
                 except RequestError as exc:
                     raise RequestError(f"{what} {i}: {exc}") from None
-                running.update((c.engine_id, c) for c in request.choices)
+                running.update((c.engine_id, (run, c)) for c in run.group.completions)
             with tqdm(total=len(running), desc="generating", disable=not use_tqdm) as bar:
                 while running:
                     if not self.engine.has_unfinished_requests():
                         raise RuntimeError(f"the engine ended {sorted(running)} without their last deltas")
                     for delta in self.engine.step():
-                        choice = running.get(delta.request_id)
-                        if choice is None:
+                        run, c = running.get(delta.request_id, (None, None))
+                        if run is None:
                             continue  # another caller's request on a shared engine
-                        choice.add(delta, time.monotonic())
+                        run.arrived(c, delta, time.monotonic())
                         if delta.finished:
                             del running[delta.request_id]
                             bar.update(1)
@@ -140,92 +141,52 @@ class LLM:
             for engine_id in running:
                 self.engine.abort(engine_id)
             raise
-        return [r.output() for r in requests]
+        return [run.output() for run in runs]
 
 
-@dataclass
-class _Choice:
-    """One completion while it runs: an engine request and what its deltas brought."""
+class _PromptRun:
+    """One prompt's request group on the engine, and its metrics."""
 
-    index: int
-    engine_id: str
-    params: SamplingParams
-    request: "_Request"
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    last: RequestDelta | None = None
-    last_token_time: float | None = None
+    def __init__(self, group: RequestGroup, prompt_text: str | None) -> None:
+        self.group = group
+        self.prompt_text = prompt_text
+        self.metrics = OutputMetrics(arrival_time=time.monotonic())
 
-    def add(self, delta: RequestDelta, now: float) -> None:
-        self.text.append(delta.new_text)
-        self.token_ids.extend(delta.new_token_ids)
-        if delta.logprobs is not None and self.params.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
-        if delta.prompt_logprobs is not None:
-            self.request.prompt_logprobs = delta.prompt_logprobs
-        metrics = self.request.metrics
+    def start(self, engine: Engine) -> None:
+        """Queue every completion, or none (`RequestGroup.start`)."""
+        sequences = self.group.start(engine.add_request, engine.abort)
+        self.group.prompts[0].token_ids = list(sequences[0].prompt_token_ids)
+
+    def arrived(self, c: Completion, delta: RequestDelta, now: float) -> None:
+        _, gap = self.group.arrived(c, delta, now)
+        metrics = self.metrics
         if delta.new_token_ids:
             # Tokens of one delta arrive together: the gaps between them are 0.
-            gaps = [0.0] * (len(delta.new_token_ids) - 1)
-            if self.last_token_time is None:
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-            else:
-                gaps.insert(0, now - self.last_token_time)
-            metrics.tbt_s.extend(gaps)
-            self.last_token_time = now
+            metrics.tbt_s += ([] if gap is None else [gap]) + [0.0] * (len(delta.new_token_ids) - 1)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
         if delta.finished:
-            self.last = delta
-            metrics.finished_time = now  # the last choice to end sets it last
-
-    def output(self) -> CompletionOutput:
-        last = self.last
-        cumulative = None
-        if self.params.logprobs is not None and self.logprobs is not None:
-            cumulative = sum(p[t].logprob for t, p in zip(self.token_ids, self.logprobs))
-        return CompletionOutput(
-            index=self.index, text="".join(self.text), token_ids=self.token_ids, cumulative_logprob=cumulative,
-            logprobs=self.logprobs, finish_reason=None if last is None else last.finish_reason.value,
-            stop_reason=None if last is None else last.stop_reason,
-            error=last.error if last is not None and last.finish_reason is FinishReason.ERROR else None)
-
-
-class _Request:
-    """One prompt's request: its n choices, each an engine request ("<id>-<i>"; "<id>" when n == 1)."""
-
-    def __init__(self, request_id: str, prompt_text: str | None, params: SamplingParams) -> None:
-        self.request_id = request_id
-        self.prompt_text = prompt_text
-        self.params = params
-        self.prompt_token_ids: list[int] = []
-        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
-        self.metrics = OutputMetrics(arrival_time=time.monotonic())
-        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        # Every choice has the same prompt: its logprobs are computed once, by choice 0.
-        self.choices = [_Choice(i, engine_id, params.for_choice(i) if i == 0 else
-                                params.for_choice(i).replace(prompt_logprobs=None), self)
-                        for i, engine_id in enumerate(ids)]
-
-    def submit(self, engine: Engine, prompt: Prompt) -> None:
-        """Queue every choice, or none: a refused one withdraws those queued."""
-        queued = []
-        try:
-            for choice in self.choices:
-                seq = engine.add_request(choice.engine_id, prompt, choice.params)
-                queued.append(choice.engine_id)
-                self.prompt_token_ids = list(seq.prompt_token_ids)
-        except BaseException:
-            for engine_id in queued:
-                engine.abort(engine_id)
-            raise
+            metrics.finished_time = now  # the last completion to end sets it last
 
     def output(self) -> RequestOutput:
-        self.metrics.engine = [c.last.metrics if c.last is not None else None for c in self.choices]
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt_text,
-                             prompt_token_ids=self.prompt_token_ids, prompt_logprobs=self.prompt_logprobs,
-                             outputs=[c.output() for c in self.choices],
-                             finished=all(c.last is not None for c in self.choices), metrics=self.metrics)
+        completions = self.group.completions
+        self.metrics.engine = [c.last.metrics if c.last is not None else None for c in completions]
+        prompt = self.group.prompts[0]
+        return RequestOutput(request_id=self.group.request_id, prompt=self.prompt_text,
+                             prompt_token_ids=prompt.token_ids, prompt_logprobs=prompt.logprobs,
+                             outputs=[_output(c) for c in completions],
+                             finished=self.group.finished, metrics=self.metrics)
+
+
+def _output(c: Completion) -> CompletionOutput:
+    last, asked = c.last, c.params.logprobs is not None
+    logprobs = c.logprobs if asked else None
+    cumulative = sum(p[t].logprob for t, p in zip(c.token_ids, logprobs)) if asked else None
+    return CompletionOutput(
+        index=c.index, text="".join(c.text), token_ids=c.token_ids, cumulative_logprob=cumulative,
+        logprobs=logprobs, finish_reason=None if last is None else last.finish_reason.value,
+        stop_reason=c.stop_reason,
+        error=last.error if last is not None and last.finish_reason is FinishReason.ERROR else None)
 
 
 def _normalise_prompts(prompts) -> list[Prompt]:

@@ -88,6 +88,7 @@ def _run_local(args: argparse.Namespace, prompt, given: dict, fixed: dict) -> in
     from megainfer.config import resolve_model
     from megainfer.engine import Engine
     from megainfer.generation_config import generation_defaults
+    from megainfer.request_group import RequestGroup
     from megainfer.sampling_params import SamplingParams
 
     checkpoint = resolve_model(args.model)[1]
@@ -100,20 +101,21 @@ def _run_local(args: argparse.Namespace, prompt, given: dict, fixed: dict) -> in
             raise RequestError(f"--chat: model {args.model} has no tokenizer to encode the chat with")
         text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    ids = ["cli"] if params.n == 1 else [f"cli-{i}" for i in range(params.n)]
+    group = RequestGroup.of("cli", prompt, params)
     start = time.perf_counter()
-    for i, engine_id in enumerate(ids):
-        engine.add_request(engine_id, prompt, params.for_choice(i))
+    group.start(engine.add_request, engine.abort)
+    completions = {c.engine_id: c for c in group.completions}
     out = _Printer(params.n)
-    while engine.has_unfinished_requests():
+    while not group.finished:
         for delta in engine.step():
-            index = ids.index(delta.request_id)
             if delta.error:
                 print(f"\nmegainfer generate: request failed: {delta.error}", file=sys.stderr)
                 return 1
-            out.add(index, delta.new_token_ids, delta.new_text,
-                    [_local_row(t, p, args.logprobs) for t, p in zip(delta.new_token_ids, delta.logprobs or [])],
-                    delta.finish_reason.value if delta.finished else "")
+            shown, _ = group.arrived(completions[delta.request_id], delta)
+            for c, d in shown:
+                out.add(c.index, d.new_token_ids, d.new_text,
+                        [_local_row(t, p, args.logprobs) for t, p in zip(d.new_token_ids, d.logprobs or [])],
+                        d.finish_reason.value if d.finished else "")
     out.report(time.perf_counter() - start, f"first token {out.ttft_ms(start):.0f} ms")
     return 0
 

@@ -11,7 +11,8 @@ from pydantic import BaseModel
 
 from megainfer.errors import RequestError
 from megainfer.messages import FinishReason, RequestDelta
-from megainfer.server.choice_streams import Choice, ChoiceStreams
+from megainfer.request_group import Completion, GroupPrompt, RequestGroup
+from megainfer.server.choice_streams import ChoiceStreams
 from megainfer.server.openai_errors import ApiError, failed_request
 from megainfer.server.openai_logprobs import chat_logprobs, extend_completion_logprobs, prompt_logprobs
 from megainfer.server.openai_protocol import (COMPLETION_MAX_TOKENS, AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -58,21 +59,16 @@ def _finish(delta: RequestDelta) -> str | None:
     return delta.finish_reason.value if delta.finished and delta.finish_reason is not None else None
 
 
-def _prompt_tokens(choices: list[Choice], n: int) -> int:
-    """Each prompt's tokens once, however many choices it had."""
-    return sum(len(c.prompt_ids) for c in choices if c.index % n == 0)
-
-
-def _usage(choices: list[Choice], n: int) -> Usage:
-    return Usage.of(_prompt_tokens(choices, n), sum(len(c.token_ids) for c in choices))
+def _usage(group: RequestGroup) -> Usage:
+    return Usage.of(group.prompt_tokens, group.completion_tokens)
 
 
 # -- /v1/completions --------------------------------------------------------------------------
-def completion_choices(served: ServedModel, body: CompletionRequest, request_id: str) -> list[Choice]:
+def completion_group(served: ServedModel, body: CompletionRequest, request_id: str) -> RequestGroup:
     body.check_supported()
     prompts = body.prompts()
     tokenizer = served.tokenizer
-    choices = []
+    group = []
     for p, prompt in enumerate(prompts):
         where = f"prompt {p}: " if len(prompts) > 1 else ""
         if isinstance(prompt, str):
@@ -94,19 +90,17 @@ def completion_choices(served: ServedModel, body: CompletionRequest, request_id:
         params = body.sampling_params(served.defaults, max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
             params = params.replace(prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
-        for i in range(params.n):
-            index = p * params.n + i
-            choices.append(Choice(index, f"{request_id}-{index}", ids, params.for_choice(i),
-                                  prompt_text=text if body.echo else ""))
-    return choices
+        group.append(GroupPrompt(ids, params, text if body.echo else ""))
+    return RequestGroup(request_id, group)
 
 
-def _completion_logprobs(choice: Choice, body: CompletionRequest, served: ServedModel, token_ids: list[int],
+def _completion_logprobs(choice: Completion, body: CompletionRequest, served: ServedModel, token_ids: list[int],
                          positions: list, offset: int, with_prompt: bool) -> tuple[CompletionLogprobs, int]:
     out = CompletionLogprobs()
     if with_prompt:
-        prompt_positions = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
-        offset = extend_completion_logprobs(out, choice.prompt_ids, prompt_positions, body.logprobs,
+        prompt_ids = choice.source.token_ids
+        prompt_positions = choice.prompt_logprobs or [None] * len(prompt_ids)
+        offset = extend_completion_logprobs(out, prompt_ids, prompt_positions, body.logprobs,
                                             served.tokenizer, offset)
     offset = extend_completion_logprobs(out, token_ids, positions, body.logprobs, served.tokenizer, offset)
     return out, offset
@@ -118,16 +112,16 @@ async def completion_response(streams: ChoiceStreams, body: CompletionRequest, s
         if delta.finish_reason is FinishReason.ERROR:
             raise failed_request(delta)
     choices = []
-    for c in sorted(streams.choices, key=lambda c: c.index):
+    for c in streams.completions:
         logprobs = None
         if body.logprobs is not None:
             logprobs, _ = _completion_logprobs(c, body, served, c.token_ids, c.logprobs, 0, body.echo)
         choices.append(CompletionChoice(
-            index=c.index, text=c.prompt_text + "".join(c.text), logprobs=logprobs,
+            index=c.index, text=c.source.text + "".join(c.text), logprobs=logprobs,
             finish_reason=c.finish_reason.value, stop_reason=c.stop_reason,
             prompt_logprobs=prompt_logprobs(c.prompt_logprobs, served.tokenizer) if body.prompt_logprobs is not None
             else None))
-    return CompletionResponse(id=request_id, model=served.name, choices=choices, usage=_usage(streams.choices, body.n))
+    return CompletionResponse(id=request_id, model=served.name, choices=choices, usage=_usage(streams.group))
 
 
 async def completion_events(streams: ChoiceStreams, body: CompletionRequest, served: ServedModel,
@@ -138,7 +132,7 @@ async def completion_events(streams: ChoiceStreams, body: CompletionRequest, ser
             yield sse(failed_request(delta).body)
             break
         first = choice.index not in offsets
-        text = (choice.prompt_text if first else "") + delta.new_text
+        text = (choice.source.text if first else "") + delta.new_text
         logprobs = None
         if body.logprobs is not None:
             logprobs, offsets[choice.index] = _completion_logprobs(
@@ -148,14 +142,14 @@ async def completion_events(streams: ChoiceStreams, body: CompletionRequest, ser
             offsets[choice.index] = offsets.get(choice.index, 0) + len(text)
         if not (text or delta.finished or (logprobs is not None and logprobs.tokens)):
             continue  # tokens whose text is held back (an incomplete character, a possible stop string)
-        usage = _usage(streams.choices, body.n) if body.continuous_usage else None
+        usage = _usage(streams.group) if body.continuous_usage else None
         yield sse(CompletionResponse(id=request_id, model=served.name, usage=usage, choices=[CompletionChoice(
             index=choice.index, text=text, logprobs=logprobs, finish_reason=_finish(delta),
             stop_reason=delta.stop_reason)]))
     else:
         if body.include_usage:
             yield sse(CompletionResponse(id=request_id, model=served.name, choices=[],
-                                         usage=_usage(streams.choices, body.n)))
+                                         usage=_usage(streams.group)))
     yield DONE
 
 
@@ -173,7 +167,7 @@ def _render_chat(served: ServedModel, body: ChatCompletionRequest) -> str:
     return served.chat_template.render([m.for_template() for m in body.messages], **kwargs)
 
 
-def chat_choices(served: ServedModel, body: ChatCompletionRequest, request_id: str) -> list[Choice]:
+def chat_group(served: ServedModel, body: ChatCompletionRequest, request_id: str) -> RequestGroup:
     body.check_supported()
     text = _render_chat(served, body)
     if served.tokenizer is None:
@@ -185,7 +179,7 @@ def chat_choices(served: ServedModel, body: ChatCompletionRequest, request_id: s
     max_tokens = max_tokens_for(served, len(ids), body.requested_max_tokens(), served.defaults.get("max_tokens"),
                                 param, "messages")
     params = body.sampling_params(served.defaults, max_tokens, body.num_logprobs())
-    return [Choice(i, f"{request_id}-{i}", ids, params.for_choice(i)) for i in range(params.n)]
+    return RequestGroup.of(request_id, ids, params)
 
 
 def _chat_logprobs(body: ChatCompletionRequest, served: ServedModel, token_ids: list[int],
@@ -200,9 +194,9 @@ async def chat_response(streams: ChoiceStreams, body: ChatCompletionRequest, ser
     async for _, delta in streams.deltas():
         if delta.finish_reason is FinishReason.ERROR:
             raise failed_request(delta)
-    choices = sorted(streams.choices, key=lambda c: c.index)
+    choices = streams.completions
     return ChatCompletionResponse(
-        id=request_id, model=served.name, usage=_usage(choices, body.n),
+        id=request_id, model=served.name, usage=_usage(streams.group),
         choices=[ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)),
                             logprobs=_chat_logprobs(body, served, c.token_ids, c.logprobs),
                             finish_reason=c.finish_reason.value, stop_reason=c.stop_reason) for c in choices],
@@ -213,7 +207,7 @@ async def chat_response(streams: ChoiceStreams, body: ChatCompletionRequest, ser
 async def chat_events(streams: ChoiceStreams, body: ChatCompletionRequest, served: ServedModel,
                       request_id: str) -> AsyncIterator[str]:
     def chunk(choice: ChatChunkChoice) -> str:
-        usage = _usage(streams.choices, body.n) if body.continuous_usage else None
+        usage = _usage(streams.group) if body.continuous_usage else None
         return sse(ChatCompletionChunk(id=request_id, model=served.name, choices=[choice], usage=usage))
 
     started: set[int] = set()
@@ -234,5 +228,5 @@ async def chat_events(streams: ChoiceStreams, body: ChatCompletionRequest, serve
     else:
         if body.include_usage:
             yield sse(ChatCompletionChunk(id=request_id, model=served.name, choices=[],
-                                          usage=_usage(streams.choices, body.n)))
+                                          usage=_usage(streams.group)))
     yield DONE

@@ -118,9 +118,9 @@ class OpenAIServer:
             body.warn_ignored(request.url.path)
             self._check_model(body.model)
             request_id = f"{prefix}-{uuid.uuid4().hex}"
-            choices = await self._in_thread(prepare, self.served, body, request_id)
-            streams = ChoiceStreams(self.backend, self.metrics, self.executor)
-            await streams.submit(choices)
+            group = await self._in_thread(prepare, self.served, body, request_id)
+            streams = ChoiceStreams(self.backend, self.metrics, self.executor, group)
+            await streams.submit()
         except asyncio.CancelledError:
             if streams is not None:
                 streams.close()
@@ -146,12 +146,12 @@ class OpenAIServer:
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
-            return await self._generate(request, body, gen.completion_choices, gen.completion_response,
+            return await self._generate(request, body, gen.completion_group, gen.completion_response,
                                         gen.completion_events, "cmpl")
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-            return await self._generate(request, body, gen.chat_choices, gen.chat_response, gen.chat_events,
+            return await self._generate(request, body, gen.chat_group, gen.chat_response, gen.chat_events,
                                         "chatcmpl")
 
         @app.get("/v1/models")

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 import megainfer
 from megainfer.errors import DataPlaneError, Overloaded, RequestError
 from megainfer.messages import ErrorCode, FinishReason, PositionLogprobs, RequestDelta
+from megainfer.request_group import Completion, RequestGroup
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import GenerationBackend, RequestStream
 from megainfer.server.fan_in import FanIn
@@ -83,28 +84,8 @@ def _status(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-@dataclass
-class _Completion:
-    """One of a request's n completions: its engine request and what its stream has shown."""
-
-    index: int
-    request_id: str  # the engine's: "<api id>-<index>", or the API's id when n == 1
-    params: SamplingParams
-    stream: RequestStream
-    tokens: int = 0
-    first: float | None = None  # when its first token arrived (time.monotonic)
-    last: float | None = None  # when its latest token arrived
-    ended: bool = False
-
-    def ttft_s(self) -> float | None:
-        return None if self.first is None else self.first - self.stream.arrival
-
-    def tpot_s(self) -> float | None:
-        return (self.last - self.first) / (self.tokens - 1) if self.tokens > 1 else None
-
-
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """Generate fans a request's n completions out into n engine requests (`SamplingParams.for_choice`),
+    """Generate fans a request's n completions out into n engine requests (`RequestGroup`),
     streams their deltas interleaved (each response says its `index`) and ends when all n ended;
     a completion that fails fails the call and aborts the others, as does the client leaving.
     With API keys, Abort stops only requests the same key started."""
@@ -117,8 +98,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
         self.defaults = served_model.defaults if served_model is not None else {}
         self.access = access
-        self._live: dict[str, list[_Completion]] = {}  # API request id -> its completions, while streaming
-        self._owner: dict[str, str | None] = {}  # API request id -> the principal that started it, while live
+        self._live: dict[str, _Live] = {}  # API request id -> its group, while streaming
         self._live_lock = threading.Lock()
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
@@ -129,53 +109,38 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         prompt = request.text if which == "text" else list(request.token_ids.ids)
         try:
             params = sampling_params(request.sampling, self.defaults)
-            completions = self._submit(rid, prompt, params, principal_of(self.access, context))
+            live = self._submit(rid, prompt, params, principal_of(self.access, context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status; bugs are logged
             if _status(exc) is grpc.StatusCode.INTERNAL:
                 logger.exception("request %s could not be submitted", rid)
             context.abort(_status(exc), str(exc))
         try:
-            if not context.add_callback(lambda: self._abort(completions)):
+            if not context.add_callback(lambda: self._abort(live)):
                 return  # the client left before the callback could be set: `finally` aborts
-            yield from self._stream(rid, params, completions, context)
+            yield from self._stream(live, context)
         finally:
             with self._live_lock:
-                self._live.pop(rid, None)
-                self._owner.pop(rid, None)
-            self._abort(completions)
-            for c in completions:  # the client went away: the rest count as aborted
-                if not c.ended:
-                    self._end(c, RequestDelta(c.request_id, [], "", True, FinishReason.ABORT), time.monotonic())
+                if self._live.get(rid) is live:
+                    del self._live[rid]
+            self._abort(live)
+            now = time.monotonic()
+            for c, abort in live.group.abort_deltas():  # the client went away: the rest count as aborted
+                live.group.arrived(c, abort, now)
+                self._end(c, abort, now)
 
-    def _submit(self, rid: str, prompt, params: SamplingParams, owner: str | None = None) -> list[_Completion]:
-        """Start the n engine requests; if one is refused, abort those started and raise. owner:
-        the principal whose key may abort it."""
-        choices = [params.for_choice(i) for i in range(params.n)]
-        # Every choice has the same prompt: its logprobs are computed once, by choice 0.
-        choices[1:] = [c.replace(prompt_logprobs=None) for c in choices[1:]]
-        ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+    def _submit(self, rid: str, prompt, params: SamplingParams, owner: str | None = None) -> _Live:
+        """Start the n engine requests, or none (the backend refuses an id in use). owner: the
+        principal whose key may abort it."""
+        group = RequestGroup.of(rid, prompt, params)
+        live = _Live(group, group.start(self.backend.submit, self.backend.abort), owner)
+        group.prompts[0].num_tokens = live.streams[0].prompt_tokens  # a text prompt's, as the engine tokenized it
         with self._live_lock:
-            if rid in self._live:
-                raise RequestError(f"request id {rid!r} is already in use")
-            completions = self._live[rid] = []
-            self._owner[rid] = owner
-        try:
-            for i, (engine_id, choice) in enumerate(zip(ids, choices)):
-                completions.append(_Completion(i, engine_id, choice, self.backend.submit(engine_id, prompt, choice)))
-        except BaseException:
-            with self._live_lock:
-                del self._live[rid]
-                del self._owner[rid]
-            self._abort(completions)
-            raise
-        return completions
+            self._live[rid] = live
+        return live
 
-    def _stream(self, rid: str, params: SamplingParams, completions: list[_Completion],
-                context: grpc.ServicerContext):
-        fan_in = FanIn([c.stream for c in completions])
-        # The prompt's logprobs come with choice 0's first delta and belong on the stream's first
-        # response: the other choices' responses wait for it.
-        held: list[pb.GenerateResponse] | None = [] if params.prompt_logprobs is not None else None
+    def _stream(self, live: _Live, context: grpc.ServicerContext):
+        group = live.group
+        fan_in = FanIn(live.streams)
         while True:
             got = fan_in.get(POLL_S)
             if got is None:
@@ -183,57 +148,44 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     return
                 continue
             index, delta = got
-            c = completions[index]
-            if c.ended:  # an abort raced the completion's own last delta: the first one counts
-                continue
+            c = group.completions[index]
             now = time.monotonic()
-            if delta.new_token_ids:
-                if self.metrics is not None and c.last is not None:
-                    self.metrics.observe_token_gap(now - c.last)
-                c.tokens += len(delta.new_token_ids)
-                c.first = c.first or now
-                c.last = now
-            if delta.finished:
+            shown, gap = group.arrived(c, delta, now)
+            if gap is not None and self.metrics is not None:
+                self.metrics.observe_token_gap(gap)
+            if delta.finished and c.last is delta:
                 self._end(c, delta, now)
                 if delta.finish_reason is FinishReason.ERROR:
                     code = grpc.StatusCode.UNAVAILABLE if delta.error_code is ErrorCode.UNAVAILABLE \
                         else grpc.StatusCode.INTERNAL
-                    where = f"completion {index}: " if len(completions) > 1 else ""
+                    where = f"completion {index}: " if len(group.completions) > 1 else ""
                     context.abort(code, where + (delta.error or "request failed"))
-            batch = [_response(rid, c, delta)]
-            if held is not None:
-                if index != 0:
-                    held.append(batch.pop())
-                    continue
-                batch[0].prompt_logprobs.extend(token_logprobs(p, params.prompt_logprobs)
-                                                for p in (delta.prompt_logprobs or []) if p is not None)
-                batch += held
-                held = None
-            done = all(c.ended for c in completions)
-            if done:
-                batch[-1].usage.CopyFrom(pb.Usage(prompt_tokens=completions[0].stream.prompt_tokens,
-                                                  completion_tokens=sum(c.tokens for c in completions)))
-                batch[-1].timings.CopyFrom(_timings(completions, now))
+            if not shown:
+                continue
+            batch = [_response(group.request_id, shown_c, shown_delta) for shown_c, shown_delta in shown]
+            top = group.prompts[0].params.prompt_logprobs
+            if top is not None and shown[0][0].index == 0 and shown[0][1].prompt_logprobs is not None:
+                batch[0].prompt_logprobs.extend(token_logprobs(p, top) for p in shown[0][1].prompt_logprobs
+                                                if p is not None)
+            if group.finished:
+                batch[-1].usage.CopyFrom(pb.Usage(prompt_tokens=group.prompt_tokens,
+                                                  completion_tokens=group.completion_tokens))
+                batch[-1].timings.CopyFrom(_timings(group.completions, now))
             yield from batch
-            if done:
+            if group.finished:
                 return
 
-    def _end(self, c: _Completion, final: RequestDelta, now: float) -> None:
-        c.ended = True
+    def _end(self, c: Completion, final: RequestDelta, now: float) -> None:
         if self.metrics is not None:
-            self.metrics.observe_request(final, c.ttft_s(), c.tpot_s(), now - c.stream.arrival)
+            self.metrics.observe_request(final, c.ttft_s(), c.tpot_s(), now - c.started_at)
 
-    def _abort(self, completions: list[_Completion]) -> bool:
-        """Cancel the completions still running; each stream gets an "abort" last delta. Any thread.
-        True where one was still running. The backend forgets an aborted request either way, so a
-        completion whose abort came too late (it had just ended, its last delta not yet handed
-        over) would never get that delta: its stream ends here too. Where its last delta did
-        arrive first, the stream reads that and passes over this one."""
+    def _abort(self, live: _Live) -> bool:
+        """Cancel the completions still running (any thread); each stream gets its "abort" last
+        delta (`RequestGroup.abort_deltas`). True where one was still running."""
         aborted = False
-        for c in list(completions):
-            if not c.ended:
-                aborted = self.backend.abort(c.request_id) or aborted
-                c.stream.put(RequestDelta(c.request_id, [], "", True, FinishReason.ABORT))
+        for c, abort in live.group.abort_deltas():
+            aborted = self.backend.abort(c.engine_id) or aborted
+            live.streams[c.index].put(abort)
         return aborted
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
@@ -241,11 +193,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         requests this servicer started can be aborted (not an HTTP request's engine ids)."""
         principal = principal_of(self.access, context)
         with self._live_lock:
-            completions = self._live.get(request.request_id)
-            owned = completions is not None and self._owner.get(request.request_id) == principal
-        if completions is None and self.access is None:
+            live = self._live.get(request.request_id)
+        if live is None and self.access is None:
             return pb.AbortResponse(aborted=self.backend.abort(request.request_id))
-        return pb.AbortResponse(aborted=owned and self._abort(completions))
+        return pb.AbortResponse(aborted=live is not None and live.owner == principal and self._abort(live))
 
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoResponse:
         info = self.backend.info()
@@ -254,7 +205,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                         detail=n.detail) for n in info.nodes])
 
 
-def _response(rid: str, c: _Completion, delta: RequestDelta) -> pb.GenerateResponse:
+@dataclass
+class _Live:
+    """A request being streamed: its group, each completion's stream (by index), who started it."""
+
+    group: RequestGroup
+    streams: list[RequestStream]
+    owner: str | None
+
+
+def _response(rid: str, c: Completion, delta: RequestDelta) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=rid, index=c.index, token_ids=delta.new_token_ids,
                                    text=delta.new_text)
     if delta.logprobs and c.params.logprobs is not None:
@@ -268,13 +228,13 @@ def _response(rid: str, c: _Completion, delta: RequestDelta) -> pb.GenerateRespo
     return response
 
 
-def _timings(completions: list[_Completion], now: float) -> pb.Timings:
+def _timings(completions: list[Completion], now: float) -> pb.Timings:
     """Over all completions: arrival to the first token of any, the mean gap between two tokens
     of one completion, arrival to the end."""
-    arrival = min(c.stream.arrival for c in completions)
-    firsts = [c.first for c in completions if c.first is not None]
-    gaps = sum(c.tokens - 1 for c in completions if c.tokens > 1)
-    spread = sum(c.last - c.first for c in completions if c.tokens > 1)
+    arrival = min(c.started_at for c in completions)
+    firsts = [c.first_token_at for c in completions if c.first_token_at is not None]
+    gaps = sum(len(c.token_ids) - 1 for c in completions if len(c.token_ids) > 1)
+    spread = sum(c.last_token_at - c.first_token_at for c in completions if len(c.token_ids) > 1)
     return pb.Timings(ttft_ms=((min(firsts) if firsts else now) - arrival) * 1e3,
                       mean_tbt_ms=(spread / gaps if gaps else 0.0) * 1e3, e2e_ms=(now - arrival) * 1e3)
 

@@ -130,13 +130,13 @@ def test_unset_fields_take_the_models_defaults_then_the_apis(serve, backend):
         rid = f"defaults-{server.port}"
         list(client.generate([1, 2], SamplingParams(ignore_eos=True), request_id=rid, server_defaults=MODEL_DEFAULTED))
         client.close()
-        got = backend.submitted[rid]
+        got = backend.submitted[f"{rid}-0"]  # the engine's id: the API id and the index
         expected = SamplingParams(**{**{"temperature": 0.0, "max_tokens": 16}, **want}, ignore_eos=True)
         assert got == expected
     # A request's own value wins over the model's.
     client = Client(serve(model).address)
     list(client.generate([1, 2], SamplingParams(max_tokens=1, temperature=0.0), request_id="own"))
-    assert (backend.submitted["own"].max_tokens, backend.submitted["own"].temperature) == (1, 0.0)
+    assert (backend.submitted["own-0"].max_tokens, backend.submitted["own-0"].temperature) == (1, 0.0)
     client.close()
 
 
@@ -279,7 +279,7 @@ def test_an_abort_that_loses_the_race_with_the_end_still_ends_the_stream(serve, 
     "abort" rather than waiting forever (seen in the chaos soak as a request without an end)."""
     server = serve()
     rpc = stub(server)
-    backend.abort_too_late.add("late")
+    backend.abort_too_late.add("late-0")
     call = rpc.Generate(request_message([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True), "late"),
                         timeout=20)
     first = next(call)
