@@ -10,22 +10,18 @@ polls: tokens ride Ray, activations never do.
 
 from __future__ import annotations
 
-import threading
-import time
-
 from deploy.delta_outbox import DeltaOutbox
+from deploy.node_actor import NodeActor, rank_resources
+from deploy.node_loop import NodeLoop
 from deploy.node_process import settle
-from deploy.node_loop import NodeLoop, drop_connections_of, rank_resources
-from deploy.timeline_calls import TimelineCalls
-from deploy.placement import rank_placement
 from deploy.node_config import bind_host, data_link, join_tp_group, node_names, tp_master_address, weights_of
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
+from megainfer.engine_steps import EngineSteps
 from megainfer.errors import DataPlaneError
-from megainfer.messages import (DeltaBatch, ErrorCode, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats,
-                                NodeStatus, RankPlacement)
+from megainfer.messages import DeltaBatch, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -33,9 +29,12 @@ from megainfer.tensor_parallel import TensorParallelGroup
 IDLE_S = 0.002  # pause between steps while the whole deployment is idle
 
 
-class AttentionNode(TimelineCalls):
+class AttentionNode(NodeActor):
     """Rank 0 of an attention node (the only rank when attention.tp is 1): it schedules,
-    samples and streams; with tp > 1 its followers (AttentionShard) hold the other heads."""
+    samples and streams; with tp > 1 its followers (AttentionShard) hold the other heads. Its
+    step is the engine's (`EngineSteps`, as the colocated engine's)."""
+
+    role = NodeRole.ATTENTION
 
     def __init__(self, plan: Plan, runtime: AttentionRuntime, secret: bytes, host: str) -> None:
         self.plan, self.runtime = plan, runtime
@@ -44,12 +43,11 @@ class AttentionNode(TimelineCalls):
         self._build_args = (secret, host)
         self.engine: Engine | None = None
         self.core: EngineCore | None = None
+        self.steps: EngineSteps | None = None
+        self.outbox = DeltaOutbox()
         if self.plan.attention.tp == 1:
             self._build(None)
-        self.lock = threading.Lock()  # held by each step: readers of the engine wait for its end
-        self.outbox = DeltaOutbox()
-        self.loop = NodeLoop(self.name, lambda: self.link, self._step, self._fail_queue)
-        self.step_seconds = 0.0  # wall time inside busy steps (schedule, run, sample, detokenize)
+        self.loop = NodeLoop(self.name, self)
 
     def _timeline(self):
         return self.engine.runner.timeline if self.engine is not None else None
@@ -71,17 +69,13 @@ class AttentionNode(TimelineCalls):
                                                            if self.plan.pipeline.device_slots else 0))
 
         self.engine = Engine(self.plan.model, runtime.engine, runner_factory=runner)
-        self.core = EngineCore(self.engine)
+        self.steps = EngineSteps(self.engine, self.outbox.put, IDLE_S)
+        self.core = self.steps.core
+
+    def kernel_report(self):
+        return self.engine.runner.kernels if self.engine is not None else None  # built once it joined its group
 
     # -- wiring (called by the driver) -------------------------------------------------------
-    def ready(self) -> str:
-        return self.name
-
-    def placement(self) -> RankPlacement:
-        link = getattr(self, "link", None)  # tensor-parallel followers have none
-        engine = getattr(self, "engine", None)  # built once the node has joined its group
-        return rank_placement(self.name, link.backends() if link is not None else {},
-                              engine.runner.kernels if engine is not None else None)
 
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._build_args[1]))
@@ -98,10 +92,7 @@ class AttentionNode(TimelineCalls):
 
     def serve(self) -> None:
         self.engine.runner.reset()
-        self.loop.serve()
-
-    def interrupt(self) -> None:
-        self.loop.interrupt()
+        super().serve()
 
     def health(self) -> NodeHealth:
         if self.engine is None:
@@ -109,7 +100,7 @@ class AttentionNode(TimelineCalls):
         scheduler, slots = self.engine.scheduler, self.engine.runner.slots
         return NodeHealth(self.name, NodeRole.ATTENTION, self.loop.state, error=self.loop.error,
                           running=scheduler.num_running, waiting=scheduler.num_waiting + self.core.num_queued,
-                          timing={**self.engine.runner.timing, "step": self.step_seconds},
+                          timing={**self.engine.runner.timing, "step": self.steps.busy_seconds},
                           device_slot_peers=slots.direct_peers() if slots is not None else [])
 
     def state(self) -> NodeState | None:
@@ -119,15 +110,14 @@ class AttentionNode(TimelineCalls):
         they reached this node, so a snapshot from now on must hold them."""
         if self.engine is None:
             return None
-        with self.lock:
-            self._emit(self.core.drain())
-            return self.engine.node_state()
+        with self.steps.between_steps() as engine:
+            return engine.node_state()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> int:
         """Queue a request for the next step; raises RequestError for a bad one. Returns its
         prompt length."""
-        if self.loop.state is not NodeStatus.SERVING:
+        if not self.loop.serving:
             raise DataPlaneError(f"{self.name} is {self.loop.state}: the deployment is re-wiring, retry shortly")
         return self.core.submit(request_id, prompt, params).num_prompt_tokens
 
@@ -142,48 +132,26 @@ class AttentionNode(TimelineCalls):
     def resources(self) -> NodeResources:
         """Memory, KV blocks, M2N slots and requests held (between steps: a step holds the lock;
         the slots as the loop thread counted them at a step's start, see deploy/link.py)."""
-        link = getattr(self, "link", None)
         if self.engine is None:
-            return rank_resources(self.name, NodeRole.ATTENTION, 0, link)
-        with self.lock:
+            return super().resources()
+        with self.steps.lock:
             blocks = self.engine.scheduler.block_manager
-            return rank_resources(self.name, NodeRole.ATTENTION, 0, link, kv_blocks_total=blocks.num_blocks,
+            return rank_resources(self.name, NodeRole.ATTENTION, 0, self.link, kv_blocks_total=blocks.num_blocks,
                                   kv_blocks_free=blocks.num_free_blocks, requests=self.core.num_requests)
 
-    def drop_connections(self) -> None:
-        drop_connections_of(getattr(self, "link", None))
-
     def stats(self) -> NodeStats:
-        with self.lock:
-            self._emit(self.core.drain())  # queued requests count as waiting
-            m2n = self.engine.runner.m2n
-            return NodeStats(self.engine.stats(), m2n["send"].snapshot(), m2n["receive_wait"].snapshot())
+        with self.steps.between_steps() as engine:  # queued requests count as waiting
+            m2n = engine.runner.m2n
+            return NodeStats(engine.stats(), m2n["send"].snapshot(), m2n["receive_wait"].snapshot())
 
-    def stop(self) -> None:
-        self.loop.stop()
-
-    # -- the step loop -------------------------------------------------------------------------
-    def _emit(self, deltas) -> None:
-        self.outbox.put(deltas)
-
-    def _step(self) -> None:
+    # -- its NodeLoop -------------------------------------------------------------------------
+    def step(self) -> None:
+        self.link.count_usage()  # between steps, on the loop thread (deploy/link.py)
         runner = self.engine.runner
-        with self.lock:
-            self.link.count_usage()  # between steps: the last step's answers consumed, its dispatches released
-            t0, step = time.perf_counter(), runner.step_id
-            busy = self.core.has_work()
-            deltas = self.core.step_columns(emit=self._emit)  # a step settled mid-step emits at once
-            if busy:
-                self.step_seconds += time.perf_counter() - t0
-            runner.record_step(step, t0)  # the whole step: scheduling and detokenizing too
-            idle = not self.core.has_work()
-        self._emit(deltas)
-        failed = [d for _, d in deltas.others if d.error_code is ErrorCode.UNAVAILABLE]
-        if failed:  # the data plane broke mid-step: nothing else can be served now
-            raise DataPlaneError(failed[0].error)
-        if idle and not self.engine.runner.deployment_busy:
-            time.sleep(IDLE_S)
+        step = runner.step_id
+        started = self.steps.step()
+        if started is not None:
+            runner.record_step(step, started)  # the whole step: scheduling and detokenizing too
 
-    def _fail_queue(self, exc: Exception) -> None:
-        with self.lock:
-            self._emit(self.core.fail_all(f"{self.name}: {exc}"))
+    def step_failed(self, exc: Exception) -> None:
+        self.steps.fail_all(f"{self.name}: {exc}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from deploy.node_process import settle
 from deploy.link import SwitchableLink
-from deploy.node_loop import LoopActor, NodeLoop
-from deploy.timeline_calls import TimelineCalls
+from deploy.node_actor import NodeActor
+from deploy.node_loop import NodeLoop
 from deploy.node_config import data_link, join_tp_group, node_names, weights_of
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
@@ -15,7 +15,7 @@ from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
 
-class AttentionShard(LoopActor, TimelineCalls):
+class AttentionShard(NodeActor):
     role = NodeRole.ATTENTION
 
     def __init__(self, plan: Plan, runtime: AttentionRuntime, rank: int, secret: bytes, host: str) -> None:
@@ -26,7 +26,7 @@ class AttentionShard(LoopActor, TimelineCalls):
         self._build_args = (secret, host)
         self.runner: PipelinedModelRunner | None = None
         self.link: SwitchableLink | None = None
-        self.loop = NodeLoop(self.name, lambda: self.link, self._step)
+        self.loop = NodeLoop(self.name, self)
 
     def _timeline(self):
         return self.runner.timeline if self.runner is not None else None
@@ -47,7 +47,7 @@ class AttentionShard(LoopActor, TimelineCalls):
             micro_batches=self.plan.pipeline.micro_batches, staging_bytes=self.runtime.staging_bytes, tp_group=group,
             name=self.name)
 
-    def _step(self) -> None:
+    def step(self) -> None:
         self.link.count_usage()  # between steps, on the loop thread (deploy/link.py)
         self.runner.execute_follower()
 
@@ -59,4 +59,4 @@ class AttentionShard(LoopActor, TimelineCalls):
 
     def serve(self) -> None:
         self.runner.reset()
-        self.loop.serve()
+        super().serve()

@@ -10,8 +10,8 @@ from deploy.link import SwitchableLink
 from deploy.node_config import (attention_rank_names, bind_host, data_link, join_tp_group, tp_master_address,
                                 weights_of)
 from deploy.runtime_config import ExpertRuntime
-from deploy.node_loop import LoopActor, NodeLoop
-from deploy.timeline_calls import TimelineCalls
+from deploy.node_actor import NodeActor
+from deploy.node_loop import NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.messages import NodeHealth, NodeRole
 from megainfer.plan import Plan
@@ -31,7 +31,7 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
                         decode_graph_tokens=runtime.decode_graph_tokens)
 
 
-class ExpertNode(LoopActor, TimelineCalls):
+class ExpertNode(NodeActor):
     role = NodeRole.EXPERT
 
     def __init__(self, plan: Plan, runtime: ExpertRuntime, secret: bytes, host: str) -> None:
@@ -49,7 +49,10 @@ class ExpertNode(LoopActor, TimelineCalls):
         self.worker: ExpertWorker | None = None
         if self.plan.experts.tp == 1:
             self.worker = build_expert_worker(self.plan, runtime, self.link)
-        self.loop = NodeLoop(self.name, lambda: self.link, lambda: self.worker.run_step())
+        self.loop = NodeLoop(self.name, self)
+
+    def step(self) -> None:
+        self.worker.run_step()
 
     def _timeline(self):
         return self.worker.timeline if self.worker is not None else None

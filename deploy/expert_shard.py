@@ -9,14 +9,14 @@ from deploy.node_process import settle
 from deploy.expert_node import build_expert_worker
 from deploy.node_config import join_tp_group
 from deploy.runtime_config import ExpertRuntime
-from deploy.node_loop import LoopActor, NodeLoop
-from deploy.timeline_calls import TimelineCalls
+from deploy.node_actor import NodeActor
+from deploy.node_loop import NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
 
-class ExpertShard(LoopActor, TimelineCalls):
+class ExpertShard(NodeActor):
     role = NodeRole.EXPERT
 
     def __init__(self, plan: Plan, runtime: ExpertRuntime, rank: int, secret: bytes, host: str) -> None:
@@ -29,7 +29,10 @@ class ExpertShard(LoopActor, TimelineCalls):
         self.name = runtime.ranks[rank]
         settle(runtime, rank, self.name)
         self.worker: ExpertWorker | None = None
-        self.loop = NodeLoop(self.name, lambda: None, lambda: self.worker.run_follower_step())
+        self.loop = NodeLoop(self.name, self)  # no link: it talks only to its leader
+
+    def step(self) -> None:
+        self.worker.run_follower_step()
 
     def _timeline(self):
         return self.worker.timeline if self.worker is not None else None

@@ -1,6 +1,6 @@
 """Nodes' timelines (megainfer/disagg/node_timeline.py) switched on and read back onto the driver's
-clock: the actor side (`TimelineCalls`, mixed into every node actor) and the driver side
-(`trace`, `read_timelines`).
+clock: the driver's side (`trace`, `read_timelines`) of the calls every node actor answers
+(`NodeActor.trace`, `.timeline`, `.clock`: deploy/node_actor.py).
 
 Every process of one host reads the same CLOCK_MONOTONIC, but a node on another host has its
 own. So each node's offset to the driver's clock is estimated as NTP does with one server:
@@ -14,34 +14,10 @@ from __future__ import annotations
 import time
 
 from deploy.ray_calls import get_all
-from megainfer.disagg.node_timeline import Timeline
 from megainfer.messages import NodeTimeline
 
 CALL_TIMEOUT_S = 30.0
 CLOCK_SAMPLES = 7
-
-
-class TimelineCalls:
-    """The calls a node actor answers about its timeline."""
-
-    def _timeline(self) -> Timeline | None:
-        """The recorder of this actor's runner or worker; None before it is built."""
-        raise NotImplementedError
-
-    def trace(self, on: bool) -> bool:
-        """Start (clearing the old one) or stop recording; False while the node is still being built."""
-        timeline = self._timeline()
-        if timeline is None:
-            return False
-        timeline.switch(on)
-        return True
-
-    def timeline(self) -> NodeTimeline | None:
-        timeline = self._timeline()
-        return timeline.read() if timeline is not None else None
-
-    def clock(self) -> float:
-        return time.perf_counter()
 
 
 def trace(actors: list, on: bool) -> None:

@@ -77,7 +77,7 @@ class Engine:
         self._finished_lengths: deque[tuple[int, int]] = deque(maxlen=1024)
         # Asynchronous scheduling: the next step, scheduled while this one ran, and this step,
         # to be settled inside the next one.
-        self._takes_hooks = getattr(self.runner, "takes_step_hooks", False)
+        self._takes_hooks = self.runner.takes_step_hooks
         self._schedules_ahead = self.config.async_scheduling and self._takes_hooks
         self._ahead: ScheduledAhead | None = None
         self._pending: PendingStep | None = None
@@ -183,7 +183,7 @@ class Engine:
             self._last_step_end = None
             if settle is not None:
                 settle()
-            if getattr(self.runner, "steps_when_idle", False):
+            if self.runner.steps_when_idle:
                 self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
             return produced
         started = time.perf_counter()
@@ -264,7 +264,7 @@ class Engine:
     def _step_id(self) -> int:
         """A disaggregated runner numbers its steps, and every attention node of the replica runs
         each number together (the router adds their work up); -1 on a colocated runner."""
-        return getattr(self.runner, "step_id", -1)
+        return self.runner.step_id
 
     def _deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence]) -> DeltaColumns:
         """The step's deltas: one per sequence that gained a token. Prompt logprobs computed this
@@ -386,7 +386,7 @@ class Engine:
         s.num_waiting = self.scheduler.num_waiting
         s.kv_cache_usage = self.scheduler.block_manager.usage
         s.energy_j = self._energy.joules()
-        s.kernels = getattr(self.runner, "kernels", None)
+        s.kernels = self.runner.kernels
         s.kernel_builds_while_serving = WATCH.built_while_serving
         s.energy_unavailable = self._energy.reason
         if s.energy_j is not None and s.num_generated_tokens:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from itertools import chain, groupby
 from operator import attrgetter
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -69,7 +69,26 @@ class StepResult:
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
+class StepRunner(Protocol):
+    """What the engine asks of its runner: this module's colocated `ModelRunner`, or a
+    disaggregated attention node's `PipelinedModelRunner` (megainfer/disagg/)."""
+
+    steps_when_idle: bool  # takes part in every step, empty or not (a disaggregated node: lockstep)
+    takes_step_hooks: bool  # `execute` takes `StepHooks` (the engine may schedule asynchronously)
+    deployment_busy: bool  # did any node of its deployment have work in the last step?
+    step_id: int  # the step it runs next; all attention nodes of a deployment run each number together
+    kernels: Any  # which implementation each operator runs (kernels.startup.KernelReport), once built
+
+    def execute(self, out: SchedulerOutput, hooks: StepHooks | None = None) -> StepResult: ...
+
+
 class ModelRunner:
+    steps_when_idle = False
+    takes_step_hooks = False
+    deployment_busy = False  # the colocated engine is its whole deployment
+    step_id = -1  # it does not number its steps
+    kernels = None
+
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource,
                  max_model_len: int) -> None:
         self.model_config = model_config

@@ -1,36 +1,40 @@
-"""One colocated engine behind the servers (`megainfer serve`): a step loop thread fed
-through the engine core's input queue."""
+"""One colocated engine behind the servers (`megainfer serve`): the engine's steps
+(`EngineSteps`) in a step loop thread (`StepLoop`), fed through the engine core's input queue."""
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 
 from megainfer.engine import Engine
-from megainfer.engine_core import EngineCore
+from megainfer.engine_steps import EngineSteps
 from megainfer.errors import DataPlaneError
 from megainfer.messages import NodeResources, NodeRole, NodeStatus
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import BackendInfo, NodeInfo, RequestStream, StreamRegistry
 from megainfer.server.metrics import MetricsSnapshot
+from megainfer.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # an idle loop re-checks for a stop this often
 
 
 class EngineBackend:
+    """A `GenerationBackend` of one engine whose steps run in a `StepLoop` thread (the loop
+    every node of a deployment runs too); a step that raises (a bug: the engine fails a broken
+    step's requests itself and serves on) fails every open request and leaves the loop broken,
+    which `info` reports."""
+
     def __init__(self, engine: Engine, max_open: int | None = None) -> None:
         self.engine = engine
-        self.core = EngineCore(engine)
         self.registry = StreamRegistry(max_open or 2 * engine.config.max_num_seqs)
-        self.lock = threading.Lock()  # held by each step; the metrics read the engine between steps
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="engine-steps", daemon=True)
-        self.thread.start()
+        self.steps = EngineSteps(engine, self.registry.deliver_batch, IDLE_WAIT_S)
+        self.core = self.steps.core
+        self.loop = StepLoop("engine", self)
+        self.loop.serve()
 
     def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
-        if not self.thread.is_alive():
+        if not self.loop.serving:
             raise DataPlaneError("the engine's step loop stopped (see the server's log); restart the server")
         stream = self.registry.open(request_id)
         try:
@@ -47,7 +51,7 @@ class EngineBackend:
 
     def info(self) -> BackendInfo:
         s = self.engine.stats()  # counters read without the step's lock: ServerInfo never waits for a step
-        if not self.thread.is_alive():  # the step loop died (a bug): nothing will be served, say so to probes
+        if not self.loop.serving:  # the step loop failed (a bug): nothing will be served, say so to probes
             return BackendInfo(self.engine.model_config.name, "", [NodeInfo(
                 "engine", NodeRole.ENGINE, NodeStatus.BROKEN, "the engine's step loop stopped; see the log")])
         return BackendInfo(self.engine.model_config.name, "", [NodeInfo(
@@ -55,10 +59,8 @@ class EngineBackend:
             f"running {s.num_running}, waiting {s.num_waiting}, KV {s.kv_cache_usage:.0%}")])
 
     def metrics_snapshot(self) -> MetricsSnapshot:
-        with self.lock:
-            for delta in self.core.drain():  # queued requests count as waiting
-                self.registry.deliver(delta)
-            s = self.engine.stats()
+        with self.steps.between_steps() as engine:  # queued requests count as waiting
+            s = engine.stats()
         return MetricsSnapshot(running=s.num_running, waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                                expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks,
                                num_preemptions=s.num_preemptions, kernels=[s.kernels] if s.kernels else [],
@@ -66,25 +68,20 @@ class EngineBackend:
 
     def resources(self) -> list[NodeResources]:
         """The engine's KV blocks and requests held (read between steps); no M2N slots here."""
-        with self.lock:
+        with self.steps.lock:
             blocks = self.engine.scheduler.block_manager
             return [NodeResources("engine", NodeRole.ENGINE, 0, os.getpid(), kv_blocks_total=blocks.num_blocks,
                                   kv_blocks_free=blocks.num_free_blocks, requests=self.core.num_requests)]
 
     def close(self) -> None:
-        self.stopping.set()
+        self.loop.stopping.set()
         self.core.wake()
-        self.thread.join(5)
+        self.loop.stop()
 
-    def _loop(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                if not self.core.has_work():
-                    self.core.wait_for_work(IDLE_WAIT_S)
-                    continue
-                with self.lock:
-                    deltas = self.core.step_columns()
-                self.registry.deliver_batch(deltas)
-        except Exception as exc:  # a bug: fail what is open rather than leave clients waiting forever
-            logger.exception("the engine's step loop failed; the server reports the engine broken")
-            self.registry.fail_all(f"the engine's step loop failed: {exc!r}")
+    # -- its StepLoop -------------------------------------------------------------------------
+    def step(self) -> None:
+        self.steps.step()
+
+    def step_failed(self, exc: Exception) -> None:
+        logger.error("the engine's step loop failed; the server reports the engine broken", exc_info=exc)
+        self.registry.fail_all(f"the engine's step loop failed: {exc!r}")

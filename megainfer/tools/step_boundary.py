@@ -80,6 +80,8 @@ class BoundaryRunner:
 
     steps_when_idle = False
     takes_step_hooks = True
+    deployment_busy = False
+    step_id = -1
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights, max_model_len: int, *,
                  micro_batches: int, num_blocks: int, plan_model: ModelConfig, t_e_s: float) -> None:

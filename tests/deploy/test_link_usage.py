@@ -11,7 +11,7 @@ import time
 import torch
 
 from deploy.link import SwitchableLink
-from deploy.node_loop import rank_resources
+from deploy.node_actor import rank_resources
 from megainfer.messages import NodeRole
 from transport import PeerTimeout
 from transport.endpoint import SlotUsage
