@@ -28,11 +28,7 @@ from megainfer.config import EngineConfig
 from megainfer.kv_cache import BlockManager
 from megainfer.messages import LayeredSettings
 from megainfer.sequence import FinishReason, Sequence, SequenceStatus
-
-
-# The token of a sequence whose step is still running while the next one is scheduled
-# (`Scheduler.advance_ahead`); `Scheduler.place` writes the sampled token over it.
-PLACEHOLDER = -1
+from megainfer.token_recorder import TokenRecorder
 
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 _TOKEN_IDS = operator.attrgetter("token_ids")
@@ -272,6 +268,17 @@ class SchedulerOutput:
         """Every sequence this step touches: `seqs`, then the layered cohort."""
         return self.seqs + (self.layered.seqs if self.layered else [])
 
+    def single_tokens_first(self) -> SchedulerOutput:
+        """Puts the one-token entries first (stable) and counts them in `num_single_token`."""
+        counts = self.num_scheduled_tokens
+        single = counts.count(1)
+        if counts[:single] != [1] * single:  # some prompt chunk before a one-token entry
+            order = sorted(range(len(self.seqs)), key=lambda j: counts[j] > 1)
+            self.seqs = [self.seqs[j] for j in order]
+            self.num_scheduled_tokens = [counts[j] for j in order]
+        self.num_single_token = single
+        return self
+
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (and so samples a new one)."""
         seqs = self.seqs
@@ -321,6 +328,36 @@ class StepTimeCap(Protocol):
         """Prompt tokens that fit (0 when the decodes alone fill the target)."""
 
 
+def prompt_budget(cap: StepTimeCap, out: SchedulerOutput, budget: int) -> int:
+    """The token budget left for prompt chunks under the step-time cap, after the decodes in
+    `out`. A step with no decodes always takes some prompt: it would otherwise never run."""
+    tokens, _, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
+    cap_tokens = cap.prefill_tokens(tokens, len(out.seqs), kv)
+    return min(budget, cap_tokens if out.seqs else max(cap_tokens, 1))
+
+
+def schedule_all_decodes(out: SchedulerOutput, running: deque[Sequence], blocks: BlockManager,
+                         policy: PrefillPolicy, uncomputed: list[int], budget: int) -> int:
+    """The running loop's common case at once: every running sequence a one-token decode
+    the policy leaves to the loop, within the budget, and the blocks the ones at a block's
+    end need are free. Array work, no per-sequence branch; returns how many it scheduled
+    (0: the loop does it all, preempting where it must)."""
+    n = len(running)
+    if n > budget or uncomputed.count(1) != n or \
+            (not policy.never_schedules_itself and any(map(policy.schedules_itself, running))):
+        return 0
+    computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
+    room = np.fromiter(map(len, map(_BLOCK_TABLE, running)), np.int64, n) * blocks.block_size
+    full = np.flatnonzero(computed >= room).tolist()
+    if len(full) > blocks.num_free_blocks:
+        return 0
+    for k in full:
+        blocks.allocate(running[k], 1)
+    out.seqs.extend(running)
+    out.num_scheduled_tokens.extend([1] * n)
+    return n
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: PrefillPolicy, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
@@ -332,7 +369,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # tokens per step
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
+        # Takes each step that ran back into its sequences (tokens, times, stop conditions).
+        self.tokens = TokenRecorder(max_model_len, eos_token_ids, self._end)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence by request id
@@ -358,11 +396,7 @@ class Scheduler:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        else:
-            self.running.remove(seq)
-        self._finish(seq, FinishReason.ABORT)
+        self._end(seq, FinishReason.ABORT)
         return seq
 
     def stop(self, seq: Sequence, stop_reason: str) -> None:
@@ -378,9 +412,8 @@ class Scheduler:
         """Finish one sequence with an error, freeing its blocks; the others go on."""
         if seq.is_finished:
             return
-        (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
         seq.error = error
-        self._finish(seq, FinishReason.ERROR)
+        self._end(seq, FinishReason.ERROR)
 
     @property
     def has_unfinished(self) -> bool:
@@ -409,7 +442,7 @@ class Scheduler:
                 self.running = deque(sorted(running, key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1))
         capped = self.step_cap is None or not self.policy.uses_token_budget
         block_size, schedules_itself = blocks.block_size, self.policy.schedules_itself
-        i = self._schedule_decodes(out, uncomputed, budget) if uncomputed else 0
+        i = schedule_all_decodes(out, self.running, blocks, self.policy, uncomputed, budget) if uncomputed else 0
         budget -= i
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -426,7 +459,7 @@ class Scheduler:
                 i += 1
                 continue
             if uncomputed > 1 and not capped:  # the decodes are in: cap the prompts
-                budget, capped = self._capped(out, budget), True
+                budget, capped = prompt_budget(self.step_cap, out, budget), True
                 if budget <= 0:
                     break
             n = 1 if uncomputed == 1 else self.policy.num_prefill_tokens(seq, budget)
@@ -447,30 +480,9 @@ class Scheduler:
                 continue
             break
         if not capped:
-            budget = self._capped(out, budget)
+            budget = prompt_budget(self.step_cap, out, budget)
         self.policy.schedule_prompts(self, out, budget)
-        return self._ordered(out)
-
-    def _schedule_decodes(self, out: SchedulerOutput, uncomputed: list[int], budget: int) -> int:
-        """The running loop's common case at once: every running sequence a one-token decode
-        the policy leaves to the loop, within the budget, and the blocks the ones at a block's
-        end need are free. Array work, no per-sequence branch; returns how many it scheduled
-        (0: the loop does it all, preempting where it must)."""
-        running, blocks = self.running, self.block_manager
-        n = len(running)
-        if n > budget or uncomputed.count(1) != n or \
-                (not self.policy.never_schedules_itself and any(map(self.policy.schedules_itself, running))):
-            return 0
-        computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
-        room = np.fromiter(map(len, map(_BLOCK_TABLE, running)), np.int64, n) * blocks.block_size
-        full = np.flatnonzero(computed >= room).tolist()
-        if len(full) > blocks.num_free_blocks:
-            return 0
-        for k in full:
-            blocks.allocate(running[k], 1)
-        out.seqs.extend(running)
-        out.num_scheduled_tokens.extend([1] * n)
-        return n
+        return out.single_tokens_first()
 
     @property
     def has_room(self) -> bool:
@@ -486,35 +498,10 @@ class Scheduler:
             seq.first_scheduled_time = self.clock()
         self.running.append(seq)
 
-    def _capped(self, out: SchedulerOutput, budget: int) -> int:
-        """The token budget left for prompt chunks under the step-time cap. A step with no
-        decodes always takes some prompt: it would otherwise never run."""
-        tokens, _, kv = chunk_work(out.seqs, out.num_scheduled_tokens)
-        cap = self.step_cap.prefill_tokens(tokens, len(out.seqs), kv)
-        return min(budget, cap if out.seqs else max(cap, 1))
-
-    def _ordered(self, out: SchedulerOutput) -> SchedulerOutput:
-        counts = out.num_scheduled_tokens
-        single = counts.count(1)
-        if counts[:single] != [1] * single:  # some prompt chunk before a one-token entry
-            order = sorted(range(len(out.seqs)), key=lambda j: counts[j] > 1)
-            out.seqs = [out.seqs[j] for j in order]
-            out.num_scheduled_tokens = [counts[j] for j in order]
-        out.num_single_token = single
-        return out
-
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """Advance each scheduled sequence; `sampled[i]` is the new token of `out.seqs[i]`, or
         None where that sequence was mid-prompt. Returns the sequences that gained a token."""
-        advanced = []
-        now = self.clock()
-        advance = self._advance
-        for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled):
-            advance(seq, n, token, now, advanced)
-        if out.layered is not None:
-            if out.layered.last:  # the chunks are now complete in every layer
-                for seq, n, token in zip(out.layered.seqs, out.layered.num_tokens, sampled[len(out.seqs):]):
-                    self._advance(seq, n, token, now, advanced)
+        advanced = self.tokens.record(out, sampled, self.clock())
         self.policy.step_done(out)
         return advanced
 
@@ -525,79 +512,22 @@ class Scheduler:
         so `schedule` forms the next step now (vLLM's async scheduling). A sequence that stops on
         this token runs in the next step too; its token there is dropped (`settle`). Only steps
         without a layered cohort: a cohort's group advances in `update_from_output`."""
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            if seq.status is SequenceStatus.FINISHED:
-                continue
-            token_ids = seq.token_ids
-            if seq.num_computed_tokens + n == len(token_ids):
-                token_ids.append(PLACEHOLDER)
-            seq.num_computed_tokens += n
+        self.tokens.advance_ahead(out)
         self.policy.step_done(out)
 
     def place(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
         """Step `out`'s tokens into the places `advance_ahead` held for them (what the next
         step's inputs read), nothing else."""
-        for seq, token in zip(out.seqs, sampled):
-            if token is not None:
-                token_ids = seq.token_ids
-                if token_ids and token_ids[-1] == PLACEHOLDER:
-                    token_ids[-1] = token
+        self.tokens.place(out, sampled)
 
     def settle(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """The rest of `update_from_output` for a step advanced ahead: the token times and the
         stop conditions; a sequence that stops is finished now (it may be in the running step:
         its token there is dropped, its blocks are taken only by a later schedule). Returns
         the sequences that gained a token, as `update_from_output`."""
-        advanced = []
-        now = self.clock()
-        for seq, token in zip(out.seqs, sampled):
-            if token is not None and seq.status is not SequenceStatus.FINISHED:
-                self._gained(seq, token, len(seq.token_ids), now, advanced)  # its token is the last one
-        return advanced
-
-    def _advance(self, seq: Sequence, n: int, token: int | None, now: float, advanced: list[Sequence]) -> None:
-        # Runs for every sequence of every step: attributes read once, no property calls.
-        if seq.status is SequenceStatus.FINISHED:  # aborted or failed while the step ran
-            return
-        seq.num_computed_tokens += n
-        if token is None:
-            return
-        seq.token_ids.append(token)
-        self._gained(seq, token, len(seq.token_ids), now, advanced)
-
-    def _gained(self, seq: Sequence, token: int, num_tokens: int, now: float, advanced: list[Sequence]) -> None:
-        """`seq` gained `token`, its `num_tokens`-th: timed, and finished if it stops there."""
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        seq.token_times.append(now)
-        advanced.append(seq)
-        params = seq.params
-        # The stop conditions asked only where one could hold (most decodes of a step: none).
-        if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= self.max_model_len \
-                or token in self.eos_token_ids or params.stop_token_ids or params.min_tokens:
-            reason = self._stop_reason(seq, token, num_tokens)
-            if reason is not None:
-                # Advanced ahead, it may have been preempted meanwhile: it waits, not runs.
-                (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
-                self._finish(seq, reason)
+        return self.tokens.settle(out, sampled, self.clock())
 
     # -- internals -----------------------------------------------------------------------
-    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> FinishReason | None:
-        params = seq.params
-        generated = num_tokens - len(seq.prompt_token_ids)
-        # The sampler masks EOS and stop tokens while fewer than min_tokens were generated before
-        # this one, so a stop token counts only past min_tokens: the two agree.
-        if generated > params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return FinishReason.STOP  # stop_reason stays None for EOS, as vLLM's
-            if params.stop_token_ids and token in params.stop_token_ids:
-                seq.stop_reason = token
-                return FinishReason.STOP
-        if generated >= params.max_tokens or num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     def _preempt(self, seq: Sequence) -> None:
         self.policy.drop(seq)
         self.block_manager.free(seq)
@@ -606,6 +536,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
+        """`seq` leaves its queue and finishes. Advanced ahead, a sequence that stops may have been
+        preempted meanwhile: it waits, not runs."""
+        (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+        self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.num_finished += 1

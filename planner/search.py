@@ -152,6 +152,23 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
         raise PlanError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
     if max_micro_batches < 1:
         raise PlanError(f"--max-micro-batches must be at least 1, got {max_micro_batches}")
+    att_cfgs, exp_cfgs = _configurations(model, catalog, attention_gpus, expert_gpus, perf)
+    grid = SearchGrid(model, perf, att_cfgs, exp_cfgs, max_micro_batches)
+    first, best, batch, feasible = _largest_batches(grid, tbt_slo_s)
+    fits = grid.capacity >= grid.m
+    fastest = grid.candidate(int(np.argmin(np.where(fits, first["tbt"], np.inf))), first, grid.m) \
+        if fits.any() else None
+    throughput = batch / best["tbt"]
+    score = {"cost": throughput / grid.cost, "power": throughput / grid.power, "gpu": throughput / grid.gpus}[objective]
+    ranked = grid.best_per_configuration(np.where(feasible, score, -np.inf))
+    candidates = [grid.candidate(int(i), best, batch) for i in ranked]
+    return SearchResult(candidates=candidates, configurations=len(grid.m), fastest=fastest)
+
+
+def _configurations(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expert_gpus: list[str],
+                    perf: PerfModel) -> tuple[list[tuple[GPU, int]], list[tuple[GPU, int, int]]]:
+    """The attention configurations (GPU, tp_a) and expert configurations (GPU, tp_e, experts per
+    node) whose weights fit; a PlanError that says why when one side has none."""
     att = list(dict.fromkeys(catalog[n] for n in attention_gpus))
     exp = list(dict.fromkeys(catalog[n] for n in expert_gpus))
     # Only the tp's the runtime can split the model over: heads for attention, the intermediate
@@ -163,106 +180,128 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
     exp_cfgs = [(g, tp, e) for g in exp for tp in exp_tps if tp <= g.gpus_per_node
                 for e in divisors(model.num_experts) if perf.expert_node_fits(g.memory_bytes, tp, e)]
     _check_fits(model, perf, att, exp, att_cfgs, exp_cfgs, max(att_tps))
+    return att_cfgs, exp_cfgs
 
-    # Per-configuration constants, computed once on the small per-side arrays.
-    e_per_cfg = np.array([e for _, _, e in exp_cfgs], dtype=np.float64)
-    a_side = perf.sides(att_cfgs, "attention")
-    e_side = perf.sides([(g, tp) for g, tp, _ in exp_cfgs], "experts", e_per_cfg)
-    step_pieces = perf.step_lines(att_cfgs)
-    a_pieces = perf.attention_pieces(a_side)
-    e_pieces = perf.expert_pieces(e_side, e_per_cfg)
-    seqs_cfg = perf.max_sequences_per_attention_node(np.array([g.memory_bytes for g, _ in att_cfgs]), a_side.tp)
-    hit_cfg = perf.node_hit_probability(e_per_cfg)
 
-    # One row per (attention config, expert config, n_a, m).
-    n_a_values = np.array(ATTENTION_NODES, dtype=np.float64)
-    m_values = np.arange(1, max_micro_batches + 1, dtype=np.float64)
-    ia, ie, i_n, i_m = (x.reshape(-1) for x in np.meshgrid(
-        np.arange(len(att_cfgs)), np.arange(len(exp_cfgs)), np.arange(len(n_a_values)), np.arange(len(m_values)),
-        indexing="ij"))
-    # float32 is exact for batches below 2**24 and halves the memory traffic of each step.
-    f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
-    n_a, m = f32(n_a_values[i_n]), f32(m_values[i_m])
-    e_per = e_per_cfg[ie]
-    n_e = model.num_experts / e_per
-    # Only the network needs per-row hardware figures.
-    a_rows = Side(nic=a_side.nic[ia], tp=a_side.tp[ia])
-    e_rows = Side(nic=e_side.nic[ie], tp=e_side.tp[ie])
-    a_lin = [(f32(slope[ia]), f32(const[ia])) for slope, const in a_pieces]
-    e_lin = [(f32(slope[ie]), f32(const[ie])) for slope, const in e_pieces]
-    step_lin = [(f32(slope[ia]), f32(const[ia])) for slope, const in step_pieces]
-    # T_c = msg / util(msg) * seconds_per_byte, msg = b_a * bytes_per_token_sent
-    bytes_per_token_sent = f32(hit_cfg[ie] * perf.token_bytes / (a_rows.tp * e_rows.tp))
-    seconds_per_byte = f32(perf.transfer_seconds_per_byte(a_rows, e_rows, n_a, n_e))
-    record_bytes_per_rank = f32(hit_cfg[ie] * perf.record_bytes / a_rows.tp)  # the host's messages, per token
-    capacity = f32(np.minimum(n_a * seqs_cfg[ia], MAX_BATCH))  # sequences whose KV fits
+def _largest_batches(grid: SearchGrid, tbt_slo_s: float) -> tuple[dict, dict, np.ndarray, np.ndarray]:
+    """Binary-search every row's largest global batch whose TBT meets the SLO, whose KV cache fits
+    and (with a host model) whose rounds the host can post. Returns the figures at one sequence per
+    micro-batch, the figures at the batch found, that batch, and which rows are feasible."""
+    host = grid.perf.host
+    lo = grid.m.copy()  # one sequence per micro-batch: does even that meet the SLO and fit?
+    first = grid.evaluate(lo)
+    feasible = (first["tbt"] <= tbt_slo_s) & (grid.capacity >= grid.m)
+    hi = np.where(feasible, np.maximum(grid.capacity, lo), lo)
+    for _ in range(int(np.log2(max(hi.max(), 2))) + 1):  # largest B in [lo, hi] with tbt <= SLO
+        mid = np.floor((lo + hi + 1) / 2)
+        at = grid.evaluate(mid)
+        ok = at["tbt"] <= tbt_slo_s
+        if host is not None:  # a batch whose rounds the host cannot post is no answer either
+            ok &= ~host_bound(at["t_a"], at["t_e"], at["host_a"], at["host_e"])
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid - 1)
+    best = grid.evaluate(lo)
+    if host is not None:  # the host cannot post these rounds within the micro-batch's compute
+        feasible &= ~host_bound(best["t_a"], best["t_e"], best["host_a"], best["host_e"])
+    return first, best, lo, feasible
 
-    def evaluate(batch: np.ndarray) -> dict[str, np.ndarray]:
+
+class SearchGrid:
+    """Every row the search judges, one per (attention config, expert config, n_a, m), as flat
+    numpy arrays: the per-configuration constants are computed once on the small per-side arrays
+    and spread over the rows, so a batch per row is evaluated in a few array operations."""
+
+    def __init__(self, model: ModelConfig, perf: PerfModel, att_cfgs: list[tuple[GPU, int]],
+                 exp_cfgs: list[tuple[GPU, int, int]], max_micro_batches: int) -> None:
+        self.model, self.perf, self.att_cfgs, self.exp_cfgs = model, perf, att_cfgs, exp_cfgs
+        e_per_cfg = np.array([e for _, _, e in exp_cfgs], dtype=np.float64)
+        a_side = perf.sides(att_cfgs, "attention")
+        e_side = perf.sides([(g, tp) for g, tp, _ in exp_cfgs], "experts", e_per_cfg)
+        step_pieces = perf.step_lines(att_cfgs)
+        a_pieces = perf.attention_pieces(a_side)
+        e_pieces = perf.expert_pieces(e_side, e_per_cfg)
+        seqs_cfg = perf.max_sequences_per_attention_node(np.array([g.memory_bytes for g, _ in att_cfgs]), a_side.tp)
+        hit_cfg = perf.node_hit_probability(e_per_cfg)
+
+        n_a_values = np.array(ATTENTION_NODES, dtype=np.float64)
+        m_values = np.arange(1, max_micro_batches + 1, dtype=np.float64)
+        ia, ie, i_n, i_m = (x.reshape(-1) for x in np.meshgrid(
+            np.arange(len(att_cfgs)), np.arange(len(exp_cfgs)), np.arange(len(n_a_values)), np.arange(len(m_values)),
+            indexing="ij"))
+        self.ia, self.ie = ia, ie
+        self.n_a, self.m = _f32(n_a_values[i_n]), _f32(m_values[i_m])
+        self.n_e = model.num_experts / e_per_cfg[ie]
+        # Only the network needs per-row hardware figures.
+        self.a_rows = Side(nic=a_side.nic[ia], tp=a_side.tp[ia])
+        self.e_rows = Side(nic=e_side.nic[ie], tp=e_side.tp[ie])
+        self.a_lin = [(_f32(slope[ia]), _f32(const[ia])) for slope, const in a_pieces]
+        self.e_lin = [(_f32(slope[ie]), _f32(const[ie])) for slope, const in e_pieces]
+        self.step_lin = [(_f32(slope[ia]), _f32(const[ia])) for slope, const in step_pieces]
+        # T_c = msg / util(msg) * seconds_per_byte, msg = b_a * bytes_per_token_sent
+        self.bytes_per_token_sent = _f32(hit_cfg[ie] * perf.token_bytes / (self.a_rows.tp * self.e_rows.tp))
+        self.seconds_per_byte = _f32(perf.transfer_seconds_per_byte(self.a_rows, self.e_rows, self.n_a, self.n_e))
+        # The host's messages, per token.
+        self.record_bytes_per_rank = _f32(hit_cfg[ie] * perf.record_bytes / self.a_rows.tp)
+        self.capacity = _f32(np.minimum(self.n_a * seqs_cfg[ia], MAX_BATCH))  # sequences whose KV fits
+        a_gpus, e_gpus = self.n_a * self.a_rows.tp, self.n_e * self.e_rows.tp
+        self.gpus = a_gpus + e_gpus
+        self.cost = a_gpus * _per_gpu(att_cfgs, ia, "price") + e_gpus * _per_gpu(exp_cfgs, ie, "price")
+        self.power = a_gpus * _per_gpu(att_cfgs, ia, "power_w") + e_gpus * _per_gpu(exp_cfgs, ie, "power_w")
+
+    def evaluate(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        """T_a, T_e, T_c and the TBT of every row at its global `batch` (and the host's round
+        times, with a host model)."""
+        model, perf, n_a, m = self.model, self.perf, self.n_a, self.m
         g = batch / m  # tokens of one micro-batch across all attention nodes
         b_a = g / n_a
         b_e = g * (model.top_k / model.num_experts)
-        t_a = np.maximum.reduce([s * b_a + c for s, c in a_lin])
-        t_e = np.maximum.reduce([s * b_e + c for s, c in e_lin])
-        msg = b_a * bytes_per_token_sent
-        t_c = msg / f32(perf.utilization(msg)) * seconds_per_byte
-        step_s = np.maximum.reduce([s * (batch / n_a) + c for s, c in step_lin])
+        t_a = np.maximum.reduce([s * b_a + c for s, c in self.a_lin])
+        t_e = np.maximum.reduce([s * b_e + c for s, c in self.e_lin])
+        msg = b_a * self.bytes_per_token_sent
+        t_c = msg / _f32(perf.utilization(msg)) * self.seconds_per_byte
+        step_s = np.maximum.reduce([s * (batch / n_a) + c for s, c in self.step_lin])
         if perf.host is None:
             return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m, step_s))
         # An attention rank's round: its n_e expert nodes; an expert node's: every attention rank.
         # A message is a rank's share of a node's records, whole (an expert node's leader takes
         # it and shares it with its ranks), as `bench host` measures it.
-        host_msg = b_a * record_bytes_per_rank
-        host_a = f32(perf.host.attention.round_s(n_e, host_msg))
-        host_e = f32(perf.host.expert.round_s(n_a * a_rows.tp, host_msg))
+        host_msg = b_a * self.record_bytes_per_rank
+        host_a = _f32(perf.host.attention.round_s(self.n_e, host_msg))
+        host_e = _f32(perf.host.expert.round_s(n_a * self.a_rows.tp, host_msg))
         tbt = perf.iteration_time(np.maximum(t_a, host_a), np.maximum(t_e, host_e), t_c, m, step_s)
         return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=tbt, host_a=host_a, host_e=host_e)
 
-    lo = m.copy()  # one sequence per micro-batch: does even that meet the SLO and fit?
-    first = evaluate(lo)
-    feasible = (first["tbt"] <= tbt_slo_s) & (capacity >= m)
-    hi = np.where(feasible, np.maximum(capacity, lo), lo)
-    for _ in range(int(np.log2(max(hi.max(), 2))) + 1):  # largest B in [lo, hi] with tbt <= SLO
-        mid = np.floor((lo + hi + 1) / 2)
-        at = evaluate(mid)
-        ok = at["tbt"] <= tbt_slo_s
-        if perf.host is not None:  # a batch whose rounds the host cannot post is no answer either
-            ok &= ~host_bound(at["t_a"], at["t_e"], at["host_a"], at["host_e"])
-        lo = np.where(ok, mid, lo)
-        hi = np.where(ok, hi, mid - 1)
-    best = evaluate(lo)
-    if perf.host is not None:  # the host cannot post these rounds within the micro-batch's compute
-        feasible &= ~host_bound(best["t_a"], best["t_e"], best["host_a"], best["host_e"])
+    def best_per_configuration(self, score: np.ndarray) -> np.ndarray:
+        """The best-scoring row (n_a, m) of each structural configuration (GPU pair, tp's, experts
+        per node) with a finite score, best first: sorted by configuration, then by score, each
+        configuration's first row."""
+        group = self.ia * len(self.exp_cfgs) + self.ie
+        order = np.lexsort((-score, group))
+        first_of_group = order[np.r_[True, group[order][1:] != group[order][:-1]]]
+        first_of_group = first_of_group[np.isfinite(score[first_of_group])]
+        return first_of_group[np.argsort(-score[first_of_group], kind="stable")]
 
-    price = lambda cfgs, idx: np.array([c[0].price for c in cfgs])[idx]  # noqa: E731
-    power_of = lambda cfgs, idx: np.array([c[0].power_w for c in cfgs])[idx]  # noqa: E731
-    gpus = n_a * a_rows.tp + n_e * e_rows.tp
-    cost = n_a * a_rows.tp * price(att_cfgs, ia) + n_e * e_rows.tp * price(exp_cfgs, ie)
-    power = n_a * a_rows.tp * power_of(att_cfgs, ia) + n_e * e_rows.tp * power_of(exp_cfgs, ie)
-
-    def candidate(i: int, values: dict[str, np.ndarray], batch: np.ndarray) -> Candidate:
-        (ga, tp_a), (ge, tp_e, e) = att_cfgs[ia[i]], exp_cfgs[ie[i]]
+    def candidate(self, i: int, values: dict[str, np.ndarray], batch: np.ndarray) -> Candidate:
+        """Row `i` at `batch`, with its `evaluate` figures `values`."""
+        (ga, tp_a), (ge, tp_e, e) = self.att_cfgs[self.ia[i]], self.exp_cfgs[self.ie[i]]
         return Candidate(
-            attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=int(n_a[i]),
-            expert_nodes=int(n_e[i]), experts_per_node=e, m=int(m[i]), batch=int(batch[i]),
+            attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=int(self.n_a[i]),
+            expert_nodes=int(self.n_e[i]), experts_per_node=e, m=int(self.m[i]), batch=int(batch[i]),
             t_a=float(values["t_a"][i]), t_e=float(values["t_e"][i]), t_c=float(values["t_c"][i]),
-            tbt=float(values["tbt"][i]), gpus=int(gpus[i]), cost_per_hour=float(cost[i]), power_w=float(power[i]),
+            tbt=float(values["tbt"][i]), gpus=int(self.gpus[i]), cost_per_hour=float(self.cost[i]),
+            power_w=float(self.power[i]),
             host_a=float(values["host_a"][i]) if "host_a" in values else 0.0,
             host_e=float(values["host_e"][i]) if "host_e" in values else 0.0)
 
-    fits = capacity >= m
-    fastest = candidate(int(np.argmin(np.where(fits, first["tbt"], np.inf))), first, m) if fits.any() else None
-    throughput = lo / best["tbt"]
-    score = {"cost": throughput / cost, "power": throughput / power, "gpu": throughput / gpus}[objective]
-    score = np.where(feasible, score, -np.inf)
-    # Keep the best (n_a, m) of each structural configuration (GPU pair, tp's, experts per
-    # node): sort by configuration, then by score, and take each configuration's first row.
-    group = ia * len(exp_cfgs) + ie
-    order = np.lexsort((-score, group))
-    first_of_group = order[np.r_[True, group[order][1:] != group[order][:-1]]]
-    first_of_group = first_of_group[np.isfinite(score[first_of_group])]
-    ranked = first_of_group[np.argsort(-score[first_of_group], kind="stable")]
-    candidates = [candidate(int(i), best, lo) for i in ranked]
-    return SearchResult(candidates=candidates, configurations=len(m), fastest=fastest)
+
+def _f32(x) -> np.ndarray:
+    """float32 is exact for batches below 2**24 and halves the memory traffic of each step."""
+    return np.asarray(x, dtype=np.float32)
+
+
+def _per_gpu(cfgs: list[tuple], idx: np.ndarray, figure: str) -> np.ndarray:
+    """A GPU figure (price, power_w) of each row's configuration in `cfgs`."""
+    return np.array([getattr(c[0], figure) for c in cfgs])[idx]
 
 
 def _check_fits(model: ModelConfig, perf: PerfModel, att: list[GPU], exp: list[GPU], attention_fits, expert_fits,

@@ -28,6 +28,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from http import HTTPStatus
 
 import grpc
@@ -287,6 +288,114 @@ class Session:
         await self.http.aclose()
 
 
+class RequestSender:
+    """One request on the wire: sent to its frontend (gRPC Generate; HTTP /v1/completions, streamed
+    or whole), its answer read into its `RequestRecord` (token times, how far it got) and ended with
+    one `Status`, whatever happens (the client leaving, a broken connection, a malformed answer).
+    `now`: the soak's clock."""
+
+    def __init__(self, model: str, api_key: str | None, now: Callable[[], float]) -> None:
+        self.model = model  # the served model's name, as HTTP requests carry it
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.metadata = tuple(self.headers.items())
+        self.now = now
+
+    async def send(self, session: Session, shape: Shape, record: RequestRecord) -> None:
+        """Send `shape` on `session`'s clients, ending as it means to (`Ending`); `record` gets its end."""
+        if shape.frontend is Frontend.GRPC:
+            send = self._grpc
+        else:
+            send = self._http_stream if shape.stream else self._http_whole
+        try:
+            if shape.ending is Ending.DISCONNECT:
+                await asyncio.wait_for(send(session, shape, record), shape.disconnect_after_s)
+            else:
+                await send(session, shape, record)
+        except (TimeoutError, asyncio.CancelledError):  # the client left: its deadline, or restart_clients()
+            record.phase = "left"
+            record.finish(Status.CANCELLED_BY_CLIENT, self.now(), "the client left")
+        except grpc.aio.AioRpcError as exc:
+            record.finish(grpc_status(exc.code()), self.now(), exc.details() or "")
+        except httpx2.HTTPError as exc:  # the connection failed or broke: the server is not there
+            record.finish(Status.UNAVAILABLE, self.now(), f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a malformed answer is the server's fault, recorded
+            record.finish(Status.INTERNAL, self.now(), f"client could not read the answer: {type(exc).__name__}: "
+                                                       f"{exc}")
+
+    async def _grpc(self, session: Session, shape: Shape, record: RequestRecord) -> None:
+        params = SamplingParams(max_tokens=shape.max_tokens, n=shape.n, stop=shape.stop, ignore_eos=shape.ignore_eos,
+                                seed=shape.seed)
+        message = request_message(shape.prompt, params, record.request_id, server_defaults=SERVER_DEFAULTED)
+        call = session.stub.Generate(message, metadata=self.metadata)
+        finished: dict[int, str] = {}
+        chunks = 0
+        try:
+            async for response in call:
+                record.phase = "answered"
+                if response.token_ids:
+                    record.token(response.index, self.now())
+                    chunks += 1
+                    if shape.ending is Ending.ABORT and chunks == shape.abort_after_chunks:
+                        record.phase = "aborting"
+                        await session.stub.Abort(pb.AbortRequest(request_id=record.request_id),
+                                                 metadata=self.metadata, timeout=ABORT_CALL_TIMEOUT_S)
+                if response.finish_reason:
+                    finished[response.index] = response.finish_reason
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        record.finish(*_ended(finished, shape.n, self.now()))
+
+    async def _http_stream(self, session: Session, shape: Shape, record: RequestRecord) -> None:
+        finished: dict[int, str] = {}
+        chunks = 0
+        async with session.http.stream("POST", "/v1/completions", json=self._payload(shape, True),
+                                       headers=self.headers) as response:
+            record.phase = "answered"
+            if response.status_code != HTTPStatus.OK:
+                body = (await response.aread()).decode("utf-8", errors="replace")
+                record.finish(http_status(response.status_code), self.now(), body)
+                return
+            decoder = SSEDecoder()
+            async for piece in response.aiter_bytes():
+                for data in decoder.feed(piece):
+                    if data == "[DONE]":
+                        record.finish(*_ended(finished, shape.n, self.now()))
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        error = event["error"]
+                        record.finish(ERROR_TYPES.get(error.get("type"), Status.UNKNOWN), self.now(),
+                                      error.get("message", ""))
+                        return
+                    for choice in event.get("choices") or []:
+                        if choice.get("text"):
+                            record.token(choice["index"], self.now())
+                            chunks += 1
+                        if choice.get("finish_reason"):
+                            finished[choice["index"]] = choice["finish_reason"]
+                    if shape.ending is Ending.ABORT and chunks >= shape.abort_after_chunks:
+                        record.phase = "left"
+                        record.finish(Status.CANCELLED_BY_CLIENT, self.now(), "the client closed the stream")
+                        return  # leaving the block closes the response and its connection
+        record.finish(Status.INTERNAL, self.now(), "the stream ended without [DONE]")
+
+    async def _http_whole(self, session: Session, shape: Shape, record: RequestRecord) -> None:
+        response = await session.http.post("/v1/completions", json=self._payload(shape, False), headers=self.headers)
+        if response.status_code != HTTPStatus.OK:
+            record.finish(http_status(response.status_code), self.now(), response.text)
+            return
+        finished = {c["index"]: c.get("finish_reason") or "" for c in response.json()["choices"]}
+        record.finish(*_ended({i: reason for i, reason in finished.items() if reason}, shape.n, self.now()))
+
+    def _payload(self, shape: Shape, stream: bool) -> dict:
+        payload = {"model": self.model, "prompt": shape.prompt, "max_tokens": shape.max_tokens, "n": shape.n,
+                   "seed": shape.seed, "ignore_eos": shape.ignore_eos, "stream": stream}
+        if shape.stop:
+            payload["stop"] = shape.stop
+        return payload
+
+
 class SoakTraffic:
     """The clients, on an event loop of their own thread: `start()`, `stop()` (no new requests,
     then the in-flight ones end or become unended), `records`."""
@@ -306,8 +415,7 @@ class SoakTraffic:
         self._session: Session | None = None
         self._stopping: asyncio.Event | None = None
         self._workers: list[asyncio.Task] = []
-        self._headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-        self._metadata = tuple(self._headers.items())
+        self._sender = RequestSender(spec.model, spec.api_key, self.now)
         self._count = 0
 
     def now(self) -> float:
@@ -350,7 +458,7 @@ class SoakTraffic:
         self._session = Session(self.spec)
         try:
             await asyncio.wait_for(self._session.channel.channel_ready(), CONNECT_TIMEOUT_S)
-            response = await self._session.http.get("/health", headers=self._headers)
+            response = await self._session.http.get("/health", headers=self._sender.headers)
         except (TimeoutError, httpx2.HTTPError) as exc:
             raise MegaInferError(f"the soak's clients could not reach {self.spec.grpc_target} (gRPC) and "
                                  f"{self.spec.http_url} (HTTP): {type(exc).__name__}: {exc}") from None
@@ -385,7 +493,7 @@ class SoakTraffic:
             record = RequestRecord(f"soak-{self.spec.seed}-{self._count}", shape.frontend, shape.ending,
                                    shape.prompt_kind, shape.stream, shape.n, self.now())
             self.records.append(record)
-            task = asyncio.create_task(self._request(session, shape, record))
+            task = asyncio.create_task(self._sender.send(session, shape, record))
             session.inflight.add(task)
             done, _ = await asyncio.wait({task}, timeout=self.spec.request_timeout_s)
             session.inflight.discard(task)
@@ -395,100 +503,6 @@ class SoakTraffic:
                 task.cancel()  # its end, if it ever comes, is not counted
             elif record.status not in CLEAN:
                 await asyncio.sleep(FAILURE_PAUSE_S)
-
-    async def _request(self, session: Session, shape: Shape, record: RequestRecord) -> None:
-        if shape.frontend is Frontend.GRPC:
-            send = self._grpc
-        else:
-            send = self._http_stream if shape.stream else self._http_whole
-        try:
-            if shape.ending is Ending.DISCONNECT:
-                await asyncio.wait_for(send(session, shape, record), shape.disconnect_after_s)
-            else:
-                await send(session, shape, record)
-        except (TimeoutError, asyncio.CancelledError):  # the client left: its deadline, or restart_clients()
-            record.phase = "left"
-            record.finish(Status.CANCELLED_BY_CLIENT, self.now(), "the client left")
-        except grpc.aio.AioRpcError as exc:
-            record.finish(grpc_status(exc.code()), self.now(), exc.details() or "")
-        except httpx2.HTTPError as exc:  # the connection failed or broke: the server is not there
-            record.finish(Status.UNAVAILABLE, self.now(), f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a malformed answer is the server's fault, recorded
-            record.finish(Status.INTERNAL, self.now(), f"client could not read the answer: {type(exc).__name__}: "
-                                                       f"{exc}")
-
-    async def _grpc(self, session: Session, shape: Shape, record: RequestRecord) -> None:
-        params = SamplingParams(max_tokens=shape.max_tokens, n=shape.n, stop=shape.stop, ignore_eos=shape.ignore_eos,
-                                seed=shape.seed)
-        message = request_message(shape.prompt, params, record.request_id, server_defaults=SERVER_DEFAULTED)
-        call = session.stub.Generate(message, metadata=self._metadata)
-        finished: dict[int, str] = {}
-        chunks = 0
-        try:
-            async for response in call:
-                record.phase = "answered"
-                if response.token_ids:
-                    record.token(response.index, self.now())
-                    chunks += 1
-                    if shape.ending is Ending.ABORT and chunks == shape.abort_after_chunks:
-                        record.phase = "aborting"
-                        await session.stub.Abort(pb.AbortRequest(request_id=record.request_id),
-                                                 metadata=self._metadata, timeout=ABORT_CALL_TIMEOUT_S)
-                if response.finish_reason:
-                    finished[response.index] = response.finish_reason
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        record.finish(*_ended(finished, shape.n, self.now()))
-
-    async def _http_stream(self, session: Session, shape: Shape, record: RequestRecord) -> None:
-        finished: dict[int, str] = {}
-        chunks = 0
-        async with session.http.stream("POST", "/v1/completions", json=self._payload(shape, True),
-                                       headers=self._headers) as response:
-            record.phase = "answered"
-            if response.status_code != HTTPStatus.OK:
-                body = (await response.aread()).decode("utf-8", errors="replace")
-                record.finish(http_status(response.status_code), self.now(), body)
-                return
-            decoder = SSEDecoder()
-            async for piece in response.aiter_bytes():
-                for data in decoder.feed(piece):
-                    if data == "[DONE]":
-                        record.finish(*_ended(finished, shape.n, self.now()))
-                        return
-                    event = json.loads(data)
-                    if "error" in event:
-                        error = event["error"]
-                        record.finish(ERROR_TYPES.get(error.get("type"), Status.UNKNOWN), self.now(),
-                                      error.get("message", ""))
-                        return
-                    for choice in event.get("choices") or []:
-                        if choice.get("text"):
-                            record.token(choice["index"], self.now())
-                            chunks += 1
-                        if choice.get("finish_reason"):
-                            finished[choice["index"]] = choice["finish_reason"]
-                    if shape.ending is Ending.ABORT and chunks >= shape.abort_after_chunks:
-                        record.phase = "left"
-                        record.finish(Status.CANCELLED_BY_CLIENT, self.now(), "the client closed the stream")
-                        return  # leaving the block closes the response and its connection
-        record.finish(Status.INTERNAL, self.now(), "the stream ended without [DONE]")
-
-    async def _http_whole(self, session: Session, shape: Shape, record: RequestRecord) -> None:
-        response = await session.http.post("/v1/completions", json=self._payload(shape, False), headers=self._headers)
-        if response.status_code != HTTPStatus.OK:
-            record.finish(http_status(response.status_code), self.now(), response.text)
-            return
-        finished = {c["index"]: c.get("finish_reason") or "" for c in response.json()["choices"]}
-        record.finish(*_ended({i: reason for i, reason in finished.items() if reason}, shape.n, self.now()))
-
-    def _payload(self, shape: Shape, stream: bool) -> dict:
-        payload = {"model": self.spec.model, "prompt": shape.prompt, "max_tokens": shape.max_tokens, "n": shape.n,
-                   "seed": shape.seed, "ignore_eos": shape.ignore_eos, "stream": stream}
-        if shape.stop:
-            payload["stop"] = shape.stop
-        return payload
 
 
 def _ended(finished: dict[int, str], n: int, now: float) -> tuple[Status, float, str]:

@@ -21,7 +21,7 @@ another node's prompt costs less than one queued behind it on the same node.
 Routing a request there `commit`s it to the forecast (its tokens leave the spare, its decode
 adds to the steps it rides), so the next decision sees it before the next snapshot does.
 Past the horizon the forecast extrapolates: the backlog left then drains at the budget the
-decodes leave, one step of `tail_step_s` after another.
+decodes leave, one step after another (`ForecastTail`).
 """
 
 from __future__ import annotations
@@ -114,8 +114,76 @@ class LockstepSteps:
         step (its decodes, and its prompt chunk unless `others_prefill` is False)."""
         if self.alone:
             return self.model.seconds(*row)
-        return self.model.lockstep_seconds([row if j == member else m.tail_row(m.tail_chunk if others_prefill else 0)
+        return self.model.lockstep_seconds([row if j == member else m.tail.row(m.tail.chunk if others_prefill else 0)
                                             for j, m in enumerate(self.members)])
+
+
+class ForecastTail:
+    """One node's steps past the forecast's horizon, extrapolated: the prompt backlog left at the
+    horizon drains at the budget the decodes leave, each step priced on the lockstep timeline
+    with every member's tail work. A request committed past the horizon joins the decodes and
+    keeps the tail busy until its prompt is computed (`free_s`)."""
+
+    def __init__(self, timeline: LockstepSteps, member: int, *, budget: int, backlog: int, decodes: int,
+                 kv: float, cohort_lag: int) -> None:
+        self.timeline = timeline
+        self.member = member  # this node's row in the timeline's work
+        self.budget = budget  # prompt tokens a step (or a cohort) can take
+        self.backlog = backlog  # prompt tokens still queued at the horizon
+        self.decodes = decodes  # sequences decoding at the horizon
+        self.kv = kv  # their cached tokens
+        self.cohort_lag = cohort_lag  # layered prefill: extra steps a cohort takes past its first
+        self.free_s = 0.0  # when the tail has computed every prompt token queued in it (relative)
+        self.base_s = 0.0  # a step without a newcomer here (`reindex`)
+
+    @property
+    def rate(self) -> int:
+        """Prompt tokens a step past the horizon computes here."""
+        return self.budget if self.cohort_lag else max(self.budget - self.decodes, 1)
+
+    @property
+    def chunk(self) -> int:
+        """Prompt tokens this node computes in a step past the horizon while its backlog lasts."""
+        return min(self.rate, self.backlog)
+
+    def row(self, chunk: float, decodes: int = 0, extra_kv: float = 0.0) -> tuple[float, float, float, float]:
+        """This node's work in a step past the horizon: its decodes (`decodes` more, reading
+        `extra_kv` more cached tokens) and a prompt chunk of `chunk` tokens (from a fresh prefix:
+        the tail does not track where a backlog's prompts stand)."""
+        decoding = self.decodes + decodes
+        kv = self.kv + extra_kv
+        return (chunk + decoding, decoding + (chunk > 0), kv + chunk, kv + chunk * (chunk + 1) / 2)
+
+    def reindex(self, horizon_s: float) -> None:
+        """The timeline was repriced; its steps end at `horizon_s`."""
+        # A step past the horizon without a newcomer here; every prediction past it asks.
+        self.base_s = self.timeline.tail_s(self.member, self.row(0))
+        if self.free_s < horizon_s:  # the backlog left at the horizon drains at the tail's rate
+            self.free_s = horizon_s + -(-self.backlog // self.rate) * self.step_s(self.chunk)
+
+    def step_s(self, chunk: int) -> float:
+        """A step past the horizon: every lockstep node's decodes and prompt chunks then, with a
+        prompt chunk of `chunk` tokens here."""
+        return self.timeline.tail_s(self.member, self.row(chunk))
+
+    def prefill_s(self, tokens: int, chunks: int, prefix: int) -> float:
+        """What `tokens` prompt tokens past `prefix` computed in `chunks` steps past the horizon
+        add to them: the tokens, a sequence in each step, each chunk reading the prefix before
+        it, and the causal pairs, spread evenly over the chunks."""
+        base = self.row(0)
+        share = (tokens / chunks, 1.0, prefix + tokens * (chunks + 1) / 2 / chunks,
+                 (tokens * prefix + tokens * (tokens + 1) / 2) / chunks)
+        with_it = tuple(a + b for a, b in zip(base, share))
+        return chunks * (self.timeline.tail_s(self.member, with_it) - self.base_s)
+
+    def decode_s(self, extra_kv: float) -> float:
+        """A decode step past the horizon, the newcomer decoding here with `extra_kv` cached tokens."""
+        return self.timeline.tail_s(self.member, self.row(0, decodes=1, extra_kv=extra_kv), others_prefill=False)
+
+    def add_decode(self, prompt: int, output: int) -> None:
+        """A committed request still decodes at the horizon."""
+        self.decodes += 1
+        self.kv += prompt + output / 2
 
 
 class NodeForecast:
@@ -128,13 +196,10 @@ class NodeForecast:
         self.spare = spare.astype(np.int64)
         self.lag = lag.astype(np.int64)
         self.kv_free = kv_free.astype(np.int64)  # KV tokens free after each step's allocation
-        self.budget = budget  # prompt tokens a step (or a cohort) can take
-        self.tail_backlog = tail_backlog  # prompt tokens still queued at the horizon
-        self.tail_decodes = tail_decodes  # sequences decoding at the horizon
-        self.tail_kv = tail_kv  # their cached tokens
         self.cohort_lag = cohort_lag  # layered prefill: extra steps a cohort takes past its first
         self.model = model
-        self.tail_free_s = 0.0  # when the tail has computed every prompt token queued in it (relative)
+        self.tail = ForecastTail(timeline, self.member, budget=budget, backlog=tail_backlog, decodes=tail_decodes,
+                                 kv=tail_kv, cohort_lag=cohort_lag)
         timeline.members.append(self)
 
     @property
@@ -149,22 +214,6 @@ class NodeForecast:
     def end(self) -> np.ndarray:
         return self.timeline.end
 
-    @property
-    def tail_chunk(self) -> int:
-        """Prompt tokens this node computes in a step past the horizon while its backlog lasts."""
-        return min(self._tail_rate(), self.tail_backlog)
-
-    def _tail_rate(self) -> int:
-        return self.budget if self.cohort_lag else max(self.budget - self.tail_decodes, 1)
-
-    def tail_row(self, chunk: float, decodes: int = 0, extra_kv: float = 0.0) -> tuple[float, float, float, float]:
-        """This node's work in a step past the horizon: its decodes (`decodes` more, reading
-        `extra_kv` more cached tokens) and a prompt chunk of `chunk` tokens (from a fresh prefix:
-        the tail does not track where a backlog's prompts stand)."""
-        decoding = self.tail_decodes + decodes
-        kv = self.tail_kv + extra_kv
-        return (chunk + decoding, decoding + (chunk > 0), kv + chunk, kv + chunk * (chunk + 1) / 2)
-
     def _index(self) -> None:
         self.cum_spare = np.cumsum(self.spare)
         self.cum_open = np.cumsum(self.spare > 0)  # steps a newcomer's prompt could take a chunk in
@@ -174,35 +223,12 @@ class NodeForecast:
         steps = np.arange(len(self.kv_free))
         headroom = self.kv_free - steps
         self.kv_gate = np.minimum.accumulate(headroom[::-1])[::-1] + steps if len(headroom) else headroom
-        # A step past the horizon without a newcomer here; every prediction past it asks.
-        self.tail_base_s = self.timeline.tail_s(self.member, self.tail_row(0))
-        if self.tail_free_s < self.horizon_s:  # the backlog left at the horizon drains at the tail's rate
-            rate = self._tail_rate()
-            self.tail_free_s = self.horizon_s + -(-self.tail_backlog // rate) * self._tail_step_s(self.tail_chunk)
+        self.tail.reindex(self.horizon_s)
 
     @property
     def horizon_s(self) -> float:
         end = self.timeline.end
         return float(end[-1]) if len(end) else 0.0
-
-    def _tail_step_s(self, chunk: int) -> float:
-        """A step past the horizon: every lockstep node's decodes and prompt chunks then, with a
-        prompt chunk of `chunk` tokens here."""
-        return self.timeline.tail_s(self.member, self.tail_row(chunk))
-
-    def _tail_prefill_s(self, tokens: int, chunks: int, prefix: int) -> float:
-        """What `tokens` prompt tokens past `prefix` computed in `chunks` steps past the horizon
-        add to them: the tokens, a sequence in each step, each chunk reading the prefix before
-        it, and the causal pairs, spread evenly over the chunks."""
-        base = self.tail_row(0)
-        share = (tokens / chunks, 1.0, prefix + tokens * (chunks + 1) / 2 / chunks,
-                 (tokens * prefix + tokens * (tokens + 1) / 2) / chunks)
-        with_it = tuple(a + b for a, b in zip(base, share))
-        return chunks * (self.timeline.tail_s(self.member, with_it) - self.tail_base_s)
-
-    def _tail_decode_s(self, extra_kv: float) -> float:
-        """A decode step past the horizon, the newcomer decoding here with `extra_kv` cached tokens."""
-        return self.timeline.tail_s(self.member, self.tail_row(0, decodes=1, extra_kv=extra_kv), others_prefill=False)
 
     def _prefill_added_s(self, first: int, last: int, prompt: int) -> float:
         """What the newcomer's prompt, spread over steps first..last, adds to them."""
@@ -233,7 +259,7 @@ class NodeForecast:
         """The spare budget of the first step that starts after `now` (the whole budget past
         the horizon)."""
         i = int(self.start.searchsorted(now - self.t0))
-        return int(self.spare[i]) if i < len(self.spare) else self.budget
+        return int(self.spare[i]) if i < len(self.spare) else self.tail.budget
 
     def _place(self, now: float, prompt: int) -> tuple[int, int, float]:
         """(first step the newcomer may join, the step its last prompt token is computed in or -1
@@ -249,9 +275,9 @@ class NodeForecast:
             return join_step, prompt_step, 0.0
         got = int(self.cum_spare[-1]) - before if join_step < horizon else 0
         within = self.timeline.added_s(self.member, *self._chunk_rows(join_step, -1, prompt)) if got else 0.0
-        steps = -(-(prompt - got) // self._tail_rate())
-        past = max(self.tail_free_s, rel) + within + steps * self.tail_base_s + \
-            self._tail_prefill_s(prompt - got, steps, got)
+        tail = self.tail
+        steps = -(-(prompt - got) // tail.rate)
+        past = max(tail.free_s, rel) + within + steps * tail.base_s + tail.prefill_s(prompt - got, steps, got)
         return join_step, -1, past
 
     def predict(self, now: float, prompt: int, output: int) -> tuple[float, float]:
@@ -263,11 +289,11 @@ class NodeForecast:
         if prompt_step >= 0:  # the forecast's steps do not carry the newcomer's prompt yet: add its cost
             done = prompt_step + int(self.lag[prompt_step])
             first_token = self.end[done] if done < horizon else \
-                self.horizon_s + (done - horizon + 1) * self._tail_step_s(0)
+                self.horizon_s + (done - horizon + 1) * self.tail.step_s(0)
             first_token += self._prefill_added_s(join_step, prompt_step, prompt)
         else:  # past the horizon: `_place` priced its chunks
             done = horizon + self.cohort_lag
-            first_token = past + self.cohort_lag * self._tail_step_s(0)
+            first_token = past + self.cohort_lag * self.tail.step_s(0)
         first_token = max(first_token, rel)
         decode_steps = max(output - 1, 0)
         mean_ctx = prompt + output / 2
@@ -275,7 +301,7 @@ class NodeForecast:
         last_in = min(done + decode_steps, horizon - 1)
         within = max(last_in - done, 0) if done < horizon else 0
         ride = (self.end[last_in] - self.end[done]) if within else 0.0
-        ride += (decode_steps - within) * self._tail_decode_s(mean_ctx)
+        ride += (decode_steps - within) * self.tail.decode_s(mean_ctx)
         ttft = first_token - rel
         return ttft, ttft + ride + decode_extra
 
@@ -288,9 +314,8 @@ class NodeForecast:
                 if not self.timeline.alone:  # (alone, `past` priced these chunks)
                     self.timeline.add(self.member, *self._chunk_rows(join_step, -1, prompt))
                 self.spare[join_step:] = 0
-            self.tail_free_s = past
-            self.tail_decodes += 1
-            self.tail_kv += prompt + output / 2
+            self.tail.free_s = past
+            self.tail.add_decode(prompt, output)
             self.timeline.reindex()
             return
         before = int(self.cum_spare[join_step - 1]) if join_step > 0 else 0
@@ -316,8 +341,7 @@ class NodeForecast:
             if not self.cohort_lag:
                 self.spare[ride] = np.maximum(self.spare[ride] - 1, 0)
         if last >= horizon:
-            self.tail_decodes += 1
-            self.tail_kv += prompt + output / 2
+            self.tail.add_decode(prompt, output)
         timeline.reindex()
 
     # -- building ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from megainfer.engine import Engine
 from megainfer.engine_core import EngineCore
 from megainfer.messages import FinishReason
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import PLACEHOLDER
+from megainfer.token_recorder import PLACEHOLDER
 from megainfer.step_layout import StepLayout
 from megainfer.model_runner import StepResult
 from megainfer.tools.step_boundary import BoundaryRunner

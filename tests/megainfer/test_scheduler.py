@@ -198,14 +198,16 @@ def test_first_scheduled_time_is_set_once_despite_preemption():
 @given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=12),
        st.integers(6, 40), st.integers(2, 24), st.integers(0, 2**16))
 def test_the_decode_fast_path_schedules_what_the_running_loop_does(requests, num_blocks, budget, seed):
-    """`_schedule_decodes` (every running sequence a one-token decode: one array pass) against
+    """`schedule_all_decodes` (every running sequence a one-token decode: one array pass) against
     the running loop alone, step for step, through admissions, block ends, preemptions and
     finishes: the same sequences, tokens, preemptions and blocks."""
     import random
+    from unittest import mock
+
+    from megainfer import scheduler as scheduler_module
 
     fast = make_scheduler(num_blocks=num_blocks, budget=budget)
     slow = make_scheduler(num_blocks=num_blocks, budget=budget)
-    slow._schedule_decodes = lambda out, uncomputed, budget: 0
     for s in (fast, slow):
         for i, (prompt, new) in enumerate(requests):
             s.add(seq(f"r{i}", prompt, max_tokens=new))
@@ -213,7 +215,9 @@ def test_the_decode_fast_path_schedules_what_the_running_loop_does(requests, num
     for _ in range(200):
         if not fast.has_unfinished:
             break
-        a, b = fast.schedule(), slow.schedule()
+        a = fast.schedule()
+        with mock.patch.object(scheduler_module, "schedule_all_decodes", return_value=0):
+            b = slow.schedule()
         assert [s.request_id for s in a.seqs] == [s.request_id for s in b.seqs]
         assert a.num_scheduled_tokens == b.num_scheduled_tokens and a.num_single_token == b.num_single_token
         assert [s.request_id for s in a.preempted] == [s.request_id for s in b.preempted]
@@ -238,7 +242,7 @@ def test_scheduling_ahead_generates_what_scheduling_after_does(requests, num_blo
     (`settle`), as an attention node's engine runs it. A sequence that stops runs one step too
     many and that token is dropped: every request ends with the same tokens and reason as
     under `update_from_output`, and every block comes back."""
-    from megainfer.scheduler import PLACEHOLDER
+    from megainfer.token_recorder import PLACEHOLDER
 
     def sampled(out):
         return [_token_for(s) if flag else None for s, flag in zip(out.seqs, out.samples())]
