@@ -104,11 +104,11 @@ def _router_prior(plan, args: argparse.Namespace) -> tuple[float, ...] | None:
     """The predictive router's prior from the profile's step model, where one was given."""
     if not args.profile:
         return None
-    from megainfer.config import resolve_model
     from planner.step_prior import step_prior
     from planner.catalog import Catalog
     from planner.operator_profile import OperatorProfile
     from planner.step_cost_model import ColocatedStepModel
+    from megainfer.model_resolution import resolve_model
 
     profile = OperatorProfile.load(args.profile)
     gpu = Catalog.load()[profile.device.catalog_name] if profile.device.catalog_name else None

@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace, prompt, given: dict, fixed: dict) -> int:
-    from megainfer.config import resolve_model
     from megainfer.engine import Engine
     from megainfer.generation_config import generation_defaults
+    from megainfer.model_resolution import resolve_model
     from megainfer.sampling_params import SamplingParams
 
     checkpoint = resolve_model(args.model)[1]
