@@ -110,10 +110,12 @@ def test_engine_config_validation(kwargs, match):
         EngineConfig(**kwargs)
 
 
-def test_config_module_does_not_import_torch():
+def test_config_modules_do_not_import_torch():
     import subprocess
     import sys
-    code = "import megainfer.config, megainfer, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import megainfer.config, megainfer.hf_config, megainfer.presets, megainfer.model_resolution, "
+            "megainfer.engine_config, megainfer.settings, megainfer, sys; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
