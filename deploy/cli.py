@@ -104,11 +104,11 @@ def _router_prior(plan, args: argparse.Namespace) -> tuple[float, ...] | None:
     """The predictive router's prior from the profile's step model, where one was given."""
     if not args.profile:
         return None
-    from megainfer.config import resolve_model
     from planner.step_prior import step_prior
     from planner.catalog import Catalog
     from planner.operator_profile import OperatorProfile
     from planner.step_cost_model import ColocatedStepModel
+    from megainfer.model_resolution import resolve_model
 
     profile = OperatorProfile.load(args.profile)
     gpu = Catalog.load()[profile.device.catalog_name] if profile.device.catalog_name else None
@@ -141,17 +141,15 @@ def max_model_len(deployment) -> int:
 
 
 def _demo(address: str, n: int, max_tokens: int, args: argparse.Namespace) -> None:
-    import os
-
     from megainfer.sampling_params import SamplingParams
-    from megainfer.server.api_key_file import API_KEY_ENV
     from megainfer.server.client import Client
     from megainfer.server.service import MODEL_DEFAULTED
     from megainfer.server.tls import ClientTls
+    from megainfer.settings import API_KEY
 
     # The demo client holds the first --api-key (or $MEGAINFER_API_KEY) and trusts the server's own
     # certificate (a self-signed one; mutual TLS would need a client certificate it does not have).
-    key = (args.api_key or [os.environ.get(API_KEY_ENV)])[0]
+    key = (args.api_key or [API_KEY.read()])[0]
     client = Client(address, api_key=key, tls=ClientTls(ca_certs=args.ssl_certfile) if args.ssl_certfile else None)
     # Sampling as the model's generation_config.json says (greedy decoding of a small model loops);
     # max_tokens is the demo's own.

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from deploy.link import SwitchableLink
 from deploy.runtime_config import AttentionRuntime, ExpertRuntime, rank_name
-from megainfer.config import ModelConfig, resolve_model
+from megainfer.config import ModelConfig
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint, WeightSource
+from megainfer.model_resolution import resolve_model
 from megainfer.plan import Plan
 from megainfer import tensor_parallel
 from megainfer.tensor_parallel import TensorParallelGroup

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megainfer.config import (DTYPE_BYTES, EngineConfig, ModelConfig, estimated_attention_step_bytes,
-                              kv_cache_budget_bytes, resolve_model)
+from megainfer.config import DTYPE_BYTES, ModelConfig, estimated_attention_step_bytes, kv_cache_budget_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, attention_staging, expert_staging
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import PlanError
+from megainfer.model_resolution import resolve_model
 from megainfer.plan import Plan
 
 DEVICES = ("cpu", "cuda")

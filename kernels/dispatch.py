@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import threading
 
 import torch
 
 from kernels.choice import KernelFailed, ShapeChoice, ShapeKey, bucket
+from kernels.kernel_settings import KERNELS, SettingError
 from kernels.launch import interpreted
 
-BACKENDS = ("reference", "triton")
-ENV = "MEGAINFER_KERNELS"
+BACKENDS = KERNELS.choices  # what MEGAINFER_KERNELS may force
+ENV = KERNELS.name
 FASTEST = "fastest"  # what `backend` answers on CUDA without an override: per shape, timed
 _choice = ShapeChoice()
 ATTENTION_DIMS = ("decodes", "prefill_tokens", "max_len")
@@ -75,8 +75,6 @@ def backend(device: torch.device) -> str:
     if _capturing():
         return "triton"
     choice = env_choice()
-    if choice and choice not in BACKENDS:
-        raise KernelUnavailable(f"{ENV}={choice!r}: choose one of {', '.join(BACKENDS)} (or leave it unset)")
     if choice == "reference":
         return "reference"
     if choice == "triton":
@@ -90,8 +88,12 @@ def backend(device: torch.device) -> str:
 
 
 def env_choice() -> str:
-    """MEGAINFER_KERNELS as set (lower-cased, "" when unset)."""
-    return os.environ.get(ENV, "").strip().lower()
+    """MEGAINFER_KERNELS now: one of BACKENDS, or "" when unset; KernelUnavailable naming the fix when
+    it holds anything else."""
+    try:
+        return KERNELS.read()
+    except SettingError as exc:
+        raise KernelUnavailable(str(exc)) from None
 
 
 def decisions() -> list:
@@ -282,7 +284,7 @@ def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packe
     tensors unless MEGAINFER_KERNELS asks for another backend."""
     from kernels import moe_ref as r
 
-    if packed is not None and x.device.type == "cpu" and not os.environ.get(ENV) and not _capturing():
+    if packed is not None and x.device.type == "cpu" and not env_choice() and not _capturing():
         from kernels import moe_packed
 
         offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)

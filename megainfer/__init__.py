@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "megainfer.llm",
     "Engine": "megainfer.engine",
-    "EngineConfig": "megainfer.config",
+    "EngineConfig": "megainfer.engine_config",
     "ModelConfig": "megainfer.config",
     "SamplingParams": "megainfer.sampling_params",
     "RequestOutput": "megainfer.outputs",

@@ -20,8 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from megainfer.config import read_json_object
 from megainfer.errors import CheckpointError, ConfigError, RequestError
+from megainfer.hf_config import read_json_object
 from megainfer.tokenizer import read_tokenizer_config, special_token_strings
 
 TEMPLATE_FILE = "chat_template.jinja"

@@ -19,11 +19,12 @@ from operator import attrgetter
 import numpy as np
 
 from kernels.compile_watch import WATCH
-from megainfer.config import EngineConfig, resolve_model
 from megainfer.energy import EnergyMeter
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
 from megainfer.messages import (DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
                                 RequestMetrics, StepSample)
+from megainfer.model_resolution import resolve_model
 from megainfer.node_state import snapshot, step_sample
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepHooks, StepResult

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megainfer.config import read_json_object
 from megainfer.errors import CheckpointError, RequestError
+from megainfer.hf_config import read_json_object
 from megainfer.sampling_params import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -16,7 +16,8 @@ import torch
 
 from kernels.startup import (Warmup, attention_grid, warm_up_attention, warm_up_experts, warm_up_gating,
                              warm_up_norm_rope)
-from megainfer.config import EngineConfig, ModelConfig
+from megainfer.config import ModelConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.model.attention_layer import AttentionLayer
 from megainfer.model.expert_layer import ExpertLayer
 

@@ -15,7 +15,8 @@ import torch
 import kernels
 from megainfer import memory_profile
 from megainfer.block_table_rows import BlockTableRows
-from megainfer.config import EngineConfig, ModelConfig
+from megainfer.config import ModelConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.kernel_warmup import warm_up_engine
 from megainfer.memory_profile import MemorySnapshot
 from megainfer.messages import PositionLogprobs

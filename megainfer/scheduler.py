@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Protocol
 
 import numpy as np
 
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.kv_cache import BlockManager
 from megainfer.messages import LayeredSettings
 from megainfer.sequence import FinishReason, Sequence, SequenceStatus

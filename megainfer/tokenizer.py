@@ -19,8 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from megainfer.config import ModelConfig, read_json_object
+from megainfer.config import ModelConfig
 from megainfer.errors import CheckpointError, RequestError
+from megainfer.hf_config import read_json_object
 
 REPLACEMENT = "\ufffd"
 TOKENIZER_FILE = "tokenizer.json"

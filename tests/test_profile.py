@@ -10,9 +10,10 @@ import torch
 import kernels
 
 from megainfer.cli import main
-from megainfer.config import EngineConfig, resolve_model
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import PlanError
 from megainfer.model.weights import RandomWeights
+from megainfer.model_resolution import resolve_model
 from megainfer.tools.profiler.engine_overhead import operator_seconds
 from megainfer.tools.profiler.operator_grid import default_grid, geometric
 from megainfer.tools.profiler.operator_timing import OperatorBench

@@ -18,17 +18,17 @@ transport tests run each case on both.
 from __future__ import annotations
 
 import logging
-import os
 
 from transport.errors import BackendUnavailable, ProtocolViolation
 from transport.shm import ShmInbound, ShmOutbound
+from transport.transport_settings import M2N_CORE
 from transport.wire import Header
 from transport.wire_rules import InboundRules, broke
 
 logger = logging.getLogger(__name__)
 
-CORE_CHOICES = ("auto", "on", "off")
-CORE_ENV = "MEGAINFER_M2N_CORE"
+CORE_CHOICES = M2N_CORE.choices
+CORE_ENV = M2N_CORE.name
 
 try:
     from transport import _m2n_core as native
@@ -47,10 +47,8 @@ def resolve(wanted: str, endpoint: str) -> bool:
     if wanted not in CORE_CHOICES:
         raise ValueError(f"EndpointSpec.core {wanted!r} is not one of {', '.join(CORE_CHOICES)}")
     source = "core"
-    if wanted == "auto" and os.environ.get(CORE_ENV, "auto") != "auto":
-        wanted, source = os.environ[CORE_ENV], CORE_ENV
-        if wanted not in CORE_CHOICES:
-            raise ValueError(f"{CORE_ENV}={wanted!r} is not one of {', '.join(CORE_CHOICES)}")
+    if wanted == "auto" and (forced := M2N_CORE.read()) != "auto":  # a SettingError (ValueError) if bad
+        wanted, source = forced, CORE_ENV
     if wanted == "off":
         logger.info("endpoint %s: shm channels on the pure-Python reference (%s='off')", endpoint, source)
         return False

@@ -391,7 +391,6 @@ def probe(environ=None, *, list_devices=verbs_devices, open_ctx=open_context, lo
     """Whether this host can carry RDMA channels, and on what; for backend selection. With
     `wiring`, also whether RLIMIT_MEMLOCK (read by `locked`) leaves room for what the
     endpoint's channels will register: the loopback alone would pass under any limit."""
-    environ = os.environ if environ is None else environ
     try:
         ctx, choice = select_port(environ, list_devices, open_ctx, allowed, locate)
     except BackendUnavailable as exc:
@@ -481,7 +480,7 @@ class RdmaContext:
     def open(cls, environ=None, allowed: tuple[str, ...] = ()) -> "RdmaContext":
         """The first usable device of those `allowed` (empty: any), nearest the GPU first."""
         try:
-            ctx, choice = select_port(os.environ if environ is None else environ, allowed=allowed)
+            ctx, choice = select_port(environ, allowed=allowed)
         except BackendUnavailable as exc:
             raise BackendUnavailable(f"rdma: {exc}") from None
         from pyverbs.pd import PD

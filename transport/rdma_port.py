@@ -29,10 +29,9 @@ import socket
 from dataclasses import dataclass
 
 from transport.errors import BackendUnavailable, HandshakeError
+from transport.transport_settings import RDMA_DEVICE, RDMA_GID_INDEX, RDMA_PORT, SettingError
 
-ENV_DEVICE = "MEGAINFER_RDMA_DEVICE"
-ENV_PORT = "MEGAINFER_RDMA_PORT"
-ENV_GID_INDEX = "MEGAINFER_RDMA_GID_INDEX"
+ENV_DEVICE, ENV_PORT, ENV_GID_INDEX = RDMA_DEVICE.name, RDMA_PORT.name, RDMA_GID_INDEX.name
 
 # libibverbs' enum values (verbs.h), restated so this module needs no pyverbs.
 PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
@@ -55,22 +54,13 @@ class RdmaSettings:
     gid_index: int | None  # None: chosen from the GID table
 
 
-def settings_from_env(environ) -> RdmaSettings:
-    return RdmaSettings(environ.get(ENV_DEVICE) or None, _int_setting(environ, ENV_PORT, 1, minimum=1),
-                        _int_setting(environ, ENV_GID_INDEX, None, minimum=0))
-
-
-def _int_setting(environ, name: str, default, minimum: int):
-    text = environ.get(name, "").strip()
-    if not text:
-        return default
+def settings_from_env(environ=None) -> RdmaSettings:
+    """The RDMA settings (transport_settings.py) from `environ` (None: os.environ now); a bad value
+    is a BackendUnavailable naming the variable and the fix."""
     try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise BackendUnavailable(f"{name}={text!r} is not an integer >= {minimum}")
-    return value
+        return RdmaSettings(RDMA_DEVICE.read(environ), RDMA_PORT.read(environ), RDMA_GID_INDEX.read(environ))
+    except SettingError as exc:
+        raise BackendUnavailable(str(exc)) from None
 
 
 # -- devices -----------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from megainfer.bench.report import format_table, write_json
-from megainfer.config import EngineConfig
 from megainfer.engine import Engine
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.model.weights import RandomWeights, save_checkpoint
 from megainfer.sampling_params import SamplingParams

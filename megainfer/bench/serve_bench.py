@@ -34,8 +34,8 @@ from megainfer.bench.serve_metrics import (PERCENTILE_METRICS, calculate_metrics
                                            result_fields)
 from megainfer.bench.serve_requests import (BACKENDS, OPENAI_ENDPOINTS, REQUEST_FUNCS, RequestInput, RequestOutput,
                                             open_session, server_model)
-from megainfer.config import resolve_model
 from megainfer.errors import CheckpointError, ConfigError, MegaInferError, RequestError
+from megainfer.model_resolution import resolve_model
 from megainfer.sampling_params import SamplingParams
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 

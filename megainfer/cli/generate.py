@@ -8,7 +8,6 @@ text is the engine's deltas joined, as the servers stream them.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -85,9 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace, prompt, given: dict, fixed: dict) -> int:
-    from megainfer.config import resolve_model
     from megainfer.engine import Engine
     from megainfer.generation_config import generation_defaults
+    from megainfer.model_resolution import resolve_model
     from megainfer.request_group import RequestGroup
     from megainfer.sampling_params import SamplingParams
 
@@ -131,12 +130,12 @@ def _chat_template(args: argparse.Namespace, checkpoint):
 
 
 def _run_remote(args: argparse.Namespace, prompt, params, server_defaults: list[str]) -> int:
-    from megainfer.server.api_key_file import API_KEY_ENV
     from megainfer.server.client import Client
     from megainfer.server.tls import ClientTls
+    from megainfer.settings import API_KEY
 
     tls = None if args.ssl_ca_certs is None else ClientTls(ca_certs=args.ssl_ca_certs)
-    client = Client(args.server, api_key=args.api_key or os.environ.get(API_KEY_ENV), tls=tls)
+    client = Client(args.server, api_key=args.api_key or API_KEY.read(), tls=tls)
     start = time.perf_counter()
     out = _Printer(params.n)
     last = None

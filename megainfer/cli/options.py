@@ -71,7 +71,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, **extra):
-    from megainfer.config import EngineConfig
+    from megainfer.engine_config import EngineConfig
 
     return EngineConfig(dtype=args.dtype, device=args.device, seed=args.seed, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,

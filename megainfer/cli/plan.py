@@ -47,12 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _model(spec: str):
-    from megainfer.config import ModelConfig, resolve_model
+    from megainfer.hf_config import from_hf_dict
+    from megainfer.model_resolution import resolve_model
 
     path = Path(spec)
     if path.suffix == ".json" and path.is_file():
         try:
-            return ModelConfig.from_hf_dict(json.loads(path.read_text()), name=str(path))
+            return from_hf_dict(json.loads(path.read_text()), name=str(path))
         except json.JSONDecodeError as exc:
             raise PlanError(f"{path}: not valid JSON ({exc})") from None
     return resolve_model(spec)[0]

@@ -47,8 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megainfer.config import resolve_model
     from megainfer.errors import ConfigError
+    from megainfer.model_resolution import resolve_model
     from megainfer.tools.simulator import experiment as ex
     from megainfer.cli.step_model_options import build_step_models, describe_sources
 

@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megainfer.config import resolve_model
     from megainfer.errors import ConfigError
+    from megainfer.model_resolution import resolve_model
     from megainfer.routing.policies import ROUTERS
     from megainfer.tools.simulator import routing_experiment as rx
     from megainfer.tools.simulator.experiment import rate_range

@@ -34,7 +34,7 @@ import torch
 
 from megainfer import memory_profile
 from megainfer.block_table_rows import BlockTableRows
-from megainfer.config import EngineConfig, ModelConfig
+from megainfer.config import ModelConfig
 from megainfer.disagg import decode_graphs, step_sync
 from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
@@ -43,6 +43,7 @@ from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink, r
 from megainfer.disagg.staging_sizes import StagingBytes, answer_rows
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import DataPlaneError
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel

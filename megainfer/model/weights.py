@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from megainfer.config import ModelConfig
 from megainfer.errors import CheckpointError
+from megainfer.hf_config import to_hf_dict
 from megainfer.model.checkpoint_names import all_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -105,7 +106,7 @@ def save_checkpoint(cfg: ModelConfig, source: WeightSource, directory: str | Pat
     torch_dtype = getattr(torch, dtype)
     tensors = {name: source.get(name, shape).to(torch_dtype).contiguous() for name, shape in all_tensors(cfg)}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    hf = cfg.to_hf_dict()
+    hf = to_hf_dict(cfg)
     hf["torch_dtype"] = dtype
     (directory / "config.json").write_text(json.dumps(hf, indent=2))
     return directory

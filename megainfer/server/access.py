@@ -137,7 +137,7 @@ class AccessPolicy:
     @classmethod
     def from_options(cls, api_keys: Sequence[str] | None, api_key_file: str | os.PathLike | None,
                      rate_limit: float | None = None, max_concurrency: int | None = None,
-                     environ: Mapping[str, str] = os.environ) -> "AccessPolicy | None":
+                     environ: Mapping[str, str] | None = None) -> "AccessPolicy | None":
         """From the CLI's flags (see api_key_file.py); None when no key is configured anywhere."""
         limits = default_limits(rate_limit, max_concurrency)
         entries = configured_keys(api_keys, api_key_file, limits, environ)

@@ -37,8 +37,9 @@ from typing import Any
 import yaml
 
 from megainfer.errors import ConfigError
+from megainfer.settings import API_KEY
 
-API_KEY_ENV = "MEGAINFER_API_KEY"
+API_KEY_ENV = API_KEY.name
 YAML_SUFFIXES = (".yaml", ".yml")
 ENTRY_FIELDS = ("key", "name", "rate_limit", "max_concurrency")
 
@@ -75,13 +76,14 @@ def default_limits(rate_limit: float | None, max_concurrency: int | None) -> Key
 
 
 def configured_keys(api_keys: Sequence[str] | None, api_key_file: str | os.PathLike | None,
-                    limits: KeyLimits, environ: Mapping[str, str] = os.environ) -> list[KeyEntry]:
+                    limits: KeyLimits, environ: Mapping[str, str] | None = None) -> list[KeyEntry]:
     """Every configured key: the --api-key values (or MEGAINFER_API_KEY when none is given), then
-    the key file's. Two entries with the same key or the same name are an error."""
+    the key file's. Two entries with the same key or the same name are an error. `environ`: the
+    environment to read MEGAINFER_API_KEY from (None: os.environ now)."""
     entries = [KeyEntry(check_key(key, f"--api-key #{i + 1}"), None, limits, f"--api-key #{i + 1}")
                for i, key in enumerate(api_keys or [])]
-    if not entries and environ.get(API_KEY_ENV):
-        entries.append(KeyEntry(check_key(environ[API_KEY_ENV], API_KEY_ENV), None, limits, API_KEY_ENV))
+    if not entries and (env_key := API_KEY.read(environ)):
+        entries.append(KeyEntry(check_key(env_key, API_KEY_ENV), None, limits, API_KEY_ENV))
     if api_key_file is not None:
         entries += load_key_file(api_key_file, limits)
     _check_unique(entries)

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from megainfer.chat_template import ChatTemplate
-from megainfer.config import resolve_model
 from megainfer.errors import ConfigError
 from megainfer.generation_config import generation_defaults
+from megainfer.model_resolution import resolve_model
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 

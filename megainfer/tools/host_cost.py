@@ -39,8 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from megainfer.bench.report import format_table
-from megainfer.config import EngineConfig, ModelConfig, resolve_model
+from megainfer.config import ModelConfig
 from megainfer.disagg.expert_link import record_bytes
+from megainfer.engine_config import EngineConfig
+from megainfer.model_resolution import resolve_model
 from megainfer.plan import Plan
 from transport import Endpoint, EndpointSpec
 from transport.endpoint import connect_concurrently

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megainfer.config import PRESETS, ModelConfig
+from megainfer.config import ModelConfig
+from megainfer.presets import PRESETS
 
 # Ops that return a view of their input's memory: no kernel.
 VIEW_OPS = frozenset({

@@ -37,10 +37,11 @@ from pathlib import Path
 import numpy as np
 
 from megainfer.bench import serve_bench
+from megainfer.config import ModelConfig
+from megainfer.model_resolution import resolve_model
 from megainfer.tools.m2n_report import machine
 from megainfer.bench.report import format_table, write_json
 from megainfer.bench.serve_datasets import DatasetSpec
-from megainfer.config import ModelConfig, resolve_model
 from megainfer.errors import ConfigError, MegaInferError
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.client import Client

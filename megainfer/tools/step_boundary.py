@@ -29,10 +29,12 @@ import numpy as np
 import torch
 
 from megainfer.block_table_rows import BlockTableRows
-from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_model
+from megainfer.config import ModelConfig
 from megainfer.engine import Engine
+from megainfer.engine_config import EngineConfig
 from megainfer.engine_core import EngineCore
 from megainfer.model.moe_model import MoEModel
+from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, sample_rows,
                                     samples_by_micro_batch)
 from megainfer.sampler import Sampler

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 from deploy.deployment import Deployment  # noqa: E402
 from deploy.status import kernel_lines  # noqa: E402
 from megainfer import Engine, SamplingParams  # noqa: E402
-from megainfer.config import EngineConfig  # noqa: E402
+from megainfer.engine_config import EngineConfig  # noqa: E402
 from megainfer.errors import MegaInferError  # noqa: E402
 from megainfer.plan import Plan  # noqa: E402
 from megainfer.server.client import Client, request_message  # noqa: E402

@@ -12,13 +12,13 @@ import torch
 
 from deploy.dry_run import describe, gpu_memory_bytes
 from deploy.runtime_config import check_batch, runtime_of
-from megainfer.config import PRESETS
 from megainfer.disagg import device_staging
 from megainfer.disagg.device_staging import PinnedBuffer
 from megainfer.disagg.expert_link import pack_records, rank_share, record_bytes
 from megainfer.disagg.staging_sizes import (StagingBytes, aligned_layout, answer_rows, attention_staging,
                                             dispatch_rows, expert_staging)
 from megainfer.plan import Plan
+from megainfer.presets import PRESETS
 from planner.catalog import Catalog
 from planner.perf_model import PREFILL_CHUNK_TOKENS, PerfModel
 from tests.helpers import ROOT

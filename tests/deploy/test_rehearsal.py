@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from deploy.deployment import Deployment  # noqa: E402
 from megainfer import Engine, SamplingParams  # noqa: E402
-from megainfer.config import EngineConfig  # noqa: E402
+from megainfer.engine_config import EngineConfig  # noqa: E402
 from megainfer.errors import PlanError  # noqa: E402
 from megainfer.plan import Plan  # noqa: E402
 from megainfer.server.client import Client  # noqa: E402

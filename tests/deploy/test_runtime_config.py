@@ -8,9 +8,9 @@ import math
 import pytest
 
 from deploy.runtime_config import check_batch, runtime_of
-from megainfer.config import PRESETS
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
+from megainfer.presets import PRESETS
 from tests.helpers import ROOT, megainfer
 
 PLANS = sorted((ROOT / "deploy" / "plans").glob("*.yaml"))

@@ -186,7 +186,7 @@ def test_drawn_requests_fit_the_model_and_cover_the_mix():
 def demo_endpoints():
     """The demo model's colocated engine behind both frontends (no Ray), with an API key: the traffic's peer."""
     from megainfer import Engine
-    from megainfer.config import EngineConfig
+    from megainfer.engine_config import EngineConfig
     from megainfer.server.access import AccessPolicy
     from megainfer.server.endpoints import Endpoints
     from megainfer.server.engine_backend import EngineBackend

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from megainfer import Engine, SamplingParams
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from tests.helpers import ROOT, generate_all
 from tests.netns import netns_pair
 

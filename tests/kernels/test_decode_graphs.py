@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 import kernels  # noqa: E402
 from kernels import attention_triton  # noqa: E402
-from megainfer.config import PRESETS  # noqa: E402
 from megainfer.disagg import decode_graphs  # noqa: E402
 from megainfer.disagg.attention_dispatch import attend_and_pack  # noqa: E402
 from megainfer.disagg.capture_audit import CaptureAudit  # noqa: E402
@@ -29,6 +28,7 @@ from megainfer.model.expert_layer import ExpertLayer  # noqa: E402
 from megainfer.model.moe_model import MoEModel  # noqa: E402
 from megainfer.model.weights import RandomWeights  # noqa: E402
 from megainfer.model_runner import prepare_batch  # noqa: E402
+from megainfer.presets import PRESETS  # noqa: E402
 from megainfer.tools.launch_count import DecodingSequence  # noqa: E402
 
 if not attention_triton.INTERPRETED:

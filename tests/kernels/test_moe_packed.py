@@ -18,9 +18,9 @@ import torch
 import kernels
 from kernels import dispatch, moe_packed, moe_ref
 from kernels.moe_packed import PackedExperts
-from megainfer.config import PRESETS
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import RandomWeights
+from megainfer.presets import PRESETS
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN (mkldnn) is not built in")
 
@@ -125,9 +125,9 @@ def test_the_dispatcher_ignores_packed_weights_when_the_environment_names_a_back
 AVX2_RUN = """
 import json, logging, torch
 from kernels import moe_ref
-from megainfer.config import PRESETS
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import RandomWeights
+from megainfer.presets import PRESETS
 logging.basicConfig(level=logging.INFO)
 cfg = PRESETS["tiny-mixtral"]
 g = torch.Generator().manual_seed(2)

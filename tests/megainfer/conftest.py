@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def engine_backend(mixtral_ref):
     from megainfer import Engine
-    from megainfer.config import EngineConfig
+    from megainfer.engine_config import EngineConfig
     from megainfer.server.engine_backend import EngineBackend
 
     backend = EngineBackend(Engine(str(mixtral_ref.path), EngineConfig(num_kv_blocks=64)))

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from megainfer import Engine, SamplingParams
 from megainfer.cli import main
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.server.access import AccessPolicy, KeyLimitExceeded, TokenBucket, bearer_key, fingerprint
 from megainfer.server.api_key_file import KeyLimits, configured_keys, load_key_file

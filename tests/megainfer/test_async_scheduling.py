@@ -11,10 +11,11 @@ import zlib
 import pytest
 import torch
 
-from megainfer.config import DEMO_MODEL, EngineConfig, resolve_model
 from megainfer.engine import Engine
+from megainfer.engine_config import EngineConfig
 from megainfer.engine_core import EngineCore
 from megainfer.messages import FinishReason
+from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.sampling_params import SamplingParams
 from megainfer.token_recorder import PLACEHOLDER
 from megainfer.step_layout import StepLayout

@@ -4,8 +4,11 @@ import json
 
 import pytest
 
-from megainfer.config import PRESETS, EngineConfig, ModelConfig, resolve_model
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import CheckpointError, ConfigError
+from megainfer.hf_config import from_hf_dict, from_pretrained, to_hf_dict
+from megainfer.model_resolution import resolve_model
+from megainfer.presets import PRESETS
 
 QWEN3_30B = {
     "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
@@ -18,7 +21,7 @@ QWEN3_30B = {
 
 
 def test_qwen3_config_parses_head_dim_and_experts():
-    cfg = ModelConfig.from_hf_dict(QWEN3_30B)
+    cfg = from_hf_dict(QWEN3_30B)
     assert cfg.head_dim == 128 and cfg.hidden_size // cfg.num_heads == 64
     assert (cfg.num_experts, cfg.top_k, cfg.expert_intermediate_size) == (128, 8, 768)
     assert cfg.qk_norm and cfg.norm_topk_prob and cfg.eos_token_ids == (151645,)
@@ -33,7 +36,7 @@ def test_rope_theta_from_rope_parameters_and_num_local_experts_spelling():
     raw = {k: v for k, v in QWEN3_30B.items() if k not in ("rope_theta", "num_experts")}
     raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
     raw["num_local_experts"] = 64
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = from_hf_dict(raw)
     assert cfg.rope_theta == 5e5 and cfg.num_experts == 64
 
 
@@ -42,14 +45,14 @@ def test_mixtral_always_renormalises_and_defaults_head_dim():
            "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
            "intermediate_size": 14336, "rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
            "sliding_window": None}
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = from_hf_dict(raw)
     assert cfg.norm_topk_prob and cfg.head_dim == 128 and not cfg.qk_norm
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg.__class__(**{**cfg.__dict__, "name": ""})
+    assert from_hf_dict(to_hf_dict(cfg)) == cfg.__class__(**{**cfg.__dict__, "name": ""})
 
 
 def test_unsupported_model_type_lists_supported_ones():
     with pytest.raises(ConfigError, match="'llama' is not supported.*mixtral, qwen3_moe"):
-        ModelConfig.from_hf_dict({"model_type": "llama"})
+        from_hf_dict({"model_type": "llama"})
 
 
 @pytest.mark.parametrize("change, match", [
@@ -62,7 +65,7 @@ def test_unsupported_model_type_lists_supported_ones():
 ])
 def test_bad_configs_name_the_field(change, match):
     with pytest.raises(ConfigError, match=match):
-        ModelConfig.from_hf_dict({**QWEN3_30B, **change})
+        from_hf_dict({**QWEN3_30B, **change})
 
 
 def test_paper_presets_have_their_shapes():
@@ -107,10 +110,12 @@ def test_engine_config_validation(kwargs, match):
         EngineConfig(**kwargs)
 
 
-def test_config_module_does_not_import_torch():
+def test_config_modules_do_not_import_torch():
     import subprocess
     import sys
-    code = "import megainfer.config, megainfer, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import megainfer.config, megainfer.hf_config, megainfer.presets, megainfer.model_resolution, "
+            "megainfer.engine_config, megainfer.settings, megainfer, sys; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -125,25 +130,25 @@ def test_quantized_checkpoints_are_refused_naming_the_method(tmp_path, extra, me
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B, **extra}))
     with pytest.raises(CheckpointError, match=f"quant_method = {method}.*unquantized float32, bfloat16 or "
                                               "float16 weights only.*unquantized release"):
-        ModelConfig.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("written, parsed", [({"torch_dtype": "bfloat16"}, "bfloat16"),
                                              ({"dtype": "float16"}, "float16"),
                                              ({"torch_dtype": "float32"}, "float32"), ({}, None)])
 def test_checkpoint_dtype_is_read_from_torch_dtype_or_dtype(written, parsed):
-    assert ModelConfig.from_hf_dict({**QWEN3_30B, **written}).torch_dtype == parsed
+    assert from_hf_dict({**QWEN3_30B, **written}).torch_dtype == parsed
 
 
 def test_auto_dtype_follows_the_checkpoint_and_presets_run_float32():
-    bf16 = ModelConfig.from_hf_dict({**QWEN3_30B, "torch_dtype": "bfloat16"})
-    f32 = ModelConfig.from_hf_dict({**QWEN3_30B, "torch_dtype": "float32"})
+    bf16 = from_hf_dict({**QWEN3_30B, "torch_dtype": "bfloat16"})
+    f32 = from_hf_dict({**QWEN3_30B, "torch_dtype": "float32"})
     auto = EngineConfig(dtype="auto", device="cpu")
     assert auto.resolve(bf16).dtype == "bfloat16"  # on the CPU too, as vLLM
     assert auto.resolve(f32).dtype == "float32"
     assert auto.resolve(PRESETS["tiny-mixtral"]).dtype == "float32"
     assert EngineConfig(dtype="float16").resolve(bf16).dtype == "float16"  # an explicit dtype wins
-    odd = ModelConfig.from_hf_dict({**QWEN3_30B, "torch_dtype": "float8_e4m3fn"})
+    odd = from_hf_dict({**QWEN3_30B, "torch_dtype": "float8_e4m3fn"})
     with pytest.raises(ConfigError, match="dtype 'float8_e4m3fn'.*pass --dtype"):
         auto.resolve(odd)
 

@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from megainfer.config import EngineConfig, ModelConfig
 from megainfer.demo import CHECKPOINT, bpe
 from megainfer.engine import Engine
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
+from megainfer.hf_config import from_pretrained
 from megainfer.sampling_params import SamplingParams
 from tests.helpers import generate_all
 
@@ -39,7 +40,7 @@ def test_checkpoint_is_small_float32_and_untied():
     assert 0 < size < 20 * 2**20
     raw = json.loads((CHECKPOINT / "config.json").read_text())
     assert raw["model_type"] == "mixtral" and raw["dtype"] == "float32" and not raw["tie_word_embeddings"]
-    cfg = ModelConfig.from_pretrained(CHECKPOINT)
+    cfg = from_pretrained(CHECKPOINT)
     eos = {bpe.SPECIAL_TOKENS.index(bpe.EOS), bpe.SPECIAL_TOKENS.index(bpe.IM_END)}
     assert set(cfg.eos_token_ids) == eos  # </s> from config.json, <|im_end|> from generation_config.json
     assert (CHECKPOINT / "README.md").read_text().startswith("# megainfer-demo")

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
-from megainfer.config import EngineConfig
 from megainfer.disagg import expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
                                           unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner, rank_shares, shared_positions_on
+from megainfer.engine_config import EngineConfig
 from megainfer.model.weights import SafetensorsCheckpoint
 from megainfer.step_layout import split_micro_batches
 from tests.helpers import connect_all, generate_all

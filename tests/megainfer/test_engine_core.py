@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megainfer import Engine, SamplingParams
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import RequestError
 from megainfer.server.engine_backend import EngineBackend
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megainfer import Engine, SamplingParams
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import RequestError
 from megainfer.server.endpoints import Endpoints
 from megainfer.server.engine_backend import EngineBackend

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megainfer import LLM, Engine, SamplingParams
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.server.engine_backend import EngineBackend
 from megainfer.server.served_model import ServedModel
 from tests.helpers import megainfer, write_chat_checkpoint

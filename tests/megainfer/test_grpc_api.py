@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from megainfer import LLM, Engine, SamplingParams
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import DataPlaneError, Overloaded
 from megainfer.messages import ErrorCode, RequestDelta
 from megainfer.server.client import Client, request_message

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megainfer.config import resolve_model
+from megainfer.model_resolution import resolve_model
 from megainfer.tools.launch_count import OpLog, decode_launches
 
 

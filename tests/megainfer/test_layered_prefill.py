@@ -4,8 +4,9 @@ prompt, decode every step, expert accounting, identical tokens."""
 from __future__ import annotations
 
 from megainfer import Engine, LLM, SamplingParams
-from megainfer.config import PRESETS, EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.kv_cache import BlockManager
+from megainfer.presets import PRESETS
 from megainfer.scheduler import LayeredPrefill, Scheduler
 from megainfer.sequence import Sequence
 

@@ -11,13 +11,14 @@ import torch
 
 from megainfer import LLM, memory_profile
 from megainfer.cli import build_parser
-from megainfer.config import PRESETS, EngineConfig
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, PlanError
 from megainfer.memory_profile import MemoryProfile, MemorySnapshot
 from megainfer.model.weights import RandomWeights
 from megainfer.model_runner import ModelRunner
 from megainfer.plan import Plan
+from megainfer.presets import PRESETS
 
 GiB = 1 << 30
 TOTAL = 80 * GiB

@@ -13,8 +13,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from megainfer import Engine, SamplingParams
-from megainfer.config import EngineConfig
 from megainfer.disagg.latency import LatencyHistogram, merge
+from megainfer.engine_config import EngineConfig
 from megainfer.messages import ErrorCode, FinishReason, HistogramSnapshot, RequestDelta, RequestMetrics
 from megainfer.server.client import Client
 from megainfer.server.engine_backend import EngineBackend

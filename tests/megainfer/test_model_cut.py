@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megainfer.config import PRESETS
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import RandomWeights
+from megainfer.presets import PRESETS
 
 CFG = PRESETS["tiny-mixtral"]
 

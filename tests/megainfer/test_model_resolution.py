@@ -8,9 +8,10 @@ import shutil
 
 import pytest
 
-import megainfer.config
-from megainfer.config import ModelConfig, resolve_model
 from megainfer.errors import ConfigError
+from megainfer.hf_config import from_pretrained
+import megainfer.model_resolution
+from megainfer.model_resolution import resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -38,7 +39,7 @@ def test_hub_id_resolves_to_its_cached_snapshot(hub, mixtral_ref):
     snapshot = fake_hub_cache(hub, "acme/tiny-moe", mixtral_ref.path)
     cfg, path = resolve_model("acme/tiny-moe")
     assert path == snapshot and cfg.name == "acme/tiny-moe"
-    assert cfg == dataclasses.replace(ModelConfig.from_pretrained(mixtral_ref.path), name="acme/tiny-moe")
+    assert cfg == dataclasses.replace(from_pretrained(mixtral_ref.path), name="acme/tiny-moe")
 
 
 def test_revisions_by_branch_and_by_commit(hub, mixtral_ref, qwen3_ref):
@@ -91,7 +92,7 @@ def test_engine_serves_a_hub_id_like_its_directory(hub, mixtral_ref):
 def test_demo_checkpoint_resolves_when_trained_and_says_how_to_train_it_otherwise(tmp_path, monkeypatch,
                                                                                  mixtral_ref):
     missing = tmp_path / "demo" / "checkpoint"
-    monkeypatch.setattr(megainfer.config, "demo_checkpoint", lambda: missing)
+    monkeypatch.setattr(megainfer.model_resolution, "demo_checkpoint", lambda: missing)
     with pytest.raises(ConfigError, match="demo checkpoint is missing.*python -m megainfer.demo.train"):
         resolve_model("megainfer-demo")
     shutil.copytree(mixtral_ref.path, missing)
@@ -100,4 +101,4 @@ def test_demo_checkpoint_resolves_when_trained_and_says_how_to_train_it_otherwis
 
 
 def test_the_demo_checkpoint_lives_in_the_package():
-    assert megainfer.config.demo_checkpoint().parts[-3:] == ("megainfer", "demo", "checkpoint")
+    assert megainfer.model_resolution.demo_checkpoint().parts[-3:] == ("megainfer", "demo", "checkpoint")

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 openai = pytest.importorskip("openai")
 
 from megainfer import Engine, SamplingParams  # noqa: E402
-from megainfer.config import EngineConfig  # noqa: E402
+from megainfer.engine_config import EngineConfig  # noqa: E402
 from megainfer.errors import ConfigError, DataPlaneError, Overloaded  # noqa: E402
 from megainfer.messages import FinishReason, NodeStatus  # noqa: E402
 from megainfer.server.endpoints import Endpoints  # noqa: E402

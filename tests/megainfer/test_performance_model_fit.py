@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from megainfer.config import PRESETS, EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
+from megainfer.presets import PRESETS
 from megainfer.tools.simulator import curve_fit as cf
 from megainfer.tools.simulator.experiment import SimulationSpec
 from megainfer.tools.simulator.sim import Simulator

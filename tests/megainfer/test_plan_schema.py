@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megainfer.config import PRESETS
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
+from megainfer.presets import PRESETS
 
 GOOD = """
 model: mixtral-8x22b

@@ -13,12 +13,13 @@ import sys
 import numpy as np
 import pytest
 
-from megainfer.config import PRESETS, EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import PlanError
 from megainfer.kv_cache import BlockManager
 from megainfer.messages import NodeLoad, NodeState, StepSample
 from megainfer.node_state import snapshot, step_sample
 from megainfer.plan import Plan
+from megainfer.presets import PRESETS
 from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler, ScaleAction
 from megainfer.routing.forecast import NodeForecast, RequestForecast
 from megainfer.routing.length_estimator import BucketedLengthEstimator, MaxTokensEstimator

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megainfer import Engine, SamplingParams
-from megainfer.config import EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import RequestError
 from megainfer.messages import FinishReason
 from megainfer.output_stream import OutputStream

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megainfer.config import PRESETS
+from megainfer.presets import PRESETS
 from megainfer.tools.simulator.workload import LogNormalLengths, describe, generate
 
 # The layered-prefill paper (arXiv 2510.08055), arXiv summarisation, tokens.

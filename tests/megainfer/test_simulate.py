@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from megainfer.config import PRESETS, EngineConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, PlanError
+from megainfer.presets import PRESETS
 from megainfer.tools.simulator.expert_load import ExpertActivation
 from megainfer.tools.simulator.experiment import SimulationSpec, rate_range, ratios
 from megainfer.tools.simulator.routing_skew import FITTED_SKEW

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from megainfer.model_resolution import resolve_model
 from megainfer.tools.simulator_check import (CheckSpec, ServerSettings, compare, generate_trace, real_figures,
                                              run_check, write_trace)
-from megainfer.config import resolve_model
 from megainfer.errors import ConfigError, PlanError
 from megainfer.tools.simulator.workload import load_trace
 from planner.operator_profile import (OPERATOR_AXES, OperatorProfile, OperatorTable, ProfiledDevice,

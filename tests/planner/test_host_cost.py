@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from megainfer.config import PRESETS
 from megainfer.errors import PlanError
+from megainfer.presets import PRESETS
 from planner.catalog import Catalog
 from planner.round_host_cost import HostCost
 from planner.perf_model import PerfModel

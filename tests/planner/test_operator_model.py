@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from megainfer.cli import main
-from megainfer.config import PRESETS
 from megainfer.errors import PlanError
+from megainfer.presets import PRESETS
 from planner.step_prior import step_prior
 from planner.catalog import Catalog
 from planner.efficiency_curves import EfficiencyCurves

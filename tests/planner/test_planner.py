@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from megainfer.config import PRESETS
 from megainfer.errors import PlanError
 from megainfer.plan import Plan
+from megainfer.presets import PRESETS
 from planner.catalog import Catalog
 from planner.colocated import best_colocated
 from planner.perf_model import Calibration, PerfModel, min_micro_batches, roofline_utilization

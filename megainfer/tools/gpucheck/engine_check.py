@@ -245,7 +245,7 @@ def check_bfloat16(ctx: CheckContext, path: Path, kind: str, prompts: list[list[
 
 def check_demo(ctx: CheckContext) -> None:
     """The shipped demo model on the device, float32, against the CPU engine (no transformers needed)."""
-    from megainfer.config import DEMO_MODEL
+    from megainfer.model_resolution import DEMO_MODEL
 
     prompts = [[0, 5, 9, 14], [0, 77, 3]]
     with ctx.case(f"{DEMO_MODEL} float32 on {ctx.device.type}: greedy tokens equal to the CPU engine's") as case, \
@@ -269,7 +269,7 @@ def check_no_build_while_serving(ctx: CheckContext) -> None:
     from kernels import dispatch
     from kernels.compile_watch import WATCH
     from megainfer import LLM, SamplingParams
-    from megainfer.config import DEMO_MODEL
+    from megainfer.model_resolution import DEMO_MODEL
 
     with ctx.case(f"{DEMO_MODEL} bfloat16: kernels decided at start, none built while serving") as case:
         if not ctx.on_gpu:

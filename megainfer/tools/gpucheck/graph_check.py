@@ -22,10 +22,10 @@ REPS = 50
 
 
 def _attention_setup(device: torch.device, dtype: torch.dtype, on_gpu: bool):
-    from megainfer.config import resolve_model
     from megainfer.disagg.expert_link import record_bytes
     from megainfer.model.moe_model import MoEModel
     from megainfer.model.weights import RandomWeights
+    from megainfer.model_resolution import resolve_model
 
     full, _ = resolve_model("qwen3-235b-a22b")
     cfg = dataclasses.replace(full, num_layers=LAYERS, vocab_size=1024, num_heads=16, num_kv_heads=1) if on_gpu else \
@@ -112,11 +112,11 @@ def check_attention(ctx: CheckContext, rows: int, context: int) -> None:
 @torch.inference_mode()
 def check_experts(ctx: CheckContext, tokens: int) -> None:
     import kernels
-    from megainfer.config import resolve_model
     from megainfer.disagg.decode_graphs import ExpertGraphs
     from megainfer.disagg.expert_link import pack_records, record_bytes
     from megainfer.model.expert_layer import ExpertLayer
     from megainfer.model.weights import RandomWeights
+    from megainfer.model_resolution import resolve_model
 
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
     full, _ = resolve_model("qwen3-235b-a22b")

@@ -45,7 +45,7 @@ def check_kv_sizing(ctx: CheckContext) -> None:
     """The engine sized on its own (no block count given): weights and cache on the device, the
     cache non-empty, and the process within the memory it may use."""
     from megainfer import LLM, SamplingParams
-    from megainfer.config import DEMO_MODEL
+    from megainfer.model_resolution import DEMO_MODEL
 
     dtype = "bfloat16" if ctx.on_gpu else "float32"
     with ctx.case(f"KV cache sized by the engine ({DEMO_MODEL}, {dtype}, no block count given)") as case:

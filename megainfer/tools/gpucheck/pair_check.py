@@ -23,8 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from megainfer.config import DEMO_MODEL, EngineConfig, ModelConfig, resolve_model
+from megainfer.config import ModelConfig
+from megainfer.engine_config import EngineConfig
+from megainfer.hf_config import from_pretrained
 from megainfer.messages import NodeTimeline
+from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.tools.gpucheck.context import CheckContext
 from transport import Endpoint, EndpointSpec, RoundFailed
 from transport import core as m2n_core
@@ -125,7 +128,7 @@ def attention_node(spec: PairSpec, prompts: list[list[int]], conn) -> None:
         from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 
         torch.set_num_threads(1)
-        model = ModelConfig.from_pretrained(spec.path)
+        model = from_pretrained(spec.path)
         link = _endpoint(ATTENTION, 0, BATCH_TOKENS * model.hidden_size * 4, spec)
 
         def runner(mc, cfg, weights, max_len):
@@ -154,7 +157,7 @@ def expert_node(spec: PairSpec, conn) -> None:
         from megainfer.model.weights import SafetensorsCheckpoint
 
         torch.set_num_threads(1)
-        model = ModelConfig.from_pretrained(spec.path)
+        model = from_pretrained(spec.path)
         dtype = getattr(torch, spec.dtype)
         records = dispatch_bytes(BATCH_TOKENS, model.hidden_size, model.top_k, dtype)
         link = _endpoint(EXPERT, 100, records, spec)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from megainfer.config import EngineConfig, ModelConfig, estimated_attention_step_bytes, kv_cache_budget_bytes
+from megainfer.config import ModelConfig, estimated_attention_step_bytes, kv_cache_budget_bytes
+from megainfer.engine_config import EngineConfig
 from megainfer.tools.profiler.timing import median_seconds
 from planner.catalog import Catalog
 from planner.operator_profile import ProfiledDevice

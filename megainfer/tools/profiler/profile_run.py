@@ -18,9 +18,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from megainfer.config import SUPPORTED_MODEL_TYPES, EngineConfig, ModelConfig, resolve_model
+from megainfer.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
+from megainfer.model_resolution import resolve_model
 from megainfer.tools.profiler import device_info
 from megainfer.tools.profiler.allreduce_timing import measure_allreduce
 from megainfer.tools.profiler.operator_grid import OperatorGrid, default_grid, pricing_grid

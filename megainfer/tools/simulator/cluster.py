@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megainfer.config import EngineConfig, ModelConfig
+from megainfer.config import ModelConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.messages import NodeLoad, NodeState, StepSample
 from megainfer.node_state import snapshot, step_sample

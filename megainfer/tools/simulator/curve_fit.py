@@ -33,8 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megainfer.config import PRESETS, EngineConfig, ModelConfig
+from megainfer.config import ModelConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
+from megainfer.presets import PRESETS
 from megainfer.tools.simulator.experiment import SimulationSpec
 from megainfer.tools.simulator.sim import Simulator
 from megainfer.tools.simulator.workload import SimRequest

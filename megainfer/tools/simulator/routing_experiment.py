@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megainfer.config import EngineConfig, ModelConfig
+from megainfer.config import ModelConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.routing.policies import make_router
 from megainfer.tools.simulator.cluster import ClusterSimulator
 from megainfer.tools.simulator.workload import generate

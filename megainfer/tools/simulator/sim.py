@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megainfer.config import EngineConfig, ModelConfig
+from megainfer.config import ModelConfig
+from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput

@@ -1,0 +1,60 @@
+"""Named models: small runnable presets (random weights, byte-level vocabulary) for demos and tests,
+and shape-only presets of paper-scale models for the planner and the simulator. Torch-free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megainfer.config import ModelConfig
+
+
+def _mixtral(name: str, **kw: Any) -> ModelConfig:
+    base = dict(model_type="mixtral", norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5, name=name,
+                bos_token_id=1, eos_token_ids=(2,))
+    return ModelConfig(**{**base, **kw})
+
+
+def _qwen3(name: str, **kw: Any) -> ModelConfig:
+    base = dict(model_type="qwen3_moe", norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
+                name=name, bos_token_id=151643, eos_token_ids=(151645,), max_position_embeddings=40960)
+    return ModelConfig(**{**base, **kw})
+
+
+# Byte-level presets: ids 0..255 are bytes, 256 is BOS, 257 is EOS (see tokenizer.ByteTokenizer).
+_BYTE_VOCAB = dict(vocab_size=258, bos_token_id=256, eos_token_ids=(257,))
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-mixtral": _mixtral(
+        "tiny-mixtral", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+        num_experts=8, top_k=2, expert_intermediate_size=512, max_position_embeddings=4096, **_BYTE_VOCAB),
+    # tiny-mixtral's blocks with twice the layers and half the experts (a little wider): on a
+    # 2-core CPU one micro-batch of its attention and of its experts cost about the same, so
+    # the ping-pong has something to overlap (how it was balanced: deploy/plans/balanced-cpu.yaml).
+    "balanced-mixtral": _mixtral(
+        "balanced-mixtral", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
+        num_experts=4, top_k=2, expert_intermediate_size=576, max_position_embeddings=4096, **_BYTE_VOCAB),
+    "tiny-qwen3-moe": _qwen3(
+        "tiny-qwen3-moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64,
+        num_experts=16, top_k=4, expert_intermediate_size=256, max_position_embeddings=4096, **_BYTE_VOCAB),
+    "mixtral-8x7b": _mixtral(
+        "mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=14336, max_position_embeddings=32768),
+    "mixtral-8x22b": _mixtral(
+        "mixtral-8x22b", vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8,
+        head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=16384, max_position_embeddings=65536),
+    # DBRX is its own family (LayerNorm, clipped QKV); only its shapes matter to the planner.
+    "dbrx": ModelConfig(
+        model_type="dbrx", name="dbrx", vocab_size=100352, hidden_size=6144, num_layers=40, num_heads=48,
+        num_kv_heads=8, head_dim=128, num_experts=16, top_k=4, expert_intermediate_size=10752,
+        norm_topk_prob=True, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=32768),
+    # MegaScale-Infer's Scaled-MoE (317B): Mixtral-style blocks; vocabulary and heads assumed.
+    "scaled-moe": _mixtral(
+        "scaled-moe", vocab_size=32000, hidden_size=8192, num_layers=48, num_heads=64, num_kv_heads=8,
+        head_dim=128, num_experts=32, top_k=4, expert_intermediate_size=8192, max_position_embeddings=32768),
+    "qwen3-30b-a3b": _qwen3(
+        "qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, expert_intermediate_size=768),
+    "qwen3-235b-a22b": _qwen3(
+        "qwen3-235b-a22b", vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, expert_intermediate_size=1536),
+}
