@@ -402,9 +402,8 @@ class Scheduler:
     def stop(self, seq: Sequence, stop_reason: str) -> None:
         """Finish `seq` on a stop string found in its text, freeing its blocks at once. A sequence
         that already finished on this token (its length) is stopped by the string instead."""
-        if not seq.is_finished:
-            self.running.remove(seq)
-            self._finish(seq, FinishReason.STOP)
+        if not seq.is_finished:  # advanced ahead, it may have been preempted meanwhile (`_end`)
+            self._end(seq, FinishReason.STOP)
         seq.finish_reason = FinishReason.STOP
         seq.stop_reason = stop_reason
 

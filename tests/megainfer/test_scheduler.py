@@ -109,6 +109,21 @@ def test_preempted_sequence_recomputes_prompt_and_output():
     assert s.waiting[0] is b
 
 
+
+def test_a_stop_string_found_after_the_sequence_was_preempted_finishes_it():
+    """Scheduled ahead, a step's stop strings are checked inside the next step, whose schedule
+    may have preempted the sequence meanwhile: it waits, and it finishes from there."""
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    a, b = seq("a", 7, max_tokens=20), seq("b", 7, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)
+    s.schedule()  # b is preempted for a
+    s.stop(b, "stop")
+    assert (b.status, b.finish_reason, b.stop_reason) == (SequenceStatus.FINISHED, FinishReason.STOP, "stop")
+    assert b not in s.waiting and "b" not in s.requests
+
 def test_stop_conditions():
     s = make_scheduler(eos=(99,))
     a, b, c, d = seq("a", 2), seq("b", 2, ignore_eos=True), seq("c", 2, stop_token_ids=[5]), seq("d", 2, max_tokens=1)
