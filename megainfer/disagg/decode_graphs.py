@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 import kernels
+from megainfer.config import EngineConfig
 from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.expert_link import unpack_dispatch
 from megainfer.model.expert_layer import ExpertLayer
@@ -390,3 +391,20 @@ def capture_timed(graphs: "AttentionGraphs | ExpertGraphs", capture: Capture, de
     report = CaptureReport(count, graphs.sizes, time.perf_counter() - start, used, graphs.static_bytes())
     logger.info("%s", report.summary())
     return report
+
+
+def capture_attention(capture: Capture | None, model: MoEModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      expert_counts: torch.Tensor, config: EngineConfig, micro_batches: int, max_model_len: int,
+                      pad_block: int, expert_nodes: int, record_size: int,
+                      tp_size: int) -> tuple[AttentionGraphs | None, str]:
+    """An attention rank's decode graphs, every (layer, micro-batch, size), captured, and the line
+    its kernels report for decode; (None, why) where it runs eager."""
+    device = torch.device(config.device)
+    if capture is None:
+        return None, eager_reason(device, config.enforce_eager)
+    sizes = capture_sizes(-(-config.max_num_seqs // micro_batches), config.cuda_graph_sizes)
+    graphs = AttentionGraphs(model, kv_caches, expert_counts, sizes, micro_batches,
+                             -(-max_model_len // config.block_size), config.block_size, pad_block, expert_nodes,
+                             record_size, tp_size)
+    with torch.inference_mode():
+        return graphs, capture_timed(graphs, capture, device).status()
