@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
 from megainfer.config import EngineConfig
-from megainfer.disagg import expert_exchange, expert_worker, pipelined_runner
+from megainfer.disagg import attention_exchange, expert_exchange, expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
                                           unpack_dispatch)
@@ -307,7 +307,7 @@ def test_compute_timer_measures_device_time_not_launches():
     assert timer.collect() == 0.0
 
 
-HOT_PATH_FILES = {Path(m.__file__).name for m in (pipelined_runner, expert_exchange, expert_worker)}
+HOT_PATH_FILES = {Path(m.__file__).name for m in (pipelined_runner, expert_exchange, expert_worker, attention_exchange)}
 
 
 def test_the_hot_path_reads_nothing_back_from_the_device(mixtral_ref, monkeypatch):
@@ -410,7 +410,7 @@ def test_dispatches_and_answers_wait_for_their_copies_and_keep_their_order(mixtr
     monkeypatch.undo()
     assert got == colocated(mixtral_ref.path, prompts)
     assert bool(log) == (looks > 1)  # a message was forced out only when copies were slow
-    assert callers == {Path(expert_exchange.__file__).name, Path(expert_worker.__file__).name}
+    assert callers == {Path(expert_exchange.__file__).name, Path(attention_exchange.__file__).name}
 
 
 def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
