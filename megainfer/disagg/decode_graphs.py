@@ -408,3 +408,19 @@ def capture_attention(capture: Capture | None, model: MoEModel, kv_caches: list[
                              record_size, tp_size)
     with torch.inference_mode():
         return graphs, capture_timed(graphs, capture, device).status()
+
+
+def capture_experts(most_tokens: int, sizes: tuple[int, ...] | None, layers: list[ExpertLayer], record_size: int,
+                    dtype: torch.dtype, device: torch.device, reduce: Callable[[torch.Tensor], None] | None,
+                    node: str) -> tuple[ExpertGraphs | None, str]:
+    """An expert node's decode graphs, every (layer, size), captured on CUDA, and the line its
+    kernels report for decode: (layer, micro-batch)s of up to `most_tokens` (a decode's most from
+    every attention node) replay them, at `sizes` or a ladder's; (None, why) where it runs eager
+    (0 tokens: --enforce-eager). `reduce`: a tensor-parallel node's sum of its ranks' outputs."""
+    capture = decode_capture(device, False, node) if most_tokens else None
+    if capture is None:
+        return None, eager_reason(device, False) if most_tokens else \
+            "eager (no decode batch size to capture for: --enforce-eager, or decode_graph_tokens 0)"
+    graphs = ExpertGraphs(layers, capture_sizes(most_tokens, sizes), record_size, dtype, device, reduce)
+    with torch.inference_mode():
+        return graphs, capture_timed(graphs, capture, device).status()

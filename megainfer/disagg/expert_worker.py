@@ -104,21 +104,12 @@ class ExpertWorker:
         self.kernels = warmup.finish()
 
     def _capture(self, most_tokens: int, sizes: tuple[int, ...] | None, name: str) -> decode_graphs.ExpertGraphs | None:
-        """Decode's graphs, every (layer, size) (decode_graphs.py), on CUDA: (layer, micro-batch)s of
-        up to `most_tokens` (a decode's most from every attention node) replay them, at `sizes` or a
-        ladder's; None: eager (0 tokens: --enforce-eager)."""
-        capture = decode_graphs.decode_capture(self.device, False, name) if most_tokens else None
-        if capture is None:
-            reason = decode_graphs.eager_reason(self.device, False) if most_tokens else \
-                "eager (no decode batch size to capture for: --enforce-eager, or decode_graph_tokens 0)"
-            self.kernels = dataclasses.replace(self.kernels, decode=reason)
-            return None
-        sizes = decode_graphs.capture_sizes(most_tokens, sizes)
+        """Decode's graphs, every (layer, size), where (layer, micro-batch)s of up to `most_tokens`
+        replay them (decode_graphs.capture_experts); None: eager."""
         reduce = None if self.tp_size == 1 else partial(self.tp_group.reduce, dst=0)
-        graphs = decode_graphs.ExpertGraphs(self.layers, sizes, self.record_size, self.dtype, self.device, reduce)
-        with torch.inference_mode():
-            report = decode_graphs.capture_timed(graphs, capture, self.device)
-        self.kernels = dataclasses.replace(self.kernels, decode=report.status())
+        graphs, decode = decode_graphs.capture_experts(most_tokens, sizes, self.layers, self.record_size, self.dtype,
+                                                       self.device, reduce, name)
+        self.kernels = dataclasses.replace(self.kernels, decode=decode)
         return graphs
 
     @torch.inference_mode()
