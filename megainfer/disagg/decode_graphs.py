@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 import kernels
+from megainfer.engine_config import EngineConfig
 from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.expert_link import unpack_dispatch
 from megainfer.model.expert_layer import ExpertLayer
@@ -390,3 +391,36 @@ def capture_timed(graphs: "AttentionGraphs | ExpertGraphs", capture: Capture, de
     report = CaptureReport(count, graphs.sizes, time.perf_counter() - start, used, graphs.static_bytes())
     logger.info("%s", report.summary())
     return report
+
+
+def capture_attention(capture: Capture | None, model: MoEModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      expert_counts: torch.Tensor, config: EngineConfig, micro_batches: int, max_model_len: int,
+                      pad_block: int, expert_nodes: int, record_size: int,
+                      tp_size: int) -> tuple[AttentionGraphs | None, str]:
+    """An attention rank's decode graphs, every (layer, micro-batch, size), captured, and the line
+    its kernels report for decode; (None, why) where it runs eager."""
+    device = torch.device(config.device)
+    if capture is None:
+        return None, eager_reason(device, config.enforce_eager)
+    sizes = capture_sizes(-(-config.max_num_seqs // micro_batches), config.cuda_graph_sizes)
+    graphs = AttentionGraphs(model, kv_caches, expert_counts, sizes, micro_batches,
+                             -(-max_model_len // config.block_size), config.block_size, pad_block, expert_nodes,
+                             record_size, tp_size)
+    with torch.inference_mode():
+        return graphs, capture_timed(graphs, capture, device).status()
+
+
+def capture_experts(most_tokens: int, sizes: tuple[int, ...] | None, layers: list[ExpertLayer], record_size: int,
+                    dtype: torch.dtype, device: torch.device, reduce: Callable[[torch.Tensor], None] | None,
+                    node: str) -> tuple[ExpertGraphs | None, str]:
+    """An expert node's decode graphs, every (layer, size), captured on CUDA, and the line its
+    kernels report for decode: (layer, micro-batch)s of up to `most_tokens` (a decode's most from
+    every attention node) replay them, at `sizes` or a ladder's; (None, why) where it runs eager
+    (0 tokens: --enforce-eager). `reduce`: a tensor-parallel node's sum of its ranks' outputs."""
+    capture = decode_capture(device, False, node) if most_tokens else None
+    if capture is None:
+        return None, eager_reason(device, False) if most_tokens else \
+            "eager (no decode batch size to capture for: --enforce-eager, or decode_graph_tokens 0)"
+    graphs = ExpertGraphs(layers, capture_sizes(most_tokens, sizes), record_size, dtype, device, reduce)
+    with torch.inference_mode():
+        return graphs, capture_timed(graphs, capture, device).status()

@@ -2,39 +2,30 @@
 follows, take the tokens of every attention node, run this node's experts on their union,
 and answer each attention node with its slice.
 
-A (layer, micro-batch) is one transport round each way: one call collects every attention
-node's message, one gathers their records end to end into a pinned buffer (device_staging.py)
-that enters the device in one copy, so the transport slots are released at once, and one call
-answers every attention node from one buffer of answers (node i's rows a byte range of it);
-the answers leave on the copy stream and wait in an outbox until that copy has landed: they
-are sent while the node waits for its next messages (or at the step's end), so the host never
-waits for the device inside a layer and the next micro-batch's experts are launched while the
-last one's answers are still copying. Token counts come from the headers: nothing is read
-back from the device to size anything. On the CPU the same code runs with the copies elided.
-
-An answer of (layer, j) is always sent before slot j's pinned buffer is written again: the
-next use of slot j is (layer + 1, j), whose messages cannot come before the attention nodes
-have (layer, j)'s answers.
+A (layer, micro-batch) is one transport round each way (attention_exchange.py: the receive,
+the checks, the outbox of answers): one call collects every attention node's message, one
+gathers their records end to end into a pinned buffer (device_staging.py) that enters the
+device in one copy, so the transport slots are released at once, and one call answers every
+attention node; the next micro-batch's experts are launched while the last one's answers are
+still copying. Token counts come from the headers: nothing is read back from the device to
+size anything. On the CPU the same code runs with the copies elided.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
-from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from megainfer import memory_profile
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
 from megainfer.disagg import decode_graphs
-from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
-from megainfer.disagg.device_staging import DeviceStaging, HostCopy
-from megainfer.disagg.expert_link import BUSY, LAYER, STEP, ExpertLink, record_bytes, row_ranges, unpack_dispatch
+from megainfer.disagg.attention_exchange import AttentionExchange
+from megainfer.disagg.device_slots import land_round
+from megainfer.disagg.expert_link import ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.kernel_warmup import warm_up_expert_node
@@ -44,21 +35,6 @@ from megainfer.model.weights import WeightSource
 from megainfer.tensor_parallel import TensorParallelGroup
 
 CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
-
-
-@dataclass
-class PendingAnswer:
-    """One (layer, micro-batch)'s answers on their way to the host, not yet sent."""
-
-    step: int
-    layer: int
-    micro_batch: int
-    counts: np.ndarray  # int64: tokens of each attention node, in `attention_nodes` order
-    copy: HostCopy | None  # [total, hidden] answers for the host's peers; None: nothing to copy
-    busy: bool  # some attention node had tokens
-
-    def landed(self) -> bool:
-        return self.copy is None or self.copy.landed()
 
 
 class ExpertWorker:
@@ -89,19 +65,17 @@ class ExpertWorker:
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.attention_nodes = list(attention_nodes)
-        self.peers = tuple(attention_nodes)  # every round goes to all of them, in this order
-        self.answer_row_bytes = model_config.hidden_size * self.dtype.itemsize
         self.m = micro_batches
-        self.link = link
         self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
-        self.staging = DeviceStaging(self.device, micro_batches, staging_bytes)
-        if link is not None:  # tensor-parallel followers have no link
-            for buffer in self.staging.send_buffers():
-                link.register(buffer)
-        self.slots = device_slots_for(name, self.peers, self.device, micro_batches, device_slot_bytes, tp_size)
-        self._slots_wired = False  # offers traded with this wiring's attention nodes
-        self._answers: deque[PendingAnswer] = deque()
-        self._no_answers = torch.empty(0, dtype=torch.uint8)  # an empty (layer, micro-batch)'s answers
+        # When each step and (layer, micro-batch) ran and waited, and each message arrived and left
+        # (off until `bench pipeline` switches it on).
+        self.timeline = Timeline(name, NodeRole.EXPERT, self.device)
+        self.exchange = AttentionExchange(link, attention_nodes, self.device, micro_batches=micro_batches,
+                                          record_size=self.record_size,
+                                          answer_row_bytes=model_config.hidden_size * self.dtype.itemsize,
+                                          staging_bytes=staging_bytes, device_slot_bytes=device_slot_bytes,
+                                          tp_size=tp_size, name=name, timeline=self.timeline)
+        self.slots = self.exchange.slots  # the device slots, where some attention node takes them
         self._load(model_config, weights, show_progress, profile_tokens, gpu_memory_utilization)
         self.decode_graphs = self._capture(decode_graph_tokens, cuda_graph_sizes, name)
         self.steps = 0
@@ -109,9 +83,6 @@ class ExpertWorker:
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
         # holding its answers on the host (on CUDA: the copies and the experts' device time).
         self.timing = {"experts": 0.0, "wait_attention": 0.0}
-        # When each step and (layer, micro-batch) ran and waited, and each message arrived and left
-        # (off until `bench pipeline` switches it on).
-        self.timeline = Timeline(name, NodeRole.EXPERT, self.device)
 
     def _load(self, model_config: ModelConfig, weights: WeightSource, show_progress: bool, profile_tokens: int,
               gpu_memory_utilization: float) -> None:
@@ -133,21 +104,12 @@ class ExpertWorker:
         self.kernels = warmup.finish()
 
     def _capture(self, most_tokens: int, sizes: tuple[int, ...] | None, name: str) -> decode_graphs.ExpertGraphs | None:
-        """Decode's graphs, every (layer, size) (decode_graphs.py), on CUDA: (layer, micro-batch)s of
-        up to `most_tokens` (a decode's most from every attention node) replay them, at `sizes` or a
-        ladder's; None: eager (0 tokens: --enforce-eager)."""
-        capture = decode_graphs.decode_capture(self.device, False, name) if most_tokens else None
-        if capture is None:
-            reason = decode_graphs.eager_reason(self.device, False) if most_tokens else \
-                "eager (no decode batch size to capture for: --enforce-eager, or decode_graph_tokens 0)"
-            self.kernels = dataclasses.replace(self.kernels, decode=reason)
-            return None
-        sizes = decode_graphs.capture_sizes(most_tokens, sizes)
+        """Decode's graphs, every (layer, size), where (layer, micro-batch)s of up to `most_tokens`
+        replay them (decode_graphs.capture_experts); None: eager."""
         reduce = None if self.tp_size == 1 else partial(self.tp_group.reduce, dst=0)
-        graphs = decode_graphs.ExpertGraphs(self.layers, sizes, self.record_size, self.dtype, self.device, reduce)
-        with torch.inference_mode():
-            report = decode_graphs.capture_timed(graphs, capture, self.device)
-        self.kernels = dataclasses.replace(self.kernels, decode=report.status())
+        graphs, decode = decode_graphs.capture_experts(most_tokens, sizes, self.layers, self.record_size, self.dtype,
+                                                       self.device, reduce, name)
+        self.kernels = dataclasses.replace(self.kernels, decode=decode)
         return graphs
 
     @torch.inference_mode()
@@ -167,14 +129,11 @@ class ExpertWorker:
     def run_step(self) -> int:
         """One engine step of every attention node: all layers, all micro-batches. Returns the
         tokens this node processed in it."""
-        self._answers.clear()  # a failed step's answers are not this step's
-        if self.slots is not None and not self._slots_wired:
-            self._wire_slots()
+        self.exchange.start_step()
         start = time.perf_counter()
         served = [self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m)]
         step_tokens = sum(tokens for _, tokens in served)
-        while self._answers:  # the attention nodes end their step on these
-            self._send_answer(self._answers.popleft())
+        self.exchange.finish_step()
         self.timeline.end_step()
         self.timeline.span(SpanKind.STEP, served[0][0], -1, -1, start, time.perf_counter(), step_tokens)
         self.steps += 1
@@ -184,12 +143,13 @@ class ExpertWorker:
     def _serve(self, layer: int, j: int) -> tuple[int, int]:
         """(layer, j): every attention node's tokens through this node's experts, each node
         answered with its rows. Returns the attention nodes' step id and the tokens served."""
+        exchange = self.exchange
         t0 = time.perf_counter()
-        arrivals = self._receive(j)
+        arrivals = exchange.receive(j)
         t1 = time.perf_counter()
         self.timing["wait_attention"] += t1 - t0
         try:
-            step = self._check(arrivals, layer)
+            step = exchange.check(arrivals, layer)
             counts = arrivals.token_counts.copy()  # the arrivals' fields are reused by the next round
             total = int(counts.sum())
             timeline = self.timeline
@@ -198,79 +158,20 @@ class ExpertWorker:
                 for n in counts.tolist():
                     timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
             mark = timeline.compute_start()
-            records = land_round(arrivals, j, self.record_size, self.staging, self.slots) if total else None
+            records = land_round(arrivals, j, self.record_size, exchange.staging, exchange.slots) if total else None
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
             self._share(layer, j, total, records)
-        y = self._experts(layer, records, total) if total else None
-        copy = None
-        if total and self.slots is not None and self.slots.any_direct:
-            begins, ends = row_ranges(counts, self.answer_row_bytes)
-            self.slots.write(j, y.contiguous().view(-1).view(torch.uint8), begins, ends)  # once the experts ran
-            if not self.slots.direct.all():
-                copy = self.staging.to_host([y], slot=j)
-        elif total:
-            copy = self.staging.to_host([y], slot=j)
-        self._answers.append(PendingAnswer(step, layer, j, counts, copy, busy=total > 0))
+        exchange.hold(step, layer, j, counts, self._experts(layer, records, total) if total else None)
         self.timing["experts"] += time.perf_counter() - t1
-        self._flush_landed()
+        exchange.flush_landed()
         timeline.compute_end(mark, step, layer, j, total)
         return step, total
 
-    def _wire_slots(self) -> None:
-        """Trade device-slot offers with the attention nodes (the first round of a wiring)."""
-        self.slots.exchange(self.link)
-        self._slots_wired = True
-
     def rewired(self) -> None:
         """After the deployment re-wired: offers are traded again at the next step."""
-        self._slots_wired = False
-
-    def _receive(self, j: int):
-        """Every attention node's message for micro-batch j, one round; while it is awaited,
-        answers whose copies land are sent (the round may be waiting on one of them)."""
-        while self._answers:
-            arrivals = self.link.poll_round(self.peers, micro_batch=j)
-            if arrivals is not None:
-                return arrivals
-            if self._answers[0].landed():
-                self._send_answer(self._answers.popleft())
-        return self.link.collect_round(self.peers, micro_batch=j)
-
-    def _flush_landed(self) -> None:
-        """Send, oldest first, every answer whose copy has reached the host; never waits."""
-        while self._answers and self._answers[0].landed():
-            self._send_answer(self._answers.popleft())
-
-    def _send_answer(self, pending: PendingAnswer) -> None:
-        """Each attention node's rows of one (layer, micro-batch)'s answers, one round (waiting
-        for their copy only if it has not landed)."""
-        answers = pending.copy.wait()[0] if pending.copy is not None else self._no_answers
-        flags = BUSY if pending.busy else 0
-        if self.slots is not None and self.slots.any_direct:  # direct peers' rows went by device slots
-            begins, ends = self.slots.host_ranges(*row_ranges(pending.counts, self.answer_row_bytes))
-            self.link.post_round(self.peers, answers, begins, ends, pending.counts, step=pending.step,
-                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)
-        else:
-            self.link.post_rows(self.peers, answers, pending.counts, self.answer_row_bytes, step=pending.step,
-                                layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)
-        if self.timeline.enabled:
-            for n in pending.counts.tolist():
-                self.timeline.instant(SpanKind.SEND, pending.step, pending.layer, pending.micro_batch, n)
-
-    def _check(self, arrivals, layer: int) -> int:
-        """The step every attention node's message belongs to; each must be (that step, `layer`)
-        and hold exactly its header's records."""
-        a = round_mismatch(arrivals, -1, layer, self.record_size, self.slots)
-        if a < 0:
-            return int(arrivals.fields[0, STEP])
-        fields, step = arrivals.fields, arrivals.fields[0, STEP]
-        if fields[a, LAYER] != layer or fields[a, STEP] != step:
-            raise RuntimeError(f"attention node {self.peers[a]} sent (step {fields[a, STEP]}, layer {fields[a, LAYER]}) "
-                               f"where (step {step}, layer {layer}) was due")
-        raise RuntimeError(f"attention node {self.peers[a]} sent {arrivals.byte_lengths[a]} bytes for "
-                           f"{arrivals.token_counts[a]} tokens of {self.record_size}-byte records (layer {layer})")
+        self.exchange.rewired()
 
     def _experts(self, layer: int, records: torch.Tensor, total: int) -> torch.Tensor:
         """`total` tokens' answers of `layer` (on a tensor-parallel node: summed on the leader):

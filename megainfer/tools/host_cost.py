@@ -5,7 +5,7 @@ t_a on the attention side and t_e on the expert side. This measures what the hos
 round through the real code, with the model compute stubbed:
 
 - attention rank: one round is the runner's combine of micro-batch j's N answers and its
-  next dispatch of j to the plan's N expert nodes (`PipelinedModelRunner._combine` and
+  next dispatch of j to the plan's N expert nodes (the runner's `ExpertExchange.combine` and
   `_send_dispatch`: the checks, the gather of the answers, the post; the answers' sum into the
   residual is left out, device work on a GPU), m rounds in flight as in a step, the N expert
   nodes echoing from one other process;
@@ -201,7 +201,8 @@ class RoundCost:
 
 
 def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, rounds: int, core: str) -> RoundCost:
-    from megainfer.disagg.pipelined_runner import PendingDispatch, PipelinedModelRunner
+    from megainfer.disagg.expert_exchange import PendingDispatch
+    from megainfer.disagg.pipelined_runner import PipelinedModelRunner
     from megainfer.model.weights import RandomWeights
 
     n, m = scale.expert_nodes, scale.micro_batches
@@ -223,18 +224,18 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
         records = torch.zeros(rows, rec, dtype=torch.uint8)
         offsets = torch.arange(0, rows + 1, tokens_per_peer, dtype=torch.int64)
         token_ids = torch.arange(rows)
-        runner._busy = False  # what `_pass_layers` sets at a step's start: the rounds below are one step's
+        exchange = runner.exchange
+        exchange.start_step()  # as at a step's start: the rounds below are one step's
 
         def dispatch(j: int) -> None:
-            runner._outbox.append(PendingDispatch(0, j, runner.staging.to_host([records, offsets], slot=j), token_ids))
-            runner._flush_landed()
+            exchange.post(PendingDispatch(0, j, exchange.staging.to_host([records, offsets], slot=j), token_ids))
 
         def one_round(j: int) -> None:
             """The ping-pong's order: micro-batch j's answers combined, then its next dispatch
             (m - 1 other rounds in flight meanwhile, as in a step)."""
             # No residual: the answers' sum into it is device work on a GPU (here it would be CPU
             # compute, not host cost); what the host does with the messages stays.
-            runner._combine(0, j, None)
+            exchange.combine(0, j, None)
             dispatch(j)
 
         with torch.inference_mode():
@@ -242,7 +243,7 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
                 dispatch(j)
             cpu, wall = _timed(lambda i: one_round(i % m), max(10, rounds // 10), rounds)
             for j in range(m):  # the last answers, so the peers end between rounds
-                runner._combine(0, j, None)
+                exchange.combine(0, j, None)
     finally:
         _stop(link, process)
     return RoundCost("attention", _path(core), n, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)

@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 
 from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
-from megainfer.disagg import expert_worker, pipelined_runner
+from megainfer.disagg import attention_exchange, expert_exchange, expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
                                           unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
-from megainfer.disagg.pipelined_runner import PipelinedModelRunner, rank_shares, shared_positions_on
+from megainfer.disagg.expert_exchange import rank_shares, shared_positions_on
+from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine_config import EngineConfig
 from megainfer.model.weights import SafetensorsCheckpoint
 from megainfer.step_layout import split_micro_batches
@@ -306,7 +307,7 @@ def test_compute_timer_measures_device_time_not_launches():
     assert timer.collect() == 0.0
 
 
-HOT_PATH_FILES = {Path(pipelined_runner.__file__).name, Path(expert_worker.__file__).name}
+HOT_PATH_FILES = {Path(m.__file__).name for m in (pipelined_runner, expert_exchange, expert_worker, attention_exchange)}
 
 
 def test_the_hot_path_reads_nothing_back_from_the_device(mixtral_ref, monkeypatch):
@@ -319,7 +320,7 @@ def test_the_hot_path_reads_nothing_back_from_the_device(mixtral_ref, monkeypatc
     dispatches = [0]
 
     def staged_to_host(self, tensors, slot):
-        if Path(sys._getframe(1).f_code.co_filename).name == Path(pipelined_runner.__file__).name:
+        if Path(sys._getframe(1).f_code.co_filename).name == Path(expert_exchange.__file__).name:
             dispatches[0] += 1
         copy = to_host(self, tensors, slot)
         staged.update((id(t), t) for t in copy.parts)
@@ -409,7 +410,7 @@ def test_dispatches_and_answers_wait_for_their_copies_and_keep_their_order(mixtr
     monkeypatch.undo()
     assert got == colocated(mixtral_ref.path, prompts)
     assert bool(log) == (looks > 1)  # a message was forced out only when copies were slow
-    assert callers == {Path(pipelined_runner.__file__).name, Path(expert_worker.__file__).name}
+    assert callers == {Path(expert_exchange.__file__).name, Path(attention_exchange.__file__).name}
 
 
 def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
