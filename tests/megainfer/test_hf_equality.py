@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megainfer import LLM, SamplingParams
+from megainfer.request_group import engine_request_id
 from tests.helpers import NEW_TOKENS
 
 CONFIGS = {
@@ -46,7 +47,7 @@ def test_greedy_matches_transformers(hf_ref, name, captured_logits):
     for i, (out, expected) in enumerate(zip(outs, hf_ref.tokens)):
         assert out.outputs[0].token_ids == expected, f"prompt {i} (length {len(hf_ref.prompts[i])}) diverged"
         assert out.outputs[0].finish_reason == "length"
-        ours = torch.stack(captured_logits[out.request_id])
+        ours = torch.stack(captured_logits[engine_request_id(out.request_id, 0)])  # its one completion's
         assert ours.shape == hf_ref.logits[i].shape
         torch.testing.assert_close(ours, hf_ref.logits[i], atol=1e-4, rtol=0)
     stats = llm.engine.stats()

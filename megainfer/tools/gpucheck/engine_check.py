@@ -98,12 +98,15 @@ def recorded_logits():
 def megainfer_greedy(path, prompts: list[list[int]], dtype: str, device: str, new_tokens: int = NEW_TOKENS) -> Greedy:
     """All prompts in one batch, as the engine serves them; logits recorded where the sampler reads them."""
     from megainfer import LLM, SamplingParams
+    from megainfer.request_group import engine_request_id
 
     with recorded_logits() as seen:
         llm = LLM(str(path), dtype=dtype, device=device, num_kv_blocks=NUM_KV_BLOCKS)
         outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
                             use_tqdm=False)
-    return Greedy([o.outputs[0].token_ids for o in outs], [torch.stack(seen[o.request_id]) for o in outs])
+    # Recorded by engine request: each prompt's one completion (megainfer/request_group.py).
+    return Greedy([o.outputs[0].token_ids for o in outs],
+                  [torch.stack(seen[engine_request_id(o.request_id, 0)]) for o in outs])
 
 
 def first_disagreement(ours: Greedy, ref: Greedy, logit_atol: float, near_tie: float) -> str:
