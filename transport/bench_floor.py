@@ -283,7 +283,7 @@ def run_floor_nixl(role: Role, spec: BenchSpec, conn) -> None:
 
     loop(role, spec, conn, send_all, receive_all, ack_all, wait_acks)
     for handle in writes.values():
-        agent.release(handle)
+        agent.writes.release(handle)
     agent.close()
 
 
