@@ -90,24 +90,7 @@ def run_floor_tcp(role: Role, spec: BenchSpec, conn) -> None:
     a duplex run the sends go from a thread, as a plain-socket program must to avoid both
     ends blocking in sendall."""
     senders, receivers = names(spec)
-    socks = {}
-    if role.sender:
-        peers = recv(conn)["peers"]
-        for peer in receivers:
-            host, port = peers[peer].rsplit(":", 1)
-            s = socket.create_connection((host, int(port)))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.sendall(role.name.encode().ljust(16))
-            socks[peer] = s
-    else:
-        listener = socket.create_server(("127.0.0.1", 0))
-        send(conn, {"address": "127.0.0.1:%d" % listener.getsockname()[1]})
-        for _ in senders:
-            s, _ = listener.accept()
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            name = _recv_exact(s, 16).decode().strip()
-            socks[name] = s
-        listener.close()
+    socks = _tcp_pairs(role, conn, senders, receivers)
     others = receivers if role.sender else senders
     buffers: dict[int, bytearray] = {}  # size -> receive buffer
     ack = bytes(8)
@@ -151,6 +134,30 @@ def run_floor_tcp(role: Role, spec: BenchSpec, conn) -> None:
     loop(role, spec, conn, send_all, receive_all, ack_all, wait_acks)
     for s in socks.values():
         s.close()
+
+
+def _tcp_pairs(role: Role, conn, senders, receivers) -> dict[str, socket.socket]:
+    """The tcp floor's sockets, peer -> socket: a sender dials every receiver (the addresses
+    come through `conn`) and names itself in 16 bytes; a receiver accepts every sender."""
+    socks = {}
+    if role.sender:
+        peers = recv(conn)["peers"]
+        for peer in receivers:
+            host, port = peers[peer].rsplit(":", 1)
+            s = socket.create_connection((host, int(port)))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(role.name.encode().ljust(16))
+            socks[peer] = s
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        send(conn, {"address": "127.0.0.1:%d" % listener.getsockname()[1]})
+        for _ in senders:
+            s, _ = listener.accept()
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            name = _recv_exact(s, 16).decode().strip()
+            socks[name] = s
+        listener.close()
+    return socks
 
 
 def run_floor_rdma(role: Role, spec: BenchSpec, conn) -> None:
@@ -215,37 +222,15 @@ def run_floor_nixl(role: Role, spec: BenchSpec, conn) -> None:
     inbox: a duplex peer may write iteration i+1 before this process has read i."""
     import torch
 
-    from transport.nixl import NixlAgent
-
     senders, receivers = names(spec)
     others = receivers if role.sender else senders
-    agent = NixlAgent(role.name)
     largest = max(spec.sizes)
-    inbox = {peer: torch.zeros(2 * largest, dtype=torch.uint8) for peer in others}
-    outbox = {peer: torch.zeros(largest, dtype=torch.uint8) for peer in others}
-    for region in list(inbox.values()) + list(outbox.values()):
-        agent.register(region)
-    send(conn, {"nixl": {"metadata": agent.metadata(), "inbox": {p: t.data_ptr() for p, t in inbox.items()}}})
-    remote = recv(conn)["nixl"]  # peer -> its metadata and its inbox address for this process
-    peer_agent = {peer: agent.add_peer(remote[peer]["metadata"]) for peer in others}
+    agent, inbox, outbox, inbox_address, peer_agent = _nixl_regions(role, conn, others, largest)
     api = agent.agent
-    writes: dict[tuple[str, int, int], object] = {}  # (peer, size, parity) -> prepared transfer
+    writes = _PreparedWrites(api, outbox, inbox_address, peer_agent, largest)
+    write = writes.write
     arrived: dict[str, int] = {peer: 0 for peer in others}
     sent_at = [0]
-
-    def write(peer, size, it):
-        key = (peer, size, it % 2)
-        if key not in writes:
-            local = api.get_xfer_descs([(outbox[peer].data_ptr(), size, 0)], "DRAM")
-            far = api.get_xfer_descs([(remote[peer]["inbox"] + it % 2 * largest, size, 0)], "DRAM")
-            writes[key] = api.initialize_xfer("WRITE", local, far, peer_agent[peer], b"m")
-        handle = writes[key]
-        state = api.transfer(handle, b"m")
-        while state == "PROC":
-            os.sched_yield()  # four processes share two cores here: let the receiving one run
-            state = api.check_xfer_state(handle)
-        if state != "DONE":
-            raise ConnectionError(f"nixl write to {peer} failed")
 
     def wait_notes(kind: bytes) -> None:
         while any(arrived[p] == 0 for p in others):
@@ -282,9 +267,58 @@ def run_floor_nixl(role: Role, spec: BenchSpec, conn) -> None:
                 api.send_notif(peer_agent[peer], b"a")
 
     loop(role, spec, conn, send_all, receive_all, ack_all, wait_acks)
-    for handle in writes.values():
-        agent.release(handle)
+    writes.release(agent)
     agent.close()
+
+
+def _nixl_regions(role: Role, conn, others, largest: int):
+    """The nixl floor's set-up: this process's agent, and per peer a registered inbox (two
+    halves of `largest` bytes) and outbox, the metadata and inbox addresses swapped through
+    `conn`. Returns (agent, inbox, outbox, peer -> its inbox's address for this process,
+    peer -> its agent's name)."""
+    import torch
+
+    from transport.nixl import NixlAgent
+
+    agent = NixlAgent(role.name)
+    inbox = {peer: torch.zeros(2 * largest, dtype=torch.uint8) for peer in others}
+    outbox = {peer: torch.zeros(largest, dtype=torch.uint8) for peer in others}
+    for region in list(inbox.values()) + list(outbox.values()):
+        agent.register(region)
+    send(conn, {"nixl": {"metadata": agent.metadata(), "inbox": {p: t.data_ptr() for p, t in inbox.items()}}})
+    remote = recv(conn)["nixl"]  # peer -> its metadata and its inbox address for this process
+    peer_agent = {peer: agent.add_peer(remote[peer]["metadata"]) for peer in others}
+    return agent, inbox, outbox, {peer: remote[peer]["inbox"] for peer in others}, peer_agent
+
+
+class _PreparedWrites:
+    """The nixl floor's messages: one WRITE per (peer, size, parity), prepared the first time
+    and re-posted after, from the peer's outbox into that parity's half of its inbox; each
+    post is polled until done."""
+
+    def __init__(self, api, outbox: dict, inbox_address: dict[str, int], peer_agent: dict[str, str],
+                 largest: int) -> None:
+        self.api, self.outbox, self.inbox_address, self.peer_agent = api, outbox, inbox_address, peer_agent
+        self.largest = largest
+        self.handles: dict[tuple[str, int, int], object] = {}  # (peer, size, parity) -> prepared transfer
+
+    def write(self, peer: str, size: int, it: int) -> None:
+        api, key = self.api, (peer, size, it % 2)
+        if key not in self.handles:
+            local = api.get_xfer_descs([(self.outbox[peer].data_ptr(), size, 0)], "DRAM")
+            far = api.get_xfer_descs([(self.inbox_address[peer] + it % 2 * self.largest, size, 0)], "DRAM")
+            self.handles[key] = api.initialize_xfer("WRITE", local, far, self.peer_agent[peer], b"m")
+        handle = self.handles[key]
+        state = api.transfer(handle, b"m")
+        while state == "PROC":
+            os.sched_yield()  # four processes share two cores here: let the receiving one run
+            state = api.check_xfer_state(handle)
+        if state != "DONE":
+            raise ConnectionError(f"nixl write to {peer} failed")
+
+    def release(self, agent) -> None:
+        for handle in self.handles.values():
+            agent.writes.release(handle)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

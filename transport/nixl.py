@@ -22,8 +22,9 @@ its own staging slot into its own slot of the peer, which reads only the header'
 A payload lying in a buffer declared with `Endpoint.register` is written from where it lies
 (no staging copy); its address is arbitrary, so that write's descriptors are made per call.
 
-`send` returns once the write is posted, never waiting for it: the agent completes it later
-(the next call on any of its channels, or its completer thread), and NIXL sends the
+`send` returns once the write is posted, never waiting for it: the agent's writes
+(transport/nixl_writes.py) complete it later (the next call on any of its channels, or the
+completer thread), and NIXL sends the
 notification then, after the bytes. A staging slot is written again only once its credit is
 back (which follows its notification, so the write completed) and the agent has seen the
 write's handle finish (the notification can arrive before the sender's UCX has seen it
@@ -268,7 +269,7 @@ class NixlOutbound:
     @property
     def in_flight(self) -> int:
         """This channel's writes posted and not yet seen complete."""
-        return self.agent.in_flight(self)
+        return self.agent.writes.in_flight(self)
 
     def try_send(self, header: Header, payload) -> bool:
         """Post a message into its slot: False while the peer holds the slot; True once the
@@ -285,33 +286,33 @@ class NixlOutbound:
             self._take_credits()
             if self.busy[slot]:
                 return False
-        if self.agent.writing(self, slot):  # its notification left (the credit is back) but UCX has not seen it go
+        if self.agent.writes.writing(self, slot):  # its notification left (its credit is back), UCX has not seen it go
             return False
         self._check()  # the last look may have found a write of this channel failed
         start = slot * self.stride + PAYLOAD_OFFSET
         address = _address_of(payload)
         if self.agent.source_of(address, n):  # written from where it lies: no staging copy
-            self.agent.write(self, slot, (address, n, 0), (self.remote_addr + start, n, self.remote_device),
+            self.agent.writes.write(self, slot, (address, n, 0), (self.remote_addr + start, n, self.remote_device),
                              self.mem_type, note)
         else:
             self.staging_view[start:start + n] = payload
             first = slot * self.blocks_per_slot
             blocks = self._blocks[first:first + -(-n // BLOCK_BYTES)]
-            self.agent.write_prepared(self, slot, self._local, self._remote, blocks, note)
+            self.agent.writes.write_prepared(self, slot, self._local, self._remote, blocks, note)
         self.busy[slot] = True
         return True
 
     def flush(self) -> bool:
         """True once none of this channel's writes is in flight (completing those done); never waits."""
-        self.agent.complete()
+        self.agent.writes.complete()
         self._check()
-        return self.agent.in_flight(self) == 0
+        return self.agent.writes.in_flight(self) == 0
 
     def close(self) -> None:
-        """Waits (a little: transport/nixl_agent.DRAIN_S) for this channel's writes to leave,
+        """Waits (a little: transport/nixl_writes.DRAIN_S) for this channel's writes to leave,
         so the peer has them before the control connection closes; never releases one in
         flight (the agent's close decides)."""
-        self.agent.drain(self)
+        self.agent.writes.drain(self)
         self._local = self._remote = None
         self.agent.forget(self.peer_agent)
 

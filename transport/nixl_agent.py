@@ -3,30 +3,23 @@
 One agent per endpoint (transport/backends.py makes it under a lock the first time a peer
 pair chooses nixl, and a fresh one for every re-handshake). The endpoint's thread, the
 acceptor's handshake threads and this agent's completer thread all call it, so each call
-into NIXL, and the state here, is taken under `NixlAgent._lock` (NIXL's own strict sync
-mode guards NIXL's insides; the lock guards the writes in flight and the teardown).
+into NIXL, and the state here and in its writes, is taken under `NixlAgent._lock` (NIXL's own
+strict sync mode guards NIXL's insides; the lock guards the writes in flight and the teardown).
 
-Writes in flight. NIXL's UCX backend sends a WRITE's notification only when the initiator
-sees the write complete: inside `transfer` where the write completes at once (UCX's shared
-memory and cma on one host), otherwise from the `check_xfer_state` that first finds it done
-(UCX over TCP or RDMA; measured here with UCX_TLS=tcp: no notification until checked). A
-posted write is therefore completed by whoever looks first: the sender's next call on any
-channel of this agent (`try_send` looks at its own slot, `pump` at every write at most every
-COMPLETE_EVERY_S), or the completer thread, which looks every COMPLETER_NAP_S while writes
-are in flight and sleeps otherwise, so a message moves while its sender computes. A write
-found failed is released and its channel told (`NixlOutbound.fail`); the channel raises it
-on its next call.
+Writes in flight are `NixlAgent.writes` (transport/nixl_writes.py): posted by the channels,
+completed by whoever looks first (the sender, a pump, the completer thread), drained at
+teardown.
 
 Teardown (`close`), in this order, because each step frees something a UCX request in
 flight may still use (the likely cause, found by reading NIXL's and UCX's teardown, of the
 SIGSEGV inside NIXL that a reconnect after a cut link met in about one full-suite run in two
-on an AMD host; never reproduced here): wait up to DRAIN_S for every write in flight
+on an AMD host; never reproduced here): wait up to nixl_writes.DRAIN_S for every write in flight
 to complete, and release the handles; release the prepared descriptor lists; remove the
 remote agents (their rkeys and UCX endpoints); deregister the memory; drop the agent, whose
 UCX worker closes its sockets as it goes; only then may the registered memory be freed (a
 `weakref.finalize` on NIXL's agent holds it until the agent is gone: a peer's write still
 arriving over TCP lands in memory that is still there). A write that does not complete
-within DRAIN_S (its link is down) was never cancelled in UCX (UCX cannot cancel an RDMA
+within it (its link is down) was never cancelled in UCX (UCX cannot cancel an RDMA
 write; freeing its request leaves it running on freed rkeys and memory handles): the agent
 is then abandoned whole, kept with its memory in `_ABANDONED` for the life of the process,
 and the endpoint goes on with a fresh one.
@@ -38,13 +31,14 @@ import logging
 import secrets
 import struct
 import threading
-import time
 import weakref
 from collections import deque
 
 import numpy as np
 
+from transport import nixl_writes
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed
+from transport.nixl_writes import NixlWrites
 from transport.wire_rules import broke
 
 logger = logging.getLogger(__name__)
@@ -52,9 +46,6 @@ logger = logging.getLogger(__name__)
 NOTIF_DATA, NOTIF_CREDIT = b"D", b"C"
 CREDIT_SLOT = struct.Struct("<H")
 PROGRESS_THREAD_DELAY_US = 100  # the progress thread's nap between polls of the UCX worker
-COMPLETER_NAP_S = 100e-6  # the completer thread's nap between looks while writes are in flight
-COMPLETE_EVERY_S = 50e-6  # `pump` looks at the writes in flight at most this often (one look costs ~0.7 us a write)
-DRAIN_S = 1.0  # how long `close` waits for writes in flight before abandoning the agent
 _ABANDONED: list["NixlAgent"] = []  # agents closed with writes in flight: never freed (see the module docstring)
 
 
@@ -113,9 +104,9 @@ def available() -> tuple[bool, str]:
 
 
 class NixlAgent:
-    """This endpoint's agent: registers regions, knows its peers' agents, posts and completes
-    writes, sorts notifications into per-peer queues (data for inbound channels, credits for
-    outbound ones)."""
+    """This endpoint's agent: registers regions, knows its peers' agents, sorts notifications
+    into per-peer queues (data for inbound channels, credits for outbound ones); its writes in
+    flight are `writes`."""
 
     def __init__(self, endpoint_name: str) -> None:
         ok, reason = available()
@@ -132,19 +123,14 @@ class NixlAgent:
         self.data: dict[str, deque[bytes]] = {}
         self.credits: dict[str, list[int]] = {}
         self.violations: dict[str, str] = {}  # peer agent -> what its malformed notification was
-        self._lock = threading.RLock()  # every call into NIXL, and all the state below
-        self._wake = threading.Condition(self._lock)  # the completer's: writes in flight, or closing
+        self._lock = threading.RLock()  # every call into NIXL, and all the state below and in `writes`
+        self.writes = NixlWrites(self.agent, self._lock, self.name)
         self._channels: dict[str, int] = {}  # peer agent -> open channels using it (in and out share one)
         self._loaded: set[str] = set()  # peer agents whose full metadata is loaded (removed only at close)
         self._sources: list[tuple[int, int, object]] = []  # registered send buffers: (start, end, the buffer)
         self._registered: list = []  # descriptor lists of registered memory, deregistered at close
         self._memory: list = []  # the registered tensors: freed only once NIXL's agent is gone
         self._dlists: list = []  # prepared descriptor lists, released at close
-        self._writes: dict[tuple[object, int], object] = {}  # (channel, slot) -> its write's handle, in flight
-        self._stuck: list = []  # handles whose state NIXL could not tell: never released (the agent is abandoned)
-        self._completer: threading.Thread | None = None
-        self._looked = 0.0  # time.monotonic() of pump's last look at the writes in flight
-        self._given_up = False  # a drain timed out: the agent will be abandoned, nothing waits again
         self._closed = False
 
     # -- set-up (handshake threads) ---------------------------------------------------------
@@ -236,17 +222,13 @@ class NixlAgent:
     # -- notifications ------------------------------------------------------------------------
     def pump(self) -> None:
         """Move every notification that has arrived into its peer's queue, and complete the
-        writes in flight (at most every COMPLETE_EVERY_S: every channel's poll pumps)."""
+        writes in flight (at most every nixl_writes.COMPLETE_EVERY_S: every channel's poll pumps)."""
         with self._lock:
             try:
                 arrived = self._open().get_new_notifs()
             except Exception as exc:  # nixl's own error types, and a closed agent
                 raise PeerClosed(f"nixl: reading notifications failed ({type(exc).__name__}: {exc})") from None
-            if self._writes:
-                now = time.monotonic()
-                if now - self._looked >= COMPLETE_EVERY_S:
-                    self._looked = now
-                    self._complete()
+            self.writes.complete_if_due()
         for remote, notes in arrived.items():
             remote = remote.decode() if isinstance(remote, bytes) else remote
             for note in notes:
@@ -271,133 +253,7 @@ class NixlAgent:
             except Exception as exc:  # nixl's own error types, and a closed agent
                 raise PeerClosed(f"nixl: cannot notify agent {peer_agent} ({type(exc).__name__}: {exc})") from None
 
-    # -- writes -------------------------------------------------------------------------------
-    def write_prepared(self, channel, slot: int, local, remote, indices: np.ndarray, note: bytes) -> None:
-        """Post one WRITE of the prepared blocks `indices` (the same in both lists) with a
-        notification; returns once posted (see `_post`)."""
-        with self._lock:
-            try:
-                handle = self._open().make_prepped_xfer("WRITE", local, indices, remote, indices, note)
-            except Exception as exc:  # nixl's own error types: the peer is unknown or gone
-                raise PeerClosed(f"nixl: cannot write to {channel.peer} ({type(exc).__name__}: {exc})") from None
-            self._post(channel, slot, handle)
-
-    def write(self, channel, slot: int, local: tuple[int, int, int], remote: tuple[int, int, int], remote_type: str,
-              note: bytes) -> None:
-        """Post one WRITE of local host memory (addr, len, device) to the peer's (addr, len,
-        device) of `remote_type` (DRAM or VRAM), descriptors made for this call (a payload
-        lying anywhere in a registered send buffer); returns once posted."""
-        with self._lock:
-            agent = self._open()
-            try:
-                handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs([local], "DRAM"),
-                                               agent.get_xfer_descs([remote], remote_type), channel.peer_agent, note)
-            except Exception as exc:  # nixl's own error types: the peer is unknown or gone
-                raise PeerClosed(f"nixl: cannot write to {channel.peer} ({type(exc).__name__}: {exc})") from None
-            self._post(channel, slot, handle)
-
-    def _post(self, channel, slot: int, handle) -> None:
-        """Start `handle`. Done at once (its notification then sent): released. In flight:
-        kept for whoever completes it first (the completer thread is woken)."""
-        try:
-            state = self.agent.transfer(handle)
-        except Exception as exc:  # nixl's own error types
-            state = f"ERR ({type(exc).__name__}: {exc})"
-        if state == "DONE":
-            self._release(handle)
-        elif state == "PROC":
-            self._writes[(channel, slot)] = handle
-            if self._completer is None:
-                self._completer = threading.Thread(target=self._complete_loop, name=f"nixl-complete-{self.name}",
-                                                   daemon=True)
-                self._completer.start()
-            if len(self._writes) == 1:  # the completer sleeps without a timeout only when none is in flight
-                self._wake.notify()
-        else:
-            self._release(handle)
-            raise PeerClosed(f"nixl: a write to {channel.peer} failed to post ({state})")
-
-    def writing(self, channel, slot: int) -> bool:
-        """True while `channel`'s write into `slot` is in flight (completing it if it is done)."""
-        with self._lock:
-            handle = self._writes.get((channel, slot))
-            if handle is None:
-                return False
-            return self._closed or not self._look(channel, slot, handle)
-
-    def in_flight(self, channel=None) -> int:
-        """Writes in flight (of `channel`, or of every channel)."""
-        with self._lock:
-            return sum(1 for owner, _ in self._writes if channel is None or owner is channel)
-
-    def complete(self) -> int:
-        """Completes every write that is done; returns how many are still in flight."""
-        with self._lock:
-            return self._complete()
-
-    def _complete(self) -> int:
-        for (channel, slot), handle in list(self._writes.items()):
-            self._look(channel, slot, handle)
-        return len(self._writes)
-
-    def _look(self, channel, slot: int, handle) -> bool:
-        """Checks one write (which sends its notification once done); True once it is over:
-        done and released, or failed, released and its channel told."""
-        try:
-            state = self.agent.check_xfer_state(handle)
-        except Exception as exc:  # nixl's own error types; NIXL may not have settled the request
-            del self._writes[(channel, slot)]
-            self._stuck.append(handle)
-            channel.fail(PeerClosed(f"nixl: a write to {channel.peer} failed ({type(exc).__name__}: {exc})"))
-            return True
-        if state == "PROC":
-            return False
-        del self._writes[(channel, slot)]
-        self._release(handle)
-        if state != "DONE":
-            channel.fail(PeerClosed(f"nixl: a write to {channel.peer} failed (the peer or its link is gone)"))
-        return True
-
-    def _release(self, handle) -> None:
-        """Releases a write NIXL has settled (done or failed); one NIXL will not release (still
-        active in UCX) is kept, never freed."""
-        try:
-            self.agent.release_xfer_handle(handle)
-        except Exception:  # nixl's own error types: still active in UCX
-            self._stuck.append(handle)
-
-    def _complete_loop(self) -> None:
-        """The completer thread: looks at the writes in flight every COMPLETER_NAP_S while
-        there are any, sleeps otherwise, ends when the agent closes."""
-        with self._lock:
-            while not self._closed:
-                if not self._writes:
-                    self._wake.wait()
-                    continue
-                self._complete()
-                self._wake.wait(COMPLETER_NAP_S)
-
-    def release(self, handle) -> None:
-        """Releases a handle its caller made and saw complete (transport/bench_floor.py)."""
-        with self._lock:
-            self._release(handle)
-
     # -- teardown -----------------------------------------------------------------------------
-    def drain(self, channel=None) -> bool:
-        """Waits up to DRAIN_S (once per agent) for the writes in flight (of `channel`, or all)
-        to complete; True when none is left."""
-        deadline = time.monotonic() + (0.0 if self._given_up else DRAIN_S)
-        while True:
-            with self._lock:
-                if not self._closed:
-                    self._complete()
-                if not any(channel is None or owner is channel for owner, _ in self._writes):
-                    return True
-            if time.monotonic() >= deadline:
-                self._given_up = True  # a link is down: later drains of this agent do not wait again
-                return False
-            time.sleep(0.001)
-
     def forget(self, peer_agent: str) -> None:
         """One channel to `peer_agent` closed; its queues go with the last. The peer's agent
         stays loaded until `close` (removing it with a write in flight frees what UCX uses)."""
@@ -413,20 +269,18 @@ class NixlAgent:
 
     def close(self) -> None:
         """Tears the agent down in the order the module docstring gives, or abandons it whole
-        where writes are still in flight after DRAIN_S."""
-        drained = self.drain()
+        where writes are still in flight after nixl_writes.DRAIN_S."""
+        drained = self.writes.drain()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._wake.notify_all()
-        completer = self._completer
-        if completer is not None and completer is not threading.current_thread():
-            completer.join(5.0)
-        if not drained or self._writes or self._stuck or (completer is not None and completer.is_alive()):
+            self.writes.stop()
+        settled = self.writes.settle()
+        if not drained or not settled:
             logger.warning("nixl: agent %s closed with %d writes in flight after %g s (a link is down?): kept with "
                            "its %d registered regions for the life of the process, since UCX may still use them",
-                           self.name, len(self._writes) + len(self._stuck), DRAIN_S, len(self._memory))
+                           self.name, self.writes.unsettled(), nixl_writes.DRAIN_S, len(self._memory))
             _ABANDONED.append(self)
             return
         self._destroy()
@@ -446,7 +300,7 @@ class NixlAgent:
             memory, self._memory = self._memory, []
             weakref.finalize(agent.agent, memory.clear)
             self._dlists, self._registered, self._sources = [], [], []
-            self.agent = None
+            self.agent = self.writes.api = None
 
 
 def _quietly(call, *args) -> None:

@@ -10,7 +10,8 @@ in one array, payloads readable in place or gathered into one buffer in one call
 Where every channel of a round is driven by the compiled core (transport/core.py), a post
 and a collect are one C++ call each (`CoreRound`); otherwise the round is a loop of the
 per-message calls (`MessageRound`), which is the reference the tests compare against. The
-endpoint (transport/endpoint.py) picks one per set of peers and keeps it.
+endpoint keeps the one each set of peers runs in a `RoundTable`; transport/round_poster.py
+posts rounds and transport/round_collector.py collects them.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from transport.errors import RoundFailed, TransportError
 from transport.wire import MAGIC
 
 if TYPE_CHECKING:
-    from transport.endpoint import Message
+    from transport.message import Message
 
 # Columns of Arrivals.fields: the wire header's fields, magic first (transport/wire.py HEADER).
 MAGIC_COL, STEP, LAYER, MICRO_BATCH, SENDER, FLAGS, TOKEN_COUNT, SEQ, BYTE_LENGTH = range(9)
@@ -194,3 +196,43 @@ class MessageRound:
             if msg is not None:
                 msg.release()
         self.messages = []
+
+
+class RoundTable:
+    """How rounds with each set of peers run, chosen on first use and kept until the channels
+    go (`clear`): a CoreRound where the core drives every channel involved, else a MessageRound.
+    `rounds` is the table itself, for the post and collect paths to look up directly."""
+
+    def __init__(self, endpoint: str, outbound: dict, inbound: dict, doorbell) -> None:
+        self.endpoint = endpoint
+        self.outbound, self.inbound = outbound, inbound  # the endpoint's channels (never replaced)
+        self.doorbell = doorbell
+        self.rounds: dict[tuple[str, ...], CoreRound | MessageRound] = {}
+
+    def round_for(self, peers) -> CoreRound | MessageRound:
+        peers = tuple(peers)
+        round_ = self.rounds.get(peers)
+        if round_ is not None:
+            return round_
+        unknown = [p for p in peers if p not in self.outbound or p not in self.inbound]
+        if unknown or not peers:
+            raise TransportError(f"endpoint {self.endpoint} has no peer {', '.join(map(repr, unknown)) or '(none)'}; "
+                                 f"peers: {', '.join(self.outbound)}")
+        channels = [self.outbound[p] for p in peers] + [self.inbound[p] for p in peers]
+        if all(getattr(ch, "core_driven", False) for ch in channels):
+            round_ = CoreRound(peers, [self.outbound[p] for p in peers], [self.inbound[p] for p in peers],
+                               self.doorbell.sock.fileno())
+        else:
+            round_ = MessageRound(peers)
+        self.rounds[peers] = round_
+        return round_
+
+    def clear(self) -> None:
+        self.rounds.clear()
+
+
+def round_failed(endpoint: str, what: str, micro_batch: int, failures: dict[str, TransportError]) -> RoundFailed:
+    """The error of a round's post or collect that failed for `failures`' peers."""
+    detail = "; ".join(f"{peer}: {exc}" for peer, exc in failures.items())
+    return RoundFailed(f"endpoint {endpoint}: the {what} of micro-batch {micro_batch}'s round failed for "
+                       f"{len(failures)} peer(s): {detail}", failures)

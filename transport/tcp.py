@@ -8,7 +8,7 @@ never overwrites a slot its consumer still holds.
 
 Full duplex by construction: nothing here blocks on the network. A send writes what the
 kernel takes now and keeps the rest (`unsent`); the endpoint finishes it while reading
-every inbound connection (`Endpoint._finish_send`), so two nodes sending each other
+every inbound connection (`SendWaits.until_sent`), so two nodes sending each other
 multi-megabyte messages at once (the ping-pong with m >= 2) both make progress instead of
 both waiting in `sendmsg` for a reader. Reads are non-blocking too (a small state
 machine), so the endpoint's single thread can wait on many connections at once. Socket

@@ -21,7 +21,7 @@ from tests.helpers import connect_all
 from transport import Endpoint, EndpointSpec, PeerClosed, PeerTimeout
 from transport import backends as backends_module
 from transport import nixl as nixl_backend
-from transport import nixl_agent
+from transport import nixl_agent, nixl_writes
 
 SECRET = b"x" * 32
 NIXL_OK, NIXL_REASON = nixl_backend.available()
@@ -131,7 +131,7 @@ def test_nixl_send_posts_without_waiting_and_the_completer_delivers(monkeypatch,
     payload = bytes(range(256)) * 1024  # 256 KiB to each peer
     for name in receivers:
         a.send(name, payload, micro_batch=1)
-    assert agent.in_flight() == 3  # every send returned with its write in flight
+    assert agent.writes.in_flight() == 3  # every send returned with its write in flight
     for e in receivers.values():  # no notification leaves before the sender sees its write done
         with pytest.raises(PeerTimeout):
             e.recv("a0", timeout=0.2)
@@ -143,9 +143,9 @@ def test_nixl_send_posts_without_waiting_and_the_completer_delivers(monkeypatch,
     # A write's notification can arrive before the sender's UCX has seen it leave: its handle
     # is released a look later. The credits are on their way too.
     deadline = time.monotonic() + 5
-    while (agent.in_flight() or a.slots_in_use().unreleased) and time.monotonic() < deadline:
+    while (agent.writes.in_flight() or a.slots_in_use().unreleased) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert agent.in_flight() == 0 and a.slots_in_use().unreleased == 0
+    assert agent.writes.in_flight() == 0 and a.slots_in_use().unreleased == 0
 
 
 def test_nixl_a_failed_write_is_raised_by_the_next_send_to_that_peer_only(monkeypatch, mesh):
@@ -156,7 +156,7 @@ def test_nixl_a_failed_write_is_raised_by_the_next_send_to_that_peer_only(monkey
     a.send("e0", bytes(1 << 18), micro_batch=0)  # returns: the failure comes later
     gate.verdict, gate.shut = "ERR", False
     deadline = time.monotonic() + 5
-    while agent.in_flight() and time.monotonic() < deadline:
+    while agent.writes.in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(PeerClosed, match="a write to e0 failed"):
         a.send("e0", b"next", micro_batch=1)
@@ -177,7 +177,7 @@ def test_nixl_close_releases_every_write_before_removing_peers_and_memory(monkey
         monkeypatch.setattr(agent.agent, method, lambda *args, _m=method, _r=real: calls.append(_m) or _r(*args))
     for name in ("e0", "e1"):
         a.send(name, bytes(1 << 19), micro_batch=0)
-    assert agent.in_flight() == 2
+    assert agent.writes.in_flight() == 2
     threading.Timer(0.2, lambda: setattr(gate, "shut", False)).start()  # the writes complete during close
     binding = weakref.ref(agent.agent.agent)
     a.close()
@@ -193,7 +193,7 @@ def test_nixl_close_releases_every_write_before_removing_peers_and_memory(monkey
 
 
 def test_nixl_close_with_a_write_stuck_in_flight_keeps_the_agent_whole(monkeypatch, mesh, caplog):
-    monkeypatch.setattr(nixl_agent, "DRAIN_S", 0.2)
+    monkeypatch.setattr(nixl_writes, "DRAIN_S", 0.2)
     senders, _ = mesh(1, 1, slot_bytes=1 << 20)
     a = senders["a0"]
     agent = a.outbound["e0"].agent
@@ -206,11 +206,11 @@ def test_nixl_close_with_a_write_stuck_in_flight_keeps_the_agent_whole(monkeypat
     a.close()
     assert time.monotonic() - start < 0.6  # one drain of DRAIN_S, not one per channel and another for the agent
     assert agent in nixl_agent._ABANDONED and removed == []
-    assert agent.in_flight() == 1 and agent.agent is not None
+    assert agent.writes.in_flight() == 1 and agent.agent is not None
     assert "kept with its" in caplog.text
     # Clean up for the process's other tests: the write is in truth done; finish the teardown.
     nixl_agent._ABANDONED.remove(agent)
     gate.shut = False
-    assert agent.complete() == 0
+    assert agent.writes.complete() == 0
     monkeypatch.undo()
     agent._destroy()

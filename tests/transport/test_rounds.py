@@ -78,7 +78,7 @@ def test_a_round_delivers_every_peers_bytes_both_ways(star, backend, hub_core, s
         assert offsets.tolist() == np.cumsum([0] + [len(a) for a in answers]).tolist()
         arrivals.release()
     core_driven = backend == "shm" and hub_core == "on"
-    assert isinstance(hub._round(names), CoreRound if core_driven else MessageRound)
+    assert isinstance(hub._round_table.round_for(names), CoreRound if core_driven else MessageRound)
     assert hub.slots_in_use() == IDLE and all(s.slots_in_use() == IDLE for s in spokes)
 
 
