@@ -28,6 +28,7 @@ from megainfer.model_resolution import resolve_model
 from megainfer.node_state import snapshot, step_sample
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepHooks, StepResult
+from megainfer.request_admission import Prompt, RequestAdmission
 from megainfer.output_stream import OutputStream
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
@@ -36,9 +37,6 @@ from megainfer.sequence import Sequence, SequenceStatus
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
-
 
 class Engine:
     def __init__(self, model: str | os.PathLike = "tiny-mixtral", config: EngineConfig | None = None, *,
@@ -64,6 +62,8 @@ class Engine:
                                                max_model_len=self.max_model_len,
                                                eos_token_ids=self.model_config.eos_token_ids,
                                                num_layers=self.model_config.num_layers)
+        self.admission = RequestAdmission(self.model_config, self.tokenizer, self.max_model_len,
+                                          self.scheduler.block_manager)
         self._streams: dict[str, OutputStream] = {}  # by request id: what its client has seen
         self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks)
         # Tokens routed to each (layer, expert) so far, and the last step's: arrays, into the
@@ -98,30 +98,9 @@ class Engine:
 
     def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
         """Check and tokenize a request into a sequence the scheduler can take, raising
-        RequestError for a bad one. Reads only what never changes while serving (tokenizer,
-        lengths, the cache's size), so any thread may call it while a step runs; the caller
-        keeps request ids unique."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise RequestError(f"request {request_id!r}: n={params.n}, but an engine request is one sequence; the "
-                               "API layer fans a request out into n (megainfer/request_group.py)")
-        token_ids = self.encode_prompt(prompt, request_id)
-        vocab = self.model_config.vocab_size
-        unknown = [t for t in params.stop_token_ids if t >= vocab]
-        if unknown:  # it could never be sampled, so never stop the request: a mistake, said at once
-            raise RequestError(f"request {request_id!r}: stop_token_ids must be token ids in [0, {vocab}); "
-                               f"got {unknown[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens; the model's max "
-                               f"length is {self.max_model_len} (prompt plus at least one generated token)")
-        blocks = self.scheduler.block_manager
-        needed = blocks.blocks_for_tokens(min(len(token_ids) + params.max_tokens, self.max_model_len))
-        if needed > blocks.num_blocks:
-            raise RequestError(f"request {request_id!r}: needs {needed} KV blocks for its prompt and max_tokens, "
-                               f"the cache holds {blocks.num_blocks}; lower max_tokens or raise num_kv_blocks")
-        return Sequence(request_id, token_ids, params)
+        RequestError for a bad one. Any thread may call it while a step runs
+        (`RequestAdmission` reads only what never changes); the caller keeps request ids unique."""
+        return self.admission.prepare(request_id, prompt, params)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Hand a prepared request to the scheduler (between steps)."""
@@ -129,26 +108,7 @@ class Engine:
         self._streams[seq.request_id] = OutputStream(self.tokenizer, seq)
 
     def encode_prompt(self, prompt: Prompt, request_id: str = "") -> list[int]:
-        where = f"request {request_id!r}: " if request_id else ""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{where}model {self.model_config.name} has no tokenizer.json; "
-                                   "pass the prompt as a list of token ids")
-            try:
-                token_ids = self.tokenizer.encode(prompt)
-            except RequestError as exc:  # text no tokenizer takes (a lone surrogate)
-                raise RequestError(f"{where}prompt: {exc}") from None
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"{where}prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        else:
-            raise RequestError(f"{where}prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise RequestError(f"{where}prompt is empty")
-        return token_ids
+        return self.admission.encode_prompt(prompt, request_id)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request, freeing its KV blocks. False if it is unknown or already done."""
