@@ -22,18 +22,17 @@ from kernels.compile_watch import WATCH
 from megainfer.energy import EnergyMeter
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
-from megainfer.messages import (DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
-                                RequestMetrics, StepSample)
+from megainfer.messages import DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, RequestDelta, StepSample
 from megainfer.model_resolution import resolve_model
 from megainfer.node_state import snapshot, step_sample
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepHooks, StepResult
+from megainfer.output_processor import OutputProcessor
 from megainfer.request_admission import Prompt, RequestAdmission
-from megainfer.output_stream import OutputStream
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput, without_finished
-from megainfer.sequence import Sequence, SequenceStatus
+from megainfer.sequence import Sequence
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ class Engine:
                                                num_layers=self.model_config.num_layers)
         self.admission = RequestAdmission(self.model_config, self.tokenizer, self.max_model_len,
                                           self.scheduler.block_manager)
-        self._streams: dict[str, OutputStream] = {}  # by request id: what its client has seen
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.runner.sampler)
         self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks)
         # Tokens routed to each (layer, expert) so far, and the last step's: arrays, into the
         # stats' lists when they are asked for.
@@ -105,7 +104,7 @@ class Engine:
     def add_sequence(self, seq: Sequence) -> None:
         """Hand a prepared request to the scheduler (between steps)."""
         self.scheduler.add(seq)
-        self._streams[seq.request_id] = OutputStream(self.tokenizer, seq)
+        self.output_processor.open(seq)
 
     def encode_prompt(self, prompt: Prompt, request_id: str = "") -> list[int]:
         return self.admission.encode_prompt(prompt, request_id)
@@ -114,7 +113,7 @@ class Engine:
         """Cancel a request, freeing its KV blocks. False if it is unknown or already done."""
         seq = self.scheduler.abort(request_id)
         if seq is not None:
-            self._forget(request_id)
+            self.output_processor.forget(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -162,7 +161,7 @@ class Engine:
             code = ErrorCode.UNAVAILABLE if isinstance(exc, DataPlaneError) else ErrorCode.INTERNAL
             if code is ErrorCode.INTERNAL:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
-            produced.extend(DeltaColumns.of([self._fail(seq, f"step failed: {exc}", code=code)
+            produced.extend(DeltaColumns.of([self.output_processor.fail(seq, f"step failed: {exc}", code=code)
                                              for seq in out.all_seqs]))
             return produced
         hooks.run_settle()  # a runner that did not (a step too short to reach its first layer's end)
@@ -173,7 +172,7 @@ class Engine:
             self._last_step_end = ended  # the next step is due at once
             return produced
         advanced = self.scheduler.update_from_output(out, result.sampled)
-        produced.extend(self._deltas(out, result, advanced))
+        produced.extend(self.output_processor.deltas(out, result, advanced))
         ended = time.perf_counter()  # detokenizing is part of the step here
         self._last_step_end = ended if self.scheduler.has_unfinished else None
         self._step_stats(PendingStep(out, result, began, ended, step_id), advanced)
@@ -197,7 +196,7 @@ class Engine:
         """The rest of a step scheduled ahead: its stop conditions, its deltas (to `emit`, or
         into `produced`) and its statistics."""
         advanced = self.scheduler.settle(pending.out, pending.result.sampled)
-        columns = self._deltas(pending.out, pending.result, advanced)
+        columns = self.output_processor.deltas(pending.out, pending.result, advanced)
         self._step_stats(pending, advanced)
         if emit is not None:
             emit(columns)
@@ -227,87 +226,6 @@ class Engine:
         each number together (the router adds their work up); -1 on a colocated runner."""
         return self.runner.step_id
 
-    def _deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence]) -> DeltaColumns:
-        """The step's deltas: one per sequence that gained a token. Prompt logprobs computed this
-        step are kept until the request's first delta."""
-        seqs = out.all_seqs
-        for i, (first_position, entries) in result.prompt_logprobs.items():
-            stream = self._streams.get(seqs[i].request_id)
-            if stream is not None and not seqs[i].is_finished:
-                stream.add_prompt_logprobs(first_position, entries)
-        logprobs = {seqs[i].request_id: entry for i, entry in result.logprobs.items()}
-        columns = DeltaColumns()
-        ids, tokens, texts, others = columns.request_ids, columns.token_ids, columns.texts, columns.others
-        streams, running = self._streams, SequenceStatus.RUNNING
-        for seq in advanced:
-            # Runs for every sequence of every step. A request that asked for nothing but text
-            # (no stop strings, no logprobs) and runs on gives its token and the text it completes
-            # straight into the columns; any other goes through `_delta`.
-            stream = streams[seq.request_id]
-            if stream.plain and seq.status is running:
-                token = seq.token_ids[-1]
-                try:
-                    text = stream.detokenizer.add_one(token)
-                except Exception as exc:  # a token the tokenizer cannot decode: this request alone fails
-                    others.append((len(ids), self._undecodable(seq, token, exc)))
-                    continue
-                ids.append(seq.request_id)
-                tokens.append(token)
-                texts.append(text)
-            else:
-                others.append((len(ids), self._delta(seq, logprobs.get(seq.request_id))))
-        return columns
-
-    def _delta(self, seq: Sequence, logprobs: PositionLogprobs | None) -> RequestDelta:
-        # Runs for every sequence of every step: no property calls, prompt logprobs looked at
-        # only where the request asked for them.
-        token = seq.token_ids[-1]
-        stream = self._streams[seq.request_id]
-        try:
-            text = stream.next_text(seq)
-            token_logprobs = stream.with_text([logprobs]) if logprobs is not None else None
-            prompt_logprobs = stream.take_prompt_logprobs() if stream.prompt_logprobs is not None and \
-                len(seq.token_ids) - len(seq.prompt_token_ids) == 1 else None
-        except Exception as exc:  # e.g. a token the tokenizer cannot decode: this request alone fails
-            return self._undecodable(seq, token, exc)
-        stops = stream.stops
-        if stops is not None and stops.stop_string is not None:  # finished now: blocks freed before the next step
-            self.scheduler.stop(seq, stops.stop_string)
-        finished = seq.status is SequenceStatus.FINISHED
-        delta = RequestDelta(seq.request_id, [token], text, finished, seq.finish_reason, None, None, token_logprobs,
-                             prompt_logprobs, seq.stop_reason)
-        if finished:
-            delta.metrics = self._metrics(seq)
-            self._forget(seq.request_id)
-        return delta
-
-    def _undecodable(self, seq: Sequence, token: int, exc: Exception) -> RequestDelta:
-        """The last delta of a request whose text could not be made: it alone fails."""
-        return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
-
-    def _metrics(self, seq: Sequence) -> RequestMetrics | None:
-        """How the request's time was spent, as it ends; None if it was never scheduled. One that
-        ends before its first token counts its time since being scheduled as prefill."""
-        scheduled = seq.first_scheduled_time
-        if scheduled is None:
-            return None
-        now = self.scheduler.clock()
-        first_token = seq.first_token_time
-        return RequestMetrics(
-            prompt_tokens=seq.num_prompt_tokens, generation_tokens=seq.num_output_tokens,
-            queued_s=scheduled - seq.arrival_time,
-            prefill_s=(now if first_token is None else first_token) - scheduled,
-            decode_s=0.0 if first_token is None else seq.last_token_time - first_token,
-            e2e_s=now - seq.arrival_time, num_preemptions=seq.num_preemptions)
-
-    def _fail(self, seq: Sequence, error: str, new_token_ids: list[int] | None = None,
-              code: ErrorCode = ErrorCode.INTERNAL) -> RequestDelta:
-        self.scheduler.fail(seq, error)
-        self._forget(seq.request_id)
-        delta = RequestDelta.failure(seq.request_id, error, code, new_token_ids)
-        delta.metrics = self._metrics(seq)
-        return delta
-
     def fail_all(self, error: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> list[RequestDelta]:
         """Fail every unfinished request (their blocks are freed): the node cannot serve them. A
         step scheduled ahead is settled first: its deltas come before the failures."""
@@ -315,11 +233,8 @@ class Engine:
         pending, self._pending, self._ahead = self._pending, None, None
         if pending is not None:
             self._settle(pending, None, settled)
-        return settled.deltas + [self._fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self.runner.sampler.forget(request_id)
+        fail = self.output_processor.fail
+        return settled.deltas + [fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
 
     def _record(self, out: SchedulerOutput, result: StepResult) -> None:
         # Array work: the plan's models route to [94 layers x 128 experts] every step.
