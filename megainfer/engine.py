@@ -6,25 +6,19 @@ drives the same methods until every request is done.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
 
-import numpy as np
-
-from kernels.compile_watch import WATCH
-from megainfer.energy import EnergyMeter
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
-from megainfer.messages import DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, RequestDelta, StepSample
+from megainfer.messages import DeltaColumns, EngineStats, ErrorCode, NodeState, RequestDelta
 from megainfer.model_resolution import resolve_model
-from megainfer.node_state import snapshot, step_sample
+from megainfer.node_state import snapshot
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepHooks, StepResult
 from megainfer.output_processor import OutputProcessor
@@ -33,9 +27,11 @@ from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalance
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput, without_finished
 from megainfer.sequence import Sequence
+from megainfer.step_records import StepRecords
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
 
 class Engine:
     def __init__(self, model: str | os.PathLike = "tiny-mixtral", config: EngineConfig | None = None, *,
@@ -64,27 +60,20 @@ class Engine:
         self.admission = RequestAdmission(self.model_config, self.tokenizer, self.max_model_len,
                                           self.scheduler.block_manager)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.runner.sampler)
-        self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks)
-        # Tokens routed to each (layer, expert) so far, and the last step's: arrays, into the
-        # stats' lists when they are asked for.
-        self._expert_tokens = np.zeros((self.model_config.num_layers, self.model_config.num_experts), dtype=np.int64)
-        self._last_expert_counts: np.ndarray | None = None
-        self._expert_bytes = self.model_config.expert_bytes(self.config.dtype)
-        self._energy = EnergyMeter(self.config.device)
-        # What a router learns from (drained by node_state()); bounded if nobody asks.
-        self._measured_steps: deque[StepSample] = deque(maxlen=1024)
+        self.step_model: OnlineStepModel | None = None
+        if self.config.target_step_ms is not None:  # attention balancing, on this node's own step times
+            self.step_model = OnlineStepModel()
+            self.scheduler.step_cap = StepTimeBalancer(self.step_model, self.config.target_step_ms / 1e3)
+        # Made once the runner is built: energy counts from here, the weights' loading left out.
+        self.step_records = StepRecords(self.model_config, self.config.dtype, self.config.device,
+                                        self.runner.num_blocks, self.step_model)
         self._last_step_end: float | None = None  # while busy: when the last step ended
-        self._finished_lengths: deque[tuple[int, int]] = deque(maxlen=1024)
         # Asynchronous scheduling: the next step, scheduled while this one ran, and this step,
         # to be settled inside the next one.
         self._takes_hooks = self.runner.takes_step_hooks
         self._schedules_ahead = self.config.async_scheduling and self._takes_hooks
         self._ahead: ScheduledAhead | None = None
         self._pending: PendingStep | None = None
-        self.step_model: OnlineStepModel | None = None
-        if self.config.target_step_ms is not None:  # attention balancing, on this node's own step times
-            self.step_model = OnlineStepModel()
-            self.scheduler.step_cap = StepTimeBalancer(self.step_model, self.config.target_step_ms / 1e3)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
@@ -107,6 +96,7 @@ class Engine:
         self.output_processor.open(seq)
 
     def encode_prompt(self, prompt: Prompt, request_id: str = "") -> list[int]:
+        """A prompt's token ids, checked (RequestError names `request_id` when given)."""
         return self.admission.encode_prompt(prompt, request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -175,7 +165,7 @@ class Engine:
         produced.extend(self.output_processor.deltas(out, result, advanced))
         ended = time.perf_counter()  # detokenizing is part of the step here
         self._last_step_end = ended if self.scheduler.has_unfinished else None
-        self._step_stats(PendingStep(out, result, began, ended, step_id), advanced)
+        self.step_records.step_finished(out, result, ended - began, step_id, advanced)
         return produced
 
     def _look_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
@@ -197,28 +187,17 @@ class Engine:
         into `produced`) and its statistics."""
         advanced = self.scheduler.settle(pending.out, pending.result.sampled)
         columns = self.output_processor.deltas(pending.out, pending.result, advanced)
-        self._step_stats(pending, advanced)
+        self.step_records.step_finished(pending.out, pending.result, pending.ended - pending.began,
+                                        pending.step_id, advanced)
         if emit is not None:
             emit(columns)
         else:
             produced.extend(columns)
 
-    def _step_stats(self, step: "PendingStep", advanced: list[Sequence]) -> None:
-        """A step's statistics, once its sequences are advanced: its time for the router, the
-        requests it finished, its expert loads."""
-        measured = step_sample(step.out, step.ended - step.began, self.model_config.num_layers, step.step_id)
-        self._measured_steps.append(measured)
-        if self.step_model is not None:
-            self.step_model.observe((measured,))
-        self._finished_lengths.extend((s.num_prompt_tokens, s.num_output_tokens) for s in advanced if s.is_finished)
-        self._record(step.out, step.result)
-
     def node_state(self, now: float = 0.0) -> NodeState:
         """The scheduler's state for a router, with the steps measured and the requests
         finished since the last call."""
-        steps, finished = list(self._measured_steps), list(self._finished_lengths)
-        self._measured_steps.clear()
-        self._finished_lengths.clear()
+        steps, finished = self.step_records.drain()
         return snapshot(self.scheduler, now, steps, finished, self._step_id())
 
     def _step_id(self) -> int:
@@ -236,38 +215,9 @@ class Engine:
         fail = self.output_processor.fail
         return settled.deltas + [fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
 
-    def _record(self, out: SchedulerOutput, result: StepResult) -> None:
-        # Array work: the plan's models route to [94 layers x 128 experts] every step.
-        t = self._totals
-        t.num_steps += 1
-        t.num_computed_tokens += out.total_tokens
-        t.num_generated_tokens += len(result.sampled) - result.sampled.count(None)
-        counts = np.asarray(result.expert_counts, dtype=np.int64)
-        if counts.size:
-            self._expert_tokens += counts
-        num_activated = int(np.count_nonzero(counts))
-        t.expert_activations += num_activated
-        t.expert_bytes_read += num_activated * self._expert_bytes
-        self._last_expert_counts = counts
-
     def stats(self) -> EngineStats:
-        s = copy.deepcopy(self._totals)
-        s.expert_tokens = self._expert_tokens.tolist()
-        last = self._last_expert_counts
-        if last is not None:
-            s.last_step_expert_load = ExpertLoad([np.flatnonzero(row).tolist() for row in last],
-                                                 int(np.count_nonzero(last)) * self._expert_bytes)
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
-        s.kv_cache_usage = self.scheduler.block_manager.usage
-        s.energy_j = self._energy.joules()
-        s.kernels = self.runner.kernels
-        s.kernel_builds_while_serving = WATCH.built_while_serving
-        s.energy_unavailable = self._energy.reason
-        if s.energy_j is not None and s.num_generated_tokens:
-            s.energy_per_token_j = s.energy_j / s.num_generated_tokens
-        return s
+        """The engine's counters so far, with its scheduler's state now."""
+        return self.step_records.stats(self.scheduler, self.runner.kernels)
 
 
 _READS_HISTORY = attrgetter("reads_history")
