@@ -2,6 +2,11 @@
 
 The server drives `add_request` / `step` / `abort` from one loop; the offline `LLM` API
 drives the same methods until every request is done.
+
+`Engine` orchestrates the step (its scheduling ahead and settling included) over three parts
+with a job each: `RequestAdmission` checks a request before it is queued (any thread), the
+`OutputProcessor` makes each step's deltas from the requests' output streams (every sequence of
+every step), and `StepRecords` keeps the counters `stats()` reports and what a router learns.
 """
 
 from __future__ import annotations
