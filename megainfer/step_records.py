@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,8 +26,13 @@ from megainfer.routing.online_step_model import OnlineStepModel
 from megainfer.scheduler import Scheduler, SchedulerOutput
 from megainfer.sequence import Sequence
 
+if TYPE_CHECKING:
+    from kernels.startup import KernelReport
+
 
 class StepRecords:
+    """One engine's records of its finished steps (the module's docstring says who reads them)."""
+
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, num_kv_blocks: int,
                  step_model: OnlineStepModel | None = None) -> None:
         """step_model: the engine's own model of its step time (attention balancing), or None."""
@@ -76,8 +82,8 @@ class StepRecords:
         self.finished_lengths.clear()
         return steps, finished
 
-    def stats(self, scheduler: Scheduler, kernels) -> EngineStats:
-        """The totals so far, with the scheduler's present state and the runner's `kernels`."""
+    def stats(self, scheduler: Scheduler, kernels: KernelReport | None) -> EngineStats:
+        """The totals so far, with the scheduler's present state and the runner's kernel report."""
         s = copy.deepcopy(self.totals)
         s.expert_tokens = self.expert_tokens.tolist()
         last = self.last_expert_counts
