@@ -2,42 +2,40 @@
 
 The server drives `add_request` / `step` / `abort` from one loop; the offline `LLM` API
 drives the same methods until every request is done.
+
+`Engine` orchestrates the step (its scheduling ahead and settling included) over three parts
+with a job each: `RequestAdmission` checks a request before it is queued (any thread), the
+`OutputProcessor` makes each step's deltas from the requests' output streams (every sequence of
+every step), and `StepRecords` keeps the counters `stats()` reports and what a router learns.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
 
-import numpy as np
-
-from kernels.compile_watch import WATCH
-from megainfer.energy import EnergyMeter
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
-from megainfer.messages import (DeltaColumns, EngineStats, ErrorCode, ExpertLoad, NodeState, PositionLogprobs, RequestDelta,
-                                RequestMetrics, StepSample)
+from megainfer.messages import DeltaColumns, EngineStats, ErrorCode, NodeState, RequestDelta
 from megainfer.model_resolution import resolve_model
-from megainfer.node_state import snapshot, step_sample
+from megainfer.node_state import snapshot
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
 from megainfer.model_runner import ModelRunner, StepHooks, StepResult
-from megainfer.output_stream import OutputStream
+from megainfer.output_processor import OutputProcessor
+from megainfer.request_admission import Prompt, RequestAdmission
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduler import Scheduler, SchedulerOutput, without_finished
-from megainfer.sequence import Sequence, SequenceStatus
+from megainfer.sequence import Sequence
+from megainfer.step_records import StepRecords
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 class Engine:
@@ -64,28 +62,23 @@ class Engine:
                                                max_model_len=self.max_model_len,
                                                eos_token_ids=self.model_config.eos_token_ids,
                                                num_layers=self.model_config.num_layers)
-        self._streams: dict[str, OutputStream] = {}  # by request id: what its client has seen
-        self._totals = EngineStats(num_kv_blocks=self.runner.num_blocks)
-        # Tokens routed to each (layer, expert) so far, and the last step's: arrays, into the
-        # stats' lists when they are asked for.
-        self._expert_tokens = np.zeros((self.model_config.num_layers, self.model_config.num_experts), dtype=np.int64)
-        self._last_expert_counts: np.ndarray | None = None
-        self._expert_bytes = self.model_config.expert_bytes(self.config.dtype)
-        self._energy = EnergyMeter(self.config.device)
-        # What a router learns from (drained by node_state()); bounded if nobody asks.
-        self._measured_steps: deque[StepSample] = deque(maxlen=1024)
+        self.admission = RequestAdmission(self.model_config, self.tokenizer, self.max_model_len,
+                                          self.scheduler.block_manager)
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.runner.sampler)
+        self.step_model: OnlineStepModel | None = None
+        if self.config.target_step_ms is not None:  # attention balancing, on this node's own step times
+            self.step_model = OnlineStepModel()
+            self.scheduler.step_cap = StepTimeBalancer(self.step_model, self.config.target_step_ms / 1e3)
+        # Made once the runner is built: energy counts from here, the weights' loading left out.
+        self.step_records = StepRecords(self.model_config, self.config.dtype, self.config.device,
+                                        self.runner.num_blocks, self.step_model)
         self._last_step_end: float | None = None  # while busy: when the last step ended
-        self._finished_lengths: deque[tuple[int, int]] = deque(maxlen=1024)
         # Asynchronous scheduling: the next step, scheduled while this one ran, and this step,
         # to be settled inside the next one.
         self._takes_hooks = self.runner.takes_step_hooks
         self._schedules_ahead = self.config.async_scheduling and self._takes_hooks
         self._ahead: ScheduledAhead | None = None
         self._pending: PendingStep | None = None
-        self.step_model: OnlineStepModel | None = None
-        if self.config.target_step_ms is not None:  # attention balancing, on this node's own step times
-            self.step_model = OnlineStepModel()
-            self.scheduler.step_cap = StepTimeBalancer(self.step_model, self.config.target_step_ms / 1e3)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
@@ -98,63 +91,24 @@ class Engine:
 
     def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
         """Check and tokenize a request into a sequence the scheduler can take, raising
-        RequestError for a bad one. Reads only what never changes while serving (tokenizer,
-        lengths, the cache's size), so any thread may call it while a step runs; the caller
-        keeps request ids unique."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise RequestError(f"request {request_id!r}: n={params.n}, but an engine request is one sequence; the "
-                               "API layer fans a request out into n (megainfer/request_group.py)")
-        token_ids = self.encode_prompt(prompt, request_id)
-        vocab = self.model_config.vocab_size
-        unknown = [t for t in params.stop_token_ids if t >= vocab]
-        if unknown:  # it could never be sampled, so never stop the request: a mistake, said at once
-            raise RequestError(f"request {request_id!r}: stop_token_ids must be token ids in [0, {vocab}); "
-                               f"got {unknown[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens; the model's max "
-                               f"length is {self.max_model_len} (prompt plus at least one generated token)")
-        blocks = self.scheduler.block_manager
-        needed = blocks.blocks_for_tokens(min(len(token_ids) + params.max_tokens, self.max_model_len))
-        if needed > blocks.num_blocks:
-            raise RequestError(f"request {request_id!r}: needs {needed} KV blocks for its prompt and max_tokens, "
-                               f"the cache holds {blocks.num_blocks}; lower max_tokens or raise num_kv_blocks")
-        return Sequence(request_id, token_ids, params)
+        RequestError for a bad one. Any thread may call it while a step runs
+        (`RequestAdmission` reads only what never changes); the caller keeps request ids unique."""
+        return self.admission.prepare(request_id, prompt, params)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Hand a prepared request to the scheduler (between steps)."""
         self.scheduler.add(seq)
-        self._streams[seq.request_id] = OutputStream(self.tokenizer, seq)
+        self.output_processor.open(seq)
 
     def encode_prompt(self, prompt: Prompt, request_id: str = "") -> list[int]:
-        where = f"request {request_id!r}: " if request_id else ""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{where}model {self.model_config.name} has no tokenizer.json; "
-                                   "pass the prompt as a list of token ids")
-            try:
-                token_ids = self.tokenizer.encode(prompt)
-            except RequestError as exc:  # text no tokenizer takes (a lone surrogate)
-                raise RequestError(f"{where}prompt: {exc}") from None
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"{where}prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        else:
-            raise RequestError(f"{where}prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise RequestError(f"{where}prompt is empty")
-        return token_ids
+        """A prompt's token ids, checked (RequestError names `request_id` when given)."""
+        return self.admission.encode_prompt(prompt, request_id)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request, freeing its KV blocks. False if it is unknown or already done."""
         seq = self.scheduler.abort(request_id)
         if seq is not None:
-            self._forget(request_id)
+            self.output_processor.forget(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -202,7 +156,7 @@ class Engine:
             code = ErrorCode.UNAVAILABLE if isinstance(exc, DataPlaneError) else ErrorCode.INTERNAL
             if code is ErrorCode.INTERNAL:
                 logger.exception("step failed; failing its %d requests", len(out.all_seqs))
-            produced.extend(DeltaColumns.of([self._fail(seq, f"step failed: {exc}", code=code)
+            produced.extend(DeltaColumns.of([self.output_processor.fail(seq, f"step failed: {exc}", code=code)
                                              for seq in out.all_seqs]))
             return produced
         hooks.run_settle()  # a runner that did not (a step too short to reach its first layer's end)
@@ -213,10 +167,10 @@ class Engine:
             self._last_step_end = ended  # the next step is due at once
             return produced
         advanced = self.scheduler.update_from_output(out, result.sampled)
-        produced.extend(self._deltas(out, result, advanced))
+        produced.extend(self.output_processor.deltas(out, result, advanced))
         ended = time.perf_counter()  # detokenizing is part of the step here
         self._last_step_end = ended if self.scheduler.has_unfinished else None
-        self._step_stats(PendingStep(out, result, began, ended, step_id), advanced)
+        self.step_records.step_finished(out, result, ended - began, step_id, advanced)
         return produced
 
     def _look_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
@@ -237,116 +191,24 @@ class Engine:
         """The rest of a step scheduled ahead: its stop conditions, its deltas (to `emit`, or
         into `produced`) and its statistics."""
         advanced = self.scheduler.settle(pending.out, pending.result.sampled)
-        columns = self._deltas(pending.out, pending.result, advanced)
-        self._step_stats(pending, advanced)
+        columns = self.output_processor.deltas(pending.out, pending.result, advanced)
+        self.step_records.step_finished(pending.out, pending.result, pending.ended - pending.began,
+                                        pending.step_id, advanced)
         if emit is not None:
             emit(columns)
         else:
             produced.extend(columns)
 
-    def _step_stats(self, step: "PendingStep", advanced: list[Sequence]) -> None:
-        """A step's statistics, once its sequences are advanced: its time for the router, the
-        requests it finished, its expert loads."""
-        measured = step_sample(step.out, step.ended - step.began, self.model_config.num_layers, step.step_id)
-        self._measured_steps.append(measured)
-        if self.step_model is not None:
-            self.step_model.observe((measured,))
-        self._finished_lengths.extend((s.num_prompt_tokens, s.num_output_tokens) for s in advanced if s.is_finished)
-        self._record(step.out, step.result)
-
     def node_state(self, now: float = 0.0) -> NodeState:
         """The scheduler's state for a router, with the steps measured and the requests
         finished since the last call."""
-        steps, finished = list(self._measured_steps), list(self._finished_lengths)
-        self._measured_steps.clear()
-        self._finished_lengths.clear()
+        steps, finished = self.step_records.drain()
         return snapshot(self.scheduler, now, steps, finished, self._step_id())
 
     def _step_id(self) -> int:
         """A disaggregated runner numbers its steps, and every attention node of the replica runs
         each number together (the router adds their work up); -1 on a colocated runner."""
         return self.runner.step_id
-
-    def _deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence]) -> DeltaColumns:
-        """The step's deltas: one per sequence that gained a token. Prompt logprobs computed this
-        step are kept until the request's first delta."""
-        seqs = out.all_seqs
-        for i, (first_position, entries) in result.prompt_logprobs.items():
-            stream = self._streams.get(seqs[i].request_id)
-            if stream is not None and not seqs[i].is_finished:
-                stream.add_prompt_logprobs(first_position, entries)
-        logprobs = {seqs[i].request_id: entry for i, entry in result.logprobs.items()}
-        columns = DeltaColumns()
-        ids, tokens, texts, others = columns.request_ids, columns.token_ids, columns.texts, columns.others
-        streams, running = self._streams, SequenceStatus.RUNNING
-        for seq in advanced:
-            # Runs for every sequence of every step. A request that asked for nothing but text
-            # (no stop strings, no logprobs) and runs on gives its token and the text it completes
-            # straight into the columns; any other goes through `_delta`.
-            stream = streams[seq.request_id]
-            if stream.plain and seq.status is running:
-                token = seq.token_ids[-1]
-                try:
-                    text = stream.detokenizer.add_one(token)
-                except Exception as exc:  # a token the tokenizer cannot decode: this request alone fails
-                    others.append((len(ids), self._undecodable(seq, token, exc)))
-                    continue
-                ids.append(seq.request_id)
-                tokens.append(token)
-                texts.append(text)
-            else:
-                others.append((len(ids), self._delta(seq, logprobs.get(seq.request_id))))
-        return columns
-
-    def _delta(self, seq: Sequence, logprobs: PositionLogprobs | None) -> RequestDelta:
-        # Runs for every sequence of every step: no property calls, prompt logprobs looked at
-        # only where the request asked for them.
-        token = seq.token_ids[-1]
-        stream = self._streams[seq.request_id]
-        try:
-            text = stream.next_text(seq)
-            token_logprobs = stream.with_text([logprobs]) if logprobs is not None else None
-            prompt_logprobs = stream.take_prompt_logprobs() if stream.prompt_logprobs is not None and \
-                len(seq.token_ids) - len(seq.prompt_token_ids) == 1 else None
-        except Exception as exc:  # e.g. a token the tokenizer cannot decode: this request alone fails
-            return self._undecodable(seq, token, exc)
-        stops = stream.stops
-        if stops is not None and stops.stop_string is not None:  # finished now: blocks freed before the next step
-            self.scheduler.stop(seq, stops.stop_string)
-        finished = seq.status is SequenceStatus.FINISHED
-        delta = RequestDelta(seq.request_id, [token], text, finished, seq.finish_reason, None, None, token_logprobs,
-                             prompt_logprobs, seq.stop_reason)
-        if finished:
-            delta.metrics = self._metrics(seq)
-            self._forget(seq.request_id)
-        return delta
-
-    def _undecodable(self, seq: Sequence, token: int, exc: Exception) -> RequestDelta:
-        """The last delta of a request whose text could not be made: it alone fails."""
-        return self._fail(seq, f"detokenization failed: {exc!r}", new_token_ids=[token])
-
-    def _metrics(self, seq: Sequence) -> RequestMetrics | None:
-        """How the request's time was spent, as it ends; None if it was never scheduled. One that
-        ends before its first token counts its time since being scheduled as prefill."""
-        scheduled = seq.first_scheduled_time
-        if scheduled is None:
-            return None
-        now = self.scheduler.clock()
-        first_token = seq.first_token_time
-        return RequestMetrics(
-            prompt_tokens=seq.num_prompt_tokens, generation_tokens=seq.num_output_tokens,
-            queued_s=scheduled - seq.arrival_time,
-            prefill_s=(now if first_token is None else first_token) - scheduled,
-            decode_s=0.0 if first_token is None else seq.last_token_time - first_token,
-            e2e_s=now - seq.arrival_time, num_preemptions=seq.num_preemptions)
-
-    def _fail(self, seq: Sequence, error: str, new_token_ids: list[int] | None = None,
-              code: ErrorCode = ErrorCode.INTERNAL) -> RequestDelta:
-        self.scheduler.fail(seq, error)
-        self._forget(seq.request_id)
-        delta = RequestDelta.failure(seq.request_id, error, code, new_token_ids)
-        delta.metrics = self._metrics(seq)
-        return delta
 
     def fail_all(self, error: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> list[RequestDelta]:
         """Fail every unfinished request (their blocks are freed): the node cannot serve them. A
@@ -355,44 +217,12 @@ class Engine:
         pending, self._pending, self._ahead = self._pending, None, None
         if pending is not None:
             self._settle(pending, None, settled)
-        return settled.deltas + [self._fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self.runner.sampler.forget(request_id)
-
-    def _record(self, out: SchedulerOutput, result: StepResult) -> None:
-        # Array work: the plan's models route to [94 layers x 128 experts] every step.
-        t = self._totals
-        t.num_steps += 1
-        t.num_computed_tokens += out.total_tokens
-        t.num_generated_tokens += len(result.sampled) - result.sampled.count(None)
-        counts = np.asarray(result.expert_counts, dtype=np.int64)
-        if counts.size:
-            self._expert_tokens += counts
-        num_activated = int(np.count_nonzero(counts))
-        t.expert_activations += num_activated
-        t.expert_bytes_read += num_activated * self._expert_bytes
-        self._last_expert_counts = counts
+        fail = self.output_processor.fail
+        return settled.deltas + [fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
 
     def stats(self) -> EngineStats:
-        s = copy.deepcopy(self._totals)
-        s.expert_tokens = self._expert_tokens.tolist()
-        last = self._last_expert_counts
-        if last is not None:
-            s.last_step_expert_load = ExpertLoad([np.flatnonzero(row).tolist() for row in last],
-                                                 int(np.count_nonzero(last)) * self._expert_bytes)
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
-        s.kv_cache_usage = self.scheduler.block_manager.usage
-        s.energy_j = self._energy.joules()
-        s.kernels = self.runner.kernels
-        s.kernel_builds_while_serving = WATCH.built_while_serving
-        s.energy_unavailable = self._energy.reason
-        if s.energy_j is not None and s.num_generated_tokens:
-            s.energy_per_token_j = s.energy_j / s.num_generated_tokens
-        return s
+        """The engine's counters so far, with its scheduler's state now."""
+        return self.step_records.stats(self.scheduler, self.runner.kernels)
 
 
 _READS_HISTORY = attrgetter("reads_history")

@@ -194,7 +194,7 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
     core = EngineCore(Engine(DEMO_MODEL, config, runner_factory=runner))
     engine = core.engine
     # The engine's per-expert totals at the plan's model's shape (what its bookkeeping walks).
-    engine._expert_tokens = np.zeros((plan_model.num_layers, plan_model.num_experts), dtype=np.int64)
+    engine.step_records.expert_tokens = np.zeros((plan_model.num_layers, plan_model.num_experts), dtype=np.int64)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     for i in range(running):
