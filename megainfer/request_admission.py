@@ -39,7 +39,8 @@ class RequestAdmission:
             raise RequestError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:
             raise RequestError(f"request {request_id!r}: n={params.n}, but an engine request is one sequence; the "
-                               "API layer fans a request out into n (megainfer/request_group.py)")
+                               "API layer fans a request out into n, each with params.for_choice(i) "
+                               "(megainfer/request_group.py)")
         token_ids = self.encode_prompt(prompt, request_id)
         vocab = self.model_config.vocab_size
         unknown = [t for t in params.stop_token_ids if t >= vocab]

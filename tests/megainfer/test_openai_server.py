@@ -416,7 +416,7 @@ def test_a_port_in_use_names_its_flag(server):
 def test_an_engine_loop_that_dies_fails_its_requests_and_the_probes(mixtral_ref):
     backend = EngineBackend(Engine(str(mixtral_ref.path), CONFIG))
 
-    def broken_step():
+    def broken_step(emit=None):
         raise RuntimeError("a bug in the step")
 
     backend.core.step_columns = broken_step
