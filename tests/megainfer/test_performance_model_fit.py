@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
 import pytest
 
+from megainfer.cli import simulate
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.presets import PRESETS
 from megainfer.tools.simulator import curve_fit as cf
+from megainfer.tools.simulator import paper_measurements as paper
+from megainfer.tools.simulator.curves_entry import entry_text, write_entry
 from megainfer.tools.simulator.experiment import SimulationSpec
 from megainfer.tools.simulator.sim import Simulator
 from megainfer.tools.simulator.workload import SimRequest
@@ -22,11 +26,18 @@ from planner.step_cost_model import ColocatedStepModel
 QWEN = PRESETS["qwen3-30b-a3b"]
 
 
+def simulate_command_defaults() -> argparse.Namespace:
+    """`megainfer simulate`'s own defaults (seed, expert skew, group tokens, ...), as its parser sets them."""
+    parser = argparse.ArgumentParser()
+    simulate.register(parser.add_subparsers())
+    return parser.parse_args(["simulate"])
+
+
 def _simulate(policy: str, chunk: int, rate: float) -> dict:
     """What `megainfer simulate --model qwen3-30b-a3b --gpu H100 --tp 2 --workload arxiv --rate RATE
     --requests 300 --policy POLICY --chunk-size CHUNK` prints, with every other option at the
     command's default."""
-    defaults = cf.command_defaults()
+    defaults = simulate_command_defaults()
     spec = SimulationSpec(model=QWEN, step_model=ColocatedStepModel(QWEN, Catalog.load()["H100"], 2),
                           workload="arxiv", rate=rate, num_requests=300, policies=(policy,), chunk_size=chunk,
                           expert_skew=defaults.expert_skew, seed=defaults.seed)
@@ -40,7 +51,7 @@ def runs() -> dict[str, dict]:
 
 def test_chunked_512_at_1_3_req_s_is_within_25_percent_of_both_runs(runs):
     r = runs["chunked"]
-    for measured in (cf.CHUNKED_512, cf.CHUNKED_512_RERUN):
+    for measured in (paper.CHUNKED_512, paper.CHUNKED_512_RERUN):
         assert r["ttft_mean_s"] == pytest.approx(measured.ttft_mean_s, rel=0.25)
         assert r["tbt_mean_s"] == pytest.approx(measured.tbt_mean_s, rel=0.25)
     assert 2.24 <= r["ttft_mean_s"] <= 3.35 and 26.3e-3 <= r["tbt_mean_s"] <= 36.3e-3
@@ -58,7 +69,7 @@ def test_layered_beats_chunked_where_the_paper_measured_it(runs):
         assert layered[key] < chunked[key], key
 
 
-@pytest.mark.parametrize("measured", [cf.CHUNKED_1024, cf.CHUNKED_2048], ids=lambda m: m.label)
+@pytest.mark.parametrize("measured", [paper.CHUNKED_1024, paper.CHUNKED_2048], ids=lambda m: m.label)
 def test_larger_chunks_have_the_measured_mean_tbt(measured):
     r = _simulate("chunked", measured.chunk_size, measured.rate)
     assert r["tbt_mean_s"] == pytest.approx(measured.tbt_mean_s, rel=0.25)
@@ -69,9 +80,9 @@ def test_one_long_prompt_takes_the_measured_prefill_time():
     at chunks of 4,096 and 8,192 (within the same 25%)."""
     problem = cf.FitProblem("H100")
     sim = problem.simulate(EfficiencyCurves.load("H100"))
-    assert sim.prefill_s[cf.PROMPT_CHUNK_512.label] > 0.5
-    assert sim.moe_share[cf.PROMPT_CHUNK_512.label] > 0.5
-    for p in (cf.PROMPT_CHUNK_4096, cf.PROMPT_CHUNK_8192):
+    assert sim.prefill_s[paper.PROMPT_CHUNK_512.label] > 0.5
+    assert sim.moe_share[paper.PROMPT_CHUNK_512.label] > 0.5
+    for p in (paper.PROMPT_CHUNK_4096, paper.PROMPT_CHUNK_8192):
         assert sim.prefill_s[p.label] == pytest.approx(0.2, rel=0.25)
 
 
@@ -104,8 +115,8 @@ def test_writing_an_entry_replaces_only_that_entry_and_keeps_comments(tmp_path):
     path.write_text(DEFAULT_CURVES.read_text() + "\nL40S:\n  # a comment\n  launch_s: 3.0e-6\n")
     before = path.read_text()
     curves = EfficiencyCurves.load("H100").with_values(step_overhead_s=0.0123)
-    cf.write_entry(path, "H100", cf.entry_text("H100", curves))
-    cf.write_entry(path, "H100", cf.entry_text("H100", curves))  # twice: replaced, not appended
+    write_entry(path, "H100", entry_text("H100", curves, {p.name for p in cf.FITTED}))
+    write_entry(path, "H100", entry_text("H100", curves, {p.name for p in cf.FITTED}))  # twice: replaced, not appended
     text = path.read_text()
     assert text.count("\nH100:") == 1 and "L40S:\n  # a comment\n  launch_s: 3.0e-6" in text
     assert text.startswith(before.split("\nH100:")[0].split("\nL40S:")[0])  # the header comments survive
@@ -121,8 +132,10 @@ def test_the_fit_refuses_a_gpu_without_measurements():
 
 
 def test_the_fit_simulates_what_the_command_runs():
-    defaults = cf.command_defaults()
-    spec = cf.FitProblem("H100").spec(EfficiencyCurves.load("H100"), cf.CHUNKED_512)
-    assert (spec.seed, spec.expert_skew, spec.group_tokens, spec.max_num_seqs) == (
-        defaults.seed, defaults.expert_skew, defaults.group_tokens, defaults.max_num_seqs)
+    defaults = simulate_command_defaults()
+    spec = cf.FitProblem("H100").spec(EfficiencyCurves.load("H100"), paper.CHUNKED_512)
+    assert (spec.seed, spec.expert_skew, spec.group_tokens, spec.num_layer_groups, spec.max_num_seqs,
+            spec.tbt_slo_s, spec.ttft_slo_s) == (
+        defaults.seed, defaults.expert_skew, defaults.group_tokens, defaults.num_layer_groups, defaults.max_num_seqs,
+        defaults.tbt_slo_ms / 1e3, defaults.ttft_slo_s)
     assert spec.expert_skew > 0  # the fitted routing skew, not uniform

@@ -22,9 +22,7 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import sys
-import textwrap
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -37,75 +35,17 @@ from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.presets import PRESETS
+from megainfer.tools.simulator.curves_entry import entry_text, write_entry
 from megainfer.tools.simulator.experiment import SimulationSpec
+from megainfer.tools.simulator.paper_measurements import (CHUNKED_512, CHUNKED_1024, CHUNKED_2048, LAYERED_512,
+                                                          MEASURED_GPUS, MODEL, NUM_REQUESTS, SERVING, SINGLE_PROMPTS,
+                                                          TOLERANCE, TP, WORKLOAD, ServingMeasurement)
 from megainfer.tools.simulator.sim import Simulator
 from megainfer.tools.simulator.workload import SimRequest
 from planner.catalog import GPU, Catalog
 from planner.efficiency_curves import DEFAULT_CURVES, EfficiencyCurves, OperatorCurves, Saturation
 from planner.step_cost_model import ColocatedStepModel
 
-PAPER = ("Layered prefill, 'From Tokens to Layers' (arXiv 2510.08055): Qwen3-30B-A3B, 2 x H100 TP 2, "
-         "vLLM-based, bf16, arXiv summarisation, Poisson arrivals (figures as quoted in issue 20)")
-
-
-# -- the measurements -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ServingMeasurement:
-    """One measured serving run: a prefill policy at a request rate."""
-
-    label: str
-    policy: str  # chunked or layered
-    chunk_size: int  # chunked: the step's token budget
-    rate: float  # requests per second
-    ttft_mean_s: float
-    ttft_p99_s: float
-    tbt_mean_s: float
-    tbt_p99_s: float
-    expert_gb_per_request: float | None = None  # expert weights read per request, GB
-    mj_per_token: float | None = None  # energy per processed (prompt + output) token
-    source: str = PAPER
-
-    @property
-    def scenario(self) -> tuple[str, int, float]:
-        """Runs of the same configuration share one simulation."""
-        return self.policy, self.chunk_size, self.rate
-
-
-@dataclass(frozen=True)
-class SinglePromptMeasurement:
-    """One prompt alone on the instance: its prefill time at one chunk size."""
-
-    label: str
-    prompt_tokens: int
-    chunk_size: int
-    prefill_s: float
-    lower_bound: bool = False  # the paper says "over" prefill_s
-    moe_share_at_least: float | None = None  # the MoE's share of the prefill, as a lower bound
-    source: str = PAPER
-
-
-CHUNKED_512 = ServingMeasurement("chunked 512, run 1", "chunked", 512, 1.3, 2.68, 8.05, 29.0e-3, 48.4e-3,
-                                 expert_gb_per_request=955, mj_per_token=60.2)
-CHUNKED_512_RERUN = ServingMeasurement("chunked 512, run 2", "chunked", 512, 1.3, 2.80, 8.65, 32.9e-3, 51.1e-3)
-CHUNKED_1024 = ServingMeasurement("chunked 1024", "chunked", 1024, 1.7, 2.32, 5.83, 43.6e-3, 83.4e-3,
-                                  expert_gb_per_request=631, mj_per_token=45.4)
-CHUNKED_2048 = ServingMeasurement("chunked 2048", "chunked", 2048, 2.6, 2.56, 5.58, 73.6e-3, 129e-3,
-                                  expert_gb_per_request=304, mj_per_token=32.4)
-LAYERED_512 = ServingMeasurement("layered", "layered", 512, 1.3, 1.24, 4.10, 21.5e-3, 37.1e-3)
-SERVING = (CHUNKED_512, CHUNKED_512_RERUN, CHUNKED_1024, CHUNKED_2048, LAYERED_512)
-
-PROMPT_CHUNK_512 = SinglePromptMeasurement("8,192-token prompt, chunk 512", 8192, 512, 0.500, lower_bound=True,
-                                           moe_share_at_least=0.5)
-PROMPT_CHUNK_4096 = SinglePromptMeasurement("8,192-token prompt, chunk 4096", 8192, 4096, 0.200)
-PROMPT_CHUNK_8192 = SinglePromptMeasurement("8,192-token prompt, chunk 8192", 8192, 8192, 0.200)
-SINGLE_PROMPTS = (PROMPT_CHUNK_512, PROMPT_CHUNK_4096, PROMPT_CHUNK_8192)
-
-# The workload the measurements serve, and the instance.
-MODEL, WORKLOAD, TP, NUM_REQUESTS = "qwen3-30b-a3b", "arxiv", 2, 300
-MEASURED_GPUS = ("H100",)
-
-# Issue 20's bar: mean TTFT and mean TBT of these within 25%, and layered below chunked.
-TOLERANCE = 0.25
 
 
 # -- the parameters -------------------------------------------------------------------------------
@@ -187,16 +127,6 @@ def log_bounds(params: tuple[FitParameter, ...] = FITTED) -> list[tuple[float, f
 
 
 # -- simulating the measurements ------------------------------------------------------------------
-def command_defaults() -> argparse.Namespace:
-    """`megainfer simulate`'s defaults (seed, expert skew, group tokens, ...): the fit runs the
-    simulations the plain command runs, so the committed curves reproduce with it."""
-    from megainfer.cli import simulate
-
-    parser = argparse.ArgumentParser()
-    simulate.register(parser.add_subparsers())
-    return parser.parse_args(["simulate"])
-
-
 @dataclass
 class Simulated:
     """What the simulator gave for each measurement under one set of curves."""
@@ -228,12 +158,11 @@ class FitProblem:
     def __init__(self, gpu: str, *, curves_path: str | Path | None = None, catalog: str | None = None) -> None:
         if gpu not in MEASURED_GPUS:
             raise ConfigError(f"--gpu {gpu!r}: the fit has measurements for {', '.join(MEASURED_GPUS)} only; "
-                              f"add that GPU's ServingMeasurement constants to megainfer/tools/simulator/curve_fit.py")
+                              f"add that GPU's ServingMeasurement constants to megainfer/tools/simulator/paper_measurements.py")
         self.gpu_name = gpu
         self.gpu: GPU = Catalog.load(catalog)[gpu]
         self.model: ModelConfig = PRESETS[MODEL]
         self.curves_path = Path(curves_path) if curves_path else DEFAULT_CURVES
-        self.cli = command_defaults()
         self.evaluations = 0
 
     @cached_property
@@ -241,15 +170,12 @@ class FitProblem:
         return EfficiencyCurves.load(self.gpu_name, self.curves_path)
 
     def spec(self, curves: EfficiencyCurves, m: ServingMeasurement) -> SimulationSpec:
-        cli = self.cli
-        # Options the command has but leaves to SimulationSpec's defaults stay unset here too.
-        routing = {"expert_rank_offset": cli.expert_rank_offset} if hasattr(cli, "expert_rank_offset") else {}
+        """The run `megainfer simulate` makes of `m` (every other option at SimulationSpec's
+        defaults, which are the command's: tests/megainfer/test_performance_model_fit.py)."""
         return SimulationSpec(
             model=self.model, step_model=ColocatedStepModel(self.model, self.gpu, TP, curves=curves),
             workload=WORKLOAD, rate=m.rate, num_requests=NUM_REQUESTS, policies=(m.policy,), arrival="poisson",
-            chunk_size=m.chunk_size, group_tokens=cli.group_tokens, num_layer_groups=cli.num_layer_groups,
-            max_num_seqs=cli.max_num_seqs, expert_skew=cli.expert_skew, tbt_slo_s=cli.tbt_slo_ms / 1e3,
-            ttft_slo_s=cli.ttft_slo_s, seed=cli.seed, **routing)
+            chunk_size=m.chunk_size)
 
     @cached_property
     def _requests(self) -> dict[float, list[SimRequest]]:
@@ -436,54 +362,6 @@ def meets_bar(sim: Simulated) -> bool:
 
 
 # -- writing the entry ----------------------------------------------------------------------------
-def _number(value: float) -> str:
-    return f"{value:.4g}" if 1e-3 <= abs(value) < 1e4 else f"{value:.3e}".replace("e-0", "e-")
-
-
-def entry_text(gpu: str, curves: EfficiencyCurves, result: FitResult | None = None) -> str:
-    """The GPU's YAML entry: the fitted fields only (the rest are `default`'s, held fixed in the fit)."""
-    names = {p.name for p in FITTED}
-    fixed = sorted({f"{op}.{leg}" for op in ("gemm", "moe", "attention") for leg in ("flops", "bandwidth")
-                    if f"{op}.{leg}.peak" not in names and f"{op}.{leg}.half" not in names} |
-                   {f"{op}.{leg}.half" for op in ("gemm", "moe", "attention") for leg in ("flops", "bandwidth")
-                    if f"{op}.{leg}.peak" in names and f"{op}.{leg}.half" not in names} |
-                   {n for n in ("launch_s", "allreduce_latency_s", "link") if n not in names})
-    lines = [f"{gpu}:",
-             f"  # Fitted by `python -m megainfer.tools.simulator.curve_fit --gpu {gpu} --write`"
-             + (f" (objective {result.objective:.4f}, {result.evaluations} evaluations)" if result else "") + ";",
-             *textwrap.wrap(f"held at `default`: {', '.join(fixed)}. Data and method: docs/performance-model.md.",
-                            width=100, initial_indent="  # ", subsequent_indent="  # "),
-             "  source: \"fitted to the layered-prefill paper's Qwen3-30B-A3B runs on 2 x H100 (arXiv 2510.08055)\""]
-    for op in ("gemm", "moe", "attention"):
-        legs = []
-        for leg in ("flops", "bandwidth"):
-            if any(f"{op}.{leg}.{field}" in names for field in ("peak", "half")):
-                s: Saturation = getattr(getattr(curves, op), leg)
-                legs.append(f"{leg}: [{_number(s.peak)}, {_number(s.half)}]")
-        if legs:
-            lines.append(f"  {op + ':':10s} {{{', '.join(legs)}}}")
-    for name in ("launch_s", "step_overhead_s", "step_overhead_per_seq_s", "allreduce_latency_s", "link"):
-        if name in names:
-            lines.append(f"  {name}: {_number(getattr(curves, name))}")
-    return "\n".join(lines) + "\n"
-
-
-def write_entry(path: Path, gpu: str, text: str) -> None:
-    """Replace the GPU's top-level entry in the curves file (or append one), leaving the rest of
-    the file, comments included, as it was."""
-    source = path.read_text()
-    block = re.compile(rf"^{re.escape(gpu)}:[^\n]*\n(?:(?:[ \t]+[^\n]*|[ \t]*)\n)*", re.MULTILINE)
-    match = block.search(source)
-    if match:
-        # Keep blank lines that separated the entry from the next one.
-        tail = match.group(0)[len(match.group(0).rstrip("\n")) + 1:]
-        source = source[:match.start()] + text + tail + source[match.end():]
-    else:
-        source = source.rstrip("\n") + "\n" + text
-    path.write_text(source)
-    EfficiencyCurves.load(gpu, path)  # the file still loads
-
-
 # -- the command ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megainfer.tools.simulator.curve_fit", description=__doc__.split("\n\n")[0])
@@ -502,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cli = problem.cli
-    print(f"{MODEL} on {TP} x {args.gpu}, {WORKLOAD} x {NUM_REQUESTS} requests, seed {cli.seed}, "
-          f"expert skew {cli.expert_skew:g}, group tokens {cli.group_tokens}")
+    spec = problem.spec(curves, CHUNKED_512)
+    print(f"{MODEL} on {TP} x {args.gpu}, {WORKLOAD} x {NUM_REQUESTS} requests, seed {spec.seed}, "
+          f"expert skew {spec.expert_skew:g}, group tokens {spec.group_tokens}")
     result = None
     if args.sensitivities:
         labels = [f"{m.label} {f}" for m in SERVING for f in ("TTFT", "TBT")]
@@ -525,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"issue 20's bar: {'met' if meets_bar(sim) else 'NOT met'}; objective "
           f"{float(np.sum(problem.residuals(sim) ** 2)):.4f}")
     if args.write and result is not None:
-        write_entry(problem.curves_path, args.gpu, entry_text(args.gpu, curves, result))
+        note = f"objective {result.objective:.4f}, {result.evaluations} evaluations"
+        write_entry(problem.curves_path, args.gpu, entry_text(args.gpu, curves, {p.name for p in FITTED}, note))
         print(f"wrote the {args.gpu} entry of {problem.curves_path}")
     if args.json:
         data = {"gpu": args.gpu, "parameters": {p.name: p.get(curves) for p in FITTED},
