@@ -1,6 +1,5 @@
 """Every environment variable megainfer's serving core, CLI and deploy read, in one table: its
-name, type, default and meaning, parsed here with an error (a `ConfigError`, which the CLI
-prints without a traceback) that names the variable, its bad value and the fix.
+name, type, default and meaning.
 
 Readers ask a setting's `read()` when they need it, as they read `os.environ` before (a
 `read(environ)` takes a mapping the caller was handed, e.g. a test's).
@@ -10,8 +9,9 @@ megainfer/ (DESIGN.md), and neither may import the other, so no one module serve
 reader; each layer that reads variables keeps one table of the same shape:
 `kernels/kernel_settings.py`, `transport/transport_settings.py` and this one; `python -m
 megainfer.tools.settings_table` writes the README's table from the three (and
-tests/test_settings.py checks that they agree). The `Setting` shape is restated in each, its
-error belonging to that layer.
+tests/test_settings.py checks that they agree). The two lower layers parse choices and
+integers (each its own `Setting`, raising its layer's error: transport/ may not import
+kernels/'s torch-importing package); megainfer's variables are text.
 
 Not here, because megainfer does not own them and only passes them on or reads them as their
 owner does: `HF_HUB_CACHE`, `HUGGINGFACE_HUB_CACHE`, `HF_HOME`, `XDG_CACHE_HOME`
@@ -29,51 +29,22 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megainfer.errors import ConfigError
-
-
-class SettingError(ConfigError):
-    """An environment variable holds a value its setting does not accept."""
-
 
 @dataclass(frozen=True)
 class Setting:
-    """One environment variable: `read` parses it (unset or blank: `default`)."""
+    """One environment variable whose value is text (every one megainfer itself owns): `read`
+    gives it, or `default` when unset or blank. No value is malformed, so nothing is refused here;
+    the variables that are parsed (choices, integers) belong to kernels/ and transport/."""
 
     name: str
-    default: str | int | None
+    default: str | None
     meaning: str  # one line, for the README's table
-    choices: tuple[str, ...] = ()  # a choice, lower-cased; else an integer >= minimum; else a string
-    minimum: int | None = None
+    kind = "string"
 
-    @property
-    def kind(self) -> str:
-        if self.choices:
-            return " | ".join(self.choices)
-        return "string" if self.minimum is None else f"integer >= {self.minimum}"
-
-    def read(self, environ: Mapping[str, str] | None = None):
+    def read(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The value now, from `environ` (default: os.environ, read at this call)."""
         raw = (os.environ if environ is None else environ).get(self.name, "")
-        text = raw.strip()
-        if not text:
-            return self.default
-        if self.choices:
-            if text.lower() in self.choices:
-                return text.lower()
-            raise SettingError(f"{self.name}={text!r} is not one of {', '.join(self.choices)}; {self._fix()}")
-        if self.minimum is None:
-            return raw
-        value = int(text) if text.lstrip("-").isdigit() else None
-        if value is None or value < self.minimum:
-            raise SettingError(f"{self.name}={text!r} is not an integer >= {self.minimum}; {self._fix()}")
-        return value
-
-    def _fix(self) -> str:
-        default = "" if self.default in (None, "") else f" (default: {self.default})"
-        wanted = " or ".join(self.choices) if self.choices else f"an {self.kind}"
-        return f"set it to {wanted}, or unset it{default}"
-
+        return raw if raw.strip() else self.default
 
 
 API_KEY = Setting(

@@ -25,7 +25,7 @@ from megainfer.messages import RequestDelta
 from megainfer.request_group import Completion, RequestGroup
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import GenerationBackend, RequestStream
-from megainfer.server.metrics import ServingMetrics
+from megainfer.server.metrics import ServingMetrics, take_delta
 
 logger = logging.getLogger(__name__)
 
@@ -119,18 +119,8 @@ class ChoiceStreams:
         group = self.group
         while not group.finished:
             c, delta = await self._queue.get()
-            now = time.monotonic()
-            shown, gap = group.arrived(c, delta, now)
-            if gap is not None and self.metrics is not None:
-                self.metrics.observe_token_gap(gap)
-            if delta.finished and c.last is delta:
-                self._observe_request(c, delta, now)
-            for pair in shown:
+            for pair in take_delta(self.metrics, group, c, delta, time.monotonic()):
                 yield pair
-
-    def _observe_request(self, c: Completion, final: RequestDelta, now: float) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_request(final, c.ttft_s(), c.tpot_s(), now - c.started_at)
 
     def close(self) -> None:
         """Abort every completion that has not finished (in the executor: a deployment's abort
@@ -142,8 +132,7 @@ class ChoiceStreams:
             return
         now = time.monotonic()
         for c, abort in self.group.abort_deltas():  # nobody reads them any more: they end here
-            self.group.arrived(c, abort, now)
-            self._observe_request(c, abort, now)
+            take_delta(self.metrics, self.group, c, abort, now)
         self.executor.submit(self._abort, open_ids)
 
     def _abort(self, request_ids: list[str]) -> None:

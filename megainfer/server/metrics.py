@@ -61,6 +61,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from megainfer.messages import ErrorCode, FinishReason, HistogramSnapshot, RequestDelta
+from megainfer.request_group import Completion, RequestGroup
 
 if TYPE_CHECKING:
     from kernels.startup import KernelReport
@@ -260,6 +261,10 @@ class ServingMetrics:
         """The time between two deltas of one request that both brought tokens (inter-token latency)."""
         self.itl.observe(seconds)
 
+    def observe_completion(self, c: Completion, final: RequestDelta, now: float) -> None:
+        """A request group's completion as it ends (`observe_request` with its own timing)."""
+        self.observe_request(final, c.ttft_s(), c.tpot_s(), now - c.started_at)
+
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP on a port of its own; returns the port (useful with port 0)."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -271,3 +276,17 @@ class ServingMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def take_delta(metrics: ServingMetrics | None, group: RequestGroup, c: Completion, delta: RequestDelta,
+               now: float) -> list[tuple[Completion, RequestDelta]]:
+    """`group.arrived(c, delta)` as a server takes it: the token gap observed, and the
+    completion's end, once (a delta passed over after its first last delta counts for nothing).
+    Returns what to show now."""
+    shown, gap = group.arrived(c, delta, now)
+    if metrics is not None:
+        if gap is not None:
+            metrics.observe_token_gap(gap)
+        if delta.finished and c.last is delta:
+            metrics.observe_completion(c, delta, now)
+    return shown

@@ -25,7 +25,7 @@ from megainfer.server.backend import GenerationBackend, RequestStream
 from megainfer.server.fan_in import FanIn
 from megainfer.server.grpc_decoding import add_inference_service
 from megainfer.server.grpc_access import AccessInterceptor, principal_of
-from megainfer.server.metrics import ServingMetrics
+from megainfer.server.metrics import ServingMetrics, take_delta
 from megainfer.server.readiness import Readiness
 from megainfer.v1 import inference_pb2 as pb
 from megainfer.v1 import inference_pb2_grpc as pb_grpc
@@ -125,8 +125,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._abort(live)
             now = time.monotonic()
             for c, abort in live.group.abort_deltas():  # the client went away: the rest count as aborted
-                live.group.arrived(c, abort, now)
-                self._end(c, abort, now)
+                take_delta(self.metrics, live.group, c, abort, now)
 
     def _submit(self, rid: str, prompt, params: SamplingParams, owner: str | None = None) -> _Live:
         """Start the n engine requests, or none (the backend refuses an id in use). owner: the
@@ -150,11 +149,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             index, delta = got
             c = group.completions[index]
             now = time.monotonic()
-            shown, gap = group.arrived(c, delta, now)
-            if gap is not None and self.metrics is not None:
-                self.metrics.observe_token_gap(gap)
+            shown = take_delta(self.metrics, group, c, delta, now)
             if delta.finished and c.last is delta:
-                self._end(c, delta, now)
                 if delta.finish_reason is FinishReason.ERROR:
                     code = grpc.StatusCode.UNAVAILABLE if delta.error_code is ErrorCode.UNAVAILABLE \
                         else grpc.StatusCode.INTERNAL
@@ -174,10 +170,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             yield from batch
             if group.finished:
                 return
-
-    def _end(self, c: Completion, final: RequestDelta, now: float) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_request(final, c.ttft_s(), c.tpot_s(), now - c.started_at)
 
     def _abort(self, live: _Live) -> bool:
         """Cancel the completions still running (any thread); each stream gets its "abort" last
