@@ -30,7 +30,8 @@ from megainfer.output_processor import OutputProcessor
 from megainfer.request_admission import Prompt, RequestAdmission
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import Scheduler, SchedulerOutput, without_finished
+from megainfer.scheduler import Scheduler
+from megainfer.scheduler_output import SchedulerOutput, without_finished
 from megainfer.sequence import Sequence
 from megainfer.step_records import StepRecords
 from megainfer.tokenizer import Tokenizer, load_tokenizer

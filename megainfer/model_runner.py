@@ -24,7 +24,7 @@ from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.sampler import Sampler, position_logprobs
 from megainfer.sampling_params import MAX_LOGPROBS, SamplingParams
-from megainfer.scheduler import SchedulerOutput
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.step_layout import MicroBatchLayout, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
 

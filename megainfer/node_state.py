@@ -6,7 +6,8 @@ constructors read the engine's objects, so they live with them."""
 from __future__ import annotations
 
 from megainfer.messages import NodeState, RequestLengths, SchedulingKnobs, StepSample
-from megainfer.scheduler import Scheduler, SchedulerOutput, chunk_work
+from megainfer.scheduler import Scheduler, chunk_work
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.sequence import Sequence
 
 

@@ -13,7 +13,8 @@ from megainfer.messages import DeltaColumns, ErrorCode, PositionLogprobs, Reques
 from megainfer.model_runner import StepResult
 from megainfer.output_stream import OutputStream
 from megainfer.sampler import Sampler
-from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.scheduler import Scheduler
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.sequence import Sequence, SequenceStatus
 from megainfer.tokenizer import Tokenizer
 

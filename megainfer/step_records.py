@@ -23,7 +23,8 @@ from megainfer.messages import EngineStats, ExpertLoad, StepSample
 from megainfer.model_runner import StepResult
 from megainfer.node_state import step_sample
 from megainfer.routing.online_step_model import OnlineStepModel
-from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.scheduler import Scheduler
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.sequence import Sequence
 
 if TYPE_CHECKING:

@@ -9,12 +9,10 @@ every sequence of every step: attributes are read once, nothing is called that n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.sequence import FinishReason, Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from megainfer.scheduler import SchedulerOutput
 
 # The token of a sequence whose step is still running while the next one is scheduled
 # (`Scheduler.advance_ahead`); `Scheduler.place` writes the sampled token over it.

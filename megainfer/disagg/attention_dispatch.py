@@ -1,24 +1,17 @@
 """One (layer, micro-batch)'s attention half as an attention rank runs it: the layer, then its
 routed tokens packed into dispatch records in expert-node order. The same function runs eager
-and inside a CUDA graph (decode_graphs.py), so both dispatch the same bytes; `AttentionHalves`
-chooses between them, micro-batch by micro-batch."""
+and inside a CUDA graph (decode_graphs.py), so both dispatch the same bytes (`attention_halves.py`
+chooses between them, micro-batch by micro-batch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 import kernels
 from megainfer.disagg.expert_link import pack_records
 from megainfer.model.attention_layer import AttentionLayer
 from megainfer.model.rotary import RotaryEmbedding
-
-if TYPE_CHECKING:  # decode_graphs imports this module
-    from megainfer.disagg.decode_graphs import AttentionGraphs
-    from megainfer.model.moe_model import MoEModel
-    from megainfer.model_runner import MicroBatchState
 
 
 @dataclass
@@ -59,31 +52,3 @@ def attend_and_pack(layer: AttentionLayer, rotary: RotaryEmbedding, kv_cache: tu
     # Every token packed once, then the records gathered in send order: one gather, not three.
     records = pack_records(a.expert_input, a.topk_ids, a.topk_weights)[token_ids]
     return DispatchParts(a.residual, records, g.node_offsets, token_ids)
-
-
-class AttentionHalves:
-    """An attention rank's attention halves, one (layer, micro-batch) at a time: replayed from
-    decode's graphs where the step loaded them for the micro-batch, else eager; either way the
-    tokens routed are added to `expert_counts` ([layers, experts], which the graphs add to too)."""
-
-    def __init__(self, model: MoEModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 graphs: AttentionGraphs | None, expert_counts: torch.Tensor, tp_size: int) -> None:
-        self.model, self.kv_caches, self.graphs, self.expert_counts = model, kv_caches, graphs, expert_counts
-        self.tp_size = tp_size
-
-    def load(self, j: int, state: MicroBatchState) -> None:
-        """Micro-batch j's inputs for this step, before its first layer: a decode-only micro-batch
-        replays graphs."""
-        if self.graphs is not None:
-            self.graphs.load(j, None if state.layout.cohort_sequences else state.decode_inputs,
-                             state.layout.num_decode_rows)
-
-    def __call__(self, layer: int, j: int, hidden: torch.Tensor, inp) -> DispatchParts:
-        """Micro-batch j's attention half of `layer`: its graph where this step loaded one, else eager."""
-        graphs = self.graphs
-        if graphs is not None and graphs.active[j] is not None:
-            return graphs.run(layer, j, hidden)
-        _, positions, batch = inp
-        model = self.model
-        return attend_and_pack(model.attention_layers[layer], model.rotary, self.kv_caches[layer], hidden, positions,
-                               batch, self.expert_counts[layer], self.tp_size)

@@ -27,7 +27,7 @@ import torch
 from megainfer.block_table_rows import BlockTableRows
 from megainfer.config import ModelConfig
 from megainfer.disagg import decode_graphs, step_sync
-from megainfer.disagg.attention_dispatch import AttentionHalves
+from megainfer.disagg.attention_halves import AttentionHalves
 from megainfer.disagg.attention_profile import attention_kv_budget, profile_attention_step
 from megainfer.disagg.device_staging import ComputeTimer
 from megainfer.disagg.expert_exchange import ExpertExchange
@@ -42,7 +42,7 @@ from megainfer.memory_profile import MemorySnapshot
 from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, greedy_rows,
                                     load_and_size, sample_step, samples_by_micro_batch)
 from megainfer.sampler import Sampler
-from megainfer.scheduler import SchedulerOutput
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.step_layout import LayoutAhead, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
 

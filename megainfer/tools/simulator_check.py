@@ -47,7 +47,7 @@ from megainfer.sampling_params import SamplingParams
 from megainfer.server.client import Client
 from megainfer.tools.simulator.experiment import SimulationSpec
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.tools.simulator.workload import SimRequest, arrival_times, describe, load_trace
+from megainfer.bench.workload import SimRequest, arrival_times, describe, load_trace
 from planner.operator_profile import OperatorProfile
 from planner.step_cost_model import ColocatedStepModel
 

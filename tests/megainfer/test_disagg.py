@@ -417,7 +417,7 @@ def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
     """A tensor-parallel node's followers rebuild the leader's step, layered pass included,
     and name each cohort member the same way step after step."""
     from megainfer.disagg import step_sync
-    from megainfer.scheduler import LayeredPass, SchedulerOutput
+    from megainfer.scheduler_output import LayeredPass, SchedulerOutput
     from megainfer.sequence import Sequence
     from megainfer.step_layout import StepLayout
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megainfer.presets import PRESETS
-from megainfer.tools.simulator.workload import LogNormalLengths, describe, generate
+from megainfer.bench.workload import LogNormalLengths, describe, generate
 
 # The layered-prefill paper (arXiv 2510.08055), arXiv summarisation, tokens.
 PAPER_ARXIV = {"input": {"mean": 9194, "p90": 17152, "std": 5754},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import LayeredPass, SchedulerOutput
+from megainfer.scheduler_output import LayeredPass, SchedulerOutput
 from megainfer.sequence import Sequence
 from megainfer.step_layout import MicroBatchLayout, SampledRow, StepLayout, split_micro_batches
 

@@ -32,11 +32,12 @@ from megainfer.node_state import snapshot, step_sample
 from megainfer.routing.autoscale import Autoscaler, ScaleEvent
 from megainfer.routing.policies import PredictiveRouter, Router
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.scheduler import Scheduler
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.sequence import Sequence
 from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.tools.simulator.workload import SimRequest
+from megainfer.bench.workload import SimRequest
 from planner.step_cost_model import ColocatedStepModel
 
 _TOKEN = 0  # every simulated token: only lengths matter

@@ -12,7 +12,7 @@ from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.routing.policies import make_router
 from megainfer.tools.simulator.cluster import ClusterSimulator
-from megainfer.tools.simulator.workload import generate
+from megainfer.bench.workload import generate
 from planner.step_cost_model import ColocatedStepModel
 
 

@@ -21,12 +21,13 @@ from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import Scheduler, SchedulerOutput
+from megainfer.scheduler import Scheduler
+from megainfer.scheduler_output import SchedulerOutput
 from megainfer.sequence import Sequence
 from megainfer.step_layout import StepLayout
 from megainfer.tools.simulator.expert_load import ExpertActivation
 from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
-from megainfer.tools.simulator.workload import SimRequest
+from megainfer.bench.workload import SimRequest
 from planner.step_cost_model import AttentionWork, ColocatedStepModel, LayerClass
 
 _TOKEN = 0  # the simulator's stand-in token id: no model reads it, no stop condition matches it
