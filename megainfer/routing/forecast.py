@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.kv_cache import BlockManager
-from megainfer.messages import NodeState, RequestLengths, StepSample
+from megainfer.messages import NodeState, RequestLengths
 from megainfer.node_state import step_sample
 from megainfer.routing.length_estimator import OutputLengthEstimator
 from megainfer.routing.online_step_model import OnlineStepModel

@@ -27,7 +27,7 @@ import numpy as np
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
-from megainfer.messages import NodeLoad, NodeState, StepSample
+from megainfer.messages import NodeLoad, StepSample
 from megainfer.node_state import snapshot, step_sample
 from megainfer.routing.autoscale import Autoscaler, ScaleEvent
 from megainfer.routing.policies import PredictiveRouter, Router
