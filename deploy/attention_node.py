@@ -18,7 +18,7 @@ from deploy.node_config import bind_host, data_link, join_tp_group, node_names, 
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine import Engine
-from megainfer.engine_core import EngineCore
+from megainfer.queued_engine import QueuedEngine
 from megainfer.engine_steps import EngineSteps
 from megainfer.errors import DataPlaneError
 from megainfer.messages import DeltaBatch, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus
@@ -42,7 +42,7 @@ class AttentionNode(NodeActor):
         settle(runtime, 0, self.name)
         self._build_args = (secret, host)
         self.engine: Engine | None = None
-        self.core: EngineCore | None = None
+        self.queued: QueuedEngine | None = None
         self.steps: EngineSteps | None = None
         self.outbox = DeltaOutbox()
         if self.plan.attention.tp == 1:
@@ -70,7 +70,7 @@ class AttentionNode(NodeActor):
 
         self.engine = Engine(self.plan.model, runtime.engine, runner_factory=runner)
         self.steps = EngineSteps(self.engine, self.outbox.put, IDLE_S)
-        self.core = self.steps.core
+        self.queued = self.steps.queued
 
     def kernel_report(self):
         return self.engine.runner.kernels if self.engine is not None else None  # built once it joined its group
@@ -99,7 +99,7 @@ class AttentionNode(NodeActor):
             return NodeHealth(self.name, NodeRole.ATTENTION, NodeStatus.WIRING)
         scheduler, slots = self.engine.scheduler, self.engine.runner.slots
         return NodeHealth(self.name, NodeRole.ATTENTION, self.loop.state, error=self.loop.error,
-                          running=scheduler.num_running, waiting=scheduler.num_waiting + self.core.num_queued,
+                          running=scheduler.num_running, waiting=scheduler.num_waiting + self.queued.num_queued,
                           timing={**self.engine.runner.timing, "step": self.steps.busy_seconds},
                           device_slot_peers=slots.direct_peers() if slots is not None else [])
 
@@ -119,10 +119,10 @@ class AttentionNode(NodeActor):
         prompt length."""
         if not self.loop.serving:
             raise DataPlaneError(f"{self.name} is {self.loop.state}: the deployment is re-wiring, retry shortly")
-        return self.core.submit(request_id, prompt, params).num_prompt_tokens
+        return self.queued.add_request(request_id, prompt, params).num_prompt_tokens
 
     def abort(self, request_id: str) -> bool:
-        return self.core.abort(request_id)
+        return self.queued.abort(request_id)
 
     def poll(self, incarnation: str | None = None, after: int = 0, timeout: float = 0.05) -> DeltaBatch:
         """Token deltas after the poller's cursor `after` (acknowledging those up to it; see
@@ -137,7 +137,7 @@ class AttentionNode(NodeActor):
         with self.steps.lock:
             blocks = self.engine.scheduler.block_manager
             return rank_resources(self.name, NodeRole.ATTENTION, 0, self.link, kv_blocks_total=blocks.num_blocks,
-                                  kv_blocks_free=blocks.num_free_blocks, requests=self.core.num_requests)
+                                  kv_blocks_free=blocks.num_free_blocks, requests=self.queued.num_requests)
 
     def stats(self) -> NodeStats:
         with self.steps.between_steps() as engine:  # queued requests count as waiting

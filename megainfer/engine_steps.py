@@ -2,7 +2,8 @@
 runs in its `StepLoop` — the colocated engine (`server/engine_backend.py`) and an attention
 node (`deploy/attention_node.py`).
 
-Requests and aborts enter through the engine core's queue (any thread), drained between steps.
+Requests and aborts enter through the engine's input queue (`QueuedEngine`, any thread), drained
+between steps.
 Each step runs under `lock`; whoever reads the engine between steps (metrics, the router's
 snapshots, resources) takes it through `between_steps`. The step's deltas go to `deliver`
 (a server's stream registry, a node's outbox) once the lock is released; a step scheduled
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from megainfer.engine import Engine
-from megainfer.engine_core import EngineCore
+from megainfer.queued_engine import QueuedEngine
 from megainfer.errors import DataPlaneError
 from megainfer.messages import DeltaColumns, ErrorCode
 
@@ -27,7 +28,7 @@ class EngineSteps:
         request ends the wait at once); a disaggregated node, which takes part in every step of
         its deployment, waits only while the whole deployment is idle."""
         self.engine = engine
-        self.core = EngineCore(engine)
+        self.queued = QueuedEngine(engine)
         self.deliver = deliver
         self.idle_wait_s = idle_wait_s
         self.lock = threading.Lock()  # held by each step: readers of the engine wait for its end
@@ -37,15 +38,15 @@ class EngineSteps:
         """Wait while idle, then one step if there is one to take; its deltas delivered. Returns
         when the step began (time.perf_counter()), None if it did not step. Raises DataPlaneError
         when the data plane broke mid-step (nothing more can be served now)."""
-        core, runner = self.core, self.engine.runner
-        if not core.has_work() and not runner.deployment_busy:
-            core.wait_for_work(self.idle_wait_s)
-            if not core.has_work() and not runner.steps_when_idle:
+        queued, runner = self.queued, self.engine.runner
+        if not queued.has_work() and not runner.deployment_busy:
+            queued.wait_for_work(self.idle_wait_s)
+            if not queued.has_work() and not runner.steps_when_idle:
                 return None
         with self.lock:
             started = time.perf_counter()
-            busy = core.has_work()
-            deltas = core.step_columns(emit=self.deliver)
+            busy = queued.has_work()
+            deltas = queued.step_columns(emit=self.deliver)
             if busy:
                 self.busy_seconds += time.perf_counter() - started
         self.deliver(deltas)
@@ -59,10 +60,10 @@ class EngineSteps:
         """The engine between two steps, with the requests queued since the last one joined (they
         count as waiting, and a router told they reached this engine must see them)."""
         with self.lock:
-            self.deliver(DeltaColumns.of(self.core.drain()))
+            self.deliver(DeltaColumns.of(self.queued.drain()))
             yield self.engine
 
     def fail_all(self, error: str) -> None:
         """End every request, queued or running, with `error` (nothing will serve them)."""
         with self.lock:
-            self.deliver(DeltaColumns.of(self.core.fail_all(error)))
+            self.deliver(DeltaColumns.of(self.queued.fail_all(error)))

@@ -5,7 +5,7 @@ reaches the scheduler, so it leaves the engine untouched.
 
 It reads only what never changes while the engine serves (the tokenizer, the vocabulary, the
 maximum length, the cache's size), so any thread may admit a request while a step runs: the
-engine core (`engine_core.py`) prepares requests in its callers' threads and hands the
+`QueuedEngine` (`queued_engine.py`) prepares requests in its callers' threads and hands the
 sequences to the step loop's.
 """
 

@@ -1,5 +1,5 @@
 """One colocated engine behind the servers (`megainfer serve`): the engine's steps
-(`EngineSteps`) in a step loop thread (`StepLoop`), fed through the engine core's input queue."""
+(`EngineSteps`) in a step loop thread (`StepLoop`), fed through its input queue (`QueuedEngine`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class EngineBackend:
         self.engine = engine
         self.registry = StreamRegistry(max_open or 2 * engine.config.max_num_seqs)
         self.steps = EngineSteps(engine, self.registry.deliver_batch, IDLE_WAIT_S)
-        self.core = self.steps.core
+        self.queued = self.steps.queued
         self.loop = StepLoop("engine", self)
         self.loop.serve()
 
@@ -38,14 +38,14 @@ class EngineBackend:
             raise DataPlaneError("the engine's step loop stopped (see the server's log); restart the server")
         stream = self.registry.open(request_id)
         try:
-            stream.prompt_tokens = self.core.submit(request_id, prompt, params).num_prompt_tokens
+            stream.prompt_tokens = self.queued.add_request(request_id, prompt, params).num_prompt_tokens
         except BaseException:
             self.registry.close(request_id)
             raise
         return stream
 
     def abort(self, request_id: str) -> bool:
-        aborted = self.core.abort(request_id)
+        aborted = self.queued.abort(request_id)
         self.registry.close(request_id)
         return aborted
 
@@ -71,11 +71,11 @@ class EngineBackend:
         with self.steps.lock:
             blocks = self.engine.scheduler.block_manager
             return [NodeResources("engine", NodeRole.ENGINE, 0, os.getpid(), kv_blocks_total=blocks.num_blocks,
-                                  kv_blocks_free=blocks.num_free_blocks, requests=self.core.num_requests)]
+                                  kv_blocks_free=blocks.num_free_blocks, requests=self.queued.num_requests)]
 
     def close(self) -> None:
         self.loop.stopping.set()
-        self.core.wake()
+        self.queued.wake()
         self.loop.stop()
 
     # -- its StepLoop -------------------------------------------------------------------------

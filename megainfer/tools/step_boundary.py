@@ -32,7 +32,7 @@ from megainfer.block_table_rows import BlockTableRows
 from megainfer.config import ModelConfig
 from megainfer.engine import Engine
 from megainfer.engine_config import EngineConfig
-from megainfer.engine_core import EngineCore
+from megainfer.queued_engine import QueuedEngine
 from megainfer.model.moe_model import MoEModel
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, sample_rows,
@@ -174,8 +174,8 @@ class BoundaryRunner:
 
 
 def boundary_engine(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
-                    async_scheduling: bool = True, t_e_s: float = 0.0) -> EngineCore:
-    """A demo-model engine on a `BoundaryRunner`, in the `EngineCore` an attention node steps,
+                    async_scheduling: bool = True, t_e_s: float = 0.0) -> QueuedEngine:
+    """A demo-model engine on a `BoundaryRunner`, in the `QueuedEngine` an attention node steps,
     with `running` sequences decoding at `context` tokens each (their prompts prefilled in a few
     large steps); scheduling as the plan's attention nodes do (`async_scheduling`), the expert
     nodes taking `t_e_s` per (layer, micro-batch)."""
@@ -191,14 +191,14 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
         return BoundaryRunner(mc, cfg, weights, max_len, micro_batches=micro_batches, num_blocks=blocks,
                               plan_model=plan_model, t_e_s=t_e_s)
 
-    core = EngineCore(Engine(DEMO_MODEL, config, runner_factory=runner))
+    core = QueuedEngine(Engine(DEMO_MODEL, config, runner_factory=runner))
     engine = core.engine
     # The engine's per-expert totals at the plan's model's shape (what its bookkeeping walks).
     engine.step_records.expert_tokens = np.zeros((plan_model.num_layers, plan_model.num_experts), dtype=np.int64)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     for i in range(running):
-        core.submit(f"r{i}", torch.randint(3, model.vocab_size, (context,), generator=g).tolist(), params)
+        core.add_request(f"r{i}", torch.randint(3, model.vocab_size, (context,), generator=g).tolist(), params)
     core.drain()
     while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         core.step_columns()
@@ -230,7 +230,7 @@ def measure_boundary(running: int, context: int, micro_batches: int, plan_model:
     return median
 
 
-def _measure_step(core: EngineCore, running: int) -> BoundaryPhases:
+def _measure_step(core: QueuedEngine, running: int) -> BoundaryPhases:
     """One decode step, by phase."""
     from megainfer.messages import DeltaBatch
 

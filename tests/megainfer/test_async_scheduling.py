@@ -13,7 +13,7 @@ import torch
 
 from megainfer.engine import Engine
 from megainfer.engine_config import EngineConfig
-from megainfer.engine_core import EngineCore
+from megainfer.queued_engine import QueuedEngine
 from megainfer.messages import FinishReason
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ class SequenceTokens(BoundaryRunner):
         return self._tokens(layout), 0.0
 
 
-def make_core(async_scheduling: bool) -> EngineCore:
+def make_core(async_scheduling: bool) -> QueuedEngine:
     plan_model, _ = resolve_model(DEMO_MODEL)  # the expert counts at the engine's own shape
     config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=128, block_size=8,
                           max_model_len=512, async_scheduling=async_scheduling)
@@ -57,14 +57,14 @@ def make_core(async_scheduling: bool) -> EngineCore:
         return SequenceTokens(mc, cfg, weights, max_len, micro_batches=2, num_blocks=128, plan_model=plan_model,
                               t_e_s=0.0)
 
-    return EngineCore(Engine(DEMO_MODEL, config, runner_factory=runner))
+    return QueuedEngine(Engine(DEMO_MODEL, config, runner_factory=runner))
 
 
-def serve(core: EngineCore, requests: dict, abort_at: dict[str, int] | None = None) -> dict:
+def serve(core: QueuedEngine, requests: dict, abort_at: dict[str, int] | None = None) -> dict:
     """Each request's deltas (emitted mid-step or returned), aborting `abort_at[rid]` at that step."""
     got = {rid: [] for rid in requests}
     for rid, (prompt, params) in requests.items():
-        core.submit(rid, prompt, params)
+        core.add_request(rid, prompt, params)
 
     def take(columns):
         for d in columns.deltas:
@@ -116,7 +116,7 @@ def test_a_request_aborted_while_its_next_step_is_scheduled_leaves_it_and_its_bl
 def test_failing_every_request_settles_the_pending_step_first():
     core = make_core(True)
     for rid, (prompt, params) in requests_of(3).items():
-        core.submit(rid, prompt, params)
+        core.add_request(rid, prompt, params)
     emitted = []
     for _ in range(4):  # prompts, then decode steps scheduled ahead
         emitted += core.step_columns(emit=lambda c: emitted.extend(c.deltas)).deltas

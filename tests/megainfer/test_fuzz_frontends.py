@@ -93,7 +93,7 @@ def wait_idle(backend: EngineBackend, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         s = engine.stats()
-        idle = (s.num_running == 0 and s.num_waiting == 0 and backend.core.num_queued == 0
+        idle = (s.num_running == 0 and s.num_waiting == 0 and backend.queued.num_queued == 0
                 and blocks.num_free_blocks == blocks.num_blocks and len(backend.registry) == 0)
         if idle:
             return

@@ -419,7 +419,7 @@ def test_an_engine_loop_that_dies_fails_its_requests_and_the_probes(mixtral_ref)
     def broken_step(emit=None):
         raise RuntimeError("a bug in the step")
 
-    backend.core.step_columns = broken_step
+    backend.queued.step_columns = broken_step
     endpoints = Endpoints(backend, ServedModel.load(mixtral_ref.path), port=0, http_port=0).start()
     try:
         c = openai.OpenAI(base_url=endpoints.http_url + "/v1", api_key="unused", max_retries=0)

@@ -1,5 +1,6 @@
-"""An engine served by a step loop of its own, fed through an input queue (vLLM's
-`EngineCore`): any thread submits or aborts; the loop drains the queue between steps.
+"""An `Engine` fed through an input queue, as vLLM's engine core is: any thread adds or aborts
+a request; the step loop (`engine_steps.py`) drains the queue between steps. (Named for what
+it is: vLLM calls the inner engine its core, which is megainfer's `Engine`.)
 
 A request is checked and tokenized on the caller's thread (a bad one raises there, at once)
 and queued without waiting for the step that holds the engine, so submission never waits
@@ -29,7 +30,7 @@ class _Abort:
     seq: Sequence  # the request to cancel (not just its id: the id may be reused once it ended)
 
 
-class EngineCore:
+class QueuedEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[Sequence | _Abort] = queue.SimpleQueue()
@@ -40,7 +41,7 @@ class EngineCore:
         self._arrived = threading.Event()  # something was queued since the loop last drained
 
     # -- any thread ---------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
         """Check and queue a request; raises RequestError for a bad one. The loop hands it to
         the scheduler before its next step."""
         seq = self.engine.prepare_request(request_id, prompt, params)

@@ -1,5 +1,5 @@
-"""The engine core's input queue: a request submitted while a step runs is queued at once (it
-does not wait for the step), a bad one fails at once to its caller, aborts free blocks. The
+"""The engine's input queue (`QueuedEngine`): a request added while a step runs is queued at
+once (it does not wait for the step), a bad one fails at once to its caller, aborts free blocks. The
 strict 5 ms timing is `slow` (a timing assertion); the default tests hold submission against
 a step 100x longer."""
 
@@ -53,7 +53,7 @@ def test_a_request_submitted_during_a_slow_step_is_queued_without_waiting_for_it
     assert second.prompt_tokens == 3
     for stream in (first, second):
         assert stream.wait_finished(30).finished
-    assert slow_backend.core.num_queued == 0
+    assert slow_backend.queued.num_queued == 0
 
 
 @pytest.mark.slow
