@@ -17,9 +17,9 @@ from deploy.node_process import settle
 from deploy.node_config import bind_host, data_link, join_tp_group, node_names, tp_master_address, weights_of
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
-from megainfer.engine import Engine
-from megainfer.queued_engine import QueuedEngine
-from megainfer.engine_steps import EngineSteps
+from megainfer.engine.engine import Engine
+from megainfer.engine.queued_engine import QueuedEngine
+from megainfer.engine.engine_steps import EngineSteps
 from megainfer.errors import DataPlaneError
 from megainfer.messages import DeltaBatch, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus
 from megainfer.plan import Plan

@@ -1,4 +1,4 @@
-"""A node actor's step loop: the one `StepLoop` (megainfer/step_loop.py), plus the node's
+"""A node actor's step loop: the one `StepLoop` (megainfer/engine/step_loop.py), plus the node's
 data-plane link: an interrupt reaches a step blocked on the link, a failure while the driver
 re-wires is expected (no warning), and stopping closes the link."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from megainfer.step_loop import SteppedNode, StepLoop
+from megainfer.engine.step_loop import SteppedNode, StepLoop
 
 if TYPE_CHECKING:
     from deploy.link import SwitchableLink

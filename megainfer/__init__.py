@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "megainfer.llm",
-    "Engine": "megainfer.engine",
+    "Engine": "megainfer.engine.engine",
     "EngineConfig": "megainfer.engine_config",
     "ModelConfig": "megainfer.config",
     "SamplingParams": "megainfer.sampling_params",

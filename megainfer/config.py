@@ -128,7 +128,7 @@ GPU_MEMORY_UTILIZATION = 0.9
 # nodes measure it, memory_profile.py; these keep the planner and the dry run near that):
 SAMPLER_BYTES_PER_LOGIT = 44  # per sampled row and vocabulary entry at the sampler's peak with every
 # option on (float32 logits, the penalties' int64 counts, top-k/top-p's sort: float32 values and
-# int64 indices, softmaxes), measured on the CPU over megainfer.sampler
+# int64 indices, softmaxes), measured on the CPU over megainfer.runner.sampler
 HIDDEN_STATE_COPIES = 16  # [tokens, hidden] tensors alive at once inside an attention half (an allowance)
 NON_TORCH_ALLOWANCE_BYTES = 512 << 20  # cuBLAS workspaces and NCCL buffers (an allowance)
 
@@ -146,7 +146,7 @@ def kv_cache_budget_bytes(total_bytes, utilization, used_bytes):
     """Bytes one GPU gives the KV cache, vLLM's rule: the process's share of the GPU's total
     memory (total_bytes * utilization) less everything else the process holds at its largest
     step (`used_bytes`: weights, peak activations, non-torch memory). The nodes measure
-    `used_bytes` (megainfer/memory_profile.py); the planner and a plan's dry run estimate it
+    `used_bytes` (megainfer/runner/memory_profile.py); the planner and a plan's dry run estimate it
     (`estimated_attention_step_bytes` beside the weights). Numbers or numpy arrays."""
     return total_bytes * utilization - used_bytes
 

@@ -34,7 +34,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int | None = None  # None: 2 GiB on CPU; on CUDA what gpu_memory_utilization leaves
     # CUDA: the share of the GPU's total memory this process may use (vLLM's); the KV cache gets
-    # what a profiling step at the largest batch leaves of it (megainfer/memory_profile.py)
+    # what a profiling step at the largest batch leaves of it (megainfer/runner/memory_profile.py)
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     max_num_seqs: int = 256  # running sequences at once
     max_num_batched_tokens: int = 512  # token budget of one step (Sarathi chunk size)
@@ -134,7 +134,7 @@ class EngineConfig:
     @property
     def sizes_kv_from_memory(self) -> bool:
         """Whether the KV cache is sized from the device's memory (neither its blocks nor its bytes
-        are given): on CUDA, by a profiling step (megainfer/memory_profile.py)."""
+        are given): on CUDA, by a profiling step (megainfer/runner/memory_profile.py)."""
         return self.num_kv_blocks is None and self.kv_cache_bytes is None
 
     def kv_block_bytes(self, model: ModelConfig, tp_size: int = 1) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from megainfer.chat_template import ChatTemplate
-from megainfer.engine import Engine, Prompt
+from megainfer.engine.engine import Engine, Prompt
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import RequestError
 from megainfer.generation_config import generation_defaults

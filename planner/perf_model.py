@@ -257,7 +257,7 @@ class PerfModel:
 
     def max_sequences_per_attention_node(self, memory_bytes, tp):
         """Sequences whose KV cache fits on one attention node (may be <= 0), sized as the runtime
-        sizes them (megainfer/memory_profile.py) and as a plan's dry run estimates it
+        sizes them (megainfer/runner/memory_profile.py) and as a plan's dry run estimates it
         (deploy/runtime_config.estimated_kv_blocks): each rank's KV cache gets
         GPU_MEMORY_UTILIZATION of the GPU's memory less its weights (the embedding and LM head
         whole, 1/tp of the layers) and its largest step, which grows with the sequences: it

@@ -115,6 +115,6 @@ def test_no_import_circle():
 
 def test_the_graph_sees_deferred_imports_and_skips_type_checking_ones():
     graph = import_graph()
-    assert "megainfer.scheduler" in graph["megainfer.node_state"]
-    assert "megainfer.scheduler" not in graph["megainfer.messages"]  # messages: plain data
+    assert "megainfer.scheduling.scheduler" in graph["megainfer.scheduling.node_state"]
+    assert "megainfer.scheduling.scheduler" not in graph["megainfer.messages"]  # messages: plain data
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

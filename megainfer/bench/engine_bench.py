@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from megainfer.bench.report import format_table, write_json
-from megainfer.engine import Engine
+from megainfer.engine.engine import Engine
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.model.weights import RandomWeights, save_checkpoint

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace, prompt, given: dict, fixed: dict) -> int:
-    from megainfer.engine import Engine
+    from megainfer.engine.engine import Engine
     from megainfer.generation_config import generation_defaults
     from megainfer.model_resolution import resolve_model
     from megainfer.request_group import RequestGroup

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megainfer.engine import Engine
+    from megainfer.engine.engine import Engine
     from megainfer.server.endpoints import Endpoints
     from megainfer.server.engine_backend import EngineBackend
     from megainfer.server.served_model import ServedModel

@@ -13,7 +13,7 @@ from megainfer.disagg.decode_graphs import AttentionGraphs
 
 if TYPE_CHECKING:
     from megainfer.model.moe_model import MoEModel
-    from megainfer.model_runner import MicroBatchState
+    from megainfer.runner.model_runner import MicroBatchState
 
 
 class AttentionHalves:

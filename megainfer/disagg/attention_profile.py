@@ -1,4 +1,4 @@
-"""An attention rank's memory profile (megainfer/memory_profile.py): the largest step it runs,
+"""An attention rank's memory profile (megainfer/runner/memory_profile.py): the largest step it runs,
 with nothing sent, and the KV budget that leaves the node's ranks."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from typing import Callable
 
 import torch
 
-from megainfer import memory_profile
+from megainfer.runner import memory_profile
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.disagg.attention_dispatch import attend_and_pack
 from megainfer.disagg.staging_sizes import answer_rows
-from megainfer.memory_profile import MemorySnapshot
+from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.model.moe_model import MoEModel
-from megainfer.model_runner import profile_inputs, profile_sampling
+from megainfer.runner.model_runner import profile_inputs, profile_sampling
 from megainfer.tensor_parallel import TensorParallelGroup
 
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from megainfer.block_table_rows import BlockTableRows
+from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.config import ModelConfig
 from megainfer.disagg import decode_graphs, step_sync
 from megainfer.disagg.attention_halves import AttentionHalves
@@ -38,12 +38,12 @@ from megainfer.engine_config import EngineConfig
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
-from megainfer.memory_profile import MemorySnapshot
-from megainfer.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, greedy_rows,
+from megainfer.runner.memory_profile import MemorySnapshot
+from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, greedy_rows,
                                     load_and_size, sample_step, samples_by_micro_batch)
-from megainfer.sampler import Sampler
-from megainfer.scheduler_output import SchedulerOutput
-from megainfer.step_layout import LayoutAhead, StepLayout
+from megainfer.runner.sampler import Sampler
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.step_layout import LayoutAhead, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)

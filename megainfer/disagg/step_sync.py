@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megainfer.scheduler_output import LayeredPass, SchedulerOutput
+from megainfer.scheduling.scheduler_output import LayeredPass, SchedulerOutput
 from megainfer.tensor_parallel import TensorParallelGroup
 
 _HEADER = 8  # int64 fields before the first SEQ

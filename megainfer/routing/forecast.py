@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megainfer.kv_cache import BlockManager
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.messages import NodeState, RequestLengths
-from megainfer.node_state import step_sample
+from megainfer.scheduling.node_state import step_sample
 from megainfer.routing.length_estimator import OutputLengthEstimator
 from megainfer.routing.online_step_model import OnlineStepModel
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import ChunkedPrefill, LayeredPrefill, Scheduler
-from megainfer.sequence import Sequence, SequenceStatus
+from megainfer.scheduling.scheduler import ChunkedPrefill, LayeredPrefill, Scheduler
+from megainfer.scheduling.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def decode_launches(model: ModelConfig, rows: int = 16, context: int = 64, exper
     from megainfer.model.expert_layer import ExpertLayer
     from megainfer.model.moe_model import MoEModel
     from megainfer.model.weights import RandomWeights
-    from megainfer.model_runner import prepare_batch
+    from megainfer.runner.model_runner import prepare_batch
 
     name = TINY_OF_FAMILY.get(model.model_type)
     if name is None:

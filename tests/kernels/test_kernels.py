@@ -580,7 +580,7 @@ def test_the_warm_up_batches_carry_the_dtypes_serving_does():
     from types import SimpleNamespace
 
     from kernels import startup
-    from megainfer.model_runner import prepare_batch
+    from megainfer.runner.model_runner import prepare_batch
 
     seqs = [SimpleNamespace(num_computed_tokens=9, token_ids=list(range(10)), block_table=[3]),
             SimpleNamespace(num_computed_tokens=0, token_ids=list(range(5)), block_table=[4])]

@@ -11,15 +11,15 @@ import zlib
 import pytest
 import torch
 
-from megainfer.engine import Engine
+from megainfer.engine.engine import Engine
 from megainfer.engine_config import EngineConfig
-from megainfer.queued_engine import QueuedEngine
+from megainfer.engine.queued_engine import QueuedEngine
 from megainfer.messages import FinishReason
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.sampling_params import SamplingParams
-from megainfer.token_recorder import PLACEHOLDER
-from megainfer.step_layout import StepLayout
-from megainfer.model_runner import StepResult
+from megainfer.scheduling.token_recorder import PLACEHOLDER
+from megainfer.scheduling.step_layout import StepLayout
+from megainfer.runner.model_runner import StepResult
 from megainfer.tools.step_boundary import BoundaryRunner
 
 

@@ -172,7 +172,7 @@ def test_auto_device_is_cuda_where_torch_sees_a_gpu(monkeypatch, cuda, device):
 def test_engine_resolves_auto_before_anything_reads_the_config(monkeypatch):
     import torch
 
-    from megainfer.engine import Engine
+    from megainfer.engine.engine import Engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     engine = Engine("tiny-mixtral", EngineConfig(dtype="auto", device="auto", num_kv_blocks=16))

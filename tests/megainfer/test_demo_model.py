@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megainfer.demo import CHECKPOINT, bpe
-from megainfer.engine import Engine
+from megainfer.engine.engine import Engine
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.hf_config import from_pretrained

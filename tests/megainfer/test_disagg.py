@@ -25,7 +25,7 @@ from megainfer.disagg.expert_exchange import rank_shares, shared_positions_on
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine_config import EngineConfig
 from megainfer.model.weights import SafetensorsCheckpoint
-from megainfer.step_layout import split_micro_batches
+from megainfer.scheduling.step_layout import split_micro_batches
 from tests.helpers import connect_all, generate_all
 
 SECRET = b"d" * 32
@@ -417,9 +417,9 @@ def test_step_sync_carries_the_layered_cohort_to_follower_ranks():
     """A tensor-parallel node's followers rebuild the leader's step, layered pass included,
     and name each cohort member the same way step after step."""
     from megainfer.disagg import step_sync
-    from megainfer.scheduler_output import LayeredPass, SchedulerOutput
-    from megainfer.sequence import Sequence
-    from megainfer.step_layout import StepLayout
+    from megainfer.scheduling.scheduler_output import LayeredPass, SchedulerOutput
+    from megainfer.scheduling.sequence import Sequence
+    from megainfer.scheduling.step_layout import StepLayout
 
     dec = Sequence("d", [1, 2, 3], GREEDY, token_ids=[1, 2, 3, 9], num_computed_tokens=3, block_table=[4])
     a = Sequence("a", list(range(10, 30)), GREEDY, num_computed_tokens=8, block_table=[5, 6, 7])

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from megainfer.energy import EnergyMeter, nvml_uuid
+from megainfer.runner.energy import EnergyMeter, nvml_uuid
 
 HOST_UUIDS = [f"{n}{n}{n}{n}0000-1111-2222-3333-44445555666{n}" for n in range(4)]  # physical order
 VISIBLE = [3, 1]  # CUDA_VISIBLE_DEVICES=3,1: CUDA ordinal 0 is physical GPU 3, ordinal 1 is GPU 1

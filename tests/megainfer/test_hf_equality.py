@@ -26,7 +26,7 @@ CONFIGS = {
 def captured_logits(monkeypatch):
     """Logits each request was sampled from, step by step (recorded on the real path: every
     runner samples through `model_runner.sample_tokens`, whichever sampler path it takes)."""
-    from megainfer import model_runner
+    from megainfer.runner import model_runner
 
     seen: dict[str, list[torch.Tensor]] = {}
     original = model_runner.sample_tokens

@@ -1,6 +1,6 @@
-from megainfer.kv_cache import BlockManager
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.sampling_params import SamplingParams
-from megainfer.sequence import Sequence
+from megainfer.scheduling.sequence import Sequence
 
 
 def test_allocate_grows_table_by_block_and_free_returns_all():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from megainfer import Engine, LLM, SamplingParams
 from megainfer.engine_config import EngineConfig
-from megainfer.kv_cache import BlockManager
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.presets import PRESETS
-from megainfer.scheduler import LayeredPrefill, Scheduler
-from megainfer.sequence import Sequence
+from megainfer.scheduling.scheduler import LayeredPrefill, Scheduler
+from megainfer.scheduling.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

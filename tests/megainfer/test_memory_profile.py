@@ -1,4 +1,4 @@
-"""--gpu-memory-utilization as vLLM means it (megainfer/memory_profile.py): the arithmetic on
+"""--gpu-memory-utilization as vLLM means it (megainfer/runner/memory_profile.py): the arithmetic on
 injected readings, the profiling step's order, and the runners' wiring run on the CPU with a
 CUDA device's readings injected (the profiling steps themselves run for real, on the CPU)."""
 
@@ -14,9 +14,9 @@ from megainfer.cli import build_parser
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, PlanError
-from megainfer.memory_profile import MemoryProfile, MemorySnapshot
+from megainfer.runner.memory_profile import MemoryProfile, MemorySnapshot
 from megainfer.model.weights import RandomWeights
-from megainfer.model_runner import ModelRunner
+from megainfer.runner.model_runner import ModelRunner
 from megainfer.plan import Plan
 from megainfer.presets import PRESETS
 
@@ -184,7 +184,7 @@ def test_the_attention_half_profiles_its_largest_micro_batch_and_sizes_its_cache
 
 
 def test_the_profile_step_is_the_largest_step_the_scheduler_forms():
-    from megainfer.model_runner import profile_inputs
+    from megainfer.runner.model_runner import profile_inputs
 
     chunked = EngineConfig(max_num_seqs=5, max_num_batched_tokens=40)
     (ids, _, batch), cache, last_rows = profile_inputs(PRESETS["tiny-mixtral"], chunked, torch.device("cpu"),

@@ -78,7 +78,7 @@ def test_a_local_directory_wins_over_a_hub_id(hub, mixtral_ref, tmp_path, monkey
 
 
 def test_engine_serves_a_hub_id_like_its_directory(hub, mixtral_ref):
-    from megainfer.engine import Engine
+    from megainfer.engine.engine import Engine
     from megainfer.sampling_params import SamplingParams
     from tests.helpers import generate_all
 

@@ -15,9 +15,9 @@ import pytest
 
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import PlanError
-from megainfer.kv_cache import BlockManager
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.messages import NodeLoad, NodeState, StepSample
-from megainfer.node_state import snapshot, step_sample
+from megainfer.scheduling.node_state import snapshot, step_sample
 from megainfer.plan import Plan
 from megainfer.presets import PRESETS
 from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler, ScaleAction
@@ -26,8 +26,8 @@ from megainfer.routing.length_estimator import BucketedLengthEstimator, MaxToken
 from megainfer.routing.policies import PredictiveRouter, make_router
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import ChunkedPrefill, Scheduler
-from megainfer.sequence import Sequence
+from megainfer.scheduling.scheduler import ChunkedPrefill, Scheduler
+from megainfer.scheduling.sequence import Sequence
 
 TRUTH = (0.004, 2e-5, 1e-4, 1e-7, 1e-9)  # a step's seconds: fixed, per token, per seq, per KV token, per pair
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import PagedAttentionBatch
-from megainfer.model_runner import prepare_batch
+from megainfer.runner.model_runner import prepare_batch
 
 BLOCK = 16
 
@@ -97,7 +97,7 @@ def test_persistent_block_table_rows_equal_the_tables_built_afresh(steps, rows):
     """BlockTableRows mirrors the block manager's lists across steps (grown in place, replaced,
     requests leaving and new ones taking rows, more requests than rows) and gives the same
     zero-padded tables prepare_batch builds from scratch."""
-    from megainfer.block_table_rows import BlockTableRows
+    from megainfer.scheduling.block_table_rows import BlockTableRows
 
     tables = BlockTableRows(rows, 2)
     next_block = iter(range(1, 10_000))

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megainfer.errors import RequestError
-from megainfer.sampler import Sampler, _filter_min_p, apply_penalties, position_logprobs
+from megainfer.runner.sampler import Sampler, _filter_min_p, apply_penalties, position_logprobs
 from megainfer.sampling_params import SamplingParams
-from megainfer.sequence import Sequence
+from megainfer.scheduling.sequence import Sequence
 
 
 def logits(rows=4, vocab=50, seed=0):
@@ -153,7 +153,7 @@ def test_penalties_steer_greedy_rows_and_leave_others_alone():
 
 
 def test_no_penalty_rows_skip_the_penalty_stage(monkeypatch):
-    import megainfer.sampler as sampler_module
+    import megainfer.runner.sampler as sampler_module
 
     def fail(*args):
         raise AssertionError("penalties applied to rows without any")

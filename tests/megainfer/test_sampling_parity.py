@@ -13,8 +13,8 @@ from megainfer import Engine, SamplingParams
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import RequestError
 from megainfer.messages import FinishReason
-from megainfer.output_stream import OutputStream
-from megainfer.sequence import Sequence, SequenceStatus
+from megainfer.engine.output_stream import OutputStream
+from megainfer.scheduling.sequence import Sequence, SequenceStatus
 from megainfer.tokenizer import ByteTokenizer
 
 TINY = dict(num_kv_blocks=64, block_size=16)
@@ -343,7 +343,7 @@ def test_a_node_scheduling_ahead_gives_the_colocated_outputs(mixtral_ref, m, mon
              SamplingParams(max_tokens=2, temperature=1.0, seed=3, repetition_penalty=1.3)]
     requests = {f"r{i}": (p, kinds[i % len(kinds)]) for i, p in enumerate(prompts * 2)}
     expected = run(Engine(str(mixtral_ref.path), dtype="float32", **TINY), requests)
-    from megainfer.scheduler import Scheduler
+    from megainfer.scheduling.scheduler import Scheduler
 
     ahead, advance_ahead = [], Scheduler.advance_ahead
     monkeypatch.setattr(Scheduler, "advance_ahead", lambda self, out: ahead.append(out) or advance_ahead(self, out))

@@ -7,10 +7,10 @@ import zlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megainfer.kv_cache import BlockManager
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import ChunkedPrefill, Scheduler
-from megainfer.sequence import FinishReason, Sequence, SequenceStatus
+from megainfer.scheduling.scheduler import ChunkedPrefill, Scheduler
+from megainfer.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_model_len=1024, eos=(99,)):
@@ -219,7 +219,7 @@ def test_the_decode_fast_path_schedules_what_the_running_loop_does(requests, num
     import random
     from unittest import mock
 
-    from megainfer import scheduler as scheduler_module
+    from megainfer.scheduling import scheduler as scheduler_module
 
     fast = make_scheduler(num_blocks=num_blocks, budget=budget)
     slow = make_scheduler(num_blocks=num_blocks, budget=budget)
@@ -257,7 +257,7 @@ def test_scheduling_ahead_generates_what_scheduling_after_does(requests, num_blo
     (`settle`), as an attention node's engine runs it. A sequence that stops runs one step too
     many and that token is dropped: every request ends with the same tokens and reason as
     under `update_from_output`, and every block comes back."""
-    from megainfer.token_recorder import PLACEHOLDER
+    from megainfer.scheduling.token_recorder import PLACEHOLDER
 
     def sampled(out):
         return [_token_for(s) if flag else None for s, flag in zip(out.seqs, out.samples())]

@@ -108,7 +108,7 @@ def test_step_model_refuses_what_does_not_fit():
 def test_single_request_timeline_is_the_sum_of_its_steps(h100x2, monkeypatch):
     """One 1,024-token prompt and 4 output tokens: chunked runs 2 prefill steps of 512 then 3
     decodes; layered runs G = 2 groups then 3 decodes. TTFT is the prefill steps' time."""
-    from megainfer import scheduler as scheduler_module
+    from megainfer.scheduling import scheduler as scheduler_module
 
     calls = []
     real_schedule = scheduler_module.Scheduler.schedule

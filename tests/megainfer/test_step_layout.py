@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler_output import LayeredPass, SchedulerOutput
-from megainfer.sequence import Sequence
-from megainfer.step_layout import MicroBatchLayout, SampledRow, StepLayout, split_micro_batches
+from megainfer.scheduling.scheduler_output import LayeredPass, SchedulerOutput
+from megainfer.scheduling.sequence import Sequence
+from megainfer.scheduling.step_layout import MicroBatchLayout, SampledRow, StepLayout, split_micro_batches
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

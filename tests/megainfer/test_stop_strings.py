@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megainfer.stop_strings import StopStrings
+from megainfer.engine.stop_strings import StopStrings
 
 
 def stream(stops, pieces, include=False, final=True):

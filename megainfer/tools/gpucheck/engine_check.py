@@ -78,7 +78,7 @@ def recorded_logits():
     """Records, per request id, the logits the colocated engine samples from (the engine's own,
     unchanged): every path of its sampler (the one-argmax path of greedy-only rows too) is
     reached through `model_runner.sample_tokens`."""
-    from megainfer import model_runner
+    from megainfer.runner import model_runner
 
     seen: dict[str, list[torch.Tensor]] = {}
     original = model_runner.sample_tokens

@@ -70,7 +70,7 @@ def _capture(ctx: CheckContext):
 def check_attention(ctx: CheckContext, rows: int, context: int) -> None:
     import kernels
     from megainfer.disagg.decode_graphs import AttentionGraphs
-    from megainfer.model_runner import prepare_batch
+    from megainfer.runner.model_runner import prepare_batch
     from megainfer.tools.launch_count import DecodingSequence
 
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32

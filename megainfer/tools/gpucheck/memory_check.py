@@ -78,7 +78,7 @@ def check_kv_sizing(ctx: CheckContext) -> None:
 
 
 def check_energy(ctx: CheckContext) -> None:
-    from megainfer.energy import EnergyMeter
+    from megainfer.runner.energy import EnergyMeter
 
     with ctx.case("NVML energy counter over a second of bf16 GEMMs") as case:
         meter = EnergyMeter(str(ctx.device))

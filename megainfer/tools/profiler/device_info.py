@@ -60,7 +60,7 @@ def kv_cache_tokens(model: ModelConfig, config: EngineConfig, max_model_len: int
     """KV-cache tokens the engine sizes by default on this device, estimated: on CUDA,
     gpu_memory_utilization of the memory one rank found free, less the model's weights (its
     share of them) and the largest step (the attention step's estimate standing in for the
-    colocated one's; the engine measures it, megainfer/memory_profile.py); on the CPU the
+    colocated one's; the engine measures it, megainfer/runner/memory_profile.py); on the CPU the
     default 2 GiB budget. None where that leaves nothing."""
     budget = None
     if free_bytes_before_weights is not None:

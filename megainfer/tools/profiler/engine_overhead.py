@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from megainfer.config import ModelConfig
-from megainfer.engine import Engine
+from megainfer.engine.engine import Engine
 from megainfer.sampling_params import SamplingParams
 from planner.operator_profile import OperatorTable
 

@@ -30,8 +30,8 @@ from megainfer.config import ModelConfig
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
-from megainfer.model_runner import prepare_batch
-from megainfer.sampler import Sampler
+from megainfer.runner.model_runner import prepare_batch
+from megainfer.runner.sampler import Sampler
 from megainfer.sampling_params import SamplingParams
 
 Timer = Callable[[Callable[[], object]], float]  # fn -> median seconds of one call

@@ -242,7 +242,7 @@ def _step_overhead_skip_reason(target: ResolvedTarget, free_before: int | None) 
 
 def _measure_step_overhead(target: ResolvedTarget, request: ProfileRequest, grid: OperatorGrid,
                            prices: dict[str, OperatorTable], bar: tqdm) -> OperatorTable:
-    from megainfer.engine import Engine
+    from megainfer.engine.engine import Engine
     from megainfer.tools.profiler.engine_overhead import measure_step_overhead
 
     bar.set_description("step_overhead")

@@ -21,10 +21,10 @@ from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.sampling_params import SamplingParams
-from megainfer.scheduler import Scheduler
-from megainfer.scheduler_output import SchedulerOutput
-from megainfer.sequence import Sequence
-from megainfer.step_layout import StepLayout
+from megainfer.scheduling.scheduler import Scheduler
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.sequence import Sequence
+from megainfer.scheduling.step_layout import StepLayout
 from megainfer.tools.simulator.expert_load import ExpertActivation
 from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 from megainfer.bench.workload import SimRequest

@@ -6,9 +6,9 @@ constructors read the engine's objects, so they live with them."""
 from __future__ import annotations
 
 from megainfer.messages import NodeState, RequestLengths, SchedulingKnobs, StepSample
-from megainfer.scheduler import Scheduler, chunk_work
-from megainfer.scheduler_output import SchedulerOutput
-from megainfer.sequence import Sequence
+from megainfer.scheduling.scheduler import Scheduler, chunk_work
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.sequence import Sequence
 
 
 def step_sample(out: SchedulerOutput, seconds: float = 0.0, num_layers: int = 1, step: int = -1) -> StepSample:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from megainfer.config import ModelConfig
 from megainfer.errors import RequestError
-from megainfer.kv_cache import BlockManager
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.sampling_params import SamplingParams
-from megainfer.sequence import Sequence
+from megainfer.scheduling.sequence import Sequence
 from megainfer.tokenizer import Tokenizer
 
 Prompt = str | list[int]

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from functools import partial
 from dataclasses import dataclass
 
-from megainfer.engine import Engine, Prompt
+from megainfer.engine.engine import Engine, Prompt
 from megainfer.errors import RequestError
 from megainfer.messages import DeltaColumns, ErrorCode, RequestDelta
 from megainfer.sampling_params import SamplingParams
-from megainfer.sequence import Sequence
+from megainfer.scheduling.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from megainfer.scheduler_output import SchedulerOutput
-from megainfer.sequence import FinishReason, Sequence, SequenceStatus
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 # The token of a sequence whose step is still running while the next one is scheduled
 # (`Scheduler.advance_ahead`); `Scheduler.place` writes the sampled token over it.

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from megainfer.engine import Engine
-from megainfer.queued_engine import QueuedEngine
+from megainfer.engine.engine import Engine
+from megainfer.engine.queued_engine import QueuedEngine
 from megainfer.errors import DataPlaneError
 from megainfer.messages import DeltaColumns, ErrorCode
 

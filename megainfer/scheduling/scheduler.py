@@ -24,11 +24,11 @@ from typing import Callable, Iterable, Protocol
 import numpy as np
 
 from megainfer.engine_config import EngineConfig
-from megainfer.kv_cache import BlockManager
-from megainfer.scheduler_output import LayeredPass, SchedulerOutput
+from megainfer.scheduling.kv_cache import BlockManager
+from megainfer.scheduling.scheduler_output import LayeredPass, SchedulerOutput
 from megainfer.messages import LayeredSettings
-from megainfer.sequence import FinishReason, Sequence, SequenceStatus
-from megainfer.token_recorder import TokenRecorder
+from megainfer.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from megainfer.scheduling.token_recorder import TokenRecorder
 
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 _TOKEN_IDS = operator.attrgetter("token_ids")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
-from megainfer.sequence import Sequence, SequenceStatus
+from megainfer.scheduling.sequence import Sequence, SequenceStatus
 
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 _TOKEN_IDS = operator.attrgetter("token_ids")

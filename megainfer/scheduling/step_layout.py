@@ -29,7 +29,7 @@ from itertools import accumulate, chain
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megainfer.scheduler_output import SchedulerOutput
+    from megainfer.scheduling.scheduler_output import SchedulerOutput
 
 
 def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:

@@ -10,12 +10,12 @@ into the columns, for a running request that asked for nothing but text.
 from __future__ import annotations
 
 from megainfer.messages import DeltaColumns, ErrorCode, PositionLogprobs, RequestDelta, RequestMetrics
-from megainfer.model_runner import StepResult
-from megainfer.output_stream import OutputStream
-from megainfer.sampler import Sampler
-from megainfer.scheduler import Scheduler
-from megainfer.scheduler_output import SchedulerOutput
-from megainfer.sequence import Sequence, SequenceStatus
+from megainfer.runner.model_runner import StepResult
+from megainfer.engine.output_stream import OutputStream
+from megainfer.runner.sampler import Sampler
+from megainfer.scheduling.scheduler import Scheduler
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.sequence import Sequence, SequenceStatus
 from megainfer.tokenizer import Tokenizer
 
 

@@ -18,14 +18,14 @@ import numpy as np
 
 from kernels.compile_watch import WATCH
 from megainfer.config import ModelConfig
-from megainfer.energy import EnergyMeter
+from megainfer.runner.energy import EnergyMeter
 from megainfer.messages import EngineStats, ExpertLoad, StepSample
-from megainfer.model_runner import StepResult
-from megainfer.node_state import step_sample
+from megainfer.runner.model_runner import StepResult
+from megainfer.scheduling.node_state import step_sample
 from megainfer.routing.online_step_model import OnlineStepModel
-from megainfer.scheduler import Scheduler
-from megainfer.scheduler_output import SchedulerOutput
-from megainfer.sequence import Sequence
+from megainfer.scheduling.scheduler import Scheduler
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.sequence import Sequence
 
 if TYPE_CHECKING:
     from kernels.startup import KernelReport

@@ -13,19 +13,19 @@ import numpy as np
 import torch
 
 import kernels
-from megainfer import memory_profile
-from megainfer.block_table_rows import BlockTableRows
+from megainfer.runner import memory_profile
+from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
-from megainfer.kernel_warmup import warm_up_engine
-from megainfer.memory_profile import MemorySnapshot
+from megainfer.runner.kernel_warmup import warm_up_engine
+from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.messages import PositionLogprobs
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
-from megainfer.sampler import Sampler, position_logprobs
+from megainfer.runner.sampler import Sampler, position_logprobs
 from megainfer.sampling_params import MAX_LOGPROBS, SamplingParams
-from megainfer.scheduler_output import SchedulerOutput
-from megainfer.step_layout import MicroBatchLayout, StepLayout
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.step_layout import MicroBatchLayout, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class ModelRunner:
 
     def profile_memory(self, before: MemorySnapshot | None, max_model_len: int) -> int | None:
         """The KV budget gpu_memory_utilization leaves after `profile_step` (bytes); None without
-        a baseline (the CPU, or a cache sized by the config). See megainfer/memory_profile.py."""
+        a baseline (the CPU, or a cache sized by the config). See megainfer/runner/memory_profile.py."""
         if before is None:
             return None
         found = memory_profile.profile(memory_profile.CudaMemory(self.device), before, self.profile_step,
@@ -468,7 +468,7 @@ def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_mode
                        spare_blocks: int = 0) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(blocks, per-layer (K, V) caches of [blocks, block_size, this rank's KV heads, head_dim]);
     the block count comes from the config, else from `kv_budget_bytes` (what the memory
-    profile left, megainfer/memory_profile.py; the ranks of a tensor-parallel node agreed on
+    profile left, megainfer/runner/memory_profile.py; the ranks of a tensor-parallel node agreed on
     it, so they all hold the same blocks: the leader's scheduler allocates block ids for every
     rank), else the CPU's default budget. `spare_blocks`: blocks past the counted ones, which the
     scheduler never hands out."""

@@ -2,14 +2,14 @@
 
 Plain Python with no tensors, so the scheduler (and the simulator driving it) can use it
 without a model. The tensors the blocks index are allocated by the runners
-(`megainfer.model_runner.allocate_kv_caches`).
+(`megainfer.runner.model_runner.allocate_kv_caches`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from megainfer.sequence import Sequence
+from megainfer.scheduling.sequence import Sequence
 
 
 class BlockManager:

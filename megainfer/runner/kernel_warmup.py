@@ -4,7 +4,7 @@ expert node's (and the engine's) grouped expert GEMM. Returns the frozen `Warmup
 `finish()` (after the memory profile) gives the `KernelReport` the node logs and reports; on
 the CPU nothing compiles and the report says which implementation runs.
 
-It runs after the weights load and before the memory profile (megainfer/memory_profile.py):
+It runs after the weights load and before the memory profile (megainfer/runner/memory_profile.py):
 the profile's largest step then runs the implementations serving will run (timing both here
 could otherwise leave the reference's gathered pages in the profile's peak), and the attention
 warm-up reads a small scratch cache of its own (pages alias: it only reads them), not the KV

@@ -6,8 +6,8 @@ computed the prompt (chunked or layered prefill may take several)."""
 from __future__ import annotations
 
 from megainfer.messages import FinishReason, PositionLogprobs
-from megainfer.sequence import Sequence
-from megainfer.stop_strings import StopStrings
+from megainfer.scheduling.sequence import Sequence
+from megainfer.engine.stop_strings import StopStrings
 from megainfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
