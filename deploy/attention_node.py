@@ -18,8 +18,8 @@ from deploy.node_config import bind_host, data_link, join_tp_group, node_names, 
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine.engine import Engine
-from megainfer.engine.queued_engine import QueuedEngine
 from megainfer.engine.engine_steps import EngineSteps
+from megainfer.engine.queued_engine import QueuedEngine
 from megainfer.errors import DataPlaneError
 from megainfer.messages import DeltaBatch, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus
 from megainfer.plan import Plan

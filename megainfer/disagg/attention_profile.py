@@ -7,13 +7,13 @@ from typing import Callable
 
 import torch
 
-from megainfer.runner import memory_profile
 from megainfer.config import ModelConfig
-from megainfer.engine_config import EngineConfig
 from megainfer.disagg.attention_dispatch import attend_and_pack
 from megainfer.disagg.staging_sizes import answer_rows
-from megainfer.runner.memory_profile import MemorySnapshot
+from megainfer.engine_config import EngineConfig
 from megainfer.model.moe_model import MoEModel
+from megainfer.runner import memory_profile
+from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.runner.model_runner import profile_inputs, profile_sampling
 from megainfer.tensor_parallel import TensorParallelGroup
 

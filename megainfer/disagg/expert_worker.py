@@ -20,7 +20,6 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from megainfer.runner import memory_profile
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
 from megainfer.disagg import decode_graphs
 from megainfer.disagg.attention_exchange import AttentionExchange
@@ -28,10 +27,11 @@ from megainfer.disagg.device_slots import land_round
 from megainfer.disagg.expert_link import ExpertLink, record_bytes, unpack_dispatch
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
-from megainfer.runner.kernel_warmup import warm_up_expert_node
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import WeightSource
+from megainfer.runner import memory_profile
+from megainfer.runner.kernel_warmup import warm_up_expert_node
 from megainfer.tensor_parallel import TensorParallelGroup
 
 CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens

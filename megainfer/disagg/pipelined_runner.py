@@ -24,7 +24,6 @@ import time
 
 import torch
 
-from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.config import ModelConfig
 from megainfer.disagg import decode_graphs, step_sync
 from megainfer.disagg.attention_halves import AttentionHalves
@@ -32,8 +31,8 @@ from megainfer.disagg.attention_profile import attention_kv_budget, profile_atte
 from megainfer.disagg.device_staging import ComputeTimer
 from megainfer.disagg.expert_exchange import ExpertExchange
 from megainfer.disagg.expert_link import ExpertLink, record_bytes
-from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.disagg.node_timeline import Timeline
+from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.engine_config import EngineConfig
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
@@ -42,6 +41,7 @@ from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, greedy_rows,
                                     load_and_size, sample_step, samples_by_micro_batch)
 from megainfer.runner.sampler import Sampler
+from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.step_layout import LayoutAhead, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup

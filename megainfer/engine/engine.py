@@ -19,21 +19,21 @@ from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
 
+from megainfer.engine.output_processor import OutputProcessor
+from megainfer.engine.request_admission import Prompt, RequestAdmission
+from megainfer.engine.step_records import StepRecords
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, DataPlaneError, RequestError
 from megainfer.messages import DeltaColumns, EngineStats, ErrorCode, NodeState, RequestDelta
-from megainfer.model_resolution import resolve_model
-from megainfer.scheduling.node_state import snapshot
 from megainfer.model.weights import RandomWeights, SafetensorsCheckpoint
-from megainfer.runner.model_runner import ModelRunner, StepHooks, StepResult
-from megainfer.engine.output_processor import OutputProcessor
-from megainfer.engine.request_admission import Prompt, RequestAdmission
+from megainfer.model_resolution import resolve_model
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
+from megainfer.runner.model_runner import ModelRunner, StepHooks, StepResult
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.node_state import snapshot
 from megainfer.scheduling.scheduler import Scheduler
 from megainfer.scheduling.scheduler_output import SchedulerOutput, without_finished
 from megainfer.scheduling.sequence import Sequence
-from megainfer.engine.step_records import StepRecords
 from megainfer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ into the columns, for a running request that asked for nothing but text.
 
 from __future__ import annotations
 
+from megainfer.engine.output_stream import OutputStream
 from megainfer.messages import DeltaColumns, ErrorCode, PositionLogprobs, RequestDelta, RequestMetrics
 from megainfer.runner.model_runner import StepResult
-from megainfer.engine.output_stream import OutputStream
 from megainfer.runner.sampler import Sampler
 from megainfer.scheduling.scheduler import Scheduler
 from megainfer.scheduling.scheduler_output import SchedulerOutput

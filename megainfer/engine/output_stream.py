@@ -5,9 +5,9 @@ computed the prompt (chunked or layered prefill may take several)."""
 
 from __future__ import annotations
 
+from megainfer.engine.stop_strings import StopStrings
 from megainfer.messages import FinishReason, PositionLogprobs
 from megainfer.scheduling.sequence import Sequence
-from megainfer.engine.stop_strings import StopStrings
 from megainfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from megainfer.config import ModelConfig
 from megainfer.errors import RequestError
-from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.scheduling.sequence import Sequence
 from megainfer.tokenizer import Tokenizer
 

@@ -18,11 +18,11 @@ import numpy as np
 
 from kernels.compile_watch import WATCH
 from megainfer.config import ModelConfig
-from megainfer.runner.energy import EnergyMeter
 from megainfer.messages import EngineStats, ExpertLoad, StepSample
+from megainfer.routing.online_step_model import OnlineStepModel
+from megainfer.runner.energy import EnergyMeter
 from megainfer.runner.model_runner import StepResult
 from megainfer.scheduling.node_state import step_sample
-from megainfer.routing.online_step_model import OnlineStepModel
 from megainfer.scheduling.scheduler import Scheduler
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.sequence import Sequence

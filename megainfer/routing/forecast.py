@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.messages import NodeState, RequestLengths
-from megainfer.scheduling.node_state import step_sample
 from megainfer.routing.length_estimator import OutputLengthEstimator
 from megainfer.routing.online_step_model import OnlineStepModel
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.kv_cache import BlockManager
+from megainfer.scheduling.node_state import step_sample
 from megainfer.scheduling.scheduler import ChunkedPrefill, LayeredPrefill, Scheduler
 from megainfer.scheduling.sequence import Sequence, SequenceStatus
 

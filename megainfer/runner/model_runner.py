@@ -13,17 +13,17 @@ import numpy as np
 import torch
 
 import kernels
-from megainfer.runner import memory_profile
-from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
-from megainfer.runner.kernel_warmup import warm_up_engine
-from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.messages import PositionLogprobs
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
+from megainfer.runner import memory_profile
+from megainfer.runner.kernel_warmup import warm_up_engine
+from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.runner.sampler import Sampler, position_logprobs
 from megainfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.step_layout import MicroBatchLayout, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup

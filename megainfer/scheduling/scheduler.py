@@ -24,9 +24,9 @@ from typing import Callable, Iterable, Protocol
 import numpy as np
 
 from megainfer.engine_config import EngineConfig
+from megainfer.messages import LayeredSettings
 from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.scheduling.scheduler_output import LayeredPass, SchedulerOutput
-from megainfer.messages import LayeredSettings
 from megainfer.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 from megainfer.scheduling.token_recorder import TokenRecorder
 

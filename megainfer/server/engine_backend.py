@@ -8,12 +8,12 @@ import os
 
 from megainfer.engine.engine import Engine
 from megainfer.engine.engine_steps import EngineSteps
+from megainfer.engine.step_loop import StepLoop
 from megainfer.errors import DataPlaneError
 from megainfer.messages import NodeResources, NodeRole, NodeStatus
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import BackendInfo, NodeInfo, RequestStream, StreamRegistry
 from megainfer.server.metrics import MetricsSnapshot
-from megainfer.engine.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # an idle loop re-checks for a stop this often

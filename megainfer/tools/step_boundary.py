@@ -28,17 +28,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.config import ModelConfig
 from megainfer.engine.engine import Engine
-from megainfer.engine_config import EngineConfig
 from megainfer.engine.queued_engine import QueuedEngine
+from megainfer.engine_config import EngineConfig
 from megainfer.model.moe_model import MoEModel
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, sample_rows,
                                     samples_by_micro_batch)
 from megainfer.runner.sampler import Sampler
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.step_layout import LayoutAhead, StepLayout
 
 

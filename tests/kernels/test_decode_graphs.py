@@ -27,8 +27,8 @@ from megainfer.disagg.expert_link import pack_records, record_bytes  # noqa: E40
 from megainfer.model.expert_layer import ExpertLayer  # noqa: E402
 from megainfer.model.moe_model import MoEModel  # noqa: E402
 from megainfer.model.weights import RandomWeights  # noqa: E402
-from megainfer.runner.model_runner import prepare_batch  # noqa: E402
 from megainfer.presets import PRESETS  # noqa: E402
+from megainfer.runner.model_runner import prepare_batch  # noqa: E402
 from megainfer.tools.launch_count import DecodingSequence  # noqa: E402
 
 if not attention_triton.INTERPRETED:

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from megainfer.engine.engine import Engine
-from megainfer.engine_config import EngineConfig
 from megainfer.engine.queued_engine import QueuedEngine
+from megainfer.engine_config import EngineConfig
 from megainfer.messages import FinishReason
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
-from megainfer.sampling_params import SamplingParams
-from megainfer.scheduling.token_recorder import PLACEHOLDER
-from megainfer.scheduling.step_layout import StepLayout
 from megainfer.runner.model_runner import StepResult
+from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.step_layout import StepLayout
+from megainfer.scheduling.token_recorder import PLACEHOLDER
 from megainfer.tools.step_boundary import BoundaryRunner
 
 

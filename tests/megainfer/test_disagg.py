@@ -18,10 +18,10 @@ from deploy.link import SwitchableLink
 from megainfer import Engine, SamplingParams
 from megainfer.disagg import attention_exchange, expert_exchange, expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
+from megainfer.disagg.expert_exchange import rank_shares, shared_positions_on
 from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
                                           unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
-from megainfer.disagg.expert_exchange import rank_shares, shared_positions_on
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine_config import EngineConfig
 from megainfer.model.weights import SafetensorsCheckpoint

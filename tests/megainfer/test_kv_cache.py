@@ -1,5 +1,5 @@
-from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.scheduling.sequence import Sequence
 
 

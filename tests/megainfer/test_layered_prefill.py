@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from megainfer import Engine, LLM, SamplingParams
 from megainfer.engine_config import EngineConfig
-from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.presets import PRESETS
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.scheduling.scheduler import LayeredPrefill, Scheduler
 from megainfer.scheduling.sequence import Sequence
 

@@ -9,16 +9,17 @@ import argparse
 import pytest
 import torch
 
-from megainfer import LLM, memory_profile
+from megainfer import LLM
 from megainfer.cli import build_parser
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, PlanError
-from megainfer.runner.memory_profile import MemoryProfile, MemorySnapshot
 from megainfer.model.weights import RandomWeights
-from megainfer.runner.model_runner import ModelRunner
 from megainfer.plan import Plan
 from megainfer.presets import PRESETS
+from megainfer.runner import memory_profile
+from megainfer.runner.memory_profile import MemoryProfile, MemorySnapshot
+from megainfer.runner.model_runner import ModelRunner
 
 GiB = 1 << 30
 TOTAL = 80 * GiB

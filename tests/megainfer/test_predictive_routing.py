@@ -15,17 +15,17 @@ import pytest
 
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import PlanError
-from megainfer.scheduling.kv_cache import BlockManager
-from megainfer.messages import NodeLoad, NodeState, StepSample
-from megainfer.scheduling.node_state import snapshot, step_sample
+from megainfer.messages import NodeLoad, StepSample
 from megainfer.plan import Plan
 from megainfer.presets import PRESETS
 from megainfer.routing.autoscale import AutoscalePolicy, Autoscaler, ScaleAction
 from megainfer.routing.forecast import NodeForecast, RequestForecast
 from megainfer.routing.length_estimator import BucketedLengthEstimator, MaxTokensEstimator
-from megainfer.routing.policies import PredictiveRouter, make_router
 from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalancer
+from megainfer.routing.policies import PredictiveRouter, make_router
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.kv_cache import BlockManager
+from megainfer.scheduling.node_state import snapshot, step_sample
 from megainfer.scheduling.scheduler import ChunkedPrefill, Scheduler
 from megainfer.scheduling.sequence import Sequence
 

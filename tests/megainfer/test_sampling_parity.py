@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megainfer import Engine, SamplingParams
+from megainfer.engine.output_stream import OutputStream
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import RequestError
 from megainfer.messages import FinishReason
-from megainfer.engine.output_stream import OutputStream
 from megainfer.scheduling.sequence import Sequence, SequenceStatus
 from megainfer.tokenizer import ByteTokenizer
 

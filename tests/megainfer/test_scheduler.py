@@ -7,8 +7,8 @@ import zlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.scheduling.scheduler import ChunkedPrefill, Scheduler
 from megainfer.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 

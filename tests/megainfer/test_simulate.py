@@ -11,14 +11,14 @@ import time
 import numpy as np
 import pytest
 
+from megainfer.bench.workload import SimRequest, arrival_times, describe, generate, load_trace
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, PlanError
 from megainfer.presets import PRESETS
-from megainfer.tools.simulator.expert_load import ExpertActivation
 from megainfer.tools.simulator.experiment import SimulationSpec, rate_range, ratios
+from megainfer.tools.simulator.expert_load import ExpertActivation
 from megainfer.tools.simulator.routing_skew import FITTED_SKEW
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.bench.workload import SimRequest, arrival_times, describe, generate, load_trace
 from planner.catalog import Catalog
 from planner.step_cost_model import AttentionWork, ColocatedStepModel, LayerClass
 from tests.helpers import ROOT

@@ -24,20 +24,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megainfer.bench.workload import SimRequest
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.messages import NodeLoad, StepSample
-from megainfer.scheduling.node_state import snapshot, step_sample
 from megainfer.routing.autoscale import Autoscaler, ScaleEvent
 from megainfer.routing.policies import PredictiveRouter, Router
 from megainfer.sampling_params import SamplingParams
+from megainfer.scheduling.node_state import snapshot, step_sample
 from megainfer.scheduling.scheduler import Scheduler
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.sequence import Sequence
 from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.bench.workload import SimRequest
 from planner.step_cost_model import ColocatedStepModel
 
 _TOKEN = 0  # every simulated token: only lengths matter

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megainfer.bench.workload import SimRequest
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
@@ -27,7 +28,6 @@ from megainfer.scheduling.sequence import Sequence
 from megainfer.scheduling.step_layout import StepLayout
 from megainfer.tools.simulator.expert_load import ExpertActivation
 from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
-from megainfer.bench.workload import SimRequest
 from planner.step_cost_model import AttentionWork, ColocatedStepModel, LayerClass
 
 _TOKEN = 0  # the simulator's stand-in token id: no model reads it, no stop condition matches it
