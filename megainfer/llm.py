@@ -155,7 +155,9 @@ class _PromptRun:
     def start(self, engine: Engine) -> None:
         """Queue every completion, or none (`RequestGroup.start`)."""
         sequences = self.group.start(engine.add_request, engine.abort)
-        self.group.prompts[0].token_ids = list(sequences[0].prompt_token_ids)
+        prompt = self.group.prompts[0]
+        prompt.token_ids = list(sequences[0].prompt_token_ids)
+        prompt.num_tokens = len(prompt.token_ids)  # a text prompt's, as the engine tokenized it
 
     def arrived(self, c: Completion, delta: RequestDelta, now: float) -> None:
         _, gap = self.group.arrived(c, delta, now)

@@ -164,16 +164,13 @@ class RequestGroup:
         source = c.source
         if source.logprobs_arrived:
             return [(c, delta)], gap
-        if c.engine_id != self._first_of(source).engine_id:
+        if c.index % source.params.n:  # not the prompt's choice 0, which brings its logprobs
             self._held.append((c, delta))
             return [], gap
         source.logprobs_arrived = True
         released = [(h, d) for h, d in self._held if h.source is source]
         self._held = [(h, d) for h, d in self._held if h.source is not source]
         return [(c, delta), *released], gap
-
-    def _first_of(self, source: GroupPrompt) -> Completion:
-        return next(c for c in self.completions if c.source is source)
 
     # -- what it came to ------------------------------------------------------------------------
     @property

@@ -127,11 +127,13 @@ class ChoiceStreams:
         waits on its node). Harmless after they all finished."""
         with self._lock:
             self._closed = True
-            open_ids = [d.request_id for c, d in self.group.abort_deltas() if c.index < len(self.streams)]
+            submitted = len(self.streams)  # those not yet submitted are aborted by the submitting thread
+            ending = self.group.abort_deltas()
+        open_ids = [c.engine_id for c, _ in ending if c.index < submitted]
         if not open_ids:
             return
         now = time.monotonic()
-        for c, abort in self.group.abort_deltas():  # nobody reads them any more: they end here
+        for c, abort in ending:  # nobody reads them any more: they end here
             take_delta(self.metrics, self.group, c, abort, now)
         self.executor.submit(self._abort, open_ids)
 
