@@ -38,8 +38,9 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.runner.memory_profile import MemorySnapshot
-from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, greedy_rows,
-                                    load_and_size, sample_step, samples_by_micro_batch)
+from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult,
+                                          device_and_dtype, greedy_rows, load_and_size, sample_step,
+                                          samples_by_micro_batch)
 from megainfer.runner.sampler import Sampler
 from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.scheduler_output import SchedulerOutput
@@ -77,10 +78,7 @@ class PipelinedModelRunner:
         host that use them too (device_slots.py; tensor-parallel size 1 only)."""
         self.model_config = model_config
         self.config = config
-        self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.device, self.dtype = device_and_dtype(config)
         self.expert_nodes = list(expert_nodes)
         self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
         self.m = micro_batches

@@ -94,10 +94,7 @@ class ModelRunner:
                  max_model_len: int) -> None:
         self.model_config = model_config
         self.config = config
-        self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.device, self.dtype = device_and_dtype(config)
         load_and_size(self, lambda: MoEModel(model_config, self.dtype, self.device, max_model_len), weights,
                       max_model_len)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
@@ -173,6 +170,13 @@ class ModelRunner:
 
 
 BatchInputs = tuple[torch.Tensor, torch.Tensor, kernels.PagedAttentionBatch]  # input ids, positions, metadata
+
+
+def device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """A runner's device and dtype from its (resolved) config; its CPU threads set where asked."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    return torch.device(config.device), getattr(torch, config.dtype)
 
 
 class CohortHiddenStates:
