@@ -66,6 +66,12 @@ class ExpertLayer(nn.Module):
         # stable sort keeps token order inside an expert, as transformers' loop does. Pairs of
         # experts held elsewhere (id n) come last, past the last offset.
         local, order = torch.sort(local, stable=True)
+        # A token's k experts are distinct, so at most min(k, n) of its pairs are held here: the
+        # pairs past T * min(k, n) in sorted order are all held elsewhere. Gathering, combining
+        # and zeroing only those rows saves k / n of the hidden-sized traffic on an expert node
+        # holding fewer experts than top-k (a static bound: CUDA graphs keep their shapes).
+        held = x.shape[0] * min(k, n)
+        local, order = local[:held], order[:held]
         token_ids = order // k
         # Counts and offsets stay on the device (scatter_add: bincount reads its range back):
         # the Triton GEMM reads them there; the torch reference reads them back itself.

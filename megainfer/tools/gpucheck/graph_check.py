@@ -69,7 +69,7 @@ def _capture(ctx: CheckContext):
 @torch.inference_mode()
 def check_attention(ctx: CheckContext, rows: int, context: int) -> None:
     import kernels
-    from megainfer.disagg.decode_graphs import AttentionGraphs
+    from megainfer.disagg.decode_graphs import AttentionGraphs, capture_sizes, size_for
     from megainfer.runner.model_runner import prepare_batch
     from megainfer.tools.launch_count import DecodingSequence
 
@@ -77,8 +77,9 @@ def check_attention(ctx: CheckContext, rows: int, context: int) -> None:
     cfg, model, caches, blocks, nodes, record = _attention_setup(ctx.device, dtype, ctx.on_gpu)
     with ctx.case(f"attention half, {rows} decodes at {context} tokens: graph against eager") as case:
         counts = torch.zeros(LAYERS, cfg.num_experts, dtype=torch.int64, device=ctx.device)
-        size = 64 if rows <= 64 else 2 * rows
+        size = size_for(capture_sizes(rows), rows)  # the size serving replays for `rows`
         graphs = AttentionGraphs(model, caches, counts, (size,), 1, 8192 // BLOCK, BLOCK, blocks, nodes, record)
+        case.figures["graph_rows"] = size
         start = time.perf_counter()
         case.figures["graphs"] = graphs.capture(_capture(ctx))
         case.figures["capture_s"] = round(time.perf_counter() - start, 2)
@@ -112,7 +113,7 @@ def check_attention(ctx: CheckContext, rows: int, context: int) -> None:
 @torch.inference_mode()
 def check_experts(ctx: CheckContext, tokens: int) -> None:
     import kernels
-    from megainfer.disagg.decode_graphs import ExpertGraphs
+    from megainfer.disagg.decode_graphs import ExpertGraphs, capture_sizes, size_for
     from megainfer.disagg.expert_link import pack_records, record_bytes
     from megainfer.model.expert_layer import ExpertLayer
     from megainfer.model.weights import RandomWeights
@@ -127,7 +128,9 @@ def check_experts(ctx: CheckContext, tokens: int) -> None:
         layers = [ExpertLayer(cfg, i, dtype, ctx.device, expert_ids=list(range(held))) for i in range(LAYERS)]
         for layer in layers:
             layer.load_weights(RandomWeights(0))
-        graphs = ExpertGraphs(layers, (2 * tokens,), record_bytes(cfg.hidden_size, cfg.top_k, dtype), dtype,
+        size = size_for(capture_sizes(tokens), tokens)  # the size serving replays for `tokens`
+        case.figures["graph_rows"] = size
+        graphs = ExpertGraphs(layers, (size,), record_bytes(cfg.hidden_size, cfg.top_k, dtype), dtype,
                               ctx.device)
         case.figures["graphs"] = graphs.capture(_capture(ctx))
         x = torch.randn(tokens, cfg.hidden_size, device=ctx.device).to(dtype)
@@ -170,6 +173,7 @@ def run(ctx: CheckContext) -> None:
         check_attention(ctx, 48, 1000)
         check_attention(ctx, 471, 1000)  # the plan's decodes per micro-batch (1,884 / m = 4)
         check_experts(ctx, 128)
+        check_experts(ctx, 400)  # replays the 512-row graph: a padded batch's cost
         check_experts(ctx, 512)
     else:
         check_attention(ctx, 5, 40)
