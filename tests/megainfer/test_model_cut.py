@@ -28,6 +28,32 @@ def test_expert_subsets_sum_to_the_full_layer():
     torch.testing.assert_close(combined, full(x, ids, weights), atol=1e-5, rtol=1e-5)
 
 
+def test_nodes_holding_fewer_experts_than_top_k_sum_to_the_full_layer():
+    """A node of n < k experts keeps only T x n of the sorted pairs (the rest are held elsewhere):
+    eight one-expert nodes and four two-expert nodes at top-4 still add up to the whole layer,
+    also with padding rows past `valid` (a CUDA graph's size)."""
+    import dataclasses
+    cfg = dataclasses.replace(CFG, top_k=4)
+    source = RandomWeights(seed=5)
+    full = ExpertLayer(cfg, 1, torch.float32, "cpu")
+    full.load_weights(source)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, cfg.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(12)])
+    weights = torch.rand(12, 4, generator=g)
+    want = full(x, ids, weights)
+    for per_node in (1, 2):
+        nodes = [ExpertLayer(cfg, 1, torch.float32, "cpu", expert_ids=list(range(e, e + per_node)))
+                 for e in range(0, 8, per_node)]
+        for node in nodes:
+            node.load_weights(source)
+        torch.testing.assert_close(sum(node(x, ids, weights) for node in nodes), want, atol=1e-5, rtol=1e-5)
+        valid = torch.tensor([9], dtype=torch.int32)
+        padded = sum(node(x, ids, weights, valid) for node in nodes)
+        torch.testing.assert_close(padded[:9], want[:9], atol=1e-5, rtol=1e-5)
+        assert padded[9:].abs().sum() == 0
+
+
 def test_tensor_parallel_expert_slices_sum_to_the_full_layer():
     """An expert node's tp ranks each hold a slice of every expert's intermediate dimension."""
     source = RandomWeights(seed=4)
