@@ -10,9 +10,9 @@ measured faster the first time (`kernels.choice`); the reference elsewhere;
 
 from kernels.dispatch import (KernelUnavailable, add_rms_norm, backend, decode_attention, fused_gating, graph_region,
                               grouped_expert_gemm, paged_attention, prefill_attention, rotary_store_kv)
-from kernels.moe_ref import Gating
+from kernels.moe_ref import REPLICA_BUCKETS, Gating
 from kernels.paged_attention_ref import PagedAttentionBatch, store_kv
 
-__all__ = ["Gating", "KernelUnavailable", "PagedAttentionBatch", "add_rms_norm", "backend", "decode_attention",
+__all__ = ["Gating", "REPLICA_BUCKETS", "KernelUnavailable", "PagedAttentionBatch", "add_rms_norm", "backend", "decode_attention",
            "fused_gating", "graph_region", "grouped_expert_gemm", "paged_attention", "prefill_attention",
            "rotary_store_kv", "store_kv"]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.launch import interpreted
+from kernels.moe_ref import REPLICA_BUCKETS
 from kernels.tiles import attention_tiles, gemm_tiles, pow2
 
 # Attention heads (query, kv, head dim): Mixtral 8x7B (GQA 4), Qwen3-MoE at GQA 4 and 16,
@@ -155,13 +156,16 @@ def gating_reports(name: str, experts: int, top_k: int, nodes: int, dtype: torch
 
     pointers = {"logits_ptr": "*" + TYPES[dtype], "ids_ptr": "*i64", "weights_ptr": "*fp32",
                 "pair_order_ptr": "*i64", "pair_positions_ptr": "*i64", "expert_offsets_ptr": "*i64",
-                "node_offsets_ptr": "*i64", "node_tokens_ptr": "*i64"}
+                "node_offsets_ptr": "*i64", "node_tokens_ptr": "*i64", "slots_ptr": "*i64"}
     reports = []
-    for has_valid in (False, True):
-        shape = f"{name} k={top_k}, {nodes} nodes{', padded' if has_valid else ''}"
+    for has_valid, buckets in ((False, 0), (True, 0), (True, REPLICA_BUCKETS)):
+        shape = (f"{name} k={top_k}, {nodes} nodes{', padded' if has_valid else ''}"
+                 f"{', replicas' if buckets else ''}")
         reports.append(compile_one(moe_triton._gating_kernel, dict(
             E=experts, K=top_k, RENORMALIZE=True, NUM_NODES=nodes, BLOCK_E=pow2(experts), BLOCK_K=pow2(top_k),
-            HAS_VALID=has_valid), pointers, 4, 1, arch, shape))
+            HAS_VALID=has_valid, BUCKETS=buckets), pointers, 4, 1, arch, shape))
+        if buckets:  # the scatter kernel is the same with or without replicas
+            continue
         reports.append(compile_one(moe_triton._scatter_kernel, dict(
             K=top_k, NUM_NODES=nodes, BLOCK_K=pow2(top_k), HAS_VALID=has_valid), pointers, 4, 1, arch, shape))
     return reports

@@ -210,7 +210,8 @@ def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, que
         query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale))
 
 
-def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0, valid=None):
+def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0, valid=None,
+                 expert_slots=None):
     """On CUDA always the Triton kernel (not timed): every rank of a tensor-parallel node must
     route its tokens alike, and a per-process timed choice could pick differently on two ranks
     (ties rounded differently); the reference also synchronises the host (`nonzero`). Only
@@ -220,15 +221,16 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
     def triton_fn():
         from kernels import moe_triton as t
 
-        return t.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, valid)
+        return t.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, valid, expert_slots)
 
     def key():
         nodes = num_nodes if expert_node is not None else 0
-        return ShapeKey("fused_gating", (logits.dtype, logits.shape[1], top_k, renormalize, nodes),
+        buckets = 0 if expert_slots is None else expert_slots.shape[1]
+        return ShapeKey("fused_gating", (logits.dtype, logits.shape[1], top_k, renormalize, nodes, buckets),
                         (bucket(logits.shape[0]),), ("tokens",))
 
     def reference():
-        return r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, valid)
+        return r.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, valid, expert_slots)
 
     mode = backend(logits.device)
     if mode == FASTEST:

@@ -9,6 +9,12 @@ import torch
 import torch.nn.functional as F
 
 
+# Width of a slot table (`fused_gating`'s expert_slots): a pair's replica is picked by its row
+# modulo this, so shares are kept to 1/64. One width for every table: the gating kernel is
+# compiled per width.
+REPLICA_BUCKETS = 64
+
+
 @dataclass
 class Gating:
     topk_ids: torch.Tensor  # [T, k] int64 expert ids, most probable first (ties: lower id first)
@@ -22,6 +28,14 @@ class Gating:
     # The pairs' layout by expert; a kernel fills it, the reference derives it when first asked.
     _pair_order: torch.Tensor | None = None
     _pair_positions: torch.Tensor | None = None
+    # [T, k] int64 the replica slot each pair goes to, where a slot table was given (see
+    # `fused_gating`); None: each expert is its own slot.
+    _topk_slots: torch.Tensor | None = None
+
+    @property
+    def topk_slots(self) -> torch.Tensor:
+        """[T, k] int64: the slot (a replica of the chosen expert) each pair is sent to."""
+        return self.topk_ids if self._topk_slots is None else self._topk_slots
 
     @property
     def expert_offsets(self) -> torch.Tensor:
@@ -48,11 +62,15 @@ class Gating:
 
 
 def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_node: torch.Tensor | None = None,
-                 num_nodes: int = 0, valid: torch.Tensor | None = None) -> Gating:
+                 num_nodes: int = 0, valid: torch.Tensor | None = None,
+                 expert_slots: torch.Tensor | None = None) -> Gating:
     """logits [T, E] -> softmax -> top-k (renormalised if asked) -> per-expert and per-node counts
     and the permutations that lay pairs out by expert and tokens out by destination node.
     `valid`: [1] int32 on the logits' device, the live rows; rows at or past it (a captured batch's
-    padding) get ids and weights but are counted for no expert and sent to no node."""
+    padding) get ids and weights but are counted for no expert and sent to no node.
+    `expert_slots`: [E, B] int32, where experts have replicas: token t's pair with expert e goes
+    to slot expert_slots[e, t % B] (`topk_slots`), and `expert_node` maps slots, not experts, to
+    nodes. A pure function of the row: every rank of a tensor-parallel node picks alike."""
     e = logits.shape[1]
     probs = F.softmax(logits.float(), dim=-1)
     values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -61,8 +79,11 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
         weights = weights / weights.sum(dim=-1, keepdim=True)
     live = None if valid is None else torch.arange(logits.shape[0], device=logits.device) < valid
     g = Gating(ids, weights, torch.bincount((ids if live is None else ids[live]).reshape(-1), minlength=e))
+    if expert_slots is not None:
+        buckets = torch.arange(ids.shape[0], device=ids.device) % expert_slots.shape[1]
+        g._topk_slots = expert_slots[ids, buckets[:, None]].to(torch.int64)
     if expert_node is not None:
-        hits = expert_node[ids]  # [T, k] node of each choice
+        hits = expert_node[g.topk_slots]  # [T, k] node of each choice
         sent = [(hits == n).any(dim=1) for n in range(num_nodes)]
         per_node = [(s if live is None else s & live).nonzero().flatten() for s in sent]
         g.node_counts = torch.tensor([len(x) for x in per_node], dtype=torch.int64, device=logits.device)

@@ -33,8 +33,9 @@ INTERPRETED = interpreted()
 
 @triton.jit
 def _gating_kernel(logits_ptr, ids_ptr, weights_ptr, expert_counts_ptr, expert_node_ptr, node_counts_ptr, valid_ptr,
-                   E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_NODES: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_VALID: tl.constexpr):
+                   slot_table_ptr, slots_ptr, E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   NUM_NODES: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_VALID: tl.constexpr,
+                   BUCKETS: tl.constexpr):
     t = tl.program_id(0)
     limit = t + 1
     if HAS_VALID:  # rows at or past the live count (a captured batch's padding) are counted nowhere
@@ -58,8 +59,12 @@ def _gating_kernel(logits_ptr, ids_ptr, weights_ptr, expert_counts_ptr, expert_n
     tl.store(ids_ptr + t * K + kk, ids.to(tl.int64), mask=kk < K)
     tl.store(weights_ptr + t * K + kk, vals, mask=kk < K)
     tl.atomic_add(expert_counts_ptr + ids, 1, mask=(kk < K) & (kk * 0 + t < limit))  # a block mask
+    slots = ids
+    if BUCKETS > 0:  # replicas: the pair's slot by the row's bucket (moe_ref.fused_gating)
+        slots = tl.load(slot_table_ptr + ids * BUCKETS + t % BUCKETS, mask=kk < K, other=0)
+        tl.store(slots_ptr + t * K + kk, slots.to(tl.int64), mask=kk < K)
     if NUM_NODES > 0:
-        nodes = tl.load(expert_node_ptr + ids, mask=kk < K, other=-1)
+        nodes = tl.load(expert_node_ptr + slots, mask=kk < K, other=-1)
         for n in tl.static_range(NUM_NODES):
             hit = (tl.sum((nodes == n).to(tl.int32), axis=0) > 0) & (t < limit)
             tl.atomic_add(node_counts_ptr + n, hit.to(tl.int32))
@@ -67,7 +72,7 @@ def _gating_kernel(logits_ptr, ids_ptr, weights_ptr, expert_counts_ptr, expert_n
 
 @triton.jit
 def _scatter_kernel(ids_ptr, expert_offsets_ptr, expert_cursor_ptr, pair_order_ptr, pair_positions_ptr,
-                    expert_node_ptr, node_offsets_ptr, node_cursor_ptr, node_tokens_ptr, valid_ptr,
+                    expert_node_ptr, node_offsets_ptr, node_cursor_ptr, node_tokens_ptr, valid_ptr, slots_ptr,
                     K: tl.constexpr, NUM_NODES: tl.constexpr, BLOCK_K: tl.constexpr, HAS_VALID: tl.constexpr):
     t = tl.program_id(0)
     limit = t + 1
@@ -82,7 +87,8 @@ def _scatter_kernel(ids_ptr, expert_offsets_ptr, expert_cursor_ptr, pair_order_p
             tl.store(pair_order_ptr + pos, t * K + j)
             tl.store(pair_positions_ptr + t * K + j, pos)
         if NUM_NODES > 0:
-            nodes = tl.load(expert_node_ptr + ids, mask=kk < K, other=-1)
+            slots = tl.load(slots_ptr + t * K + kk, mask=kk < K, other=0)  # the ids, without replicas
+            nodes = tl.load(expert_node_ptr + slots, mask=kk < K, other=-1)
             for n in tl.static_range(NUM_NODES):
                 if tl.sum((nodes == n).to(tl.int32), axis=0) > 0:
                     pos = tl.load(node_offsets_ptr + n) + tl.atomic_add(node_cursor_ptr + n, 1)
@@ -90,7 +96,8 @@ def _scatter_kernel(ids_ptr, expert_offsets_ptr, expert_cursor_ptr, pair_order_p
 
 
 def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_node: torch.Tensor | None = None,
-                 num_nodes: int = 0, valid: torch.Tensor | None = None) -> Gating:
+                 num_nodes: int = 0, valid: torch.Tensor | None = None,
+                 expert_slots: torch.Tensor | None = None) -> Gating:
     t, e = logits.shape
     dev = logits.device
     block_e, block_k = triton.next_power_of_2(e), triton.next_power_of_2(top_k)
@@ -100,10 +107,14 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
     nodes = num_nodes if expert_node is not None else 0
     node_of = expert_node.to(torch.int32) if nodes else torch.zeros(1, dtype=torch.int32, device=dev)
     node_counts = torch.zeros(max(nodes, 1), dtype=torch.int32, device=dev)
+    buckets = 0 if expert_slots is None else expert_slots.shape[1]
+    slot_table = node_of if expert_slots is None else expert_slots.to(torch.int32).contiguous()
+    slots = ids if expert_slots is None else torch.empty_like(ids)
     if t:
         _gating_kernel[(t,)](logits.contiguous(), ids, weights, expert_counts, node_of, node_counts,
-                             node_of if valid is None else valid, E=e, K=top_k, RENORMALIZE=renormalize,
-                             NUM_NODES=nodes, BLOCK_E=block_e, BLOCK_K=block_k, HAS_VALID=valid is not None)
+                             node_of if valid is None else valid, slot_table, slots, E=e, K=top_k,
+                             RENORMALIZE=renormalize, NUM_NODES=nodes, BLOCK_E=block_e, BLOCK_K=block_k,
+                             HAS_VALID=valid is not None, BUCKETS=buckets)
     expert_offsets = torch.zeros(e + 1, dtype=torch.int64, device=dev)
     expert_offsets[1:] = torch.cumsum(expert_counts, 0)
     node_offsets = torch.zeros(nodes + 1, dtype=torch.int64, device=dev)
@@ -117,9 +128,10 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
         _scatter_kernel[(t,)](ids, expert_offsets, torch.zeros(e, dtype=torch.int32, device=dev), pair_order,
                               pair_positions, node_of, node_offsets, torch.zeros(max(nodes, 1), dtype=torch.int32,
                                                                                   device=dev),
-                              node_tokens, node_of if valid is None else valid, K=top_k, NUM_NODES=nodes,
+                              node_tokens, node_of if valid is None else valid, slots, K=top_k, NUM_NODES=nodes,
                               BLOCK_K=block_k, HAS_VALID=valid is not None)
-    g = Gating(ids, weights, expert_counts.to(torch.int64), _pair_order=pair_order, _pair_positions=pair_positions)
+    g = Gating(ids, weights, expert_counts.to(torch.int64), _pair_order=pair_order, _pair_positions=pair_positions,
+               _topk_slots=None if expert_slots is None else slots)
     if nodes:
         g.node_counts, g.node_offsets, g.node_token_ids = node_counts.to(torch.int64), node_offsets, node_tokens
     return g

@@ -50,6 +50,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""  # preset name, checkpoint directory or hub id, for messages
     torch_dtype: str | None = None  # the checkpoint's weights (config.json torch_dtype/dtype); None: a preset
+    # A fixed bias on every layer's router logits, one per expert (presets only: `skewed-mixtral`
+    # favours a few experts, as real traffic does; a checkpoint's config.json has no such field).
+    router_logit_bias: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -67,6 +70,9 @@ class ModelConfig:
                 f"({self.num_experts})")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
+        if self.router_logit_bias and len(self.router_logit_bias) != self.num_experts:
+            raise ConfigError(f"model config: router_logit_bias has {len(self.router_logit_bias)} values, "
+                              f"one per expert wanted ({self.num_experts})")
 
     # Sizes the engine, planner and accounting share.
     @property

@@ -52,6 +52,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: a ladder to the largest
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    expert_load_window: int = 64  # steps whose routed tokens per expert the engine keeps (engine/expert_load_window.py)
     show_progress: bool = False  # progress bar while loading weights
 
     def __post_init__(self) -> None:
@@ -64,7 +65,8 @@ class EngineConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ConfigError(f"prefill_policy {self.prefill_policy!r} is not supported; choose one of "
                               f"{', '.join(PREFILL_POLICIES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "group_tokens", "layered_chunk_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "group_tokens", "layered_chunk_tokens",
+                     "expert_load_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"engine option '{name}' must be a positive integer, got {value!r}")

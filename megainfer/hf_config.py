@@ -160,6 +160,9 @@ def to_hf_dict(model: ModelConfig) -> dict[str, Any]:
     """The config.json a checkpoint of this model carries (inverse of `from_hf_dict`)."""
     if model.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"preset {model.name!r} ({model.model_type}) is shape-only and has no checkpoint form")
+    if model.router_logit_bias:
+        raise ConfigError(f"preset {model.name!r} biases its router by a fixed vector, which no config.json of "
+                          f"{model.model_type} can hold: serve the preset itself, not a checkpoint of it")
     cfg: dict[str, Any] = {
         "model_type": model.model_type,
         "architectures": ["MixtralForCausalLM" if model.model_type == "mixtral" else "Qwen3MoeForCausalLM"],

@@ -49,6 +49,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 if TYPE_CHECKING:
     from kernels.startup import KernelReport  # no import at run time: the CLI's --help and plan stay torch-free
 
@@ -314,6 +316,42 @@ class ExpertLoad:
 
 
 @dataclass
+class ExpertLoadReport:
+    """Tokens routed to each (layer, expert) over an engine's last `window` steps, decode steps
+    and steps with prompt tokens apart (megainfer/engine/expert_load_window.py): what a re-placement of
+    the experts is computed from (deploy/expert_rebalance.py), summed over attention nodes."""
+
+    decode: np.ndarray  # [layers, experts] int64, (token, expert) pairs of the window's decode-only steps
+    prefill: np.ndarray  # [layers, experts] int64, those of its steps with prompt tokens
+    decode_steps: int
+    prefill_steps: int
+
+    def of(self, phase: str) -> np.ndarray:
+        """The loads of `phase`: "decode", "prefill" or "all"."""
+        if phase == "decode":
+            return self.decode
+        if phase == "prefill":
+            return self.prefill
+        return self.decode + self.prefill
+
+    @classmethod
+    def total(cls, reports: "list[ExpertLoadReport]") -> "ExpertLoadReport":
+        """The deployment's: every attention node's windows added up."""
+        return cls(sum(r.decode for r in reports), sum(r.prefill for r in reports),
+                   sum(r.decode_steps for r in reports), sum(r.prefill_steps for r in reports))
+
+
+@dataclass
+class StagedPlacement:
+    """An expert rank's answer to a re-placement's stage: its new experts loaded, not yet serving."""
+
+    version: int
+    bytes_loaded: int  # weights of the experts that moved onto this rank (its slice of them)
+    experts_loaded: int  # (layer, slot)s whose expert changed
+    seconds: float
+
+
+@dataclass
 class EngineStats:
     num_steps: int = 0
     num_computed_tokens: int = 0  # prompt, recomputed and decode tokens run through the model
@@ -327,6 +365,7 @@ class EngineStats:
     expert_activations: int = 0  # cumulative activated (layer, expert) pairs over steps
     expert_bytes_read: int = 0  # cumulative expert-weight bytes read
     last_step_expert_load: ExpertLoad | None = None
+    expert_window: ExpertLoadReport | None = None  # routed tokens over the last steps (EngineConfig.expert_load_window)
     energy_j: float | None = None  # GPU energy since the engine started (None: unavailable, see below)
     energy_per_token_j: float | None = None
     energy_unavailable: str = ""  # why energy is unavailable, where it is

@@ -23,6 +23,7 @@ import yaml
 
 from megainfer.config import DTYPE_BYTES, GPU_MEMORY_UTILIZATION, ModelConfig, check_gpu_memory_utilization
 from megainfer.errors import PlanError
+from megainfer.expert_replicas import ExpertReplicas, from_assignment
 
 # serve.router: how requests are spread over attention nodes (megainfer/routing/policies.py
 # implements each; the schema names them so it imports no router).
@@ -49,17 +50,45 @@ class AttentionSpec:
         _positive("attention", tp=self.tp, nodes=self.nodes)
 
 
+REBALANCE_PHASES = ("decode", "prefill", "all")
+
+
+@dataclass
+class RebalanceSpec:
+    """plan.yaml's `experts.rebalance`: re-place experts while serving, from the tokens each
+    expert took over a window of steps (megainfer/engine/expert_load_window.py, planner/expert_placement.py)."""
+
+    window_steps: int = 64  # the steps whose expert loads a re-placement is computed from
+    interval_s: float = 60.0  # seconds between re-placements; 0: only when asked (`megainfer deploy --rebalance`)
+    phase: str = "decode"  # whose loads count: decode steps (stable, as MegaScale-Infer uses), prefill, or all
+    floor_tokens: float = 0.0  # K, the cost of an expert held at all, in tokens of the window
+
+    def __post_init__(self) -> None:
+        _positive("experts.rebalance", window_steps=self.window_steps)
+        if self.interval_s < 0 or self.floor_tokens < 0:
+            raise PlanError(f"experts.rebalance: interval_s ({self.interval_s}) and floor_tokens "
+                            f"({self.floor_tokens}) must not be negative")
+        if self.phase not in REBALANCE_PHASES:
+            raise PlanError(f"experts.rebalance.phase {self.phase!r} is not one of {', '.join(REBALANCE_PHASES)}")
+
+
 @dataclass
 class ExpertSpec:
     gpu: str = CPU
     tp: int = 1  # GPUs per expert node
     nodes: int = 1  # expert nodes
     experts_per_node: int | None = None  # None: the model's experts spread evenly over the nodes
+    # Spare expert slots per node, for replicas of hot experts (MegaScale-Infer's redundancy);
+    # filled by the first re-placement, so they serve once `rebalance` is set or one is asked for.
+    redundant_per_node: int = 0
+    rebalance: RebalanceSpec | None = None
 
     def __post_init__(self) -> None:
         _positive("experts", tp=self.tp, nodes=self.nodes)
         if self.experts_per_node is not None:
             _positive("experts", experts_per_node=self.experts_per_node)
+        if self.redundant_per_node < 0:
+            raise PlanError(f"experts.redundant_per_node must not be negative, got {self.redundant_per_node}")
 
 
 @dataclass
@@ -242,6 +271,18 @@ class Plan:
         per = model.num_experts // self.experts.nodes
         return [list(range(n * per, (n + 1) * per)) for n in range(self.experts.nodes)]
 
+    def expert_replicas(self, model: ModelConfig) -> ExpertReplicas:
+        """The deployment's first placement: `expert_assignment`, with room for
+        `experts.redundant_per_node` more experts per node (empty until a re-placement)."""
+        assignment = self.expert_assignment(model)
+        room = len(assignment[0]) + self.experts.redundant_per_node
+        return ExpertReplicas.uniform(from_assignment(assignment, room), model.num_layers)
+
+    @property
+    def places_experts(self) -> bool:
+        """Can experts move or gain replicas while serving (slot tables on the attention side)?"""
+        return self.experts.redundant_per_node > 0 or self.experts.rebalance is not None
+
     def check_model(self, model: ModelConfig) -> None:
         """Cross-checks that need the model's shapes."""
         if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
@@ -373,6 +414,9 @@ def _section(section_cls: type, data: Any, name: str, source: str) -> Any:
             kwargs[key] = None
             continue
         base = next(a for a in getattr(kind, "__args__", (kind,)) if a is not type(None))
+        if dataclasses.is_dataclass(base):  # a nested section (experts.rebalance)
+            kwargs[key] = _section(base, value, f"{name}.{key}", source)
+            continue
         kwargs[key] = _coerce(value, base, f"{name}.{key}", source)
     try:
         return section_cls(**kwargs)

@@ -50,5 +50,5 @@ def attend_and_pack(layer: AttentionLayer, rotary: RotaryEmbedding, kv_cache: tu
     if tp_size > 1:  # the ranks split each node's tokens by position: they must agree on the order
         token_ids = tokens_in_node_order(token_ids, g.node_offsets, hidden.shape[0])
     # Every token packed once, then the records gathered in send order: one gather, not three.
-    records = pack_records(a.expert_input, a.topk_ids, a.topk_weights)[token_ids]
+    records = pack_records(a.expert_input, a.topk_slots, a.topk_weights)[token_ids]
     return DispatchParts(a.residual, records, g.node_offsets, token_ids)

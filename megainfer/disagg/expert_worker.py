@@ -28,13 +28,15 @@ from megainfer.disagg.expert_link import ExpertLink, record_bytes, unpack_dispat
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.messages import NodeRole, SpanKind
-from megainfer.model.expert_layer import ExpertLayer
+from megainfer.disagg.expert_switch import ExpertSwitch, node_slots
+from megainfer.expert_replicas import ExpertReplicas
+from megainfer.model.expert_layer import ExpertLayer, NodeSlots
 from megainfer.model.weights import WeightSource
 from megainfer.runner import memory_profile
 from megainfer.runner.kernel_warmup import warm_up_expert_node
 from megainfer.tensor_parallel import TensorParallelGroup
 
-CONTROL_FIELDS = 3  # a follower's header: layer, micro-batch, tokens
+CONTROL_FIELDS = 4  # a follower's header: layer, micro-batch, tokens, the expert placement serving
 
 
 class ExpertWorker:
@@ -43,7 +45,8 @@ class ExpertWorker:
                  show_progress: bool = False, tp_group: TensorParallelGroup | None = None,
                  staging_bytes: StagingBytes | int = 0, name: str = "experts", profile_tokens: int = 0,
                  gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, device_slot_bytes: int = 0,
-                 decode_graph_tokens: int = 0, cuda_graph_sizes: tuple[int, ...] | None = None) -> None:
+                 decode_graph_tokens: int = 0, cuda_graph_sizes: tuple[int, ...] | None = None,
+                 replicas: ExpertReplicas | None = None, node: int = 0) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
         every message with the attention nodes and broadcasts each (layer, micro-batch)'s records
         to the others (a header over the control group, the records over the activations'
@@ -56,12 +59,19 @@ class ExpertWorker:
         0: not checked). `device_slot_bytes`: the largest dispatch one attention node sends in a
         (layer, micro-batch); non-zero: dispatches and answers go straight between the devices of
         attention nodes on this host that use them too (device_slots.py; tensor-parallel size 1).
-        `decode_graph_tokens`, `cuda_graph_sizes`: decode's CUDA graphs (`_capture`)."""
+        `decode_graph_tokens`, `cuda_graph_sizes`: decode's CUDA graphs (`_capture`). `replicas`:
+        where each expert's slots live (megainfer/expert_replicas.py), this node being `node`;
+        None: `expert_ids` in every layer, one slot each, named by expert id."""
         self.cfg = model_config
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.expert_ids = list(expert_ids)
+        self.placement = [(list(expert_ids), NodeSlots(list(expert_ids), model_config.num_experts, len(expert_ids)))
+                          ] * model_config.num_layers if replicas is None else node_slots(replicas, node)
+        self.node = node
+        self.switch = ExpertSwitch(0 if replicas is None else replicas.version)
+        self.weights = weights  # where a re-placement loads the experts that move here from
+        self.expert_ids = self.placement[0][0]
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.attention_nodes = list(attention_nodes)
@@ -89,8 +99,8 @@ class ExpertWorker:
         """The experts' weights, every kernel built and decided, and (on CUDA, with
         `profile_tokens`) the largest (layer, micro-batch) checked to fit. Sets `layers`, `kernels`."""
         before = memory_profile.baseline(self.device) if profile_tokens else None
-        self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, self.expert_ids, self.tp_rank, self.tp_size)
-                       for layer in range(model_config.num_layers)]
+        self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, experts, self.tp_rank, self.tp_size,
+                                   slots) for layer, (experts, slots) in enumerate(self.placement)]
         with torch.inference_mode():
             for layer in tqdm(self.layers, desc=f"loading experts {self.expert_ids[0]}..{self.expert_ids[-1]}", unit="layer",
                               disable=not show_progress):
@@ -121,7 +131,7 @@ class ExpertWorker:
         cfg = self.cfg
         records = torch.zeros(tokens * self.record_size, dtype=torch.uint8, device=self.device)
         x, _, weights = unpack_dispatch(records, tokens, cfg.hidden_size, cfg.top_k, self.dtype)
-        local = torch.tensor(self.expert_ids, device=self.device)
+        local = torch.tensor(self.layers[0].slots.ids, device=self.device)  # the records name slots
         choice = torch.arange(tokens, device=self.device)[:, None] + torch.arange(cfg.top_k, device=self.device)
         self.layers[0](x, local[choice % len(local)], weights)
 
@@ -150,6 +160,8 @@ class ExpertWorker:
         self.timing["wait_attention"] += t1 - t0
         try:
             step = exchange.check(arrivals, layer)
+            if layer == 0 and j == 0:  # a re-placement agreed for this step serves all of it
+                self.switch.apply_due(step, self.layers)
             counts = arrivals.token_counts.copy()  # the arrivals' fields are reused by the next round
             total = int(counts.sum())
             timeline = self.timeline
@@ -187,7 +199,7 @@ class ExpertWorker:
 
     def _share(self, layer: int, j: int, total: int, records: torch.Tensor) -> None:
         """Leader: this (layer, micro-batch)'s records to the other ranks (a header, then the bytes)."""
-        self.tp_group.broadcast_control(torch.tensor([layer, j, total], dtype=torch.int64))
+        self.tp_group.broadcast_control(torch.tensor([layer, j, total, self.switch.version], dtype=torch.int64))
         if total:
             self.tp_group.broadcast(records)
 
@@ -197,9 +209,10 @@ class ExpertWorker:
         names the layer, so a leader that restarts its step after a re-wire needs no resync."""
         header = torch.zeros(CONTROL_FIELDS, dtype=torch.int64)
         self.tp_group.broadcast_control(header)
-        layer, j, total = header.tolist()  # a host tensor from the control group: no device access
+        layer, j, total, version = header.tolist()  # a host tensor from the control group: no device access
         if not 0 <= layer < self.cfg.num_layers:
             raise RuntimeError(f"expert rank {self.tp_rank}: the leader shared layer {layer}")
+        self.switch.follow(version, self.layers)
         if total:
             mark = self.timeline.compute_start()
             records = torch.empty(total * self.record_size, dtype=torch.uint8, device=self.device)

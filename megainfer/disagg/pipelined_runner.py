@@ -31,9 +31,11 @@ from megainfer.disagg.attention_profile import attention_kv_budget, profile_atte
 from megainfer.disagg.device_staging import ComputeTimer
 from megainfer.disagg.expert_exchange import ExpertExchange
 from megainfer.disagg.expert_link import ExpertLink, record_bytes
+from megainfer.disagg.expert_slot_maps import SlotMaps
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.engine_config import EngineConfig
+from megainfer.expert_replicas import ExpertReplicas
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
@@ -50,45 +52,37 @@ from megainfer.tensor_parallel import TensorParallelGroup
 logger = logging.getLogger(__name__)
 
 
-def expert_node_map(num_experts: int, expert_nodes: list[str], expert_assignment: list[list[int]]) -> torch.Tensor:
-    """[num_experts] int64: the index of the expert node each expert lives on."""
-    if len(expert_nodes) != len(expert_assignment):
-        raise ValueError("one expert-id list per expert node")
-    node_of = torch.full((num_experts,), -1, dtype=torch.int64)
-    for k, ids in enumerate(expert_assignment):
-        node_of[ids] = k
-    if (node_of < 0).any():
-        raise ValueError(f"experts {(node_of < 0).nonzero().flatten().tolist()} are on no expert node")
-    return node_of
-
-
 class PipelinedModelRunner:
     steps_when_idle = True
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, weights: WeightSource, max_model_len: int,
-                 *, link: ExpertLink, expert_nodes: list[str], expert_assignment: list[list[int]],
+                 *, link: ExpertLink, expert_nodes: list[str], replicas: ExpertReplicas,
                  micro_batches: int, tp_group: TensorParallelGroup | None = None,
-                 staging_bytes: StagingBytes | int = 0, name: str = "attention", device_slot_bytes: int = 0) -> None:
+                 staging_bytes: StagingBytes | int = 0, name: str = "attention", device_slot_bytes: int = 0,
+                 movable_experts: bool = False) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel node: rank 0 schedules and
         samples and sends each step to the others; every rank runs its heads and dispatches its
         share of the routed tokens. `staging_bytes`: pinned host memory reserved up front per micro-
         batch and direction on CUDA, for the largest messages (0: allocated as the first steps need it).
         `device_slot_bytes`: the largest answer one expert node sends in a (layer, micro-batch);
         non-zero: answers and dispatches go straight between the devices of expert nodes on this
-        host that use them too (device_slots.py; tensor-parallel size 1 only)."""
+        host that use them too (device_slots.py; tensor-parallel size 1 only). `replicas`: where
+        each expert's slots live (megainfer/expert_replicas.py); `movable_experts`: they may move
+        while serving (`slot_maps.switch_at`)."""
         self.model_config = model_config
         self.config = config
         self.device, self.dtype = device_and_dtype(config)
         self.expert_nodes = list(expert_nodes)
         self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
         self.m = micro_batches
-        node_of = expert_node_map(model_config.num_experts, expert_nodes, expert_assignment).to(self.device)
+        replicas.check(model_config.num_experts, model_config.num_layers, len(expert_nodes))
+        self.slot_maps = SlotMaps(replicas, model_config.num_experts, self.device, movable_experts)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
         capture = decode_graphs.decode_capture(self.device, config.enforce_eager, name)
         # Each rank caches its own KV heads; all ranks agree on the block count (with CUDA graphs
         # one more, past the scheduler's, for the padding rows: decode_graphs.py).
-        load_and_size(self, lambda: self._attention_model(max_model_len, node_of), weights, max_model_len, tp_group,
+        load_and_size(self, lambda: self._attention_model(max_model_len), weights, max_model_len, tp_group,
                       spare_blocks=int(capture is not None))
         self.attention_halves = self._attention_halves(capture, max_model_len)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
@@ -132,12 +126,11 @@ class PipelinedModelRunner:
         self.kernels = dataclasses.replace(self.kernels, decode=decode)
         return AttentionHalves(self.model, self.kv_caches, graphs, expert_counts, self.tp_size)
 
-    def _attention_model(self, max_model_len: int, node_of: torch.Tensor) -> MoEModel:
+    def _attention_model(self, max_model_len: int) -> MoEModel:
         """This rank's attention halves (its heads), routing tokens out per expert node."""
         model = MoEModel(self.model_config, self.dtype, self.device, max_model_len, with_experts=False,
                          tp_rank=self.tp_rank, tp_size=self.tp_size)
-        for layer in model.attention_layers:
-            layer.set_expert_nodes(node_of, len(self.expert_nodes))
+        self.slot_maps.install(model.attention_layers)
         return model
 
     def profile_memory(self, before: MemorySnapshot | None, max_model_len: int) -> int | None:
@@ -178,6 +171,7 @@ class PipelinedModelRunner:
         """Every micro-batch through every layer, ping-ponging with the expert nodes. With layered
         prefill, micro-batch j also carries its share of the cohort inside this step's layer
         group: it joins j's tokens at the group's first layer and leaves after its last."""
+        self.slot_maps.apply_due(self.step_id, self.model.attention_layers)  # before the step's first dispatch
         layout = self.layouts.of(out, self.m)
         seqs = out.all_seqs
         self.step_tokens = (out.total_tokens, out.total_tokens - out.num_single_token)

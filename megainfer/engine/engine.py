@@ -72,7 +72,7 @@ class Engine:
             self.scheduler.step_cap = StepTimeBalancer(self.step_model, self.config.target_step_ms / 1e3)
         # Made once the runner is built: energy counts from here, the weights' loading left out.
         self.step_records = StepRecords(self.model_config, self.config.dtype, self.config.device,
-                                        self.runner.num_blocks, self.step_model)
+                                        self.runner.num_blocks, self.step_model, self.config.expert_load_window)
         self._last_step_end: float | None = None  # while busy: when the last step ended
         # Asynchronous scheduling: the next step, scheduled while this one ran, and this step,
         # to be settled inside the next one.

@@ -18,6 +18,7 @@ import numpy as np
 
 from kernels.compile_watch import WATCH
 from megainfer.config import ModelConfig
+from megainfer.engine.expert_load_window import ExpertLoadWindow
 from megainfer.messages import EngineStats, ExpertLoad, StepSample
 from megainfer.routing.online_step_model import OnlineStepModel
 from megainfer.runner.energy import EnergyMeter
@@ -35,8 +36,9 @@ class StepRecords:
     """One engine's records of its finished steps (the module's docstring says who reads them)."""
 
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, num_kv_blocks: int,
-                 step_model: OnlineStepModel | None = None) -> None:
-        """step_model: the engine's own model of its step time (attention balancing), or None."""
+                 step_model: OnlineStepModel | None = None, expert_load_window: int = 64) -> None:
+        """step_model: the engine's own model of its step time (attention balancing), or None.
+        expert_load_window: the steps whose routed tokens per expert it keeps (expert_load_window.py)."""
         self.num_layers = model_config.num_layers
         self.step_model = step_model
         self.totals = EngineStats(num_kv_blocks=num_kv_blocks)
@@ -44,6 +46,7 @@ class StepRecords:
         # stats' lists when they are asked for.
         self.expert_tokens = np.zeros((model_config.num_layers, model_config.num_experts), dtype=np.int64)
         self.last_expert_counts: np.ndarray | None = None
+        self.expert_window = ExpertLoadWindow(model_config.num_layers, model_config.num_experts, expert_load_window)
         self.expert_bytes = model_config.expert_bytes(dtype)
         self.energy = EnergyMeter(device)  # counts from here: the engine's energy, not the process's
         # What a router learns from (drained by `drain`); bounded if nobody asks.
@@ -70,6 +73,7 @@ class StepRecords:
         counts = np.asarray(result.expert_counts, dtype=np.int64)
         if counts.size:
             self.expert_tokens += counts
+        self.expert_window.observe(counts, prefill=out.num_single_token < len(out.seqs) or out.layered is not None)
         num_activated = int(np.count_nonzero(counts))
         t.expert_activations += num_activated
         t.expert_bytes_read += num_activated * self.expert_bytes
@@ -87,6 +91,7 @@ class StepRecords:
         """The totals so far, with the scheduler's present state and the runner's kernel report."""
         s = copy.deepcopy(self.totals)
         s.expert_tokens = self.expert_tokens.tolist()
+        s.expert_window = self.expert_window.report()
         last = self.last_expert_counts
         if last is not None:
             s.last_step_expert_load = ExpertLoad([np.flatnonzero(row).tolist() for row in last],

@@ -32,6 +32,10 @@ class AttentionOutput:
         return self.gating.topk_ids
 
     @property
+    def topk_slots(self) -> torch.Tensor:  # [T, k] int64 the replica slot each pair goes to (the ids without replicas)
+        return self.gating.topk_slots
+
+    @property
     def topk_weights(self) -> torch.Tensor:  # [T, k] float32 routing weights
         return self.gating.topk_weights
 
@@ -44,6 +48,7 @@ class AttentionLayer(nn.Module):
         default process group (the node's TP group)."""
         super().__init__()
         self.expert_node: torch.Tensor | None = None  # set_expert_nodes
+        self.expert_slots: torch.Tensor | None = None
         self.num_expert_nodes = 0
         if cfg.num_heads % tp_size or cfg.num_kv_heads % tp_size:
             raise ValueError(f"tensor parallelism {tp_size} must divide the {cfg.num_heads} query and "
@@ -67,6 +72,8 @@ class AttentionLayer(nn.Module):
             if cfg.qk_norm else None
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
         self.router = nn.Linear(h, cfg.num_experts, bias=False, **kw)
+        self.router_logit_bias = torch.tensor(cfg.router_logit_bias, dtype=torch.float32, device=device) \
+            if cfg.router_logit_bias else None
         self.scale = cfg.head_dim ** -0.5
         self.requires_grad_(False)
 
@@ -99,12 +106,25 @@ class AttentionLayer(nn.Module):
         """Softmax in float32 over all experts, top-k, renormalised where the model does; with an
         expert-node map (an attention node of a deployment) also each node's tokens in send order."""
         nodes = self.expert_node
-        return kernels.fused_gating(self.router(x), self.cfg.top_k, self.cfg.norm_topk_prob, nodes,
-                                    0 if nodes is None else self.num_expert_nodes, valid)
+        logits = self.router(x)
+        if self.router_logit_bias is not None:
+            logits = logits.float() + self.router_logit_bias
+        return kernels.fused_gating(logits, self.cfg.top_k, self.cfg.norm_topk_prob, nodes,
+                                    0 if nodes is None else self.num_expert_nodes, valid, self.expert_slots)
 
-    def set_expert_nodes(self, expert_node: torch.Tensor, num_nodes: int) -> None:
-        """Expert id -> expert node index, so routing lays tokens out per destination."""
-        self.expert_node, self.num_expert_nodes = expert_node, num_nodes
+    def set_expert_nodes(self, expert_node: torch.Tensor, num_nodes: int, expert_slots: torch.Tensor | None = None) -> None:
+        """Expert id -> expert node index, so routing lays tokens out per destination; with
+        replicas (megainfer/expert_replicas.py) `expert_slots` [E, B] picks each pair's slot and
+        `expert_node` maps slots to nodes. Where the tensors exist with these shapes they are
+        overwritten in place: a captured graph reads them where they are."""
+        def place(held: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+            if held is not None and new is not None and held.shape == new.shape and held.dtype == new.dtype:
+                return held.copy_(new)
+            return new
+
+        self.expert_node = place(self.expert_node, expert_node)
+        self.expert_slots = place(self.expert_slots, expert_slots)
+        self.num_expert_nodes = num_nodes
 
     def load_weights(self, source: WeightSource) -> None:
         t = {role: source.get(name, shape) for role, (name, shape) in attention_tensors(self.cfg, self.layer).items()}

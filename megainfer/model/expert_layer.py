@@ -9,6 +9,7 @@ so summing the outputs of layers holding disjoint subsets gives the full MoE out
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,33 +23,60 @@ from megainfer.model.weights import WeightSource
 
 
 
+def check_expert_ids(expert_ids: list[int], num_experts: int) -> None:
+    if len(set(expert_ids)) != len(expert_ids) or not all(0 <= e < num_experts for e in expert_ids):
+        raise ValueError(f"expert ids must be distinct and in [0, {num_experts}), got {expert_ids}")
+
+
+@dataclass(frozen=True)
+class NodeSlots:
+    """The ids the dispatch records name this node's experts by: `ids[i]` for row i, out of
+    `num_ids` (the expert count, or N·S slots with replicas); `room` rows of weights."""
+
+    ids: list[int]
+    num_ids: int
+    room: int
+
+    def check(self, held: int) -> None:
+        if len(self.ids) != held or held > self.room or len(set(self.ids)) != held or not all(
+                0 <= i < self.num_ids for i in self.ids):
+            raise ValueError(f"slot ids {self.ids} must be {held} distinct ids in [0, {self.num_ids}), "
+                             f"at most {self.room}")
+
+    def local_index(self) -> torch.Tensor:
+        local = torch.full((self.num_ids,), self.room, dtype=torch.int64)
+        local[self.ids] = torch.arange(len(self.ids))
+        return local
+
+
 class ExpertLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
-                 expert_ids: Sequence[int] | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 expert_ids: Sequence[int] | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 slots: NodeSlots | None = None) -> None:
         """With tp_size > 1 this rank holds a 1/tp_size slice of every expert's intermediate
         dimension (gate and up rows, down columns): its output is a partial sum, and the
-        ranks' outputs add up to the layer's."""
+        ranks' outputs add up to the layer's. `slots`: where experts have replicas
+        (megainfer/expert_replicas.py), the slot ids the records name for `expert_ids`, and room
+        for more experts than it holds now (a re-placement fills it, `place`)."""
         super().__init__()
         self.cfg = cfg
         self.layer = layer
         self.expert_ids = list(range(cfg.num_experts) if expert_ids is None else expert_ids)
-        if len(set(self.expert_ids)) != len(self.expert_ids) or not all(
-                0 <= e < cfg.num_experts for e in self.expert_ids):
-            raise ValueError(f"expert ids must be distinct and in [0, {cfg.num_experts}), got {self.expert_ids}")
+        check_expert_ids(self.expert_ids, cfg.num_experts)
         if cfg.expert_intermediate_size % tp_size:
             raise ValueError(f"expert intermediate size {cfg.expert_intermediate_size} does not split over "
                              f"{tp_size} tensor-parallel ranks")
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        n, h, i = len(self.expert_ids), cfg.hidden_size, cfg.expert_intermediate_size // tp_size
+        self.slots = slots or NodeSlots(self.expert_ids, cfg.num_experts, len(self.expert_ids))
+        self.slots.check(len(self.expert_ids))
+        n, h, i = self.slots.room, cfg.hidden_size, cfg.expert_intermediate_size // tp_size
         # [local expert, 2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection.
-        self.w_gate_up = nn.Parameter(torch.empty(n, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(n, h, i, dtype=dtype, device=device), requires_grad=False)
-        # Global id -> local id; experts held elsewhere map to n, past the last local expert, so
-        # their pairs sort last and no boolean mask (a host sync on a GPU) drops them.
-        local = torch.full((cfg.num_experts,), n, dtype=torch.int64)
-        local[self.expert_ids] = torch.arange(n)
-        self.register_buffer("local_index", local.to(device), persistent=False)
-        self.holds_all = n == cfg.num_experts
+        self.w_gate_up = nn.Parameter(torch.zeros(n, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
+        self.w_down = nn.Parameter(torch.zeros(n, h, i, dtype=dtype, device=device), requires_grad=False)
+        # Global (slot) id -> local row; ids held elsewhere map to n, past the last row, so their
+        # pairs sort last and no boolean mask (a host sync on a GPU) drops them.
+        self.register_buffer("local_index", self.slots.local_index().to(device), persistent=False)
+        self.holds_all = n == cfg.num_experts and self.slots.ids == list(range(cfg.num_experts))
         # On the CPU, the experts packed once for oneDNN after loading (kernels/moe_packed.py):
         # the GEMM library would otherwise repack them on every call, once per micro-batch.
         self.packed: moe_packed.PackedExperts | None = None
@@ -58,7 +86,7 @@ class ExpertLayer(nn.Module):
         """x [T, H], topk_ids [T, k] global ids, topk_weights [T, k] -> [T, H]. `valid` ([1] int32
         on the device): the live rows of a padded batch (a CUDA graph's size); the rows past it
         are computed by no expert and come out zero."""
-        k, n = topk_ids.shape[1], len(self.expert_ids)
+        k, n = topk_ids.shape[1], self.slots.room  # the room, not the experts held: shapes stay put
         local = self.local_index[topk_ids.reshape(-1)]
         if valid is not None:  # padding rows' pairs go where pairs of experts held elsewhere go
             local = torch.where(torch.arange(local.numel(), device=x.device) < valid * k, local, n)
@@ -66,7 +94,7 @@ class ExpertLayer(nn.Module):
         # stable sort keeps token order inside an expert, as transformers' loop does. Pairs of
         # experts held elsewhere (id n) come last, past the last offset.
         local, order = torch.sort(local, stable=True)
-        # A token's k experts are distinct, so at most min(k, n) of its pairs are held here: the
+        # A token's k experts are distinct (so are their slots), so at most min(k, n) of its pairs are held here: the
         # pairs past T * min(k, n) in sorted order are all held elsewhere. Gathering, combining
         # and zeroing only those rows saves k / n of the hidden-sized traffic on an expert node
         # holding fewer experts than top-k (a static bound: CUDA graphs keep their shapes).
@@ -85,10 +113,63 @@ class ExpertLayer(nn.Module):
 
     def load_weights(self, source: WeightSource) -> None:
         for local, e in enumerate(self.expert_ids):
-            t = {role: source.get(name, shape) for role, (name, shape) in
-                 expert_tensors(self.cfg, self.layer, e).items()}
-            rows = slice(self.tp_rank * self.w_down.shape[2], (self.tp_rank + 1) * self.w_down.shape[2])
-            self.w_gate_up[local].copy_(torch.cat([t["gate"][rows], t["up"][rows]]))
-            self.w_down[local].copy_(t["down"][:, rows])
+            self._load_row(self.w_gate_up[local], self.w_down[local], source, e)
         if moe_packed.available(self.w_gate_up.device, self.w_gate_up.dtype):
             self.packed = moe_packed.PackedExperts.pack(self.w_gate_up, self.w_down)
+
+    def _load_row(self, gate_up: torch.Tensor, down: torch.Tensor, source: WeightSource, expert: int) -> None:
+        """Expert `expert`'s weights (this rank's slice) into one row of the weight tensors."""
+        t = {role: source.get(name, shape) for role, (name, shape) in expert_tensors(self.cfg, self.layer, expert).items()}
+        rows = slice(self.tp_rank * self.w_down.shape[2], (self.tp_rank + 1) * self.w_down.shape[2])
+        gate_up.copy_(torch.cat([t["gate"][rows], t["up"][rows]]))
+        down.copy_(t["down"][:, rows])
+
+    def stage(self, expert_ids: list[int], slot_ids: list[int], source: WeightSource) -> "StagedExperts":
+        """A re-placement's experts for this layer, loaded beside the serving ones (nothing
+        serving changes): only the rows whose expert changes are read from `source`. Runs off
+        the serving thread; `commit` then switches at a step boundary."""
+        check_expert_ids(expert_ids, self.cfg.num_experts)
+        slots = NodeSlots(list(slot_ids), self.slots.num_ids, self.slots.room)
+        slots.check(len(expert_ids))
+        changed = [i for i, e in enumerate(expert_ids) if i >= len(self.expert_ids) or self.expert_ids[i] != e]
+        gate_up = torch.empty((len(changed),) + tuple(self.w_gate_up.shape[1:]), dtype=self.w_gate_up.dtype,
+                              device=self.w_gate_up.device)
+        down = torch.empty((len(changed),) + tuple(self.w_down.shape[1:]), dtype=self.w_down.dtype,
+                           device=self.w_down.device)
+        for k, i in enumerate(changed):
+            self._load_row(gate_up[k], down[k], source, expert_ids[i])
+        packed = None
+        if self.packed is not None:  # the CPU's packed copy, built here rather than at the switch
+            whole_gate_up, whole_down = self.w_gate_up.clone(), self.w_down.clone()
+            whole_gate_up[changed], whole_down[changed] = gate_up, down
+            packed = moe_packed.PackedExperts.pack(whole_gate_up, whole_down)
+        return StagedExperts(list(expert_ids), slots, changed, gate_up, down, packed)
+
+    def commit(self, staged: "StagedExperts") -> None:
+        """Serve the staged placement from now on: the changed rows and the slot map copied into
+        the serving tensors in place (a captured graph keeps reading them), the CPU's packed copy swapped."""
+        if staged.changed:
+            index = torch.tensor(staged.changed, device=self.w_gate_up.device)
+            self.w_gate_up.index_copy_(0, index, staged.gate_up)
+            self.w_down.index_copy_(0, index, staged.down)
+        self.local_index.copy_(staged.slots.local_index())
+        self.expert_ids, self.slots = staged.expert_ids, staged.slots
+        self.holds_all = False  # a re-placed layer never holds every expert under its own id
+        if staged.packed is not None:
+            self.packed = staged.packed
+
+
+@dataclass
+class StagedExperts:
+    """A layer's experts after a re-placement, loaded and not yet serving (`ExpertLayer.stage`)."""
+
+    expert_ids: list[int]
+    slots: NodeSlots
+    changed: list[int]  # the rows whose expert changes
+    gate_up: torch.Tensor  # [changed, 2I, H] their weights, in the order of `changed`
+    down: torch.Tensor
+    packed: "moe_packed.PackedExperts | None"
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megainfer.expert_replicas import ExpertReplicas
 from megainfer.bench.report import format_table
 from megainfer.config import ModelConfig
 from megainfer.disagg.expert_link import record_bytes
@@ -218,7 +219,8 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
         per = scale.experts // n
         runner = PipelinedModelRunner(model, EngineConfig(dtype="bfloat16", num_kv_blocks=4, block_size=16),
                                       RandomWeights(), 64, link=link, expert_nodes=names,
-                                      expert_assignment=[list(range(k * per, (k + 1) * per)) for k in range(n)],
+                                      replicas=ExpertReplicas.of_assignment(
+                                          [list(range(k * per, (k + 1) * per)) for k in range(n)], model.num_layers),
                                       micro_batches=m)
         rows = n * tokens_per_peer
         records = torch.zeros(rows, rec, dtype=torch.uint8)

@@ -372,6 +372,39 @@ def test_fused_gating_counts_and_sends_no_padding_row(impl):
         assert max(got, default=0) < 17
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_gating_sends_each_pair_to_its_replica_slot(padded):
+    """With a slot table, token t's pair with expert e goes to slot table[e, t % B] and on to
+    that slot's node; Triton and the reference agree (slots, node counts, node tokens), the
+    expert counts stay per expert, and a token reaching one node through two slots is sent once."""
+    g = torch.Generator().manual_seed(9)
+    experts, buckets, t = 8, moe_ref.REPLICA_BUCKETS, 150
+    logits = torch.randn(t, experts, generator=g)
+    # Slots 0..7 are the experts on nodes 0..3 (two each); slots 8, 9 replicate experts 0 and 5 on
+    # nodes 3 and 0. Expert 0's rows alternate between slots 0 and 8, expert 5's take slot 9 a quarter.
+    slot_node = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 3, 0])
+    table = torch.arange(experts, dtype=torch.int32)[:, None].repeat(1, buckets)
+    table[0, 1::2] = 8
+    table[5, ::4] = 9
+    valid = torch.tensor([140], dtype=torch.int32) if padded else None
+    ref = moe_ref.fused_gating(logits, 2, True, slot_node, 4, valid, table)
+    out = moe_triton.fused_gating(logits, 2, True, slot_node, 4, valid, table)
+    rows = torch.arange(t) % buckets
+    assert torch.equal(ref.topk_slots, table[ref.topk_ids, rows[:, None]].long())
+    assert torch.equal(out.topk_slots, ref.topk_slots) and torch.equal(out.topk_ids, ref.topk_ids)
+    assert {8, 9} <= set(ref.topk_slots.flatten().tolist())
+    assert torch.equal(out.expert_counts, ref.expert_counts)
+    assert torch.equal(out.node_counts, ref.node_counts) and torch.equal(out.node_offsets, ref.node_offsets)
+    live = 140 if padded else t
+    hits = slot_node[ref.topk_slots[:live]]
+    assert ref.node_counts.tolist() == [int((hits == n).any(dim=1).sum()) for n in range(4)]
+    bounds = ref.node_offsets.tolist()
+    for n in range(4):
+        got = out.node_token_ids[bounds[n]:bounds[n + 1]].tolist()
+        assert sorted(got) == ref.node_token_ids[bounds[n]:bounds[n + 1]].tolist()
+        assert len(set(got)) == len(got)
+
+
 def test_fused_gating_of_no_tokens():
     for impl in (moe_ref, moe_triton):
         g = impl.fused_gating(torch.zeros(0, 8), 2, True, torch.zeros(8, dtype=torch.int64), 1)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deploy.link import SwitchableLink
+from megainfer.expert_replicas import ExpertReplicas
 from megainfer import Engine, SamplingParams
 from megainfer.disagg import attention_exchange, expert_exchange, expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
@@ -33,15 +34,20 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", device="cpu", worker_options=None,
-                         **engine_options):
+                         replicas=None, switch=None, nodes=None, **engine_options):
     """Wire a deployment in threads; return each prompt's greedy tokens. `worker_options`: more
-    ExpertWorker arguments."""
+    ExpertWorker arguments. `replicas`: where the experts' slots live (default: contiguous runs,
+    one slot each); `switch`: (step, ExpertReplicas), a re-placement every rank switches to at
+    that step (staged on the expert workers first). `nodes`: a list the workers and the engines
+    are appended to, for a test to look at afterwards."""
     engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, device=device,
                                  **engine_options)
     probe = Engine(str(path), engine_config)
     model_config = probe.model_config
     per = model_config.num_experts // n_expert
     assignment = [list(range(k * per, (k + 1) * per)) for k in range(n_expert)]
+    if replicas is None:
+        replicas = ExpertReplicas.of_assignment(assignment, model_config.num_layers)
     attn_names = [f"attn{i}" for i in range(n_attention)]
     expert_names = [f"expert{k}" for k in range(n_expert)]
     tokens = engine_config.max_num_batched_tokens
@@ -57,14 +63,24 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
     endpoints = {name: link.endpoint for name, link in links.items()}
     connect_all(endpoints, {**{a: expert_names for a in attn_names}, **{e: attn_names for e in expert_names}})
     workers = [ExpertWorker(model_config, assignment[k], "float32", device, SafetensorsCheckpoint(path),
-                            attention_nodes=attn_names, micro_batches=m, link=links[name], **(worker_options or {}))
+                            attention_nodes=attn_names, micro_batches=m, link=links[name], replicas=replicas, node=k,
+                            **(worker_options or {}))
                for k, name in enumerate(expert_names)]
     engines = []
     for name in attn_names:
         def factory(mc, cfg, weights, max_len, name=name):
-            return PipelinedModelRunner(mc, cfg, weights, max_len, link=links[name],
-                                        expert_nodes=expert_names, expert_assignment=assignment, micro_batches=m)
+            return PipelinedModelRunner(mc, cfg, weights, max_len, link=links[name], expert_nodes=expert_names,
+                                        replicas=replicas, micro_batches=m, movable_experts=switch is not None)
         engines.append(Engine(str(path), engine_config, runner_factory=factory))
+    if nodes is not None:
+        nodes.extend(workers + engines)
+    if switch is not None:
+        step, new = switch
+        for k, worker in enumerate(workers):
+            worker.switch.stage(worker.layers, new, k, worker.weights)
+            worker.switch.switch_at(step, new.version)
+        for engine in engines:
+            engine.runner.slot_maps.switch_at(step, new)
     # Spread prompts over attention nodes round robin; every node steps until all are done.
     for i, p in enumerate(prompts):
         engines[i % n_attention].add_request(f"r{i}", p, GREEDY)
@@ -128,6 +144,51 @@ def test_two_by_two_deployment_on_cuda_matches_colocated(mixtral_ref, m):
     prompts = mixtral_ref.prompts
     got, _ = run_local_deployment(mixtral_ref.path, 2, 2, m, prompts, device="cuda")
     assert got == colocated(mixtral_ref.path, prompts, device="cuda")
+
+
+def _replicated(path, version: int = 0) -> ExpertReplicas:
+    """Two nodes with room for one more than half the experts: expert 0 and the first of the
+    second half (h) on both (shares 0.7 / 0.3 and 0.25 / 0.75), the rest once; node 1 lists its
+    experts out of order."""
+    from megainfer.expert_replicas import LayerReplicas
+    from megainfer.model_resolution import resolve_model
+
+    cfg, _ = resolve_model(str(path))
+    h = cfg.num_experts // 2
+    second = tuple(reversed(range(h, 2 * h)))
+    layer = LayerReplicas((tuple(range(h)) + (h,), second + (0,)),
+                          ((0.7,) + (1.0,) * (h - 1) + (0.25,), tuple(0.75 if e == h else 1.0 for e in second) + (0.3,)),
+                          h + 1)
+    return ExpertReplicas(version, (layer,) * cfg.num_layers)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_experts_with_replicas_give_the_colocated_tokens(hf_ref, m):
+    """Hot experts held twice, each pair sent to one replica by its row: tokens unchanged."""
+    prompts = hf_ref.prompts
+    got, _ = run_local_deployment(hf_ref.path, 2, 2, m, prompts, replicas=_replicated(hf_ref.path))
+    assert got == colocated(hf_ref.path, prompts)
+
+
+def test_a_live_re_placement_at_an_agreed_step_keeps_the_tokens(hf_ref):
+    """Contiguous experts with a spare slot each, then at step 6 (mid-generation: prompts before,
+    decodes after) the replicated placement, staged on the expert workers beforehand, on every
+    rank at once: tokens equal to the colocated engine's, the workers serve version 1 after."""
+    from megainfer.expert_replicas import from_assignment
+
+    new = _replicated(hf_ref.path, version=1)
+    half = new.layers[0].slots_per_node - 1
+    start = ExpertReplicas.uniform(from_assignment([list(range(half)), list(range(half, 2 * half))], half + 1),
+                                   len(new.layers))
+    prompts = hf_ref.prompts
+    nodes = []
+    got, stats = run_local_deployment(hf_ref.path, 2, 2, 2, prompts, replicas=start, switch=(6, new), nodes=nodes)
+    assert got == colocated(hf_ref.path, prompts)
+    assert all(s.kv_cache_usage == 0.0 for s in stats)
+    workers, engines = nodes[:2], nodes[2:]
+    assert [w.switch.version for w in workers] == [1, 1]
+    assert all(e.runner.slot_maps.current.version == 1 for e in engines)
+    assert workers[1].layers[0].expert_ids[-1] == 0  # node 1 now holds a replica of expert 0
 
 
 @pytest.mark.parametrize("m", [1, 2])

@@ -9,6 +9,7 @@ import argparse
 import pytest
 import torch
 
+from megainfer.expert_replicas import ExpertReplicas
 from megainfer import LLM
 from megainfer.cli import build_parser
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
@@ -176,7 +177,8 @@ def test_the_attention_half_profiles_its_largest_micro_batch_and_sizes_its_cache
     profile_step = PipelinedModelRunner.profile_step
     monkeypatch.setattr(PipelinedModelRunner, "profile_step", lambda self: steps.append(profile_step(self)))
     runner = PipelinedModelRunner(model, config, RandomWeights(0), 128, link=NoLink(), expert_nodes=["e0", "e1"],
-                                  expert_assignment=[list(range(8)), list(range(8, 16))], micro_batches=2)
+                                  replicas=ExpertReplicas.of_assignment([list(range(8)), list(range(8, 16))],
+                                                                             model.num_layers), micro_batches=2)
     assert len(steps) == 1 and runner.num_blocks == 20
     rng = runner.sampler.generator.get_state()
     runner.profile_step()  # runs again: nothing kept, nothing written

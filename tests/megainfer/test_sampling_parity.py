@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from megainfer.expert_replicas import ExpertReplicas
 from megainfer import Engine, SamplingParams
 from megainfer.engine.output_stream import OutputStream
 from megainfer.engine_config import EngineConfig
@@ -274,7 +275,7 @@ def run_pair(path, m, requests, **engine_options):
 
     def factory(mc, cfg, weights, max_len):
         return PipelinedModelRunner(mc, cfg, weights, max_len, link=links["attn"], expert_nodes=["expert"],
-                                    expert_assignment=experts, micro_batches=m)
+                                    replicas=ExpertReplicas.of_assignment(experts, mc.num_layers), micro_batches=m)
 
     engine = Engine(str(path), config, runner_factory=factory)
     for rid, (prompt, params) in requests.items():

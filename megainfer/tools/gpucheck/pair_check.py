@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from megainfer.expert_replicas import ExpertReplicas
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.hf_config import from_pretrained
@@ -133,7 +134,7 @@ def attention_node(spec: PairSpec, prompts: list[list[int]], conn) -> None:
 
         def runner(mc, cfg, weights, max_len):
             return PipelinedModelRunner(mc, cfg, weights, max_len, link=link, expert_nodes=[EXPERT],
-                                        expert_assignment=[list(range(mc.num_experts))],
+                                        replicas=ExpertReplicas.of_assignment([list(range(mc.num_experts))], mc.num_layers),
                                         micro_batches=spec.micro_batches, name=ATTENTION,
                                         device_slot_bytes=_answer_bytes(mc, spec) if spec.device_slots else 0)
 

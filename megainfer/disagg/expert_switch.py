@@ -1,0 +1,95 @@
+"""An expert rank's side of a re-placement (megainfer/expert_replicas.py): the new placement's
+experts loaded beside the serving ones (`stage`, off the step loop, only the rows whose expert
+changes), then served from the agreed step on (`apply_due` on the node's leader, when the step's
+first round arrives; `follow` on a tensor-parallel follower, when the leader's header names the
+new version). A failed or cancelled stage leaves the old placement serving.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from megainfer.errors import DataPlaneError
+from megainfer.expert_replicas import ExpertReplicas
+from megainfer.messages import StagedPlacement
+from megainfer.model.expert_layer import ExpertLayer, NodeSlots, StagedExperts
+from megainfer.model.weights import WeightSource
+
+
+@dataclass
+class Switch:
+    step: int
+    version: int
+
+
+def node_slots(replicas: ExpertReplicas, node: int) -> list[tuple[list[int], NodeSlots]]:
+    """Node `node`'s experts and slots, layer by layer."""
+    room, num_ids = replicas.slots_per_node, replicas.num_nodes * replicas.slots_per_node
+    return [(list(layer.node_experts[node]), NodeSlots(layer.node_slots(node), num_ids, room))
+            for layer in replicas.layers]
+
+
+class ExpertSwitch:
+    def __init__(self, version: int) -> None:
+        self.version = version  # the placement serving now
+        self._staged: dict[int, list[StagedExperts]] = {}
+        self._pending: Switch | None = None
+        self._last_step = -1
+        self._lock = threading.Lock()
+
+    def stage(self, layers: list[ExpertLayer], replicas: ExpertReplicas, node: int,
+              weights: WeightSource) -> StagedPlacement:
+        """Load `replicas`' experts of node `node` beside the serving ones."""
+        start = time.perf_counter()
+        staged = [layer.stage(experts, slots.ids, weights)
+                  for layer, (experts, slots) in zip(layers, node_slots(replicas, node))]
+        with self._lock:
+            self._staged[replicas.version] = staged
+        return StagedPlacement(replicas.version, sum(s.nbytes for s in staged), sum(len(s.changed) for s in staged),
+                               time.perf_counter() - start)
+
+    def switch_at(self, step: int, version: int) -> None:
+        with self._lock:
+            if version not in self._staged:
+                raise DataPlaneError(f"expert placement {version} was not staged here")
+            if step <= self._last_step:
+                raise DataPlaneError(f"the switch to expert placement {version} at step {step} came after that "
+                                     f"step began here (step {self._last_step})")
+            self._pending = Switch(step, version)
+
+    def cancel(self, version: int) -> None:
+        """Forget `version` (staged or pending): the old placement keeps serving."""
+        with self._lock:
+            if self._pending is not None and self._pending.version == version:
+                if self._pending.step <= self._last_step:
+                    raise DataPlaneError(f"expert placement {version} is already serving here: too late to cancel")
+                self._pending = None
+            self._staged.pop(version, None)
+
+    def apply_due(self, step: int, layers: list[ExpertLayer]) -> None:
+        """The leader, as step `step`'s first round arrives: switch if it is the agreed step."""
+        with self._lock:
+            self._last_step = step
+            pending = self._pending
+            if pending is None or step < pending.step:
+                return
+            self._pending = None
+            staged = self._staged.pop(pending.version)
+        self._commit(layers, staged, pending.version)
+
+    def follow(self, version: int, layers: list[ExpertLayer]) -> None:
+        """A follower rank: serve `version`, the one its leader's header names."""
+        if version == self.version:
+            return
+        with self._lock:
+            staged = self._staged.pop(version, None)
+        if staged is None:
+            raise DataPlaneError(f"the leader serves expert placement {version}, which this rank never staged")
+        self._commit(layers, staged, version)
+
+    def _commit(self, layers: list[ExpertLayer], staged: list[StagedExperts], version: int) -> None:
+        for layer, s in zip(layers, staged):
+            layer.commit(s)
+        self.version = version
