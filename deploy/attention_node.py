@@ -21,7 +21,8 @@ from megainfer.engine.engine import Engine
 from megainfer.engine.engine_steps import EngineSteps
 from megainfer.engine.queued_engine import QueuedEngine
 from megainfer.errors import DataPlaneError
-from megainfer.messages import DeltaBatch, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus
+from megainfer.expert_replicas import ExpertReplicas
+from megainfer.messages import DeltaBatch, ExpertLoadReport, NodeHealth, NodeResources, NodeRole, NodeState, NodeStats, NodeStatus
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
 from megainfer.tensor_parallel import TensorParallelGroup
@@ -58,11 +59,12 @@ class AttentionNode(NodeActor):
         model, _ = weights_of(self.plan)
         runtime = self.runtime
         self.link = data_link(self.plan, runtime, self.name, self.index * self.plan.attention.tp, secret, host)
-        assignment = self.plan.expert_assignment(model)
+        replicas = self.plan.expert_replicas(model)
 
         def runner(mc, cfg, w, max_len):
-            return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts,
-                                        expert_assignment=assignment, micro_batches=self.plan.pipeline.micro_batches,
+            return PipelinedModelRunner(mc, cfg, w, max_len, link=self.link, expert_nodes=experts, replicas=replicas,
+                                        movable_experts=self.plan.places_experts,
+                                        micro_batches=self.plan.pipeline.micro_batches,
                                         staging_bytes=runtime.staging_bytes,
                                         tp_group=tp_group, name=self.name,
                                         device_slot_bytes=(runtime.receive_slot_bytes
@@ -112,6 +114,25 @@ class AttentionNode(NodeActor):
             return None
         with self.steps.between_steps() as engine:
             return engine.node_state()
+
+    # -- expert placement (deploy/expert_rebalance.py) ----------------------------------------
+    def expert_load(self) -> ExpertLoadReport:
+        """Tokens routed to each (layer, expert) over the engine's last window of steps."""
+        with self.steps.between_steps() as engine:
+            return engine.step_records.expert_window.report()
+
+    def step_id(self) -> int:
+        return self.engine.runner.step_id
+
+    def switch_experts(self, step: int, replicas: ExpertReplicas) -> None:
+        self.engine.runner.slot_maps.switch_at(step, replicas)
+
+    def cancel_experts(self, version: int) -> None:
+        self.engine.runner.slot_maps.cancel(version)
+
+    def restore_experts(self, replicas: ExpertReplicas) -> None:
+        runner = self.engine.runner
+        runner.slot_maps.restore(replicas, runner.model.attention_layers)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> int:

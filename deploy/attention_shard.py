@@ -11,6 +11,7 @@ from deploy.node_loop import NodeLoop
 from deploy.node_config import data_link, join_tp_group, node_names, weights_of
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
+from megainfer.expert_replicas import ExpertReplicas
 from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
@@ -43,13 +44,22 @@ class AttentionShard(NodeActor):
                               secret, host)
         self.runner = PipelinedModelRunner(
             model, config, weights, config.resolved_max_model_len(model), link=self.link,
-            expert_nodes=node_names(self.plan)[1], expert_assignment=self.plan.expert_assignment(model),
-            micro_batches=self.plan.pipeline.micro_batches, staging_bytes=self.runtime.staging_bytes, tp_group=group,
+            expert_nodes=node_names(self.plan)[1], replicas=self.plan.expert_replicas(model),
+            movable_experts=self.plan.places_experts, micro_batches=self.plan.pipeline.micro_batches, staging_bytes=self.runtime.staging_bytes, tp_group=group,
             name=self.name)
 
     def step(self) -> None:
         self.link.count_usage()  # between steps, on the loop thread (deploy/link.py)
         self.runner.execute_follower()
+
+    def switch_experts(self, step: int, replicas: ExpertReplicas) -> None:
+        self.runner.slot_maps.switch_at(step, replicas)
+
+    def cancel_experts(self, version: int) -> None:
+        self.runner.slot_maps.cancel(version)
+
+    def restore_experts(self, replicas: ExpertReplicas) -> None:
+        self.runner.slot_maps.restore(replicas, self.runner.model.attention_layers)
 
     def open_endpoint(self) -> str:
         return self.link.open()

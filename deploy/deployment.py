@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ray
 
+from deploy.expert_rebalance import ExpertRebalancer
 from deploy.frontend import Frontend, max_open_requests, prompt_tokens
 from deploy.node_config import checked_model
 from deploy.node_group import NodeGroup
@@ -18,7 +19,7 @@ from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
-from megainfer.messages import NodeHealth, NodeResources, NodeStats
+from megainfer.messages import NodeHealth, NodeResources, NodeStats, RebalanceReport
 from megainfer.plan import Plan
 from megainfer.routing.policies import make_router
 from megainfer.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ class Deployment:
         self.frontend = Frontend(router, max_open_requests(plan), plan.serve.recovery_wait_s)
         self.group: NodeGroup | None = None
         self.supervisor: Supervisor | None = None
+        self.rebalancer: ExpertRebalancer | None = None
         self._started_ray = False
 
     def start(self) -> "Deployment":
@@ -56,6 +58,8 @@ class Deployment:
             self.frontend.add_group(self.group)
             self.frontend.start_tracking()
             self.supervisor = Supervisor(self.group, self.frontend)
+            self.rebalancer = ExpertRebalancer(self.group, self.plan, self.model)
+            self.rebalancer.start()
         except BaseException:
             self.close()
             raise
@@ -69,6 +73,10 @@ class Deployment:
 
     def abort(self, request_id: str) -> bool:
         return self.frontend.abort(request_id)
+
+    def rebalance_experts(self) -> RebalanceReport:
+        """Re-place the experts now, from the attention nodes' window (deploy/expert_rebalance.py)."""
+        return self.rebalancer.rebalance()
 
     @property
     def router(self):
@@ -117,6 +125,8 @@ class Deployment:
         return metrics_snapshot([self.group], self.router_error if predictive else None)
 
     def close(self) -> None:
+        if self.rebalancer is not None:
+            self.rebalancer.stop()
         if self.supervisor is not None:
             self.supervisor.stop()
         self.frontend.close()

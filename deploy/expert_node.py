@@ -13,7 +13,8 @@ from deploy.runtime_config import ExpertRuntime
 from deploy.node_actor import NodeActor
 from deploy.node_loop import NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
-from megainfer.messages import NodeHealth, NodeRole
+from megainfer.expert_replicas import ExpertReplicas
+from megainfer.messages import NodeHealth, NodeRole, StagedPlacement
 from megainfer.plan import Plan
 from megainfer.tensor_parallel import TensorParallelGroup
 
@@ -22,6 +23,7 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
                         tp_group: TensorParallelGroup | None = None) -> ExpertWorker:
     model, weights = weights_of(plan)
     return ExpertWorker(model, list(runtime.expert_ids), plan.dtype, runtime.device, weights,
+                        replicas=plan.expert_replicas(model), node=runtime.index,
                         attention_nodes=attention_rank_names(plan), micro_batches=plan.pipeline.micro_batches,
                         link=link, tp_group=tp_group,
                         staging_bytes=runtime.staging_bytes if link is not None else 0,  # followers stage nothing
@@ -31,9 +33,38 @@ def build_expert_worker(plan: Plan, runtime: ExpertRuntime, link: SwitchableLink
                         decode_graph_tokens=runtime.decode_graph_tokens)
 
 
-class ExpertNode(NodeActor):
-    role = NodeRole.EXPERT
+class ExpertRank(NodeActor):
+    """What every rank of an expert node answers (ExpertNode, the leader; ExpertShard, a
+    follower): its worker's kernels and timeline, and a re-placement's calls
+    (deploy/expert_rebalance.py)."""
 
+    role = NodeRole.EXPERT
+    worker: ExpertWorker | None = None
+
+    def _timeline(self):
+        return self.worker.timeline if self.worker is not None else None
+
+    def kernel_report(self):
+        return self.worker.kernels if self.worker is not None else None
+
+    def stage_experts(self, replicas: ExpertReplicas) -> StagedPlacement:
+        """Load this rank's experts of `replicas` beside the serving ones (on an actor thread:
+        the step loop keeps serving)."""
+        w = self.worker
+        return w.switch.stage(w.layers, replicas, w.node, w.weights)
+
+    def switch_experts(self, step: int, version: int) -> None:
+        self.worker.switch.switch_at(step, version)
+
+    def cancel_experts(self, version: int) -> None:
+        self.worker.switch.cancel(version)
+
+    def restore_experts(self, replicas: ExpertReplicas) -> None:
+        w = self.worker
+        w.switch.restore(w.layers, replicas, w.node, w.weights)
+
+
+class ExpertNode(ExpertRank):
     def __init__(self, plan: Plan, runtime: ExpertRuntime, secret: bytes, host: str) -> None:
         import torch
 
@@ -54,12 +85,6 @@ class ExpertNode(NodeActor):
     def step(self) -> None:
         self.worker.run_step()
 
-    def _timeline(self):
-        return self.worker.timeline if self.worker is not None else None
-
-    def kernel_report(self):
-        return self.worker.kernels if self.worker is not None else None
-
     def tp_master(self) -> str:
         return tp_master_address(bind_host(self._host))
 
@@ -78,8 +103,10 @@ class ExpertNode(NodeActor):
 
     def health(self) -> NodeHealth:
         health = super().health()
-        health.experts = list(self.expert_ids)
+        health.experts = list(self.worker.layers[0].expert_ids) if self.worker is not None else list(self.expert_ids)
         if self.worker is not None:
             health.steps, health.tokens, health.timing = self.worker.steps, self.worker.tokens, dict(self.worker.timing)
+            health.pairs = [int(layer.pairs_served) for layer in self.worker.layers]
+            health.placement_version = self.worker.switch.version
             health.device_slot_peers = self.worker.slots.direct_peers() if self.worker.slots is not None else []
         return health

@@ -6,19 +6,15 @@ endpoint of its own (attention nodes talk to the leader only)."""
 from __future__ import annotations
 
 from deploy.node_process import settle
-from deploy.expert_node import build_expert_worker
+from deploy.expert_node import ExpertRank, build_expert_worker
 from deploy.node_config import join_tp_group
 from deploy.runtime_config import ExpertRuntime
-from deploy.node_actor import NodeActor
 from deploy.node_loop import NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker
-from megainfer.messages import NodeRole
 from megainfer.plan import Plan
 
 
-class ExpertShard(NodeActor):
-    role = NodeRole.EXPERT
-
+class ExpertShard(ExpertRank):
     def __init__(self, plan: Plan, runtime: ExpertRuntime, rank: int, secret: bytes, host: str) -> None:
         import torch
 
@@ -33,12 +29,6 @@ class ExpertShard(NodeActor):
 
     def step(self) -> None:
         self.worker.run_follower_step()
-
-    def _timeline(self):
-        return self.worker.timeline if self.worker is not None else None
-
-    def kernel_report(self):
-        return self.worker.kernels if self.worker is not None else None
 
     def join_group(self, master: str) -> None:
         group = join_tp_group(master, self.rank, self.plan.experts.tp, self.runtime.device)

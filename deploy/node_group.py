@@ -55,6 +55,8 @@ class NodeGroup:
         self.shards: list = []  # the other ranks of tensor-parallel attention nodes, node by node
         self.experts: list = []  # rank 0 of each expert node
         self.expert_shards: list = []  # the other ranks of tensor-parallel expert nodes, node by node
+        # Where the experts' slots are now: the plan's, until a re-placement (deploy/expert_rebalance.py).
+        self.expert_replicas = None
 
     @property
     def actors(self) -> list:
@@ -213,6 +215,9 @@ class NodeGroup:
         restart_ranks(restart)
         self.wait_ready(kept)
         self._form_tp_groups()  # loads the restarted ranks' weights
+        if self.expert_replicas is not None and self.expert_replicas.version:
+            # Restarted ranks loaded the plan's placement: every rank takes the one reached.
+            get_all([n.restore_experts.remote(self.expert_replicas) for n in self.actors], READY_TIMEOUT_S)
         self.wire()
         logger.info("deployment re-wired and serving%s",
                     f" ({len(restart)} tensor-parallel ranks restarted)" if restart else "")

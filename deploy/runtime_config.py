@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from megainfer.config import DTYPE_BYTES, ModelConfig, estimated_attention_step_bytes, kv_cache_budget_bytes
 from megainfer.disagg.staging_sizes import StagingBytes, attention_staging, expert_staging
-from megainfer.engine_config import EngineConfig
+from megainfer.engine_config import EXPERT_LOAD_WINDOW, EngineConfig
 from megainfer.errors import PlanError
 from megainfer.model_resolution import resolve_model
 from megainfer.plan import Plan
@@ -110,7 +110,9 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
                           group_tokens=s.group_tokens, layered_chunk_tokens=s.layered_chunk_tokens,
                           target_step_ms=s.target_step_ms, async_scheduling=plan.async_scheduling, num_threads=threads,
                           gpu_memory_utilization=plan.serve.gpu_memory_utilization,
-                          enforce_eager=plan.serve.enforce_eager)
+                          enforce_eager=plan.serve.enforce_eager,
+                          expert_load_window=(plan.experts.rebalance.window_steps
+                                              if plan.experts.rebalance is not None else EXPERT_LOAD_WINDOW))
     tokens, tp_a = step_tokens(engine), plan.attention.tp
     share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens
     value_bytes = DTYPE_BYTES[plan.dtype]

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"  # EngineConfig dtype/device: chosen from the model and the machine
 PREFILL_POLICIES = ("chunked", "layered")
 DEVICES = ("cpu", "cuda")
+EXPERT_LOAD_WINDOW = 64  # steps of routed tokens per expert an engine keeps by default
 
 
 @dataclass
@@ -52,7 +53,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: a ladder to the largest
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
-    expert_load_window: int = 64  # steps whose routed tokens per expert the engine keeps (engine/expert_load_window.py)
+    # Steps whose routed tokens per expert the engine keeps (engine/expert_load_window.py).
+    expert_load_window: int = EXPERT_LOAD_WINDOW
     show_progress: bool = False  # progress bar while loading weights
 
     def __post_init__(self) -> None:

@@ -155,9 +155,11 @@ class NodeHealth:
     error: str | None = None  # why it is broken or dead
     running: int = 0  # attention leader: requests running, waiting
     waiting: int = 0
-    experts: list[int] = field(default_factory=list)  # expert node: the expert ids it holds
+    experts: list[int] = field(default_factory=list)  # expert node: the expert ids it holds (first layer)
     steps: int = 0  # expert node: steps served, tokens computed
     tokens: int = 0
+    pairs: list[int] = field(default_factory=list)  # expert node: (token, expert) pairs computed, per layer, so far
+    placement_version: int = 0  # expert node: the expert placement it serves (deploy/expert_rebalance.py)
     timing: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over steps
     device_slot_peers: list[str] = field(default_factory=list)  # peers reached device to device (device_slots.py)
 
@@ -349,6 +351,31 @@ class StagedPlacement:
     bytes_loaded: int  # weights of the experts that moved onto this rank (its slice of them)
     experts_loaded: int  # (layer, slot)s whose expert changed
     seconds: float
+
+
+@dataclass
+class RebalanceReport:
+    """One re-placement of a deployment's experts (deploy/expert_rebalance.py)."""
+
+    version: int  # the placement it made (or tried to)
+    phase: str  # whose window loads it balanced: decode, prefill or all
+    window_tokens: int  # (token, expert) pairs in that window
+    imbalance_before: float  # busiest expert node over the mean, the window's loads on the old placement
+    imbalance_after: float  # the same loads on the new placement (predicted: the shares as planned)
+    bytes_moved: int = 0  # expert weights loaded onto their new nodes (every rank's slice)
+    experts_moved: int = 0  # (layer, slot)s whose expert changed
+    stage_s: float = 0.0  # the slowest rank's loading, while serving
+    switch_step: int = -1  # the step every rank switched at (-1: it did not)
+    seconds: float = 0.0  # the whole re-placement, window to every node past the switch
+    error: str = ""  # why the old placement still serves, where it does
+
+    def summary(self) -> str:
+        if self.error:
+            return f"expert placement {self.version} not made: {self.error}"
+        return (f"expert placement {self.version}: imbalance {self.imbalance_before:.2f} -> "
+                f"{self.imbalance_after:.2f} on {self.window_tokens} {self.phase} pairs; {self.experts_moved} "
+                f"experts moved ({self.bytes_moved / 2**20:.1f} MiB, staged in {self.stage_s:.2f} s), switched "
+                f"at step {self.switch_step}, {self.seconds:.2f} s in all")
 
 
 @dataclass

@@ -251,6 +251,9 @@ class Plan:
         if self.pipeline.device_slots and (self.attention.tp > 1 or self.experts.tp > 1):
             raise PlanError(f"pipeline.device_slots serves nodes of tensor-parallel size 1 (attention.tp is "
                             f"{self.attention.tp}, experts.tp {self.experts.tp}): set it to false, or both tp to 1")
+        if self.autoscale is not None and self.experts.rebalance is not None:
+            raise PlanError("experts.rebalance re-places the experts of one replica; with autoscale's many "
+                            "replicas it is not supported yet: drop one of the two sections")
         if self.autoscale is not None and self.serve.router != "predictive":
             raise PlanError(f"autoscale acts on predicted TTFT: set serve.router to 'predictive' "
                             f"(it is {self.serve.router!r})")

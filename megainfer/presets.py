@@ -33,14 +33,15 @@ PRESETS: dict[str, ModelConfig] = {
     "balanced-mixtral": _mixtral(
         "balanced-mixtral", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
         num_experts=4, top_k=2, expert_intermediate_size=576, max_position_embeddings=4096, **_BYTE_VOCAB),
-    # tiny-mixtral with a skewed gate: experts 0-3 get +0.9, +0.7, +0.5, +0.3 on their router
-    # logits (random weights give logits of std ~0.3), so they take ~95% of the (token, expert)
-    # pairs, 24-36% each for 0-2, and two expert nodes of four experts each stand at 1.8-2.0x
-    # their mean load; what experts.rebalance and `megainfer bench eplb` even out
-    # (deploy/plans/skewed-cpu.yaml).
+    # tiny-mixtral's attention with a skewed gate and 8x wider experts: experts 0-3 get +0.9,
+    # +0.7, +0.5, +0.3 on their router logits (random weights give logits of std ~0.3), so they
+    # take ~92% of the (token, expert) pairs (37, 32, 19 and 4%), and two expert nodes of four
+    # experts each stand at 1.7-2.0x their mean load. The wide experts make the expert side the
+    # bottleneck on a 2-core CPU, as it is where skew hurts; what experts.rebalance and
+    # `megainfer bench eplb` even out (deploy/plans/skewed-cpu.yaml).
     "skewed-mixtral": _mixtral(
         "skewed-mixtral", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
-        num_experts=8, top_k=2, expert_intermediate_size=512, max_position_embeddings=4096,
+        num_experts=8, top_k=2, expert_intermediate_size=4096, max_position_embeddings=4096,
         router_logit_bias=(0.9, 0.7, 0.5, 0.3, 0.0, 0.0, 0.0, 0.0), **_BYTE_VOCAB),
     "tiny-qwen3-moe": _qwen3(
         "tiny-qwen3-moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64,

@@ -83,6 +83,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                    "micro-batch count (PNG)")
     pl.set_defaults(run=_run_pipeline)
 
+    ep = benches.add_parser("eplb", help="expert load balance before and after one re-placement, under decode load",
+                            description="Deploy the plan, run a steady decode load, measure each expert node's "
+                                        "(token, expert) pairs and decode tokens/s over a window, re-place the "
+                                        "experts (MegaScale-Infer's redundancy plan), measure again; tokens are "
+                                        "checked against the colocated engine.")
+    ep.add_argument("plan", help="plan.yaml with experts.redundant_per_node or experts.rebalance "
+                                 "(e.g. deploy/plans/skewed-cpu.yaml)")
+    ep.add_argument("--requests", type=positive_int, default=32,
+                    help="greedy requests kept running (each finished one replaced by a new one)")
+    ep.add_argument("--prompt-len", type=positive_int, default=16)
+    ep.add_argument("--output-len", type=positive_int, default=64, help="tokens per request")
+    ep.add_argument("--window-s", type=float, default=3.0, help="seconds of each measured window")
+    ep.add_argument("--json", metavar="PATH")
+    ep.set_defaults(run=_run_eplb)
+
     rt = benches.add_parser("routing", help="the same online load against a deployment under each router",
                             description="Deploy the plan once and send the same bench-serve workload under each "
                                         "router in turn (the routers alternate over rounds); compare TTFT and E2E "
@@ -265,6 +280,16 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     from deploy.bench_pipeline import run
 
     return run(args.plan, counts, args.requests, args.prompt_len, args.output_len, args.json, args.plot)
+
+
+def _run_eplb(args: argparse.Namespace) -> int:
+    from megainfer.errors import ConfigError
+
+    if not args.window_s > 0:
+        raise ConfigError(f"--window-s must be positive, got {args.window_s}")
+    from deploy.bench_eplb import run
+
+    return run(args.plan, args.requests, args.prompt_len, args.output_len, args.window_s, args.json)
 
 
 def _run_routing(args: argparse.Namespace) -> int:

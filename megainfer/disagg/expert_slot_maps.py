@@ -86,6 +86,15 @@ class SlotMaps:
             self._pending = None
             return True
 
+    def restore(self, replicas: ExpertReplicas, layers: list[AttentionLayer]) -> None:
+        """Route by `replicas` at once: after a re-wire, before the deployment serves again (no
+        step runs), every rank is given the placement the deployment had reached."""
+        maps = self._maps(replicas)
+        with self._lock:
+            self._pending = None
+        self.install(layers, maps)
+        self.current = replicas
+
     def apply_due(self, step: int, layers: list[AttentionLayer]) -> None:
         """At the start of step `step`, before its first dispatch: switch if it is the agreed step."""
         with self._lock:

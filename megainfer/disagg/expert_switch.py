@@ -89,6 +89,14 @@ class ExpertSwitch:
             raise DataPlaneError(f"the leader serves expert placement {version}, which this rank never staged")
         self._commit(layers, staged, version)
 
+    def restore(self, layers: list[ExpertLayer], replicas: ExpertReplicas, node: int, weights: WeightSource) -> None:
+        """Serve `replicas` at once: after a re-wire, before the deployment serves again."""
+        staged = [layer.stage(experts, slots.ids, weights)
+                  for layer, (experts, slots) in zip(layers, node_slots(replicas, node))]
+        with self._lock:
+            self._pending, self._staged = None, {}
+        self._commit(layers, staged, replicas.version)
+
     def _commit(self, layers: list[ExpertLayer], staged: list[StagedExperts], version: int) -> None:
         for layer, s in zip(layers, staged):
             layer.commit(s)

@@ -28,9 +28,9 @@ class ExpertLoadWindow:
         self._counts = {False: 0, True: 0}
 
     def observe(self, counts: np.ndarray, prefill: bool) -> None:
-        """One step's [layers, experts] routed pairs (an empty array: the step routed none)."""
-        if counts.size == 0:
-            counts = np.zeros(self.shape, dtype=np.int64)
+        """One step's [layers, experts] routed pairs (an empty array: the step routed none). Kept
+        as a copy: a CPU runner's counts share memory with the tensor it zeroes every step."""
+        counts = np.zeros(self.shape, dtype=np.int64) if counts.size == 0 else counts.copy()
         self._steps.append((counts, prefill))
         self._sums[prefill] += counts
         self._counts[prefill] += 1

@@ -77,6 +77,9 @@ class ExpertLayer(nn.Module):
         # pairs sort last and no boolean mask (a host sync on a GPU) drops them.
         self.register_buffer("local_index", self.slots.local_index().to(device), persistent=False)
         self.holds_all = n == cfg.num_experts and self.slots.ids == list(range(cfg.num_experts))
+        # (token, expert) pairs this layer computed, counted on the device (in a captured graph
+        # too) and read only when asked: the node's load, router-independent (deploy health).
+        self.register_buffer("pairs_served", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         # On the CPU, the experts packed once for oneDNN after loading (kernels/moe_packed.py):
         # the GEMM library would otherwise repack them on every call, once per micro-batch.
         self.packed: moe_packed.PackedExperts | None = None
@@ -100,6 +103,7 @@ class ExpertLayer(nn.Module):
         # holding fewer experts than top-k (a static bound: CUDA graphs keep their shapes).
         held = x.shape[0] * min(k, n)
         local, order = local[:held], order[:held]
+        self.pairs_served += (local < n).sum()
         token_ids = order // k
         # Counts and offsets stay on the device (scatter_add: bincount reads its range back):
         # the Triton GEMM reads them there; the torch reference reads them back itself.

@@ -1,0 +1,185 @@
+"""`megainfer bench eplb PLAN.yaml`: expert load balance before and after one re-placement of a
+deployment's experts, under a steady decode load (deploy/expert_rebalance.py).
+
+The plan is deployed and `--requests` greedy requests decode `--output-len` tokens each. Once
+every prompt has its first token, the expert nodes' own pair counters (the (token, expert)
+pairs each computed, per layer: `NodeHealth.pairs`) and the delivered tokens are read over a
+window of `--window-s` seconds: the imbalance is the busiest expert node's pairs over the mean
+node's, decode tokens/s the tokens delivered over the window. Then the experts are re-placed
+from the attention nodes' window of routed tokens, under that same load, and the window is
+measured again. Every request's tokens are compared with the colocated engine's (same prompts,
+greedy): a re-placement must not change one.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from deploy.deployment import Deployment
+from megainfer.bench.report import format_table, write_json
+from megainfer.engine.engine import Engine
+from megainfer.engine_config import EngineConfig
+from megainfer.errors import DataPlaneError, PlanError
+from megainfer.messages import FinishReason, NodeRole, RebalanceReport
+from megainfer.plan import Plan
+from megainfer.sampling_params import SamplingParams
+from megainfer.server.backend import RequestStream
+
+
+@dataclass
+class Window:
+    """One measured window of the decode load."""
+
+    seconds: float
+    decode_tokens: int
+    node_pairs: list[int]  # each expert node's pairs over the window, all layers
+    layer_imbalance: list[float]  # per layer, the busiest node over the mean
+
+    @property
+    def imbalance(self) -> float:
+        pairs = np.asarray(self.node_pairs, dtype=np.float64)
+        return float(pairs.max() / pairs.mean()) if pairs.sum() else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.seconds
+
+
+class SteadyLoad:
+    """`concurrency` greedy requests kept running: each one that finishes is replaced at once by
+    a new one (a fresh random prompt), so the decode batch and its contexts stay the same from
+    one window to the next; a thread of its own reads every stream."""
+
+    def __init__(self, deployment: Deployment, concurrency: int, prompt_len: int, params: SamplingParams,
+                 seed: int) -> None:
+        self.deployment, self.prompt_len, self.params = deployment, prompt_len, params
+        self.rng = random.Random(seed)
+        self.prompts: list[list[int]] = []
+        self.tokens: list[list[int]] = []
+        self.finished: list[bool] = []
+        self.errors: list[str] = []
+        self.delivered = 0  # tokens so far, every request
+        self._stopping = threading.Event()
+        self._open: dict[int, RequestStream] = dict(self._submit() for _ in range(concurrency))
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _submit(self) -> tuple[int, RequestStream]:
+        i = len(self.prompts)
+        self.prompts.append([self.rng.randrange(self.deployment.model.vocab_size) for _ in range(self.prompt_len)])
+        self.tokens.append([])
+        self.finished.append(False)
+        return i, self.deployment.submit(f"eplb-{i}", self.prompts[i], self.params)
+
+    def _read(self) -> None:
+        while self._open:
+            for i, stream in list(self._open.items()):
+                while (delta := stream.get(0.005)) is not None:
+                    self.tokens[i] += delta.new_token_ids
+                    self.delivered += len(delta.new_token_ids)
+                    if delta.finished:
+                        if delta.finish_reason is FinishReason.ERROR:
+                            self.errors.append(f"{stream.request_id}: {delta.error}")
+                        self.finished[i] = True
+                        del self._open[i]
+                        if not self._stopping.is_set():
+                            j, new = self._submit()
+                            self._open[j] = new
+                        break
+
+    def all_started(self) -> bool:
+        return all(self.tokens[i] for i in list(self._open))
+
+    def finish(self, timeout: float) -> None:
+        """No new requests; wait for the open ones."""
+        self._stopping.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise DataPlaneError(f"requests still open after {timeout:g} s")
+
+
+def expert_pairs(deployment: Deployment) -> np.ndarray:
+    """[expert nodes, layers] pairs each expert leader has computed so far."""
+    return np.array([h.pairs for h in deployment.health() if h.role is NodeRole.EXPERT and h.rank == 0],
+                    dtype=np.int64)
+
+
+def measure_window(deployment: Deployment, load: SteadyLoad, seconds: float) -> Window:
+    pairs, delivered, start = expert_pairs(deployment), load.delivered, time.perf_counter()
+    time.sleep(seconds)
+    pairs = expert_pairs(deployment) - pairs
+    elapsed, tokens = time.perf_counter() - start, load.delivered - delivered
+    per_layer = [float(col.max() / col.mean()) if col.sum() else 1.0 for col in pairs.T]
+    return Window(elapsed, tokens, pairs.sum(axis=1).tolist(), per_layer)
+
+
+def colocated_tokens(plan: Plan, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    engine = Engine(plan.model, EngineConfig(dtype=plan.dtype, max_num_seqs=plan.scheduler.max_num_seqs,
+                                             max_num_batched_tokens=plan.scheduler.max_num_batched_tokens))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            out[delta.request_id] += delta.new_token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_s: float,
+            seed: int = 0) -> tuple[Window, RebalanceReport, Window, bool, list[str]]:
+    """(before, the re-placement, after, tokens equal to the colocated engine's, failed requests)."""
+    if not plan.places_experts:
+        raise PlanError("bench eplb re-places experts: the plan needs experts.redundant_per_node or "
+                        "experts.rebalance (e.g. deploy/plans/skewed-cpu.yaml)")
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    deployment = Deployment(plan, show_progress=False).start()
+    try:
+        load = SteadyLoad(deployment, requests, prompt_len, params, seed)
+        deadline = time.monotonic() + 120
+        while not load.all_started():  # the first prompts in: the load is decode from here
+            if time.monotonic() > deadline or load.errors:
+                raise DataPlaneError(f"the prompts did not all start: {load.errors[:1]}")
+            time.sleep(0.05)
+        time.sleep(window_s)  # requests replaced at staggered times, and the attention window full
+        before = measure_window(deployment, load, window_s)
+        report = deployment.rebalance_experts()
+        after = measure_window(deployment, load, window_s)
+        load.finish(600)
+    finally:
+        deployment.close()
+    done = [i for i, f in enumerate(load.finished) if f]
+    want = colocated_tokens(plan, [load.prompts[i] for i in done], params)
+    return before, report, after, [load.tokens[i] for i in done] == want, load.errors
+
+
+def run(plan_path: str, requests: int, prompt_len: int, output_len: int, window_s: float,
+        json_path: str | None) -> int:
+    plan = Plan.load(plan_path)
+    print(f"deploying {plan_path} ({plan.model}, {plan.experts.nodes} expert nodes, "
+          f"{plan.experts.redundant_per_node} spare slots each); {requests} requests x {output_len} tokens ...",
+          flush=True)
+    before, report, after, equal, errors = measure(plan, requests, prompt_len, output_len, window_s)
+    if report.error:
+        print(f"the re-placement failed: {report.error}")
+    print(format_table(["", "imbalance (max/mean pairs)", "worst layer", "decode tok/s", "pairs per expert node"],
+                       [[name, f"{w.imbalance:.3f}", f"{max(w.layer_imbalance):.3f}", f"{w.tokens_per_s:.1f}",
+                         ", ".join(map(str, w.node_pairs))] for name, w in (("before", before), ("after", after))]))
+    print(f"decode tok/s after / before: {after.tokens_per_s / before.tokens_per_s:.2f}x")
+    print(report.summary())
+    print(f"tokens equal to the colocated engine's: {equal}; failed requests: {len(errors)}")
+    if json_path:
+        write_json(json_path, {
+            "benchmark": "eplb", "plan": plan_path, "model": plan.model, "expert_nodes": plan.experts.nodes,
+            "redundant_per_node": plan.experts.redundant_per_node, "requests": requests, "output_len": output_len,
+            "window_s": window_s, "imbalance_before": before.imbalance, "imbalance_after": after.imbalance,
+            "layer_imbalance_before": before.layer_imbalance, "layer_imbalance_after": after.layer_imbalance,
+            "decode_tokens_per_s_before": before.tokens_per_s, "decode_tokens_per_s_after": after.tokens_per_s,
+            "node_pairs_before": before.node_pairs, "node_pairs_after": after.node_pairs,
+            "tokens_equal": equal, "failed_requests": errors, "rebalance": asdict(report)})
+        print(f"wrote {json_path}")
+    return 0 if equal and not errors and not report.error else 1
