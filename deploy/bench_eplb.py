@@ -29,6 +29,7 @@ from megainfer.messages import FinishReason, NodeRole, RebalanceReport
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import RequestStream
+from megainfer.server.metrics import MetricsSnapshot
 
 
 @dataclass
@@ -130,9 +131,18 @@ def colocated_tokens(plan: Plan, prompts: list[list[int]], params: SamplingParam
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
+@dataclass
+class EplbResult:
+    before: Window
+    report: RebalanceReport
+    after: Window
+    tokens_equal: bool  # every finished request's tokens equal the colocated engine's
+    errors: list[str]  # failed requests
+    metrics: MetricsSnapshot  # the deployment's /metrics source after the re-placement
+
+
 def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_s: float,
-            seed: int = 0) -> tuple[Window, RebalanceReport, Window, bool, list[str]]:
-    """(before, the re-placement, after, tokens equal to the colocated engine's, failed requests)."""
+            seed: int = 0) -> EplbResult:
     if not plan.places_experts:
         raise PlanError("bench eplb re-places experts: the plan needs experts.redundant_per_node or "
                         "experts.rebalance (e.g. deploy/plans/skewed-cpu.yaml)")
@@ -149,12 +159,13 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_
         before = measure_window(deployment, load, window_s)
         report = deployment.rebalance_experts()
         after = measure_window(deployment, load, window_s)
+        metrics = deployment.metrics_snapshot()
         load.finish(600)
     finally:
         deployment.close()
     done = [i for i, f in enumerate(load.finished) if f]
     want = colocated_tokens(plan, [load.prompts[i] for i in done], params)
-    return before, report, after, [load.tokens[i] for i in done] == want, load.errors
+    return EplbResult(before, report, after, [load.tokens[i] for i in done] == want, load.errors, metrics)
 
 
 def run(plan_path: str, requests: int, prompt_len: int, output_len: int, window_s: float,
@@ -163,7 +174,9 @@ def run(plan_path: str, requests: int, prompt_len: int, output_len: int, window_
     print(f"deploying {plan_path} ({plan.model}, {plan.experts.nodes} expert nodes, "
           f"{plan.experts.redundant_per_node} spare slots each); {requests} requests x {output_len} tokens ...",
           flush=True)
-    before, report, after, equal, errors = measure(plan, requests, prompt_len, output_len, window_s)
+    result = measure(plan, requests, prompt_len, output_len, window_s)
+    before, report, after, equal, errors = (result.before, result.report, result.after, result.tokens_equal,
+                                            result.errors)
     if report.error:
         print(f"the re-placement failed: {report.error}")
     print(format_table(["", "imbalance (max/mean pairs)", "worst layer", "decode tok/s", "pairs per expert node"],

@@ -34,7 +34,7 @@ from deploy.node_group import NodeGroup
 from deploy.ray_calls import gather
 from megainfer.config import ModelConfig
 from megainfer.errors import DataPlaneError
-from megainfer.expert_replicas import ExpertReplicas, LayerReplicas
+from megainfer.expert_replicas import ExpertReplicas, LayerReplicas, imbalance, placed_load
 from megainfer.messages import ExpertLoadReport, RebalanceReport, StagedPlacement
 from megainfer.plan import Plan
 from planner.expert_placement import LayerPlacement, place_layer
@@ -47,6 +47,7 @@ SWITCH_AHEAD_S = 0.5  # the switch step lies this far ahead of the fastest atten
 MIN_AHEAD_STEPS = 4
 RATE_SAMPLE_S = 0.1  # how long the step rate is measured over
 SWITCH_WAIT_S = 60.0  # for every attention node to pass the switch step
+THIN_PHASE = 0.25  # a phase holding less of the window's pairs than this is too little to plan from
 
 
 def aligned(new: list[int], held: list[int]) -> list[int]:
@@ -76,17 +77,6 @@ def layer_replicas(plan: LayerPlacement, held: LayerReplicas) -> LayerReplicas:
              for j, s in zip(nodes, shares)}
     return LayerReplicas(tuple(map(tuple, experts)), tuple(tuple(share[e, j] for e in experts[j])
                                                              for j in range(num_nodes)), held.slots_per_node)
-
-
-def imbalance(replicas: ExpertReplicas, loads: np.ndarray) -> tuple[float, list[float]]:
-    """(over the whole model, per layer) the busiest expert node over the mean, in (token, expert)
-    pairs of `loads` [layers, experts] placed by `replicas`; 1.0 where a layer saw no tokens."""
-    per_layer, total = [], np.zeros(replicas.num_nodes)
-    for layer, row in zip(replicas.layers, loads):
-        node = layer.node_load(row)
-        total += node
-        per_layer.append(float(node.max() / node.mean()) if node.sum() else 1.0)
-    return (float(total.max() / total.mean()) if total.sum() else 1.0), per_layer
 
 
 class ExpertRebalancer:
@@ -128,14 +118,11 @@ class ExpertRebalancer:
                                  "experts.rebalance in the plan")
         with self._lock:
             start = time.perf_counter()
-            phase = self.spec.phase if self.spec is not None else "decode"
             window = self.load()
+            phase = self._phase(window)
             loads = window.of(phase)
-            if not loads.sum():  # no tokens of that phase yet: use whatever there is
-                loads = window.of("all")
             new = self.propose(loads)
-            before, _ = imbalance(self.current, loads)
-            after, _ = imbalance(new, loads)
+            before, after = (imbalance(placed_load(r, loads)[0]) for r in (self.current, new))
             report = RebalanceReport(new.version, phase, int(loads.sum()), before, after)
             try:
                 staged = self._stage(new)
@@ -152,6 +139,17 @@ class ExpertRebalancer:
             if not report.error:
                 logger.info("%s", report.summary())
             return report
+
+    def _phase(self, window: ExpertLoadReport) -> str:
+        """The plan's phase, unless its steps hold under THIN_PHASE of the window's pairs (under a
+        steady arrival of prompts nearly every step carries one): then all of them, said in the log."""
+        phase = self.spec.phase if self.spec is not None else "decode"
+        total = window.of("all").sum()
+        if phase != "all" and window.of(phase).sum() < THIN_PHASE * total:
+            logger.info("expert re-placement: the window's %s steps hold %d of its %d pairs; balancing all of them",
+                        phase, window.of(phase).sum(), total)
+            return "all"
+        return phase
 
     # -- the two phases ----------------------------------------------------------------------------
     def _expert_ranks(self) -> list:

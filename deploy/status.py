@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from deploy.node_group import NodeGroup, health_of, stats_of
 from megainfer.disagg import latency
-from megainfer.messages import NodeStats
+from megainfer.expert_replicas import placed_load
+from megainfer.messages import ExpertLoadReport, NodeStats
 from megainfer.server.backend import NodeInfo
 from megainfer.server.metrics import MetricsSnapshot
 
@@ -22,6 +23,7 @@ def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHisto
     stats: list[NodeStats] = stats_of(groups)
     engines = [s.engine for s in stats]
     blocks = sum(e.num_kv_blocks for e in engines) or 1
+    node_pairs, layer_imbalance = expert_load(groups, engines)
     return MetricsSnapshot(
         running=sum(e.num_running for e in engines), waiting=sum(e.num_waiting for e in engines),
         kv_cache_usage=sum(e.kv_cache_usage * e.num_kv_blocks for e in engines) / blocks,
@@ -33,7 +35,19 @@ def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHisto
         m2n_send=latency.merge([s.m2n_send for s in stats]),
         m2n_receive_wait=latency.merge([s.m2n_receive_wait for s in stats]),
         router_ttft_error=router_error.snapshot() if router_error is not None else None,
-        replicas=len(groups))
+        replicas=len(groups), expert_node_pairs=node_pairs, expert_layer_imbalance=layer_imbalance)
+
+
+def expert_load(groups: list[NodeGroup], engines: list) -> tuple[list[float], list[float]]:
+    """The first replica's expert nodes' load over its attention nodes' windows, under the
+    placement it serves (with several replicas, each its own: the first stands for them)."""
+    windows = [e.expert_window for e in engines if e.expert_window is not None]
+    if not groups or not windows or groups[0].expert_replicas is None:
+        return [], []
+    share = len(groups[0].attention)  # stats_of lists every group's attention leaders in order
+    loads = ExpertLoadReport.total(windows[:share]).of("all")
+    units, per_layer = placed_load(groups[0].expert_replicas, loads)
+    return units.tolist(), per_layer
 
 
 def kernel_lines(groups: list[NodeGroup]) -> list[str]:

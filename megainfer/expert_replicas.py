@@ -178,3 +178,19 @@ class ExpertReplicas:
     def needs_table(self, num_experts: int) -> bool:
         """Does any layer differ from slot i = expert i (so attention ranks need slot tables)?"""
         return not all(layer.is_identity(num_experts) for layer in self.layers)
+
+
+def placed_load(replicas: ExpertReplicas | None, loads: np.ndarray) -> tuple[np.ndarray, list[float]]:
+    """`loads` [layers, experts] ((token, expert) pairs) as the units that compute them carry
+    them: ([units] pairs over every layer, per layer the busiest unit over the mean, 1.0 where
+    a layer saw none). The units are the expert nodes of `replicas`, or the experts themselves
+    where there is no placement (the colocated engine)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    rows = loads if replicas is None else np.stack([layer.node_load(row) for layer, row in zip(replicas.layers, loads)])
+    per_layer = [float(r.max() / r.mean()) if r.sum() else 1.0 for r in rows]
+    return rows.sum(axis=0), per_layer
+
+
+def imbalance(units: np.ndarray) -> float:
+    """The busiest unit over the mean (1.0: even, or no load)."""
+    return float(units.max() / units.mean()) if units.sum() else 1.0

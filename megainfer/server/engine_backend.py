@@ -10,6 +10,7 @@ from megainfer.engine.engine import Engine
 from megainfer.engine.engine_steps import EngineSteps
 from megainfer.engine.step_loop import StepLoop
 from megainfer.errors import DataPlaneError
+from megainfer.expert_replicas import placed_load
 from megainfer.messages import NodeResources, NodeRole, NodeStatus
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import BackendInfo, NodeInfo, RequestStream, StreamRegistry
@@ -64,7 +65,9 @@ class EngineBackend:
         return MetricsSnapshot(running=s.num_running, waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                                expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks,
                                num_preemptions=s.num_preemptions, kernels=[s.kernels] if s.kernels else [],
-                               kernel_builds_while_serving=s.kernel_builds_while_serving)
+                               kernel_builds_while_serving=s.kernel_builds_while_serving,
+                               expert_layer_imbalance=placed_load(None, s.expert_window.of("all"))[1]
+                               if s.expert_window is not None else [])
 
     def resources(self) -> list[NodeResources]:
         """The engine's KV blocks and requests held (read between steps); no M2N slots here."""

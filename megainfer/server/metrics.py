@@ -43,6 +43,10 @@ At each scrape, from the backend's `MetricsSnapshot` (attention nodes summed in 
   megainfer:kernel_shapes{operator, implementation}    gauge: shapes decided at start, by the implementation
                                                        that runs them (kernels/startup.py)
   megainfer:kernel_compiles_while_serving_total        counter: Triton variants built after the warm-up (0)
+  megainfer:expert_node_load{expert_node}              gauge: (token, expert) pairs each expert node takes over
+                                                       the window of steps (deployments)
+  megainfer:expert_layer_imbalance{layer}              gauge: busiest expert node (colocated: expert) over the
+                                                       mean, per layer, over the window
 
 `promtool check metrics` finds nothing in the exposition but "metric names should not contain
 ':'", which vLLM's names draw too (recording-rule style, kept for the dashboards). Each registry
@@ -98,6 +102,30 @@ class MetricsSnapshot:
     num_preemptions: int = 0  # cumulative preemptions, summed over attention nodes (EngineStats.num_preemptions)
     kernels: list[KernelReport] = field(default_factory=list)  # per engine or attention node, decided at its start
     kernel_builds_while_serving: int = 0  # Triton variants built after start, summed (want 0)
+    # Over the engines' windows of routed tokens (EngineConfig.expert_load_window steps): the
+    # (token, expert) pairs each expert node takes under the placement serving now (deployments;
+    # empty for the colocated engine), and per layer the busiest expert node (deployments) or
+    # expert (colocated) over the mean.
+    expert_node_pairs: list[float] = field(default_factory=list)
+    expert_layer_imbalance: list[float] = field(default_factory=list)
+
+
+def _expert_families(snap: MetricsSnapshot, labels: list[str]):
+    """Expert load over the engines' windows: per expert node, and the imbalance per layer."""
+    if snap.expert_node_pairs:
+        load = GaugeMetricFamily("megainfer:expert_node_load", "(token, expert) pairs each expert node takes over "
+                                 "the attention nodes' window of steps, under the expert placement serving now.",
+                                 labels=[MODEL_LABEL, "expert_node"])
+        for node, pairs in enumerate(snap.expert_node_pairs):
+            load.add_metric([*labels, str(node)], pairs)
+        yield load
+    if snap.expert_layer_imbalance:
+        family = GaugeMetricFamily("megainfer:expert_layer_imbalance", "Per layer, the busiest expert node "
+                                   "(deployments; the busiest expert in a colocated engine) over the mean, over the "
+                                   "window of steps (1 is even).", labels=[MODEL_LABEL, "layer"])
+        for layer, value in enumerate(snap.expert_layer_imbalance):
+            family.add_metric([*labels, str(layer)], value)
+        yield family
 
 
 class MetricsSource(Protocol):
@@ -161,6 +189,7 @@ class _BackendCollector:
             family.add_metric(labels, value)
             yield family
         yield from _kernel_families(snap, labels)
+        yield from _expert_families(snap, labels)
         for h, name, doc in ((snap.m2n_send, "megainfer:m2n_send_latency_seconds",
                               "Time of one M2N send, in seconds."),
                              (snap.m2n_receive_wait, "megainfer:m2n_receive_wait_seconds",

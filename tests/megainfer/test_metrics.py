@@ -242,3 +242,27 @@ def test_bench_routing_needs_two_attention_nodes():
     out = subprocess.run([sys.executable, "-m", "megainfer", "bench", "routing", "deploy/plans/tiny-cpu.yaml"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "at least 2 attention nodes" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_expert_load_per_node_and_imbalance_per_layer_are_exposed():
+    metrics = ServingMetrics(Snapshots(expert_node_pairs=[300.0, 100.0], expert_layer_imbalance=[1.5, 1.0]), MODEL)
+    m = series(metrics)
+    assert value(m, "megainfer:expert_node_load", expert_node="0") == 300
+    assert value(m, "megainfer:expert_node_load", expert_node="1") == 100
+    assert value(m, "megainfer:expert_layer_imbalance", layer="0") == 1.5
+    assert value(m, "megainfer:expert_layer_imbalance", layer="1") == 1.0
+
+
+def test_the_colocated_engine_reports_its_skewed_experts_imbalance_per_layer():
+    """skewed-mixtral routes ~92% of its pairs to experts 0-3 of 8: its busiest expert stands
+    well above the mean in every layer, from the engine's own window of routed tokens."""
+    backend = EngineBackend(Engine("skewed-mixtral", EngineConfig(num_kv_blocks=64)))
+    try:
+        stream = backend.submit("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=24, temperature=0.0))
+        while not (delta := stream.get(10)).finished:
+            pass
+        snap = backend.metrics_snapshot()
+    finally:
+        backend.close()
+    assert len(snap.expert_layer_imbalance) == 4 and min(snap.expert_layer_imbalance) > 2.0
+    assert snap.expert_node_pairs == []  # no expert nodes in a colocated engine
