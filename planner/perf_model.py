@@ -18,6 +18,8 @@ one expert receives from a whole micro-batch; m micro-batches; L layers; T_f = m
 
 from __future__ import annotations
 
+import copy
+
 import math
 import os
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ import yaml
 from megainfer.config import (GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConfig, estimated_attention_step_bytes,
                               kv_cache_budget_bytes)
 from megainfer.errors import PlanError
+from planner.expert_popularity import SkewPricing
 from planner.catalog import GPU
 from planner.round_host_cost import HostCost
 from planner.operator_profile import OperatorProfile
@@ -138,8 +141,11 @@ class PerfModel:
     def __init__(self, model: ModelConfig, seq_len: int, dtype_bytes: int = 2,
                  efficiency: Efficiency = Efficiency(), calibration: Calibration | None = None, *,
                  curves_path: str | None = None, profiles: list[OperatorProfile] = (),
-                 host: HostCost | None = None) -> None:
-        """`host`: the host's CPU time per M2N round (planner/round_host_cost.py), charged where given."""
+                 host: HostCost | None = None, skew: SkewPricing | None = None, redundant_experts: int = 0) -> None:
+        """`host`: the host's CPU time per M2N round (planner/round_host_cost.py), charged where given.
+        `skew`: expert popularity, charged as the hottest expert node's load (expert_popularity.py;
+        None: uniform routing); `redundant_experts`: the most spare slots per expert node the
+        search tries (0..this), each priced with the redundancy plan's placement."""
         if seq_len <= 0:
             raise PlanError(f"--seq-len must be positive, got {seq_len}")
         self.phases = PhaseLines(model, seq_len, dtype_bytes, curves_path, list(profiles))
@@ -149,6 +155,9 @@ class PerfModel:
         self.eff = efficiency
         self.calibration = calibration or Calibration()
         self.host = host
+        if redundant_experts < 0:
+            raise PlanError(f"--redundant-experts must not be negative, got {redundant_experts}")
+        self.skew, self.redundant_experts = skew, redundant_experts
         self.utilization = self.calibration.utilization or UtilizationCurve()
         m = model
         self.attn_weight_params = m.attention_params_per_layer  # per layer, router included
@@ -201,6 +210,19 @@ class PerfModel:
         return np.maximum.reduce([slope * b_e + const for slope, const in self.expert_pieces(side, experts_per_node)])
 
     # -- network -------------------------------------------------------------------------
+    def without_redundancy(self) -> "PerfModel":
+        """This model with no spare expert slot searched (the same skew)."""
+        other = copy.copy(self)
+        other.redundant_experts = 0
+        return other
+
+    def hot_factor(self, experts_per_node: int, redundant: int) -> float:
+        """The hottest expert node's tokens per held expert over the uniform b_e (1 without skew)."""
+        return 1.0 if self.skew is None else self.skew.hot_factor(experts_per_node, redundant)
+
+    def expert_imbalance(self, experts_per_node: int, redundant: int) -> float:
+        return 1.0 if self.skew is None else self.skew.imbalance(experts_per_node, redundant)
+
     def node_hit_probability(self, experts_per_node):
         """Chance a token picks at least one of a node's experts (uniform routing): the
         token travels to that node once, whatever number of its experts it chose."""

@@ -18,8 +18,8 @@ import numpy as np
 
 from megainfer.config import ModelConfig
 from megainfer.errors import PlanError
-from megainfer.plan import (AttentionSpec, ExpertSpec, PipelineSpec, Plan, PredictedPerformance, SchedulerSpec, SLOSpec,
-                            attention_tp_fits, check_tensor_parallel, expert_tp_fits)
+from megainfer.plan import (attention_tp_fits, AttentionSpec, check_tensor_parallel, expert_tp_fits, ExpertSpec,
+                            PipelineSpec, Plan, PredictedPerformance, RebalanceSpec, SchedulerSpec, SLOSpec)
 from planner.catalog import GPU, Catalog
 from planner.round_host_cost import host_bound
 from planner.perf_model import PREFILL_CHUNK_TOKENS, PerfModel, Side
@@ -85,6 +85,12 @@ class Candidate(Throughput):
     # Where it exceeds T_a or T_e the host sets the pace: charged in the TBT, and refused by the search.
     host_a: float = 0.0
     host_e: float = 0.0
+    # Skewed expert popularity (planner/expert_popularity.py): spare expert slots per node, the
+    # hottest expert node's load over the mean with them, and without any (and T_e then).
+    redundant_per_node: int = 0
+    expert_imbalance: float = 1.0
+    expert_imbalance_no_redundancy: float = 1.0
+    t_e_no_redundancy: float = 0.0
 
     @property
     def host_bound(self) -> bool:
@@ -116,7 +122,9 @@ class Candidate(Throughput):
             model=model, dtype=dtype,
             attention=AttentionSpec(gpu=self.attention_gpu, tp=self.tp_a, nodes=self.n_a),
             experts=ExpertSpec(gpu=self.expert_gpu, tp=self.tp_e, nodes=self.expert_nodes,
-                               experts_per_node=self.experts_per_node),
+                               experts_per_node=self.experts_per_node, redundant_per_node=self.redundant_per_node,
+                               # Spare slots serve once a re-placement fills them: from the decode window.
+                               rebalance=RebalanceSpec() if self.redundant_per_node else None),
             pipeline=PipelineSpec(micro_batches=self.m, global_batch=self.batch),
             # Each attention node must admit its share of the global batch, and one step must carry
             # every one of its decodes plus a prefill chunk.
@@ -166,9 +174,9 @@ def search(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expe
 
 
 def _configurations(model: ModelConfig, catalog: Catalog, attention_gpus: list[str], expert_gpus: list[str],
-                    perf: PerfModel) -> tuple[list[tuple[GPU, int]], list[tuple[GPU, int, int]]]:
+                    perf: PerfModel) -> tuple[list[tuple[GPU, int]], list[tuple[GPU, int, int, int]]]:
     """The attention configurations (GPU, tp_a) and expert configurations (GPU, tp_e, experts per
-    node) whose weights fit; a PlanError that says why when one side has none."""
+    node, spare slots per node) whose weights fit; a PlanError that says why when one side has none."""
     att = list(dict.fromkeys(catalog[n] for n in attention_gpus))
     exp = list(dict.fromkeys(catalog[n] for n in expert_gpus))
     # Only the tp's the runtime can split the model over: heads for attention, the intermediate
@@ -177,8 +185,12 @@ def _configurations(model: ModelConfig, catalog: Catalog, attention_gpus: list[s
     exp_tps = [tp for tp in TP_SIZES if expert_tp_fits(model, tp)]
     att_cfgs = [(g, tp) for g in att for tp in att_tps
                 if tp <= g.gpus_per_node and perf.max_sequences_per_attention_node(g.memory_bytes, tp) >= 1]
-    exp_cfgs = [(g, tp, e) for g in exp for tp in exp_tps if tp <= g.gpus_per_node
-                for e in divisors(model.num_experts) if perf.expert_node_fits(g.memory_bytes, tp, e)]
+    # With skew priced, each expert configuration also for 1..redundant_experts spare slots per node
+    # (held experts e + R, which must fit); a single expert node has nothing to balance.
+    spare = range(perf.redundant_experts + 1) if perf.skew is not None else range(1)
+    exp_cfgs = [(g, tp, e, r) for g in exp for tp in exp_tps if tp <= g.gpus_per_node
+                for e in divisors(model.num_experts) for r in spare
+                if (r == 0 or e < model.num_experts) and perf.expert_node_fits(g.memory_bytes, tp, e + r)]
     _check_fits(model, perf, att, exp, att_cfgs, exp_cfgs, max(att_tps))
     return att_cfgs, exp_cfgs
 
@@ -212,14 +224,17 @@ class SearchGrid:
     and spread over the rows, so a batch per row is evaluated in a few array operations."""
 
     def __init__(self, model: ModelConfig, perf: PerfModel, att_cfgs: list[tuple[GPU, int]],
-                 exp_cfgs: list[tuple[GPU, int, int]], max_micro_batches: int) -> None:
+                 exp_cfgs: list[tuple[GPU, int, int, int]], max_micro_batches: int) -> None:
         self.model, self.perf, self.att_cfgs, self.exp_cfgs = model, perf, att_cfgs, exp_cfgs
-        e_per_cfg = np.array([e for _, _, e in exp_cfgs], dtype=np.float64)
+        e_per_cfg = np.array([e for _, _, e, _ in exp_cfgs], dtype=np.float64)
+        held_cfg = np.array([e + r for _, _, e, r in exp_cfgs], dtype=np.float64)  # experts each node holds
+        # Skew: each row's T_e is the hottest node's, b_e times this (1 for uniform routing).
+        self.hot_cfg = np.array([perf.hot_factor(e, r) for _, _, e, r in exp_cfgs], dtype=np.float64)
         a_side = perf.sides(att_cfgs, "attention")
-        e_side = perf.sides([(g, tp) for g, tp, _ in exp_cfgs], "experts", e_per_cfg)
+        e_side = perf.sides([(g, tp) for g, tp, _, _ in exp_cfgs], "experts", held_cfg)
         step_pieces = perf.step_lines(att_cfgs)
         a_pieces = perf.attention_pieces(a_side)
-        e_pieces = perf.expert_pieces(e_side, e_per_cfg)
+        e_pieces = perf.expert_pieces(e_side, held_cfg)
         seqs_cfg = perf.max_sequences_per_attention_node(np.array([g.memory_bytes for g, _ in att_cfgs]), a_side.tp)
         hit_cfg = perf.node_hit_probability(e_per_cfg)
 
@@ -231,6 +246,7 @@ class SearchGrid:
         self.ia, self.ie = ia, ie
         self.n_a, self.m = _f32(n_a_values[i_n]), _f32(m_values[i_m])
         self.n_e = model.num_experts / e_per_cfg[ie]
+        self.hot = _f32(self.hot_cfg[ie])
         # Only the network needs per-row hardware figures.
         self.a_rows = Side(nic=a_side.nic[ia], tp=a_side.tp[ia])
         self.e_rows = Side(nic=e_side.nic[ie], tp=e_side.tp[ie])
@@ -254,7 +270,7 @@ class SearchGrid:
         model, perf, n_a, m = self.model, self.perf, self.n_a, self.m
         g = batch / m  # tokens of one micro-batch across all attention nodes
         b_a = g / n_a
-        b_e = g * (model.top_k / model.num_experts)
+        b_e = g * (model.top_k / model.num_experts) * self.hot
         t_a = np.maximum.reduce([s * b_a + c for s, c in self.a_lin])
         t_e = np.maximum.reduce([s * b_e + c for s, c in self.e_lin])
         msg = b_a * self.bytes_per_token_sent
@@ -283,7 +299,8 @@ class SearchGrid:
 
     def candidate(self, i: int, values: dict[str, np.ndarray], batch: np.ndarray) -> Candidate:
         """Row `i` at `batch`, with its `evaluate` figures `values`."""
-        (ga, tp_a), (ge, tp_e, e) = self.att_cfgs[self.ia[i]], self.exp_cfgs[self.ie[i]]
+        (ga, tp_a), (ge, tp_e, e, r) = self.att_cfgs[self.ia[i]], self.exp_cfgs[self.ie[i]]
+        skew = self._skew_figures(i, ge, tp_e, e, r, float(batch[i]))
         return Candidate(
             attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=int(self.n_a[i]),
             expert_nodes=int(self.n_e[i]), experts_per_node=e, m=int(self.m[i]), batch=int(batch[i]),
@@ -291,7 +308,17 @@ class SearchGrid:
             tbt=float(values["tbt"][i]), gpus=int(self.gpus[i]), cost_per_hour=float(self.cost[i]),
             power_w=float(self.power[i]),
             host_a=float(values["host_a"][i]) if "host_a" in values else 0.0,
-            host_e=float(values["host_e"][i]) if "host_e" in values else 0.0)
+            host_e=float(values["host_e"][i]) if "host_e" in values else 0.0, **skew)
+
+    def _skew_figures(self, i: int, gpu: GPU, tp: int, e: int, r: int, batch: float) -> dict:
+        """Row `i`'s spare slots, the hottest node's imbalance with them, and without any: the
+        imbalance and T_e the same configuration would have with no spare slot."""
+        perf = self.perf
+        b_e = batch / self.m[i] * self.model.top_k / self.model.num_experts
+        side = perf.sides([(gpu, tp)], "experts", np.array([e], dtype=np.float64))
+        t_e0 = float(perf.expert_time(side, b_e * perf.hot_factor(e, 0), np.array([e], dtype=np.float64))[0])
+        return dict(redundant_per_node=r, expert_imbalance=perf.expert_imbalance(e, r),
+                    expert_imbalance_no_redundancy=perf.expert_imbalance(e, 0), t_e_no_redundancy=t_e0)
 
 
 def _f32(x) -> np.ndarray:

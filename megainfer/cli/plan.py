@@ -13,6 +13,8 @@ from megainfer.errors import PlanError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from planner.popularity_fit import FITTED_RANK_OFFSET
+
     p = sub.add_parser(
         "plan", help="search disaggregated deployments for throughput per cost under a TBT SLO",
         description="Search attention/expert deployments (GPU types, TP sizes, replicas, micro-batches, batch) "
@@ -38,6 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--curves", metavar="PATH", help="efficiency curves YAML (default: planner/efficiency_curves.yaml)")
     p.add_argument("--price", action="append", default=[], metavar="GPU=PRICE",
                    help="your own price per GPU-hour, repeatable (e.g. --price H100=2.99)")
+    p.add_argument("--expert-skew", type=float, metavar="S",
+                   help="price skewed expert popularity, (rank + offset)^-S (3.61: the fit to measured Qwen3 "
+                        "routing): every micro-batch waits for the hottest expert node (default: uniform routing)")
+    p.add_argument("--expert-rank-offset", type=float, default=FITTED_RANK_OFFSET, metavar="OFFSET",
+                   help="with --expert-skew: the popularity law's rank offset (default: the fitted %(default)g)")
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                   help="with --expert-skew: also search 1..R spare expert slots per node, filled by the "
+                        "redundancy plan (MegaScale-Infer's hot-expert replicas); the plan gets experts.rebalance")
     p.add_argument("-o", "--output", help="write the best plan to this plan.yaml")
     p.add_argument("--json", metavar="PATH", help="write every candidate and the baseline as JSON")
     p.add_argument("--explain", action="store_true",
@@ -92,6 +102,43 @@ def explain_sources(perf, catalog, best, calibration) -> str:
     return "\n".join(lines)
 
 
+def _skew(args: argparse.Namespace, model):
+    """The skew pricing the options ask for (None: uniform routing)."""
+    if args.expert_skew is None:
+        if args.redundant_experts:
+            raise PlanError("--redundant-experts prices spare slots against skew: give --expert-skew too")
+        return None
+    from planner.expert_popularity import SkewPricing
+
+    if args.expert_skew < 0 or args.expert_rank_offset < 0:
+        raise PlanError(f"--expert-skew ({args.expert_skew}) and --expert-rank-offset ({args.expert_rank_offset}) "
+                        "must not be negative")
+    if args.redundant_experts < 0:
+        raise PlanError(f"--redundant-experts must not be negative, got {args.redundant_experts}")
+    return SkewPricing(model.num_experts, model.top_k, args.expert_skew, args.expert_rank_offset)
+
+
+def print_skew(candidates, args: argparse.Namespace, no_spare) -> None:
+    """Per plan: spare slots, the hottest expert node's imbalance and T_e with them and without."""
+    from megainfer.bench.report import format_table
+
+    print(f"\nexpert skew {args.expert_skew:g} (popularity ~ (rank + {args.expert_rank_offset:g})^-"
+          f"{args.expert_skew:g}); T_e is the hottest expert node's:")
+    print(format_table(["#", "experts", "spare/node", "imbalance without", "imbalance with", "T_e ms without",
+                        "T_e ms with"],
+                       [[rank, f"{c.expert_gpu} tp{c.tp_e} x{c.expert_nodes} ({c.experts_per_node}/node)",
+                         c.redundant_per_node, f"{c.expert_imbalance_no_redundancy:.2f}", f"{c.expert_imbalance:.2f}",
+                         f"{c.t_e_no_redundancy * 1e3:.3f}", f"{c.t_e * 1e3:.3f}"]
+                        for rank, c in enumerate(candidates, 1)]))
+    if no_spare is not None and no_spare.candidates:
+        best, plain = candidates[0], no_spare.candidates[0]
+        print(f"best plan with skew and no spare slot: {plain.per_gpu:,.0f} tokens/s per GPU "
+              f"({plain.tokens_per_s:,.0f} tokens/s, imbalance {plain.expert_imbalance:.2f}); with up to "
+              f"{args.redundant_experts} spare slots: {best.per_gpu:,.0f} per GPU ({best.tokens_per_s:,.0f} tokens/s, "
+              f"{best.redundant_per_node} spare/node, imbalance {best.expert_imbalance:.2f}): "
+              f"{best.per_gpu / plain.per_gpu:.2f}x")
+
+
 def run(args: argparse.Namespace) -> int:
     from megainfer.bench.report import format_table, write_json
     from megainfer.config import DTYPE_BYTES
@@ -112,12 +159,17 @@ def run(args: argparse.Namespace) -> int:
     calibration = Calibration.load(args.calibration) if args.calibration else None
     profiles = [OperatorProfile.load(path) for path in args.profile]
     host = HostCost.load(args.host_profile) if args.host_profile else None
+    skew = _skew(args, model)
     perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration, curves_path=args.curves,
-                     profiles=profiles, host=host)
+                     profiles=profiles, host=host, skew=skew, redundant_experts=args.redundant_experts)
     slo = args.tbt_slo_ms / 1e3
     start = time.perf_counter()
     result = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf,
                     max_micro_batches=args.max_micro_batches, objective=args.objective)
+    no_spare = None
+    if skew is not None and args.redundant_experts:  # the same skew, no spare slot: what redundancy wins
+        no_spare = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf.without_redundancy(),
+                          max_micro_batches=args.max_micro_batches, objective=args.objective)
     baseline = best_colocated(model, catalog, gpus, tbt_slo_s=slo, perf=perf, objective=args.objective)
     elapsed = time.perf_counter() - start
     if not result.candidates:
@@ -144,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(["#", "attention", "experts", "m", "B", "T_a ms", "T_e ms", "T_c ms", "TBT ms", "tokens/s",
                         "/GPU", "/cost", "/kW", "(1) Ta/Te", "(2) Tc<Tf", "(3) mTf>=2(Tf+Tc)"], rows))
     best = result.candidates[0]
+    if skew is not None:
+        print_skew(result.candidates[:args.top], args, no_spare)
     ratios = None
     if baseline is None:
         print("colocated baseline: no colocated deployment on these GPUs meets the SLO")

@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from megainfer.errors import ConfigError
+from planner.expert_popularity import inclusion_probability, popularity_weights
 
 _SATURATED = 1.0 - 1e-12
 _POOL = 4096  # draws per token count generated at once
@@ -58,8 +59,7 @@ class ExpertActivation:
             self._dist[0] = 1.0
             self._chain_tokens = 0
         else:
-            popularity = (np.arange(1, e + 1, dtype=np.float64) + rank_offset) ** -skew
-            self.pick_probability = np.minimum(inclusion_probability(popularity, k), 1.0)
+            self.pick_probability = np.minimum(inclusion_probability(popularity_weights(e, skew, rank_offset), k), 1.0)
             self._roots = np.exp(2j * np.pi * np.arange(e + 1) / (e + 1))
         self._cdfs[0] = np.ones(e + 1)  # zero tokens: count 0
 
@@ -115,41 +115,3 @@ class ExpertActivation:
             return float(self.num_experts)
         dist = np.diff(np.concatenate([[0.0], cdf]))
         return float(dist @ np.arange(self.num_experts + 1))
-
-
-def inclusion_probability(weights: np.ndarray, top_k: int, nodes: int = 512) -> np.ndarray:
-    """q_e, the chance that a token's top_k contains expert e when it picks top_k experts by
-    weighted sampling without replacement (each pick in proportion to `weights` among those
-    left), exact up to quadrature; the q_e sum to top_k.
-
-    That sampling is the top_k of the keys log w_j + Gumbel noise. Write u = exp(-key_e): u is
-    exponential with rate w_e, and another expert j's key beats key_e with chance
-    1 - exp(-w_j u), independently of the rest. So q_e is the integral over u of the chance
-    that fewer than top_k of the others beat it (a Poisson-binomial, built from prefix and
-    suffix counts so each expert is left out once); the integral runs over log u, where the
-    integrand decays doubly exponentially at both ends and the trapezoid rule converges fast.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
-    e, k = len(w), top_k
-    u_low = 1e-9 / w.max()  # below: every key beats nobody, P(fewer than k) = 1 to 1e-9
-    log_u = np.linspace(math.log(u_low), math.log(60.0 / w.min()), nodes)
-    u = np.exp(log_u)
-    beats = -np.expm1(-np.outer(u, w))  # [node, j]: expert j's key beats the threshold
-    # prefix[j][node, c]: chance exactly c of experts 0..j-1 beat it (c < k; more never matter).
-    prefix = np.zeros((e + 1, nodes, k))
-    prefix[0, :, 0] = 1.0
-    suffix = np.zeros((e + 1, nodes, k))  # suffix[j]: the same for experts j..e-1
-    suffix[e, :, 0] = 1.0
-    for j in range(e):
-        p = beats[:, j:j + 1]
-        prefix[j + 1] = prefix[j] * (1 - p)
-        prefix[j + 1, :, 1:] += prefix[j, :, :-1] * p
-        i = e - 1 - j
-        p = beats[:, i:i + 1]
-        suffix[i] = suffix[i + 1] * (1 - p)
-        suffix[i, :, 1:] += suffix[i + 1, :, :-1] * p
-    at_most = np.cumsum(suffix[1:], axis=2)[:, :, ::-1]  # [e, node, a]: others after e number <= k-1-a
-    fewer = np.einsum("enc,enc->en", prefix[:e], at_most)  # fewer than k others beat expert e
-    density = w[:, None] * u * np.exp(-np.outer(w, u))  # of u_e, per unit log u
-    return np.trapezoid(density * fewer, log_u, axis=1) - np.expm1(-w * u_low)

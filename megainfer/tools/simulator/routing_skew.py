@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.popularity_fit import FITTED_RANK_OFFSET, FITTED_SKEW
+
 # numpy and the simulator load inside the functions: the CLI reads the constants at parse time.
 
 NUM_EXPERTS, TOP_K = 128, 8  # Qwen3-30B-A3B's routing
@@ -30,9 +32,8 @@ MEASURED_COVERAGE = {1: 0.0625, 2: 0.117, 4: 0.213, 8: 0.290, 16: 0.445, 32: 0.5
                      128: 0.863, 256: 0.934, 512: 0.98}
 LOWER_BOUND_TOKENS = frozenset({512})
 
-# The fit (`fit_popularity()`, rounded): popularity ~ (rank + 46.6)^-3.61.
-FITTED_SKEW = 3.61
-FITTED_RANK_OFFSET = 46.6
+# The fit (`fit_popularity()`, rounded) is kept by the planner, which prices it too:
+# popularity ~ (rank + FITTED_RANK_OFFSET)^-FITTED_SKEW (planner/popularity_fit.py).
 FIT_TOLERANCE = 0.025  # the largest |fitted - measured| coverage over the points is below this
 
 
