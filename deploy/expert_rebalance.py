@@ -69,6 +69,15 @@ def aligned(new: list[int], held: list[int]) -> list[int]:
     return [e for e in rows if e is not None]
 
 
+def propose(current: ExpertReplicas, loads: np.ndarray, redundant_per_node: int, floor: float) -> ExpertReplicas:
+    """The next placement: every layer's redundancy plan from its window `loads` [layers, experts]
+    with `redundant_per_node` spare slots, rows aligned with `current` (also what `megainfer
+    simulate --plan` re-places with)."""
+    layers = tuple(layer_replicas(place_layer(row, current.num_nodes, redundant_per_node, floor), held)
+                   for row, held in zip(loads, current.layers))
+    return ExpertReplicas(current.version + 1, layers)
+
+
 def layer_replicas(plan: LayerPlacement, held: LayerReplicas) -> LayerReplicas:
     """The planner's layer as slots, rows aligned with what each node holds now."""
     num_nodes = held.num_nodes
@@ -106,10 +115,7 @@ class ExpertRebalancer:
     def propose(self, loads: np.ndarray) -> ExpertReplicas:
         """Every layer's redundancy plan from `loads` [layers, experts], as the next version."""
         floor = self.spec.floor_tokens if self.spec is not None else 0.0
-        layers = tuple(layer_replicas(place_layer(row, self.current.num_nodes, self.plan.experts.redundant_per_node,
-                                                  floor), held)
-                       for row, held in zip(loads, self.current.layers))
-        return ExpertReplicas(self.current.version + 1, layers)
+        return propose(self.current, loads, self.plan.experts.redundant_per_node, floor)
 
     def rebalance(self) -> RebalanceReport:
         """One re-placement from the present window; the report says what moved and when it switched."""

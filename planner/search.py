@@ -349,18 +349,23 @@ def _check_fits(model: ModelConfig, perf: PerfModel, att: list[GPU], exp: list[G
 
 
 def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, attention_gpu: str, tp_a: int, n_a: int,
-                  expert_gpu: str, tp_e: int, experts_per_node: int, m: int, batch: int) -> Candidate:
-    """The model's prediction for one fixed deployment (no search, no SLO)."""
+                  expert_gpu: str, tp_e: int, experts_per_node: int, m: int, batch: int,
+                  redundant_per_node: int = 0) -> Candidate:
+    """The model's prediction for one fixed deployment (no search, no SLO); with `perf.skew`,
+    T_e is the hottest expert node's, its `redundant_per_node` spare slots filled by the
+    redundancy plan."""
     if model.num_experts % experts_per_node:
         raise PlanError(f"experts_per_node ({experts_per_node}) must divide the model's {model.num_experts} experts")
     check_tensor_parallel(model, tp_a, tp_e)
     ga, ge = catalog[attention_gpu], catalog[expert_gpu]
     a_side = perf.sides([(ga, tp_a)], "attention")
-    e_side = perf.sides([(ge, tp_e)], "experts", [experts_per_node])
+    held = experts_per_node + redundant_per_node
+    e_side = perf.sides([(ge, tp_e)], "experts", [held])
     expert_nodes = model.num_experts // experts_per_node
     b_a = batch / m / n_a
     t_a = float(perf.attention_time(a_side, b_a)[0])
-    t_e = float(perf.expert_time(e_side, batch / m * model.top_k / model.num_experts, experts_per_node)[0])
+    b_e = batch / m * model.top_k / model.num_experts
+    t_e = float(perf.expert_time(e_side, b_e * perf.hot_factor(experts_per_node, redundant_per_node), held)[0])
     t_c = float(perf.transfer_time(a_side, e_side, b_a, n_a, expert_nodes, experts_per_node)[0])
     step_s = max(float(s[0]) * batch / n_a + float(c[0]) for s, c in perf.step_lines([(ga, tp_a)]))
     host_a = host_e = 0.0
@@ -372,6 +377,9 @@ def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, atte
     return Candidate(
         attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=n_a, expert_nodes=expert_nodes,
         experts_per_node=experts_per_node, m=m, batch=batch, t_a=t_a, t_e=t_e, t_c=t_c, host_a=host_a, host_e=host_e,
+        redundant_per_node=redundant_per_node, expert_imbalance=perf.expert_imbalance(experts_per_node,
+                                                                                      redundant_per_node),
+        expert_imbalance_no_redundancy=perf.expert_imbalance(experts_per_node, 0),
         tbt=float(perf.iteration_time(max(t_a, host_a), max(t_e, host_e), t_c, m, step_s)),
         gpus=n_a * tp_a + expert_nodes * tp_e,
         cost_per_hour=n_a * tp_a * ga.price + expert_nodes * tp_e * ge.price,

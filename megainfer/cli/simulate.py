@@ -40,13 +40,60 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tbt-slo-ms", type=float, default=125.0)
     p.add_argument("--ttft-slo-s", type=float, default=10.0)
     p.add_argument("--sweep-rates", metavar="A:B:STEP", help="SLO attainment against request rate, both policies")
+    p.add_argument("--plan", metavar="PLAN.yaml",
+                   help="simulate this disaggregated GPU plan's decode steps instead: each (layer, micro-batch) at its "
+                        "hottest expert node, the experts placed and re-placed by the deployment's code; compares "
+                        "the TBT with the planner's prediction for the plan (--expert-skew, --steps)")
+    p.add_argument("--steps", type=positive_int, default=400, help="with --plan: decode steps to simulate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write configuration, workload statistics and results as JSON")
     p.add_argument("--plot", metavar="PATH", help="with --sweep-rates: draw SLO attainment against rate (PNG)")
     p.set_defaults(run=run)
 
 
+def run_plan(args: argparse.Namespace) -> int:
+    """`--plan`: the plan's decode steps against the planner's prediction."""
+    from megainfer.bench.report import format_table, write_json
+    from megainfer.config import DTYPE_BYTES
+    from megainfer.model_resolution import resolve_model
+    from megainfer.plan import Plan
+    from megainfer.tools.simulator.disaggregated import PlanSimulator
+    from planner.catalog import Catalog
+    from planner.expert_popularity import SkewPricing
+    from planner.perf_model import PerfModel
+    from planner.popularity_fit import FITTED_RANK_OFFSET
+
+    plan = Plan.load(args.plan)
+    model, _ = resolve_model(plan.model)
+    plan.check_model(model)
+    seq_len = plan.predicted.seq_len if plan.predicted is not None and plan.predicted.seq_len else 730
+    skew = SkewPricing(model.num_experts, model.top_k, args.expert_skew, FITTED_RANK_OFFSET, args.seed)
+    perf = PerfModel(model, seq_len, DTYPE_BYTES[plan.dtype], skew=skew)
+    sim = PlanSimulator(plan, model, perf, Catalog.load(args.catalog), seed=args.seed).run(args.steps)
+    print(f"{args.plan}: {model.name}, B={plan.pipeline.global_batch}, m={plan.pipeline.micro_batches}, "
+          f"{plan.experts.nodes} expert nodes with {plan.experts.redundant_per_node} spare slots each, expert skew "
+          f"{args.expert_skew:g}, seq-len {seq_len}; {args.steps} decode steps")
+    replaced = "never" if sim.replaced_at is None else f"after step {sim.replaced_at}"
+    print(format_table(["", "value"], [
+        ["imbalance before re-placement", f"{sim.imbalance_before:.2f}"],
+        ["imbalance after", f"{sim.imbalance_after:.2f}"],
+        ["re-placed", replaced],
+        ["simulated TBT ms (after)", f"{sim.settled_tbt_s * 1e3:.2f}"],
+        ["planner's TBT ms", f"{sim.predicted_tbt_s * 1e3:.2f}"],
+        ["simulated / planner", f"{sim.tbt_over_prediction:.3f}"]]))
+    if args.json:
+        write_json(args.json, {"plan": args.plan, "model": model.name, "expert_skew": args.expert_skew,
+                               "steps": args.steps, "replaced_at": sim.replaced_at,
+                               "imbalance_before": sim.imbalance_before, "imbalance_after": sim.imbalance_after,
+                               "simulated_tbt_ms": sim.settled_tbt_s * 1e3, "planner_tbt_ms": sim.predicted_tbt_s * 1e3,
+                               "tbt_over_prediction": sim.tbt_over_prediction})
+        print(f"json: {args.json}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.plan:
+        return run_plan(args)
     from megainfer.errors import ConfigError
     from megainfer.model_resolution import resolve_model
     from megainfer.tools.simulator import experiment as ex
