@@ -5,9 +5,9 @@ and their shares; the experts that move are loaded on their new nodes beside the
 then every rank switches at one agreed step.
 
 1. **Window.** Every attention leader's `ExpertLoadReport`, summed: the deployment's traffic.
-2. **Plan.** Per layer, `place_layer` with the plan's spare slots (experts.redundant_per_node)
-   and floor cost; each node's new experts keep the rows of those it already holds (`aligned`),
-   so only the experts that really move are loaded.
+2. **Plan.** Per layer, the redundancy plan with the plan's spare slots (experts.redundant_per_node)
+   and floor cost (`planner.expert_placement.re_place`); each node's new experts keep the rows of
+   those it already holds (`aligned`), so only the experts that really move are loaded.
 3. **Stage.** Every expert rank loads its new rows (from the checkpoint; CPU or device memory
    beside the serving weights) while the deployment keeps serving. Any failure: every rank
    drops the staged placement, and the old one keeps serving.
@@ -34,10 +34,10 @@ from deploy.node_group import NodeGroup
 from deploy.ray_calls import gather
 from megainfer.config import ModelConfig
 from megainfer.errors import DataPlaneError
-from megainfer.expert_replicas import ExpertReplicas, LayerReplicas, imbalance, placed_load
+from megainfer.expert_replicas import ExpertReplicas, imbalance, placed_load
 from megainfer.messages import ExpertLoadReport, RebalanceReport, StagedPlacement
 from megainfer.plan import Plan
-from planner.expert_placement import LayerPlacement, place_layer
+from planner.expert_placement import re_place
 
 logger = logging.getLogger(__name__)
 
@@ -48,44 +48,6 @@ MIN_AHEAD_STEPS = 4
 RATE_SAMPLE_S = 0.1  # how long the step rate is measured over
 SWITCH_WAIT_S = 60.0  # for every attention node to pass the switch step
 THIN_PHASE = 0.25  # a phase holding less of the window's pairs than this is too little to plan from
-
-
-def aligned(new: list[int], held: list[int]) -> list[int]:
-    """`new`'s experts ordered so that those already in `held` keep their rows (position i is
-    slot i): only the rest are loaded. A row freed in the middle takes the last expert."""
-    wanted = set(new)
-    rows: list[int | None] = [e if e in wanted else None for e in held]
-    incoming = [e for e in new if e not in set(held)]
-    for i, e in enumerate(rows):
-        if e is None and incoming:
-            rows[i] = incoming.pop(0)
-    rows += incoming
-    while rows and rows[-1] is None:
-        rows.pop()
-    while None in rows:
-        rows[rows.index(None)] = rows.pop()
-        while rows and rows[-1] is None:
-            rows.pop()
-    return [e for e in rows if e is not None]
-
-
-def propose(current: ExpertReplicas, loads: np.ndarray, redundant_per_node: int, floor: float) -> ExpertReplicas:
-    """The next placement: every layer's redundancy plan from its window `loads` [layers, experts]
-    with `redundant_per_node` spare slots, rows aligned with `current` (also what `megainfer
-    simulate --plan` re-places with)."""
-    layers = tuple(layer_replicas(place_layer(row, current.num_nodes, redundant_per_node, floor), held)
-                   for row, held in zip(loads, current.layers))
-    return ExpertReplicas(current.version + 1, layers)
-
-
-def layer_replicas(plan: LayerPlacement, held: LayerReplicas) -> LayerReplicas:
-    """The planner's layer as slots, rows aligned with what each node holds now."""
-    num_nodes = held.num_nodes
-    experts = [aligned(plan.experts_on(j), list(held.node_experts[j])) for j in range(num_nodes)]
-    share = {(e, j): s for e, (nodes, shares) in enumerate(zip(plan.replicas, plan.shares))
-             for j, s in zip(nodes, shares)}
-    return LayerReplicas(tuple(map(tuple, experts)), tuple(tuple(share[e, j] for e in experts[j])
-                                                             for j in range(num_nodes)), held.slots_per_node)
 
 
 class ExpertRebalancer:
@@ -115,7 +77,7 @@ class ExpertRebalancer:
     def propose(self, loads: np.ndarray) -> ExpertReplicas:
         """Every layer's redundancy plan from `loads` [layers, experts], as the next version."""
         floor = self.spec.floor_tokens if self.spec is not None else 0.0
-        return propose(self.current, loads, self.plan.experts.redundant_per_node, floor)
+        return self.current.replaced(re_place(loads, self.current.held(), self.plan.experts.redundant_per_node, floor))
 
     def rebalance(self) -> RebalanceReport:
         """One re-placement from the present window; the report says what moved and when it switched."""

@@ -163,6 +163,16 @@ class ExpertReplicas:
                                   f"layer 0 {self.slots_per_node}; every layer has the same room")
             layer.check(num_experts)
 
+    def held(self) -> list[list[list[int]]]:
+        """Per layer, per node, its experts in row order."""
+        return [[list(experts) for experts in layer.node_experts] for layer in self.layers]
+
+    def replaced(self, layouts: list[tuple[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], ...]]]
+                 ) -> "ExpertReplicas":
+        """The next version: each layer's (node experts, node shares), in this placement's room."""
+        return ExpertReplicas(self.version + 1, tuple(LayerReplicas(experts, shares, self.slots_per_node)
+                                                      for experts, shares in layouts))
+
     def node_experts(self, node: int) -> list[list[int]]:
         """Node `node`'s experts, layer by layer (one slot each)."""
         return [list(layer.node_experts[node]) for layer in self.layers]

@@ -150,3 +150,42 @@ def contiguous_placement(loads, num_nodes: int, floor_cost: float = 0.0) -> Laye
     for i, (j,) in enumerate(replicas):
         node_cost[j] += float(costs[i])
     return LayerPlacement(tuple(replicas), tuple((1.0,) for _ in replicas), tuple(node_cost))
+
+
+NodeLayout = tuple[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], ...]]  # per node: experts, their shares
+
+
+def aligned(new: list[int], held: list[int]) -> list[int]:
+    """`new`'s experts ordered so that those already in `held` keep their rows (position i is
+    slot i on an expert node): only the rest must be loaded. A row freed in the middle takes the
+    last expert (rows stay 0..n-1)."""
+    wanted, had = set(new), set(held)
+    rows: list[int | None] = [e if e in wanted else None for e in held]
+    incoming = [e for e in new if e not in had]
+    for i, e in enumerate(rows):
+        if e is None and incoming:
+            rows[i] = incoming.pop(0)
+    rows += incoming
+    while rows and rows[-1] is None:
+        rows.pop()
+    while None in rows:
+        rows[rows.index(None)] = rows.pop()
+        while rows and rows[-1] is None:
+            rows.pop()
+    return [e for e in rows if e is not None]
+
+
+def node_layout(plan: LayerPlacement, held: list[list[int]]) -> NodeLayout:
+    """The plan as each node's experts (rows aligned with what it holds now) and their shares."""
+    experts = [aligned(plan.experts_on(j), list(held[j])) for j in range(len(held))]
+    share = {(e, j): s for e, (nodes, shares) in enumerate(zip(plan.replicas, plan.shares))
+             for j, s in zip(nodes, shares)}
+    return tuple(map(tuple, experts)), tuple(tuple(share[e, j] for e in experts[j]) for j in range(len(held)))
+
+
+def re_place(loads, held: list[list[list[int]]], redundant_per_node: int, floor_cost: float = 0.0) -> list[NodeLayout]:
+    """Every layer's redundancy plan from its window `loads` [layers, experts], laid out on the
+    nodes as they hold experts now (`held`: per layer, per node, the experts in row order). What
+    the deployment re-places with (deploy/expert_rebalance.py) and `megainfer simulate --plan` too."""
+    return [node_layout(place_layer(row, len(nodes), redundant_per_node, floor_cost), nodes)
+            for row, nodes in zip(np.asarray(loads), held)]

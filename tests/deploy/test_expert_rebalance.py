@@ -12,7 +12,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from deploy.bench_eplb import measure  # noqa: E402
-from deploy.expert_rebalance import ExpertRebalancer, aligned  # noqa: E402
+from deploy.expert_rebalance import ExpertRebalancer  # noqa: E402
+from planner.expert_placement import aligned  # noqa: E402
 from megainfer.errors import DataPlaneError  # noqa: E402
 from megainfer.messages import ExpertLoadReport, StagedPlacement  # noqa: E402
 from megainfer.model_resolution import resolve_model  # noqa: E402

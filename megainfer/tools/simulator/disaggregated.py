@@ -8,7 +8,7 @@ popularity law, ranks laid over expert ids as the planner lays them). The pairs 
 nodes by the placement serving then (megainfer/expert_replicas.py: each replica's share), and
 that (layer, micro-batch) costs the planner's T_e at its *hottest* node's tokens. The steps' routed
 counts fill a window of the plan's `experts.rebalance.window_steps`; once full, the experts are
-re-placed from it with `deploy.expert_rebalance.propose` (the redundancy plan per layer, rows
+re-placed from it with `planner.expert_placement.re_place` (the redundancy plan per layer, rows
 kept), as the deployment does, where the plan has spare slots.
 
 A step's time follows the planner's pipeline (`PerfModel.iteration_time`) with each (layer,
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deploy.expert_rebalance import propose
 from megainfer.config import ModelConfig
 from megainfer.expert_replicas import imbalance, placed_load
 from megainfer.plan import Plan
 from planner.catalog import Catalog
+from planner.expert_placement import re_place
 from planner.expert_popularity import SkewPricing
 from planner.perf_model import PerfModel
 from planner.search import evaluate_plan
@@ -92,7 +92,8 @@ class PlanSimulator:
             (loads_after if replaced_at is not None else loads_before).append(per_layer)
             window = (window + [per_layer])[-self.window_steps:]
             if replaced_at is None and self.redundant and len(window) == self.window_steps:
-                self.replicas = propose(self.replicas, np.sum(window, axis=0), self.redundant, self.floor)
+                self.replicas = self.replicas.replaced(re_place(np.sum(window, axis=0), self.replicas.held(),
+                                                                self.redundant, self.floor))
                 replaced_at = step + 1
         before = imbalance(placed_load(self.plan.expert_replicas(self.model), np.sum(loads_before, axis=0))[0])
         after = imbalance(placed_load(self.replicas, np.sum(loads_after, axis=0))[0]) if loads_after else before
