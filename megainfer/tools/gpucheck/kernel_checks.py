@@ -232,6 +232,37 @@ def check_gating(ctx: CheckContext, scale: Scale, experts: Experts) -> None:
         case.figures["max_weight_err"] = (out.topk_weights - ref.topk_weights).abs().max().item()
 
 
+def check_replica_gating(ctx: CheckContext, scale: Scale, experts: Experts) -> None:
+    """Gating with a slot table (hot experts held twice, megainfer/expert_replicas.py): each pair's
+    slot and each node's tokens as the reference picks them."""
+    from kernels import REPLICA_BUCKETS, moe_triton
+
+    with ctx.case(f"fused gating with replica slots {experts.model} {scale.gating_tokens} tokens, 4 expert nodes") \
+            as case:
+        g = torch.Generator(device=ctx.device).manual_seed(6)
+        logits = torch.randn(scale.gating_tokens, experts.count, generator=g, device=ctx.device).to(torch.bfloat16)
+        per = experts.count // 4
+        room = per + 1  # each node one spare slot: experts 0..3 get a second replica on the next node
+        slot_node = torch.arange(4 * room, device=ctx.device) // room
+        table = (torch.arange(experts.count, device=ctx.device) // per * room
+                 + torch.arange(experts.count, device=ctx.device) % per)[:, None].repeat(1, REPLICA_BUCKETS)
+        for e in range(4):
+            table[e, 1::2] = ((e + 1) % 4) * room + per  # expert e (< 4) also on node e + 1, in its spare slot
+        table = table.to(torch.int32)
+        out = moe_triton.fused_gating(logits, experts.top_k, True, slot_node, 4, None, table)
+        ref = moe_ref.fused_gating(logits, experts.top_k, True, slot_node, 4, None, table)
+        if not (torch.equal(out.topk_ids, ref.topk_ids) and torch.equal(out.topk_slots, ref.topk_slots)):
+            raise AssertionError("top-k ids or their slots differ from the torch reference")
+        if not torch.equal(out.node_counts, ref.node_counts):
+            raise AssertionError("node counts differ from the torch reference")
+        bounds = out.node_offsets.tolist()
+        for n in range(4):
+            sent = out.node_token_ids[bounds[n]:bounds[n + 1]].sort().values
+            if not torch.equal(sent, (slot_node[out.topk_slots] == n).any(1).nonzero().flatten()):
+                raise AssertionError(f"node {n}'s token list differs from the tokens routed to its slots")
+        case.figures["replica_pairs"] = int((out.topk_slots % room == per).sum().item())
+
+
 def check_fused(ctx: CheckContext, scale: Scale, heads: Heads, hidden: int) -> None:
     """The attention half's fused kernels against their float32 ground truth, the references beside."""
     from kernels import norm_rope_ref, norm_rope_triton
@@ -341,6 +372,7 @@ def run(ctx: CheckContext) -> None:
         for tokens in scale.expert_tokens:
             check_grouped_gemm(ctx, scale, experts, tokens)
     check_gating(ctx, scale, scale.experts[0])
+    check_replica_gating(ctx, scale, scale.experts[0])
     check_fused(ctx, scale, scale.heads[-1], scale.experts[1].hidden if ctx.on_gpu else scale.experts[0].hidden)
     if ctx.on_gpu:
         check_smid_folds(ctx)
