@@ -33,7 +33,7 @@ import numpy as np
 from deploy.node_group import NodeGroup
 from deploy.ray_calls import gather
 from megainfer.config import ModelConfig
-from megainfer.errors import DataPlaneError
+from megainfer.errors import ConfigError, DataPlaneError
 from megainfer.expert_replicas import ExpertReplicas, imbalance, placed_load
 from megainfer.messages import ExpertLoadReport, RebalanceReport, StagedPlacement
 from megainfer.plan import Plan
@@ -82,8 +82,8 @@ class ExpertRebalancer:
     def rebalance(self) -> RebalanceReport:
         """One re-placement from the present window; the report says what moved and when it switched."""
         if not self.movable:
-            raise DataPlaneError("this plan's experts cannot move: set experts.redundant_per_node or "
-                                 "experts.rebalance in the plan")
+            raise ConfigError("this plan's experts cannot move: set experts.redundant_per_node or "
+                              "experts.rebalance in the plan")
         with self._lock:
             start = time.perf_counter()
             window = self.load()

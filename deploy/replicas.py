@@ -25,6 +25,7 @@ from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of
 from deploy.status import metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
+from megainfer.errors import ConfigError
 from megainfer.messages import NodeHealth, NodeResources
 from megainfer.plan import Plan
 from megainfer.routing.autoscale import Autoscaler
@@ -173,6 +174,10 @@ class ReplicaSet:
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         return metrics_snapshot(list(self.replicas), self.frontend.ttft_feedback.router_error)
+
+    def rebalance_experts(self):
+        raise ConfigError("expert re-placement serves one replica: the plan's autoscale section makes several "
+                          "(the plan schema refuses experts.rebalance with autoscale)")
 
     def close(self) -> None:
         self._stop.set()

@@ -130,6 +130,10 @@ class GenerationBackend(Protocol):
     def metrics_snapshot(self):
         """A `megainfer.server.metrics.MetricsSnapshot`, read at each scrape."""
 
+    def rebalance_experts(self):
+        """Re-place the experts now (a `RebalanceReport`); ConfigError where there is nothing to
+        re-place (a colocated engine, a plan whose experts cannot move, autoscaled replicas)."""
+
     def close(self) -> None: ...
 
 

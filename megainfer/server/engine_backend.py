@@ -9,7 +9,7 @@ import os
 from megainfer.engine.engine import Engine
 from megainfer.engine.engine_steps import EngineSteps
 from megainfer.engine.step_loop import StepLoop
-from megainfer.errors import DataPlaneError
+from megainfer.errors import ConfigError, DataPlaneError
 from megainfer.expert_replicas import placed_load
 from megainfer.messages import NodeResources, NodeRole, NodeStatus
 from megainfer.sampling_params import SamplingParams
@@ -68,6 +68,10 @@ class EngineBackend:
                                kernel_builds_while_serving=s.kernel_builds_while_serving,
                                expert_layer_imbalance=placed_load(None, s.expert_window.of("all"))[1]
                                if s.expert_window is not None else [])
+
+    def rebalance_experts(self):
+        raise ConfigError("a colocated engine holds every expert itself: there is nothing to re-place "
+                          "(expert re-placement is for deployments with experts.redundant_per_node or rebalance)")
 
     def resources(self) -> list[NodeResources]:
         """The engine's KV blocks and requests held (read between steps); no M2N slots here."""

@@ -11,6 +11,7 @@ streaming or not, has its requests aborted, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 import uuid
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 import megainfer
+from megainfer.errors import ConfigError
 from megainfer.server import openai_generate as gen
 from megainfer.server.access import AccessPolicy
 from megainfer.server.backend import GenerationBackend
@@ -185,6 +187,15 @@ class OpenAIServer:
         @app.get("/version")
         async def version() -> Response:
             return JSONResponse({"version": megainfer.__version__})
+
+        @app.post("/admin/experts/rebalance")
+        async def rebalance_experts() -> Response:  # behind the API keys, as every route but /health
+            try:
+                return JSONResponse(dataclasses.asdict(await self._in_thread(self.backend.rebalance_experts)))
+            except ConfigError as exc:  # nothing to re-place here: the caller's mistake, not the server's
+                return error_response(ApiError(HTTPStatus.BAD_REQUEST, str(exc)))
+            except Exception as exc:
+                return error_response(api_error(exc))
 
         return app
 

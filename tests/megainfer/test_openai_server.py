@@ -65,6 +65,13 @@ class Switchable:
     def metrics_snapshot(self):
         return self.inner.metrics_snapshot()
 
+    def rebalance_experts(self):
+        if self.placed is None:
+            return self.inner.rebalance_experts()
+        return self.placed
+
+    placed = None  # a RebalanceReport the test makes the backend answer with (a deployment's)
+
     def close(self):
         self.inner.close()
 
@@ -465,3 +472,23 @@ def test_megainfer_serve_prints_its_http_url_and_stops_on_sigint(mixtral_ref, tm
     finally:
         proc.kill()
         proc.stderr.close()
+
+
+def test_the_admin_call_re_places_a_deployments_experts_and_refuses_a_colocated_engine(server):
+    """POST /admin/experts/rebalance: a deployment answers with its re-placement's report; a
+    colocated engine has nothing to re-place (400 naming why), and the server serves on."""
+    import json
+
+    from megainfer.messages import RebalanceReport
+
+    endpoints, backend = server
+    status, body = http(endpoints, "/admin/experts/rebalance", b"{}")
+    assert status == 400 and "nothing to re-place" in json.loads(body)["error"]["message"]
+    backend.placed = RebalanceReport(1, "decode", 8192, 1.93, 1.0, bytes_moved=2**20, switch_step=144)
+    try:
+        status, body = http(endpoints, "/admin/experts/rebalance", b"{}")
+    finally:
+        backend.placed = None
+    report = json.loads(body)
+    assert status == 200 and report["switch_step"] == 144 and report["imbalance_after"] == 1.0
+    assert http(endpoints, "/health")[0] == 200
