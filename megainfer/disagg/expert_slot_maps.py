@@ -10,12 +10,12 @@ into the new weights; the deployment then keeps the old placement (`cancel`).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from kernels import REPLICA_BUCKETS
+from megainfer.disagg.agreed_step import AgreedStep
 from megainfer.errors import DataPlaneError
 from megainfer.expert_replicas import ExpertReplicas, LayerReplicas
 from megainfer.model.attention_layer import AttentionLayer
@@ -27,13 +27,6 @@ class LayerMaps:
 
     slot_node: torch.Tensor  # [N·S] int64
     slot_table: torch.Tensor | None  # [E, REPLICA_BUCKETS] int32
-
-
-@dataclass
-class PendingSwitch:
-    step: int
-    replicas: ExpertReplicas
-    maps: list[LayerMaps]
 
 
 def layer_maps(layer: LayerReplicas, num_experts: int, tables: bool, device: torch.device) -> LayerMaps:
@@ -50,9 +43,7 @@ class SlotMaps:
         self.tables = movable or replicas.needs_table(num_experts)
         self.current = replicas
         self.initial = self._maps(replicas)
-        self._pending: PendingSwitch | None = None
-        self._last_step = -1  # the last step `apply_due` saw begin
-        self._lock = threading.Lock()
+        self._switch: AgreedStep[tuple[ExpertReplicas, list[LayerMaps]]] = AgreedStep()
 
     def _maps(self, replicas: ExpertReplicas) -> list[LayerMaps]:
         return [layer_maps(layer, self.num_experts, self.tables, self.device) for layer in replicas.layers]
@@ -69,39 +60,23 @@ class SlotMaps:
             raise DataPlaneError("this deployment started without slot tables (no experts.rebalance and no "
                                  "experts.redundant_per_node): its experts cannot move")
         replicas.check(self.num_experts, len(replicas.layers), self.current.num_nodes)
-        maps = self._maps(replicas)
-        with self._lock:
-            if step <= self._last_step:
-                raise DataPlaneError(f"the switch to expert placement {replicas.version} at step {step} came "
-                                     f"after that step began here (step {self._last_step})")
-            self._pending = PendingSwitch(step, replicas, maps)
+        self._switch.set(step, (replicas, self._maps(replicas)), f"expert placement {replicas.version}")
 
     def cancel(self, version: int) -> bool:
         """Drop a pending switch to `version` (another rank refused it); False if none was pending."""
-        with self._lock:
-            if self._pending is None or self._pending.replicas.version != version:
-                return False
-            if self._pending.step <= self._last_step:
-                raise DataPlaneError(f"expert placement {version} is already serving here: too late to cancel")
-            self._pending = None
-            return True
+        return self._switch.cancel(lambda change: change[0].version == version, f"expert placement {version}")
 
     def restore(self, replicas: ExpertReplicas, layers: list[AttentionLayer]) -> None:
         """Route by `replicas` at once: after a re-wire, before the deployment serves again (no
         step runs), every rank is given the placement the deployment had reached."""
         maps = self._maps(replicas)
-        with self._lock:
-            self._pending = None
+        self._switch.clear()
         self.install(layers, maps)
         self.current = replicas
 
     def apply_due(self, step: int, layers: list[AttentionLayer]) -> None:
         """At the start of step `step`, before its first dispatch: switch if it is the agreed step."""
-        with self._lock:
-            self._last_step = step
-            pending = self._pending
-            if pending is None or step < pending.step:
-                return
-            self._pending = None
-        self.install(layers, pending.maps)
-        self.current = pending.replicas
+        change = self._switch.due(step)
+        if change is not None:
+            self.install(layers, change[1])
+            self.current = change[0]

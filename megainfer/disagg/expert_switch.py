@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
+from megainfer.disagg.agreed_step import AgreedStep
 from megainfer.errors import DataPlaneError
 from megainfer.expert_replicas import ExpertReplicas
 from megainfer.messages import StagedPlacement
 from megainfer.model.expert_layer import ExpertLayer, NodeSlots, StagedExperts
 from megainfer.model.weights import WeightSource
-
-
-@dataclass
-class Switch:
-    step: int
-    version: int
 
 
 def node_slots(replicas: ExpertReplicas, node: int) -> list[tuple[list[int], NodeSlots]]:
@@ -35,9 +29,8 @@ class ExpertSwitch:
     def __init__(self, version: int) -> None:
         self.version = version  # the placement serving now
         self._staged: dict[int, list[StagedExperts]] = {}
-        self._pending: Switch | None = None
-        self._last_step = -1
-        self._lock = threading.Lock()
+        self._switch: AgreedStep[int] = AgreedStep()  # the version to serve from the agreed step
+        self._lock = threading.Lock()  # the staged placements
 
     def stage(self, layers: list[ExpertLayer], replicas: ExpertReplicas, node: int,
               weights: WeightSource) -> StagedPlacement:
@@ -54,30 +47,21 @@ class ExpertSwitch:
         with self._lock:
             if version not in self._staged:
                 raise DataPlaneError(f"expert placement {version} was not staged here")
-            if step <= self._last_step:
-                raise DataPlaneError(f"the switch to expert placement {version} at step {step} came after that "
-                                     f"step began here (step {self._last_step})")
-            self._pending = Switch(step, version)
+        self._switch.set(step, version, f"expert placement {version}")
 
     def cancel(self, version: int) -> None:
         """Forget `version` (staged or pending): the old placement keeps serving."""
+        self._switch.cancel(lambda pending: pending == version, f"expert placement {version}")
         with self._lock:
-            if self._pending is not None and self._pending.version == version:
-                if self._pending.step <= self._last_step:
-                    raise DataPlaneError(f"expert placement {version} is already serving here: too late to cancel")
-                self._pending = None
             self._staged.pop(version, None)
 
     def apply_due(self, step: int, layers: list[ExpertLayer]) -> None:
         """The leader, as step `step`'s first round arrives: switch if it is the agreed step."""
-        with self._lock:
-            self._last_step = step
-            pending = self._pending
-            if pending is None or step < pending.step:
-                return
-            self._pending = None
-            staged = self._staged.pop(pending.version)
-        self._commit(layers, staged, pending.version)
+        version = self._switch.due(step)
+        if version is not None:
+            with self._lock:
+                staged = self._staged.pop(version)
+            self._commit(layers, staged, version)
 
     def follow(self, version: int, layers: list[ExpertLayer]) -> None:
         """A follower rank: serve `version`, the one its leader's header names."""
@@ -93,8 +77,9 @@ class ExpertSwitch:
         """Serve `replicas` at once: after a re-wire, before the deployment serves again."""
         staged = [layer.stage(experts, slots.ids, weights)
                   for layer, (experts, slots) in zip(layers, node_slots(replicas, node))]
+        self._switch.clear()
         with self._lock:
-            self._pending, self._staged = None, {}
+            self._staged = {}
         self._commit(layers, staged, replicas.version)
 
     def _commit(self, layers: list[ExpertLayer], staged: list[StagedExperts], version: int) -> None:
