@@ -187,11 +187,13 @@ def warm_up_norm_rope(query_heads: int, kv_heads: int, norm_weight: torch.Tensor
 
 
 def warm_up_gating(num_experts: int, top_k: int, renormalize: bool, expert_node: torch.Tensor | None,
-                   num_nodes: int, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Fused gating (one variant per model and node map), at the node's token counts."""
+                   num_nodes: int, max_tokens: int, dtype: torch.dtype, device: torch.device,
+                   expert_slots: torch.Tensor | None = None) -> None:
+    """Fused gating (one variant per model, node map and slot table), at the node's token counts;
+    `dtype`: the router logits' (float32 where a fixed bias is added to them)."""
     for tokens in _powers(max_tokens, 16):
         logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
-        dispatch.fused_gating(logits, top_k, renormalize, expert_node, num_nodes)
+        dispatch.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, None, expert_slots)
 
 
 def warm_up_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, max_pairs: int) -> None:

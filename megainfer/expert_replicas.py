@@ -75,6 +75,9 @@ class LayerReplicas:
         table = np.empty((num_experts, buckets), dtype=np.int32)
         for e, replicas in enumerate(self.expert_replicas(num_experts)):
             slots = [s for s, _ in replicas]
+            if len(slots) == 1:  # most experts: one replica takes every row
+                table[e] = slots[0]
+                continue
             weights = np.array([w for _, w in replicas], dtype=np.float64)
             credit = np.zeros(len(slots))
             for b in range(buckets):
