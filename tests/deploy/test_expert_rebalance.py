@@ -24,14 +24,18 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the m
 SKEWED = "deploy/plans/skewed-cpu.yaml"
 
 
-def test_a_live_re_placement_evens_out_the_skewed_expert_nodes_and_keeps_every_token():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_live_re_placement_evens_out_the_skewed_expert_nodes_and_keeps_every_token(tp):
     """skewed-mixtral (experts 0-3 take ~92% of the pairs; see presets.py) on two expert nodes of
-    four experts: node 0 computes nearly every pair. One re-placement under a steady load of 24
-    requests (each finished one replaced) brings the busiest node to within 15% of the mean,
-    measured by the expert nodes' own pair counters; no request fails, and every finished
-    request's tokens equal the colocated engine's."""
-    plan = Plan.load(SKEWED)
-    result = measure(plan, requests=24, prompt_len=8, output_len=40, window_s=1.5)
+    four experts: node 0 computes nearly every pair. One re-placement under a steady load
+    (each finished request replaced) brings the busiest node to within 15% of the mean, measured
+    by the expert nodes' own pair counters; no request fails, and every finished request's tokens
+    equal the colocated engine's. With tp 2 on both sides the attention followers switch with
+    their leader and the expert followers by their leader's header."""
+    data = Plan.load(SKEWED).to_dict()
+    data["attention"]["tp"] = data["experts"]["tp"] = tp
+    plan = Plan.from_dict(data)
+    result = measure(plan, requests=24 // tp, prompt_len=8, output_len=40 // tp, window_s=1.5)
     report = result.report
     assert not result.errors and not report.error, (result.errors, report.error)
     assert result.before.imbalance > 1.5, result.before  # the skew, as the expert nodes saw it
