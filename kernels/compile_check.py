@@ -171,14 +171,16 @@ def gating_reports(name: str, experts: int, top_k: int, nodes: int, dtype: torch
     return reports
 
 
-def fused_reports(name: str, hq: int, hkv: int, d: int, hidden: int, dtype: torch.dtype, arch: int) -> list[Report]:
-    """The attention half's fused kernels: the residual add with its norm, the rotation with the KV write."""
+def fused_reports(name: str, hq: int, hkv: int, d: int, hidden: int, dtype: torch.dtype, arch: int,
+                  layer_norm: bool = False) -> list[Report]:
+    """The attention half's fused kernels: the residual add with its norm (RMSNorm, or DBRX's
+    LayerNorm), the rotation with the KV write."""
     from kernels import norm_rope_triton as t
 
     ty = "*" + TYPES[dtype]
-    norm = compile_one(t._add_rms_norm_kernel, dict(H=hidden, BLOCK=pow2(hidden)),
+    norm = compile_one(t._add_rms_norm_kernel, dict(H=hidden, BLOCK=pow2(hidden), CENTER=layer_norm),
                        {n: ty for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}, 4, 1, arch,
-                       f"{name} hidden {hidden} {TYPES[dtype]}")
+                       f"{name} hidden {hidden} {TYPES[dtype]}{' layernorm' if layer_norm else ''}")
     rope = compile_one(t._rotary_store_kv_kernel,
                        dict(NUM_Q=hq, HEADS=hq + hkv, D=d, HALF=d // 2, HALF_PAD=pow2(d // 2), D_PAD=pow2(d)),
                        {n: ty for n in ("qk_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr", "v_cache_ptr",
@@ -207,6 +209,7 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
     reports += gating_reports("qwen3-235b", 128, 8, 32, torch.bfloat16, arch)
     reports += fused_reports("qwen3-235b tp4", 16, 1, 128, 4096, torch.bfloat16, arch)
     reports += fused_reports("mixtral-8x22b", 48, 8, 128, 6144, torch.bfloat16, arch)
+    reports += fused_reports("dbrx", 48, 8, 128, 6144, torch.bfloat16, arch, layer_norm=True)
     return reports
 
 

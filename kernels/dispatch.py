@@ -254,6 +254,21 @@ def add_rms_norm(x, residual, weight, eps: float):
     return _fused(x.device, key, triton_fn, lambda: r.add_rms_norm(x, residual, weight, eps))
 
 
+def add_layer_norm(x, residual, weight, eps: float):
+    """(LayerNorm(residual + x), residual + x) without a bias (DBRX), one kernel on CUDA (`FUSED_RULE`)."""
+    from kernels import norm_rope_ref as r
+
+    def triton_fn():
+        from kernels import norm_rope_triton as t
+
+        return t.add_layer_norm(x, residual, weight, eps)
+
+    def key():
+        return ShapeKey("add_layer_norm", (x.dtype, x.shape[1]), (bucket(x.shape[0]),), ("tokens",))
+
+    return _fused(x.device, key, triton_fn, lambda: r.add_layer_norm(x, residual, weight, eps))
+
+
 def rotary_store_kv(qk, v, positions, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads: int):
     """q and k side by side ([T, Hq + Hkv, D]) rotated at `positions`, the rotated keys and the
     values written to their cache slots; returns the rotated qk. One kernel on CUDA (`FUSED_RULE`)."""

@@ -25,6 +25,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(summed, weight, eps), summed
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's LayerNorm without a bias (DBRX): x [..., D] centred and scaled over D, times `weight`."""
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, None, eps)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(residual + x), residual + x)."""
+    summed = residual + x
+    return layer_norm(summed, weight, eps), summed
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated at `positions` [T] by the tables cos, sin [max_positions, D]."""
     c = cos[positions][:, None, :]

@@ -1,5 +1,5 @@
 """Triton versions of `norm_rope_ref` (same signatures): the residual add fused with the RMSNorm
-after it (one program per token: vLLM's fused_add_rms_norm), and rotary embedding fused with
+(or, for DBRX, the bias-free LayerNorm) after it (one program per token: vLLM's fused_add_rms_norm), and rotary embedding fused with
 the KV-cache write (one program per (token, head) of q and k side by side; a KV head's program
 also writes its rotated key and its value to the token's cache slot: vLLM's rotary embedding
 and reshape_and_cache in one launch).
@@ -18,7 +18,7 @@ from kernels.tiles import pow2
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_res, eps,
-                         H: tl.constexpr, BLOCK: tl.constexpr):
+                         H: tl.constexpr, BLOCK: tl.constexpr, CENTER: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -27,14 +27,29 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stri
     summed = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
     tl.store(sum_ptr + row * H + cols, summed, mask=mask)
     s = summed.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
-    normed = (s * rstd).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * H + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+    if CENTER:  # LayerNorm, as torch computes it: centred, scaled and weighted in float32, cast once
+        s = tl.where(mask, s - tl.sum(s, axis=0) / H, 0.0)
+        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+        tl.store(out_ptr + row * H + cols, (s * rstd * w.to(tl.float32)).to(x.dtype), mask=mask)
+    else:  # RMSNorm, as transformers computes it: normalised in float32, cast, then weighted
+        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+        normed = (s * rstd).to(x.dtype)
+        tl.store(out_ptr + row * H + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_norm(x, residual, weight, eps, center=False)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_norm(x, residual, weight, eps, center=True)
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+              center: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, hidden = x.shape
     if residual.shape != x.shape or x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"x and residual: want [tokens, hidden] with hidden contiguous, got {tuple(x.shape)} "
@@ -43,7 +58,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     summed = torch.empty_like(out)
     if tokens:
         _add_rms_norm_kernel[(tokens,)](x, residual, weight, out, summed, x.stride(0), residual.stride(0), eps,
-                                        H=hidden, BLOCK=pow2(hidden))
+                                        H=hidden, BLOCK=pow2(hidden), CENTER=center)
     return out, summed
 
 

@@ -666,6 +666,26 @@ def test_add_rms_norm_matches_reference(dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_layer_norm_matches_torchs_layer_norm(dtype):
+    """DBRX's bias-free LayerNorm after the residual add: the reference is torch's own, the
+    Triton kernel (its CENTER variant) agrees; a hidden size short of the tile (96 of 128)."""
+    from kernels import norm_rope_ref, norm_rope_triton
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    residual = (torch.randn(7, 96, generator=g) + 3.0).to(dtype)  # off-centre rows: the mean matters
+    weight = torch.rand(96, generator=g).to(dtype)
+    want, want_sum = norm_rope_ref.add_layer_norm(x, residual, weight, 1e-5)
+    module = torch.nn.LayerNorm(96, eps=1e-5, bias=False, dtype=dtype).requires_grad_(False)
+    module.weight.copy_(weight)
+    torch.testing.assert_close(want, module(residual + x))  # what transformers' DbrxBlock runs
+    got, got_sum = norm_rope_triton.add_layer_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(got_sum, want_sum, **(TOL[dtype] if dtype != torch.float32 else dict(atol=0, rtol=0)))
+    torch.testing.assert_close(got, want, **(TOL[dtype] if dtype != torch.float32 else dict(atol=1e-5, rtol=1e-5)))
+    assert (got.float() - norm_rope_ref.add_rms_norm(x, residual, weight, 1e-5)[0].float()).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("dtype, d", [(torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 24)])
 def test_rotary_store_kv_matches_reference_and_writes_the_cache(dtype, d):
     from kernels import norm_rope_ref, norm_rope_triton
