@@ -172,10 +172,12 @@ def warm_up_attention(key_cache: torch.Tensor, value_cache: torch.Tensor, query_
 
 
 def warm_up_norm_rope(query_heads: int, kv_heads: int, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                      sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+                      sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      layer_norm: bool = False) -> None:
     """The attention half's fused kernels (one variant each per model): the rotation with the
     KV write, over a projection laid out as the layer's (q, k, v side by side: strided views),
-    into this scratch cache; the residual add with the norm after it."""
+    into this scratch cache; the residual add with the norm after it (RMSNorm, or with
+    `layer_norm` DBRX's LayerNorm)."""
     device, dtype, d = key_cache.device, key_cache.dtype, key_cache.shape[-1]
     qkv = torch.randn(2, (query_heads + 2 * kv_heads) * d, device=device, dtype=dtype)
     qk = qkv[:, :(query_heads + kv_heads) * d].view(2, query_heads + kv_heads, d)
@@ -183,7 +185,7 @@ def warm_up_norm_rope(query_heads: int, kv_heads: int, norm_weight: torch.Tensor
     positions = torch.zeros(2, dtype=torch.int64, device=device)
     dispatch.rotary_store_kv(qk, v, positions, cos, sin, key_cache, value_cache, positions, query_heads)
     hidden = torch.randn(2, norm_weight.shape[0], device=device, dtype=dtype)
-    dispatch.add_rms_norm(hidden, hidden, norm_weight, eps)
+    (dispatch.add_layer_norm if layer_norm else dispatch.add_rms_norm)(hidden, hidden, norm_weight, eps)
 
 
 def warm_up_gating(num_experts: int, top_k: int, renormalize: bool, expert_node: torch.Tensor | None,

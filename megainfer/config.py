@@ -17,7 +17,8 @@ from typing import Any
 
 from megainfer.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx")
+NORMS = ("rms", "layer")  # RMSNorm (Mixtral, Qwen3), bias-free LayerNorm (DBRX)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Above this many bytes of weights a preset is shape-only: generating random weights for
 # it would take more memory than a demo should.
@@ -29,7 +30,7 @@ KV_BLOCK_TOKENS = 16  # tokens per KV-cache block by default: a sequence's KV co
 class ModelConfig:
     """Shapes and numerics of one decoder-only MoE model (every layer is an MoE layer)."""
 
-    model_type: str  # "mixtral" | "qwen3_moe" (presets may name other families, shape-only)
+    model_type: str  # "mixtral" | "qwen3_moe" | "dbrx" (presets may name other families, shape-only)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -41,7 +42,7 @@ class ModelConfig:
     expert_intermediate_size: int
     norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
     rope_theta: float
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon, RMSNorm's or (norm "layer") LayerNorm's
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v/o projections (Qwen3 option)
@@ -53,6 +54,8 @@ class ModelConfig:
     # A fixed bias on every layer's router logits, one per expert (presets only: `skewed-mixtral`
     # favours a few experts, as real traffic does; a checkpoint's config.json has no such field).
     router_logit_bias: tuple[float, ...] = ()
+    norm: str = "rms"  # the layers' and the final norm: "rms" (RMSNorm) or "layer" (LayerNorm without bias: DBRX)
+    clip_qkv: float | None = None  # DBRX: q, k and v clamped to [-clip_qkv, clip_qkv] after their projection
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -70,6 +73,10 @@ class ModelConfig:
                 f"({self.num_experts})")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
+        if self.norm not in NORMS:
+            raise ConfigError(f"model config: norm {self.norm!r} is not one of {', '.join(NORMS)}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ConfigError(f"model config: clip_qkv must be positive or null, got {self.clip_qkv!r}")
         if self.router_logit_bias and len(self.router_logit_bias) != self.num_experts:
             raise ConfigError(f"model config: router_logit_bias has {len(self.router_logit_bias)} values, "
                               f"one per expert wanted ({self.num_experts})")

@@ -91,6 +91,9 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "") -> ModelConfig:
                 return cfg[k]
         raise ConfigError(f"{name or 'config.json'}: required field '{key}' is missing")
 
+    if model_type == "dbrx":
+        return ModelConfig(**_dbrx_fields(cfg, name, need), name=name, eos_token_ids=_eos_ids(cfg),
+                           bos_token_id=cfg.get("bos_token_id"), torch_dtype=_checkpoint_dtype(cfg))
     rope_theta = _rope_theta(cfg, name, model_type)
     if model_type == "qwen3_moe":
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
@@ -105,8 +108,7 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "") -> ModelConfig:
         norm_topk = True  # Mixtral always renormalises its top-k weights
     hidden = need("hidden_size")
     heads = need("num_attention_heads")
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = _eos_ids(cfg)
     return ModelConfig(
         model_type=model_type,
         vocab_size=need("vocab_size"),
@@ -130,6 +132,46 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "") -> ModelConfig:
         name=name,
         torch_dtype=_checkpoint_dtype(cfg),
     )
+
+
+def _eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def _dbrx_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
+    """DBRX's config.json (its attention and FFN settings in nested `attn_config`, `ffn_config`)
+    as `ModelConfig` fields; what megainfer does not run is refused by name."""
+    attn, ffn = cfg.get("attn_config") or {}, cfg.get("ffn_config") or {}
+    where = name or "config.json"
+    act = (ffn.get("ffn_act_fn") or {}).get("name", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: ffn_config.ffn_act_fn {act!r} is not supported; DBRX's experts run SiLU")
+    p = ffn.get("moe_normalize_expert_weights", 1.0)
+    if p not in (None, 1, 1.0):
+        raise ConfigError(f"{where}: ffn_config.moe_normalize_expert_weights {p!r} is not supported: the top-k "
+                          "weights are renormalised by their sum (1) or not at all (null)")
+    if attn.get("qk_ln"):
+        raise ConfigError(f"{where}: attn_config.qk_ln (LayerNorm on q and k) is not supported")
+    # transformers 5 writes `rope_parameters` (and reads only it); DBRX's own config.json gives
+    # attn_config.rope_theta, which transformers 5 ignores: megainfer follows the file.
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"{where}: rope type {rope.get('rope_type')!r} is not supported; only the default RoPE is")
+    theta = rope.get("rope_theta", attn.get("rope_theta", 10000.0))
+    hidden, heads = need("d_model", "hidden_size"), need("n_heads", "num_attention_heads")
+    for key in ("moe_num_experts", "moe_top_k", "ffn_hidden_size"):
+        if ffn.get(key) is None:
+            raise ConfigError(f"{where}: required field 'ffn_config.{key}' is missing")
+    return dict(model_type="dbrx", vocab_size=need("vocab_size"), hidden_size=hidden,
+                num_layers=need("n_layers", "num_hidden_layers"), num_heads=heads,
+                num_kv_heads=attn.get("kv_n_heads") or heads, head_dim=hidden // heads,
+                num_experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"],
+                expert_intermediate_size=ffn["ffn_hidden_size"], norm_topk_prob=p is not None,
+                rope_theta=float(theta), rms_norm_eps=1e-5,  # torch's LayerNorm default, which DBRX keeps
+                max_position_embeddings=need("max_seq_len", "max_position_embeddings"),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), norm="layer",
+                clip_qkv=attn.get("clip_qkv"))
 
 
 def from_pretrained(path: str | os.PathLike) -> ModelConfig:
@@ -160,6 +202,9 @@ def to_hf_dict(model: ModelConfig) -> dict[str, Any]:
     """The config.json a checkpoint of this model carries (inverse of `from_hf_dict`)."""
     if model.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"preset {model.name!r} ({model.model_type}) is shape-only and has no checkpoint form")
+    if model.model_type == "dbrx":
+        raise ConfigError(f"{model.name!r}: megainfer writes no DBRX checkpoints; build one with transformers' "
+                          "DbrxConfig and save_pretrained")
     if model.router_logit_bias:
         raise ConfigError(f"preset {model.name!r} biases its router by a fixed vector, which no config.json of "
                           f"{model.model_type} can hold: serve the preset itself, not a checkpoint of it")

@@ -52,11 +52,12 @@ PRESETS: dict[str, ModelConfig] = {
     "mixtral-8x22b": _mixtral(
         "mixtral-8x22b", vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8,
         head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=16384, max_position_embeddings=65536),
-    # DBRX is its own family (LayerNorm, clipped QKV); only its shapes matter to the planner.
+    # DBRX (databricks/dbrx-base's config.json): LayerNorm without bias, q/k/v clipped at 8.
     "dbrx": ModelConfig(
         model_type="dbrx", name="dbrx", vocab_size=100352, hidden_size=6144, num_layers=40, num_heads=48,
         num_kv_heads=8, head_dim=128, num_experts=16, top_k=4, expert_intermediate_size=10752,
-        norm_topk_prob=True, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=32768),
+        norm_topk_prob=True, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=32768, norm="layer",
+        clip_qkv=8.0),
     # MegaScale-Infer's Scaled-MoE (317B): Mixtral-style blocks; vocabulary and heads assumed.
     "scaled-moe": _mixtral(
         "scaled-moe", vocab_size=32000, hidden_size=8192, num_layers=48, num_heads=64, num_kv_heads=8,

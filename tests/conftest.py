@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Mixtral and Qwen3-MoE checkpoints written by transformers'
+"""Shared fixtures: tiny random Mixtral, Qwen3-MoE and DBRX checkpoints written by transformers'
 `save_pretrained`, and transformers' own greedy generations and logits for them."""
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ def mixtral_ref(tmp_path_factory) -> HFReference:
 @pytest.fixture(scope="session")
 def qwen3_ref(tmp_path_factory) -> HFReference:
     return _build("qwen3_moe", tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def dbrx_ref(tmp_path_factory) -> HFReference:
+    return _build("dbrx", tmp_path_factory.mktemp("dbrx"))
 
 
 @pytest.fixture(scope="session", params=["mixtral", "qwen3_moe"])

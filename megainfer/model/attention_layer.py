@@ -14,7 +14,8 @@ from torch import nn
 
 import kernels
 from megainfer.config import ModelConfig
-from megainfer.model.checkpoint_names import attention_tensors
+from megainfer.model.checkpoint_names import attention_tensors, read
+from megainfer.model.layer_norm import norm_of
 from megainfer.model.rms_norm import RMSNorm
 from megainfer.model.rotary import RotaryEmbedding
 from megainfer.model.weights import WeightSource
@@ -62,7 +63,7 @@ class AttentionLayer(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         h = cfg.hidden_size
         kw = dict(dtype=dtype, device=device)
-        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.input_norm = norm_of(cfg, h, **kw)
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
         # The output bias is added once: by rank 0, before the all-reduce.
         self.o_proj = nn.Linear(self.q_size, h, bias=cfg.attention_bias and tp_rank == 0, **kw)
@@ -70,7 +71,9 @@ class AttentionLayer(nn.Module):
         # the KV heads' (one pass over q and k together: the same arithmetic per head, half the launches).
         self.qk_norm = RMSNorm((self.num_heads + self.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps, **kw) \
             if cfg.qk_norm else None
-        self.post_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.post_norm = norm_of(cfg, h, **kw)
+        # The residual add and the norm after it, fused: RMSNorm's, or DBRX's LayerNorm's.
+        self.add_norm = kernels.add_layer_norm if cfg.norm == "layer" else kernels.add_rms_norm
         self.router = nn.Linear(h, cfg.num_experts, bias=False, **kw)
         self.router_logit_bias = torch.tensor(cfg.router_logit_bias, dtype=torch.float32, device=device) \
             if cfg.router_logit_bias else None
@@ -85,6 +88,8 @@ class AttentionLayer(nn.Module):
         cfg = self.cfg
         t = hidden.shape[0]
         qkv = self.qkv_proj(self.input_norm(hidden))
+        if cfg.clip_qkv is not None:  # DBRX
+            qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         # q and k side by side ([T, Hq + Hkv, D]): normed (Qwen3) and rotated in one pass each.
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, cfg.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, cfg.head_dim)
@@ -99,7 +104,7 @@ class AttentionLayer(nn.Module):
         if self.tp_size > 1:
             tensor_parallel.current().all_reduce(out)
         # The residual add and the post-attention norm: one kernel on CUDA.
-        expert_input, residual = kernels.add_rms_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
+        expert_input, residual = self.add_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
         return AttentionOutput(residual, expert_input, self.route(expert_input, valid))
 
     def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> kernels.Gating:
@@ -127,7 +132,9 @@ class AttentionLayer(nn.Module):
         self.num_expert_nodes = num_nodes
 
     def load_weights(self, source: WeightSource) -> None:
-        t = {role: source.get(name, shape) for role, (name, shape) in attention_tensors(self.cfg, self.layer).items()}
+        t = {role: read(source, ref) for role, ref in attention_tensors(self.cfg, self.layer).items()}
+        if "qkv" in t:  # DBRX's fused Wqkv: q's rows, then k's, then v's
+            t["q"], t["k"], t["v"] = t.pop("qkv").split([self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size])
         r = self.tp_rank
         qs, ks = slice(r * self.q_size, (r + 1) * self.q_size), slice(r * self.kv_size, (r + 1) * self.kv_size)
         self.input_norm.weight.copy_(t["input_norm"])

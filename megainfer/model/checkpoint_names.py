@@ -1,46 +1,88 @@
-"""Tensor names and shapes of a Hugging Face MoE checkpoint (the hub's per-expert naming).
+"""Tensor names and shapes of a Hugging Face MoE checkpoint: the hub's per-expert naming
+(Mixtral, Qwen3-MoE), and DBRX's fused tensors (q, k and v in one `Wqkv`; every expert's gate, up
+and down projections stacked in `w1`, `v1`, `w2`), read as slices.
 
 Torch-free, so writing and validating checkpoints shares one table with loading.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from megainfer.config import ModelConfig
+
+
+class TensorRef(NamedTuple):
+    """Where a role's weights lie: a checkpoint tensor of `shape`, or its `rows` (a fused tensor's
+    part), `transposed` where the checkpoint stores it the other way round (DBRX's w2)."""
+
+    name: str
+    shape: tuple[int, ...]
+    rows: tuple[int, int] | None = None
+    transposed: bool = False
+
+
+def read(source, ref: TensorRef):
+    """The role's tensor from a `WeightSource`."""
+    tensor = source.get(ref.name, ref.shape, ref.rows)
+    return tensor.T if ref.transposed else tensor
 
 
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Role -> (checkpoint name, shape) for the attention half of one layer, router included."""
+def _dbrx_attention(cfg: ModelConfig, layer: int) -> dict[str, TensorRef]:
+    p, h = f"transformer.blocks.{layer}.", cfg.hidden_size
+    return {"input_norm": TensorRef(p + "norm_attn_norm.norm_1.weight", (h,)),
+            "qkv": TensorRef(p + "norm_attn_norm.attn.Wqkv.weight", (cfg.q_size + 2 * cfg.kv_size, h)),
+            "o": TensorRef(p + "norm_attn_norm.attn.out_proj.weight", (h, cfg.q_size)),
+            "post_norm": TensorRef(p + "norm_attn_norm.norm_2.weight", (h,)),
+            "router": TensorRef(p + "ffn.router.layer.weight", (cfg.num_experts, h))}
+
+
+def _dbrx_expert(cfg: ModelConfig, layer: int, expert: int) -> dict[str, TensorRef]:
+    p, h, i = f"transformer.blocks.{layer}.ffn.experts.mlp.", cfg.hidden_size, cfg.expert_intermediate_size
+    shape, rows = (cfg.num_experts * i, h), (expert * i, (expert + 1) * i)
+    return {"gate": TensorRef(p + "w1", shape, rows), "up": TensorRef(p + "v1", shape, rows),
+            "down": TensorRef(p + "w2", shape, rows, transposed=True)}
+
+
+def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, TensorRef]:
+    """Role -> where it lies, for the attention half of one layer, router included (DBRX: q, k
+    and v as one role, "qkv")."""
+    if cfg.model_type == "dbrx":
+        return _dbrx_attention(cfg, layer)
     p = layer_prefix(layer)
     h = cfg.hidden_size
     t = {
-        "input_norm": (p + "input_layernorm.weight", (h,)),
-        "q": (p + "self_attn.q_proj.weight", (cfg.q_size, h)),
-        "k": (p + "self_attn.k_proj.weight", (cfg.kv_size, h)),
-        "v": (p + "self_attn.v_proj.weight", (cfg.kv_size, h)),
-        "o": (p + "self_attn.o_proj.weight", (h, cfg.q_size)),
-        "post_norm": (p + "post_attention_layernorm.weight", (h,)),
-        "router": (p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else "mlp.gate.weight"),
-                   (cfg.num_experts, h)),
+        "input_norm": TensorRef(p + "input_layernorm.weight", (h,)),
+        "q": TensorRef(p + "self_attn.q_proj.weight", (cfg.q_size, h)),
+        "k": TensorRef(p + "self_attn.k_proj.weight", (cfg.kv_size, h)),
+        "v": TensorRef(p + "self_attn.v_proj.weight", (cfg.kv_size, h)),
+        "o": TensorRef(p + "self_attn.o_proj.weight", (h, cfg.q_size)),
+        "post_norm": TensorRef(p + "post_attention_layernorm.weight", (h,)),
+        "router": TensorRef(p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else
+                                 "mlp.gate.weight"), (cfg.num_experts, h)),
     }
     if cfg.attention_bias:
         t.update({
-            "q_bias": (p + "self_attn.q_proj.bias", (cfg.q_size,)),
-            "k_bias": (p + "self_attn.k_proj.bias", (cfg.kv_size,)),
-            "v_bias": (p + "self_attn.v_proj.bias", (cfg.kv_size,)),
-            "o_bias": (p + "self_attn.o_proj.bias", (h,)),
+            "q_bias": TensorRef(p + "self_attn.q_proj.bias", (cfg.q_size,)),
+            "k_bias": TensorRef(p + "self_attn.k_proj.bias", (cfg.kv_size,)),
+            "v_bias": TensorRef(p + "self_attn.v_proj.bias", (cfg.kv_size,)),
+            "o_bias": TensorRef(p + "self_attn.o_proj.bias", (h,)),
         })
     if cfg.qk_norm:
-        t["q_norm"] = (p + "self_attn.q_norm.weight", (cfg.head_dim,))
-        t["k_norm"] = (p + "self_attn.k_norm.weight", (cfg.head_dim,))
+        t["q_norm"] = TensorRef(p + "self_attn.q_norm.weight", (cfg.head_dim,))
+        t["k_norm"] = TensorRef(p + "self_attn.k_norm.weight", (cfg.head_dim,))
     return t
 
 
-def expert_tensors(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Role (gate, up, down) -> (checkpoint name, shape) for one expert of one layer."""
+def expert_tensors(cfg: ModelConfig, layer: int, expert: int) -> dict[str, TensorRef]:
+    """Role (gate, up, down) -> where it lies, for one expert of one layer (gate and up [I, H],
+    down [H, I] once read)."""
+    if cfg.model_type == "dbrx":
+        return _dbrx_expert(cfg, layer, expert)
     h, i = cfg.hidden_size, cfg.expert_intermediate_size
     if cfg.model_type == "mixtral":
         p = f"{layer_prefix(layer)}block_sparse_moe.experts.{expert}."
@@ -49,25 +91,27 @@ def expert_tensors(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tuple
         p = f"{layer_prefix(layer)}mlp.experts.{expert}."
         names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
-    return {role: (f"{p}{names[role]}.weight", shapes[role]) for role in names}
+    return {role: TensorRef(f"{p}{names[role]}.weight", shapes[role]) for role in names}
 
 
-def head_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+def head_tensors(cfg: ModelConfig) -> dict[str, TensorRef]:
     """Embedding, final norm and LM head (absent when tied to the embedding)."""
+    dbrx = cfg.model_type == "dbrx"
     t = {
-        "embed": ("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
-        "norm": ("model.norm.weight", (cfg.hidden_size,)),
+        "embed": TensorRef("transformer.wte.weight" if dbrx else "model.embed_tokens.weight",
+                           (cfg.vocab_size, cfg.hidden_size)),
+        "norm": TensorRef("transformer.norm_f.weight" if dbrx else "model.norm.weight", (cfg.hidden_size,)),
     }
     if not cfg.tie_word_embeddings:
-        t["lm_head"] = ("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        t["lm_head"] = TensorRef("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
     return t
 
 
 def all_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a full checkpoint, in load order."""
-    out = list(head_tensors(cfg).values())
+    """Every tensor of a full checkpoint (name, shape), each once, in load order."""
+    refs = list(head_tensors(cfg).values())
     for layer in range(cfg.num_layers):
-        out += attention_tensors(cfg, layer).values()
+        refs += attention_tensors(cfg, layer).values()
         for e in range(cfg.num_experts):
-            out += expert_tensors(cfg, layer, e).values()
-    return out
+            refs += expert_tensors(cfg, layer, e).values()
+    return list(dict.fromkeys((ref.name, ref.shape) for ref in refs))

@@ -18,7 +18,7 @@ import kernels
 from kernels import moe_packed
 
 from megainfer.config import ModelConfig
-from megainfer.model.checkpoint_names import expert_tensors
+from megainfer.model.checkpoint_names import expert_tensors, read
 from megainfer.model.weights import WeightSource
 
 
@@ -123,7 +123,7 @@ class ExpertLayer(nn.Module):
 
     def _load_row(self, gate_up: torch.Tensor, down: torch.Tensor, source: WeightSource, expert: int) -> None:
         """Expert `expert`'s weights (this rank's slice) into one row of the weight tensors."""
-        t = {role: source.get(name, shape) for role, (name, shape) in expert_tensors(self.cfg, self.layer, expert).items()}
+        t = {role: read(source, ref) for role, ref in expert_tensors(self.cfg, self.layer, expert).items()}
         rows = slice(self.tp_rank * self.w_down.shape[2], (self.tp_rank + 1) * self.w_down.shape[2])
         gate_up.copy_(torch.cat([t["gate"][rows], t["up"][rows]]))
         down.copy_(t["down"][:, rows])

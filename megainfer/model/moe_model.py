@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 import kernels
 from megainfer.config import ModelConfig
 from megainfer.model.attention_layer import AttentionLayer
-from megainfer.model.checkpoint_names import all_tensors, head_tensors
+from megainfer.model.checkpoint_names import attention_tensors, head_tensors, read
+from megainfer.model.layer_norm import norm_of
 from megainfer.model.expert_layer import ExpertLayer
-from megainfer.model.rms_norm import RMSNorm
 from megainfer.model.rotary import RotaryEmbedding
 from megainfer.model.weights import WeightSource
 
@@ -42,7 +42,7 @@ class MoEModel(nn.Module):
                                               for i in range(cfg.num_layers))
         self.expert_layers = nn.ModuleList(ExpertLayer(cfg, i, **kw) for i in range(cfg.num_layers)) \
             if with_experts else None
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.norm = norm_of(cfg, cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, **kw)
         self.requires_grad_(False)
@@ -69,12 +69,13 @@ class MoEModel(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_weights(self, source: WeightSource, show_progress: bool = False) -> None:
-        total = len(all_tensors(self.cfg))
-        if self.expert_layers is None:
-            total -= self.cfg.num_layers * self.cfg.num_experts * 3
+        cfg = self.cfg
+        total = len(head_tensors(cfg)) + cfg.num_layers * len(attention_tensors(cfg, 0))  # fetches, not tensors:
+        if self.expert_layers is not None:  # a fused tensor (DBRX's experts) is fetched once per part
+            total += cfg.num_layers * cfg.num_experts * 3
         with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress) as bar:
             counting = _CountingSource(source, bar)
-            t = {role: counting.get(name, shape) for role, (name, shape) in head_tensors(self.cfg).items()}
+            t = {role: read(counting, ref) for role, ref in head_tensors(self.cfg).items()}
             self.embed.weight.copy_(t["embed"])
             self.norm.weight.copy_(t["norm"])
             if self.lm_head is not None:
@@ -91,7 +92,7 @@ class _CountingSource:
     def __init__(self, source: WeightSource, bar: tqdm) -> None:
         self.source, self.bar = source, bar
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.source.get(name, shape)
+    def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        tensor = self.source.get(name, shape, rows)
         self.bar.update(1)
         return tensor

@@ -35,8 +35,9 @@ def quantized_checkpoint_error(directory: Path, detail: str) -> CheckpointError:
 
 
 class WeightSource(Protocol):
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name`; a CheckpointError naming it if missing or not of `shape`."""
+    def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `name` (its rows [begin, end) where given: a fused tensor's part, read
+        without the rest); a CheckpointError naming it if missing or not of `shape`."""
 
 
 class SafetensorsCheckpoint:
@@ -65,7 +66,7 @@ class SafetensorsCheckpoint:
             raise quantized_checkpoint_error(self.directory, f"{len(scales)} quantization tensors, e.g. {scales[0]!r}")
         self._handles: dict[Path, object] = {}
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
         path = self.file_of.get(name)
         if path is None:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is missing (expected shape {list(shape)})")
@@ -74,14 +75,26 @@ class SafetensorsCheckpoint:
             if not path.is_file():
                 raise CheckpointError(f"{self.directory}: shard {path.name} (holding {name!r}) does not exist")
             handle = self._handles[path] = safe_open(path, framework="pt")
+        if rows is not None:  # a slice of a fused tensor: safetensors reads only those rows
+            part = handle.get_slice(name)
+            if tuple(part.get_shape()) != tuple(shape):
+                raise CheckpointError(f"{self.directory}: tensor {name!r} has shape {list(part.get_shape())}, "
+                                      f"expected {list(shape)}")
+            tensor = part[rows[0]:rows[1]]
+            _check_float(self.directory, name, tensor)
+            return tensor
         tensor = handle.get_tensor(name)
-        if tensor.dtype not in FLOAT_DTYPES:  # float8 or int8/uint8/int32-packed: not plain float weights
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            raise quantized_checkpoint_error(self.directory, f"tensor {name!r} is {dtype}")
+        _check_float(self.directory, name, tensor)
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"{self.directory}: tensor {name!r} has shape {list(tensor.shape)}, "
                                   f"expected {list(shape)}")
         return tensor
+
+
+def _check_float(directory: Path, name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in FLOAT_DTYPES:  # float8 or int8/uint8/int32-packed: not plain float weights
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise quantized_checkpoint_error(directory, f"tensor {name!r} is {dtype}")
 
 
 class RandomWeights:
@@ -92,11 +105,13 @@ class RandomWeights:
         self.seed = seed
         self.std = std
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
-        return torch.randn(shape, generator=generator) * self.std
+    def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        if name.endswith("norm.weight") or ".norm_" in name and name.endswith(".weight") and len(shape) == 1:
+            tensor = torch.ones(shape)
+        else:
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
+            tensor = torch.randn(shape, generator=generator) * self.std
+        return tensor if rows is None else tensor[rows[0]:rows[1]]
 
 
 def save_checkpoint(cfg: ModelConfig, source: WeightSource, directory: str | Path, dtype: str = "float32") -> Path:

@@ -91,6 +91,17 @@ def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy, tp_e, s
         served.close()
 
 
+def test_dbrx_with_tensor_parallel_nodes_matches_colocated(dbrx_ref):
+    """DBRX on Ray over gRPC with tp 2 on both sides (each attention rank its share of the fused
+    Wqkv's heads, each expert rank its slice of every expert's fused rows), layered prefill."""
+    expected = colocated(dbrx_ref.path, dbrx_ref.prompts)
+    served = Served(make_plan(str(dbrx_ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
+    try:
+        assert [served.generate(p) for p in dbrx_ref.prompts] == expected
+    finally:
+        served.close()
+
+
 def test_device_slots_match_colocated_and_are_traded_again_after_a_node_is_replaced(hf_ref):
     """Every pair of a 2 x 2 CPU deployment on this host goes direct (/dev/shm regions); after an
     expert node is killed and replaced, the offers are traded again and the tokens still match."""

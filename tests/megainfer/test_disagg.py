@@ -527,3 +527,14 @@ def test_the_runtime_names_the_header_columns_where_the_transport_lays_them_out(
         assert getattr(expert_link, column) == getattr(rounds, column), column
     for got, want in zip(expert_link.row_ranges([3, 0, 5], 12), rounds.row_ranges([3, 0, 5], 12)):
         assert np.array_equal(got, want)
+
+
+def test_dbrx_deployment_matches_colocated_with_and_without_replicas(dbrx_ref):
+    """DBRX cut into halves (fused Wqkv on the attention side, slices of the fused w1/v1/w2 on
+    each expert node): 2 x 2, two micro-batches, the colocated engine's tokens; also with hot
+    experts held twice."""
+    prompts = dbrx_ref.prompts
+    expected = colocated(dbrx_ref.path, prompts)
+    assert expected == [t[:GREEDY.max_tokens] for t in dbrx_ref.tokens]  # transformers' greedy tokens
+    assert run_local_deployment(dbrx_ref.path, 2, 2, 2, prompts)[0] == expected
+    assert run_local_deployment(dbrx_ref.path, 2, 2, 2, prompts, replicas=_replicated(dbrx_ref.path))[0] == expected

@@ -270,13 +270,16 @@ def check_fused(ctx: CheckContext, scale: Scale, heads: Heads, hidden: int) -> N
 
     tokens = 512 if ctx.on_gpu else 9
     g = torch.Generator(device=ctx.device).manual_seed(7)
-    with ctx.case(f"residual add + RMSNorm, {tokens} tokens x {hidden}") as case:
-        x, res = (torch.randn(tokens, hidden, generator=g, device=ctx.device) for _ in range(2))
-        weight = torch.rand(hidden, generator=g, device=ctx.device)
-        want = norm_rope_ref.add_rms_norm(x, res, weight, 1e-6)[0]
-        low = [t.to(scale.dtype) for t in (x, res, weight)]
-        out = norm_rope_triton.add_rms_norm(*low, 1e-6)[0]
-        _errors(case, out, want, norm_rope_ref.add_rms_norm(*low, 1e-6)[0], scale.atol)
+    for norm in ("rms", "layer"):  # Mixtral's and Qwen3's RMSNorm, DBRX's bias-free LayerNorm
+        name = "RMSNorm" if norm == "rms" else "LayerNorm (DBRX)"
+        ref_fn, triton_fn = ((norm_rope_ref.add_rms_norm, norm_rope_triton.add_rms_norm) if norm == "rms" else
+                             (norm_rope_ref.add_layer_norm, norm_rope_triton.add_layer_norm))
+        with ctx.case(f"residual add + {name}, {tokens} tokens x {hidden}") as case:
+            x, res = (torch.randn(tokens, hidden, generator=g, device=ctx.device) + 1.0 for _ in range(2))
+            weight = torch.rand(hidden, generator=g, device=ctx.device)
+            want = ref_fn(x, res, weight, 1e-5)[0]
+            low = [t.to(scale.dtype) for t in (x, res, weight)]
+            _errors(case, triton_fn(*low, 1e-5)[0], want, ref_fn(*low, 1e-5)[0], scale.atol)
     with ctx.case(f"rotary + KV write {heads}, {tokens} tokens") as case:
         qk = torch.randn(tokens, heads.q + heads.kv, heads.dim, generator=g, device=ctx.device)
         v = torch.randn(tokens, heads.kv, heads.dim, generator=g, device=ctx.device)

@@ -1,4 +1,4 @@
-"""Tiny random Mixtral and Qwen3-MoE checkpoints written by transformers' own `save_pretrained`
+"""Tiny random Mixtral, Qwen3-MoE and DBRX checkpoints written by transformers' own `save_pretrained`
 (the GPU check's engine comparisons and the test suite's fixtures), with the prompts they are
 compared on."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("mixtral", "qwen3_moe")
+KINDS = ("mixtral", "qwen3_moe", "dbrx")
 VOCAB = 320
 PROMPT_LENGTHS = (5, 17, 33, 1, 24)
 
@@ -32,6 +32,14 @@ def write_tiny_checkpoint(kind: str, directory: Path):
                                           num_experts=6, norm_topk_prob=False,
                                           **{**common, "num_experts_per_tok": 3})
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "dbrx":
+        # Fused Wqkv and expert tensors, bias-free LayerNorms; clip_qkv 2 clips some of q, k and v
+        # at this initialisation (their std is ~1.6), so the clamp is exercised.
+        cfg = transformers.DbrxConfig(
+            vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=3, max_seq_len=512, initializer_range=0.2,
+            attn_config={"kv_n_heads": 2, "clip_qkv": 2.0, "rope_theta": 10000.0},
+            ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 6, "moe_top_k": 2, "moe_normalize_expert_weights": 1.0})
+        model = transformers.DbrxForCausalLM(cfg)
     else:
         raise ValueError(f"kind {kind!r}: choose one of {', '.join(KINDS)}")
     model.eval()
