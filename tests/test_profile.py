@@ -82,7 +82,7 @@ def test_quick_cpu_profile_at_tp2_measures_the_allreduce(tmp_path):
     (["--device", "tpu"], "--device 'tpu'"),
     (["--tp", "3"], "--tp 3 does not divide"),
     (["--max-model-len", "16"], "--max-model-len 16"),
-    (["--model", "dbrx"], "shape-only"),
+    (["--model", "dbrx", "--device", "cpu"], "shape-only on the CPU"),
 ])
 def test_bad_options_exit_2_without_a_traceback(argv, message, capsys):
     assert main(["profile", "--quick", *argv]) == 2

@@ -96,6 +96,12 @@ def resolve_target(request: ProfileRequest) -> ResolvedTarget:
     config = EngineConfig(dtype=request.dtype, device=request.device, seed=request.seed,
                           max_model_len=request.max_model_len, num_threads=request.threads).resolve(model)
     device = torch.device(config.device)
+    if device.type == "cpu" and checkpoint is None and not model.runnable_with_random_weights:
+        # The bench holds whole layers of random weights (a paper-scale preset's one layer of
+        # experts is ~10 GB in float32): on a GPU that is the point, on this host's memory it is not.
+        raise ConfigError(f"--model {request.model}: a paper-scale preset is shape-only on the CPU "
+                          f"({model.num_params / 1e9:.0f}B parameters of random weights); profile it with --device "
+                          "cuda, or profile a checkpoint or a runnable preset (megainfer-demo, tiny-mixtral) here")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"--device {request.device}: torch sees no GPU here; pass --device cpu")
