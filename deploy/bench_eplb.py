@@ -25,6 +25,7 @@ from megainfer.bench.report import format_table, write_json
 from megainfer.engine.engine import Engine
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import DataPlaneError, PlanError
+from megainfer.expert_replicas import imbalance
 from megainfer.messages import FinishReason, NodeRole, RebalanceReport
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
@@ -43,8 +44,7 @@ class Window:
 
     @property
     def imbalance(self) -> float:
-        pairs = np.asarray(self.node_pairs, dtype=np.float64)
-        return float(pairs.max() / pairs.mean()) if pairs.sum() else 1.0
+        return imbalance(np.asarray(self.node_pairs, dtype=np.float64))
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,7 +115,7 @@ def measure_window(deployment: Deployment, load: SteadyLoad, seconds: float) -> 
     time.sleep(seconds)
     pairs = expert_pairs(deployment) - pairs
     elapsed, tokens = time.perf_counter() - start, load.delivered - delivered
-    per_layer = [float(col.max() / col.mean()) if col.sum() else 1.0 for col in pairs.T]
+    per_layer = [imbalance(col) for col in pairs.T]
     return Window(elapsed, tokens, pairs.sum(axis=1).tolist(), per_layer)
 
 

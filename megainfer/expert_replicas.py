@@ -87,13 +87,16 @@ class LayerReplicas:
                 table[e, b] = slots[pick]
         return table
 
+    def share_matrix(self, num_experts: int) -> np.ndarray:
+        """[E, nodes]: the share of each expert's tokens each node takes (a node holds an expert once)."""
+        matrix = np.zeros((num_experts, self.num_nodes))
+        for j, (experts, shares) in enumerate(zip(self.node_experts, self.node_shares)):
+            matrix[list(experts), j] = shares
+        return matrix
+
     def node_load(self, expert_tokens: np.ndarray) -> np.ndarray:
         """[nodes] tokens each node would take of `expert_tokens` ([E]) under this placement."""
-        load = np.zeros(self.num_nodes)
-        for j, (experts, shares) in enumerate(zip(self.node_experts, self.node_shares)):
-            for e, share in zip(experts, shares):
-                load[j] += share * float(expert_tokens[e])
-        return load
+        return np.asarray(expert_tokens, dtype=np.float64) @ self.share_matrix(len(expert_tokens))
 
     def check(self, num_experts: int) -> None:
         if len(self.node_shares) != len(self.node_experts) or any(
@@ -116,14 +119,6 @@ class LayerReplicas:
                                   f"must be non-negative and sum to 1")
         if any(not 0 <= e < num_experts for experts in self.node_experts for e in experts):
             raise ConfigError(f"expert replicas: expert ids must lie in [0, {num_experts})")
-
-
-def contiguous_layer(num_experts: int, num_nodes: int) -> LayerReplicas:
-    """Each node a contiguous, equal run of experts, one slot each: the placement without replicas."""
-    if num_experts % num_nodes:
-        raise ConfigError(f"{num_nodes} expert nodes do not divide the model's {num_experts} experts")
-    per = num_experts // num_nodes
-    return from_assignment([list(range(j * per, (j + 1) * per)) for j in range(num_nodes)])
 
 
 def from_assignment(assignment: list[list[int]], slots_per_node: int | None = None) -> LayerReplicas:
@@ -176,13 +171,9 @@ class ExpertReplicas:
         return ExpertReplicas(self.version + 1, tuple(LayerReplicas(experts, shares, self.slots_per_node)
                                                       for experts, shares in layouts))
 
-    def node_experts(self, node: int) -> list[list[int]]:
-        """Node `node`'s experts, layer by layer (one slot each)."""
-        return [list(layer.node_experts[node]) for layer in self.layers]
-
-    def node_slots(self, node: int) -> list[list[int]]:
-        """Node `node`'s slot ids, layer by layer."""
-        return [layer.node_slots(node) for layer in self.layers]
+    def share_matrices(self, num_experts: int) -> np.ndarray:
+        """[layers, E, nodes]: every layer's `share_matrix`."""
+        return np.stack([layer.share_matrix(num_experts) for layer in self.layers])
 
     @property
     def slots_per_node(self) -> int:
@@ -199,9 +190,8 @@ def placed_load(replicas: ExpertReplicas | None, loads: np.ndarray) -> tuple[np.
     a layer saw none). The units are the expert nodes of `replicas`, or the experts themselves
     where there is no placement (the colocated engine)."""
     loads = np.asarray(loads, dtype=np.float64)
-    rows = loads if replicas is None else np.stack([layer.node_load(row) for layer, row in zip(replicas.layers, loads)])
-    per_layer = [float(r.max() / r.mean()) if r.sum() else 1.0 for r in rows]
-    return rows.sum(axis=0), per_layer
+    rows = loads if replicas is None else np.einsum("le,len->ln", loads, replicas.share_matrices(loads.shape[1]))
+    return rows.sum(axis=0), [imbalance(r) for r in rows]
 
 
 def imbalance(units: np.ndarray) -> float:

@@ -14,7 +14,7 @@ from megainfer.disagg.expert_slot_maps import SlotMaps
 from megainfer.disagg.expert_switch import ExpertSwitch
 from megainfer.engine.expert_load_window import ExpertLoadWindow
 from megainfer.errors import ConfigError, DataPlaneError, PlanError
-from megainfer.expert_replicas import ExpertReplicas, LayerReplicas, contiguous_layer, from_assignment
+from megainfer.expert_replicas import ExpertReplicas, LayerReplicas, from_assignment
 from megainfer.plan import Plan
 
 
@@ -40,7 +40,7 @@ def test_slots_are_numbered_by_each_nodes_room_and_mapped_to_their_nodes():
     assert layer.num_slots == 6 and layer.slot_node() == [0, 0, 0, 1, 1, 1]
     assert layer.node_slots(1) == [3, 4]
     assert layer.expert_replicas(4)[0] == [(0, 0.6), (4, 0.4)]
-    assert not layer.is_identity(4) and contiguous_layer(8, 2).is_identity(8)
+    assert not layer.is_identity(4) and from_assignment([[0, 1, 2, 3], [4, 5, 6, 7]]).is_identity(8)
     np.testing.assert_allclose(layer.node_load(np.array([100, 10, 10, 10])), [60 + 20, 10 + 40])
     table = layer.slot_table(4, REPLICA_BUCKETS)
     assert set(table[0]) == {0, 4} and set(table[3]) == {3}
@@ -105,7 +105,7 @@ def test_a_switch_arriving_after_its_step_began_is_refused_not_applied_late():
     maps.apply_due(12, [])
     assert maps.current.version == 1
     with pytest.raises(DataPlaneError, match="cannot move"):
-        SlotMaps(ExpertReplicas.uniform(contiguous_layer(8, 2), cfg.num_layers), 8, torch.device("cpu"),
+        SlotMaps(ExpertReplicas.uniform(from_assignment([[0, 1, 2, 3], [4, 5, 6, 7]]), cfg.num_layers), 8, torch.device("cpu"),
                  movable=False).switch_at(5, new)
     switch = ExpertSwitch(0)
     with pytest.raises(DataPlaneError, match="not staged"):

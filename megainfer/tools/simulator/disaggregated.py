@@ -20,6 +20,7 @@ planner's prediction differ only by the draws' spread around the mean load.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,7 @@ class PlanSimulator:
         skew = perf.skew or SkewPricing(model.num_experts, model.top_k, 0.0, 0.0)
         self.shares = skew.shares  # per expert id, as the planner lays the ranks over the ids
         self.replicas = plan.expert_replicas(model)
+        self.node_shares = self.replicas.share_matrices(model.num_experts)  # [L, E, nodes], as placed now
         spec = plan.experts.rebalance
         self.window_steps = spec.window_steps if spec is not None else DEFAULT_WINDOW_STEPS
         self.floor = spec.floor_tokens if spec is not None else 0.0
@@ -83,17 +85,18 @@ class PlanSimulator:
     def run(self, steps: int) -> PlanSimulation:
         m, layers = self.plan.pipeline.micro_batches, self.model.num_layers
         pairs_per_round = int(round(self.plan.pipeline.global_batch / m)) * self.model.top_k
-        window: list[np.ndarray] = []
+        window: deque[np.ndarray] = deque(maxlen=self.window_steps)
         tbt, loads_before, loads_after, replaced_at = [], [], [], None
         for step in range(steps):
             counts = self.rng.multinomial(pairs_per_round, self.shares, size=(layers, m))  # [L, m, E]
             tbt.append(self._step_time(counts))
             per_layer = counts.sum(axis=1)
             (loads_after if replaced_at is not None else loads_before).append(per_layer)
-            window = (window + [per_layer])[-self.window_steps:]
+            window.append(per_layer)
             if replaced_at is None and self.redundant and len(window) == self.window_steps:
                 self.replicas = self.replicas.replaced(re_place(np.sum(window, axis=0), self.replicas.held(),
                                                                 self.redundant, self.floor))
+                self.node_shares = self.replicas.share_matrices(self.model.num_experts)
                 replaced_at = step + 1
         before = imbalance(placed_load(self.plan.expert_replicas(self.model), np.sum(loads_before, axis=0))[0])
         after = imbalance(placed_load(self.replicas, np.sum(loads_after, axis=0))[0]) if loads_after else before
@@ -102,8 +105,7 @@ class PlanSimulator:
     def _step_time(self, counts: np.ndarray) -> float:
         """One step: each (layer, micro-batch) at its hottest expert node's T_e."""
         c, perf = self.candidate, self.perf
-        hottest = np.stack([np.stack([layer.node_load(row) for row in rounds]).max(axis=1)
-                            for layer, rounds in zip(self.replicas.layers, counts)])  # [L, m] pairs
+        hottest = np.einsum("lme,len->lmn", counts, self.node_shares).max(axis=2)  # [L, m] pairs
         t_e = perf.expert_time(self.expert_side, hottest / self.held[0], self.held)  # tokens per held expert
         t_f = np.maximum(c.t_a, t_e)
         trip = c.t_a + t_e + 2 * c.t_c
