@@ -241,32 +241,28 @@ def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_no
 def add_rms_norm(x, residual, weight, eps: float):
     """(RMSNorm(residual + x), residual + x): a layer's residual add and the norm after it, one
     kernel on CUDA (not timed: `FUSED_RULE`)."""
-    from kernels import norm_rope_ref as r
-
-    def triton_fn():
-        from kernels import norm_rope_triton as t
-
-        return t.add_rms_norm(x, residual, weight, eps)
-
-    def key():
-        return ShapeKey("add_rms_norm", (x.dtype, x.shape[1]), (bucket(x.shape[0]),), ("tokens",))
-
-    return _fused(x.device, key, triton_fn, lambda: r.add_rms_norm(x, residual, weight, eps))
+    return _add_norm("add_rms_norm", x, residual, weight, eps)
 
 
 def add_layer_norm(x, residual, weight, eps: float):
     """(LayerNorm(residual + x), residual + x) without a bias (DBRX), one kernel on CUDA (`FUSED_RULE`)."""
+    return _add_norm("add_layer_norm", x, residual, weight, eps)
+
+
+def _add_norm(op: str, x, residual, weight, eps: float):
+    """`op` ("add_rms_norm" or "add_layer_norm"), by the function of that name in the reference
+    and the Triton module."""
     from kernels import norm_rope_ref as r
 
     def triton_fn():
         from kernels import norm_rope_triton as t
 
-        return t.add_layer_norm(x, residual, weight, eps)
+        return getattr(t, op)(x, residual, weight, eps)
 
     def key():
-        return ShapeKey("add_layer_norm", (x.dtype, x.shape[1]), (bucket(x.shape[0]),), ("tokens",))
+        return ShapeKey(op, (x.dtype, x.shape[1]), (bucket(x.shape[0]),), ("tokens",))
 
-    return _fused(x.device, key, triton_fn, lambda: r.add_layer_norm(x, residual, weight, eps))
+    return _fused(x.device, key, triton_fn, lambda: getattr(r, op)(x, residual, weight, eps))
 
 
 def rotary_store_kv(qk, v, positions, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads: int):

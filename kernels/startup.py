@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -173,11 +174,11 @@ def warm_up_attention(key_cache: torch.Tensor, value_cache: torch.Tensor, query_
 
 def warm_up_norm_rope(query_heads: int, kv_heads: int, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                       sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      layer_norm: bool = False) -> None:
+                      add_norm: Callable = dispatch.add_rms_norm) -> None:
     """The attention half's fused kernels (one variant each per model): the rotation with the
     KV write, over a projection laid out as the layer's (q, k, v side by side: strided views),
-    into this scratch cache; the residual add with the norm after it (RMSNorm, or with
-    `layer_norm` DBRX's LayerNorm)."""
+    into this scratch cache; the residual add with the norm after it (`add_norm`: the layer's,
+    RMSNorm's or DBRX's LayerNorm's)."""
     device, dtype, d = key_cache.device, key_cache.dtype, key_cache.shape[-1]
     qkv = torch.randn(2, (query_heads + 2 * kv_heads) * d, device=device, dtype=dtype)
     qk = qkv[:, :(query_heads + kv_heads) * d].view(2, query_heads + kv_heads, d)
@@ -185,17 +186,15 @@ def warm_up_norm_rope(query_heads: int, kv_heads: int, norm_weight: torch.Tensor
     positions = torch.zeros(2, dtype=torch.int64, device=device)
     dispatch.rotary_store_kv(qk, v, positions, cos, sin, key_cache, value_cache, positions, query_heads)
     hidden = torch.randn(2, norm_weight.shape[0], device=device, dtype=dtype)
-    (dispatch.add_layer_norm if layer_norm else dispatch.add_rms_norm)(hidden, hidden, norm_weight, eps)
+    add_norm(hidden, hidden, norm_weight, eps)
 
 
-def warm_up_gating(num_experts: int, top_k: int, renormalize: bool, expert_node: torch.Tensor | None,
-                   num_nodes: int, max_tokens: int, dtype: torch.dtype, device: torch.device,
-                   expert_slots: torch.Tensor | None = None) -> None:
-    """Fused gating (one variant per model, node map and slot table), at the node's token counts;
-    `dtype`: the router logits' (float32 where a fixed bias is added to them)."""
+def warm_up_gating(route: Callable[[torch.Tensor], object], width: int, max_tokens: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """Fused gating as the node routes (`route`: its input [tokens, width] to the gating, which
+    fixes the variant: the logits' dtype, the node map, the slot table), at the node's token counts."""
     for tokens in _powers(max_tokens, 16):
-        logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
-        dispatch.fused_gating(logits, top_k, renormalize, expert_node, num_nodes, None, expert_slots)
+        route(torch.randn(tokens, width, device=device, dtype=dtype))
 
 
 def warm_up_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, max_pairs: int) -> None:

@@ -34,11 +34,8 @@ def _attention(layer: AttentionLayer, rotary, config: EngineConfig, max_model_le
     warm_up_attention(key_cache, value_cache, layer.num_heads, layer.scale,
                       attention_grid(config.max_num_seqs, tokens, max_model_len))
     warm_up_norm_rope(layer.num_heads, layer.num_kv_heads, layer.post_norm.weight, layer.post_norm.eps, rotary.cos,
-                      rotary.sin, key_cache, value_cache, layer_norm=cfg.norm == "layer")
-    logits_dtype = torch.float32 if layer.router_logit_bias is not None else key_cache.dtype
-    warm_up_gating(cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, layer.expert_node,
-                   0 if layer.expert_node is None else layer.num_expert_nodes, tokens, logits_dtype,
-                   key_cache.device, layer.expert_slots)
+                      rotary.sin, key_cache, value_cache, layer.add_norm)
+    warm_up_gating(layer.route, cfg.hidden_size, tokens, key_cache.dtype, key_cache.device)
 
 
 @torch.inference_mode()

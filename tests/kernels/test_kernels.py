@@ -576,7 +576,8 @@ def test_warm_up_decides_a_nodes_shapes_at_start_and_serving_times_nothing(monke
     # a step's decodes and prompt tokens together within its 20 tokens
     assert grid == [(0, 16, 40), (0, 20, 40), (1, 0, 40), (1, 16, 40), (4, 0, 40), (4, 16, 40)]
     startup.warm_up_attention(cache.k, cache.v, 8, 32 ** -0.5, grid)
-    startup.warm_up_gating(6, 2, True, None, 0, 20, torch.float32, torch.device("cpu"))
+    startup.warm_up_gating(lambda logits: dispatch.fused_gating(logits, 2, True), 6, 20, torch.float32,
+                           torch.device("cpu"))
     w_gate_up, w_down = torch.randn(3, 24, 32) * 0.1, torch.randn(3, 32, 12) * 0.1
     startup.warm_up_experts(w_gate_up, w_down, 2, 40)
     ops = {d.op for d in dispatch.decisions()}
