@@ -25,6 +25,13 @@ def node_slots(replicas: ExpertReplicas, node: int) -> list[tuple[list[int], Nod
             for layer in replicas.layers]
 
 
+def _stage_layers(layers: list[ExpertLayer], replicas: ExpertReplicas, node: int,
+                  weights: WeightSource) -> list[StagedExperts]:
+    """Every layer's experts of `replicas` on node `node`, loaded beside the serving ones."""
+    return [layer.stage(experts, slots.ids, weights)
+            for layer, (experts, slots) in zip(layers, node_slots(replicas, node))]
+
+
 class ExpertSwitch:
     def __init__(self, version: int) -> None:
         self.version = version  # the placement serving now
@@ -36,8 +43,7 @@ class ExpertSwitch:
               weights: WeightSource) -> StagedPlacement:
         """Load `replicas`' experts of node `node` beside the serving ones."""
         start = time.perf_counter()
-        staged = [layer.stage(experts, slots.ids, weights)
-                  for layer, (experts, slots) in zip(layers, node_slots(replicas, node))]
+        staged = _stage_layers(layers, replicas, node, weights)
         with self._lock:
             self._staged[replicas.version] = staged
         return StagedPlacement(replicas.version, sum(s.nbytes for s in staged), sum(len(s.changed) for s in staged),
@@ -75,8 +81,7 @@ class ExpertSwitch:
 
     def restore(self, layers: list[ExpertLayer], replicas: ExpertReplicas, node: int, weights: WeightSource) -> None:
         """Serve `replicas` at once: after a re-wire, before the deployment serves again."""
-        staged = [layer.stage(experts, slots.ids, weights)
-                  for layer, (experts, slots) in zip(layers, node_slots(replicas, node))]
+        staged = _stage_layers(layers, replicas, node, weights)
         self._switch.clear()
         with self._lock:
             self._staged = {}

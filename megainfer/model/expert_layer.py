@@ -57,7 +57,7 @@ class ExpertLayer(nn.Module):
         dimension (gate and up rows, down columns): its output is a partial sum, and the
         ranks' outputs add up to the layer's. `slots`: where experts have replicas
         (megainfer/expert_replicas.py), the slot ids the records name for `expert_ids`, and room
-        for more experts than it holds now (a re-placement fills it, `place`)."""
+        for more experts than it holds now (a re-placement fills it: `stage`, `commit`)."""
         super().__init__()
         self.cfg = cfg
         self.layer = layer
@@ -103,12 +103,12 @@ class ExpertLayer(nn.Module):
         # holding fewer experts than top-k (a static bound: CUDA graphs keep their shapes).
         held = x.shape[0] * min(k, n)
         local, order = local[:held], order[:held]
-        self.pairs_served += (local < n).sum()
         token_ids = order // k
         # Counts and offsets stay on the device (scatter_add: bincount reads its range back):
         # the Triton GEMM reads them there; the torch reference reads them back itself.
         counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
         offsets = torch.cat([counts.new_zeros(1), counts[:n].cumsum(0)])
+        self.pairs_served += offsets[-1]  # the pairs held here: the offsets' end, counted already
         out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down,
                                           topk_weights.reshape(-1)[order], packed=self.packed)
         if not self.holds_all or valid is not None:  # rows past the last offset were never computed
