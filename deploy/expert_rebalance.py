@@ -62,10 +62,6 @@ class ExpertRebalancer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @property
-    def movable(self) -> bool:
-        return self.plan.places_experts
-
     def load(self) -> ExpertLoadReport:
         """The deployment's window: every attention leader's, added up."""
         reports = [r for r in gather([n.expert_load.remote() for n in self.group.attention], CALL_TIMEOUT_S)
@@ -81,7 +77,7 @@ class ExpertRebalancer:
 
     def rebalance(self) -> RebalanceReport:
         """One re-placement from the present window; the report says what moved and when it switched."""
-        if not self.movable:
+        if not self.plan.places_experts:
             raise ConfigError("this plan's experts cannot move: set experts.redundant_per_node or "
                               "experts.rebalance in the plan")
         with self._lock:

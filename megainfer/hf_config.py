@@ -22,14 +22,15 @@ from megainfer.presets import PRESETS
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _rope_theta(cfg: dict[str, Any], name: str, model_type: str) -> float:
-    """The checkpoint's RoPE theta, refusing what megainfer does not run (scaled RoPE, sliding windows)."""
+def _rope_theta(cfg: dict[str, Any], name: str, model_type: str, fallback: float | None = None) -> float:
+    """The checkpoint's RoPE theta (`fallback` where the file names none at the top level),
+    refusing what megainfer does not run (scaled RoPE, sliding windows)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"{name}: rope type {rope_type!r} (rope_parameters.rope_type) is not "
                           "supported; only the default RoPE is")
-    rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", fallback))
     if rope_theta is None:
         raise ConfigError(f"{name}: no rope theta: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
     sliding = cfg.get("sliding_window")
@@ -155,10 +156,7 @@ def _dbrx_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
         raise ConfigError(f"{where}: attn_config.qk_ln (LayerNorm on q and k) is not supported")
     # transformers 5 writes `rope_parameters` (and reads only it); DBRX's own config.json gives
     # attn_config.rope_theta, which transformers 5 ignores: megainfer follows the file.
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"{where}: rope type {rope.get('rope_type')!r} is not supported; only the default RoPE is")
-    theta = rope.get("rope_theta", attn.get("rope_theta", 10000.0))
+    theta = _rope_theta(cfg, where, "dbrx", fallback=attn.get("rope_theta", 10000.0))
     hidden, heads = need("d_model", "hidden_size"), need("n_heads", "num_attention_heads")
     for key in ("moe_num_experts", "moe_top_k", "ffn_hidden_size"):
         if ffn.get(key) is None:

@@ -106,7 +106,7 @@ class RandomWeights:
         self.std = std
 
     def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
-        if name.endswith("norm.weight") or ".norm_" in name and name.endswith(".weight") and len(shape) == 1:
+        if "norm" in name.split(".")[-2]:  # a norm's weight (input_layernorm, q_norm, DBRX's norm_1, norm_f)
             tensor = torch.ones(shape)
         else:
             generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))

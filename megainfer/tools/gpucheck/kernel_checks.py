@@ -224,12 +224,18 @@ def check_gating(ctx: CheckContext, scale: Scale, experts: Experts) -> None:
         flat = out.topk_ids.flatten()
         if not torch.equal(flat[out.pair_order[out.pair_positions]], flat):
             raise AssertionError("pair_order and pair_positions are not inverse permutations")
-        bounds = out.node_offsets.tolist()
-        for n in range(4):
-            sent = out.node_token_ids[bounds[n]:bounds[n + 1]].sort().values
-            if not torch.equal(sent, (node[out.topk_ids] == n).any(1).nonzero().flatten()):
-                raise AssertionError(f"node {n}'s token list differs from the tokens routed to it")
+        _check_node_tokens(out, node)
         case.figures["max_weight_err"] = (out.topk_weights - ref.topk_weights).abs().max().item()
+
+
+def _check_node_tokens(gating, slot_node: torch.Tensor) -> None:
+    """Each node's token list is the tokens with a pair on one of its slots (a slot is its
+    expert where there are no replicas: `topk_slots` is then the ids)."""
+    bounds = gating.node_offsets.tolist()
+    for n in range(len(bounds) - 1):
+        sent = gating.node_token_ids[bounds[n]:bounds[n + 1]].sort().values
+        if not torch.equal(sent, (slot_node[gating.topk_slots] == n).any(1).nonzero().flatten()):
+            raise AssertionError(f"node {n}'s token list differs from the tokens routed to it")
 
 
 def check_replica_gating(ctx: CheckContext, scale: Scale, experts: Experts) -> None:
@@ -255,11 +261,7 @@ def check_replica_gating(ctx: CheckContext, scale: Scale, experts: Experts) -> N
             raise AssertionError("top-k ids or their slots differ from the torch reference")
         if not torch.equal(out.node_counts, ref.node_counts):
             raise AssertionError("node counts differ from the torch reference")
-        bounds = out.node_offsets.tolist()
-        for n in range(4):
-            sent = out.node_token_ids[bounds[n]:bounds[n + 1]].sort().values
-            if not torch.equal(sent, (slot_node[out.topk_slots] == n).any(1).nonzero().flatten()):
-                raise AssertionError(f"node {n}'s token list differs from the tokens routed to its slots")
+        _check_node_tokens(out, slot_node)
         case.figures["replica_pairs"] = int((out.topk_slots % room == per).sum().item())
 
 
