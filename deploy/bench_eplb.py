@@ -22,10 +22,9 @@ import numpy as np
 
 from deploy.deployment import Deployment
 from megainfer.bench.report import format_table, write_json
-from megainfer.engine.engine import Engine
-from megainfer.engine_config import EngineConfig
 from megainfer.errors import DataPlaneError, PlanError
 from megainfer.expert_replicas import imbalance
+from megainfer.llm import LLM
 from megainfer.messages import FinishReason, NodeRole, RebalanceReport
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
@@ -120,15 +119,9 @@ def measure_window(deployment: Deployment, load: SteadyLoad, seconds: float) -> 
 
 
 def colocated_tokens(plan: Plan, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    engine = Engine(plan.model, EngineConfig(dtype=plan.dtype, max_num_seqs=plan.scheduler.max_num_seqs,
-                                             max_num_batched_tokens=plan.scheduler.max_num_batched_tokens))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            out[delta.request_id] += delta.new_token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    llm = LLM(plan.model, dtype=plan.dtype, device="cpu", max_num_seqs=plan.scheduler.max_num_seqs,
+              max_num_batched_tokens=plan.scheduler.max_num_batched_tokens)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
 @dataclass
