@@ -18,6 +18,7 @@ import torch
 from kernels.choice import KernelFailed, ShapeChoice, ShapeKey, bucket
 from kernels.kernel_settings import KERNELS, SettingError
 from kernels.launch import interpreted
+from kernels.moe_ref import SWIGLU
 
 BACKENDS = KERNELS.choices  # what MEGAINFER_KERNELS may force
 ENV = KERNELS.name
@@ -290,30 +291,42 @@ def _fused(device, key, triton_fn, reference):
     return _pick(mode, key, triton_fn, reference)
 
 
-def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packed=None):
+def grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, packed=None, activation=SWIGLU,
+                        gate_up_bias=None, down_bias=None):
     """`expert_offsets`: a list, or an int64 tensor [E + 1] on x's device (the Triton kernel reads
     it there; the torch reference, which loops over experts on the host, reads it back).
     `packed`: the same experts prepacked for the CPU (`moe_packed.PackedExperts`): used on CPU
-    tensors unless MEGAINFER_KERNELS asks for another backend."""
+    tensors unless MEGAINFER_KERNELS asks for another backend.
+    `activation` (`moe_ref.ExpertActivation`, plain SwiGLU by default) and the biases
+    (gate_up_bias [E, 2I], down_bias [E, H], or None): gpt-oss's experts, as
+    `moe_ref.grouped_expert_gemm` computes them on every backend, the packed one included. Each
+    bias is added as given (under tensor parallelism the caller passes down_bias on one rank)."""
     from kernels import moe_ref as r
 
+    variant = dict(activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
     if packed is not None and x.device.type == "cpu" and not env_choice() and not _capturing():
         from kernels import moe_packed
 
         offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)
-        return moe_packed.grouped_expert_gemm(x, [b - a for a, b in zip(offsets, offsets[1:])], packed, row_weights)
+        return moe_packed.grouped_expert_gemm(x, [b - a for a, b in zip(offsets, offsets[1:])], packed, row_weights,
+                                              **variant)
 
     def triton_fn():
         from kernels import moe_triton as t
 
-        return t.grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights)
+        return t.grouped_expert_gemm(x, expert_offsets, w_gate_up, w_down, row_weights, **variant)
 
     def key():
-        return ShapeKey("grouped_expert_gemm", (x.dtype, *w_gate_up.shape, w_down.shape[2]), (bucket(x.shape[0]),),
-                        ("pairs",))
+        # The plain variant keeps its key (decisions already reported); gpt-oss's adds the activation
+        # and which biases it carries: each variant is its own kernel and is timed on its own.
+        kind = () if activation == SWIGLU else (str(activation),)
+        biases = "+".join(n for n, b in (("gate_up", gate_up_bias), ("down", down_bias)) if b is not None)
+        kind += (f"bias={biases}",) if biases else ()
+        return ShapeKey("grouped_expert_gemm", (x.dtype, *w_gate_up.shape, w_down.shape[2], *kind),
+                        (bucket(x.shape[0]),), ("pairs",))
 
     def reference():
         offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else expert_offsets
-        return r.grouped_expert_gemm(x, offsets, w_gate_up, w_down, row_weights)
+        return r.grouped_expert_gemm(x, offsets, w_gate_up, w_down, row_weights, **variant)
 
     return _pick(backend(x.device), key, triton_fn, reference)

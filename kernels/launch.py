@@ -68,3 +68,17 @@ def check_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
             raise ValueError(f"{name}: dtype {w.dtype} differs from x's {x.dtype}")
     if row_weights.shape != (x.shape[0],):
         raise ValueError(f"row_weights: want [{x.shape[0]}], got shape {tuple(row_weights.shape)}")
+
+
+def check_expert_biases(dtype: torch.dtype, experts: int, two_i: int, h: int, gate_up_bias: torch.Tensor | None,
+                        down_bias: torch.Tensor | None) -> None:
+    """A ValueError naming the bias of a grouped expert GEMM the kernels cannot read: each is a
+    contiguous [experts, width] tensor in the weights' dtype, or None."""
+    for name, bias, width in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, h)):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != (experts, width) or not bias.is_contiguous():
+            raise ValueError(f"{name}: want a contiguous [{experts}, {width}] tensor, got shape {tuple(bias.shape)}, "
+                             f"strides {bias.stride()}")
+        if bias.dtype != dtype:
+            raise ValueError(f"{name}: dtype {bias.dtype} differs from x's {dtype}")

@@ -15,6 +15,12 @@ or avx_ne_convert (an AVX2-only EPYC has neither; ONEDNN_MAX_CPU_ISA can also ca
 this CPU allows is found by one tiny pack and multiply per dtype, at first use, and where it
 fails the experts stay unpacked (the dispatcher's per-expert torch GEMM), logged once with
 oneDNN's reason.
+
+gpt-oss's variant (biases, the clamped SwiGLU) runs here too: the biases are taken per call,
+as the reference takes them, and go into oneDNN's linear as its bias operand (added in the
+same call, as `F.linear` adds them: the same numbers as the reference's per-expert loop). They
+are not packed: a bias is read once per call, not re-blocked, so packing would save nothing,
+and the expert layer keeps one copy of them for every backend.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import moe_ref
+from kernels.launch import check_expert_biases
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -70,21 +77,26 @@ class PackedExperts:
         return cls([reorder(w.contiguous(), None) for w in w_gate_up], [reorder(w.contiguous(), None) for w in w_down])
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def grouped_expert_gemm(x: torch.Tensor, counts: list[int], experts: PackedExperts,
-                        row_weights: torch.Tensor) -> torch.Tensor:
+def grouped_expert_gemm(x: torch.Tensor, counts: list[int], experts: PackedExperts, row_weights: torch.Tensor,
+                        activation: moe_ref.ExpertActivation = moe_ref.SWIGLU, gate_up_bias: torch.Tensor | None = None,
+                        down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """As `moe_ref.grouped_expert_gemm`, with per-expert row counts read on the host: rows
     [sum(counts[:e]), sum(counts[:e + 1])) go through expert e (the reference's per-expert loop
-    over the packed weights); rows past the last count come out zero."""
+    over the packed weights); rows past the last count come out zero. `activation` and the
+    biases ([E, 2I] and [E, H], x's dtype) as there."""
+    two_i = experts.gate_up[0].shape[0] if experts.gate_up else 0  # a packed weight keeps its logical shape
+    check_expert_biases(x.dtype, len(experts.gate_up), two_i, x.shape[1], gate_up_bias, down_bias)
     total = sum(counts)
     x = x.contiguous()  # oneDNN reads dense rows
+    variant = dict(linear=_linear, activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
     if total == x.shape[0]:
-        out = moe_ref._per_expert(x, counts, experts.gate_up, experts.down, linear=_linear)
+        out = moe_ref._per_expert(x, counts, experts.gate_up, experts.down, **variant)
     else:
         out = torch.zeros_like(x)
         if total:
-            out[:total] = moe_ref._per_expert(x[:total], counts, experts.gate_up, experts.down, linear=_linear)
+            out[:total] = moe_ref._per_expert(x[:total], counts, experts.gate_up, experts.down, **variant)
     return (out * row_weights[:, None]).to(x.dtype)

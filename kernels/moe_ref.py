@@ -1,5 +1,6 @@
 """Torch references of the MoE kernels: fused gating (router logits to top-k, counts and the
-send-order permutation) and the grouped SwiGLU expert GEMM over tokens sorted by expert."""
+send-order permutation) and the grouped SwiGLU expert GEMM over tokens sorted by expert, with
+gpt-oss's variant of it (per-expert biases and a clamped SwiGLU, `ExpertActivation`)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,46 @@ def fused_gating(logits: torch.Tensor, top_k: int, renormalize: bool, expert_nod
     return g
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert's gate and up projections combine into its hidden activation.
+
+    alpha and limit both None: SwiGLU, silu(gate) * up (Mixtral, Qwen3, DBRX). Both set: the
+    clamped form of gpt-oss (transformers' GptOssExperts; alpha 1.702, limit 7.0 there):
+    gate = min(gate, limit), up = clamp(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate).
+    The clamp bounds what one expert's hidden state can reach, so it is part of the model, not
+    an optimisation: leaving it out changes the outputs."""
+
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self):
+        if (self.alpha is None) != (self.limit is None):
+            raise ValueError(f"ExpertActivation: alpha ({self.alpha}) and limit ({self.limit}) are set together "
+                             "(the clamped SwiGLU) or not at all (plain SwiGLU)")
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"ExpertActivation: limit must be > 0, got {self.limit}")
+
+    @property
+    def clamped(self) -> bool:
+        return self.limit is not None
+
+    def __str__(self) -> str:
+        """One word (it sits in a `ShapeKey`'s space-separated shape)."""
+        return f"clamped-swiglu(alpha={self.alpha:g},limit={self.limit:g})" if self.clamped else "swiglu"
+
+    def apply(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The hidden activation from the gate and up projections (bias already added), in their dtype."""
+        if not self.clamped:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(self.alpha * gate))
+
+
+SWIGLU = ExpertActivation()  # the default: silu(gate) * up
+
+
 # Above this many rows per expert, padding every expert to the busiest one costs more (the
 # padded buffers' traffic) than the per-expert GEMM calls it saves: on a 2-core CPU the
 # padded path is 1.7x slower at 2,048 tokens over 8 experts, and on par at 1,024.
@@ -100,52 +141,75 @@ BATCHED_MAX_ROWS = 256
 
 
 def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                        row_weights: torch.Tensor) -> torch.Tensor:
+                        row_weights: torch.Tensor, activation: ExpertActivation = SWIGLU,
+                        gate_up_bias: torch.Tensor | None = None,
+                        down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU experts over rows grouped by expert: rows [off[e], off[e+1]) of x [P, H] go through
     expert e (w_gate_up [E, 2I, H], gate rows first; w_down [E, H, I]); each output row is
     scaled by its routing weight. -> [P, H] in x's dtype. Rows past the last offset (pairs of
-    experts held elsewhere) are not computed; here they come out zero."""
+    experts held elsewhere) are not computed; here they come out zero.
+
+    `activation`: how gate and up combine (`ExpertActivation`; plain SwiGLU by default).
+    `gate_up_bias` [E, 2I] (gate's then up's, as the weight rows) is added to the gate/up
+    projection before the activation; `down_bias` [E, H] to the down projection before the
+    routing weight scales the row (as transformers' GptOssExperts). Both in x's dtype, added as
+    given: under tensor parallelism the caller passes down_bias on one rank only (the ranks'
+    partial outputs are summed), the gate/up bias sliced like the weights' rows."""
     counts = [b - a for a, b in zip(expert_offsets, expert_offsets[1:])]
     total = expert_offsets[-1] if expert_offsets else 0
+    variant = dict(activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
     if total < x.shape[0]:
         out = x.new_zeros(x.shape)
         if total:
-            out[:total] = grouped_expert_gemm(x[:total], expert_offsets, w_gate_up, w_down, row_weights[:total])
+            out[:total] = grouped_expert_gemm(x[:total], expert_offsets, w_gate_up, w_down, row_weights[:total],
+                                              **variant)
         return out
     if not x.shape[0]:
         return torch.empty_like(x)
     active = sum(1 for c in counts if c)
     if 2 * active >= len(counts) and max(counts) <= BATCHED_MAX_ROWS:
-        out = _batched(x, counts, w_gate_up, w_down)
+        out = _batched(x, counts, w_gate_up, w_down, **variant)
     else:
-        out = _per_expert(x, counts, w_gate_up, w_down)
+        out = _per_expert(x, counts, w_gate_up, w_down, **variant)
     return (out * row_weights[:, None]).to(x.dtype)
 
 
-def _per_expert(x: torch.Tensor, counts: list[int], w_gate_up, w_down, linear=F.linear) -> torch.Tensor:
+def _per_expert(x: torch.Tensor, counts: list[int], w_gate_up, w_down, linear=F.linear,
+                activation: ExpertActivation = SWIGLU, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """One GEMM pair per active expert: reads only the active experts' weights. `w_gate_up[e]`
-    and `w_down[e]` are expert e's, in whatever form `linear(x, w)` takes (moe_packed passes
-    oneDNN-packed weights and its own linear)."""
+    and `w_down[e]` are expert e's, in whatever form `linear(x, w, bias)` takes (moe_packed
+    passes oneDNN-packed weights and its own linear); the biases are plain [E, n] tensors."""
     out = torch.empty_like(x)
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
         end = start + count
-        gate, up = linear(x[start:end], w_gate_up[e]).chunk(2, dim=-1)
-        out[start:end] = linear(F.silu(gate) * up, w_down[e])
+        gate, up = linear(x[start:end], w_gate_up[e], None if gate_up_bias is None else gate_up_bias[e]).chunk(2, -1)
+        out[start:end] = linear(activation.apply(gate, up), w_down[e], None if down_bias is None else down_bias[e])
         start = end
     return out
 
 
-def _batched(x: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def _batched(x: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
+             activation: ExpertActivation = SWIGLU, gate_up_bias: torch.Tensor | None = None,
+             down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Most experts active, each with few rows: two batched GEMMs over all of them, rows padded
-    to the busiest expert, so per-call GEMM overhead is paid once, not per expert."""
+    to the busiest expert, so per-call GEMM overhead is paid once, not per expert. Padding rows
+    pick up the biases too, but are dropped by the final gather."""
     n = len(counts)
     counts_t = torch.tensor(counts, device=x.device)
     local = torch.repeat_interleave(torch.arange(n, device=x.device), counts_t)
     rank = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[local]
     padded = x.new_zeros(n, max(counts), x.shape[1])
     padded[local, rank] = x
-    gate, up = torch.bmm(padded, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    return torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))[local, rank]
+    gate, up = _bmm(padded, w_gate_up, gate_up_bias).chunk(2, dim=-1)
+    return _bmm(activation.apply(gate, up), w_down, down_bias)[local, rank]
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [E, M, K] @ w[e]^T per expert, + bias [E, N] in the same call (one rounding, as F.linear)."""
+    if bias is None:
+        return torch.bmm(x, w.transpose(1, 2))
+    return torch.baddbmm(bias[:, None, :], x, w.transpose(1, 2))

@@ -15,6 +15,14 @@ expert and rows from the offsets itself (a prefix sum over the experts' tile cou
 work table is built per layer and device-side offsets need no trip to the host: the grid is
 then a bound known on the host, and programs past the last tile return at once. Tile sizes
 come from `kernels.tiles` by the mean rows per expert.
+
+gpt-oss's experts (per-expert biases, a clamped SwiGLU: `moe_ref.ExpertActivation`) are the
+same kernels with constexpr flags: HAS_BIAS adds the bias in float32 to the accumulator, before
+the activation (gate/up) or the routing weight (down), CLAMPED clamps the gate and up
+projections with `alpha` and `limit` as runtime floats (one compiled variant whatever the
+model's constants). The flags off compile exactly the plain kernels.
+Widths need not be powers of two (gpt-oss's hidden and intermediate are 2880): every load and
+store is masked at H and I, so a partial last column or reduction tile reads zeros.
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ import triton
 import triton.language as tl
 
 from kernels.launch import interpreted
-from kernels.launch import check_experts, device_ints
-from kernels.moe_ref import Gating
+from kernels.launch import check_expert_biases, check_experts, device_ints
+from kernels.moe_ref import SWIGLU, ExpertActivation, Gating
 from kernels.tiles import gemm_tiles, pow2
 
 INTERPRETED = interpreted()
@@ -153,9 +161,12 @@ def _expert_tile(offsets_ptr, tile, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.const
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, w_ptr, h_ptr, e, rows, row_end, cols, H: tl.constexpr, I: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """h[rows, cols] = silu(x @ W_gate^T) * (x @ W_up^T) for one expert's row tile."""
+def _gate_up_tile(x_ptr, w_ptr, h_ptr, bias_ptr, alpha, limit, e, rows, row_end, cols, H: tl.constexpr,
+                  I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+    """h[rows, cols] = act(x @ W_gate^T + b_gate, x @ W_up^T + b_up) for one expert's row tile:
+    act(g, u) = silu(g) * u, or with CLAMPED gpt-oss's (clamp(u, -limit, limit) + 1) *
+    g' * sigmoid(alpha * g'), g' = min(g, limit)."""
     k = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -174,15 +185,26 @@ def _gate_up_tile(x_ptr, w_ptr, h_ptr, e, rows, row_end, cols, H: tl.constexpr, 
         else:
             gate += tl.dot(x, wg)
             up += tl.dot(x, wu)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_BIAS:  # [E, 2I]: the gate's I, then the up's
+        col_mask = cols < I
+        gate += tl.load(bias_ptr + e * (2 * I) + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias_ptr + e * (2 * I) + I + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    else:
+        h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(h_ptr + rows[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_mask & (cols[None, :] < I))
 
 
 @triton.jit
-def _down_tile(h_ptr, w_ptr, out_ptr, row_weight_ptr, e, rows, row_end, cols, H: tl.constexpr, I: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """out[rows, cols] = routing weight * (h @ W_down^T) for one expert's row tile."""
+def _down_tile(h_ptr, w_ptr, out_ptr, row_weight_ptr, bias_ptr, e, rows, row_end, cols, H: tl.constexpr,
+               I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[rows, cols] = routing weight * (h @ W_down^T + b_down) for one expert's row tile (the
+    bias scaled with the row, as transformers' GptOssExperts)."""
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_base = w_ptr + e * (H * I)
@@ -196,35 +218,39 @@ def _down_tile(h_ptr, w_ptr, out_ptr, row_weight_ptr, e, rows, row_end, cols, H:
             acc += tl.dot(h.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(h, w)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
     acc = acc * tl.load(row_weight_ptr + rows, mask=rows < row_end, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_mask & (cols[None, :] < H))
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, H: tl.constexpr, I: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr):
-    """Grid (row tile, column tile); row tiles past the experts' last do nothing."""
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, bias_ptr, alpha, limit, H: tl.constexpr, I: tl.constexpr,
+                    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+    """Grid (row tile, column tile); row tiles past the experts' last do nothing. bias_ptr is
+    read only with HAS_BIAS, alpha and limit only with CLAMPED."""
     e, first_row, row_end = _expert_tile(offsets_ptr, tl.program_id(0), NUM_EXPERTS, BLOCK_E, BLOCK_M)
     if e < NUM_EXPERTS:
         rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _gate_up_tile(x_ptr, w_ptr, h_ptr, e.to(tl.int64), rows, row_end, cols, H, I, BLOCK_M, BLOCK_N, BLOCK_K,
-                      IEEE)
+        _gate_up_tile(x_ptr, w_ptr, h_ptr, bias_ptr, alpha, limit, e.to(tl.int64), rows, row_end, cols, H, I,
+                      BLOCK_M, BLOCK_N, BLOCK_K, IEEE, HAS_BIAS, CLAMPED)
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, out_ptr, row_weight_ptr, offsets_ptr, H: tl.constexpr, I: tl.constexpr,
+def _down_kernel(h_ptr, w_ptr, out_ptr, row_weight_ptr, offsets_ptr, bias_ptr, H: tl.constexpr, I: tl.constexpr,
                  NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (row tile, column tile); row tiles past the experts' last do nothing."""
+                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Grid (row tile, column tile); row tiles past the experts' last do nothing. bias_ptr is
+    read only with HAS_BIAS."""
     e, first_row, row_end = _expert_tile(offsets_ptr, tl.program_id(0), NUM_EXPERTS, BLOCK_E, BLOCK_M)
     if e < NUM_EXPERTS:
         rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _down_tile(h_ptr, w_ptr, out_ptr, row_weight_ptr, e.to(tl.int64), rows, row_end, cols, H, I, BLOCK_M,
-                   BLOCK_N, BLOCK_K, IEEE)
+        _down_tile(h_ptr, w_ptr, out_ptr, row_weight_ptr, bias_ptr, e.to(tl.int64), rows, row_end, cols, H, I,
+                   BLOCK_M, BLOCK_N, BLOCK_K, IEEE, HAS_BIAS)
 
 
 def _row_tiles(expert_offsets: list[int] | torch.Tensor, pairs: int, experts: int, block_m: int) -> int:
@@ -245,12 +271,16 @@ def _device_offsets(expert_offsets: list[int] | torch.Tensor, experts: int, devi
 
 
 def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int] | torch.Tensor, w_gate_up: torch.Tensor,
-                        w_down: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts over rows grouped by expert (as `moe_ref.grouped_expert_gemm`); the offsets
-    may also be a device tensor [E + 1] (then nothing is read back to the host)."""
+                        w_down: torch.Tensor, row_weights: torch.Tensor, activation: ExpertActivation = SWIGLU,
+                        gate_up_bias: torch.Tensor | None = None,
+                        down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert (as `moe_ref.grouped_expert_gemm`, with its
+    activation and biases); the offsets may also be a device tensor [E + 1] (then nothing is read
+    back to the host). Rows past the last offset are not written (the caller masks them)."""
     check_experts(x, w_gate_up, w_down, row_weights)
     p, h_dim = x.shape
     experts, i_dim = w_down.shape[0], w_down.shape[2]
+    check_expert_biases(x.dtype, experts, 2 * i_dim, h_dim, gate_up_bias, down_bias)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's strides
     offsets = _device_offsets(expert_offsets, experts, x.device)
     tiles = gemm_tiles(p / experts, x.dtype, INTERPRETED)
@@ -261,8 +291,12 @@ def grouped_expert_gemm(x: torch.Tensor, expert_offsets: list[int] | torch.Tenso
     common = dict(H=h_dim, I=i_dim, NUM_EXPERTS=experts, BLOCK_E=pow2(experts), BLOCK_M=tiles.block_m,
                   BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32 or INTERPRETED,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    _gate_up_kernel[(row_tiles, triton.cdiv(i_dim, tiles.block_n))](x.contiguous(), w_gate_up, hidden, offsets,
-                                                                     **common)
-    _down_kernel[(row_tiles, triton.cdiv(h_dim, tiles.block_n))](hidden, w_down, out, row_weights.float().contiguous(),
-                                                                 offsets, **common)
+    # An absent bias's pointer is never read (HAS_BIAS=False): any tensor of the device will do.
+    _gate_up_kernel[(row_tiles, triton.cdiv(i_dim, tiles.block_n))](
+        x.contiguous(), w_gate_up, hidden, offsets, w_gate_up if gate_up_bias is None else gate_up_bias,
+        float(activation.alpha or 0.0), float(activation.limit or 0.0), HAS_BIAS=gate_up_bias is not None,
+        CLAMPED=activation.clamped, **common)
+    _down_kernel[(row_tiles, triton.cdiv(h_dim, tiles.block_n))](
+        hidden, w_down, out, row_weights.float().contiguous(), offsets, w_down if down_bias is None else down_bias,
+        HAS_BIAS=down_bias is not None, **common)
     return out

@@ -25,6 +25,7 @@ from kernels import attention_jit, attention_triton, dispatch, moe_ref, moe_trit
 from kernels import paged_attention_ref as attention_ref  # noqa: E402
 from kernels.choice import REFERENCE, TRITON, KernelFailed, ShapeChoice, ShapeKey, bucket  # noqa: E402
 from kernels.paged_samples import PagedCache, batch_of, expected  # noqa: E402
+from tests.kernels.gpt_oss_experts import ALPHA, LIMIT, HFExperts, assert_clamp_binds  # noqa: E402
 
 if not attention_triton.INTERPRETED:
     pytest.skip("this session compiles the Triton kernels for the GPU (-m gpu on a CUDA machine, or "
@@ -441,6 +442,103 @@ def test_grouped_expert_gemm_matches_reference_and_loop(offsets, dtype):
     # Offsets left on the device: a launch bound from the host's sizes, each program finding its tile.
     on_device = moe_triton.grouped_expert_gemm(x, torch.tensor(offsets), w_gate_up, w_down, row_weights)
     assert torch.equal(on_device, out)
+
+
+# gpt-oss's experts: 4 experts, hidden 40 and intermediate 24 (neither a power of two nor a
+# multiple of the interpreter's 32-wide tiles), expert 1 idle, 3 rows past the last offset.
+GPT_OSS_OFFSETS = [0, 5, 5, 21, 30]
+GPT_OSS_ROWS = 33
+GPT_OSS = moe_ref.ExpertActivation(alpha=ALPHA, limit=LIMIT)
+
+
+def gpt_oss_case(dtype, biases):
+    """(transformers' experts, x, row weights, the kernels' keywords in megainfer's layout)."""
+    hf = HFExperts.random(4, 40, 24, seed=11, dtype=dtype)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(GPT_OSS_ROWS, 40, generator=g).to(dtype)
+    row_weights = torch.rand(GPT_OSS_ROWS, generator=g)
+    w_gate_up, w_down, gate_up_bias, down_bias = hf.megainfer()
+    return hf, x, row_weights, dict(w_gate_up=w_gate_up, w_down=w_down, row_weights=row_weights,
+                                    gate_up_bias=gate_up_bias if biases else None,
+                                    down_bias=down_bias if biases else None)
+
+
+@pytest.mark.parametrize("clamped", [True, False], ids=["clamped", "silu"])
+@pytest.mark.parametrize("biases", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("path", ["per_expert", "batched", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpt_oss_experts_match_transformers_loop(monkeypatch, path, biases, clamped, dtype):
+    """Both reference paths and the Triton kernel against transformers' GptOssExperts computed
+    row by row in float32 over its interleaved gate_up_proj: the de-interleave convention, the
+    biases (the down bias scaled by the routing weight too) and the clamp, which binds here."""
+    hf, x, row_weights, kw = gpt_oss_case(dtype, biases)
+    total = GPT_OSS_OFFSETS[-1]
+    assert_clamp_binds(hf, x, GPT_OSS_OFFSETS)
+    want = hf.forward(x, GPT_OSS_OFFSETS, row_weights, clamped=clamped, biases=biases)
+    activation = GPT_OSS if clamped else moe_ref.SWIGLU
+    if path == "triton":
+        out = moe_triton.grouped_expert_gemm(x, GPT_OSS_OFFSETS, activation=activation, **kw)
+        # Offsets on the device: the same kernel, each program finding its tile.
+        on_device = moe_triton.grouped_expert_gemm(x, torch.tensor(GPT_OSS_OFFSETS), activation=activation, **kw)
+        assert torch.equal(on_device[:total], out[:total])
+    else:
+        # The path is picked by rows per expert; the other one refuses to run.
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"the reference took the other path than {path}")
+
+        monkeypatch.setattr(moe_ref, "_batched" if path == "per_expert" else "_per_expert", refuse)
+        monkeypatch.setattr(moe_ref, "BATCHED_MAX_ROWS", 0 if path == "per_expert" else 1 << 20)
+        out = moe_ref.grouped_expert_gemm(x, GPT_OSS_OFFSETS, activation=activation, **kw)
+        assert torch.all(out[total:] == 0)  # rows past the last offset: never computed
+    assert out.dtype == dtype and out.shape == x.shape
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(out[:total].float(), want[:total], **tol)
+
+
+def test_gpt_oss_experts_need_the_de_interleave():
+    """The check above sees the layout: transformers' interleaved rows taken as megainfer's
+    gate-first ones give other numbers."""
+    hf, x, row_weights, kw = gpt_oss_case(torch.float32, True)
+    kw["w_gate_up"] = hf.gate_up_proj.transpose(1, 2).contiguous()
+    kw["gate_up_bias"] = hf.gate_up_proj_bias
+    out = moe_ref.grouped_expert_gemm(x, GPT_OSS_OFFSETS, activation=GPT_OSS, **kw)
+    assert not torch.allclose(out, hf.forward(x, GPT_OSS_OFFSETS, row_weights), atol=1e-2)
+
+
+def test_expert_activation_is_plain_or_clamped_never_half():
+    assert not moe_ref.SWIGLU.clamped and GPT_OSS.clamped
+    assert str(moe_ref.SWIGLU) == "swiglu" and str(GPT_OSS) == "clamped-swiglu(alpha=1.702,limit=7)"
+    with pytest.raises(ValueError, match="alpha .* and limit .* are set together"):
+        moe_ref.ExpertActivation(alpha=1.702)
+    with pytest.raises(ValueError, match="limit must be > 0"):
+        moe_ref.ExpertActivation(alpha=1.0, limit=0.0)
+
+
+def test_the_gemm_launcher_names_the_bias_it_cannot_read():
+    _, x, _, kw = gpt_oss_case(torch.float32, True)
+    with pytest.raises(ValueError, match=r"gate_up_bias: want a contiguous \[4, 48\]"):
+        moe_triton.grouped_expert_gemm(x, GPT_OSS_OFFSETS, **kw | dict(gate_up_bias=kw["gate_up_bias"][:, :24]))
+    with pytest.raises(ValueError, match="down_bias: dtype torch.float64"):
+        moe_triton.grouped_expert_gemm(x, GPT_OSS_OFFSETS, **kw | dict(down_bias=kw["down_bias"].double()))
+
+
+def test_dispatch_keys_each_expert_variant_apart(monkeypatch):
+    """gpt-oss's variant is its own shape (its own kernel, timed on its own); the plain one keeps its key."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device: dispatch.FASTEST)
+    monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=lambda fn, reps, warmup: (1.0, fn())))
+    hf, x, row_weights, kw = gpt_oss_case(torch.float32, True)
+    total = GPT_OSS_OFFSETS[-1]
+    plain = dict(kw, gate_up_bias=None, down_bias=None)
+    dispatch.grouped_expert_gemm(x, GPT_OSS_OFFSETS, **plain)
+    out = dispatch.grouped_expert_gemm(x, GPT_OSS_OFFSETS, activation=GPT_OSS, **kw)
+    dispatch.grouped_expert_gemm(x, GPT_OSS_OFFSETS, activation=GPT_OSS, **dict(kw, gate_up_bias=None))
+    torch.testing.assert_close(out[:total], hf.forward(x, GPT_OSS_OFFSETS, row_weights)[:total], atol=1e-4, rtol=1e-4)
+    assert [str(k) for k in dispatch._choice.choices] == [
+        "grouped_expert_gemm[float32 4 48 40 24; pairs=64]",
+        "grouped_expert_gemm[float32 4 48 40 24 clamped-swiglu(alpha=1.702,limit=7) bias=gate_up+down; pairs=64]",
+        "grouped_expert_gemm[float32 4 48 40 24 clamped-swiglu(alpha=1.702,limit=7) bias=down; pairs=64]"]
+    assert all(d.reason == "faster" for d in dispatch.decisions())  # both ran: none failed
 
 
 # -- dispatch and the engine --------------------------------------------------------------------

@@ -2,7 +2,8 @@
 torch reference, zeros past the last count, where it applies, and how the expert layer and
 the dispatcher use it (packed at load; ignored when MEGAINFER_KERNELS names a backend); on a
 CPU where oneDNN cannot pack bfloat16 (forced here with ONEDNN_MAX_CPU_ISA=AVX2), the experts
-stay unpacked and say why."""
+stay unpacked and say why; gpt-oss's experts (biases, clamped SwiGLU) packed, against
+transformers' computation."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kernels.moe_packed import PackedExperts
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.weights import RandomWeights
 from megainfer.presets import PRESETS
+from tests.kernels.gpt_oss_experts import ALPHA, LIMIT, HFExperts, assert_clamp_binds
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN (mkldnn) is not built in")
 
@@ -89,7 +91,7 @@ def test_the_expert_layer_packs_at_load_and_its_forward_is_unchanged(monkeypatch
 
     calls = []
     packed_gemm = moe_packed.grouped_expert_gemm
-    monkeypatch.setattr(moe_packed, "grouped_expert_gemm", lambda *a: calls.append(1) or packed_gemm(*a))
+    monkeypatch.setattr(moe_packed, "grouped_expert_gemm", lambda *a, **k: calls.append(1) or packed_gemm(*a, **k))
     g = torch.Generator().manual_seed(2)
     x = torch.randn(21, cfg.hidden_size, generator=g)
     gating = moe_ref.fused_gating(torch.randn(21, cfg.num_experts, generator=g), cfg.top_k, renormalize=True)
@@ -118,6 +120,66 @@ def test_the_dispatcher_ignores_packed_weights_when_the_environment_names_a_back
                                       packed=PackedExperts.pack(w_gate_up, w_down))
     ref = moe_ref.grouped_expert_gemm(x, offsets_of(counts), w_gate_up, w_down, row_weights)
     torch.testing.assert_close(out, ref)
+
+
+GPT_OSS = moe_ref.ExpertActivation(alpha=ALPHA, limit=LIMIT)
+
+
+@pytest.mark.parametrize("clamped", [True, False], ids=["clamped", "silu"])
+@pytest.mark.parametrize("biases", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_gpt_oss_experts_match_transformers_loop_and_the_reference(dtype, biases, clamped):
+    """gpt-oss's experts over packed weights, the biases taken per call: transformers' float32
+    loop over its interleaved layout, the reference's numbers, zeros past the last count."""
+    if not moe_packed.onednn_packs(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU (its ISA lacks avx512bw/vl/dq and avx_ne_convert)")
+    hf = HFExperts.random(4, 40, 24, seed=21, dtype=dtype)
+    w_gate_up, w_down, gate_up_bias, down_bias = hf.megainfer()
+    counts = [5, 0, 16, 9]
+    total = sum(counts)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(total + 3, 40, generator=g).to(dtype)
+    row_weights = torch.rand(total + 3, generator=g)
+    assert_clamp_binds(hf, x, offsets_of(counts))
+    variant = dict(activation=GPT_OSS if clamped else moe_ref.SWIGLU, gate_up_bias=gate_up_bias if biases else None,
+                   down_bias=down_bias if biases else None)
+    out = moe_packed.grouped_expert_gemm(x, counts, PackedExperts.pack(w_gate_up, w_down), row_weights, **variant)
+    want = hf.forward(x, offsets_of(counts), row_weights, clamped=clamped, biases=biases)
+    assert out.dtype == dtype and torch.all(out[total:] == 0)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(out.float(), want, **tol)
+    ref = moe_ref.grouped_expert_gemm(x, offsets_of(counts), w_gate_up, w_down, row_weights, **variant)
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+
+
+def test_the_dispatcher_runs_gpt_oss_experts_packed(monkeypatch):
+    """On the CPU with packed experts the dispatcher hands the activation and the biases to the
+    packed GEMM (none of them is dropped on the way)."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    hf = HFExperts.random(4, 40, 24, seed=23)
+    w_gate_up, w_down, gate_up_bias, down_bias = hf.megainfer()
+    counts = [2, 4, 0, 1]
+    x = torch.randn(sum(counts), 40, generator=torch.Generator().manual_seed(24))
+    row_weights = torch.rand(sum(counts))
+    calls = []
+    packed_gemm = moe_packed.grouped_expert_gemm
+    monkeypatch.setattr(moe_packed, "grouped_expert_gemm", lambda *a, **k: calls.append(1) or packed_gemm(*a, **k))
+    out = kernels.grouped_expert_gemm(x, torch.tensor(offsets_of(counts)), w_gate_up, w_down, row_weights,
+                                      packed=PackedExperts.pack(w_gate_up, w_down), activation=GPT_OSS,
+                                      gate_up_bias=gate_up_bias, down_bias=down_bias)
+    assert calls
+    torch.testing.assert_close(out, hf.forward(x, offsets_of(counts), row_weights), atol=1e-4, rtol=1e-4)
+
+
+def test_packed_gemm_names_a_bias_it_cannot_add():
+    w_gate_up, w_down = experts(torch.float32)
+    packed = PackedExperts.pack(w_gate_up, w_down)
+    x, row_weights = torch.randn(3, 64), torch.rand(3)
+    with pytest.raises(ValueError, match=r"gate_up_bias: want a contiguous \[4, 96\]"):
+        moe_packed.grouped_expert_gemm(x, [3, 0, 0, 0], packed, row_weights, gate_up_bias=torch.zeros(4, 48))
+    with pytest.raises(ValueError, match="down_bias: dtype torch.bfloat16"):
+        moe_packed.grouped_expert_gemm(x, [3, 0, 0, 0], packed, row_weights,
+                                       down_bias=torch.zeros(4, 64, dtype=torch.bfloat16))
 
 
 # Under ONEDNN_MAX_CPU_ISA=AVX2 (what an AVX2-only EPYC has): a bfloat16 and a float32 expert
