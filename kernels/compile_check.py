@@ -31,6 +31,9 @@ ATTENTION = (("mixtral", 32, 8, 128), ("qwen3-gqa4", 16, 4, 128), ("qwen3-gqa16"
              ("gqa2-d64", 16, 8, 64), ("gqa4-d256", 16, 4, 256))
 # Experts (count, hidden, intermediate) and the mean rows per expert of each GEMM tile row.
 EXPERTS = (("mixtral", 8, 4096, 14336), ("qwen3-30b-a3b", 128, 2048, 768))
+# gpt-oss's experts, compiled with their biases and clamped SwiGLU: widths of 2880, not a power
+# of two (the last column and reduction tiles are partial, masked).
+GPT_OSS_EXPERTS = (("gpt-oss-20b", 32, 2880, 2880), ("gpt-oss-120b", 128, 2880, 2880))
 ROWS_PER_EXPERT = (8, 48, 512)
 PAGE = 16
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # bytes per block, opt-in maximum
@@ -67,7 +70,8 @@ class Report:
 
 
 def _signature(fn, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
-    """Triton's type of each argument: constexpr, a typed pointer, float32 `scale` and `eps`, else int32."""
+    """Triton's type of each argument: constexpr, a typed pointer, float32 `scale`, `eps`, `alpha` and `limit`
+    (the expert GEMM's clamp), else int32."""
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -75,7 +79,7 @@ def _signature(fn, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]
         elif name.endswith("_ptr"):
             sig[name] = pointers.get(name, "*i32")
         else:
-            sig[name] = "fp32" if name in ("scale", "eps") else "i32"
+            sig[name] = "fp32" if name in ("scale", "eps", "alpha", "limit") else "i32"
     return sig
 
 
@@ -137,16 +141,19 @@ def attention_reports(name: str, hq: int, hkv: int, d: int, dtype: torch.dtype, 
             compile_one(jit.merge_kernel, merge, pointers, 4, 1, arch, shape)]
 
 
-def gemm_reports(name: str, experts: int, h: int, i: int, rows: int, dtype: torch.dtype, arch: int) -> list[Report]:
+def gemm_reports(name: str, experts: int, h: int, i: int, rows: int, dtype: torch.dtype, arch: int,
+                 gpt_oss: bool = False) -> list[Report]:
+    """The grouped GEMM's two kernels; gpt_oss: with biases and the clamped SwiGLU."""
     from kernels import moe_triton
 
     t = gemm_tiles(rows, dtype, interpreted=False)
     ty = "*" + TYPES[dtype]
-    pointers = {n: ty for n in ("x_ptr", "w_ptr", "h_ptr", "out_ptr")} | {"row_weight_ptr": "*fp32"}
+    pointers = {n: ty for n in ("x_ptr", "w_ptr", "h_ptr", "out_ptr", "bias_ptr")} | {"row_weight_ptr": "*fp32"}
     consts = dict(H=h, I=i, NUM_EXPERTS=experts, BLOCK_E=pow2(experts), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                  BLOCK_K=t.block_k, IEEE=dtype == torch.float32)
-    shape = f"{name} {rows} rows/expert {TYPES[dtype]}"
-    return [compile_one(fn, consts, pointers, t.num_warps, t.num_stages, arch, shape)
+                  BLOCK_K=t.block_k, IEEE=dtype == torch.float32, HAS_BIAS=gpt_oss, CLAMPED=gpt_oss)
+    shape = f"{name} {rows} rows/expert {TYPES[dtype]}{' bias+clamp' if gpt_oss else ''}"
+    return [compile_one(fn, {k: v for k, v in consts.items() if k in fn.arg_names}, pointers, t.num_warps,
+                        t.num_stages, arch, shape)
             for fn in (moe_triton._gate_up_kernel, moe_triton._down_kernel)]
 
 
@@ -193,18 +200,22 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
     """Every tile-table row at the shapes above. quick: the rows nearest a limit or that differ
     by architecture: the attention kernels at Qwen3's 16-head groups (POD with %smid, two
     programs per SM, in registers and shared memory) and at head dim 64 (prefill warps by
-    arch), and the GEMM's decode row (72 KiB: one program per SM on sm_86/89) and prefill row
-    (96 KiB on sm_90, the most shared memory of any row)."""
+    arch), the GEMM's decode row (72 KiB: one program per SM on sm_86/89) and prefill row
+    (96 KiB on sm_90, the most shared memory of any row), and gpt-oss's biased, clamped prefill
+    row (two more accumulator-sized values live at the activation)."""
     if interpreted():
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter has no compiler; unset it to compile")
     if quick:
         return (attention_reports(*ATTENTION[2], torch.bfloat16, arch)
                 + attention_reports(*ATTENTION[4], torch.bfloat16, arch)
                 + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.bfloat16, arch)
-                + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch))
+                + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch)
+                + gemm_reports(*GPT_OSS_EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch, gpt_oss=True))
     reports = [r for shape in ATTENTION for r in attention_reports(*shape, torch.bfloat16, arch)]
     reports += attention_reports(*ATTENTION[0], torch.float32, arch)
     reports += [r for e in EXPERTS for rows in ROWS_PER_EXPERT for r in gemm_reports(*e, rows, torch.bfloat16, arch)]
+    reports += [r for e in GPT_OSS_EXPERTS for rows in ROWS_PER_EXPERT
+                for r in gemm_reports(*e, rows, torch.bfloat16, arch, gpt_oss=True)]
     reports += gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.float32, arch)
     reports += gating_reports("qwen3-235b", 128, 8, 32, torch.bfloat16, arch)
     reports += fused_reports("qwen3-235b tp4", 16, 1, 128, 4096, torch.bfloat16, arch)

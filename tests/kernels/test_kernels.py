@@ -586,12 +586,14 @@ def test_kernels_compile_for_a_gpu_without_one():
     shared memory per program) and an H100 (sm_90) by Triton's own ptxas, the rows nearest a
     limit or that differ by architecture (about 30 s on two cores): the POD kernel at Qwen3's
     16-head groups with two programs fitting on an SM, head dim 64, the decode and prefill
-    grouped-GEMM rows, all without spills and within the architecture's shared memory."""
+    grouped-GEMM rows (gpt-oss's biased, clamped one too, at its 2880-wide experts), all without
+    spills and within the architecture's shared memory."""
     out = compile_check("--quick", "--arch", "80", "89", "90")
     assert out.returncode == 0, out.stdout + out.stderr
     for arch in ("sm_80", "sm_89", "sm_90"):
         section = out.stdout.split(arch)[1].split("sm_")[0]
         assert "pod_kernel" in section and "reads %smid" in section and "_gate_up_kernel" in section, out.stdout
+        assert "gpt-oss-120b 512 rows/expert bf16 bias+clamp" in section, out.stdout
 
 
 @pytest.mark.slow
