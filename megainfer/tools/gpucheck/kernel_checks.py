@@ -7,9 +7,10 @@ Real shapes (head dim 128, 16-token pages): attention heads of Mixtral-8x7B (32 
 GQA 4), Mixtral-8x22B (48/8, GQA 6), Qwen3-30B-A3B (32/4, GQA 8) and Qwen3-235B-A22B (64/4,
 GQA 16); contexts up to 32K; POD hybrid batches (64 decodes over 4K-16K beside a 2K chunk and a
 512-token prompt) reading %smid; expert GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and
-Mixtral-8x22B from decode (4 tokens) to prefill (4096) sizes; fused gating at Qwen3's routing
-shape; the attention half's fused kernels (residual add + RMSNorm, rotary + KV write); and a
-step's hot path launched without a host synchronisation."""
+Mixtral-8x22B from decode (4 tokens) to prefill (4096) sizes, and gpt-oss-20b's (biases, the
+clamped SwiGLU, widths of 2880); fused gating at Qwen3's routing shape; the attention half's
+fused kernels (residual add + RMSNorm, rotary + KV write); and a step's hot path launched
+without a host synchronisation."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class Scale:
     pod_context: tuple[int, int]  # decode contexts drawn from [lo, hi]
     pod_chunks: tuple[tuple[int, int], ...]  # (prefix, chunk) of each prefill beside the decodes
     experts: tuple[Experts, ...]
+    gpt_oss_experts: tuple[Experts, ...]  # with biases and the clamped SwiGLU
     expert_tokens: tuple[int, ...]
     gating_tokens: int
     atol: float  # against float32 ground truth
@@ -67,12 +69,13 @@ REAL = Scale(
     pod_decodes=64, pod_context=(4096, 16384), pod_chunks=((8192, 2048), (0, 512)),
     experts=(Experts("qwen3-30b-a3b", 128, 8, 2048, 768), Experts("qwen3-235b-a22b", 128, 8, 4096, 1536),
              Experts("mixtral-8x22b", 8, 2, 6144, 16384)),
+    gpt_oss_experts=(Experts("gpt-oss-20b", 32, 4, 2880, 2880),),
     expert_tokens=(4, 256, 4096), gating_tokens=4096, atol=2e-2)
 SMALL = Scale(
     dtype=torch.float32, heads=(Heads("gqa4", 8, 2, 32), Heads("gqa16", 16, 1, 32)), page=16,
     decode_lens=(1, 17, 40), prefill=((9, 1), (30, 20)), pod_decodes=3, pod_context=(20, 40),
-    pod_chunks=((16, 12),), experts=(Experts("tiny", 4, 2, 32, 48),), expert_tokens=(4, 12), gating_tokens=16,
-    atol=2e-4)
+    pod_chunks=((16, 12),), experts=(Experts("tiny", 4, 2, 32, 48),),
+    gpt_oss_experts=(Experts("tiny-gpt-oss", 4, 2, 40, 24),), expert_tokens=(4, 12), gating_tokens=16, atol=2e-4)
 
 
 def _queries(n: int, hq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
@@ -201,6 +204,49 @@ def check_grouped_gemm(ctx: CheckContext, scale: Scale, experts: Experts, tokens
         _errors(case, out, want, None, atol)
         on_device = moe_triton.grouped_expert_gemm(x, torch.tensor(offsets, device=ctx.device), w_gate_up, w_down,
                                                    weights)
+        if not torch.equal(on_device, out):
+            raise AssertionError("offsets on the device give another result than the same offsets from the host")
+
+
+def check_gpt_oss_gemm(ctx: CheckContext, scale: Scale, experts: Experts, tokens: int) -> None:
+    """gpt-oss's experts: per-expert biases and the clamped SwiGLU (alpha 1.702, limit 7), with
+    gate and up pre-activations wide enough (std about 4) that the clamp binds; the torch
+    reference in the same dtype beside it."""
+    from kernels import moe_triton
+
+    activation = moe_ref.ExpertActivation(alpha=1.702, limit=7.0)
+    with ctx.case(f"grouped expert GEMM {experts.model} (biases, clamped SwiGLU) {tokens} tokens x "
+                  f"top-{experts.top_k}") as case:
+        g = torch.Generator(device=ctx.device).manual_seed(100 + tokens)
+        pairs = tokens * experts.top_k
+        e, h, i = experts.count, experts.hidden, experts.inter
+
+        def randn(*shape, std=1.0):
+            return (torch.randn(*shape, generator=g, device=ctx.device) * std).to(scale.dtype)
+
+        x = randn(pairs, h)
+        w_gate_up, gate_up_bias = randn(e, 2 * i, h, std=4 * h ** -0.5), randn(e, 2 * i)
+        w_down, down_bias = randn(e, h, i, std=0.1 * i ** -0.5), randn(e, h)
+        ids = torch.randint(0, e, (pairs,), generator=g, device=ctx.device)
+        counts = torch.bincount(ids, minlength=e).tolist()
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        weights = torch.rand(pairs, generator=g, device=ctx.device)
+        above = sum(int((x[a:b].float() @ w_gate_up[k, :i].float().T + gate_up_bias[k, :i].float()
+                         > activation.limit).sum()) for k, (a, b) in enumerate(zip(offsets, offsets[1:])))
+        case.figures["gate_above_limit"] = above / (pairs * i)  # the share of gate values the clamp cuts
+        if not case.figures["gate_above_limit"]:
+            raise AssertionError("no gate pre-activation exceeds the limit: the clamp is untested")
+        variant = dict(activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
+        out = moe_triton.grouped_expert_gemm(x, offsets, w_gate_up, w_down, weights, **variant)
+        want = moe_ref._per_expert(x.float(), counts, w_gate_up.float(), w_down.float(), activation=activation,
+                                   gate_up_bias=gate_up_bias.float(), down_bias=down_bias.float()) * weights[:, None]
+        reference = moe_ref.grouped_expert_gemm(x, offsets, w_gate_up, w_down, weights, **variant)
+        atol = 3e-2 if scale.dtype == torch.bfloat16 else scale.atol
+        _errors(case, out, want, reference, atol)
+        on_device = moe_triton.grouped_expert_gemm(x, torch.tensor(offsets, device=ctx.device), w_gate_up, w_down,
+                                                   weights, **variant)
         if not torch.equal(on_device, out):
             raise AssertionError("offsets on the device give another result than the same offsets from the host")
 
@@ -376,6 +422,9 @@ def run(ctx: CheckContext) -> None:
     for experts in scale.experts:
         for tokens in scale.expert_tokens:
             check_grouped_gemm(ctx, scale, experts, tokens)
+    for experts in scale.gpt_oss_experts:
+        for tokens in scale.expert_tokens:
+            check_gpt_oss_gemm(ctx, scale, experts, tokens)
     check_gating(ctx, scale, scale.experts[0])
     check_replica_gating(ctx, scale, scale.experts[0])
     check_fused(ctx, scale, scale.heads[-1], scale.experts[1].hidden if ctx.on_gpu else scale.experts[0].hidden)
