@@ -9,9 +9,18 @@ Softmax runs in base 2: `scale` arrives multiplied by log2(e), and the log-sum-e
 split-KV partials are in log2 units. Split-KV partials: part_out [S_decode, Hq, splits, D]
 float32 (each split's normalised output), part_lse [S_decode, Hq, splits].
 
+gpt-oss's two variants, constexpr flags so the plain kernels compile as before:
+  SINKS     sinks_ptr [Hq] float32 (natural-log logits): each softmax starts from the state of
+            having seen one key of logit sinks[h] and value 0, so the sink sits in the
+            denominator once. Split-KV: only split 0 starts so (its log-sum-exp carries the sink
+            into the merge); the others start empty.
+  WINDOWED  `window` (a runtime int, so one build serves every W): the query at position i sees
+            keys i - window < j <= i. Each program starts its K/V loop at its queries' window,
+            so the blocks before (placeholders once the scheduler frees them) are never read.
+
 Integer arguments that change from step to step (item counts, split lengths, work shares,
-the block-table width) are `do_not_specialize`: Triton would otherwise compile a variant
-when one of them is 1 or a multiple of 16, which would stall serving mid-run.
+the block-table width, the window) are `do_not_specialize`: Triton would otherwise compile a
+variant when one of them is 1 or a multiple of 16, which would stall serving mid-run.
 """
 
 from __future__ import annotations
@@ -75,20 +84,48 @@ def _online_update(scores, v, acc, m_i, l_i, DOT: tl.constexpr, IEEE: tl.constex
 
 
 @triton.jit
-def _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, s, kv_head, start, end, scale, stride_bt, stride_qt, stride_qh,
-                  HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
+def _initial_state(sinks_ptr, heads, with_sink, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
+    """The online softmax's state (acc, m_i, l_i) before any key: empty, or for rows `with_sink`
+    as if one key of logit sinks[head] (scaled to base 2; `scale` does not apply to it) and
+    value 0 had been seen: e^(sink - m) then stays in the denominator, however m grows."""
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    if SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=with_sink, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _split_range(split, split_len, seq_len, window, WINDOWED: tl.constexpr):
+    """Cached positions [start, end) of a decode's KV split: splits cut the positions its query
+    sees, all of them or its window's (then the first split starts at the window)."""
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = 0
+    start = first + split * split_len
+    return start, tl.minimum(start + split_len, seq_len)
+
+
+@triton.jit
+def _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, sinks_ptr, s, kv_head, start, end, first_split, scale, stride_bt,
+                  stride_qt, stride_qh, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, SINKS: tl.constexpr):
     """Decode sequence s (query row s), the GROUP query heads of kv_head together, over cached
-    positions [start, end): each K/V tile is read once for the whole group."""
+    positions [start, end): each K/V tile is read once for the whole group. first_split: this
+    range starts the sequence's (the one whose state holds the sink)."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
     q = tl.load(q_ptr + s * stride_qt + (kv_head * GROUP + g[:, None]) * stride_qh + d[None, :], mask=q_mask,
                 other=0.0)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # (a comparison, not `& first_split`: the interpreter makes a bool vector & bool scalar an int32)
+    with_sink = g < tl.where(first_split, GROUP, 0)
+    acc, m_i, l_i = _initial_state(sinks_ptr, kv_head * GROUP + g, with_sink, BLOCK_G, BLOCK_D, SINKS)
     for n0 in range(start, end, BLOCK_N):
         k, valid = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, end, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
         v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, end, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
@@ -107,7 +144,7 @@ def _store_decode(out_ptr, part_out_ptr, part_lse_ptr, s, kv_head, split, num_sp
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     mask = (g[:, None] < GROUP) & (d[None, :] < D)
-    nonempty = l_i > 0  # a split past the sequence's end holds nothing
+    nonempty = l_i > 0  # a split past the sequence's end holds nothing (nor a sink: only split 0 does)
     l_safe = tl.where(nonempty, l_i, 1.0)
     out = acc / l_safe[:, None]
     if num_splits == 1:
@@ -118,20 +155,20 @@ def _store_decode(out_ptr, part_out_ptr, part_lse_ptr, s, kv_head, split, num_sp
         tl.store(part_lse_ptr + row, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=g < GROUP)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits"])
-def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale, stride_bt,
-                  stride_qt, stride_qh, split_len, num_splits, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                  PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits", "window"])
+def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale,
+                  stride_bt, stride_qt, stride_qh, split_len, num_splits, window, HQ: tl.constexpr,
+                  HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+                  SINKS: tl.constexpr, WINDOWED: tl.constexpr):
     """Grid (sequence, kv head, split): split-KV decoding (flash-decoding's first step)."""
     s = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + s)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    acc, m_i, l_i = _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, s, kv_head, start, end, scale, stride_bt, stride_qt,
-                                  stride_qh, HKV, D, PAGE, GROUP, BLOCK_G, BLOCK_N, BLOCK_D, DOT, IEEE)
+    start, end = _split_range(split, split_len, tl.load(lens_ptr + s), window, WINDOWED)
+    acc, m_i, l_i = _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, sinks_ptr, s, kv_head, start, end, split == 0, scale,
+                                  stride_bt, stride_qt, stride_qh, HKV, D, PAGE, GROUP, BLOCK_G, BLOCK_N, BLOCK_D,
+                                  DOT, IEEE, SINKS)
     _store_decode(out_ptr, part_out_ptr, part_lse_ptr, s, kv_head, split, num_splits, acc, m_i, l_i, HQ, D, GROUP,
                   BLOCK_G, BLOCK_D)
 
@@ -149,20 +186,21 @@ def merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, HQ: tl.constex
     lse = tl.load(part_lse_ptr + base + sp, mask=sp < num_splits, other=float("-inf"))
     part = tl.load(part_out_ptr + (base + sp[:, None]) * D + d[None, :],
                    mask=(sp[:, None] < num_splits) & (d[None, :] < D), other=0.0)
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds the sequence's first tokens
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds the first tokens its query sees
     out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + (s * HQ + head) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
-def _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s, kv_head, tile_start, scale,
-                  stride_bt, stride_qt, stride_qh, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                  PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+def _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, sinks_ptr, out_ptr, s, kv_head, tile_start,
+                  scale, window, stride_bt, stride_qt, stride_qh, HQ: tl.constexpr, HKV: tl.constexpr,
+                  D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                  SINKS: tl.constexpr, WINDOWED: tl.constexpr):
     """Query tokens [tile_start, tile_start + BLOCK_M) of sequence s's chunk with all GROUP query
     heads of kv_head as one tile of BLOCK_M * GROUP_PAD rows (row r: token r // GROUP_PAD, head
     r % GROUP_PAD), so each K/V tile is read once for the group; causal over the cached prefix
-    and the chunk."""
+    and the chunk (and within each query's window)."""
     seq_len = tl.load(lens_ptr + s)
     q_begin = tl.load(qstart_ptr + s)
     n = tl.load(qstart_ptr + s + 1) - q_begin
@@ -176,40 +214,51 @@ def _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s,
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + (q_begin + i)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=mask,
                 other=0.0)
-    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
+    acc, m_i, l_i = _initial_state(sinks_ptr, heads, g < GROUP, BLOCK_M * GROUP_PAD, BLOCK_D, SINKS)
     first = seq_len - n + tile_start  # position of the tile's first query
     kv_end = tl.minimum(seq_len, first + BLOCK_M)  # the tile's last query sees no further
-    full_end = (first + 1) // BLOCK_N * BLOCK_N  # K/V tiles every query of the tile sees whole
-    for n0 in range(0, full_end, BLOCK_N):
-        k, _ = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        acc, m_i, l_i = _online_update(_qk(q, k, scale, True, IEEE), v, acc, m_i, l_i, True, IEEE)
-    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: masked causally
-        k, valid = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
-        k_pos = n0 + tl.arange(0, BLOCK_N)
-        seen = valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        scores = tl.where(seen, _qk(q, k, scale, True, IEEE), float("-inf"))
-        acc, m_i, l_i = _online_update(scores, v, acc, m_i, l_i, True, IEEE)
+    if WINDOWED:
+        # From the first query's first visible key (never a block before it: those may be freed),
+        # every tile masked: with gpt-oss's 128-token window every tile is at one edge or the other.
+        for n0 in range(tl.maximum(first - window + 1, 0), kv_end, BLOCK_N):
+            k, valid = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
+            v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
+            k_pos = n0 + tl.arange(0, BLOCK_N)
+            seen = valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+            scores = tl.where(seen, _qk(q, k, scale, True, IEEE), float("-inf"))
+            acc, m_i, l_i = _online_update(scores, v, acc, m_i, l_i, True, IEEE)
+    else:
+        full_end = (first + 1) // BLOCK_N * BLOCK_N  # K/V tiles every query of the tile sees whole
+        for n0 in range(0, full_end, BLOCK_N):
+            k, _ = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
+            v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
+            acc, m_i, l_i = _online_update(_qk(q, k, scale, True, IEEE), v, acc, m_i, l_i, True, IEEE)
+        for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: masked causally
+            k, valid = _kv_tile(k_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
+            v, _ = _kv_tile(v_ptr, bt_ptr, s, kv_head, n0, seq_len, stride_bt, HKV, D, PAGE, BLOCK_N, BLOCK_D)
+            k_pos = n0 + tl.arange(0, BLOCK_N)
+            seen = valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            scores = tl.where(seen, _qk(q, k, scale, True, IEEE), float("-inf"))
+            acc, m_i, l_i = _online_update(scores, v, acc, m_i, l_i, True, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + ((q_begin + i) * HQ + heads)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
-def prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr, tile_start_ptr, out_ptr, scale,
-                   stride_bt, stride_qt, stride_qh, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                   PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_bt", "window"])
+def prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr, tile_start_ptr, sinks_ptr,
+                   out_ptr, scale, window, stride_bt, stride_qt, stride_qh, HQ: tl.constexpr, HKV: tl.constexpr,
+                   D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                   SINKS: tl.constexpr, WINDOWED: tl.constexpr):
     """Grid (tile, kv head): one prefill tile of one group of query heads each."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     s = tl.load(tile_seq_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
-    _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s, kv_head, start, scale, stride_bt,
-                  stride_qt, stride_qh, HQ, HKV, D, PAGE, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
+    _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, sinks_ptr, out_ptr, s, kv_head, start, scale,
+                  window, stride_bt, stride_qt, stride_qh, HQ, HKV, D, PAGE, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N,
+                  BLOCK_D, IEEE, SINKS, WINDOWED)
 
 
 @triton.jit
@@ -225,14 +274,14 @@ def _sm_id(pid, NUM_SMS: tl.constexpr, USE_SMID: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_prefill_items", "num_decode_items", "num_splits", "split_len", "prefill_share",
-                               "decode_share", "stride_bt"])
-def pod_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr, tile_start_ptr, out_ptr,
+                               "decode_share", "stride_bt", "window"])
+def pod_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr, tile_start_ptr, sinks_ptr, out_ptr,
                part_out_ptr, part_lse_ptr, counters_ptr, num_prefill_items, num_decode_items, num_splits, split_len,
-               prefill_share, decode_share, scale, stride_bt, stride_qt, stride_qh, HQ: tl.constexpr,
+               prefill_share, decode_share, scale, window, stride_bt, stride_qt, stride_qh, HQ: tl.constexpr,
                HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                NUM_SMS: tl.constexpr, USE_SMID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                DECODE_G: tl.constexpr, DECODE_N: tl.constexpr, DECODE_DOT: tl.constexpr, BLOCK_D: tl.constexpr,
-               IEEE: tl.constexpr):
+               IEEE: tl.constexpr, SINKS: tl.constexpr, WINDOWED: tl.constexpr):
     """One program, one work item. Prefill items are (prefill tile, kv head); decode items are
     (decode sequence, kv head, KV split), the decodes being the batch's first sequences.
     counters_ptr holds NUM_SMS arrival counters, then the prefill and the decode ticket.
@@ -255,17 +304,16 @@ def pod_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, tile_seq_ptr, 
         tile = ticket // HKV
         s = tl.load(tile_seq_ptr + tile)
         start = tl.load(tile_start_ptr + tile)
-        _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, out_ptr, s, ticket % HKV, start, scale,
-                      stride_bt, stride_qt, stride_qh, HQ, HKV, D, PAGE, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, BLOCK_D,
-                      IEEE)
+        _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qstart_ptr, sinks_ptr, out_ptr, s, ticket % HKV, start,
+                      scale, window, stride_bt, stride_qt, stride_qh, HQ, HKV, D, PAGE, GROUP, GROUP_PAD, BLOCK_M,
+                      BLOCK_N, BLOCK_D, IEEE, SINKS, WINDOWED)
     else:
         s = ticket // (HKV * num_splits)
         kv_head = ticket // num_splits % HKV
         split = ticket % num_splits
-        start = split * split_len
-        end = tl.minimum(start + split_len, tl.load(lens_ptr + s))
-        acc, m_i, l_i = _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, s, kv_head, start, end, scale, stride_bt,
-                                      stride_qt, stride_qh, HKV, D, PAGE, GROUP, DECODE_G, DECODE_N, BLOCK_D,
-                                      DECODE_DOT, IEEE)
+        start, end = _split_range(split, split_len, tl.load(lens_ptr + s), window, WINDOWED)
+        acc, m_i, l_i = _decode_range(q_ptr, k_ptr, v_ptr, bt_ptr, sinks_ptr, s, kv_head, start, end, split == 0,
+                                      scale, stride_bt, stride_qt, stride_qh, HKV, D, PAGE, GROUP, DECODE_G, DECODE_N,
+                                      BLOCK_D, DECODE_DOT, IEEE, SINKS)
         _store_decode(out_ptr, part_out_ptr, part_lse_ptr, s, kv_head, split, num_splits, acc, m_i, l_i, HQ, D,
                       GROUP, DECODE_G, BLOCK_D)

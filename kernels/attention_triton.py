@@ -15,6 +15,11 @@ The POD kernel gives every program one work item, prefill or decode: on NVIDIA e
 reads the SM it landed on and takes a role from that SM's counter in proportion to the two
 kinds' work, so both kinds share every SM.
 
+gpt-oss's variants (`sinks`, `window`: semantics in `paged_attention_ref`) are keyword
+arguments of every launcher; each selects its own build of a program (`attention_jit`'s SINKS
+and WINDOWED flags), the window's size staying a runtime argument. With a window, decode splits
+cut only the window's positions, and no program reads a block before its queries' window.
+
 Nothing here reads a device tensor back to the host: split sizes come from host-known
 lengths (or the block tables' width), work tiles from the host's query offsets, copied
 without a stream synchronisation. A plan (`plan_pod`, `plan_prefill`) depends only on the
@@ -66,6 +71,7 @@ class PodPlan:
     decode_items: int  # (decode sequence, kv head, split) items
     prefill_share: int  # of every prefill_share + decode_share arrivals on an SM, this many prefer prefill
     decode_share: int
+    window: int = 0  # the sliding window its decode splits cover (0: whole contexts)
 
 
 def tiles_for(query: torch.Tensor, key_cache: torch.Tensor, fused: bool = False) -> AttentionTiles:
@@ -97,16 +103,40 @@ def plan_splits(items: int, max_len: int, block_n: int, num_sms: int, num_splits
 
 
 def plan_pod(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor, query_start_host: list[int],
-             num_single: int, max_decode_len: int | None = None, num_splits: int | None = None) -> PodPlan:
+             num_single: int, max_decode_len: int | None = None, num_splits: int | None = None,
+             window: int = 0) -> PodPlan:
     """The launch of a hybrid batch whose first `num_single` sequences decode. max_decode_len:
-    the longest decode's cached tokens, known on the host (default: the block tables' width)."""
+    the longest decode's cached tokens, known on the host (default: the block tables' width).
+    window: the attention's sliding window (0: none), whose positions alone the splits cut."""
     tiles = tiles_for(query, key_cache, fused=True)
     hkv = key_cache.shape[2]
     prefill = plan_prefill(query_start_host, num_single, tiles.block_m, query.device)
     max_len = max_decode_len if max_decode_len is not None else block_tables.shape[1] * key_cache.shape[1]
-    splits = plan_splits(num_single * hkv, max_len, tiles.decode_n, num_sms(query.device), num_splits)
+    splits = plan_splits(num_single * hkv, _seen_len(max_len, window), tiles.decode_n, num_sms(query.device),
+                         num_splits)
     prefill_items, decode_items = prefill.count * hkv, num_single * hkv * splits.count
-    return PodPlan(tiles, prefill, splits, prefill_items, decode_items, *shares(prefill_items, decode_items))
+    return PodPlan(tiles, prefill, splits, prefill_items, decode_items, *shares(prefill_items, decode_items), window)
+
+
+def _seen_len(max_len: int, window: int) -> int:
+    """The most positions one decode's query sees: its context, or its window."""
+    return min(max_len, window) if window else max_len
+
+
+def _variant(query: torch.Tensor, seq_lens: torch.Tensor, sinks: torch.Tensor | None,
+             window: int) -> tuple[torch.Tensor, dict]:
+    """(the tensor for sinks_ptr, the SINKS and WINDOWED flags) of a launch, or a ValueError
+    naming the argument. Without sinks the programs never read sinks_ptr: seq_lens stands in
+    (nothing allocated per call)."""
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window: want an int >= 0 (0: no sliding window), got {window!r}")
+    if sinks is None:
+        return seq_lens, dict(SINKS=False, WINDOWED=window > 0)
+    hq = query.shape[1]
+    if sinks.shape != (hq,) or sinks.dtype != torch.float32 or sinks.device != query.device or sinks.stride(0) != 1:
+        raise ValueError(f"sinks: want a contiguous float32 [{hq}] tensor (one logit per query head) on "
+                         f"{query.device}, got {sinks.dtype} shape {tuple(sinks.shape)} on {sinks.device}")
+    return sinks, dict(SINKS=True, WINDOWED=window > 0)
 
 
 def shares(prefill_items: int, decode_items: int, cycle: int = 8) -> tuple[int, int]:
@@ -160,33 +190,39 @@ def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, nu
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                     max_seq_len: int | None = None) -> torch.Tensor:
+                     max_seq_len: int | None = None, sinks: torch.Tensor | None = None,
+                     window: int = 0) -> torch.Tensor:
     """One query token per sequence ([S, Hq, D]) over its cached keys: split-KV, then a merge.
     max_seq_len: the longest sequence, known on the host (default: the block tables' width)."""
     hq, hkv, d, page, group = check_attention(query, key_cache, value_cache, block_tables)
+    sinks_arg, flags = _variant(query, seq_lens, sinks, window)
     s_count = query.shape[0]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if s_count == 0:
         return out
     tiles = tiles_for(query, key_cache)
     max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
-    splits = plan_splits(s_count * hkv, max_len, tiles.decode_n, num_sms(query.device), num_splits)
+    splits = plan_splits(s_count * hkv, _seen_len(max_len, window), tiles.decode_n, num_sms(query.device),
+                         num_splits)
     part_out, part_lse = _partials(s_count, hq, d, splits, query.device)
     jit.decode_kernel[(s_count, hkv, splits.count)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
-        block_tables.stride(0), query.stride(0), query.stride(1), splits.length, splits.count, HQ=hq, HKV=hkv, D=d,
-        PAGE=page, GROUP=group, BLOCK_G=tiles.decode_rows(group), BLOCK_N=tiles.decode_n, BLOCK_D=pow2(max(d, 16)),
-        DOT=tiles.decode_dot, IEEE=_ieee(query), num_warps=4, num_stages=tiles.num_stages)
+        query, key_cache, value_cache, block_tables, seq_lens, sinks_arg, out, part_out, part_lse, scale * LOG2E,
+        block_tables.stride(0), query.stride(0), query.stride(1), splits.length, splits.count, window, HQ=hq, HKV=hkv,
+        D=d, PAGE=page, GROUP=group, BLOCK_G=tiles.decode_rows(group), BLOCK_N=tiles.decode_n,
+        BLOCK_D=pow2(max(d, 16)), DOT=tiles.decode_dot, IEEE=_ieee(query), **flags, num_warps=4,
+        num_stages=tiles.num_stages)
     _merge(part_out, part_lse, out, s_count, splits)
     return out
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      query_start_host: list[int], scale: float, plan: PrefillTiles | None = None) -> torch.Tensor:
+                      query_start_host: list[int], scale: float, plan: PrefillTiles | None = None,
+                      sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Each sequence's chunk of new queries (its last tokens) attending causally to its cache.
     plan: this batch's tiles from `plan_prefill` (built here when not given)."""
     hq, hkv, d, page, group = check_attention(query, key_cache, value_cache, block_tables)
+    sinks_arg, flags = _variant(query, seq_lens, sinks, window)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     tiles = tiles_for(query, key_cache)
     plan = plan or plan_prefill(query_start_host, 0, tiles.block_m, query.device)
@@ -195,22 +231,27 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     if not plan.count:
         return out
     jit.prefill_kernel[(plan.count, hkv)](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan.seq, plan.start, out,
-        scale * LOG2E, block_tables.stride(0), query.stride(0), query.stride(1), HQ=hq, HKV=hkv, D=d, PAGE=page,
-        GROUP=group, GROUP_PAD=pow2(group), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=pow2(max(d, 16)),
-        IEEE=_ieee(query), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan.seq, plan.start, sinks_arg, out,
+        scale * LOG2E, window, block_tables.stride(0), query.stride(0), query.stride(1), HQ=hq, HKV=hkv, D=d,
+        PAGE=page, GROUP=group, GROUP_PAD=pow2(group), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_D=pow2(max(d, 16)), IEEE=_ieee(query), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 def pod_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, query_start_host: list[int],
                   num_single: int, scale: float, max_decode_len: int | None = None, num_splits: int | None = None,
-                  plan: PodPlan | None = None) -> torch.Tensor:
+                  plan: PodPlan | None = None, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """A hybrid batch (the first `num_single` sequences decode, the rest prefill) in one launch,
-    then the merge of the decodes' KV splits. plan: from `plan_pod` (built here when not given)."""
+    then the merge of the decodes' KV splits. plan: from `plan_pod` (built here when not given),
+    for the same window."""
     hq, hkv, d, page, group = check_attention(query, key_cache, value_cache, block_tables)
+    sinks_arg, flags = _variant(query, seq_lens, sinks, window)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    plan = plan or plan_pod(query, key_cache, block_tables, query_start_host, num_single, max_decode_len, num_splits)
+    plan = plan or plan_pod(query, key_cache, block_tables, query_start_host, num_single, max_decode_len, num_splits,
+                            window)
+    if plan.window != window:  # its splits would cut another range than this call's queries see
+        raise ValueError(f"plan: built for window {plan.window}, this call's is {window}")
     if plan.prefill_items + plan.decode_items == 0:
         return out
     dev = query.device
@@ -220,11 +261,11 @@ def pod_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     t = plan.tiles
     jit.pod_kernel[(plan.prefill_items + plan.decode_items,)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan.prefill.seq, plan.prefill.start,
-        out, part_out, part_lse, counters, plan.prefill_items, plan.decode_items, plan.splits.count,
-        plan.splits.length, plan.prefill_share, plan.decode_share, scale * LOG2E, block_tables.stride(0),
+        sinks_arg, out, part_out, part_lse, counters, plan.prefill_items, plan.decode_items, plan.splits.count,
+        plan.splits.length, plan.prefill_share, plan.decode_share, scale * LOG2E, window, block_tables.stride(0),
         query.stride(0), query.stride(1), HQ=hq, HKV=hkv, D=d, PAGE=page, GROUP=group, GROUP_PAD=pow2(group),
         NUM_SMS=sms, USE_SMID=dev.type == "cuda" and not INTERPRETED, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         DECODE_G=t.decode_rows(group), DECODE_N=t.decode_n, DECODE_DOT=t.decode_dot, BLOCK_D=pow2(max(d, 16)),
-        IEEE=_ieee(query), num_warps=t.num_warps, num_stages=t.num_stages)
+        IEEE=_ieee(query), **flags, num_warps=t.num_warps, num_stages=t.num_stages)
     _merge(part_out, part_lse, out, num_single, plan.splits)
     return out

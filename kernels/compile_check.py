@@ -29,6 +29,9 @@ from kernels.tiles import attention_tiles, gemm_tiles, pow2
 # multi-head (element-wise decode), and head dims 64 and 256 for the table's other rows.
 ATTENTION = (("mixtral", 32, 8, 128), ("qwen3-gqa4", 16, 4, 128), ("qwen3-gqa16", 64, 4, 128), ("mha", 16, 16, 128),
              ("gqa2-d64", 16, 8, 64), ("gqa4-d256", 16, 4, 256))
+# gpt-oss-20b and -120b's attention (GQA 8, head dim 64), compiled in its two variants: sinks
+# with a sliding window (every other layer) and sinks alone (the rest).
+GPT_OSS_ATTENTION = ("gpt-oss", 64, 8, 64)
 # Experts (count, hidden, intermediate) and the mean rows per expert of each GEMM tile row.
 EXPERTS = (("mixtral", 8, 4096, 14336), ("qwen3-30b-a3b", 128, 2048, 768))
 # gpt-oss's experts, compiled with their biases and clamped SwiGLU: widths of 2880, not a power
@@ -118,7 +121,10 @@ def compile_one(fn, constexprs: dict, pointers: dict[str, str], num_warps: int, 
                   "%smid" in kernel.asm["ptx"])
 
 
-def attention_reports(name: str, hq: int, hkv: int, d: int, dtype: torch.dtype, arch: int) -> list[Report]:
+def attention_reports(name: str, hq: int, hkv: int, d: int, dtype: torch.dtype, arch: int, sinks: bool = False,
+                      window: bool = False) -> list[Report]:
+    """The attention kernels at these heads; sinks, window: their gpt-oss variants (the merge
+    kernel, the same for every variant, only with the plain ones)."""
     from kernels import attention_jit as jit
     from kernels.attention_triton import MAX_SPLITS
 
@@ -126,19 +132,24 @@ def attention_reports(name: str, hq: int, hkv: int, d: int, dtype: torch.dtype, 
     t = attention_tiles(d, group, dtype, interpreted=False, arch=arch)
     f = attention_tiles(d, group, dtype, interpreted=False, fused=True, arch=arch)
     ty = "*" + TYPES[dtype]
-    pointers = {n: ty for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {"part_out_ptr": "*fp32",
-                                                                          "part_lse_ptr": "*fp32"}
-    heads = dict(HQ=hq, HKV=hkv, D=d, PAGE=PAGE, GROUP=group, BLOCK_D=pow2(max(d, 16)), IEEE=dtype == torch.float32)
+    # Without sinks the launchers pass the int32 seq_lens for sinks_ptr (never read).
+    pointers = {n: ty for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32" if sinks else "*i32"}
+    heads = dict(HQ=hq, HKV=hkv, D=d, PAGE=PAGE, GROUP=group, BLOCK_D=pow2(max(d, 16)), IEEE=dtype == torch.float32,
+                 SINKS=sinks, WINDOWED=window)
     decode = dict(BLOCK_G=t.decode_rows(group), BLOCK_N=t.decode_n, DOT=t.decode_dot)
     prefill = dict(GROUP_PAD=pow2(group), BLOCK_M=t.block_m, BLOCK_N=t.block_n)
     pod = dict(GROUP_PAD=pow2(group), NUM_SMS=132, USE_SMID=True, BLOCK_M=f.block_m, BLOCK_N=f.block_n,
                DECODE_G=f.decode_rows(group), DECODE_N=f.decode_n, DECODE_DOT=f.decode_dot)
-    shape = f"{name} {hq}/{hkv}x{d} {TYPES[dtype]}"
+    variant = "+".join(n for n, on in (("sinks", sinks), ("window", window)) if on)
+    shape = f"{name} {hq}/{hkv}x{d} {TYPES[dtype]}{' ' + variant if variant else ''}"
     merge = dict(HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS, BLOCK_D=pow2(d))
-    return [compile_one(jit.decode_kernel, heads | decode, pointers, 4, t.num_stages, arch, shape),
-            compile_one(jit.prefill_kernel, heads | prefill, pointers, t.num_warps, t.num_stages, arch, shape),
-            compile_one(jit.pod_kernel, heads | pod, pointers, f.num_warps, f.num_stages, arch, shape, 2),
-            compile_one(jit.merge_kernel, merge, pointers, 4, 1, arch, shape)]
+    reports = [compile_one(jit.decode_kernel, heads | decode, pointers, 4, t.num_stages, arch, shape),
+               compile_one(jit.prefill_kernel, heads | prefill, pointers, t.num_warps, t.num_stages, arch, shape),
+               compile_one(jit.pod_kernel, heads | pod, pointers, f.num_warps, f.num_stages, arch, shape, 2)]
+    if variant:
+        return reports
+    return reports + [compile_one(jit.merge_kernel, merge, pointers, 4, 1, arch, shape)]
 
 
 def gemm_reports(name: str, experts: int, h: int, i: int, rows: int, dtype: torch.dtype, arch: int,
@@ -208,10 +219,14 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
     if quick:
         return (attention_reports(*ATTENTION[2], torch.bfloat16, arch)
                 + attention_reports(*ATTENTION[4], torch.bfloat16, arch)
+                # gpt-oss's sinks with a window: its prefill comes nearest the register limit (252 on sm_90)
+                + attention_reports(*GPT_OSS_ATTENTION, torch.bfloat16, arch, sinks=True, window=True)
                 + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.bfloat16, arch)
                 + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch)
                 + gemm_reports(*GPT_OSS_EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch, gpt_oss=True))
     reports = [r for shape in ATTENTION for r in attention_reports(*shape, torch.bfloat16, arch)]
+    reports += attention_reports(*GPT_OSS_ATTENTION, torch.bfloat16, arch, sinks=True, window=True)
+    reports += attention_reports(*GPT_OSS_ATTENTION, torch.bfloat16, arch, sinks=True)
     reports += attention_reports(*ATTENTION[0], torch.float32, arch)
     reports += [r for e in EXPERTS for rows in ROWS_PER_EXPERT for r in gemm_reports(*e, rows, torch.bfloat16, arch)]
     reports += [r for e in GPT_OSS_EXPERTS for rows in ROWS_PER_EXPERT
