@@ -136,26 +136,32 @@ def _pick(mode: str, key, triton_fn, reference_fn):
     return _choice.run(key(), triton_fn, reference_fn)
 
 
-def _attention_shape(query, key_cache) -> tuple:
-    """dtype, query heads, kv heads, head dim, page size: fixed by the model."""
-    return query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1]
+def _attention_shape(query, key_cache, sinks=None, window: int = 0) -> tuple:
+    """dtype, query heads, kv heads, head dim, page size: fixed by the model; then "sinks" and
+    "window=W" where the layer has them (other Triton builds, other timings: a model's sliding
+    and full layers decide their shapes apart)."""
+    variant = (("sinks",) if sinks is not None else ()) + ((f"window={window}",) if window else ())
+    return query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1], *variant
 
 
-def paged_attention(query, key_cache, value_cache, batch, scale: float):
+def paged_attention(query, key_cache, value_cache, batch, scale: float, sinks=None, window: int = 0):
     """A hybrid batch's attention (decodes first, then prefill chunks): POD's fused kernel on
-    Triton, its plan and shape bucket built once per batch and reused by every layer."""
+    Triton, its plan and shape bucket built once per batch and reused by every layer (once per
+    window: gpt-oss's sliding and full layers plan their decode splits apart). sinks, window:
+    gpt-oss's, as `paged_attention_ref` defines them."""
     from kernels import paged_attention_ref as r
 
-    shape = _attention_shape(query, key_cache)
+    shape = _attention_shape(query, key_cache, sinks, window)
 
     def triton_fn():
         from kernels import attention_triton as t
 
         plan = batch.memo(("pod", shape, query.device), lambda: t.plan_pod(
             query, key_cache, batch.block_tables, batch.query_start_host, batch.num_single,
-            max(batch.seq_lens_host[:batch.num_single], default=0)))
+            max(batch.seq_lens_host[:batch.num_single], default=0), window=window))
         return t.pod_attention(query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                               batch.query_start_loc, batch.query_start_host, batch.num_single, scale, plan=plan)
+                               batch.query_start_loc, batch.query_start_host, batch.num_single, scale, plan=plan,
+                               sinks=sinks, window=window)
 
     def key():
         return batch.memo(("bucket", shape), lambda: ShapeKey(
@@ -164,10 +170,12 @@ def paged_attention(query, key_cache, value_cache, batch, scale: float):
 
     mode = backend(query.device)
     if mode == FASTEST:  # once per batch, reused by every layer of the step
-        too_large = batch.memo(("reference_gather", shape), lambda: _over_gather_limit(r.gather_bytes(key_cache, batch)))
+        too_large = batch.memo(("reference_gather", shape),
+                               lambda: _over_gather_limit(r.gather_bytes(key_cache, batch, window)))
         if too_large:
             return _choice.fixed(key(), triton_fn, too_large)
-    return _pick(mode, key, triton_fn, lambda: r.paged_attention(query, key_cache, value_cache, batch, scale))
+    return _pick(mode, key, triton_fn,
+                 lambda: r.paged_attention(query, key_cache, value_cache, batch, scale, sinks, window))
 
 
 def _over_gather_limit(gather: int) -> str:
@@ -177,38 +185,40 @@ def _over_gather_limit(gather: int) -> str:
     return f"the torch reference would gather {gather / 2 ** 30:.1f} GiB of pages: not timed"
 
 
-def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale: float):
+def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale: float, sinks=None,
+                     window: int = 0):
     from kernels import paged_attention_ref as r
 
     def triton_fn():
         from kernels import attention_triton as t
 
-        return t.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return t.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sinks=sinks,
+                                  window=window)
 
     def key():
-        return ShapeKey("decode_attention", _attention_shape(query, key_cache),
+        return ShapeKey("decode_attention", _attention_shape(query, key_cache, sinks, window),
                         (bucket(query.shape[0]), bucket(block_tables.shape[1] * key_cache.shape[1])), ("seqs", "len"))
 
     return _pick(backend(query.device), key, triton_fn,
-                 lambda: r.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale))
+                 lambda: r.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sinks, window))
 
 
 def prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                      query_start_host: list[int], scale: float):
+                      query_start_host: list[int], scale: float, sinks=None, window: int = 0):
     from kernels import paged_attention_ref as r
 
     def triton_fn():
         from kernels import attention_triton as t
 
         return t.prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   query_start_host, scale)
+                                   query_start_host, scale, sinks=sinks, window=window)
 
     def key():
-        return ShapeKey("prefill_attention", _attention_shape(query, key_cache),
+        return ShapeKey("prefill_attention", _attention_shape(query, key_cache, sinks, window),
                         (bucket(query.shape[0]), bucket(block_tables.shape[1] * key_cache.shape[1])), ("tokens", "len"))
 
     return _pick(backend(query.device), key, triton_fn, lambda: r.prefill_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale))
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_host, scale, sinks, window))
 
 
 def fused_gating(logits, top_k: int, renormalize: bool, expert_node=None, num_nodes: int = 0, valid=None,

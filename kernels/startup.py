@@ -163,13 +163,14 @@ def _paged_batch(decodes: int, prefill: int, length: int, page: int, num_blocks:
 
 
 def warm_up_attention(key_cache: torch.Tensor, value_cache: torch.Tensor, query_heads: int, scale: float,
-                      grid: list[tuple[int, int, int]]) -> None:
-    """The paged attention (POD's fused kernel on Triton) at every grid point, over this cache."""
+                      grid: list[tuple[int, int, int]], sinks: torch.Tensor | None = None, window: int = 0) -> None:
+    """The paged attention (POD's fused kernel on Triton) at every grid point, over this cache;
+    sinks, window: the variant a layer serves (gpt-oss: once per layer kind)."""
     num_blocks, page, _, head_dim = key_cache.shape
     for decodes, prefill, length in grid:
         batch, tokens = _paged_batch(decodes, prefill, length, page, num_blocks, key_cache.device)
         query = torch.randn(tokens, query_heads, head_dim, device=key_cache.device, dtype=key_cache.dtype)
-        dispatch.paged_attention(query, key_cache, value_cache, batch, scale)
+        dispatch.paged_attention(query, key_cache, value_cache, batch, scale, sinks=sinks, window=window)
 
 
 def warm_up_norm_rope(query_heads: int, kv_heads: int, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
