@@ -172,6 +172,184 @@ def test_sm_ids_fold_into_the_counter_range():
     assert out.tolist() == [p % 3 for p in range(10)]
 
 
+# -- gpt-oss's sinks and sliding window ----------------------------------------------------------
+# A mixed batch: decodes over 1, 17, 45 and 70 tokens, a whole 40-token prompt, a 12-token chunk
+# whose first query (position 48) is past every window tried, a 7-token chunk after 26 cached.
+SW_LENS, SW_CHUNKS, SW_PAGE = [1, 17, 45, 70, 40, 60, 33], [1, 1, 1, 1, 40, 12, 7], 16
+SW_DECODES = 4
+
+
+class WindowCase:
+    """Random pages for SW_LENS with block 0 owned by no sequence (the placeholder), block
+    tables of 16-token pages, queries; `free(window)` writes the placeholder into the entries of
+    blocks wholly before each sequence's first query's window, as the scheduler leaves them."""
+
+    def __init__(self, hq, hkv, d=16, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        pages = [-(-n // SW_PAGE) for n in SW_LENS]
+        self.k = torch.randn(sum(pages) + 1, SW_PAGE, hkv, d, generator=g)
+        self.v = torch.randn(sum(pages) + 1, SW_PAGE, hkv, d, generator=g)
+        order = (torch.randperm(sum(pages), generator=g) + 1).tolist()  # block 0 is nobody's
+        self.tables = [[order.pop() for _ in range(n)] for n in pages]
+        self.block_tables = torch.tensor([t + [0] * (max(pages) - len(t)) for t in self.tables], dtype=torch.int32)
+        self.batch = attention_ref.PagedAttentionBatch.of(self.block_tables, SW_LENS, SW_CHUNKS)
+        self.starts = self.batch.query_start_host
+        self.q = torch.randn(self.starts[-1], hq, d, generator=g)
+        self.sinks = 2 * torch.randn(hq, generator=g)
+
+    def free(self, window):
+        freed = 0
+        for s, (n, c) in enumerate(zip(SW_LENS, SW_CHUNKS)):
+            blocks = max(0, n - c - window + 1) // SW_PAGE if window else 0
+            self.block_tables[s, :blocks] = 0
+            freed += blocks
+        return freed
+
+    def explicit(self, scale, sinks, window):
+        """float64, per sequence, query and head: the scores of the keys it sees (causal, within
+        the window), the sink appended as one more logit, softmax, the sink's column dropped."""
+        hq, hkv = self.q.shape[1], self.k.shape[2]
+        out = torch.zeros(self.q.shape, dtype=torch.float64)
+        for s, (n, c) in enumerate(zip(SW_LENS, SW_CHUNKS)):
+            pos = torch.arange(n)
+            blocks = torch.tensor(self.tables[s])[pos // SW_PAGE]
+            k, v = self.k[blocks, pos % SW_PAGE].double(), self.v[blocks, pos % SW_PAGE].double()
+            for i in range(c):
+                p, t = n - c + i, self.starts[s] + i
+                seen = (pos <= p) & (pos > p - window) if window else pos <= p
+                for h in range(hq):
+                    scores = (k[:, h // (hq // hkv)] @ self.q[t, h].double()) * scale
+                    scores = scores.masked_fill(~seen, float("-inf"))
+                    if sinks is not None:
+                        scores = torch.cat([scores, sinks[h:h + 1].double()])
+                    out[t, h] = scores.softmax(0)[:n] @ v[:, h // (hq // hkv)]
+        return out.float()
+
+    def decode(self, impl, scale, sinks, window, **kw):
+        d = SW_DECODES
+        return impl.decode_attention(self.q[:d], self.k, self.v, self.block_tables[:d], self.batch.seq_lens[:d], scale,
+                                     sinks=sinks, window=window, **kw)
+
+    def prefill(self, impl, scale, sinks, window):
+        d = SW_DECODES
+        starts = [x - self.starts[d] for x in self.starts[d:]]
+        loc = () if impl is attention_ref else (torch.tensor(starts, dtype=torch.int32),)
+        return impl.prefill_attention(self.q[self.starts[d]:], self.k, self.v, self.block_tables[d:],
+                                      self.batch.seq_lens[d:], *loc, starts, scale, sinks=sinks, window=window)
+
+
+@pytest.mark.parametrize("window", [0, 5, 16, 40])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_reference_sinks_and_window_match_explicit_attention(hq, hkv, with_sinks, window):
+    """The torch reference's decode, prefill (a whole prompt, a chunk past the window) and mixed
+    batch against the explicit per-head softmax; unchanged when the block-table entries before
+    each window hold a placeholder block, whatever that block holds (the reference may gather
+    it, masked)."""
+    case = WindowCase(hq, hkv, seed=window)
+    sinks = case.sinks if with_sinks else None
+    want = case.explicit(0.3, sinks, window)
+    dense = expected(_as_paged_cache(case), case.q, case.starts, 0.3, sinks, window)  # the GPU check's ground truth
+    torch.testing.assert_close(dense, want, **TOL[torch.float32])
+    freed = case.free(window)
+    assert freed == {0: 0, 5: 9, 16: 6, 40: 1}[window]  # the 70-token decode loses 4, 3, 1 of its 5 blocks
+    got = [attention_ref.paged_attention(case.q, case.k, case.v, case.batch, 0.3, sinks, window),
+           case.decode(attention_ref, 0.3, sinks, window), case.prefill(attention_ref, 0.3, sinks, window)]
+    torch.testing.assert_close(got[0], want, **TOL[torch.float32])
+    torch.testing.assert_close(torch.cat(got[1:]), want, **TOL[torch.float32])
+    case.k[0], case.v[0] = 1e4 * torch.randn(case.k[0].shape), -1e4 * torch.randn(case.v[0].shape)
+    assert torch.equal(attention_ref.paged_attention(case.q, case.k, case.v, case.batch, 0.3, sinks, window), got[0])
+    assert torch.equal(case.decode(attention_ref, 0.3, sinks, window), got[1])
+    assert torch.equal(case.prefill(attention_ref, 0.3, sinks, window), got[2])
+
+
+def _as_paged_cache(case):
+    """The case's pages and tables as a `paged_samples.PagedCache`."""
+    cache = PagedCache(SW_LENS, SW_PAGE, case.k.shape[2], case.k.shape[3])
+    cache.k, cache.v, cache.block_tables = case.k, case.v, case.block_tables.clone()
+    cache.pages = cache.block_tables.clone()
+    return cache
+
+
+def _triton_sinks_window(hq, hkv, with_sinks, window):
+    case = WindowCase(hq, hkv, seed=window)
+    sinks = case.sinks if with_sinks else None
+    want = case.explicit(0.3, sinks, window)
+    case.free(window)
+    case.k[0], case.v[0] = float("nan"), float("nan")  # read, a placeholder would poison the output
+
+    def pod(splits):
+        return attention_triton.pod_attention(case.q, case.k, case.v, case.block_tables, case.batch.seq_lens,
+                                              case.batch.query_start_loc, case.starts, SW_DECODES, 0.3,
+                                              num_splits=splits, sinks=sinks, window=window)
+
+    for splits in (None, 3):
+        torch.testing.assert_close(pod(splits), want, **TOL[torch.float32])
+    d = case.starts[SW_DECODES]
+    for splits in (None, 1, attention_triton.MAX_SPLITS):  # the sink folded in exactly once
+        torch.testing.assert_close(case.decode(attention_triton, 0.3, sinks, window, num_splits=splits), want[:d],
+                                   **TOL[torch.float32])
+    torch.testing.assert_close(case.prefill(attention_triton, 0.3, sinks, window), want[d:], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("with_sinks, window", [(True, 0), (False, 5), (True, 16), (True, 40)],
+                         ids=["sinks", "window-5", "sinks-window-16", "sinks-window-40"])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_triton_sinks_and_window_match_explicit_attention(hq, hkv, with_sinks, window):
+    """The POD (split-KV on its decode side or not), decode (splits None, 1 and 16) and prefill
+    kernels against the explicit softmax, the placeholder block full of NaN: no program reads a
+    block before its queries' window."""
+    _triton_sinks_window(hq, hkv, with_sinks, window)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_sinks, window", [(False, 16), (True, 5), (False, 40)])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_triton_sinks_and_window_the_rest_of_the_grid(hq, hkv, with_sinks, window):
+    _triton_sinks_window(hq, hkv, with_sinks, window)
+
+
+def test_windowed_decode_splits_cut_only_the_window():
+    """A decode over 32K tokens is split several ways; in a 128-token window it is one split
+    (MIN_SPLIT_LEN), and forced splits cover the window, not the context."""
+    q = torch.randn(1, 8, 16)
+    cache = torch.empty(1, 16, 2, 16)
+    tables = torch.zeros(1, 2048, dtype=torch.int32)
+    full = attention_triton.plan_pod(q, cache, tables, [0, 1], 1, 32768)
+    windowed = attention_triton.plan_pod(q, cache, tables, [0, 1], 1, 32768, window=128)
+    assert full.splits.count > 1 and full.splits.count * full.splits.length >= 32768
+    assert windowed.splits.count == 1 and windowed.splits.length == 128 and windowed.window == 128
+    forced = attention_triton.plan_pod(q, cache, tables, [0, 1], 1, 32768, num_splits=4, window=128)
+    assert forced.splits.count == 4 and forced.splits.length == 32  # 16-position tiles in the interpreter
+    case = WindowCase(4, 2)
+    with pytest.raises(ValueError, match="plan: built for window 128"):
+        attention_triton.pod_attention(case.q, case.k, case.v, case.block_tables, case.batch.seq_lens,
+                                       case.batch.query_start_loc, case.starts, SW_DECODES, 0.3, window=0,
+                                       plan=attention_triton.plan_pod(case.q, case.k, case.block_tables, case.starts,
+                                                                      SW_DECODES, window=128))
+    with pytest.raises(ValueError, match="sinks: want a contiguous float32"):
+        case.decode(attention_triton, 0.3, case.sinks.double(), 0)
+    with pytest.raises(ValueError, match="window: want an int"):
+        case.decode(attention_triton, 0.3, None, -1)
+
+
+def test_dispatch_keeps_the_sink_and_window_variants_apart(monkeypatch):
+    """Each variant its own shape key (its own Triton build and timing) and its own POD plan of
+    a batch (gpt-oss's sliding and full layers share a step's batch, their decode splits differ);
+    the results those of the explicit softmax."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device: dispatch.FASTEST)
+    monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=lambda fn, reps, warmup: (1.0, fn())))
+    case = WindowCase(8, 2, seed=3)
+    for sinks, window in ((None, 0), (case.sinks, 16), (case.sinks, 0), (None, 16), (case.sinks, 16)):
+        out = dispatch.paged_attention(case.q, case.k, case.v, case.batch, 0.3, sinks=sinks, window=window)
+        torch.testing.assert_close(out, case.explicit(0.3, sinks, window), **TOL[torch.float32])
+    keys = {str(k) for k in dispatch._choice.choices}
+    assert len(keys) == 4 and any("sinks window=16" in k for k in keys), keys
+    plans = [plan for key, plan in case.batch.derived.items() if key[0] == "pod"]
+    assert len(plans) == 4 and sorted(plan.window for plan in plans) == [0, 0, 16, 16]
+
+
 # -- tiles and plans ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interpreted", [True, False])
