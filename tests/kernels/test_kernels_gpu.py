@@ -59,6 +59,8 @@ CHECKS = {**{f"decode {h}": (checks.check_decode, h) for h in checks.REAL.heads}
           **{f"prefill {h}": (checks.check_prefill, h) for h in checks.REAL.heads},
           **{f"pod {h}": (checks.check_pod, h) for h in checks.REAL.heads},
           "pod one kind": (checks.check_pod_one_kind, checks.REAL.heads[-1]),
+          **{f"gpt-oss attention {'sinks+window' if w else 'sinks'}": (checks.check_gpt_oss_attention,
+                                                                       checks.GPT_OSS_REAL, w) for w in (True, False)},
           **{f"gemm {e.model} {t}": (checks.check_grouped_gemm, e, t) for e in checks.REAL.experts
              for t in checks.REAL.expert_tokens},
           "gating": (checks.check_gating, checks.REAL.experts[0])}

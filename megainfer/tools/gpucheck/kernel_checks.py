@@ -179,6 +179,88 @@ def check_pod_one_kind(ctx: CheckContext, scale: Scale, heads: Heads) -> None:
             _errors(case, out, expected(cache, q, starts, sc), None, scale.atol)
 
 
+@dataclass(frozen=True)
+class GptOssAttention:
+    """gpt-oss's attention: a sink logit per query head on every layer, a sliding window on
+    every other; pages of 16 tokens. Contexts longer than the window, prompts shorter than it,
+    a chunk whose first query is past it; the block-table entries wholly before each window
+    hold a placeholder (block 0), as the scheduler leaves them once it frees those blocks."""
+    heads: Heads
+    window: int
+    decode_lens: tuple[int, ...]
+    prefill: tuple[tuple[int, ...], tuple[int, ...]]  # (chunks, lens)
+    pod: tuple[tuple[int, ...], tuple[int, ...]]  # (chunks, lens), the decodes first
+
+
+GPT_OSS_REAL = GptOssAttention(
+    heads=Heads("gpt-oss", 64, 8, 64), window=128, decode_lens=(1, 100, 128, 129, 4096, 32768),
+    prefill=((2048, 512, 100, 1), (2048, 8192, 100, 4000)),
+    pod=((1,) * 32 + (1024, 77), tuple(range(200, 200 + 32 * 500, 500)) + (1024 + 3000, 77)))
+GPT_OSS_SMALL = GptOssAttention(
+    heads=Heads("gpt-oss-like", 8, 2, 32), window=16, decode_lens=(1, 16, 17, 40),
+    prefill=((30, 12, 1), (30, 52, 40)), pod=((1, 1, 1, 12), (20, 40, 5, 36)))
+
+
+def _sinks(heads: Heads, device: torch.device) -> torch.Tensor:
+    """Sink logits about as large as the doubled queries' scores, so they weigh in."""
+    return 2 * torch.randn(heads.q, generator=torch.Generator(device=device).manual_seed(8), device=device)
+
+
+def check_gpt_oss_attention(ctx: CheckContext, scale: Scale, shapes: GptOssAttention, windowed: bool) -> None:
+    """The decode (splits None, 1 and 16), prefill and POD kernels with sinks, and the window
+    where `windowed` (gpt-oss's sliding layers; its full layers have sinks alone), against
+    float32 ground truth; on the GPU the torch reference's error beside the decode's."""
+    from kernels import attention_triton
+
+    heads, window = shapes.heads, shapes.window if windowed else 0
+    label = f"{heads} sinks{f', window {window}' if window else ''}"
+    sinks, sc = _sinks(heads, ctx.device), heads.dim ** -0.5
+    with ctx.case(f"decode {label}, contexts up to {max(shapes.decode_lens)}") as case:
+        lens = list(shapes.decode_lens)
+        cache, case.figures["placeholders"], q, want = _gpt_oss_sample(ctx, scale, heads, lens, [1] * len(lens),
+                                                                       sinks, window, 8)
+        reference = attention_ref.decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, sc,
+                                                   sinks, window) if ctx.on_gpu else None
+        for splits in (None, 1, attention_triton.MAX_SPLITS):
+            out = attention_triton.decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, sc,
+                                                    num_splits=splits, max_seq_len=max(lens), sinks=sinks,
+                                                    window=window)
+            _errors(case, out, want, reference, scale.atol)
+    chunks, lens = shapes.prefill
+    with ctx.case(f"prefill {label}, chunks {'/'.join(map(str, chunks))} of {'/'.join(map(str, lens))}") as case:
+        cache, case.figures["placeholders"], q, want = _gpt_oss_sample(ctx, scale, heads, lens, chunks, sinks,
+                                                                       window, 9)
+        batch, starts = batch_of(cache, list(chunks))
+        out = attention_triton.prefill_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                                 batch.query_start_loc, starts, sc, sinks=sinks, window=window)
+        _errors(case, out, want, None, scale.atol)
+    chunks, lens = shapes.pod
+    decodes = chunks.count(1)
+    with ctx.case(f"pod {label}, {decodes} decodes + chunks {'/'.join(map(str, chunks[decodes:]))}") as case:
+        cache, case.figures["placeholders"], q, want = _gpt_oss_sample(ctx, scale, heads, lens, chunks, sinks,
+                                                                       window, 10)
+        batch, starts = batch_of(cache, list(chunks))
+        for splits in (None, 4):
+            out = attention_triton.pod_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                                 batch.query_start_loc, starts, decodes, sc,
+                                                 max_decode_len=max(lens[:decodes]), num_splits=splits, sinks=sinks,
+                                                 window=window)
+            _errors(case, out, want, None, scale.atol)
+
+
+def _gpt_oss_sample(ctx: CheckContext, scale: Scale, heads: Heads, lens, chunks, sinks: torch.Tensor, window: int,
+                    seed: int):
+    """(a cache whose block-table entries before each window hold placeholders, how many do, the
+    queries, their float32 attention read from the pages themselves)."""
+    cache = PagedCache(list(lens), scale.page, heads.kv, heads.dim, scale.dtype, seed=seed, device=ctx.device)
+    freed = cache.free_before_window(chunks, window) if window else 0
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c)
+    q = _queries(starts[-1], heads.q, heads.dim, scale.dtype, ctx.device, seed)
+    return cache, freed, q, expected(cache, q, starts, heads.dim ** -0.5, sinks, window)
+
+
 def check_grouped_gemm(ctx: CheckContext, scale: Scale, experts: Experts, tokens: int) -> None:
     from kernels import moe_triton
 
@@ -419,6 +501,8 @@ def run(ctx: CheckContext) -> None:
         check_pod(ctx, scale, heads)
         check_prefill(ctx, scale, heads)
     check_pod_one_kind(ctx, scale, scale.heads[-1])
+    for windowed in ((True, False) if ctx.on_gpu else (True,)):  # the interpreter: the window's, with sinks
+        check_gpt_oss_attention(ctx, scale, GPT_OSS_REAL if ctx.on_gpu else GPT_OSS_SMALL, windowed)
     for experts in scale.experts:
         for tokens in scale.expert_tokens:
             check_grouped_gemm(ctx, scale, experts, tokens)
