@@ -46,6 +46,9 @@ class PagedAttentionBatch:
     # What kernels derive from the host lists above (launch plans, shape buckets), kept so every
     # layer of the step reuses it; not part of the batch's value.
     derived: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
+    # The same step through the sequences' window tables, for a model's sliding-window layers
+    # (gpt-oss): its own block tables and slot mapping, the lengths shared; None without them.
+    window_batch: "PagedAttentionBatch | None" = None
 
     @classmethod
     def of(cls, block_tables: torch.Tensor, lens: list[int], chunks: list[int]) -> "PagedAttentionBatch":

@@ -205,14 +205,22 @@ class AttentionSlot:
     @classmethod
     def empty(cls, size: int, hidden_size: int, max_blocks: int, block_size: int, dtype: torch.dtype,
               device: torch.device, pad_block: int, records_per_row: int, record_size: int,
-              expert_nodes: int) -> "AttentionSlot":
+              expert_nodes: int, windowed: bool = False) -> "AttentionSlot":
+        """`windowed`: the model has windowed layers, which read through a window batch of their
+        own (block tables and slots; the lengths shared)."""
         i32 = dict(dtype=torch.int32, device=device)
         width = max_blocks * block_size  # the attention kernel plans its splits for the longest a sequence can be
-        batch = kernels.PagedAttentionBatch(
-            block_tables=torch.full((size, max_blocks), pad_block, **i32), seq_lens=torch.ones(size, **i32),
-            query_start_loc=torch.arange(size + 1, **i32),
-            slot_mapping=torch.full((size,), pad_block * block_size, dtype=torch.int64, device=device),
-            num_single=size, seq_lens_host=[width] * size, query_start_host=list(range(size + 1)))
+
+        def paged(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> kernels.PagedAttentionBatch:
+            return kernels.PagedAttentionBatch(
+                block_tables=torch.full((size, max_blocks), pad_block, **i32), seq_lens=seq_lens,
+                query_start_loc=query_start_loc,
+                slot_mapping=torch.full((size,), pad_block * block_size, dtype=torch.int64, device=device),
+                num_single=size, seq_lens_host=[width] * size, query_start_host=list(range(size + 1)))
+
+        batch = paged(torch.ones(size, **i32), torch.arange(size + 1, **i32))
+        if windowed:
+            batch.window_batch = paged(batch.seq_lens, batch.query_start_loc)
         rows = max(1, size * records_per_row)  # as the gating kernel sizes its send order
         out = DispatchParts(torch.zeros(size, hidden_size, dtype=dtype, device=device),
                             torch.zeros(rows, record_size, dtype=torch.uint8, device=device),
@@ -227,15 +235,19 @@ class AttentionSlot:
         _, positions, batch = inputs
         static = self.batch
         self.positions[:rows].copy_(positions, non_blocking=True)
-        static.block_tables[:rows, :batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
-        static.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)
-        static.slot_mapping[:rows].copy_(batch.slot_mapping, non_blocking=True)
+        static.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)  # the window batch's too: one tensor
+        pairs = [(static, batch)] if static.window_batch is None else [(static, batch),
+                                                                       (static.window_batch, batch.window_batch)]
+        for held, given in pairs:
+            held.block_tables[:rows, :given.block_tables.shape[1]].copy_(given.block_tables, non_blocking=True)
+            held.slot_mapping[:rows].copy_(given.slot_mapping, non_blocking=True)
         if rows < self.padded_from:  # rows the last step used become padding again
             span = slice(rows, self.padded_from)
             self.positions[span].zero_()
-            static.block_tables[span, 0] = self.pad_block
             static.seq_lens[span] = 1
-            static.slot_mapping[span] = self.pad_block * self.block_size
+            for held, _ in pairs:
+                held.block_tables[span, 0] = self.pad_block
+                held.slot_mapping[span] = self.pad_block * self.block_size
         self.padded_from = rows
         self.valid.fill_(rows)
         self.rows = rows
@@ -259,7 +271,8 @@ class AttentionGraphs:
         records_per_row = min(model.cfg.top_k, expert_nodes)  # a token goes to at most this many nodes
         device, dtype = model.embed.weight.device, model.embed.weight.dtype
         self.slots = [{size: AttentionSlot.empty(size, model.cfg.hidden_size, max_blocks, block_size, dtype, device,
-                                                 pad_block, records_per_row, record_size, expert_nodes)
+                                                 pad_block, records_per_row, record_size, expert_nodes,
+                                                 windowed=bool(model.cfg.kv_window))
                        for size in sizes} for _ in range(micro_batches)]
         self.graphs: dict[tuple[int, int, int], Replay] = {}
         self.active: list[AttentionSlot | None] = [None] * micro_batches  # this step's slot of each micro-batch
@@ -267,7 +280,8 @@ class AttentionGraphs:
     def static_bytes(self) -> int:
         return static_bytes(t for slots in self.slots for slot in slots.values() for t in (
             slot.hidden, slot.positions, slot.batch.block_tables, slot.batch.seq_lens, slot.batch.slot_mapping,
-            slot.out.residual, slot.out.records, slot.out.token_ids))
+            slot.out.residual, slot.out.records, slot.out.token_ids) + (() if slot.batch.window_batch is None else (
+                slot.batch.window_batch.block_tables, slot.batch.window_batch.slot_mapping)))
 
     def region(self, layer: int, slot: AttentionSlot) -> Callable[[], None]:
         """What `layer`'s graph on `slot` records (run it under `kernels.graph_region` to launch it op by op)."""

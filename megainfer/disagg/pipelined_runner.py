@@ -101,7 +101,8 @@ class PipelinedModelRunner:
         self.slots = self.exchange.slots  # the device slots, where some expert node takes them
         self.m2n = self.exchange.m2n  # per round latencies, for the metrics endpoint
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
-        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
+        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size),
+                                           windowed=bool(model_config.kv_window))
         self.layouts = LayoutAhead()  # the next step's layout, worked out while this one runs
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
 

@@ -37,6 +37,7 @@ class SequenceView:
     num_computed_tokens: int  # tokens already in the KV cache, where this step's begin
     num_tokens: int  # the sequence's length on the leader (prompt and generated tokens)
     block_table: list[int]  # KV-cache block ids, in order, as the leader allocated them
+    window_table: list[int]  # the windowed layers' (gpt-oss), released entries included; [] without
 
 
 def encode(out: SchedulerOutput) -> torch.Tensor:
@@ -50,8 +51,8 @@ def encode(out: SchedulerOutput) -> torch.Tensor:
         counts = out.num_scheduled_tokens + cohort.num_tokens
     for seq, n in zip(out.all_seqs, counts):
         begin = seq.num_computed_tokens
-        flat += [id(seq), begin, n, seq.num_tokens, len(seq.block_table), *seq.token_ids[begin:begin + n],
-                 *seq.block_table]
+        flat += [id(seq), begin, n, seq.num_tokens, len(seq.block_table), len(seq.window_table),
+                 *seq.token_ids[begin:begin + n], *seq.block_table, *seq.window_table]
     return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -61,11 +62,12 @@ def decode(payload: torch.Tensor) -> SchedulerOutput:
     pos = _HEADER
     views, counts = [], []
     for _ in range(num_seqs + members):
-        key, begin, n, length, num_blocks = flat[pos:pos + 5]
-        pos += 5
+        key, begin, n, length, num_blocks, num_window = flat[pos:pos + 6]
+        pos += 6
         tokens, blocks = flat[pos:pos + n], flat[pos + n:pos + n + num_blocks]
         pos += n + num_blocks
-        views.append(SequenceView(str(key), [0] * begin + tokens, begin, length, blocks))
+        window, pos = flat[pos:pos + num_window], pos + num_window
+        views.append(SequenceView(str(key), [0] * begin + tokens, begin, length, blocks, window))
         counts.append(n)
     out = SchedulerOutput(seqs=views[:num_seqs], num_scheduled_tokens=counts[:num_seqs], num_single_token=num_single)
     if has_layered:

@@ -62,7 +62,8 @@ class Engine:
         self.scheduler = Scheduler.from_config(self.config, num_blocks=self.runner.num_blocks,
                                                max_model_len=self.max_model_len,
                                                eos_token_ids=self.model_config.eos_token_ids,
-                                               num_layers=self.model_config.num_layers)
+                                               num_layers=self.model_config.num_layers,
+                                               window=self.model_config.kv_window)
         self.admission = RequestAdmission(self.model_config, self.tokenizer, self.max_model_len,
                                           self.scheduler.block_manager)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.runner.sampler)

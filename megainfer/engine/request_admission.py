@@ -51,7 +51,7 @@ class RequestAdmission:
             raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens; the model's max "
                                f"length is {self.max_model_len} (prompt plus at least one generated token)")
         blocks = self.blocks
-        needed = blocks.blocks_for_tokens(min(len(token_ids) + params.max_tokens, self.max_model_len))
+        needed = blocks.blocks_for_sequence(min(len(token_ids) + params.max_tokens, self.max_model_len))
         if needed > blocks.num_blocks:  # it could never be scheduled: refused now rather than left waiting
             raise RequestError(f"request {request_id!r}: needs {needed} KV blocks for its prompt and max_tokens, "
                                f"the cache holds {blocks.num_blocks}; lower max_tokens or raise num_kv_blocks")

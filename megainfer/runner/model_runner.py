@@ -99,7 +99,8 @@ class ModelRunner:
                       max_model_len)
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
-        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
+        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size),
+                                           windowed=bool(model_config.kv_window))
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens", model_config.name, self.device,
                     config.dtype, self.num_blocks, config.block_size)
 
@@ -420,30 +421,44 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
         token_ids = []
         for seq, b, e in zip(seqs, begins.tolist(), ends.tolist()):
             token_ids.extend(seq.token_ids[b:e])
-    if tables is not None:
-        block_tables, widths = tables.gather(seqs)
-    else:
-        lists = [s.block_table for s in seqs]
-        widths = np.fromiter(map(len, lists), np.int64, n)
-        block_tables = np.zeros((n, int(widths.max())), dtype=np.int64)
-        block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
-            chain.from_iterable(lists), np.int64, int(widths.sum()))
     # Position of each query token: its sequence's computed length plus its place in the query.
     seq_of_token = np.repeat(np.arange(n), counts)
     positions = np.arange(starts[-1]) - starts[:-1][seq_of_token] + begins[seq_of_token]
-    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    batch = kernels.PagedAttentionBatch(
-        # int32, as the kernel warm-up's batches (kernels/startup.py): Triton builds one variant
-        # per pointer type, and a second one here would be built mid-serving.
-        block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(ends.astype(np.int32)).to(device),
-        query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        num_single=num_single,
-        seq_lens_host=ends.tolist(),
-        query_start_host=starts.tolist(),
-    )
+
+    def paged(rows: BlockTableRows | None, attr: str) -> kernels.PagedAttentionBatch:
+        block_tables = _block_tables(seqs, rows, attr)
+        slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        return kernels.PagedAttentionBatch(
+            # int32, as the kernel warm-up's batches (kernels/startup.py): Triton builds one variant
+            # per pointer type, and a second one here would be built mid-serving.
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+            seq_lens=lens, query_start_loc=query_start_loc,
+            slot_mapping=torch.from_numpy(slots).to(device),
+            num_single=num_single,
+            seq_lens_host=ends.tolist(),
+            query_start_host=starts.tolist(),
+        )
+
+    lens = torch.from_numpy(ends.astype(np.int32)).to(device)
+    query_start_loc = torch.from_numpy(starts.astype(np.int32)).to(device)
+    batch = paged(tables, "block_table")
+    # A model with windowed layers: the same step through the sequences' window tables.
+    if (tables.window is not None) if tables is not None else bool(n and getattr(seqs[0], "window_table", None)):
+        batch.window_batch = paged(None if tables is None else tables.window, "window_table")
     return torch.tensor(token_ids, device=device), torch.from_numpy(positions).to(device), batch
+
+
+def _block_tables(seqs, rows: BlockTableRows | None, attr: str) -> np.ndarray:
+    """[n, widest] int64 the tables (`attr` of each sequence), zero past each one's blocks: from the
+    runner's persistent rows where given, else built here."""
+    if rows is not None:
+        return rows.gather(seqs)[0]
+    lists = [getattr(s, attr) for s in seqs]
+    widths = np.fromiter(map(len, lists), np.int64, len(lists))
+    block_tables = np.zeros((len(lists), max(int(widths.max()), 1)), dtype=np.int64)
+    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+        chain.from_iterable(lists), np.int64, int(widths.sum()))
+    return block_tables
 
 
 def load_and_size(runner, build: Callable[[], MoEModel], weights: WeightSource, max_model_len: int,
@@ -481,8 +496,25 @@ def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_mode
     dtype = getattr(torch, config.dtype)
     shape = (num_blocks + spare_blocks, config.block_size, model_config.num_kv_heads // tp_size,
              model_config.head_dim)
-    return num_blocks, [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
-                        for _ in range(model_config.num_layers)]
+    tensors = [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
+               for _ in range(model_config.kv_cache_layers)]
+    return num_blocks, [tensors[i] for i in kv_tensor_of_layer(model_config)]
+
+
+def kv_tensor_of_layer(model_config: ModelConfig) -> list[int]:
+    """Each layer's KV-cache tensor: its own, except where windowed and full-attention layers mix
+    (ModelConfig.kv_cache_layers): there the i-th windowed layer and the i-th full one share
+    tensor i, each indexing it through its own block table, so their blocks never overlap."""
+    if model_config.kv_cache_layers == model_config.num_layers:
+        return list(range(model_config.num_layers))
+    windowed = set(model_config.window_layers)
+    seen = {True: 0, False: 0}
+    index = []
+    for layer in range(model_config.num_layers):
+        kind = layer in windowed
+        index.append(seen[kind])
+        seen[kind] += 1
+    return index
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

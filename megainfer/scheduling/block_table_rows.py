@@ -7,6 +7,11 @@ by the blocks a step allocated; it is replaced by a new list when the sequence i
 grown costs a lookup and a comparison; one that grew copies its new blocks; any other (new, or
 given a new list) copies its whole table. The array past a row's blocks is always zero, as the
 batch built from scratch has it.
+
+A model with windowed layers (gpt-oss) mirrors each sequence's window table too, in `window`
+(rows of the same kind over `Sequence.window_table`). Released entries of a window table are
+overwritten in place, so its row may still hold the released ids: harmless, as the kernels
+never read entries before a query's window.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import numpy as np
 
 
 class BlockTableRows:
-    def __init__(self, rows: int, max_blocks: int) -> None:
+    def __init__(self, rows: int, max_blocks: int, windowed: bool = False, attr: str = "block_table") -> None:
+        self.attr = attr  # the Sequence attribute mirrored
+        self.window = BlockTableRows(rows, max_blocks, attr="window_table") if windowed else None
         self.array = np.zeros((max(rows, 1), max(max_blocks, 1)), dtype=np.int64)
         self._row: dict[str, int] = {}  # request id -> its row
         self._mirrored: list[list[int] | None] = [None] * self.array.shape[0]  # the list each row copies
@@ -25,6 +32,8 @@ class BlockTableRows:
     def retain(self, seqs: list) -> None:
         """At a step's start, with all of its sequences: when the free rows would not hold those
         without one, the rows of requests not in the step are let go."""
+        if self.window is not None:
+            self.window.retain(seqs)
         row_of = self._row
         if len(self._free) >= len(seqs) - len(row_of):
             return
@@ -34,10 +43,10 @@ class BlockTableRows:
 
     def gather(self, seqs: list) -> tuple[np.ndarray, np.ndarray]:
         """([n, widest] block tables of `seqs`, zero past each one's blocks; [n] their widths)."""
-        row_of, mirrored, filled, array = self._row, self._mirrored, self._filled, self.array
+        row_of, mirrored, filled, array, attr = self._row, self._mirrored, self._filled, self.array, self.attr
         rows = []
         for seq in seqs:
-            table = seq.block_table
+            table = getattr(seq, attr)
             row = row_of.get(seq.request_id)
             if row is None:
                 row = self._take(seq.request_id)

@@ -267,7 +267,7 @@ def schedule_all_decodes(out: SchedulerOutput, running: deque[Sequence], blocks:
     computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
     room = np.fromiter(map(len, map(_BLOCK_TABLE, running)), np.int64, n) * blocks.block_size
     full = np.flatnonzero(computed >= room).tolist()
-    if len(full) > blocks.num_free_blocks:
+    if len(full) * blocks.tables_per_sequence > blocks.num_free_blocks:  # before any window releases
         return 0
     for k in full:
         blocks.allocate(running[k], 1)
@@ -297,8 +297,10 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
-                    eos_token_ids: Iterable[int], num_layers: int = 1) -> "Scheduler":
-        return cls(BlockManager(num_blocks, config.block_size), make_prefill_policy(config, num_layers),
+                    eos_token_ids: Iterable[int], num_layers: int = 1, window: int = 0) -> "Scheduler":
+        """`window`: the model's sliding window where it mixes windowed and full-attention layers
+        (sequences then hold window tables, kv_cache.BlockManager)."""
+        return cls(BlockManager(num_blocks, config.block_size, window), make_prefill_policy(config, num_layers),
                    max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
 

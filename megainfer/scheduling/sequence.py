@@ -26,6 +26,10 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV sits in the cache
     block_table: list[int] = field(default_factory=list)  # KV-cache block ids, in order
+    # The windowed layers' blocks, by position like `block_table`; its first `window_released`
+    # entries were released (kv_cache.BlockManager). Empty for models without windowed layers.
+    window_table: list[int] = field(default_factory=list)
+    window_released: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -96,7 +96,8 @@ class BoundaryRunner:
         self.kernels = None
         self.sampler = Sampler(config.seed, self.device, model_config.eos_token_ids)
         self.cohort_hidden = CohortHiddenStates()
-        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size))
+        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size),
+                                           windowed=bool(model_config.kv_window))
         self.layouts = LayoutAhead()
         self.phases = BoundaryPhases()
         self.t_e_s = t_e_s
