@@ -198,9 +198,14 @@ def warm_up_gating(route: Callable[[torch.Tensor], object], width: int, max_toke
         route(torch.randn(tokens, width, device=device, dtype=dtype))
 
 
-def warm_up_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, max_pairs: int) -> None:
+def warm_up_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, max_pairs: int,
+                    activation=None, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> None:
     """The grouped expert GEMM with this node's weights, at pair counts from one token's to the
-    node's largest (powers of 4: every tile row, by rows per expert, is built and decided)."""
+    node's largest (powers of 4: every tile row, by rows per expert, is built and decided);
+    activation and biases: the variant the node serves (gpt-oss's clamped SwiGLU with biases)."""
+    variant = {} if activation is None else dict(activation=activation)
+    variant.update(gate_up_bias=gate_up_bias, down_bias=down_bias)
     experts, _, hidden = w_gate_up.shape
     for pairs in _powers(max_pairs, 4):
         if pairs < top_k and pairs != max_pairs:
@@ -208,4 +213,5 @@ def warm_up_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, m
         x = torch.randn(pairs, hidden, device=w_gate_up.device, dtype=w_gate_up.dtype)
         per_expert = [pairs * e // experts for e in range(experts + 1)]  # spread evenly: rows per expert as served
         offsets = torch.tensor(per_expert, dtype=torch.int64, device=w_gate_up.device)
-        dispatch.grouped_expert_gemm(x, offsets, w_gate_up, w_down, torch.rand(pairs, device=w_gate_up.device))
+        dispatch.grouped_expert_gemm(x, offsets, w_gate_up, w_down, torch.rand(pairs, device=w_gate_up.device),
+                                     **variant)

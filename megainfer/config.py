@@ -17,13 +17,36 @@ from typing import Any
 
 from megainfer.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx", "gpt_oss")
 NORMS = ("rms", "layer")  # RMSNorm (Mixtral, Qwen3), bias-free LayerNorm (DBRX)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Above this many bytes of weights a preset is shape-only: generating random weights for
 # it would take more memory than a demo should.
 RANDOM_WEIGHTS_MAX_BYTES = 4 << 30
 KV_BLOCK_TOKENS = 16  # tokens per KV-cache block by default: a sequence's KV comes in blocks of these
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN's stretch of RoPE to longer contexts (gpt-oss, DeepSeek-V2/V3): the inverse
+    frequencies blended between interpolated and extrapolated, the cos/sin tables scaled by the
+    attention factor. The fields are config.json's `rope_parameters` (transformers' names);
+    `megainfer.model.rotary` computes the tables as transformers does."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: from factor (and mscale, mscale_all_dim where given)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0 or self.original_max_position_embeddings <= 0:
+            raise ConfigError(f"rope_parameters: yarn needs a positive factor and original_max_position_embeddings, "
+                              f"got factor={self.factor!r}, original_max_position_embeddings="
+                              f"{self.original_max_position_embeddings!r}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +79,18 @@ class ModelConfig:
     router_logit_bias: tuple[float, ...] = ()
     norm: str = "rms"  # the layers' and the final norm: "rms" (RMSNorm) or "layer" (LayerNorm without bias: DBRX)
     clip_qkv: float | None = None  # DBRX: q, k and v clamped to [-clip_qkv, clip_qkv] after their projection
+    # gpt-oss: the layers in `window_layers` attend to their last `sliding_window` positions only
+    # (the query's own included); the rest to every position. Their KV blocks outside the window
+    # are freed (megainfer/scheduling/kv_cache.py).
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: one learned logit per query head in every softmax's denominator
+    router_bias: bool = False  # gpt-oss: a bias on the router's logits
+    expert_bias: bool = False  # gpt-oss: biases on every expert's gate/up and down projections
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate).
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+    rope_scaling: RopeScaling | None = None  # None: RoPE as trained (no YaRN)
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -77,6 +112,16 @@ class ModelConfig:
             raise ConfigError(f"model config: norm {self.norm!r} is not one of {', '.join(NORMS)}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ConfigError(f"model config: clip_qkv must be positive or null, got {self.clip_qkv!r}")
+        if self.window_layers and not self.sliding_window > 0:
+            raise ConfigError(f"model config: window_layers {list(self.window_layers)} need a positive sliding_window, "
+                              f"got {self.sliding_window!r}")
+        if any(not 0 <= layer < self.num_layers for layer in self.window_layers) or \
+                len(set(self.window_layers)) != len(self.window_layers):
+            raise ConfigError(f"model config: window_layers {list(self.window_layers)} must be distinct layers in "
+                              f"[0, {self.num_layers})")
+        if (self.swiglu_alpha is None) != (self.swiglu_limit is None):
+            raise ConfigError("model config: swiglu_alpha and swiglu_limit go together (gpt-oss's clamped SwiGLU), "
+                              f"got alpha={self.swiglu_alpha!r}, limit={self.swiglu_limit!r}")
         if self.router_logit_bias and len(self.router_logit_bias) != self.num_experts:
             raise ConfigError(f"model config: router_logit_bias has {len(self.router_logit_bias)} values, "
                               f"one per expert wanted ({self.num_experts})")
@@ -90,10 +135,51 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def window_of(self, layer: int) -> int:
+        """Positions layer `layer`'s queries see (0: all of them)."""
+        return self.sliding_window if layer in self.window_layers else 0
+
+    def attended_tokens(self, context):
+        """Keys one query at `context` cached tokens attends to, averaged over the layers (the
+        windowed layers see at most their window). Numbers or numpy arrays."""
+        if not self.window_layers:
+            return context
+        windowed = len(self.window_layers)
+        clipped = context.clip(max=self.sliding_window) if hasattr(context, "clip") else min(context, self.sliding_window)
+        return ((self.num_layers - windowed) * context + windowed * clipped) / self.num_layers
+
+    @property
+    def kv_window(self) -> int:
+        """The window of the sequences' window tables: the sliding window where windowed and
+        full-attention layers mix (0: one table per sequence)."""
+        return self.sliding_window if self.window_layers and len(self.window_layers) < self.num_layers else 0
+
+    @property
+    def kv_cache_layers(self) -> int:
+        """KV-cache tensors, each a layer's worth per block: one per layer, except where windowed
+        and full-attention layers mix. There a windowed layer and a full one share a tensor, each
+        indexing it through its own block table (vLLM's hybrid allocator): a block id costs the
+        larger group's layers, and a sequence holds its full blocks plus a window's worth."""
+        windowed = len(self.window_layers)
+        if not windowed or windowed == self.num_layers:
+            return self.num_layers
+        return max(windowed, self.num_layers - windowed)
+
+    def kv_blocks_per_sequence(self, tokens: int, block_size: int) -> int:
+        """Block ids a sequence of `tokens` cached tokens holds while decoding: all of its blocks
+        for the full-attention layers, at most a window's (plus the one it is writing) for the
+        windowed ones."""
+        blocks = -(-tokens // block_size)
+        if not self.window_layers:
+            return blocks
+        window = min(blocks, -(-(self.sliding_window - 1) // block_size) + 1)
+        return window if len(self.window_layers) == self.num_layers else blocks + window
+
     @property
     def expert_params(self) -> int:
         """Parameters of one expert (gate, up and down projections)."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        h, i = self.hidden_size, self.expert_intermediate_size
+        return 3 * h * i + (2 * i + h if self.expert_bias else 0)
 
     def expert_bytes(self, dtype: str) -> int:
         return self.expert_params * DTYPE_BYTES[dtype]
@@ -101,7 +187,8 @@ class ModelConfig:
     @property
     def attention_params_per_layer(self) -> int:
         h = self.hidden_size
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + h * self.num_experts
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + h * self.num_experts \
+            + (self.num_heads if self.attention_sinks else 0) + (self.num_experts if self.router_bias else 0)
 
     def attention_rank_weight_bytes(self, value_bytes: int, tp=1):
         """One tensor-parallel attention rank's weights: 1/tp of every layer's attention half
@@ -124,7 +211,8 @@ class ModelConfig:
         return embed + self.num_layers * per_layer
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.num_layers * self.kv_size * DTYPE_BYTES[dtype]
+        """One token's slot of a block id: K and V in every KV-cache tensor (`kv_cache_layers`)."""
+        return 2 * self.kv_cache_layers * self.kv_size * DTYPE_BYTES[dtype]
 
     # -- Hugging Face config.json -------------------------------------------------------
 

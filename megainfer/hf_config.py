@@ -1,7 +1,8 @@
 """Hugging Face checkpoints' configuration files, read into a `ModelConfig` and written back.
 
-`from_hf_dict` parses a `config.json` (model types `mixtral` and `qwen3_moe`), refusing what
-megainfer does not run (quantized weights, scaled RoPE, sliding windows, dense layers);
+`from_hf_dict` parses a `config.json` (model types `mixtral`, `qwen3_moe`, `dbrx`, `gpt_oss`),
+refusing what megainfer does not run (quantized weights other than gpt-oss's MXFP4 experts,
+scaled RoPE other than YaRN, sliding windows outside gpt-oss, dense layers);
 `from_pretrained` reads a checkpoint directory's config.json and its generation_config.json's
 EOS tokens; `to_hf_dict` is the config.json a checkpoint of a model carries. Torch-free.
 """
@@ -14,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megainfer.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from megainfer.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from megainfer.errors import CheckpointError, ConfigError
 from megainfer.presets import PRESETS
 
@@ -22,21 +23,42 @@ from megainfer.presets import PRESETS
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _rope_theta(cfg: dict[str, Any], name: str, model_type: str, fallback: float | None = None) -> float:
-    """The checkpoint's RoPE theta (`fallback` where the file names none at the top level),
-    refusing what megainfer does not run (scaled RoPE, sliding windows)."""
+def _rope(cfg: dict[str, Any], name: str, model_type: str,
+          fallback: float | None = None) -> tuple[float, RopeScaling | None]:
+    """The checkpoint's RoPE theta (`fallback` where the file names none) and its YaRN scaling
+    (None for the default RoPE), refusing what megainfer does not run (other scaled RoPEs,
+    sliding windows outside gpt-oss's per-layer form)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "yarn"):
         raise ConfigError(f"{name}: rope type {rope_type!r} (rope_parameters.rope_type) is not "
-                          "supported; only the default RoPE is")
+                          "supported; the default RoPE and YaRN are")
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", fallback))
     if rope_theta is None:
         raise ConfigError(f"{name}: no rope theta: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
     sliding = cfg.get("sliding_window")
-    if sliding is not None and cfg.get("use_sliding_window", model_type == "mixtral"):
-        raise ConfigError(f"{name}: sliding_window={sliding} is not supported; set it to null")
-    return rope_theta
+    if model_type != "gpt_oss" and sliding is not None and cfg.get("use_sliding_window", model_type == "mixtral"):
+        raise ConfigError(f"{name}: sliding_window={sliding} is not supported for {model_type}; set it to null")
+    scaling = None
+    if rope_type == "yarn":
+        original = rope.get("original_max_position_embeddings")
+        factor = rope.get("factor")
+        if factor is None and original:  # DeepSeek-V3's form: the ratio of the two lengths
+            factor = need_positive(cfg.get("max_position_embeddings"), name, "max_position_embeddings") / original
+        if original is None or factor is None:
+            raise ConfigError(f"{name}: rope_parameters of type yarn need 'factor' and "
+                              "'original_max_position_embeddings'")
+        scaling = RopeScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                              beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                              truncate=bool(rope.get("truncate", True)), attention_factor=rope.get("attention_factor"),
+                              mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"))
+    return float(rope_theta), scaling
+
+
+def need_positive(value: Any, name: str, field: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name}: '{field}' must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
@@ -64,9 +86,14 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 def refuse_quantized(cfg: dict[str, Any], name: str = "") -> None:
     """A quantized checkpoint is a CheckpointError naming its method: the engine has no
-    quantized kernels, and running such weights as floats would produce garbage."""
+    quantized kernels, and running such weights as floats would produce garbage. gpt-oss's MXFP4
+    experts are the exception: they are dequantized to the serving dtype as they load
+    (megainfer/model/mxfp4.py)."""
     for key in ("quantization_config", "compression_config"):
         spec = cfg.get(key)
+        if spec and key == "quantization_config" and cfg.get("model_type") == "gpt_oss" and \
+                isinstance(spec, dict) and spec.get("quant_method") == "mxfp4":
+            continue
         if spec:
             method = (spec.get("quant_method") if isinstance(spec, dict) else None) or (
                 "compressed-tensors" if key == "compression_config" else "unknown")
@@ -92,10 +119,11 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "") -> ModelConfig:
                 return cfg[k]
         raise ConfigError(f"{name or 'config.json'}: required field '{key}' is missing")
 
-    if model_type == "dbrx":
-        return ModelConfig(**_dbrx_fields(cfg, name, need), name=name, eos_token_ids=_eos_ids(cfg),
+    family_fields = {"dbrx": _dbrx_fields, "gpt_oss": _gpt_oss_fields}.get(model_type)
+    if family_fields is not None:
+        return ModelConfig(**family_fields(cfg, name, need), name=name, eos_token_ids=_eos_ids(cfg),
                            bos_token_id=cfg.get("bos_token_id"), torch_dtype=_checkpoint_dtype(cfg))
-    rope_theta = _rope_theta(cfg, name, model_type)
+    rope_theta, rope_scaling = _rope(cfg, name, model_type)
     if model_type == "qwen3_moe":
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise ConfigError(f"{name}: dense (mlp_only_layers / decoder_sparse_step) layers are not "
@@ -122,7 +150,8 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "") -> ModelConfig:
         top_k=need("num_experts_per_tok"),
         expert_intermediate_size=intermediate,
         norm_topk_prob=norm_topk,
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=need("max_position_embeddings"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -156,7 +185,7 @@ def _dbrx_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
         raise ConfigError(f"{where}: attn_config.qk_ln (LayerNorm on q and k) is not supported")
     # transformers 5 writes `rope_parameters` (and reads only it); DBRX's own config.json gives
     # attn_config.rope_theta, which transformers 5 ignores: megainfer follows the file.
-    theta = _rope_theta(cfg, where, "dbrx", fallback=attn.get("rope_theta", 10000.0))
+    theta, scaling = _rope(cfg, where, "dbrx", fallback=attn.get("rope_theta", 10000.0))
     hidden, heads = need("d_model", "hidden_size"), need("n_heads", "num_attention_heads")
     for key in ("moe_num_experts", "moe_top_k", "ffn_hidden_size"):
         if ffn.get(key) is None:
@@ -166,10 +195,48 @@ def _dbrx_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
                 num_kv_heads=attn.get("kv_n_heads") or heads, head_dim=hidden // heads,
                 num_experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"],
                 expert_intermediate_size=ffn["ffn_hidden_size"], norm_topk_prob=p is not None,
-                rope_theta=float(theta), rms_norm_eps=1e-5,  # torch's LayerNorm default, which DBRX keeps
+                rope_theta=theta, rope_scaling=scaling, rms_norm_eps=1e-5,  # torch's LayerNorm default, which DBRX keeps
                 max_position_embeddings=need("max_seq_len", "max_position_embeddings"),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), norm="layer",
                 clip_qkv=attn.get("clip_qkv"))
+
+
+def _gpt_oss_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
+    """gpt-oss's config.json as `ModelConfig` fields: per-layer sliding windows (`layer_types`,
+    transformers' default alternating from a windowed layer 0), attention sinks, router and
+    expert biases, the clamped SwiGLU, YaRN. Its router takes the softmax of the top-k logits,
+    the same weights as the full softmax's top k renormalised (norm_topk_prob)."""
+    where = name or "config.json"
+    layers = need("num_hidden_layers")
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != layers or unknown:
+        raise ConfigError(f"{where}: layer_types must name one of 'sliding_attention', 'full_attention' for each "
+                          f"of the {layers} layers, got {types!r}")
+    window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = cfg.get("sliding_window") or 0
+    if window_layers and not (isinstance(window, int) and window > 0):
+        raise ConfigError(f"{where}: sliding_window must be a positive integer for its sliding_attention layers, "
+                          f"got {window!r}")
+    if window_layers and len(window_layers) == layers:
+        raise ConfigError(f"{where}: every layer is a sliding_attention layer; megainfer serves gpt-oss's mix of "
+                          "windowed and full-attention layers, not windows alone")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported; gpt-oss's experts run the clamped SwiGLU")
+    theta, scaling = _rope(cfg, where, "gpt_oss", fallback=150000.0)
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    return dict(model_type="gpt_oss", vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=layers,
+                num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or hidden // heads, num_experts=need("num_local_experts"),
+                top_k=need("num_experts_per_tok"), expert_intermediate_size=need("intermediate_size"),
+                norm_topk_prob=True, rope_theta=theta, rope_scaling=scaling,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                max_position_embeddings=need("max_position_embeddings"),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", True)), sliding_window=window if window_layers else 0,
+                window_layers=window_layers, attention_sinks=True, router_bias=True, expert_bias=True,
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def from_pretrained(path: str | os.PathLike) -> ModelConfig:

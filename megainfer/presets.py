@@ -5,12 +5,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from megainfer.config import ModelConfig
+from megainfer.config import ModelConfig, RopeScaling
 
 
 def _mixtral(name: str, **kw: Any) -> ModelConfig:
     base = dict(model_type="mixtral", norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5, name=name,
                 bos_token_id=1, eos_token_ids=(2,))
+    return ModelConfig(**{**base, **kw})
+
+
+def _gpt_oss(name: str, **kw: Any) -> ModelConfig:
+    """openai/gpt-oss-20b and -120b's config.json: alternating windowed (128, the even layers) and
+    full-attention layers, sinks, router and expert biases, the clamped SwiGLU, YaRN over 4,096
+    trained positions; experts stored in MXFP4 (served dequantized)."""
+    layers = kw.pop("num_layers")
+    base = dict(model_type="gpt_oss", name=name, vocab_size=201088, hidden_size=2880, num_layers=layers, num_heads=64,
+                num_kv_heads=8, head_dim=64, top_k=4, expert_intermediate_size=2880, norm_topk_prob=True,
+                rope_theta=150000.0, rms_norm_eps=1e-5, max_position_embeddings=131072, attention_bias=True,
+                sliding_window=128, window_layers=tuple(range(0, layers, 2)), attention_sinks=True,
+                router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+                rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False),
+                bos_token_id=199998, eos_token_ids=(200002, 199999, 200012))
     return ModelConfig(**{**base, **kw})
 
 
@@ -58,6 +73,8 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, num_experts=16, top_k=4, expert_intermediate_size=10752,
         norm_topk_prob=True, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=32768, norm="layer",
         clip_qkv=8.0),
+    "gpt-oss-20b": _gpt_oss("gpt-oss-20b", num_layers=24, num_experts=32),
+    "gpt-oss-120b": _gpt_oss("gpt-oss-120b", num_layers=36, num_experts=128),
     # MegaScale-Infer's Scaled-MoE (317B): Mixtral-style blocks; vocabulary and heads assumed.
     "scaled-moe": _mixtral(
         "scaled-moe", vocab_size=32000, hidden_size=8192, num_layers=48, num_heads=64, num_kv_heads=8,

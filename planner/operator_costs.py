@@ -120,6 +120,8 @@ class OperatorCosts:
         measured = self._lookup("attention_decode", seqs, round(context_tokens / seqs))
         if measured is not None:
             return measured
+        # The windowed layers of a model (gpt-oss) read at most their window of each sequence.
+        context_tokens = seqs * self.model.attended_tokens(context_tokens / seqs)
         kv_bytes = context_tokens * self.kv_bytes_per_token
         # Decode attention streams the cache with a few query heads per KV head: its FLOP rate is
         # set by the context it streams, not by a prefill chunk's query tokens.
@@ -134,7 +136,7 @@ class OperatorCosts:
         if measured is not None:
             return measured
         pairs = chunk_score_pairs(tokens, cached)
-        kv_bytes = (cached + tokens) * self.kv_bytes_per_token
+        kv_bytes = self.model.attended_tokens(cached + tokens) * self.kv_bytes_per_token
         return float(self._roofline(self.curves.attention, 4 * self.q_size * pairs, tokens, kv_bytes,
                                     LAUNCHES["attention"]))
 

@@ -274,8 +274,9 @@ class PerfModel:
 
     def kv_bytes_per_sequence(self) -> float:
         """A sequence's KV cache in whole blocks, as the runtime allocates it."""
-        tokens = math.ceil(self.seq_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-        return tokens * self.kv_bytes_per_token_layer * self.model.num_layers
+        m = self.model  # a windowed layer's blocks share tensors with a full one's (ModelConfig.kv_cache_layers)
+        tokens = m.kv_blocks_per_sequence(math.ceil(self.seq_len), KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+        return tokens * self.kv_bytes_per_token_layer * m.kv_cache_layers
 
     def max_sequences_per_attention_node(self, memory_bytes, tp):
         """Sequences whose KV cache fits on one attention node (may be <= 0), sized as the runtime

@@ -117,7 +117,7 @@ class ColocatedStepModel:
         model = self.model
         weights = model.num_params * self.dtype_bytes
         free = self.tp * self.gpu.memory_bytes * MEMORY_HEADROOM - weights
-        per_token = 2 * model.kv_size * self.dtype_bytes * model.num_layers
+        per_token = 2 * model.kv_size * self.dtype_bytes * model.kv_cache_layers  # a block id's layers
         if free < per_token:
             raise PlanError(f"{model.name} ({weights / 1e9:.1f} GB of weights) does not fit on {self.tp} x "
                             f"{self.gpu.name} ({self.gpu.memory_gb:g} GB each); raise --tp")

@@ -1,8 +1,9 @@
 """The attention half of one MoE decoder layer: what an attention node runs.
 
 input RMSNorm -> QKV -> (Qwen3: per-head q/k RMSNorm) -> RoPE -> paged attention over the
-KV cache -> output projection -> residual add -> post-attention RMSNorm -> router logits
--> top-k expert ids and routing weights.
+KV cache (gpt-oss: with sinks, and on its windowed layers over the last `sliding_window`
+positions through the batch's window tables) -> output projection -> residual add ->
+post-attention RMSNorm -> router logits -> top-k expert ids and routing weights.
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ class AttentionLayer(nn.Module):
         self.post_norm = norm_of(cfg, h, **kw)
         # The residual add and the norm after it, fused: RMSNorm's, or DBRX's LayerNorm's.
         self.add_norm = kernels.add_layer_norm if cfg.norm == "layer" else kernels.add_rms_norm
-        self.router = nn.Linear(h, cfg.num_experts, bias=False, **kw)
+        self.router = nn.Linear(h, cfg.num_experts, bias=cfg.router_bias, **kw)
+        self.window = cfg.window_of(layer)
+        # gpt-oss's sinks, this rank's query heads': float32, as the softmax they join.
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=device)) \
+            if cfg.attention_sinks else None
         self.router_logit_bias = torch.tensor(cfg.router_logit_bias, dtype=torch.float32, device=device) \
             if cfg.router_logit_bias else None
         self.scale = cfg.head_dim ** -0.5
@@ -96,10 +101,16 @@ class AttentionLayer(nn.Module):
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         key_cache, value_cache = kv_cache
+        if self.window and batch.window_batch is not None:
+            # A windowed layer reads and writes through the sequences' window tables (their blocks
+            # outside the window freed); it shares its cache tensor with a full-attention layer,
+            # whose blocks are others (model_runner.allocate_kv_caches).
+            batch = batch.window_batch
         # Rotated, and the rotated keys and the values written to the cache: one kernel on CUDA.
         qk = kernels.rotary_store_kv(qk, v, positions, rotary.cos, rotary.sin, key_cache, value_cache,
                                      batch.slot_mapping, self.num_heads)
-        attn = kernels.paged_attention(qk[:, :self.num_heads], key_cache, value_cache, batch, self.scale)
+        attn = kernels.paged_attention(qk[:, :self.num_heads], key_cache, value_cache, batch, self.scale,
+                                       sinks=self.sinks, window=self.window)
         out = self.o_proj(attn.reshape(t, self.q_size))
         if self.tp_size > 1:
             tensor_parallel.current().all_reduce(out)
@@ -149,3 +160,7 @@ class AttentionLayer(nn.Module):
             self.qk_norm.weight[self.num_heads:].copy_(t["k_norm"].expand(self.num_kv_heads, -1))
         self.post_norm.weight.copy_(t["post_norm"])
         self.router.weight.copy_(t["router"])
+        if self.cfg.router_bias:
+            self.router.bias.copy_(t["router_bias"])
+        if self.sinks is not None:
+            self.sinks.copy_(t["sinks"][r * self.num_heads:(r + 1) * self.num_heads])

@@ -1,6 +1,8 @@
 """Tensor names and shapes of a Hugging Face MoE checkpoint: the hub's per-expert naming
-(Mixtral, Qwen3-MoE), and DBRX's fused tensors (q, k and v in one `Wqkv`; every expert's gate, up
-and down projections stacked in `w1`, `v1`, `w2`), read as slices.
+(Mixtral, Qwen3-MoE), DBRX's fused tensors (q, k and v in one `Wqkv`; every expert's gate, up
+and down projections stacked in `w1`, `v1`, `w2`) and gpt-oss's (every expert's gate and up
+projections interleaved in one `gate_up_proj` [E, H, 2I], its down projection in `down_proj`
+[E, I, H], with their biases), read as slices.
 
 Torch-free, so writing and validating checkpoints shares one table with loading.
 """
@@ -48,6 +50,27 @@ def _dbrx_expert(cfg: ModelConfig, layer: int, expert: int) -> dict[str, TensorR
             "down": TensorRef(p + "w2", shape, rows, transposed=True)}
 
 
+def _gpt_oss_expert(cfg: ModelConfig, layer: int, expert: int) -> dict[str, TensorRef]:
+    """Expert `expert`'s part of the stacked tensors: [1, H, 2I] gate_up (gate and up interleaved
+    by column), [1, I, H] down, their biases [1, 2I] and [1, H]: `expert_weights` unpacks them."""
+    p, h, i, e = f"{layer_prefix(layer)}mlp.experts.", cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    rows = (expert, expert + 1)
+    return {"gate_up": TensorRef(p + "gate_up_proj", (e, h, 2 * i), rows),
+            "gate_up_bias": TensorRef(p + "gate_up_proj_bias", (e, 2 * i), rows),
+            "down": TensorRef(p + "down_proj", (e, i, h), rows),
+            "down_bias": TensorRef(p + "down_proj_bias", (e, h), rows)}
+
+
+def expert_weights(t: dict):
+    """An expert's tensors as read (`expert_tensors` roles) -> gate [I, H], up [I, H], down [H, I]
+    and, for gpt-oss, the gate's, up's and down's biases (else None)."""
+    if "gate_up" not in t:
+        return t["gate"], t["up"], t["down"], None, None, None
+    gate_up, bias = t["gate_up"][0], t["gate_up_bias"][0]
+    # gpt-oss interleaves them: column 2j is the gate's output j, column 2j + 1 the up's.
+    return gate_up[:, 0::2].T, gate_up[:, 1::2].T, t["down"][0].T, bias[0::2], bias[1::2], t["down_bias"][0]
+
+
 def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, TensorRef]:
     """Role -> where it lies, for the attention half of one layer, router included (DBRX: q, k
     and v as one role, "qkv")."""
@@ -55,6 +78,7 @@ def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, TensorRef]:
         return _dbrx_attention(cfg, layer)
     p = layer_prefix(layer)
     h = cfg.hidden_size
+    router = {"mixtral": "block_sparse_moe.gate", "gpt_oss": "mlp.router"}.get(cfg.model_type, "mlp.gate")
     t = {
         "input_norm": TensorRef(p + "input_layernorm.weight", (h,)),
         "q": TensorRef(p + "self_attn.q_proj.weight", (cfg.q_size, h)),
@@ -62,9 +86,12 @@ def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, TensorRef]:
         "v": TensorRef(p + "self_attn.v_proj.weight", (cfg.kv_size, h)),
         "o": TensorRef(p + "self_attn.o_proj.weight", (h, cfg.q_size)),
         "post_norm": TensorRef(p + "post_attention_layernorm.weight", (h,)),
-        "router": TensorRef(p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else
-                                 "mlp.gate.weight"), (cfg.num_experts, h)),
+        "router": TensorRef(f"{p}{router}.weight", (cfg.num_experts, h)),
     }
+    if cfg.router_bias:
+        t["router_bias"] = TensorRef(f"{p}{router}.bias", (cfg.num_experts,))
+    if cfg.attention_sinks:
+        t["sinks"] = TensorRef(p + "self_attn.sinks", (cfg.num_heads,))
     if cfg.attention_bias:
         t.update({
             "q_bias": TensorRef(p + "self_attn.q_proj.bias", (cfg.q_size,)),
@@ -83,6 +110,8 @@ def expert_tensors(cfg: ModelConfig, layer: int, expert: int) -> dict[str, Tenso
     down [H, I] once read)."""
     if cfg.model_type == "dbrx":
         return _dbrx_expert(cfg, layer, expert)
+    if cfg.model_type == "gpt_oss":
+        return _gpt_oss_expert(cfg, layer, expert)
     h, i = cfg.hidden_size, cfg.expert_intermediate_size
     if cfg.model_type == "mixtral":
         p = f"{layer_prefix(layer)}block_sparse_moe.experts.{expert}."

@@ -1,6 +1,6 @@
 """The expert half of one MoE decoder layer: what an expert node runs.
 
-Holds the SwiGLU experts of any subset of expert ids. Given tokens with their global
+Holds the SwiGLU experts (gpt-oss: the clamped SwiGLU, with biases) of any subset of expert ids. Given tokens with their global
 top-k expert ids and routing weights, returns for every token the routing-weighted sum of
 the outputs of the experts it chose *among those this layer holds* (zero for the rest),
 so summing the outputs of layers holding disjoint subsets gives the full MoE output.
@@ -18,7 +18,7 @@ import kernels
 from kernels import moe_packed
 
 from megainfer.config import ModelConfig
-from megainfer.model.checkpoint_names import expert_tensors, read
+from megainfer.model.checkpoint_names import expert_tensors, expert_weights, read
 from megainfer.model.weights import WeightSource
 
 
@@ -73,6 +73,14 @@ class ExpertLayer(nn.Module):
         # [local expert, 2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection.
         self.w_gate_up = nn.Parameter(torch.zeros(n, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.zeros(n, h, i, dtype=dtype, device=device), requires_grad=False)
+        # gpt-oss's biases: the gate's then the up's [n, 2I], the down projection's [n, H]. The
+        # down bias is added once over a tensor-parallel node's ranks (rank 0's partial sum).
+        self.b_gate_up = self.b_down = None
+        if cfg.expert_bias:
+            self.b_gate_up = nn.Parameter(torch.zeros(n, 2 * i, dtype=dtype, device=device), requires_grad=False)
+            if tp_rank == 0:
+                self.b_down = nn.Parameter(torch.zeros(n, h, dtype=dtype, device=device), requires_grad=False)
+        self.activation = kernels.ExpertActivation(cfg.swiglu_alpha, cfg.swiglu_limit)
         # Global (slot) id -> local row; ids held elsewhere map to n, past the last row, so their
         # pairs sort last and no boolean mask (a host sync on a GPU) drops them.
         self.register_buffer("local_index", self.slots.local_index().to(device), persistent=False)
@@ -110,23 +118,36 @@ class ExpertLayer(nn.Module):
         offsets = torch.cat([counts.new_zeros(1), counts[:n].cumsum(0)])
         self.pairs_served += offsets[-1]  # the pairs held here: the offsets' end, counted already
         out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down,
-                                          topk_weights.reshape(-1)[order], packed=self.packed)
+                                          topk_weights.reshape(-1)[order], packed=self.packed,
+                                          activation=self.activation, gate_up_bias=self.b_gate_up,
+                                          down_bias=self.b_down)
         if not self.holds_all or valid is not None:  # rows past the last offset were never computed
             out = torch.where((local < n)[:, None], out, 0)
         return torch.zeros_like(x).index_add_(0, token_ids, out)
 
     def load_weights(self, source: WeightSource) -> None:
         for local, e in enumerate(self.expert_ids):
-            self._load_row(self.w_gate_up[local], self.w_down[local], source, e)
+            self._load_row(self._row_of(local), source, e)
         if moe_packed.available(self.w_gate_up.device, self.w_gate_up.dtype):
             self.packed = moe_packed.PackedExperts.pack(self.w_gate_up, self.w_down)
 
-    def _load_row(self, gate_up: torch.Tensor, down: torch.Tensor, source: WeightSource, expert: int) -> None:
+    def _row_of(self, local: int) -> "ExpertRow":
+        """Row `local` of every weight tensor (views: what is copied into them lands in place)."""
+        return ExpertRow(self.w_gate_up[local], self.w_down[local],
+                         None if self.b_gate_up is None else self.b_gate_up[local],
+                         None if self.b_down is None else self.b_down[local])
+
+    def _load_row(self, row: "ExpertRow", source: WeightSource, expert: int) -> None:
         """Expert `expert`'s weights (this rank's slice) into one row of the weight tensors."""
         t = {role: read(source, ref) for role, ref in expert_tensors(self.cfg, self.layer, expert).items()}
+        gate, up, down, gate_bias, up_bias, down_bias = expert_weights(t)
         rows = slice(self.tp_rank * self.w_down.shape[2], (self.tp_rank + 1) * self.w_down.shape[2])
-        gate_up.copy_(torch.cat([t["gate"][rows], t["up"][rows]]))
-        down.copy_(t["down"][:, rows])
+        row.gate_up.copy_(torch.cat([gate[rows], up[rows]]))
+        row.down.copy_(down[:, rows])
+        if row.gate_up_bias is not None:
+            row.gate_up_bias.copy_(torch.cat([gate_bias[rows], up_bias[rows]]))
+        if row.down_bias is not None:
+            row.down_bias.copy_(down_bias)
 
     def stage(self, expert_ids: list[int], slot_ids: list[int], source: WeightSource) -> "StagedExperts":
         """A re-placement's experts for this layer, loaded beside the serving ones (nothing
@@ -136,18 +157,20 @@ class ExpertLayer(nn.Module):
         slots = NodeSlots(list(slot_ids), self.slots.num_ids, self.slots.room)
         slots.check(len(expert_ids))
         changed = [i for i, e in enumerate(expert_ids) if i >= len(self.expert_ids) or self.expert_ids[i] != e]
-        gate_up = torch.empty((len(changed),) + tuple(self.w_gate_up.shape[1:]), dtype=self.w_gate_up.dtype,
-                              device=self.w_gate_up.device)
-        down = torch.empty((len(changed),) + tuple(self.w_down.shape[1:]), dtype=self.w_down.dtype,
-                           device=self.w_down.device)
+        def rows_like(held: torch.Tensor | None) -> torch.Tensor | None:
+            return None if held is None else held.new_empty((len(changed),) + tuple(held.shape[1:]))
+
+        gate_up, down = rows_like(self.w_gate_up), rows_like(self.w_down)
+        gate_up_bias, down_bias = rows_like(self.b_gate_up), rows_like(self.b_down)
         for k, i in enumerate(changed):
-            self._load_row(gate_up[k], down[k], source, expert_ids[i])
+            self._load_row(ExpertRow(gate_up[k], down[k], None if gate_up_bias is None else gate_up_bias[k],
+                                     None if down_bias is None else down_bias[k]), source, expert_ids[i])
         packed = None
         if self.packed is not None:  # the CPU's packed copy, built here rather than at the switch
             whole_gate_up, whole_down = self.w_gate_up.clone(), self.w_down.clone()
             whole_gate_up[changed], whole_down[changed] = gate_up, down
             packed = moe_packed.PackedExperts.pack(whole_gate_up, whole_down)
-        return StagedExperts(list(expert_ids), slots, changed, gate_up, down, packed)
+        return StagedExperts(list(expert_ids), slots, changed, gate_up, down, packed, gate_up_bias, down_bias)
 
     def commit(self, staged: "StagedExperts") -> None:
         """Serve the staged placement from now on: the changed rows and the slot map copied into
@@ -156,6 +179,9 @@ class ExpertLayer(nn.Module):
             index = torch.tensor(staged.changed, device=self.w_gate_up.device)
             self.w_gate_up.index_copy_(0, index, staged.gate_up)
             self.w_down.index_copy_(0, index, staged.down)
+            for held, new in ((self.b_gate_up, staged.gate_up_bias), (self.b_down, staged.down_bias)):
+                if held is not None:
+                    held.index_copy_(0, index, new)
         self.local_index.copy_(staged.slots.local_index())
         self.expert_ids, self.slots = staged.expert_ids, staged.slots
         self.holds_all = False  # a re-placed layer never holds every expert under its own id
@@ -173,7 +199,20 @@ class StagedExperts:
     gate_up: torch.Tensor  # [changed, 2I, H] their weights, in the order of `changed`
     down: torch.Tensor
     packed: "moe_packed.PackedExperts | None"
+    gate_up_bias: torch.Tensor | None = None  # gpt-oss's biases of the changed rows
+    down_bias: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+                   if t is not None)
+
+
+@dataclass
+class ExpertRow:
+    """One expert's row of a layer's weight tensors (views), where its weights are loaded."""
+
+    gate_up: torch.Tensor  # [2I, H] this rank's gate rows, then its up rows
+    down: torch.Tensor  # [H, I]
+    gate_up_bias: torch.Tensor | None  # [2I] (gpt-oss)
+    down_bias: torch.Tensor | None  # [H] (gpt-oss, tensor-parallel rank 0 only)

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 import kernels
 from megainfer.config import ModelConfig
 from megainfer.model.attention_layer import AttentionLayer
-from megainfer.model.checkpoint_names import attention_tensors, head_tensors, read
+from megainfer.model.checkpoint_names import attention_tensors, expert_tensors, head_tensors, read
 from megainfer.model.layer_norm import norm_of
 from megainfer.model.expert_layer import ExpertLayer
 from megainfer.model.rotary import RotaryEmbedding
@@ -44,7 +44,7 @@ class MoEModel(nn.Module):
             if with_experts else None
         self.norm = norm_of(cfg, cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, **kw)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, scaling=cfg.rope_scaling, **kw)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -72,7 +72,7 @@ class MoEModel(nn.Module):
         cfg = self.cfg
         total = len(head_tensors(cfg)) + cfg.num_layers * len(attention_tensors(cfg, 0))  # fetches, not tensors:
         if self.expert_layers is not None:  # a fused tensor (DBRX's experts) is fetched once per part
-            total += cfg.num_layers * cfg.num_experts * 3
+            total += cfg.num_layers * cfg.num_experts * len(expert_tensors(cfg, 0, 0))
         with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress) as bar:
             counting = _CountingSource(source, bar)
             t = {role: read(counting, ref) for role, ref in head_tensors(self.cfg).items()}

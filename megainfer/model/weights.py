@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from megainfer.config import ModelConfig
 from megainfer.errors import CheckpointError
 from megainfer.hf_config import to_hf_dict
+from megainfer.model import mxfp4
 from megainfer.model.checkpoint_names import all_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -68,13 +69,11 @@ class SafetensorsCheckpoint:
 
     def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
         path = self.file_of.get(name)
+        if path is None and f"{name}_blocks" in self.file_of:
+            return self._dequantized(name, shape, rows)
         if path is None:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is missing (expected shape {list(shape)})")
-        handle = self._handles.get(path)
-        if handle is None:
-            if not path.is_file():
-                raise CheckpointError(f"{self.directory}: shard {path.name} (holding {name!r}) does not exist")
-            handle = self._handles[path] = safe_open(path, framework="pt")
+        handle = self._handle(path, name)
         if rows is not None:  # a slice of a fused tensor: safetensors reads only those rows
             part = handle.get_slice(name)
             if tuple(part.get_shape()) != tuple(shape):
@@ -89,6 +88,38 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.directory}: tensor {name!r} has shape {list(tensor.shape)}, "
                                   f"expected {list(shape)}")
         return tensor
+
+    def _handle(self, path: Path, name: str):
+        handle = self._handles.get(path)
+        if handle is None:
+            if not path.is_file():
+                raise CheckpointError(f"{self.directory}: shard {path.name} (holding {name!r}) does not exist")
+            handle = self._handles[path] = safe_open(path, framework="pt")
+        return handle
+
+    def _dequantized(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None) -> torch.Tensor:
+        """`name` stored in MXFP4 (gpt-oss's experts: `name_blocks`, `name_scales`, megainfer/model/
+        mxfp4.py), dequantized to float32 in transformers' layout; only `rows` (experts) are read."""
+        parts = []
+        for suffix in ("_blocks", "_scales"):
+            path = self.file_of.get(name + suffix)
+            if path is None:
+                raise CheckpointError(f"{self.directory}: tensor {name + '_blocks'!r} has no {name + suffix!r} beside "
+                                      "it; an MXFP4 tensor is stored as both")
+            part = self._handle(path, name + suffix).get_slice(name + suffix)
+            parts.append(part[rows[0]:rows[1]] if rows is not None else part[:])
+        blocks, scales = parts
+        # Stored rows are the served columns: [E, cols, in / 32, 16] for a served [E, in, cols].
+        want = (shape[0], shape[2], shape[1] // mxfp4.GROUP, mxfp4.GROUP // 2)
+        full = (shape[0] if rows is None else None,) + want[1:]
+        if len(shape) != 3 or tuple(blocks.shape[1:]) != want[1:] or \
+                (full[0] is not None and blocks.shape[0] != full[0]):
+            raise CheckpointError(f"{self.directory}: MXFP4 tensor {name + '_blocks'!r} has shape "
+                                  f"{list(blocks.shape)}, expected {list(want)} for {name!r} of shape {list(shape)}")
+        try:
+            return mxfp4.dequantize(blocks, scales)
+        except ValueError as exc:
+            raise CheckpointError(f"{self.directory}: {name!r}: {exc}") from None
 
 
 def _check_float(directory: Path, name: str, tensor: torch.Tensor) -> None:

@@ -25,14 +25,19 @@ from megainfer.model.expert_layer import ExpertLayer
 SCRATCH_BLOCKS = 64  # pages of the warm-up's scratch cache (sequences read them round-robin)
 
 
-def _attention(layer: AttentionLayer, rotary, config: EngineConfig, max_model_len: int, cfg: ModelConfig) -> None:
+def _attention(layers, rotary, config: EngineConfig, max_model_len: int, cfg: ModelConfig) -> None:
+    """Attention once per kind of layer the model has (gpt-oss: windowed and full, both with
+    sinks: different kernel variants), then the norm, rotary and gating kernels."""
     tokens = config.max_step_tokens
+    layer = layers[0]
     weight = layer.qkv_proj.weight
     shape = (SCRATCH_BLOCKS, config.block_size, layer.num_kv_heads, cfg.head_dim)
     key_cache = torch.randn(shape, device=weight.device, dtype=weight.dtype)
     value_cache = torch.randn(shape, device=weight.device, dtype=weight.dtype)
-    warm_up_attention(key_cache, value_cache, layer.num_heads, layer.scale,
-                      attention_grid(config.max_num_seqs, tokens, max_model_len))
+    kinds = {layer.window: layer for layer in reversed(list(layers))}  # one layer of each window
+    for kind in kinds.values():
+        warm_up_attention(key_cache, value_cache, kind.num_heads, kind.scale,
+                          attention_grid(config.max_num_seqs, tokens, max_model_len), kind.sinks, kind.window)
     warm_up_norm_rope(layer.num_heads, layer.num_kv_heads, layer.post_norm.weight, layer.post_norm.eps, rotary.cos,
                       rotary.sin, key_cache, value_cache, layer.add_norm)
     warm_up_gating(layer.route, cfg.hidden_size, tokens, key_cache.dtype, key_cache.device)
@@ -46,10 +51,11 @@ def warm_up_engine(model, config: EngineConfig, max_model_len: int) -> Warmup:
     warmup = Warmup(torch.device(config.device))
     if warmup.active:
         cfg = model.cfg
-        _attention(model.attention_layers[0], model.rotary, config, max_model_len, cfg)
+        _attention(model.attention_layers, model.rotary, config, max_model_len, cfg)
         if getattr(model, "expert_layers", None):
             experts = model.expert_layers[0]
-            warm_up_experts(experts.w_gate_up, experts.w_down, cfg.top_k, config.max_step_tokens * cfg.top_k)
+            warm_up_experts(experts.w_gate_up, experts.w_down, cfg.top_k, config.max_step_tokens * cfg.top_k,
+                            experts.activation, experts.b_gate_up, experts.b_down)
     warmup.freeze()
     return warmup
 
@@ -63,6 +69,7 @@ def warm_up_expert_node(layer: ExpertLayer, top_k: int, max_tokens: int | None) 
         if max_tokens is None:
             raise ValueError("max_tokens: an expert node on CUDA needs the most tokens one (layer, micro-batch) "
                              "brings, to build and decide its kernels before serving")
-        warm_up_experts(layer.w_gate_up, layer.w_down, top_k, max_tokens * top_k)
+        warm_up_experts(layer.w_gate_up, layer.w_down, top_k, max_tokens * top_k, layer.activation,
+                        layer.b_gate_up, layer.b_down)
     warmup.freeze()
     return warmup

@@ -1,4 +1,4 @@
-"""Tiny random Mixtral, Qwen3-MoE and DBRX checkpoints written by transformers' own `save_pretrained`
+"""Tiny random Mixtral, Qwen3-MoE, DBRX and gpt-oss checkpoints written by transformers' own `save_pretrained`
 (the GPU check's engine comparisons and the test suite's fixtures), with the prompts they are
 compared on."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("mixtral", "qwen3_moe", "dbrx")
+KINDS = ("mixtral", "qwen3_moe", "dbrx", "gpt_oss", "gpt_oss_gqa4")
 VOCAB = 320
 PROMPT_LENGTHS = (5, 17, 33, 1, 24)
 
@@ -40,10 +40,46 @@ def write_tiny_checkpoint(kind: str, directory: Path):
             attn_config={"kv_n_heads": 2, "clip_qkv": 2.0, "rope_theta": 10000.0},
             ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 6, "moe_top_k": 2, "moe_normalize_expert_weights": 1.0})
         model = transformers.DbrxForCausalLM(cfg)
+    elif kind.startswith("gpt_oss"):
+        model = _gpt_oss(kind)
     else:
         raise ValueError(f"kind {kind!r}: choose one of {', '.join(KINDS)}")
     model.eval()
     model.save_pretrained(directory)
+    return model
+
+
+def _gpt_oss(kind: str):
+    """gpt-oss at shapes no other family's tiny checkpoint uses. "gpt_oss": 6 query heads over 2 KV
+    heads, 8 experts top-3, windowed layers 0 and 2 (window 8, shorter than most prompts), YaRN
+    (factor 4 over 128 original positions); "gpt_oss_gqa4": 8 over 2 heads (head size 8), 6 experts top-2,
+    four layers full/windowed/full/windowed (window 16), plain RoPE. Both: the SwiGLU limit
+    lowered to 1.5 so the clamp binds at this initialisation, and the sinks and the router's and
+    experts' biases (which transformers initialises to zero) drawn at random so they count."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=512, initializer_range=0.2,
+                  swiglu_limit=1.5)
+    if kind == "gpt_oss":
+        cfg = transformers.GptOssConfig(
+            num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=40,
+            num_local_experts=8, num_experts_per_tok=3, sliding_window=8,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
+            **common)
+    else:
+        cfg = transformers.GptOssConfig(
+            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+            num_local_experts=6, num_experts_per_tok=2, sliding_window=16,
+            layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+            layer.mlp.router.bias.normal_(0.0, 0.5)
+            layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.5)
+            layer.mlp.experts.down_proj_bias.normal_(0.0, 0.5)
     return model
 
 
