@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Mixtral, Qwen3-MoE and DBRX checkpoints written by transformers'
+"""Shared fixtures: tiny random Mixtral, Qwen3-MoE, DBRX and gpt-oss checkpoints written by transformers'
 `save_pretrained`, and transformers' own greedy generations and logits for them."""
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ def qwen3_ref(tmp_path_factory) -> HFReference:
 @pytest.fixture(scope="session")
 def dbrx_ref(tmp_path_factory) -> HFReference:
     return _build("dbrx", tmp_path_factory.mktemp("dbrx"))
+
+
+@pytest.fixture(scope="session", params=["gpt_oss", "gpt_oss_gqa4"])
+def gpt_oss_ref(request, tmp_path_factory) -> HFReference:
+    """Both tiny gpt-oss checkpoints (tiny_checkpoints._gpt_oss): windows, sinks, biases, clamp, YaRN."""
+    return _build(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="session", params=["mixtral", "qwen3_moe"])

@@ -102,6 +102,19 @@ def test_dbrx_with_tensor_parallel_nodes_matches_colocated(dbrx_ref):
         served.close()
 
 
+@pytest.mark.parametrize("gpt_oss_ref", ["gpt_oss"], indirect=True)
+def test_gpt_oss_with_tensor_parallel_nodes_matches_colocated(gpt_oss_ref):
+    """gpt-oss on Ray over gRPC with tp 2 on both sides (each attention rank its heads' sinks and
+    both kinds of layer's caches, each expert rank its slice of the biased, clamped experts,
+    the down bias added once), layered prefill."""
+    expected = colocated(gpt_oss_ref.path, gpt_oss_ref.prompts)
+    served = Served(make_plan(str(gpt_oss_ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
+    try:
+        assert [served.generate(p) for p in gpt_oss_ref.prompts] == expected
+    finally:
+        served.close()
+
+
 def test_device_slots_match_colocated_and_are_traded_again_after_a_node_is_replaced(hf_ref):
     """Every pair of a 2 x 2 CPU deployment on this host goes direct (/dev/shm regions); after an
     expert node is killed and replaced, the offers are traded again and the tokens still match."""

@@ -60,7 +60,8 @@ def test_unsupported_model_type_lists_supported_ones():
     ({"num_experts_per_tok": 200}, "exceeds the number of experts"),
     ({"mlp_only_layers": [0]}, "mlp_only_layers"),
     ({"sliding_window": 4096, "use_sliding_window": True}, "sliding_window"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn need 'factor' and 'original_max_position"),
     ({"hidden_size": None}, "'hidden_size' is missing"),
 ])
 def test_bad_configs_name_the_field(change, match):

@@ -538,3 +538,16 @@ def test_dbrx_deployment_matches_colocated_with_and_without_replicas(dbrx_ref):
     assert expected == [t[:GREEDY.max_tokens] for t in dbrx_ref.tokens]  # transformers' greedy tokens
     assert run_local_deployment(dbrx_ref.path, 2, 2, 2, prompts)[0] == expected
     assert run_local_deployment(dbrx_ref.path, 2, 2, 2, prompts, replicas=_replicated(dbrx_ref.path))[0] == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpt_oss_deployment_matches_colocated(gpt_oss_ref, async_scheduling):
+    """gpt-oss cut into halves, 1 attention node x 2 expert nodes, two micro-batches: sinks and
+    windows (their blocks released as sequences pass them, also with steps scheduled ahead) on
+    the attention side, biased clamped experts on the expert nodes; transformers' tokens."""
+    prompts = gpt_oss_ref.prompts
+    expected = colocated(gpt_oss_ref.path, prompts)
+    assert expected == [t[:GREEDY.max_tokens] for t in gpt_oss_ref.tokens]
+    got, stats = run_local_deployment(gpt_oss_ref.path, 1, 2, 2, prompts, async_scheduling=async_scheduling)
+    assert got == expected
+    assert stats[0].kv_cache_usage == 0.0
