@@ -102,3 +102,43 @@ def write_qwen_style_tokenizer(directory: Path, **config: Any) -> Path:
             "chat_template": CHATML}
     (directory / "tokenizer_config.json").write_text(json.dumps({**base, **config}))
     return directory
+
+
+# A template in gpt-oss's harmony format (openai/gpt-oss-*'s chat_template.jinja renders the same
+# layout; this one is written for the tests): a system message carrying the date and the
+# `reasoning_effort` kwarg, a developer message with the instructions and the tools as a
+# TypeScript namespace (a recursive macro), assistant turns on the final channel, a tool call on
+# the commentary channel and its result, `namespace` state across the loop, `raise_exception`.
+HARMONY = """{%- macro ts_type(spec) -%}
+{%- if spec.type == "array" -%}{{ ts_type(spec['items']) }}[]
+{%- elif spec.type == "object" and spec.properties -%}{ {% for name, p in spec.properties.items() %}{{ name }}: {{ ts_type(p) }}{% if not loop.last %}, {% endif %}{% endfor %} }
+{%- elif spec.type == "integer" -%}number
+{%- elif spec.enum -%}"{{ spec.enum | join('" | "') }}"
+{%- else -%}{{ spec.type or "any" }}{%- endif -%}
+{%- endmacro -%}
+{{- "<|start|>system<|message|>" + (model_identity if model_identity is defined else "You are a model.") + "\\n" }}
+{{- "Current date: " + strftime_now("%Y-%m-%d") + "\\n\\n" }}
+{{- "Reasoning: " + (reasoning_effort if reasoning_effort is defined else "medium") + "\\n\\n" }}
+{{- "# Valid channels: analysis, commentary, final.<|end|>" }}
+{%- if messages[0].role in ("system", "developer") -%}
+{%- set developer = messages[0].content -%}{%- set turns = messages[1:] -%}
+{%- else -%}{%- set developer = "" -%}{%- set turns = messages -%}{%- endif -%}
+{%- if developer or tools -%}
+{{- "<|start|>developer<|message|>" }}{% if developer %}{{ "# Instructions\\n\\n" + developer }}{% endif %}
+{%- if tools %}{{ "\\n\\n# Tools\\n\\nnamespace functions {\\n" }}{% for t in tools %}{% set f = t.function %}
+{{- "// " + f.description + "\\ntype " + f.name + " = (_: " + ts_type(f.parameters) + ") => any;\\n" }}{% endfor %}{{ "} // namespace functions" }}{% endif %}
+{{- "<|end|>" }}
+{%- endif -%}
+{%- set state = namespace(tool=none) -%}
+{%- for m in turns -%}
+{%- if m.role == "assistant" -%}
+{%- if m.tool_calls -%}{%- set call = m.tool_calls[0].function -%}
+{{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json<|message|>" + call.arguments | tojson + "<|call|>" }}
+{%- set state.tool = call.name -%}
+{%- else -%}{{ "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|end|>" }}{%- endif -%}
+{%- elif m.role == "tool" -%}
+{%- if state.tool is none %}{{ raise_exception("a tool message needs an assistant tool call before it") }}{% endif -%}
+{{- "<|start|>functions." + state.tool + " to=assistant<|channel|>commentary<|message|>" + m.content | tojson + "<|end|>" }}
+{%- else -%}{{ "<|start|>user<|message|>" + m.content + "<|end|>" }}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"""

@@ -162,6 +162,8 @@ def _render_chat(served: ServedModel, body: ChatCompletionRequest) -> str:
     kwargs = dict(body.chat_template_kwargs or {})
     if "messages" in kwargs:
         raise RequestError("chat_template_kwargs cannot set 'messages'")
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     kwargs.setdefault("add_generation_prompt", body.add_generation_prompt)
     kwargs.setdefault("continue_final_message", body.continue_final_message)
     return served.chat_template.render([m.for_template() for m in body.messages], **kwargs)

@@ -180,6 +180,9 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI's reasoning models' knob; reaches the chat template as `reasoning_effort` (gpt-oss's
+    # harmony template writes it into the system message), unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

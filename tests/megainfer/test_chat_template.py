@@ -7,7 +7,7 @@ import pytest
 
 from megainfer.chat_template import ChatTemplate
 from megainfer.errors import CheckpointError, ConfigError, RequestError
-from tests.tokenizer_checkpoints import (CHATML, GENERATION_PROMPT, MIXTRAL, write_llama_style_tokenizer,
+from tests.tokenizer_checkpoints import (CHATML, GENERATION_PROMPT, HARMONY, MIXTRAL, write_llama_style_tokenizer,
                                          write_qwen_style_tokenizer)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
@@ -127,3 +127,56 @@ def test_strftime_now_and_loop_controls_are_available():
                             "{% endif %}{{ m.content }}{% endfor %}", "test")
     text = template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert text == f"{datetime.now().year}a"
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"},
+        "units": {"type": "string", "enum": ["c", "f"]}, "hours": {"type": "array", "items": {"type": "integer"}}}}}}
+HARMONY_CHATS = {
+    "plain": [{"role": "user", "content": "Hi there"}],
+    "developer-and-turns": CHAT,
+    "tool-call-and-result": [
+        {"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]},
+        {"role": "tool", "content": "{\"temp\": -3}"}],
+}
+
+
+@pytest.mark.parametrize("chat", HARMONY_CHATS)
+@pytest.mark.parametrize("kwargs", [{}, {"reasoning_effort": "high", "model_identity": "You are megainfer's test."}],
+                         ids=["defaults", "effort-and-identity"])
+def test_harmony_template_renders_as_transformers_does(llama_dir, chat, kwargs):
+    """gpt-oss's harmony format (the checkpoint's own chat_template.jinja is what megainfer
+    renders): macros calling themselves, namespace state, strftime_now, tools, template kwargs."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(str(llama_dir))
+    messages, tools = HARMONY_CHATS[chat], [WEATHER_TOOL] if chat != "plain" else None
+    expected = ref.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                       chat_template=HARMONY, **kwargs)
+    ours = ChatTemplate.load(llama_dir, HARMONY).render(messages, tools=tools, **kwargs)
+    assert ours == expected
+    assert ours.endswith("<|start|>assistant") and ("Reasoning: high" in ours) == bool(kwargs)
+
+
+def test_harmony_template_refuses_a_tool_result_without_a_call(llama_dir):
+    with pytest.raises(RequestError, match="needs an assistant tool call"):
+        ChatTemplate.load(llama_dir, HARMONY).render([{"role": "tool", "content": "{}"}])
+
+
+def test_openai_reasoning_effort_reaches_the_template(llama_dir):
+    """The chat API's `reasoning_effort` (OpenAI's field) becomes the template's variable, as
+    gpt-oss's template reads it; chat_template_kwargs, where they set it too, win."""
+    from types import SimpleNamespace
+
+    from megainfer.server.openai_generate import _render_chat
+    from megainfer.server.openai_protocol import ChatCompletionRequest
+
+    served = SimpleNamespace(chat_template=ChatTemplate.load(llama_dir, HARMONY), name="m")
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], reasoning_effort="low")
+    assert "Reasoning: low" in _render_chat(served, body)
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], reasoning_effort="low",
+                                 chat_template_kwargs={"reasoning_effort": "high"})
+    assert "Reasoning: high" in _render_chat(served, body)
