@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -231,6 +232,26 @@ def _busy_fractions(attention: AttentionResult, expert: ExpertResult) -> dict[st
     return {f"{n.role.value}_busy": round(n.busy_fraction, 3) for n in nodes}
 
 
+def check_gpt_oss_pair(ctx: CheckContext) -> None:
+    """gpt-oss (the tiny checkpoint: window 8, sinks, biased clamped experts) as a pair at m = 2,
+    float32, decode under CUDA graphs on a GPU: the windowed layers' tables and released blocks
+    through the graphs' static batches, prompts longer than the window; the colocated tokens."""
+    import tempfile
+
+    from megainfer.tools.gpucheck.tiny_checkpoints import write_tiny_checkpoint
+
+    with ctx.case("gpt-oss float32 m = 2: tokens equal to the colocated engine") as case, \
+            tempfile.TemporaryDirectory(prefix="gpucheck-gpt-oss-") as tmp:
+        write_tiny_checkpoint("gpt_oss", Path(tmp))
+        spec = PairSpec(tmp, ctx.device.type, "float32", "shm", 2, 48 if ctx.on_gpu else 12)
+        prompts = [[1, 5, 9, 14, 3], list(range(20, 60)), [7] * 12]
+        expected = colocated(spec, prompts)
+        attention, expert = run_pair(spec, prompts)
+        case.figures |= {"steps": attention.steps, "decode": attention.decode}
+        if attention.tokens != expected:
+            raise AssertionError(f"tokens differ from the colocated engine's: {attention.tokens} vs {expected}")
+
+
 def run(ctx: CheckContext) -> None:
     _, path = resolve_model(DEMO_MODEL)
     dtype = "bfloat16" if ctx.on_gpu else "float32"
@@ -265,6 +286,7 @@ def run(ctx: CheckContext) -> None:
             if expert.steps != attention.steps:
                 raise AssertionError(f"the expert node served {expert.steps} steps, the attention node took "
                                      f"{attention.steps}")
+    check_gpt_oss_pair(ctx)
     staged = rates.get((2, False, False))
     if rates.get((1, False, False)) and staged:
         with ctx.case("decode tokens/s, m = 2 over m = 1") as case:
