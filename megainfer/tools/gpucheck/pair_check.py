@@ -242,6 +242,11 @@ def check_gpt_oss_pair(ctx: CheckContext) -> None:
 
     with ctx.case("gpt-oss float32 m = 2: tokens equal to the colocated engine") as case, \
             tempfile.TemporaryDirectory(prefix="gpucheck-gpt-oss-") as tmp:
+        try:  # the checkpoint is written by transformers' own classes
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            case.skip(f"transformers cannot be imported here ({exc})")
+            return
         write_tiny_checkpoint("gpt_oss", Path(tmp))
         spec = PairSpec(tmp, ctx.device.type, "float32", "shm", 2, 48 if ctx.on_gpu else 12)
         prompts = [[1, 5, 9, 14, 3], list(range(20, 60)), [7] * 12]
