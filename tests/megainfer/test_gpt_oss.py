@@ -191,3 +191,22 @@ def test_presets_have_the_published_sizes():
     assert small.window_layers == tuple(range(0, 24, 2)) and small.kv_cache_layers == 12
     # 8K-token sequences: the windowed half holds 9 blocks each instead of 512.
     assert small.kv_blocks_per_sequence(8192, 16) == 512 + 9
+
+
+def test_tiny_checkpoints_bind_the_clamp(gpt_oss_ref):
+    """The tiny checkpoints' experts see gate values past gpt-oss's limit (7), so the equality
+    tests cover the clamp (at the limit every transformers version applies)."""
+    import transformers
+
+    model = transformers.GptOssForCausalLM.from_pretrained(gpt_oss_ref.path).eval()
+    seen = []
+
+    def gates(module, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        seen.append((torch.einsum("th,ehi->eti", x, module.gate_up_proj) + module.gate_up_proj_bias[:, None])[..., ::2])
+
+    for layer in model.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(gates)
+    with torch.no_grad():
+        model(torch.tensor([gpt_oss_ref.prompts[2]]))
+    assert max(float(g.max()) for g in seen) > model.config.swiglu_limit == 7.0

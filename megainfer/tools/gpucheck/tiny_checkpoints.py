@@ -53,13 +53,14 @@ def _gpt_oss(kind: str):
     """gpt-oss at shapes no other family's tiny checkpoint uses. "gpt_oss": 6 query heads over 2 KV
     heads, 8 experts top-3, windowed layers 0 and 2 (window 8, shorter than most prompts), YaRN
     (factor 4 over 128 original positions); "gpt_oss_gqa4": 8 over 2 heads (head size 8), 6 experts top-2,
-    four layers full/windowed/full/windowed (window 16), plain RoPE. Both: the SwiGLU limit
-    lowered to 1.5 so the clamp binds at this initialisation, and the sinks and the router's and
-    experts' biases (which transformers initialises to zero) drawn at random so they count."""
+    four layers full/windowed/full/windowed (window 16), plain RoPE. Both: the experts' gate/up
+    weights drawn 3x wider than the rest, so the clamp (at gpt-oss's own limit, 7: transformers
+    before 5.2x hardcodes it, whatever config.json says) binds on some gates, and the sinks and
+    the router's and experts' biases (which transformers initialises to zero) drawn at random so
+    they count."""
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=512, initializer_range=0.2,
-                  swiglu_limit=1.5)
+    common = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=512, initializer_range=0.2)
     if kind == "gpt_oss":
         cfg = transformers.GptOssConfig(
             num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=40,
@@ -77,6 +78,7 @@ def _gpt_oss(kind: str):
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 1.0)
+            layer.mlp.experts.gate_up_proj.normal_(0.0, 0.6)
             layer.mlp.router.bias.normal_(0.0, 0.5)
             layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.5)
             layer.mlp.experts.down_proj_bias.normal_(0.0, 0.5)
