@@ -82,7 +82,8 @@ class _Replica:
     def __init__(self, sim: Simulator, clock) -> None:
         self.sim = sim
         self.scheduler = Scheduler.from_config(sim.config, num_blocks=sim.num_blocks, max_model_len=sim.max_model_len,
-                                               eos_token_ids=(), num_layers=sim.model.num_layers)
+                                               eos_token_ids=(), num_layers=sim.model.num_layers,
+                                               window=sim.model.kv_window)
         self.scheduler.clock = clock
         self.step: SchedulerOutput | None = None  # in flight
         self.step_sample: StepSample | None = None

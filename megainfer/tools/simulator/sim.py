@@ -100,7 +100,8 @@ class Simulator:
         started = time.perf_counter()
         self._check_fits(requests)
         sched = Scheduler.from_config(self.config, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-                                      eos_token_ids=(), num_layers=self.model.num_layers)
+                                      eos_token_ids=(), num_layers=self.model.num_layers,
+                                      window=self.model.kv_window)
         sched.clock = lambda: self.now
         pending = sorted(requests, key=lambda r: r.arrival_s)
         self.now = pending[0].arrival_s if pending else 0.0
