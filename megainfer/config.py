@@ -17,7 +17,7 @@ from typing import Any
 
 from megainfer.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx", "gpt_oss", "deepseek_v2", "deepseek_v3")
 NORMS = ("rms", "layer")  # RMSNorm (Mixtral, Qwen3), bias-free LayerNorm (DBRX)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Above this many bytes of weights a preset is shape-only: generating random weights for
@@ -91,6 +91,29 @@ class ModelConfig:
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
     rope_scaling: RopeScaling | None = None  # None: RoPE as trained (no YaRN)
+    # DeepSeek-V2/V3's multi-head latent attention (MLA): kv_lora_rank > 0. A token's KV is one
+    # latent of kv_lora_rank values and a shared rotary key of qk_rope_head_dim (the cache holds
+    # those, not heads); q goes through a q_lora_rank bottleneck where set. head_dim is then
+    # qk_nope_head_dim + qk_rope_head_dim (q and k), v_head_dim the values'.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek's FFNs: the first `first_k_dense` layers are dense (dense_intermediate_size wide),
+    # the rest MoE with `n_shared_experts` shared experts beside the routed ones. Both run on the
+    # attention side (docs/architecture.md "Model families"), so expert nodes hold MoE layers only.
+    first_k_dense: int = 0
+    dense_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    # DeepSeek's routing: scores by softmax or sigmoid (+ V3's per-expert correction bias, for the
+    # choice only), the top-k chosen within the `topk_group` best of `n_group` expert groups (a
+    # group scored by its best expert, V2, or its best two, V3), the weights then scaled by
+    # routed_scaling_factor.
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -122,6 +145,21 @@ class ModelConfig:
         if (self.swiglu_alpha is None) != (self.swiglu_limit is None):
             raise ConfigError("model config: swiglu_alpha and swiglu_limit go together (gpt-oss's clamped SwiGLU), "
                               f"got alpha={self.swiglu_alpha!r}, limit={self.swiglu_limit!r}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model config: scoring {self.scoring!r} is not 'softmax' or 'sigmoid'")
+        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"model config: n_group ({self.n_group}) must divide the {self.num_experts} experts "
+                              f"and topk_group ({self.topk_group}) be in [1, n_group]")
+        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ConfigError(f"model config: topk_group {self.topk_group} groups of {self.num_experts // self.n_group} "
+                              f"experts hold fewer than num_experts_per_tok ({self.top_k})")
+        if self.kv_lora_rank and (self.qk_rope_head_dim <= 0 or self.v_head_dim <= 0
+                                  or self.head_dim <= self.qk_rope_head_dim):
+            raise ConfigError("model config: multi-head latent attention needs positive qk_rope_head_dim and "
+                              f"v_head_dim, and head_dim ({self.head_dim}) = qk_nope_head_dim + qk_rope_head_dim")
+        if not 0 <= self.first_k_dense < self.num_layers or (self.first_k_dense and self.dense_intermediate_size <= 0):
+            raise ConfigError(f"model config: first_k_dense_replace {self.first_k_dense} must leave an MoE layer "
+                              f"(of {self.num_layers}) and come with a positive intermediate_size")
         if self.router_logit_bias and len(self.router_logit_bias) != self.num_experts:
             raise ConfigError(f"model config: router_logit_bias has {len(self.router_logit_bias)} values, "
                               f"one per expert wanted ({self.num_experts})")
@@ -185,10 +223,49 @@ class ModelConfig:
         return self.expert_params * DTYPE_BYTES[dtype]
 
     @property
-    def attention_params_per_layer(self) -> int:
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with routed experts: what expert nodes hold (DeepSeek's first layers are dense)."""
+        return self.num_layers - self.first_k_dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Values one token stores per layer: K and V of its KV heads, or MLA's latent and rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else 2 * self.kv_size
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.n_shared_experts * self.expert_intermediate_size
+
+    def _attention_only_params(self) -> int:
+        """One layer's attention (norms included), without its router or FFN."""
         h = self.hidden_size
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + h * self.num_experts \
-            + (self.num_heads if self.attention_sinks else 0) + (self.num_experts if self.router_bias else 0)
+        if not self.mla:
+            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + \
+                (self.num_heads if self.attention_sinks else 0)
+        heads, rope = self.num_heads, self.qk_rope_head_dim
+        q = h * heads * self.head_dim if not self.q_lora_rank else \
+            h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.head_dim
+        kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank + \
+            self.kv_lora_rank * heads * (self.head_dim - rope + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h + 2 * h
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """What the attention side holds per layer, averaged over the layers: attention, the
+        router, and (DeepSeek) the shared experts of MoE layers and the dense layers' FFN."""
+        h = self.hidden_size
+        router = h * self.num_experts + (self.num_experts if self.router_bias or self.score_correction_bias else 0)
+        moe_side = router + 3 * h * self.shared_expert_intermediate_size
+        total = self.num_layers * self._attention_only_params() + self.num_moe_layers * moe_side + \
+            self.first_k_dense * 3 * h * self.dense_intermediate_size
+        return total // self.num_layers
 
     def attention_rank_weight_bytes(self, value_bytes: int, tp=1):
         """One tensor-parallel attention rank's weights: 1/tp of every layer's attention half
@@ -200,19 +277,20 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        per_layer = self.attention_params_per_layer + self.num_experts * self.expert_params
-        return embed + self.num_layers * per_layer + self.hidden_size
+        return embed + self.num_layers * self.attention_params_per_layer + \
+            self.num_moe_layers * self.num_experts * self.expert_params + self.hidden_size
 
     @property
     def num_active_params(self) -> int:
         """Parameters one token touches: attention, router and its top-k experts."""
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        per_layer = self.attention_params_per_layer + self.top_k * self.expert_params
-        return embed + self.num_layers * per_layer
+        return embed + self.num_layers * self.attention_params_per_layer + \
+            self.num_moe_layers * self.top_k * self.expert_params
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        """One token's slot of a block id: K and V in every KV-cache tensor (`kv_cache_layers`)."""
-        return 2 * self.kv_cache_layers * self.kv_size * DTYPE_BYTES[dtype]
+        """One token's slot of a block id: K and V (MLA: the latent and rotary key) in every KV-cache
+        tensor (`kv_cache_layers`)."""
+        return self.kv_cache_layers * self.kv_cache_width * DTYPE_BYTES[dtype]
 
     # -- Hugging Face config.json -------------------------------------------------------
 

@@ -29,6 +29,15 @@ def _gpt_oss(name: str, **kw: Any) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
+def _deepseek(name: str, **kw: Any) -> ModelConfig:
+    """DeepSeek's MLA (kv_lora_rank 512, 64 rotary dims, 128 + 64 q/k and 128 v per head), shared
+    experts beside the routed ones, dense first layers, YaRN over 4,096 trained positions."""
+    base = dict(model_type="deepseek_v3", name=name, head_dim=192, kv_lora_rank=512, qk_rope_head_dim=64,
+                v_head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=163840,
+                norm_topk_prob=True)
+    return ModelConfig(**{**base, **kw})
+
+
 def _qwen3(name: str, **kw: Any) -> ModelConfig:
     base = dict(model_type="qwen3_moe", norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
                 name=name, bos_token_id=151643, eos_token_ids=(151645,), max_position_embeddings=40960)
@@ -75,6 +84,25 @@ PRESETS: dict[str, ModelConfig] = {
         clip_qkv=8.0),
     "gpt-oss-20b": _gpt_oss("gpt-oss-20b", num_layers=24, num_experts=32),
     "gpt-oss-120b": _gpt_oss("gpt-oss-120b", num_layers=36, num_experts=128),
+    # deepseek-ai/DeepSeek-V2-Lite's config.json: no q bottleneck, softmax routing over 64 experts
+    # (greedy top-6, not renormalised), 2 shared experts, layer 0 dense.
+    "deepseek-v2-lite": _deepseek(
+        "deepseek-v2-lite", model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16,
+        num_kv_heads=16, num_experts=64, top_k=6, expert_intermediate_size=1408, n_shared_experts=2,
+        first_k_dense=1, dense_intermediate_size=10944, norm_topk_prob=False,
+        rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
+                                 mscale_all_dim=0.707),
+        bos_token_id=100000, eos_token_ids=(100001,)),
+    # deepseek-ai/DeepSeek-V3's config.json: q through a 1,536 bottleneck, sigmoid routing with a
+    # correction bias, top-8 within the best 4 of 8 groups, weights x 2.5; 1 shared expert; 3
+    # dense layers. Published in FP8 with 128 x 128 block scales.
+    "deepseek-v3": _deepseek(
+        "deepseek-v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, num_kv_heads=128,
+        q_lora_rank=1536, num_experts=256, top_k=8, expert_intermediate_size=2048, n_shared_experts=1,
+        first_k_dense=3, dense_intermediate_size=18432, scoring="sigmoid", n_group=8, topk_group=4,
+        score_correction_bias=True, routed_scaling_factor=2.5,
+        rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0),
+        bos_token_id=0, eos_token_ids=(1,)),
     # MegaScale-Infer's Scaled-MoE (317B): Mixtral-style blocks; vocabulary and heads assumed.
     "scaled-moe": _mixtral(
         "scaled-moe", vocab_size=32000, hidden_size=8192, num_layers=48, num_heads=64, num_kv_heads=8,
