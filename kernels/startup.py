@@ -175,19 +175,21 @@ def warm_up_attention(key_cache: torch.Tensor, value_cache: torch.Tensor, query_
 
 def warm_up_norm_rope(query_heads: int, kv_heads: int, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                       sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      add_norm: Callable = dispatch.add_rms_norm) -> None:
+                      add_norm: Callable = dispatch.add_rms_norm, rotary: bool = True) -> None:
     """The attention half's fused kernels (one variant each per model): the rotation with the
     KV write, over a projection laid out as the layer's (q, k, v side by side: strided views),
-    into this scratch cache; the residual add with the norm after it (`add_norm`: the layer's,
-    RMSNorm's or DBRX's LayerNorm's)."""
+    into this scratch cache (not for MLA, `rotary` False: it rotates its few rotary dims itself);
+    the residual add with the norm after it (`add_norm`: the layer's, RMSNorm's or DBRX's LayerNorm's)."""
     device, dtype, d = key_cache.device, key_cache.dtype, key_cache.shape[-1]
+    hidden = torch.randn(2, norm_weight.shape[0], device=device, dtype=dtype)
+    add_norm(hidden, hidden, norm_weight, eps)
+    if not rotary:
+        return
     qkv = torch.randn(2, (query_heads + 2 * kv_heads) * d, device=device, dtype=dtype)
     qk = qkv[:, :(query_heads + kv_heads) * d].view(2, query_heads + kv_heads, d)
     v = qkv[:, (query_heads + kv_heads) * d:].view(2, kv_heads, d)
     positions = torch.zeros(2, dtype=torch.int64, device=device)
     dispatch.rotary_store_kv(qk, v, positions, cos, sin, key_cache, value_cache, positions, query_heads)
-    hidden = torch.randn(2, norm_weight.shape[0], device=device, dtype=dtype)
-    add_norm(hidden, hidden, norm_weight, eps)
 
 
 def warm_up_gating(route: Callable[[torch.Tensor], object], width: int, max_tokens: int, dtype: torch.dtype,

@@ -79,9 +79,7 @@ class ModelConfig:
     router_logit_bias: tuple[float, ...] = ()
     norm: str = "rms"  # the layers' and the final norm: "rms" (RMSNorm) or "layer" (LayerNorm without bias: DBRX)
     clip_qkv: float | None = None  # DBRX: q, k and v clamped to [-clip_qkv, clip_qkv] after their projection
-    # gpt-oss: the layers in `window_layers` attend to their last `sliding_window` positions only
-    # (the query's own included); the rest to every position. Their KV blocks outside the window
-    # are freed (megainfer/scheduling/kv_cache.py).
+    # gpt-oss: `window_layers` see their last `sliding_window` positions only (scheduling/kv_cache.py).
     sliding_window: int = 0
     window_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # gpt-oss: one learned logit per query head in every softmax's denominator
@@ -91,24 +89,19 @@ class ModelConfig:
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
     rope_scaling: RopeScaling | None = None  # None: RoPE as trained (no YaRN)
-    # DeepSeek-V2/V3's multi-head latent attention (MLA): kv_lora_rank > 0. A token's KV is one
-    # latent of kv_lora_rank values and a shared rotary key of qk_rope_head_dim (the cache holds
-    # those, not heads); q goes through a q_lora_rank bottleneck where set. head_dim is then
-    # qk_nope_head_dim + qk_rope_head_dim (q and k), v_head_dim the values'.
+    # DeepSeek's multi-head latent attention where kv_lora_rank > 0 (model/latent_attention.py);
+    # head_dim is then qk_nope_head_dim + qk_rope_head_dim (q and k), v_head_dim the values'.
     kv_lora_rank: int = 0
     q_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # DeepSeek's FFNs: the first `first_k_dense` layers are dense (dense_intermediate_size wide),
-    # the rest MoE with `n_shared_experts` shared experts beside the routed ones. Both run on the
-    # attention side (docs/architecture.md "Model families"), so expert nodes hold MoE layers only.
+    rope_interleave: bool = False  # MLA's rotary dims rotate in adjacent pairs (V2; V3 by default), not halves
+    # DeepSeek's dense first layers and shared experts: both run on the attention side, so expert
+    # nodes hold MoE layers only (docs/architecture.md "Model families").
     first_k_dense: int = 0
     dense_intermediate_size: int = 0
     n_shared_experts: int = 0
-    # DeepSeek's routing: scores by softmax or sigmoid (+ V3's per-expert correction bias, for the
-    # choice only), the top-k chosen within the `topk_group` best of `n_group` expert groups (a
-    # group scored by its best expert, V2, or its best two, V3), the weights then scaled by
-    # routed_scaling_factor.
+    # DeepSeek's grouped routing (model/grouped_routing.py).
     scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -116,53 +109,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "num_experts", "top_k", "expert_intermediate_size", "max_position_embeddings"):
-            value = getattr(self, f)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model config field '{f}' must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})")
-        if self.top_k > self.num_experts:
-            raise ConfigError(
-                f"model config: num_experts_per_tok ({self.top_k}) exceeds the number of experts "
-                f"({self.num_experts})")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
-        if self.norm not in NORMS:
-            raise ConfigError(f"model config: norm {self.norm!r} is not one of {', '.join(NORMS)}")
-        if self.clip_qkv is not None and not self.clip_qkv > 0:
-            raise ConfigError(f"model config: clip_qkv must be positive or null, got {self.clip_qkv!r}")
-        if self.window_layers and not self.sliding_window > 0:
-            raise ConfigError(f"model config: window_layers {list(self.window_layers)} need a positive sliding_window, "
-                              f"got {self.sliding_window!r}")
-        if any(not 0 <= layer < self.num_layers for layer in self.window_layers) or \
-                len(set(self.window_layers)) != len(self.window_layers):
-            raise ConfigError(f"model config: window_layers {list(self.window_layers)} must be distinct layers in "
-                              f"[0, {self.num_layers})")
-        if (self.swiglu_alpha is None) != (self.swiglu_limit is None):
-            raise ConfigError("model config: swiglu_alpha and swiglu_limit go together (gpt-oss's clamped SwiGLU), "
-                              f"got alpha={self.swiglu_alpha!r}, limit={self.swiglu_limit!r}")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ConfigError(f"model config: scoring {self.scoring!r} is not 'softmax' or 'sigmoid'")
-        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-            raise ConfigError(f"model config: n_group ({self.n_group}) must divide the {self.num_experts} experts "
-                              f"and topk_group ({self.topk_group}) be in [1, n_group]")
-        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
-            raise ConfigError(f"model config: topk_group {self.topk_group} groups of {self.num_experts // self.n_group} "
-                              f"experts hold fewer than num_experts_per_tok ({self.top_k})")
-        if self.kv_lora_rank and (self.qk_rope_head_dim <= 0 or self.v_head_dim <= 0
-                                  or self.head_dim <= self.qk_rope_head_dim):
-            raise ConfigError("model config: multi-head latent attention needs positive qk_rope_head_dim and "
-                              f"v_head_dim, and head_dim ({self.head_dim}) = qk_nope_head_dim + qk_rope_head_dim")
-        if not 0 <= self.first_k_dense < self.num_layers or (self.first_k_dense and self.dense_intermediate_size <= 0):
-            raise ConfigError(f"model config: first_k_dense_replace {self.first_k_dense} must leave an MoE layer "
-                              f"(of {self.num_layers}) and come with a positive intermediate_size")
-        if self.router_logit_bias and len(self.router_logit_bias) != self.num_experts:
-            raise ConfigError(f"model config: router_logit_bias has {len(self.router_logit_bias)} values, "
-                              f"one per expert wanted ({self.num_experts})")
+        check_model_config(self)
 
     # Sizes the engine, planner and accounting share.
     @property
@@ -178,11 +125,10 @@ class ModelConfig:
         return self.sliding_window if layer in self.window_layers else 0
 
     def attended_tokens(self, context):
-        """Keys one query at `context` cached tokens attends to, averaged over the layers (the
-        windowed layers see at most their window). Numbers or numpy arrays."""
-        if not self.window_layers:
-            return context
+        """Keys a query at `context` cached tokens sees, averaged over layers (numbers or arrays)."""
         windowed = len(self.window_layers)
+        if not windowed:
+            return context
         clipped = context.clip(max=self.sliding_window) if hasattr(context, "clip") else min(context, self.sliding_window)
         return ((self.num_layers - windowed) * context + windowed * clipped) / self.num_layers
 
@@ -194,14 +140,10 @@ class ModelConfig:
 
     @property
     def kv_cache_layers(self) -> int:
-        """KV-cache tensors, each a layer's worth per block: one per layer, except where windowed
-        and full-attention layers mix. There a windowed layer and a full one share a tensor, each
-        indexing it through its own block table (vLLM's hybrid allocator): a block id costs the
-        larger group's layers, and a sequence holds its full blocks plus a window's worth."""
+        """KV-cache tensors: one per layer, or where windowed and full layers mix, one per pair of
+        them, each through its own block table (a block id costs the larger group's layers)."""
         windowed = len(self.window_layers)
-        if not windowed or windowed == self.num_layers:
-            return self.num_layers
-        return max(windowed, self.num_layers - windowed)
+        return max(windowed, self.num_layers - windowed) if self.kv_window else self.num_layers
 
     def kv_blocks_per_sequence(self, tokens: int, block_size: int) -> int:
         """Block ids a sequence of `tokens` cached tokens holds while decoding: all of its blocks
@@ -227,6 +169,16 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def rotary_dim(self) -> int:
+        """Dimensions RoPE rotates per head: all of head_dim, or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_heads(self) -> tuple[int, int]:
+        """(heads, values per head) of one layer's cache tensor per token (MLA: one latent head)."""
+        return (1, self.kv_cache_width) if self.mla else (self.num_kv_heads, self.head_dim)
+
+    @property
     def num_moe_layers(self) -> int:
         """Layers with routed experts: what expert nodes hold (DeepSeek's first layers are dense)."""
         return self.num_layers - self.first_k_dense
@@ -243,28 +195,21 @@ class ModelConfig:
     def shared_expert_intermediate_size(self) -> int:
         return self.n_shared_experts * self.expert_intermediate_size
 
-    def _attention_only_params(self) -> int:
-        """One layer's attention (norms included), without its router or FFN."""
+    def attention_side_params(self, moe_layer: bool = True) -> int:
+        """One layer's parameters on the attention side: its attention and, for an MoE layer, the
+        router and (DeepSeek) the shared experts; for a dense layer (DeepSeek's first), its FFN."""
         h = self.hidden_size
-        if not self.mla:
-            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + \
-                (self.num_heads if self.attention_sinks else 0)
-        heads, rope = self.num_heads, self.qk_rope_head_dim
-        q = h * heads * self.head_dim if not self.q_lora_rank else \
-            h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.head_dim
-        kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank + \
-            self.kv_lora_rank * heads * (self.head_dim - rope + self.v_head_dim)
-        return q + kv + heads * self.v_head_dim * h + 2 * h
+        if not moe_layer:
+            return _attention_only_params(self) + 3 * h * self.dense_intermediate_size
+        router = h * self.num_experts + (self.num_experts if self.router_bias or self.score_correction_bias else 0)
+        return _attention_only_params(self) + router + 3 * h * self.shared_expert_intermediate_size
 
     @property
     def attention_params_per_layer(self) -> int:
         """What the attention side holds per layer, averaged over the layers: attention, the
         router, and (DeepSeek) the shared experts of MoE layers and the dense layers' FFN."""
-        h = self.hidden_size
-        router = h * self.num_experts + (self.num_experts if self.router_bias or self.score_correction_bias else 0)
-        moe_side = router + 3 * h * self.shared_expert_intermediate_size
-        total = self.num_layers * self._attention_only_params() + self.num_moe_layers * moe_side + \
-            self.first_k_dense * 3 * h * self.dense_intermediate_size
+        total = self.num_moe_layers * self.attention_side_params() + \
+            self.first_k_dense * self.attention_side_params(moe_layer=False)
         return total // self.num_layers
 
     def attention_rank_weight_bytes(self, value_bytes: int, tp=1):
@@ -287,6 +232,13 @@ class ModelConfig:
         return embed + self.num_layers * self.attention_params_per_layer + \
             self.num_moe_layers * self.top_k * self.expert_params
 
+    def kv_shards(self, tp):
+        """Attention ranks one token's KV is split over at tensor parallelism `tp`: its KV heads
+        split evenly; MLA's latent and rotary key are one vector every query head reads, so each
+        rank holds them whole (vLLM's MLA does; why DeepSeek serves attention data-parallel). `tp`
+        may be a numpy array."""
+        return 1 if self.mla else tp
+
     def kv_bytes_per_token(self, dtype: str) -> int:
         """One token's slot of a block id: K and V (MLA: the latent and rotary key) in every KV-cache
         tensor (`kv_cache_layers`)."""
@@ -298,6 +250,72 @@ class ModelConfig:
     def runnable_with_random_weights(self) -> bool:
         return (self.model_type in SUPPORTED_MODEL_TYPES
                 and self.num_params * DTYPE_BYTES["float32"] <= RANDOM_WEIGHTS_MAX_BYTES)
+
+
+
+def check_model_config(self: "ModelConfig") -> None:
+    """A ConfigError naming the first field of `self` that no model can have."""
+    for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "num_experts", "top_k", "expert_intermediate_size", "max_position_embeddings"):
+        value = getattr(self, f)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"model config field '{f}' must be a positive integer, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+        raise ConfigError(
+            f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
+            f"num_key_value_heads ({self.num_kv_heads})")
+    if self.top_k > self.num_experts:
+        raise ConfigError(
+            f"model config: num_experts_per_tok ({self.top_k}) exceeds the number of experts "
+            f"({self.num_experts})")
+    if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+        raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
+    if self.norm not in NORMS:
+        raise ConfigError(f"model config: norm {self.norm!r} is not one of {', '.join(NORMS)}")
+    if self.clip_qkv is not None and not self.clip_qkv > 0:
+        raise ConfigError(f"model config: clip_qkv must be positive or null, got {self.clip_qkv!r}")
+    if self.window_layers and not self.sliding_window > 0:
+        raise ConfigError(f"model config: window_layers {list(self.window_layers)} need a positive sliding_window, "
+                          f"got {self.sliding_window!r}")
+    if any(not 0 <= layer < self.num_layers for layer in self.window_layers) or \
+            len(set(self.window_layers)) != len(self.window_layers):
+        raise ConfigError(f"model config: window_layers {list(self.window_layers)} must be distinct layers in "
+                          f"[0, {self.num_layers})")
+    if (self.swiglu_alpha is None) != (self.swiglu_limit is None):
+        raise ConfigError("model config: swiglu_alpha and swiglu_limit go together (gpt-oss's clamped SwiGLU), "
+                          f"got alpha={self.swiglu_alpha!r}, limit={self.swiglu_limit!r}")
+    if self.scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model config: scoring {self.scoring!r} is not 'softmax' or 'sigmoid'")
+    if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+        raise ConfigError(f"model config: n_group ({self.n_group}) must divide the {self.num_experts} experts "
+                          f"and topk_group ({self.topk_group}) be in [1, n_group]")
+    if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+        raise ConfigError(f"model config: topk_group {self.topk_group} groups of {self.num_experts // self.n_group} "
+                          f"experts hold fewer than num_experts_per_tok ({self.top_k})")
+    if self.kv_lora_rank and (self.qk_rope_head_dim <= 0 or self.v_head_dim <= 0
+                              or self.head_dim <= self.qk_rope_head_dim):
+        raise ConfigError("model config: multi-head latent attention needs positive qk_rope_head_dim and "
+                          f"v_head_dim, and head_dim ({self.head_dim}) = qk_nope_head_dim + qk_rope_head_dim")
+    if not 0 <= self.first_k_dense < self.num_layers or (self.first_k_dense and self.dense_intermediate_size <= 0):
+        raise ConfigError(f"model config: first_k_dense_replace {self.first_k_dense} must leave an MoE layer "
+                          f"(of {self.num_layers}) and come with a positive intermediate_size")
+    if self.router_logit_bias and len(self.router_logit_bias) != self.num_experts:
+        raise ConfigError(f"model config: router_logit_bias has {len(self.router_logit_bias)} values, "
+                          f"one per expert wanted ({self.num_experts})")
+
+
+def _attention_only_params(self: "ModelConfig") -> int:
+    """One layer's attention (norms included), without its router or FFN."""
+    h = self.hidden_size
+    if not self.mla:
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + \
+            (self.num_heads if self.attention_sinks else 0)
+    heads, rope = self.num_heads, self.qk_rope_head_dim
+    q = h * heads * self.head_dim if not self.q_lora_rank else \
+        h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.head_dim
+    kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank + \
+        self.kv_lora_rank * heads * (self.head_dim - rope + self.v_head_dim)
+    return q + kv + heads * self.v_head_dim * h + 2 * h
 
 
 # vLLM's --gpu-memory-utilization default: the share of a GPU's total memory one engine process

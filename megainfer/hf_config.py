@@ -119,7 +119,8 @@ def from_hf_dict(cfg: dict[str, Any], name: str = "") -> ModelConfig:
                 return cfg[k]
         raise ConfigError(f"{name or 'config.json'}: required field '{key}' is missing")
 
-    family_fields = {"dbrx": _dbrx_fields, "gpt_oss": _gpt_oss_fields}.get(model_type)
+    family_fields = {"dbrx": _dbrx_fields, "gpt_oss": _gpt_oss_fields, "deepseek_v2": _deepseek_fields,
+                     "deepseek_v3": _deepseek_fields}.get(model_type)
     if family_fields is not None:
         return ModelConfig(**family_fields(cfg, name, need), name=name, eos_token_ids=_eos_ids(cfg),
                            bos_token_id=cfg.get("bos_token_id"), torch_dtype=_checkpoint_dtype(cfg))
@@ -237,6 +238,41 @@ def _gpt_oss_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
                 attention_bias=bool(cfg.get("attention_bias", True)), sliding_window=window if window_layers else 0,
                 window_layers=window_layers, attention_sinks=True, router_bias=True, expert_bias=True,
                 swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+def _deepseek_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
+    """DeepSeek-V2/V3's config.json: MLA (kv_lora_rank, q_lora_rank, the rotary and plain head
+    dims), dense first layers, shared experts, grouped routing (V2's softmax, greedy or by each
+    group's best expert; V3's sigmoid with a correction bias, groups by their best two)."""
+    where, v3 = name or "config.json", cfg["model_type"] == "deepseek_v3"
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    known = {"greedy", "group_limited_greedy"} if not v3 else {"noaux_tc"}
+    if method not in known or scoring != ("sigmoid" if v3 else "softmax"):
+        raise ConfigError(f"{where}: topk_method {method!r} with scoring_func {scoring!r} is not supported for "
+                          f"{cfg['model_type']}; supported: {sorted(known)} with {'sigmoid' if v3 else 'softmax'}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported; DeepSeek's FFNs run SiLU")
+    theta, scaling = _rope(cfg, where, cfg["model_type"], fallback=10000.0)
+    grouped = v3 or method == "group_limited_greedy"
+    heads, rope = need("num_attention_heads"), need("qk_rope_head_dim")
+    return dict(model_type=cfg["model_type"], vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
+                num_layers=need("num_hidden_layers"), num_heads=heads, num_kv_heads=heads,
+                head_dim=need("qk_nope_head_dim") + rope, num_experts=need("n_routed_experts", "num_local_experts"),
+                top_k=need("num_experts_per_tok"), expert_intermediate_size=need("moe_intermediate_size"),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)), rope_theta=theta, rope_scaling=scaling,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=need("max_position_embeddings"),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                kv_lora_rank=need("kv_lora_rank"), q_lora_rank=cfg.get("q_lora_rank") or None, qk_rope_head_dim=rope,
+                v_head_dim=need("v_head_dim"), first_k_dense=int(cfg.get("first_k_dense_replace") or 0),
+                dense_intermediate_size=need("intermediate_size"), n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                scoring=scoring, n_group=int(cfg.get("n_group") or 1) if grouped else 1,
+                topk_group=int(cfg.get("topk_group") or 1) if grouped else 1, score_correction_bias=v3,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
 
 
 def from_pretrained(path: str | os.PathLike) -> ModelConfig:

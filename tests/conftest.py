@@ -55,6 +55,13 @@ def gpt_oss_ref(request, tmp_path_factory) -> HFReference:
     return _build(request.param, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture(scope="session", params=["deepseek_v3", "deepseek_v3_noq", "deepseek_v2"])
+def deepseek_ref(request, tmp_path_factory) -> HFReference:
+    """The tiny DeepSeek checkpoints (tiny_checkpoints._deepseek): MLA with and without the q
+    bottleneck, grouped routing at three group settings, shared experts, dense first layers."""
+    return _build(request.param, tmp_path_factory.mktemp(request.param))
+
+
 @pytest.fixture(scope="session", params=["mixtral", "qwen3_moe"])
 def hf_ref(request) -> HFReference:
     return request.getfixturevalue("mixtral_ref" if request.param == "mixtral" else "qwen3_ref")

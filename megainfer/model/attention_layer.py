@@ -16,6 +16,9 @@ from torch import nn
 import kernels
 from megainfer.config import ModelConfig
 from megainfer.model.checkpoint_names import attention_tensors, read
+from megainfer.model.dense_mlp import DenseMLP
+from megainfer.model.grouped_routing import grouped_choice, grouped_weights
+from megainfer.model.latent_attention import LatentAttention
 from megainfer.model.layer_norm import norm_of
 from megainfer.model.rms_norm import RMSNorm
 from megainfer.model.rotary import RotaryEmbedding
@@ -27,7 +30,9 @@ from megainfer import tensor_parallel
 class AttentionOutput:
     residual: torch.Tensor  # [T, H] residual stream after attention (the experts' output is added to it)
     expert_input: torch.Tensor  # [T, H] post-attention-normed hidden states, what experts consume
-    gating: kernels.Gating  # top-k ids and weights, counts, and the dispatch layout
+    # top-k ids and weights, counts, and the dispatch layout; None for a dense layer (DeepSeek's
+    # first ones), whose whole FFN ran here: `residual` is then the layer's output.
+    gating: kernels.Gating | None
 
     @property
     def topk_ids(self) -> torch.Tensor:  # [T, k] int64 global expert ids
@@ -65,17 +70,26 @@ class AttentionLayer(nn.Module):
         h = cfg.hidden_size
         kw = dict(dtype=dtype, device=device)
         self.input_norm = norm_of(cfg, h, **kw)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
+        # DeepSeek's latent attention (its own projections), or q, k and v from one projection.
+        self.latent = LatentAttention(cfg, self.num_heads, **kw) if cfg.mla else None
+        self.qkv_proj = None if cfg.mla else nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
+        self.o_in = self.num_heads * (cfg.v_head_dim if cfg.mla else cfg.head_dim)
         # The output bias is added once: by rank 0, before the all-reduce.
-        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.attention_bias and tp_rank == 0, **kw)
+        self.o_proj = nn.Linear(self.o_in, h, bias=cfg.attention_bias and tp_rank == 0, **kw)
         # Qwen3's per-head q and k norms as one: a row of weights per head, the query heads' then
         # the KV heads' (one pass over q and k together: the same arithmetic per head, half the launches).
         self.qk_norm = RMSNorm((self.num_heads + self.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps, **kw) \
             if cfg.qk_norm else None
+        # The FFN this side runs (DeepSeek): a dense layer's whole FFN, or an MoE layer's shared experts.
+        width = cfg.shared_expert_intermediate_size if cfg.is_moe_layer(layer) else cfg.dense_intermediate_size
+        self.ffn = DenseMLP(h, width, tp_rank=tp_rank, tp_size=tp_size, **kw) if width else None
         self.post_norm = norm_of(cfg, h, **kw)
         # The residual add and the norm after it, fused: RMSNorm's, or DBRX's LayerNorm's.
         self.add_norm = kernels.add_layer_norm if cfg.norm == "layer" else kernels.add_rms_norm
-        self.router = nn.Linear(h, cfg.num_experts, bias=cfg.router_bias, **kw)
+        self.router = nn.Linear(h, cfg.num_experts, bias=cfg.router_bias, **kw) if cfg.is_moe_layer(layer) else None
+        # DeepSeek-V3's per-expert bias on the scores that choose experts (not on the weights).
+        self.register_buffer("score_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=device)
+                             if cfg.score_correction_bias and self.router is not None else None, persistent=False)
         self.window = cfg.window_of(layer)
         # gpt-oss's sinks, this rank's query heads': float32, as the softmax they join.
         self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=device)) \
@@ -90,9 +104,27 @@ class AttentionLayer(nn.Module):
                 valid: torch.Tensor | None = None) -> AttentionOutput:
         """`valid` ([1] int32 on the device): the live rows of a padded batch (a CUDA graph's
         size); the rows past it are routed to no expert (kernels.fused_gating)."""
+        x = self.input_norm(hidden)
+        if self.latent is not None:
+            attn = self.latent(x, positions, rotary.cos, rotary.sin, kv_cache[0], batch)
+        else:
+            attn = self._attend(x, positions, rotary, kv_cache, batch)
+        out = self.o_proj(attn)
+        if self.tp_size > 1:
+            tensor_parallel.current().all_reduce(out)
+        # The residual add and the post-attention norm: one kernel on CUDA.
+        expert_input, residual = self.add_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
+        if self.ffn is not None:
+            residual = residual + self.ffn(expert_input)
+        gating = None if self.router is None else self.route(expert_input, valid)
+        return AttentionOutput(residual, expert_input, gating)
+
+    def _attend(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: kernels.PagedAttentionBatch) -> torch.Tensor:
+        """Heads' attention: QKV, (DBRX) clipped, (Qwen3) q/k normed, rotated into the cache -> [T, q_size]."""
         cfg = self.cfg
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_norm(hidden))
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
         if cfg.clip_qkv is not None:  # DBRX
             qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         # q and k side by side ([T, Hq + Hkv, D]): normed (Qwen3) and rotated in one pass each.
@@ -111,22 +143,25 @@ class AttentionLayer(nn.Module):
                                      batch.slot_mapping, self.num_heads)
         attn = kernels.paged_attention(qk[:, :self.num_heads], key_cache, value_cache, batch, self.scale,
                                        sinks=self.sinks, window=self.window)
-        out = self.o_proj(attn.reshape(t, self.q_size))
-        if self.tp_size > 1:
-            tensor_parallel.current().all_reduce(out)
-        # The residual add and the post-attention norm: one kernel on CUDA.
-        expert_input, residual = self.add_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
-        return AttentionOutput(residual, expert_input, self.route(expert_input, valid))
+        return attn.reshape(t, self.q_size)
 
     def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> kernels.Gating:
         """Softmax in float32 over all experts, top-k, renormalised where the model does; with an
         expert-node map (an attention node of a deployment) also each node's tokens in send order."""
-        nodes = self.expert_node
+        nodes, cfg = self.expert_node, self.cfg
         logits = self.router(x)
         if self.router_logit_bias is not None:
             logits = logits.float() + self.router_logit_bias
-        return kernels.fused_gating(logits, self.cfg.top_k, self.cfg.norm_topk_prob, nodes,
-                                    0 if nodes is None else self.num_expert_nodes, valid, self.expert_slots)
+        if not cfg.model_type.startswith("deepseek"):
+            return kernels.fused_gating(logits, cfg.top_k, cfg.norm_topk_prob, nodes,
+                                        0 if nodes is None else self.num_expert_nodes, valid, self.expert_slots)
+        # DeepSeek: the gating kernel picks and lays out the top-k of the choice scores (groups
+        # masked); the weights are then the chosen experts' own scores.
+        choice, scores = grouped_choice(logits, cfg, self.score_bias)
+        g = kernels.fused_gating(choice, cfg.top_k, False, nodes, 0 if nodes is None else self.num_expert_nodes,
+                                 valid, self.expert_slots)
+        g.topk_weights = grouped_weights(scores, g.topk_ids, cfg)
+        return g
 
     def set_expert_nodes(self, expert_node: torch.Tensor, num_nodes: int, expert_slots: torch.Tensor | None = None) -> None:
         """Expert id -> expert node index, so routing lays tokens out per destination; with
@@ -149,8 +184,13 @@ class AttentionLayer(nn.Module):
         r = self.tp_rank
         qs, ks = slice(r * self.q_size, (r + 1) * self.q_size), slice(r * self.kv_size, (r + 1) * self.kv_size)
         self.input_norm.weight.copy_(t["input_norm"])
+        self.o_proj.weight.copy_(t["o"][:, r * self.o_in:(r + 1) * self.o_in])
+        self.post_norm.weight.copy_(t["post_norm"])
+        self._load_ffn_and_router(t)
+        if self.latent is not None:
+            self.latent.load(t, slice(r * self.num_heads, (r + 1) * self.num_heads))
+            return
         self.qkv_proj.weight.copy_(torch.cat([t["q"][qs], t["k"][ks], t["v"][ks]]))
-        self.o_proj.weight.copy_(t["o"][:, qs])
         if self.cfg.attention_bias:
             self.qkv_proj.bias.copy_(torch.cat([t["q_bias"][qs], t["k_bias"][ks], t["v_bias"][ks]]))
             if self.o_proj.bias is not None:
@@ -158,9 +198,16 @@ class AttentionLayer(nn.Module):
         if self.cfg.qk_norm:
             self.qk_norm.weight[:self.num_heads].copy_(t["q_norm"].expand(self.num_heads, -1))
             self.qk_norm.weight[self.num_heads:].copy_(t["k_norm"].expand(self.num_kv_heads, -1))
-        self.post_norm.weight.copy_(t["post_norm"])
-        self.router.weight.copy_(t["router"])
-        if self.cfg.router_bias:
-            self.router.bias.copy_(t["router_bias"])
         if self.sinks is not None:
             self.sinks.copy_(t["sinks"][r * self.num_heads:(r + 1) * self.num_heads])
+
+    def _load_ffn_and_router(self, t: dict[str, torch.Tensor]) -> None:
+        if self.router is not None:
+            self.router.weight.copy_(t["router"])
+            if self.cfg.router_bias:
+                self.router.bias.copy_(t["router_bias"])
+        if self.score_bias is not None:
+            self.score_bias.copy_(t["score_bias"])
+        if self.ffn is not None:
+            role = "shared" if self.router is not None else "dense"
+            self.ffn.load(t[f"{role}_gate"], t[f"{role}_up"], t[f"{role}_down"])

@@ -71,11 +71,47 @@ def expert_weights(t: dict):
     return gate_up[:, 0::2].T, gate_up[:, 1::2].T, t["down"][0].T, bias[0::2], bias[1::2], t["down_bias"][0]
 
 
+def _ffn(prefix: str, h: int, i: int, role: str) -> dict[str, TensorRef]:
+    return {f"{role}_{part}": TensorRef(f"{prefix}{part}_proj.weight", (h, i) if part == "down" else (i, h))
+            for part in ("gate", "up", "down")}
+
+
+def _latent_attention(cfg: ModelConfig, layer: int) -> dict[str, TensorRef]:
+    """DeepSeek's MLA, its router (MoE layers) and the FFNs the attention side runs: the shared
+    experts of an MoE layer, a dense layer's whole FFN."""
+    p, h, heads, rank = f"{layer_prefix(layer)}self_attn.", cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    q_out = heads * cfg.head_dim
+    t = {"input_norm": TensorRef(layer_prefix(layer) + "input_layernorm.weight", (h,)),
+         "post_norm": TensorRef(layer_prefix(layer) + "post_attention_layernorm.weight", (h,)),
+         "kv_a": TensorRef(p + "kv_a_proj_with_mqa.weight", (rank + cfg.qk_rope_head_dim, h)),
+         "kv_a_norm": TensorRef(p + "kv_a_layernorm.weight", (rank,)),
+         "kv_b": TensorRef(p + "kv_b_proj.weight", (heads * (cfg.head_dim - cfg.qk_rope_head_dim + cfg.v_head_dim),
+                                                    rank)),
+         "o": TensorRef(p + "o_proj.weight", (h, heads * cfg.v_head_dim))}
+    if cfg.q_lora_rank:
+        t.update(q_a=TensorRef(p + "q_a_proj.weight", (cfg.q_lora_rank, h)),
+                 q_a_norm=TensorRef(p + "q_a_layernorm.weight", (cfg.q_lora_rank,)),
+                 q_b=TensorRef(p + "q_b_proj.weight", (q_out, cfg.q_lora_rank)))
+    else:
+        t["q_b"] = TensorRef(p + "q_proj.weight", (q_out, h))
+    mlp = f"{layer_prefix(layer)}mlp."
+    if not cfg.is_moe_layer(layer):
+        return {**t, **_ffn(mlp, h, cfg.dense_intermediate_size, "dense")}
+    t["router"] = TensorRef(mlp + "gate.weight", (cfg.num_experts, h))
+    if cfg.score_correction_bias:
+        t["score_bias"] = TensorRef(mlp + "gate.e_score_correction_bias", (cfg.num_experts,))
+    if cfg.n_shared_experts:
+        t.update(_ffn(mlp + "shared_experts.", h, cfg.shared_expert_intermediate_size, "shared"))
+    return t
+
+
 def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, TensorRef]:
     """Role -> where it lies, for the attention half of one layer, router included (DBRX: q, k
-    and v as one role, "qkv")."""
+    and v as one role, "qkv"; DeepSeek: MLA's roles and the FFNs the attention side runs)."""
     if cfg.model_type == "dbrx":
         return _dbrx_attention(cfg, layer)
+    if cfg.mla:
+        return _latent_attention(cfg, layer)
     p = layer_prefix(layer)
     h = cfg.hidden_size
     router = {"mixtral": "block_sparse_moe.gate", "gpt_oss": "mlp.router"}.get(cfg.model_type, "mlp.gate")
@@ -141,6 +177,6 @@ def all_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     refs = list(head_tensors(cfg).values())
     for layer in range(cfg.num_layers):
         refs += attention_tensors(cfg, layer).values()
-        for e in range(cfg.num_experts):
+        for e in range(cfg.num_experts if cfg.is_moe_layer(layer) else 0):
             refs += expert_tensors(cfg, layer, e).values()
     return list(dict.fromkeys((ref.name, ref.shape) for ref in refs))

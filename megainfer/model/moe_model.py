@@ -40,11 +40,12 @@ class MoEModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.attention_layers = nn.ModuleList(AttentionLayer(cfg, i, tp_rank=tp_rank, tp_size=tp_size, **kw)
                                               for i in range(cfg.num_layers))
-        self.expert_layers = nn.ModuleList(ExpertLayer(cfg, i, **kw) for i in range(cfg.num_layers)) \
-            if with_experts else None
+        # By layer index, as a string (ModuleDict's keys): DeepSeek's dense first layers have none.
+        self.expert_layers = nn.ModuleDict({str(i): ExpertLayer(cfg, i, **kw) for i in range(cfg.num_layers)
+                                            if cfg.is_moe_layer(i)}) if with_experts else None
         self.norm = norm_of(cfg, cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, scaling=cfg.rope_scaling, **kw)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, max_positions, scaling=cfg.rope_scaling, **kw)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -61,7 +62,9 @@ class MoEModel(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer, both halves: (hidden out, tokens routed to each expert)."""
         a = self.attention_layers[layer](hidden, positions, self.rotary, kv_cache, batch)
-        out = a.residual + self.expert_layers[layer](a.expert_input, a.topk_ids, a.topk_weights)
+        if a.gating is None:  # a dense layer: its FFN ran on the attention side
+            return a.residual, torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=hidden.device)
+        out = a.residual + self.expert_layers[str(layer)](a.expert_input, a.topk_ids, a.topk_weights)
         return out, a.gating.expert_counts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -70,9 +73,9 @@ class MoEModel(nn.Module):
 
     def load_weights(self, source: WeightSource, show_progress: bool = False) -> None:
         cfg = self.cfg
-        total = len(head_tensors(cfg)) + cfg.num_layers * len(attention_tensors(cfg, 0))  # fetches, not tensors:
+        total = len(head_tensors(cfg)) + sum(len(attention_tensors(cfg, i)) for i in range(cfg.num_layers))  # fetches, not tensors:
         if self.expert_layers is not None:  # a fused tensor (DBRX's experts) is fetched once per part
-            total += cfg.num_layers * cfg.num_experts * len(expert_tensors(cfg, 0, 0))
+            total += cfg.num_moe_layers * cfg.num_experts * len(expert_tensors(cfg, cfg.first_k_dense, 0))
         with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress) as bar:
             counting = _CountingSource(source, bar)
             t = {role: read(counting, ref) for role, ref in head_tensors(self.cfg).items()}
@@ -82,8 +85,8 @@ class MoEModel(nn.Module):
                 self.lm_head.weight.copy_(t["lm_head"])
             for i, attention in enumerate(self.attention_layers):
                 attention.load_weights(counting)
-                if self.expert_layers is not None:
-                    self.expert_layers[i].load_weights(counting)
+                if self.expert_layers is not None and str(i) in self.expert_layers:
+                    self.expert_layers[str(i)].load_weights(counting)
 
 
 class _CountingSource:

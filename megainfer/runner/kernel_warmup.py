@@ -30,17 +30,20 @@ def _attention(layers, rotary, config: EngineConfig, max_model_len: int, cfg: Mo
     sinks: different kernel variants), then the norm, rotary and gating kernels."""
     tokens = config.max_step_tokens
     layer = layers[0]
-    weight = layer.qkv_proj.weight
-    shape = (SCRATCH_BLOCKS, config.block_size, layer.num_kv_heads, cfg.head_dim)
+    weight = layer.o_proj.weight
+    _, width = cfg.kv_cache_heads
+    shape = (SCRATCH_BLOCKS, config.block_size, 1 if cfg.mla else layer.num_kv_heads, width)
     key_cache = torch.randn(shape, device=weight.device, dtype=weight.dtype)
-    value_cache = torch.randn(shape, device=weight.device, dtype=weight.dtype)
+    value_cache = key_cache if cfg.mla else torch.randn(shape, device=weight.device, dtype=weight.dtype)
     kinds = {layer.window: layer for layer in reversed(list(layers))}  # one layer of each window
     for kind in kinds.values():
-        warm_up_attention(key_cache, value_cache, kind.num_heads, kind.scale,
+        scale = kind.latent.scale if cfg.mla else kind.scale
+        warm_up_attention(key_cache, value_cache, kind.num_heads, scale,
                           attention_grid(config.max_num_seqs, tokens, max_model_len), kind.sinks, kind.window)
     warm_up_norm_rope(layer.num_heads, layer.num_kv_heads, layer.post_norm.weight, layer.post_norm.eps, rotary.cos,
-                      rotary.sin, key_cache, value_cache, layer.add_norm)
-    warm_up_gating(layer.route, cfg.hidden_size, tokens, key_cache.dtype, key_cache.device)
+                      rotary.sin, key_cache, value_cache, layer.add_norm, rotary=not cfg.mla)
+    routed = next((a for a in layers if a.router is not None))
+    warm_up_gating(routed.route, cfg.hidden_size, tokens, key_cache.dtype, key_cache.device)
 
 
 @torch.inference_mode()
@@ -53,7 +56,7 @@ def warm_up_engine(model, config: EngineConfig, max_model_len: int) -> Warmup:
         cfg = model.cfg
         _attention(model.attention_layers, model.rotary, config, max_model_len, cfg)
         if getattr(model, "expert_layers", None):
-            experts = model.expert_layers[0]
+            experts = next(iter(model.expert_layers.values()))
             warm_up_experts(experts.w_gate_up, experts.w_down, cfg.top_k, config.max_step_tokens * cfg.top_k,
                             experts.activation, experts.b_gate_up, experts.b_down)
     warmup.freeze()

@@ -494,11 +494,23 @@ def allocate_kv_caches(model_config: ModelConfig, config: EngineConfig, max_mode
     tp_size = 1 if tp_group is None else tp_group.size
     num_blocks = config.resolved_num_kv_blocks(model_config, max_model_len, kv_budget_bytes, tp_size)
     dtype = getattr(torch, config.dtype)
-    shape = (num_blocks + spare_blocks, config.block_size, model_config.num_kv_heads // tp_size,
-             model_config.head_dim)
-    tensors = [(_zeroed(shape, dtype, device), _zeroed(shape, dtype, device))
-               for _ in range(model_config.kv_cache_layers)]
+    shape = (num_blocks + spare_blocks, config.block_size, *kv_cache_heads(model_config, tp_size))
+    tensors = [_cache_pair(model_config, lambda: _zeroed(shape, dtype, device)) for _ in range(model_config.kv_cache_layers)]
     return num_blocks, [tensors[i] for i in kv_tensor_of_layer(model_config)]
+
+
+def kv_cache_heads(model_config: ModelConfig, tp_size: int) -> tuple[int, int]:
+    """(heads, values per head) of one rank's cache tensors: its share of the KV heads, or MLA's one
+    latent head whole (every rank caches the latent, which all its heads read)."""
+    heads, width = model_config.kv_cache_heads
+    return (heads, width) if model_config.mla else (heads // tp_size, width)
+
+
+def _cache_pair(model_config: ModelConfig, make) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (keys, values): two tensors, or for MLA one, its values being its keys' first
+    kv_lora_rank columns (latent_attention.py)."""
+    keys = make()
+    return (keys, keys) if model_config.mla else (keys, make())
 
 
 def kv_tensor_of_layer(model_config: ModelConfig) -> list[int]:
@@ -548,8 +560,8 @@ def profile_inputs(model_config: ModelConfig, config: EngineConfig, device: torc
     seqs = [SimpleNamespace(num_computed_tokens=0, token_ids=[0] * n,
                             block_table=list(range(-(-n // config.block_size)))) for n in counts]
     inputs = prepare_batch(seqs, counts, sum(1 for n in counts if n == 1), config.block_size, device)
-    shape = (blocks, config.block_size, model_config.num_kv_heads // tp_size, model_config.head_dim)
-    cache = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    shape = (blocks, config.block_size, *kv_cache_heads(model_config, tp_size))
+    cache = _cache_pair(model_config, lambda: torch.zeros(shape, dtype=dtype, device=device))
     last_rows = inputs[2].query_start_loc[1:].to(torch.int64) - 1
     return inputs, cache, last_rows
 

@@ -65,7 +65,7 @@ def test_directory_without_safetensors(mixtral_ref, tmp_path):
 def test_half_precision_loads_and_runs(mixtral_ref, dtype):
     llm = LLM(str(mixtral_ref.path), dtype=dtype)
     model = llm.engine.runner.model
-    assert model.expert_layers[0].w_gate_up.dtype == getattr(torch, dtype)
+    assert model.expert_layers["0"].w_gate_up.dtype == getattr(torch, dtype)
     assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
     out = llm.generate([mixtral_ref.prompts[1]], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 12

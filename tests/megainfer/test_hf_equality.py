@@ -62,6 +62,14 @@ def test_gpt_oss_greedy_matches_transformers(gpt_oss_ref, name, captured_logits)
     check_greedy(gpt_oss_ref, name, captured_logits)
 
 
+@pytest.mark.parametrize("name", ["whole-prompts", "small-chunks", "tiny-kv-and-chunks", "layered",
+                                  "layered-long-prompts-in-chunks"])
+def test_deepseek_greedy_matches_transformers(deepseek_ref, name, captured_logits):
+    """MLA over the compressed cache (absorbed), grouped routing, shared experts on the attention
+    side, dense first layers, YaRN's mscale in the softmax scale."""
+    check_greedy(deepseek_ref, name, captured_logits)
+
+
 def check_greedy(hf_ref, name, captured_logits) -> None:
     llm = LLM(str(hf_ref.path), dtype="float32", **CONFIGS[name])
     outs = llm.generate(hf_ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("mixtral", "qwen3_moe", "dbrx", "gpt_oss", "gpt_oss_gqa4")
+KINDS = ("mixtral", "qwen3_moe", "dbrx", "gpt_oss", "gpt_oss_gqa4", "deepseek_v3", "deepseek_v3_noq", "deepseek_v2")
 VOCAB = 320
 PROMPT_LENGTHS = (5, 17, 33, 1, 24)
 
@@ -42,6 +42,8 @@ def write_tiny_checkpoint(kind: str, directory: Path):
         model = transformers.DbrxForCausalLM(cfg)
     elif kind.startswith("gpt_oss"):
         model = _gpt_oss(kind)
+    elif kind.startswith("deepseek"):
+        model = _deepseek(kind)
     else:
         raise ValueError(f"kind {kind!r}: choose one of {', '.join(KINDS)}")
     model.eval()
@@ -82,6 +84,47 @@ def _gpt_oss(kind: str):
             layer.mlp.router.bias.normal_(0.0, 0.5)
             layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.5)
             layer.mlp.experts.down_proj_bias.normal_(0.0, 0.5)
+    return model
+
+
+def _deepseek(kind: str):
+    """DeepSeek at three shapes. "deepseek_v3": q through a 24-wide bottleneck, 8 experts in 4
+    groups (the best 2 kept), top-3, sigmoid scores with a random correction bias, weights x 2.5,
+    one shared expert, layer 0 dense, YaRN with mscale; "deepseek_v3_noq": no q bottleneck, 6
+    heads, 6 experts in 2 groups (1 kept), top-2, rotary dims rotated by halves
+    (rope_interleave off), two dense layers; "deepseek_v2": softmax, group-limited greedy over 4
+    groups of 3 (2 kept), top-4 not renormalised, two shared experts, YaRN with V2's mscale."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  max_position_embeddings=512, initializer_range=0.2, kv_lora_rank=16, qk_rope_head_dim=8,
+                  qk_nope_head_dim=12, v_head_dim=10)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    if kind == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, n_routed_experts=8,
+            num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, rope_parameters=yarn, **common)
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    elif kind == "deepseek_v3_noq":
+        cfg = transformers.DeepseekV3Config(
+            num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=6, q_lora_rank=None, n_routed_experts=6,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=2,
+            routed_scaling_factor=1.5, rope_interleave=False, **common)
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    else:
+        cfg = transformers.DeepseekV2Config(
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, n_routed_experts=12,
+            num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4, topk_group=2, n_shared_experts=2,
+            first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+            rope_parameters={**yarn, "mscale": 0.707, "mscale_all_dim": 0.707}, **common)
+        model = transformers.DeepseekV2ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.normal_(0.0, 0.1)
     return model
 
 
