@@ -33,6 +33,14 @@ class AttentionHalves:
             self.graphs.load(j, None if state.layout.cohort_sequences else state.decode_inputs,
                              state.layout.num_decode_rows)
 
+    def dense(self, layer: int, hidden: torch.Tensor | None, inp) -> torch.Tensor | None:
+        """A dense layer (DeepSeek's first ones), attention and FFN, eager: its output; no round."""
+        if hidden is None:
+            return None
+        _, positions, batch = inp
+        model = self.model
+        return model.attention_layers[layer](hidden, positions, model.rotary, self.kv_caches[layer], batch).residual
+
     def __call__(self, layer: int, j: int, hidden: torch.Tensor, inp) -> DispatchParts:
         """Micro-batch j's attention half of `layer`: its graph where this step loaded one, else eager."""
         graphs = self.graphs

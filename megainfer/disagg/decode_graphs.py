@@ -306,7 +306,7 @@ class AttentionGraphs:
             for size in self.sizes:
                 for slots in self.slots:  # each slot's batch plans its attention launch once, here
                     capture.warm_up(self.region(0, slots[size]))
-                for layer in range(len(self.kv_caches)):
+                for layer in range(self.model.cfg.first_k_dense, len(self.kv_caches)):  # dense layers run eager
                     for j, slots in enumerate(self.slots):
                         self.graphs[layer, j, size] = capture(self.region(layer, slots[size]))
         return len(self.graphs)

@@ -28,7 +28,7 @@ def node_slots(replicas: ExpertReplicas, node: int) -> list[tuple[list[int], Nod
 def _stage_layers(layers: list[ExpertLayer], replicas: ExpertReplicas, node: int,
                   weights: WeightSource) -> list[StagedExperts]:
     """Every layer's experts of `replicas` on node `node`, loaded beside the serving ones."""
-    return [layer.stage(experts, slots.ids, weights)
+    return [layer.stage(experts, slots.ids, weights) if layer.cfg.is_moe_layer(layer.layer) else layer.stage([], [], weights)
             for layer, (experts, slots) in zip(layers, node_slots(replicas, node))]
 
 

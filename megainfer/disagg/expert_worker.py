@@ -66,12 +66,16 @@ class ExpertWorker:
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.placement = [(list(expert_ids), NodeSlots(list(expert_ids), model_config.num_experts, len(expert_ids)))
-                          ] * model_config.num_layers if replicas is None else node_slots(replicas, node)
+        placement = [(list(expert_ids), NodeSlots(list(expert_ids), model_config.num_experts, len(expert_ids)))
+                     ] * model_config.num_layers if replicas is None else node_slots(replicas, node)
+        # DeepSeek's dense first layers have no experts: held empty, never served.
+        self.first_moe = model_config.first_k_dense
+        self.placement = [(experts, slots) if model_config.is_moe_layer(layer) else
+                          ([], NodeSlots([], slots.num_ids, 0)) for layer, (experts, slots) in enumerate(placement)]
         self.node = node
         self.switch = ExpertSwitch(0 if replicas is None else replicas.version)
         self.weights = weights  # where a re-placement loads the experts that move here from
-        self.expert_ids = self.placement[0][0]
+        self.expert_ids = self.placement[self.first_moe][0]
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.attention_nodes = list(attention_nodes)
@@ -106,7 +110,7 @@ class ExpertWorker:
                               disable=not show_progress):
                 layer.load_weights(weights)
         # Kernels built and decided before serving and before the memory profile (kernel_warmup.py).
-        warmup = warm_up_expert_node(self.layers[0], model_config.top_k, profile_tokens or None)
+        warmup = warm_up_expert_node(self.layers[self.first_moe], model_config.top_k, profile_tokens or None)
         if before is not None:
             memory_profile.check_fits(memory_profile.profile(memory_profile.CudaMemory(self.device), before,
                                                              partial(self.profile_step, profile_tokens),
@@ -131,9 +135,10 @@ class ExpertWorker:
         cfg = self.cfg
         records = torch.zeros(tokens * self.record_size, dtype=torch.uint8, device=self.device)
         x, _, weights = unpack_dispatch(records, tokens, cfg.hidden_size, cfg.top_k, self.dtype)
-        local = torch.tensor(self.layers[0].slots.ids, device=self.device)  # the records name slots
+        first = self.layers[self.first_moe]
+        local = torch.tensor(first.slots.ids, device=self.device)  # the records name slots
         choice = torch.arange(tokens, device=self.device)[:, None] + torch.arange(cfg.top_k, device=self.device)
-        self.layers[0](x, local[choice % len(local)], weights)
+        first(x, local[choice % len(local)], weights)
 
     @torch.inference_mode()
     def run_step(self) -> int:
@@ -141,7 +146,7 @@ class ExpertWorker:
         tokens this node processed in it."""
         self.exchange.start_step()
         start = time.perf_counter()
-        served = [self._serve(layer, j) for layer in range(self.cfg.num_layers) for j in range(self.m)]
+        served = [self._serve(layer, j) for layer in range(self.first_moe, self.cfg.num_layers) for j in range(self.m)]
         step_tokens = sum(tokens for _, tokens in served)
         self.exchange.finish_step()
         self.timeline.end_step()
@@ -160,7 +165,7 @@ class ExpertWorker:
         self.timing["wait_attention"] += t1 - t0
         try:
             step = exchange.check(arrivals, layer)
-            if layer == 0 and j == 0:  # a re-placement agreed for this step serves all of it
+            if layer == self.first_moe and j == 0:  # a re-placement agreed for this step serves all of it
                 self.switch.apply_due(step, self.layers)
             counts = arrivals.token_counts.copy()  # the arrivals' fields are reused by the next round
             total = int(counts.sum())
@@ -210,7 +215,7 @@ class ExpertWorker:
         header = torch.zeros(CONTROL_FIELDS, dtype=torch.int64)
         self.tp_group.broadcast_control(header)
         layer, j, total, version = header.tolist()  # a host tensor from the control group: no device access
-        if not 0 <= layer < self.cfg.num_layers:
+        if not self.first_moe <= layer < self.cfg.num_layers:
             raise RuntimeError(f"expert rank {self.tp_rank}: the leader shared layer {layer}")
         self.switch.follow(version, self.layers)
         if total:

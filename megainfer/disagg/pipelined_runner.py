@@ -208,16 +208,22 @@ class PipelinedModelRunner:
         expert_counts = self.attention_halves.expert_counts.zero_()
         combine = self.exchange.combine
         self.exchange.start_step()
+        # DeepSeek's dense first layers run whole here, with no round (their FFN is this side's);
+        # the exchange starts at the first MoE layer.
+        first_moe = cfg.first_k_dense
         for layer in range(cfg.num_layers):
             for j, state in enumerate(states):
-                if layer:
+                if layer > first_moe:
                     state.hidden = combine(layer - 1, j, residual[j])
-                else:
+                elif not layer:
                     states[j] = state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[j],
                                                                 self.cohort_hidden, self.config.block_size,
                                                                 self.device, self.block_tables)
                     self.attention_halves.load(j, state)
                 state.cross(layout, layer)
+                if layer < first_moe:
+                    state.hidden = self.attention_halves.dense(layer, state.hidden, state.inputs_at(layout, layer))
+                    continue
                 residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer))
             if not layer:  # every micro-batch's inputs built and its first layer under way:
                 # the step before settled, the next one scheduled and laid out

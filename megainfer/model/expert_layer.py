@@ -128,7 +128,7 @@ class ExpertLayer(nn.Module):
     def load_weights(self, source: WeightSource) -> None:
         for local, e in enumerate(self.expert_ids):
             self._load_row(self._row_of(local), source, e)
-        if moe_packed.available(self.w_gate_up.device, self.w_gate_up.dtype):
+        if self.slots.room and moe_packed.available(self.w_gate_up.device, self.w_gate_up.dtype):
             self.packed = moe_packed.PackedExperts.pack(self.w_gate_up, self.w_down)
 
     def _row_of(self, local: int) -> "ExpertRow":

@@ -115,6 +115,19 @@ def test_gpt_oss_with_tensor_parallel_nodes_matches_colocated(gpt_oss_ref):
         served.close()
 
 
+@pytest.mark.parametrize("deepseek_ref", ["deepseek_v3"], indirect=True)
+def test_deepseek_with_tensor_parallel_nodes_matches_colocated(deepseek_ref):
+    """DeepSeek-V3 on Ray over gRPC with tp 2 on both sides: each attention rank its heads' query
+    rows, W_UK and W_UV and the whole latent cache, its slice of the shared and dense FFNs (all-
+    reduced); each expert rank its slice of the routed experts of the MoE layers; layered prefill."""
+    expected = colocated(deepseek_ref.path, deepseek_ref.prompts)
+    served = Served(make_plan(str(deepseek_ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
+    try:
+        assert [served.generate(p) for p in deepseek_ref.prompts] == expected
+    finally:
+        served.close()
+
+
 def test_device_slots_match_colocated_and_are_traded_again_after_a_node_is_replaced(hf_ref):
     """Every pair of a 2 x 2 CPU deployment on this host goes direct (/dev/shm regions); after an
     expert node is killed and replaced, the offers are traded again and the tokens still match."""

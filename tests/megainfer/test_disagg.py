@@ -551,3 +551,15 @@ def test_gpt_oss_deployment_matches_colocated(gpt_oss_ref, async_scheduling):
     got, stats = run_local_deployment(gpt_oss_ref.path, 1, 2, 2, prompts, async_scheduling=async_scheduling)
     assert got == expected
     assert stats[0].kv_cache_usage == 0.0
+
+
+def test_deepseek_deployment_matches_colocated(deepseek_ref):
+    """DeepSeek cut into halves, 1 attention node x 2 expert nodes, two micro-batches: MLA, the
+    shared experts and the dense first layers on the attention side (no round for a dense
+    layer), the routed experts of the MoE layers on the expert nodes; transformers' tokens."""
+    prompts = deepseek_ref.prompts
+    expected = colocated(deepseek_ref.path, prompts)
+    assert expected == [t[:GREEDY.max_tokens] for t in deepseek_ref.tokens]
+    got, stats = run_local_deployment(deepseek_ref.path, 1, 2, 2, prompts)
+    assert got == expected
+    assert stats[0].kv_cache_usage == 0.0
