@@ -3,9 +3,10 @@ TensorRT-LLM / vLLM shape), judged by the same performance model under the same 
 
 An instance is N GPUs. Attention is tensor-parallel inside a node (t = min(N, GPUs per
 node)) and data-parallel across the N/t groups; experts are expert-parallel over all N
-GPUs (tensor-parallel inside an expert once N exceeds the expert count). A layer runs
-attention, then the all-to-all dispatch, the experts, and the all-to-all combine, with
-no micro-batch overlap.
+GPUs (tensor-parallel inside an expert once N exceeds the expert count). An MoE layer runs
+attention (with DeepSeek's router and shared experts: dense work every token does), then the
+all-to-all dispatch, the routed experts, and the all-to-all combine, with no micro-batch
+overlap; a dense layer (DeepSeek's first) runs attention and its FFN, no all-to-all.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class ColocatedCandidate(Throughput):
 def _evaluate(model: ModelConfig, perf: PerfModel, gpu: GPU, n: int, batch):
     t = min(n, gpu.gpus_per_node)
     groups = n // t
-    t_attn = perf.attention_time(perf.sides([(gpu, t)], "attention"), batch / groups)[0]
+    a_side = perf.sides([(gpu, t)], "attention")
+    t_attn = perf.attention_time(a_side, batch / groups)[0]
+    t_dense = perf.dense_layer_time(a_side, batch / groups)[0]
     experts_per_gpu = max(model.num_experts // n, 1)
     expert_tp = max(n // model.num_experts, 1)
     e_side = perf.sides([(gpu, min(expert_tp, gpu.gpus_per_node))], "experts", [experts_per_gpu])
@@ -48,16 +51,20 @@ def _evaluate(model: ModelConfig, perf: PerfModel, gpu: GPU, n: int, batch):
     bandwidth = gpu.link_bytes_per_s * perf.eff.link if n <= gpu.gpus_per_node else \
         gpu.nic_bytes_per_s * perf.utilization(per_gpu_bytes / max(n - 1, 1))
     t_a2a = np.where(n > 1, per_gpu_bytes / bandwidth, 0.0)
-    tbt = model.num_layers * (t_attn + t_exp + 2 * t_a2a) + step_s
+    tbt = model.num_moe_layers * (t_attn + t_exp + 2 * t_a2a) + model.first_k_dense * t_dense + step_s
     return t, t_attn, t_exp, t_a2a, tbt
 
 
 def _fits(model: ModelConfig, perf: PerfModel, gpu: GPU, n: int) -> int:
-    """Sequences whose KV fits on an instance of n GPUs (<= 0: the weights alone do not)."""
-    weights = perf.attention_weight_bytes() * (n // min(n, gpu.gpus_per_node)) \
-        + model.num_experts * model.expert_params * model.num_layers * perf.dtype_bytes
+    """Sequences whose KV fits on an instance of n GPUs (<= 0: the weights alone do not). Each
+    attention group of t GPUs holds one copy of the attention weights, and of a sequence's KV
+    split over its t ranks (MLA: one whole copy per rank, `ModelConfig.kv_shards`); the routed
+    experts of the MoE layers once over all n."""
+    t = min(n, gpu.gpus_per_node)
+    weights = perf.attention_weight_bytes() * (n // t) \
+        + model.num_experts * model.expert_params * model.num_moe_layers * perf.dtype_bytes
     free = n * gpu.memory_bytes * MEMORY_HEADROOM - weights
-    return int(free // perf.kv_bytes_per_sequence())
+    return int(free // (perf.kv_bytes_per_sequence() * (t // model.kv_shards(t))))
 
 
 def best_colocated(model: ModelConfig, catalog: Catalog, gpus: list[str], *, tbt_slo_s: float, perf: PerfModel,

@@ -7,6 +7,15 @@ The operators are the profile's (planner/operator_profile.py): per layer `dense`
 `attention_decode`, `attention_prefill`, `moe`, `allreduce`; per step `lm_head`, `sampling`,
 `step_overhead`. Every method prices what one device of the instance spends (the TP ranks run
 in lockstep on 1/tp of the work each).
+
+DeepSeek's multi-head latent attention (MLA) caches per token and layer one latent of
+kv_lora_rank values and a rotary key of qk_rope_head_dim (`ModelConfig.kv_cache_width`), read
+whole by every rank (`ModelConfig.kv_shards`). Decode runs it absorbed: q_nope goes through
+W_UK into the latent space and the latent-weighted sum through W_UV (those GEMMs are per token,
+in `dense`: `attention_side_params` counts W_UK and W_UV), so a (query head, cached token) pair
+costs 2·(kv_lora_rank + qk_rope_head_dim) FLOPs for the score and 2·kv_lora_rank for the value
+sum. Prompt chunks run decompressed, as ordinary attention over K and V of head_dim and
+v_head_dim, after decompressing the cached context's latents (the chunk's own in `dense`).
 """
 
 from __future__ import annotations
@@ -56,10 +65,20 @@ class OperatorCosts:
         self.dtype_bytes = dtype_bytes
         self.sources: dict[str, Counter] = {op: Counter() for op in OPERATOR_AXES}
         m = model
-        self.attn_params = m.attention_params_per_layer / tp
+        # The attention side's weights of one MoE layer (attention, router, shared experts) and of
+        # one dense layer (attention, FFN); equal for a model without dense layers.
+        self.attn_params = m.attention_side_params() / tp
+        self.dense_layer_params = m.attention_side_params(moe_layer=False) / tp
         self.expert_params = m.expert_params / tp  # one expert's slice on one rank
-        self.kv_bytes_per_token = 2 * m.kv_size * dtype_bytes / tp
-        self.q_size = m.q_size / tp
+        self.kv_bytes_per_token = m.kv_cache_width * dtype_bytes / m.kv_shards(tp)  # one layer's, one rank's
+        heads = m.num_heads / tp
+        if m.mla:  # FLOPs per (query token, cached token) pair on one rank; see the module's docstring
+            self.decode_pair_flops = heads * (2 * m.kv_cache_width + 2 * m.kv_lora_rank)
+            self.prefill_pair_flops = heads * 2 * (m.head_dim + m.v_head_dim)
+            self.decompress_flops = heads * 2 * m.kv_lora_rank * (m.head_dim - m.qk_rope_head_dim + m.v_head_dim)
+        else:  # q·k and the value sum, head_dim each
+            self.decode_pair_flops = self.prefill_pair_flops = 4 * (m.q_size / tp)
+            self.decompress_flops = 0.0
         self.head_params = m.vocab_size * m.hidden_size / tp
         self.token_bytes = m.hidden_size * dtype_bytes
         # Exact-point cache of table lookups: steps repeat the same few shapes.
@@ -103,14 +122,19 @@ class OperatorCosts:
         return np.maximum(t_flops, t_bytes) + launches * self.curves.launch_s
 
     # -- per layer -------------------------------------------------------------------------
-    def dense(self, tokens: int) -> float:
+    def dense(self, tokens: int, moe_layer: bool = True) -> float:
+        """The attention side's GEMMs of one layer: an MoE layer's attention projections, router
+        and shared experts, or (moe_layer False) a dense layer's projections and FFN. A profile's
+        `dense` table measured the former; a dense layer is priced from the curves."""
         if tokens <= 0:
             return 0.0
-        measured = self._lookup("dense", tokens)
+        measured = self._lookup("dense", tokens) if moe_layer else None
         if measured is not None:
             return measured
-        weights = self.attn_params * self.dtype_bytes
-        return float(self._roofline(self.curves.gemm, 2 * self.attn_params * tokens, tokens, weights,
+        if not moe_layer:
+            self.sources["dense"][CURVES] += 1
+        params = self.attn_params if moe_layer else self.dense_layer_params
+        return float(self._roofline(self.curves.gemm, 2 * params * tokens, tokens, params * self.dtype_bytes,
                                     LAUNCHES["dense"]))
 
     def attention_decode(self, seqs: int, context_tokens: float) -> float:
@@ -125,7 +149,7 @@ class OperatorCosts:
         kv_bytes = context_tokens * self.kv_bytes_per_token
         # Decode attention streams the cache with a few query heads per KV head: its FLOP rate is
         # set by the context it streams, not by a prefill chunk's query tokens.
-        return float(self._roofline(self.curves.attention, 4 * self.q_size * context_tokens, context_tokens,
+        return float(self._roofline(self.curves.attention, self.decode_pair_flops * context_tokens, context_tokens,
                                     kv_bytes, LAUNCHES["attention"]))
 
     def attention_prefill(self, tokens: int, cached: int) -> float:
@@ -137,8 +161,8 @@ class OperatorCosts:
             return measured
         pairs = chunk_score_pairs(tokens, cached)
         kv_bytes = self.model.attended_tokens(cached + tokens) * self.kv_bytes_per_token
-        return float(self._roofline(self.curves.attention, 4 * self.q_size * pairs, tokens, kv_bytes,
-                                    LAUNCHES["attention"]))
+        flops = self.prefill_pair_flops * pairs + self.decompress_flops * cached
+        return float(self._roofline(self.curves.attention, flops, tokens, kv_bytes, LAUNCHES["attention"]))
 
     def moe(self, tokens: int, active_experts: np.ndarray | int) -> float:
         """The expert half summed over layers: one entry of `active_experts` per layer (or one

@@ -14,6 +14,12 @@ search evaluates thousands of configurations in one call and tests evaluate one.
 
 Symbols (per the paper): b_a tokens of one micro-batch on one attention node; b_e tokens
 one expert receives from a whole micro-batch; m micro-batches; L layers; T_f = max(T_a, T_e).
+
+DeepSeek-V2/V3 (docs/planner.md, "DeepSeek"): the attention node also runs every MoE layer's
+shared experts (in T_a) and the first `first_k_dense` layers whole, FFN included (T_d per
+layer and micro-batch, no exchange); expert nodes hold the routed experts of the
+`num_moe_layers` MoE layers only, so L in the pipeline is the MoE layers. MLA's KV cache is
+`kv_cache_width` values per token and layer, held whole by every attention rank.
 """
 
 from __future__ import annotations
@@ -133,6 +139,7 @@ class Side:
     nic: object  # bytes/s per GPU
     tp: object
     lines: tuple = ()
+    dense_lines: tuple = ()  # attention side: one dense layer's time (T_d), lines like `lines`; () without dense layers
     k_slope: object = math.nan
     k_const: object = math.nan
 
@@ -160,8 +167,8 @@ class PerfModel:
         self.skew, self.redundant_experts = skew, redundant_experts
         self.utilization = self.calibration.utilization or UtilizationCurve()
         m = model
-        self.attn_weight_params = m.attention_params_per_layer  # per layer, router included
-        self.kv_bytes_per_token_layer = 2 * m.kv_size * dtype_bytes
+        self.attn_weight_params = m.attention_params_per_layer  # per layer, averaged: router, shared experts, dense FFNs
+        self.kv_bytes_per_token_layer = m.kv_cache_width * dtype_bytes  # all ranks' KV heads, or MLA's latent once
         self.token_bytes = m.hidden_size * dtype_bytes  # one hidden vector on the wire
         self.record_bytes = self.token_bytes + 8 * m.top_k  # a dispatch record: the vector, k ids, k weights
 
@@ -171,13 +178,16 @@ class PerfModel:
         phase's lines from the operator model, and the calibration where it covers a config."""
         cal = self.calibration.attention if role == "attention" else self.calibration.experts
         coeffs = np.array([cal.get((g.name, tp), (np.nan, np.nan)) for g, tp in configs], dtype=np.float64)
+        dense_lines = ()
         if role == "attention":
             per_config = [self.phases.attention(g, tp) for g, tp in configs]
+            if self.model.first_k_dense:  # not calibrated: k1, k2 are measured on MoE layers
+                dense_lines = _stacked([self.phases.dense_layers(g, tp) for g, tp in configs])
         else:
             per_config = [self.phases.experts(g, tp, int(e)) for (g, tp), e in zip(configs, experts_per_node)]
         return Side(nic=np.array([g.nic_bytes_per_s for g, _ in configs]),
                     tp=np.array([tp for _, tp in configs], dtype=np.float64), lines=_stacked(per_config),
-                    k_slope=coeffs[:, 0], k_const=coeffs[:, 1])
+                    dense_lines=dense_lines, k_slope=coeffs[:, 0], k_const=coeffs[:, 1])
 
     def step_lines(self, configs: list[tuple[GPU, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per iteration on an attention node, as lines in its sequences: step overhead, LM
@@ -192,8 +202,15 @@ class PerfModel:
                 for slope, const in side.lines]
 
     def attention_time(self, side: Side, b_a):
-        """T_a: one micro-batch of b_a tokens through one layer's attention half on one node."""
+        """T_a: one micro-batch of b_a tokens through one MoE layer's attention half on one node."""
         return np.maximum.reduce([slope * b_a + const for slope, const in self.attention_pieces(side)])
+
+    def dense_layer_time(self, side: Side, b_a):
+        """T_d: one micro-batch of b_a tokens through one dense layer, FFN included, on one
+        attention node (0 for a model without dense layers)."""
+        if not side.dense_lines:
+            return np.zeros(np.broadcast(b_a, side.tp).shape)
+        return np.maximum.reduce([slope * b_a + const for slope, const in side.dense_lines])
 
     def expert_pieces(self, side: Side, experts_per_node) -> list[tuple[object, object]]:
         """T_e as max over linear pieces of b_e (tokens each expert receives): the operator
@@ -253,27 +270,32 @@ class PerfModel:
         return msg / self.utilization(msg) * self.transfer_seconds_per_byte(attention, experts, n_a, expert_nodes)
 
     # -- pipeline ------------------------------------------------------------------------
-    def iteration_time(self, t_a, t_e, t_c, m, step_s=0.0):
+    def iteration_time(self, t_a, t_e, t_c, m, step_s=0.0, t_dense=0.0):
         """Time between tokens: one token for every sequence, all m micro-batches through all L
         layers, plus `step_s`, the iteration's own cost (step overhead, LM head, sampling).
 
-        A micro-batch's round trip through a layer is T_a + T_c + T_e + T_c; the attention
+        A micro-batch's round trip through an MoE layer is T_a + T_c + T_e + T_c; the attention
         node starts a new micro-batch every T_f, so a layer's period is max(m·T_f, round trip).
-        With constraint (3) met this is the paper's (T_a + T_e + 2T_c) + T_f·(m·L - 1)."""
+        With constraint (3) met this is the paper's (T_a + T_e + 2T_c) + T_f·(m·L - 1), L the
+        MoE layers. A dense layer (DeepSeek's first) has no exchange: the attention node runs its
+        m micro-batches back to back, m·T_d (`t_dense`) each, before the first round trip."""
         t_f = np.maximum(t_a, t_e)
         trip = t_a + t_e + 2 * t_c
         period = np.maximum(m * t_f, trip)
-        return trip + (self.model.num_layers - 1) * period + (m - 1) * t_f + step_s
+        dense = self.model.first_k_dense * m * t_dense
+        return dense + trip + (self.model.num_moe_layers - 1) * period + (m - 1) * t_f + step_s
 
     # -- memory (constraint 8) -------------------------------------------------------------
     def attention_weight_bytes(self) -> float:
-        """Per attention node: every layer's attention half, embedding and LM head."""
+        """Per attention node: every layer's attention half (shared experts and dense FFNs
+        included), embedding and LM head."""
         m = self.model
         head = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
         return (m.num_layers * self.attn_weight_params + head) * self.dtype_bytes
 
     def kv_bytes_per_sequence(self) -> float:
-        """A sequence's KV cache in whole blocks, as the runtime allocates it."""
+        """A sequence's KV cache in whole blocks, as the runtime allocates it, over all of an
+        attention node's ranks (MLA: one rank's copy; each holds it whole)."""
         m = self.model  # a windowed layer's blocks share tensors with a full one's (ModelConfig.kv_cache_layers)
         tokens = m.kv_blocks_per_sequence(math.ceil(self.seq_len), KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
         return tokens * self.kv_bytes_per_token_layer * m.kv_cache_layers
@@ -286,16 +308,19 @@ class PerfModel:
         whole, 1/tp of the layers) and its largest step, which grows with the sequences: it
         samples every one of them and carries their decodes plus a prefill chunk
         (config.estimated_attention_step_bytes, linear in the sequences: its cost at 0
-        sequences and per sequence). A rank holds 1/tp of every sequence's KV."""
+        sequences and per sequence). A rank holds 1/tp of every sequence's KV, or with MLA all of
+        it (`ModelConfig.kv_shards`)."""
         m, value_bytes = self.model, self.dtype_bytes
         fixed = estimated_attention_step_bytes(m, value_bytes, 0, PREFILL_CHUNK_TOKENS)
         per_sequence = estimated_attention_step_bytes(m, value_bytes, 1, PREFILL_CHUNK_TOKENS + 1) - fixed
         budget = kv_cache_budget_bytes(memory_bytes, GPU_MEMORY_UTILIZATION,
                                        m.attention_rank_weight_bytes(value_bytes, tp) + fixed)
-        return np.floor(budget / (self.kv_bytes_per_sequence() / tp + per_sequence))
+        return np.floor(budget / (self.kv_bytes_per_sequence() / m.kv_shards(tp) + per_sequence))
 
     def expert_node_fits(self, memory_bytes, tp, experts_per_node):
-        need = experts_per_node * self.model.expert_params * self.model.num_layers * self.dtype_bytes
+        """Whether an expert node's experts fit: their weights in each MoE layer (dense layers
+        have none; shared experts live on the attention side)."""
+        need = experts_per_node * self.model.expert_params * self.model.num_moe_layers * self.dtype_bytes
         return need <= memory_bytes * MEMORY_HEADROOM * tp
 
 

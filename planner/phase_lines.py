@@ -6,8 +6,12 @@ its batch (MegaScale-Infer's T_a = k1·b_a + k2 shape). This module draws those 
 the operator model the simulator uses (`operator_costs`: a profile where one covers the
 device, efficiency curves elsewhere), so `plan` and `simulate` predict from the same numbers:
 
-- attention node, per layer and micro-batch of b_a decoding tokens at the plan's mean
-  context: dense + attention_decode + the TP all-reduce;
+- attention node, per MoE layer and micro-batch of b_a decoding tokens at the plan's mean
+  context: dense (attention projections, router, shared experts) + attention_decode + the TP
+  all-reduce;
+- attention node, per dense layer (DeepSeek's first `first_k_dense`, whose FFN runs there with
+  no exchange) and micro-batch: dense (attention projections, FFN) + attention_decode + the
+  TP all-reduces of the attention and of the FFN;
 - expert node, per layer and micro-batch, each of its e experts receiving b_e tokens: moe +
   the TP all-reduce;
 - per iteration on an attention node with s sequences: step overhead, LM head and sampling.
@@ -79,6 +83,19 @@ class PhaseLines:
             return ops.dense(tokens) + ops.attention_decode(tokens, tokens * self.seq_len) + ops.allreduce(tokens)
 
         return _lines(t_a, ATTENTION_POINTS)
+
+    def dense_layers(self, gpu: GPU, tp: int) -> list[Line]:
+        """One dense layer on the attention node, as lines in b_a (no lines: the model has none)."""
+        if not self.model.first_k_dense:
+            return []
+        ops = self.costs(gpu, tp)
+
+        def t_d(b: float) -> float:
+            tokens = max(1, round(b))
+            return ops.dense(tokens, moe_layer=False) + ops.attention_decode(tokens, tokens * self.seq_len) + \
+                2 * ops.allreduce(tokens)
+
+        return _lines(t_d, ATTENTION_POINTS)
 
     def experts(self, gpu: GPU, tp: int, experts_per_node: int) -> list[Line]:
         ops = self.costs(gpu, tp)

@@ -81,6 +81,9 @@ class Candidate(Throughput):
     t_a: float
     t_e: float
     t_c: float
+    # One dense layer (DeepSeek's first) per micro-batch on an attention node, FFN included: no
+    # exchange, so outside the pipeline (0: the model has none).
+    t_dense: float = 0.0
     # The host's CPU time per M2N round on each side (planner/round_host_cost.py; 0: not charged).
     # Where it exceeds T_a or T_e the host sets the pace: charged in the TBT, and refused by the search.
     host_a: float = 0.0
@@ -251,6 +254,7 @@ class SearchGrid:
         self.a_rows = Side(nic=a_side.nic[ia], tp=a_side.tp[ia])
         self.e_rows = Side(nic=e_side.nic[ie], tp=e_side.tp[ie])
         self.a_lin = [(_f32(slope[ia]), _f32(const[ia])) for slope, const in a_pieces]
+        self.d_lin = [(_f32(slope[ia]), _f32(const[ia])) for slope, const in a_side.dense_lines]  # [] without dense layers
         self.e_lin = [(_f32(slope[ie]), _f32(const[ie])) for slope, const in e_pieces]
         self.step_lin = [(_f32(slope[ia]), _f32(const[ia])) for slope, const in step_pieces]
         # T_c = msg / util(msg) * seconds_per_byte, msg = b_a * bytes_per_token_sent
@@ -273,19 +277,20 @@ class SearchGrid:
         b_e = g * (model.top_k / model.num_experts) * self.hot
         t_a = np.maximum.reduce([s * b_a + c for s, c in self.a_lin])
         t_e = np.maximum.reduce([s * b_e + c for s, c in self.e_lin])
+        t_d = np.maximum.reduce([s * b_a + c for s, c in self.d_lin]) if self.d_lin else 0.0
         msg = b_a * self.bytes_per_token_sent
         t_c = msg / _f32(perf.utilization(msg)) * self.seconds_per_byte
         step_s = np.maximum.reduce([s * (batch / n_a) + c for s, c in self.step_lin])
         if perf.host is None:
-            return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=perf.iteration_time(t_a, t_e, t_c, m, step_s))
+            return dict(t_a=t_a, t_e=t_e, t_c=t_c, t_d=t_d, tbt=perf.iteration_time(t_a, t_e, t_c, m, step_s, t_d))
         # An attention rank's round: its n_e expert nodes; an expert node's: every attention rank.
         # A message is a rank's share of a node's records, whole (an expert node's leader takes
         # it and shares it with its ranks), as `bench host` measures it.
         host_msg = b_a * self.record_bytes_per_rank
         host_a = _f32(perf.host.attention.round_s(self.n_e, host_msg))
         host_e = _f32(perf.host.expert.round_s(n_a * self.a_rows.tp, host_msg))
-        tbt = perf.iteration_time(np.maximum(t_a, host_a), np.maximum(t_e, host_e), t_c, m, step_s)
-        return dict(t_a=t_a, t_e=t_e, t_c=t_c, tbt=tbt, host_a=host_a, host_e=host_e)
+        tbt = perf.iteration_time(np.maximum(t_a, host_a), np.maximum(t_e, host_e), t_c, m, step_s, t_d)
+        return dict(t_a=t_a, t_e=t_e, t_c=t_c, t_d=t_d, tbt=tbt, host_a=host_a, host_e=host_e)
 
     def best_per_configuration(self, score: np.ndarray) -> np.ndarray:
         """The best-scoring row (n_a, m) of each structural configuration (GPU pair, tp's, experts
@@ -305,7 +310,7 @@ class SearchGrid:
             attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=int(self.n_a[i]),
             expert_nodes=int(self.n_e[i]), experts_per_node=e, m=int(self.m[i]), batch=int(batch[i]),
             t_a=float(values["t_a"][i]), t_e=float(values["t_e"][i]), t_c=float(values["t_c"][i]),
-            tbt=float(values["tbt"][i]), gpus=int(self.gpus[i]), cost_per_hour=float(self.cost[i]),
+            t_dense=float(np.broadcast_to(values["t_d"], values["t_a"].shape)[i]), tbt=float(values["tbt"][i]), gpus=int(self.gpus[i]), cost_per_hour=float(self.cost[i]),
             power_w=float(self.power[i]),
             host_a=float(values["host_a"][i]) if "host_a" in values else 0.0,
             host_e=float(values["host_e"][i]) if "host_e" in values else 0.0, **skew)
@@ -342,9 +347,9 @@ def _check_fits(model: ModelConfig, perf: PerfModel, att: list[GPU], exp: list[G
             f"it needs {need / 1e9:.1f} GB (weights and one sequence's KV cache) per node, "
             f"more than {max_tp_a} GPUs of one node hold{heads}; choose GPUs with more memory")
     if not expert_fits:
-        one = model.expert_params * model.num_layers * perf.dtype_bytes
+        one = model.expert_params * model.num_moe_layers * perf.dtype_bytes
         raise PlanError(
-            f"{model.name}: one expert ({one / 1e9:.1f} GB across its {model.num_layers} layers) does not fit "
+            f"{model.name}: one expert ({one / 1e9:.1f} GB across its {model.num_moe_layers} MoE layers) does not fit "
             f"any TP size on {', '.join(g.name for g in exp)}; choose GPUs with more memory")
 
 
@@ -364,6 +369,7 @@ def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, atte
     expert_nodes = model.num_experts // experts_per_node
     b_a = batch / m / n_a
     t_a = float(perf.attention_time(a_side, b_a)[0])
+    t_d = float(perf.dense_layer_time(a_side, b_a)[0])
     b_e = batch / m * model.top_k / model.num_experts
     t_e = float(perf.expert_time(e_side, b_e * perf.hot_factor(experts_per_node, redundant_per_node), held)[0])
     t_c = float(perf.transfer_time(a_side, e_side, b_a, n_a, expert_nodes, experts_per_node)[0])
@@ -376,11 +382,12 @@ def evaluate_plan(model: ModelConfig, perf: PerfModel, catalog: Catalog, *, atte
         host_e = float(perf.host.expert.round_s(n_a * tp_a, msg))
     return Candidate(
         attention_gpu=ga.name, expert_gpu=ge.name, tp_a=tp_a, tp_e=tp_e, n_a=n_a, expert_nodes=expert_nodes,
-        experts_per_node=experts_per_node, m=m, batch=batch, t_a=t_a, t_e=t_e, t_c=t_c, host_a=host_a, host_e=host_e,
+        experts_per_node=experts_per_node, m=m, batch=batch, t_a=t_a, t_e=t_e, t_c=t_c, t_dense=t_d,
+        host_a=host_a, host_e=host_e,
         redundant_per_node=redundant_per_node, expert_imbalance=perf.expert_imbalance(experts_per_node,
                                                                                       redundant_per_node),
         expert_imbalance_no_redundancy=perf.expert_imbalance(experts_per_node, 0),
-        tbt=float(perf.iteration_time(max(t_a, host_a), max(t_e, host_e), t_c, m, step_s)),
+        tbt=float(perf.iteration_time(max(t_a, host_a), max(t_e, host_e), t_c, m, step_s, t_d)),
         gpus=n_a * tp_a + expert_nodes * tp_e,
         cost_per_hour=n_a * tp_a * ga.price + expert_nodes * tp_e * ge.price,
         power_w=n_a * tp_a * ga.power_w + expert_nodes * tp_e * ge.power_w)

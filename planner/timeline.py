@@ -48,8 +48,9 @@ def makespan(phases: list[Phase]) -> float:
     return max(p.end for p in phases)
 
 
-def explain(c: Candidate, num_layers: int, host_source: str | None = None) -> str:
-    """The chosen plan's timeline in words."""
+def explain(c: Candidate, num_layers: int, host_source: str | None = None, dense_layers: int = 0) -> str:
+    """The chosen plan's timeline in words: `num_layers` MoE layers pipelined, and before them
+    `dense_layers` dense ones (DeepSeek's first) that stay on the attention node."""
     t_f = c.t_f
     trip = c.t_a + c.t_e + 2 * c.t_c
     period = max(c.m * t_f, trip)
@@ -78,8 +79,12 @@ def explain(c: Candidate, num_layers: int, host_source: str | None = None) -> st
     else:
         lines.append(f"Constraint 3 (m*T_f >= 2*(T_f + T_c)) is not met, but T_a and T_e differ enough that "
                      f"the round trip ({trip * 1e3:.3f} ms) still fits in m*T_f = {c.m * t_f * 1e3:.3f} ms.")
-    lines.append(f"An iteration is {num_layers} such layers: TBT = {c.tbt * 1e3:.1f} ms for {c.batch} sequences, "
-                 f"{c.tokens_per_s:,.0f} tokens/s on {c.gpus} GPUs.")
+    if dense_layers:
+        lines.append(f"Before them, {dense_layers} dense layer(s) run whole on the attention nodes, FFN included, "
+                     f"with no exchange: {c.t_dense * 1e3:.3f} ms per micro-batch each, "
+                     f"{dense_layers * c.m * c.t_dense * 1e3:.2f} ms per iteration.")
+    lines.append(f"An iteration is {num_layers} such {'MoE ' if dense_layers else ''}layers: TBT = {c.tbt * 1e3:.1f} ms "
+                 f"for {c.batch} sequences, {c.tokens_per_s:,.0f} tokens/s on {c.gpus} GPUs.")
     lines.append(host_line(c, host_source))
     return "\n".join(lines)
 

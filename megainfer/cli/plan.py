@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
               f"{ratios['per_watt']:.2f}x per watt")
     if args.explain:
         print()
-        print(explain(best, model.num_layers, host.source if host else None))
+        print(explain(best, model.num_moe_layers, host.source if host else None, model.first_k_dense))
         print()
         print(explain_sources(perf, catalog, best, calibration))
     if args.plot:

@@ -143,7 +143,7 @@ def test_unmeetable_slo_reports_the_fastest_plan():
 
 @pytest.mark.parametrize("memory_gb, match", [
     (1, "the attention half does not fit any TP size on T4G: it needs 10.8 GB"),  # 8 x 1 GB < weights
-    (4, r"one expert \(33.8 GB across its 56 layers\) does not fit any TP size on T4G"),
+    (4, r"one expert \(33.8 GB across its 56 MoE layers\) does not fit any TP size on T4G"),
 ])
 def test_model_that_fits_nowhere(tmp_path, memory_gb, match):
     path = tmp_path / "tiny-gpus.yaml"
