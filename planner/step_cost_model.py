@@ -11,7 +11,9 @@ and the router's prior price steps with this one model. (A live node's step time
 online instead, from the steps it measured: `megainfer.routing.online_step_model`.)
 
 Expert weights dominate an MoE step's bytes: a layer reads every expert any of its tokens
-chose, once per step. That is the traffic layered prefill saves.
+chose, once per step. That is the traffic layered prefill saves. A dense layer (DeepSeek's
+first `first_k_dense`) routes nothing: its FFN is dense work, like attention, and so are an
+MoE layer's shared experts (`OperatorCosts.dense`).
 """
 
 from __future__ import annotations
@@ -68,7 +70,13 @@ class LayerClass:
     layers: int
     tokens: int  # tokens through each of these layers
     attention: AttentionWork
-    active_experts: np.ndarray | int  # distinct experts activated: one entry per layer, or one count for all
+    # distinct routed experts activated: one entry per MoE layer of these, or one count for all of them
+    active_experts: np.ndarray | int
+    dense_layers: int = 0  # of `layers`, those with a dense FFN and no routed experts (DeepSeek's first)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,8 @@ class ColocatedStepModel:
         model = self.model
         weights = model.num_params * self.dtype_bytes
         free = self.tp * self.gpu.memory_bytes * MEMORY_HEADROOM - weights
-        per_token = 2 * model.kv_size * self.dtype_bytes * model.kv_cache_layers  # a block id's layers
+        # A block id's layers, over the tp ranks: split (KV heads) or, MLA, a whole copy on each.
+        per_token = model.kv_cache_width * self.dtype_bytes * model.kv_cache_layers * (self.tp // model.kv_shards(self.tp))
         if free < per_token:
             raise PlanError(f"{model.name} ({weights / 1e9:.1f} GB of weights) does not fit on {self.tp} x "
                             f"{self.gpu.name} ({self.gpu.memory_gb:g} GB each); raise --tp")
@@ -134,13 +143,17 @@ class ColocatedStepModel:
             work = group.attention
             attention = ops.attention_decode(work.decode_seqs, work.decode_context) + sum(
                 ops.attention_prefill(n, p) for n, p in work.prefill_chunks)
-            by_op["dense"] += group.layers * ops.dense(group.tokens)
+            by_op["dense"] += group.moe_layers * ops.dense(group.tokens)
+            if group.dense_layers:
+                by_op["dense"] += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
             by_op["attention"] += group.layers * attention
-            by_op["allreduce"] += group.layers * 2 * ops.allreduce(group.tokens)
+            by_op["allreduce"] += group.layers * 2 * ops.allreduce(group.tokens)  # attention's, and the FFN's
             active = group.active_experts
+            if group.moe_layers == 0:
+                continue
             if isinstance(active, (int, np.integer)):
-                by_op["moe"] += group.layers * ops.moe(group.tokens, int(active))
-                expert_bytes += group.layers * int(active) * self.expert_bytes_each
+                by_op["moe"] += group.moe_layers * ops.moe(group.tokens, int(active))
+                expert_bytes += group.moe_layers * int(active) * self.expert_bytes_each
             else:
                 by_op["moe"] += ops.moe(group.tokens, active)
                 expert_bytes += float(active.sum()) * self.expert_bytes_each

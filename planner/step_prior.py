@@ -44,7 +44,8 @@ def step_prior(step_model: ColocatedStepModel) -> tuple[float, float, float, flo
     for chunks, sampled in _steps(model.max_position_embeddings):
         work = AttentionWork.of_chunks(chunks)
         tokens = sum(n for n, _ in chunks)
-        layer = LayerClass(model.num_layers, tokens, work, _expected_experts(tokens, model.num_experts, model.top_k))
+        layer = LayerClass(model.num_layers, tokens, work, _expected_experts(tokens, model.num_experts, model.top_k),
+                           dense_layers=model.first_k_dense)
         cost = step_model.step([layer], sampled=sampled, seqs=len(chunks))
         rows.append((1.0, tokens, len(chunks), work.kv_tokens, work.score_pairs))
         seconds.append(cost.seconds)

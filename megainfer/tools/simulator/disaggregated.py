@@ -16,6 +16,10 @@ micro-batch) at its own T_e: the first round trip, then per later layer the long
 micro-batches' compute and a round trip, then the last layer's remaining micro-batches, plus the
 step's own cost. With every T_e equal this is the planner's formula, so the simulated TBT and the
 planner's prediction differ only by the draws' spread around the mean load.
+
+Only MoE layers exchange with the expert nodes: DeepSeek's dense first layers run whole on
+the attention node, priced (as the planner prices them) in the part of the step outside the
+rounds, so the draws and the placement cover the `num_moe_layers` MoE layers.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.config import ModelConfig
-from megainfer.expert_replicas import imbalance, placed_load
+from megainfer.expert_replicas import ExpertReplicas, imbalance, placed_load
 from megainfer.plan import Plan
 from planner.catalog import Catalog
 from planner.expert_placement import re_place
@@ -69,7 +73,8 @@ class PlanSimulator:
         self.experts_per_node, self.redundant = e, plan.experts.redundant_per_node
         skew = perf.skew or SkewPricing(model.num_experts, model.top_k, 0.0, 0.0)
         self.shares = skew.shares  # per expert id, as the planner lays the ranks over the ids
-        self.replicas = plan.expert_replicas(model)
+        self.first_replicas = _moe_layers(plan.expert_replicas(model), model)
+        self.replicas = self.first_replicas
         self.node_shares = self.replicas.share_matrices(model.num_experts)  # [L, E, nodes], as placed now
         spec = plan.experts.rebalance
         self.window_steps = spec.window_steps if spec is not None else DEFAULT_WINDOW_STEPS
@@ -83,7 +88,7 @@ class PlanSimulator:
         self.held = held
 
     def run(self, steps: int) -> PlanSimulation:
-        m, layers = self.plan.pipeline.micro_batches, self.model.num_layers
+        m, layers = self.plan.pipeline.micro_batches, self.model.num_moe_layers
         pairs_per_round = int(round(self.plan.pipeline.global_batch / m)) * self.model.top_k
         window: deque[np.ndarray] = deque(maxlen=self.window_steps)
         tbt, loads_before, loads_after, replaced_at = [], [], [], None
@@ -98,17 +103,23 @@ class PlanSimulator:
                                                                 self.redundant, self.floor))
                 self.node_shares = self.replicas.share_matrices(self.model.num_experts)
                 replaced_at = step + 1
-        before = imbalance(placed_load(self.plan.expert_replicas(self.model), np.sum(loads_before, axis=0))[0])
+        before = imbalance(placed_load(self.first_replicas, np.sum(loads_before, axis=0))[0])
         after = imbalance(placed_load(self.replicas, np.sum(loads_after, axis=0))[0]) if loads_after else before
         return PlanSimulation(steps, np.array(tbt), replaced_at, before, after, self.candidate.tbt)
 
     def _step_time(self, counts: np.ndarray) -> float:
-        """One step: each (layer, micro-batch) at its hottest expert node's T_e."""
+        """One step: each (MoE layer, micro-batch) at its hottest expert node's T_e."""
         c, perf = self.candidate, self.perf
         hottest = np.einsum("lme,len->lmn", counts, self.node_shares).max(axis=2)  # [L, m] pairs
         t_e = perf.expert_time(self.expert_side, hottest / self.held[0], self.held)  # tokens per held expert
         t_f = np.maximum(c.t_a, t_e)
         trip = c.t_a + t_e + 2 * c.t_c
         periods = np.maximum(t_f.sum(axis=1), trip.max(axis=1))
-        step_s = c.tbt - float(perf.iteration_time(c.t_a, c.t_e, c.t_c, c.m))  # the step's own cost, as predicted
+        # The step's own cost and its dense layers' (no rounds), as predicted.
+        step_s = c.tbt - float(perf.iteration_time(c.t_a, c.t_e, c.t_c, c.m))
         return float(trip[0, 0] + periods[1:].sum() + t_f[-1, 1:].sum() + step_s)
+
+
+def _moe_layers(replicas: ExpertReplicas, model: ModelConfig) -> ExpertReplicas:
+    """The placement's MoE layers (the last `num_moe_layers`): those the rounds reach."""
+    return ExpertReplicas(replicas.version, replicas.layers[len(replicas.layers) - model.num_moe_layers:])

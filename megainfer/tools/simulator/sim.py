@@ -162,19 +162,22 @@ class Simulator:
     def describe_step(self, out: SchedulerOutput, layout: StepLayout | None = None) -> list[LayerClass]:
         """The step as layer classes: every layer's share (decodes, chunked prefill) and, under
         layered prefill, the cohort's extra work in its layer group. `layout`: the step's
-        (m = 1) layout, when the caller has it already."""
+        (m = 1) layout, when the caller has it already. Experts are drawn for the MoE layers
+        only: a dense layer (DeepSeek's first `first_k_dense`) routes nothing."""
         layout = layout or StepLayout.of(out, 1)
-        layers = self.model.num_layers
+        layers, dense = self.model.num_layers, self.model.first_k_dense
         tokens = sum(out.num_scheduled_tokens)
         work = attention_work(out.seqs, out.num_scheduled_tokens)
         if not layout.has_cohort:
-            return [LayerClass(layers, tokens, work, self.activation.draw(tokens, layers))]
+            return [LayerClass(layers, tokens, work, self.activation.draw(tokens, layers - dense), dense)]
         cohort_tokens = sum(out.layered.num_tokens)
         cohort_work = attention_work(out.layered.seqs, out.layered.num_tokens)
         inside = layout.cohort_group_layers
+        dense_inside = max(0, min(layout.cohort_leave_layer, dense) - layout.cohort_join_layer)
         group = LayerClass(inside, tokens + cohort_tokens, work + cohort_work,
-                           self.activation.draw(tokens + cohort_tokens, inside))
-        rest = LayerClass(layers - inside, tokens, work, self.activation.draw(tokens, layers - inside))
+                           self.activation.draw(tokens + cohort_tokens, inside - dense_inside), dense_inside)
+        rest = LayerClass(layers - inside, tokens, work,
+                          self.activation.draw(tokens, layers - inside - (dense - dense_inside)), dense - dense_inside)
         return [group, rest]
 
 
