@@ -142,8 +142,9 @@ class EngineConfig:
         return self.num_kv_blocks is None and self.kv_cache_bytes is None
 
     def kv_block_bytes(self, model: ModelConfig, tp_size: int = 1) -> int:
-        """One KV block of one rank, which stores 1/tp_size of the KV heads."""
-        return self.block_size * model.kv_bytes_per_token(self.concrete_dtype) // tp_size
+        """One KV block of one rank, which stores 1/tp_size of the KV heads (MLA: the whole latent,
+        which every head reads; `ModelConfig.kv_shards`)."""
+        return self.block_size * model.kv_bytes_per_token(self.concrete_dtype) // model.kv_shards(tp_size)
 
     def min_kv_cache_bytes(self, model: ModelConfig, max_model_len: int, tp_size: int = 1) -> int:
         """The least KV budget that serves a request at all: one sequence of max_model_len, and
