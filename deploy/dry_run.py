@@ -49,17 +49,18 @@ def graph_line(runtime: DeploymentRuntime) -> str:
     """What decode's CUDA graphs will be (megainfer/disagg/decode_graphs.py), or that it runs eager."""
     from megainfer.disagg.decode_graphs import capture_sizes
 
-    plan, layers = runtime.plan, runtime.model.num_layers
+    # MoE layers only, on both sides: DeepSeek's dense first layers run eager on the attention ranks.
+    plan, layers, dense = runtime.plan, runtime.model.num_moe_layers, runtime.model.first_k_dense
     if plan.serve.enforce_eager:
         return "decode: eager (serve.enforce_eager / --enforce-eager)"
     m = plan.pipeline.micro_batches
     engine = runtime.attention[0].engine
     a_sizes = capture_sizes(-(-engine.max_num_seqs // m), engine.cuda_graph_sizes)
     e_sizes = capture_sizes(runtime.experts[0].decode_graph_tokens)
-    moe_layers = runtime.model.num_moe_layers  # an expert rank's layers: DeepSeek's dense first ones stay on attention
     return (f"decode: CUDA graphs captured at start-up, per attention rank {layers * m * len(a_sizes):,} (layers x "
-            f"micro-batches x sizes {a_sizes[0]}..{a_sizes[-1]}), per expert rank {moe_layers * len(e_sizes):,} "
-            f"(MoE layers x sizes {e_sizes[0]}..{e_sizes[-1]}); prompts and larger batches eager")
+            f"micro-batches x sizes {a_sizes[0]}..{a_sizes[-1]}), per expert rank {layers * len(e_sizes):,} (layers x "
+            f"sizes {e_sizes[0]}..{e_sizes[-1]}); prompts and larger batches eager"
+            + (f", and the {dense} dense layer(s)" if dense else ""))
 
 
 def _bundle(bundle: dict) -> str:
