@@ -79,7 +79,7 @@ class PipelinedModelRunner:
         self.slot_maps = SlotMaps(replicas, model_config.num_experts, self.device, movable_experts)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        capture = decode_graphs.decode_capture(self.device, config.enforce_eager, name)
+        capture = decode_graphs.decode_capture(self.device, config.enforce_eager, name, model_config)
         # Each rank caches its own KV heads; all ranks agree on the block count (with CUDA graphs
         # one more, past the scheduler's, for the padding rows: decode_graphs.py).
         load_and_size(self, lambda: self._attention_model(max_model_len), weights, max_model_len, tp_group,
@@ -101,8 +101,8 @@ class PipelinedModelRunner:
         self.slots = self.exchange.slots  # the device slots, where some expert node takes them
         self.m2n = self.exchange.m2n  # per round latencies, for the metrics endpoint
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
-        self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size),
-                                           windowed=bool(model_config.kv_window))
+        blocks = -(-max_model_len // config.block_size)
+        self.block_tables = BlockTableRows(config.max_num_seqs, blocks, windowed=bool(model_config.kv_window))
         self.layouts = LayoutAhead()  # the next step's layout, worked out while this one runs
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
 
@@ -197,20 +197,16 @@ class PipelinedModelRunner:
 
     def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState | None], seqs: list,
                      early: list[int] | None, hooks: StepHooks) -> torch.Tensor:
-        """The ping-pong: per layer, each micro-batch takes its expert answers of the layer
-        before, then runs this layer's attention and dispatches. Returns tokens routed to each
-        expert, [layer, expert], on the device. Micro-batch j's inputs are prepared (into
-        `states[j]`) right before its first layer: the expert nodes, idle between steps, get
-        micro-batch 0's dispatch without waiting for the others' inputs, which are built while
-        they work on it."""
+        """The ping-pong: per layer, each micro-batch takes its expert answers of the layer before,
+        then runs this layer's attention and dispatches; returns tokens per [layer, expert] (device).
+        Micro-batch j's inputs are prepared right before its first layer: the expert nodes get
+        micro-batch 0's dispatch while the others' inputs are built."""
         cfg = self.model_config
         residual: list[torch.Tensor | None] = [None] * self.m
         expert_counts = self.attention_halves.expert_counts.zero_()
         combine = self.exchange.combine
         self.exchange.start_step()
-        # DeepSeek's dense first layers run whole here, with no round (their FFN is this side's);
-        # the exchange starts at the first MoE layer.
-        first_moe = cfg.first_k_dense
+        first_moe = cfg.first_k_dense  # DeepSeek's dense first layers run whole here, with no round
         for layer in range(cfg.num_layers):
             for j, state in enumerate(states):
                 if layer > first_moe:
@@ -221,10 +217,10 @@ class PipelinedModelRunner:
                                                                 self.device, self.block_tables)
                     self.attention_halves.load(j, state)
                 state.cross(layout, layer)
-                if layer < first_moe:
+                if layer >= first_moe:
+                    residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer))
+                else:
                     state.hidden = self.attention_halves.dense(layer, state.hidden, state.inputs_at(layout, layer))
-                    continue
-                residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer))
             if not layer:  # every micro-batch's inputs built and its first layer under way:
                 # the step before settled, the next one scheduled and laid out
                 self.layouts.keep(hooks.run_lookahead(), self.m)
@@ -238,8 +234,7 @@ class PipelinedModelRunner:
         return expert_counts
 
     def _attend_and_dispatch(self, layer: int, j: int, hidden, inp):
-        """Launch micro-batch j's attention half of `layer` and the copy of its routed tokens to
-        the host; the dispatch leaves once that copy has landed. Returns the residual stream."""
+        """Micro-batch j's attention half of `layer` and its dispatch (once on the host): the residual."""
         exchange = self.exchange
         mark, exchange.compute_mark = exchange.compute_mark, None
         if hidden is None:
