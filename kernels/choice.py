@@ -127,6 +127,13 @@ class ShapeChoice:
             self.decisions[key] = Decision(str(key), key.op, TRITON, None, None, reason)
         return self._triton(key, triton_fn)
 
+    def reference_only(self, key: ShapeKey, reference_fn: Callable[[], Any], reason: str) -> Any:
+        """The torch reference without timing, where no Triton kernel serves the shape: recorded
+        (logged once, in the node's kernel report) with `reason`."""
+        if key not in self.choices:
+            self._record(key, REFERENCE, None, None, reason)
+        return reference_fn()
+
     def _triton(self, key: ShapeKey, triton_fn: Callable[[], Any]) -> Any:
         try:
             return triton_fn()

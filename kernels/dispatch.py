@@ -169,6 +169,9 @@ def paged_attention(query, key_cache, value_cache, batch, scale: float, sinks=No
                                        bucket(max(batch.seq_lens_host, default=0))), ATTENTION_DIMS))
 
     mode = backend(query.device)
+    if mode == FASTEST and query.shape[-1] > TRITON_MAX_HEAD_DIM:
+        return _choice.reference_only(key(), lambda: r.paged_attention(query, key_cache, value_cache, batch, scale,
+                                                                       sinks, window), WIDE_HEADS_RULE)
     if mode == FASTEST:  # once per batch, reused by every layer of the step
         too_large = batch.memo(("reference_gather", shape),
                                lambda: _over_gather_limit(r.gather_bytes(key_cache, batch, window)))
@@ -176,6 +179,14 @@ def paged_attention(query, key_cache, value_cache, batch, scale: float, sinks=No
             return _choice.fixed(key(), triton_fn, too_large)
     return _pick(mode, key, triton_fn,
                  lambda: r.paged_attention(query, key_cache, value_cache, batch, scale, sinks, window))
+
+
+# The Triton attention kernels hold a head's whole width in registers and shared memory: MLA's
+# 576-wide latent heads (DeepSeek) spill and overflow an H100's shared memory there
+# (`python -m kernels.compile_check`), so those shapes run the torch reference, said so.
+TRITON_MAX_HEAD_DIM = 256
+WIDE_HEADS_RULE = (f"heads wider than {TRITON_MAX_HEAD_DIM} (MLA's latent heads) exceed the Triton attention "
+                   "kernels' tiles; the torch reference runs them (no MLA kernel yet)")
 
 
 def _over_gather_limit(gather: int) -> str:

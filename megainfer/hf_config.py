@@ -86,13 +86,15 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 def refuse_quantized(cfg: dict[str, Any], name: str = "") -> None:
     """A quantized checkpoint is a CheckpointError naming its method: the engine has no
-    quantized kernels, and running such weights as floats would produce garbage. gpt-oss's MXFP4
-    experts are the exception: they are dequantized to the serving dtype as they load
-    (megainfer/model/mxfp4.py)."""
+    quantized kernels, and running such weights as floats would produce garbage. Two are served,
+    dequantized to the serving dtype as they load: gpt-oss's MXFP4 experts (megainfer/model/mxfp4.py)
+    and DeepSeek-V3's block-scaled FP8 (megainfer/model/weights.py)."""
     for key in ("quantization_config", "compression_config"):
         spec = cfg.get(key)
-        if spec and key == "quantization_config" and cfg.get("model_type") == "gpt_oss" and \
-                isinstance(spec, dict) and spec.get("quant_method") == "mxfp4":
+        if spec and key == "quantization_config" and isinstance(spec, dict) and (
+                (cfg.get("model_type") == "gpt_oss" and spec.get("quant_method") == "mxfp4") or
+                (cfg.get("model_type") == "deepseek_v3" and spec.get("quant_method") == "fp8"
+                 and spec.get("weight_block_size"))):
             continue
         if spec:
             method = (spec.get("quant_method") if isinstance(spec, dict) else None) or (
@@ -256,6 +258,8 @@ def _deepseek_fields(cfg: dict[str, Any], name: str, need) -> dict[str, Any]:
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported; DeepSeek's FFNs run SiLU")
     theta, scaling = _rope(cfg, where, cfg["model_type"], fallback=10000.0)
     grouped = v3 or method == "group_limited_greedy"
+    if cfg.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias is not supported with multi-head latent attention")
     heads, rope = need("num_attention_heads"), need("qk_rope_head_dim")
     return dict(model_type=cfg["model_type"], vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
                 num_layers=need("num_hidden_layers"), num_heads=heads, num_kv_heads=heads,

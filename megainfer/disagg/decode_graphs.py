@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 import kernels
+from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.expert_link import unpack_dispatch
@@ -158,24 +159,28 @@ class CaptureReport:
                 f"static buffers, {self.pool_bytes / 2 ** 20:.0f} MiB in the graphs' pool (outside the memory profile)")
 
 
-def decode_capture(device: torch.device, enforce_eager: bool, node: str) -> "Capture | None":
+def decode_capture(device: torch.device, enforce_eager: bool, node: str,
+                   model: ModelConfig | None = None) -> "Capture | None":
     """How `node` captures decode's graphs, or None where it runs eager (said in its log where
     a GPU could have captured)."""
     if device.type != "cuda":
         return None
-    reason = eager_reason(device, enforce_eager)
+    reason = eager_reason(device, enforce_eager, model)
     if reason:
         (logger.info if enforce_eager else logger.warning)("%s: decode runs %s", node, reason)
         return None
     return CudaCapture(device)
 
 
-def eager_reason(device: torch.device, enforce_eager: bool) -> str:
-    """Why decode runs eager on `device` ("" where it can capture)."""
+def eager_reason(device: torch.device, enforce_eager: bool, model: ModelConfig | None = None) -> str:
+    """Why decode runs eager on `device` ("" where it can capture); `model`: an attention node's."""
     if enforce_eager:
         return "eager (--enforce-eager)"
     if device.type != "cuda":
         return "eager (CUDA graphs need a GPU)"
+    if model is not None and model.mla and model.kv_cache_width > kernels.dispatch.TRITON_MAX_HEAD_DIM:
+        return (f"eager: MLA's {model.kv_cache_width}-wide latent heads run the torch reference attention "
+                "(no MLA kernel yet), which the graphs do not capture")
     if kernels.backend(device) == "reference":
         return ("eager: MEGAINFER_KERNELS=reference, and the torch references synchronise with the host, which a "
                 "CUDA graph cannot; unset it to capture")
@@ -415,7 +420,7 @@ def capture_attention(capture: Capture | None, model: MoEModel, kv_caches: list[
     its kernels report for decode; (None, why) where it runs eager."""
     device = torch.device(config.device)
     if capture is None:
-        return None, eager_reason(device, config.enforce_eager)
+        return None, eager_reason(device, config.enforce_eager, model.cfg)
     sizes = capture_sizes(-(-config.max_num_seqs // micro_batches), config.cuda_graph_sizes)
     graphs = AttentionGraphs(model, kv_caches, expert_counts, sizes, micro_batches,
                              -(-max_model_len // config.block_size), config.block_size, pad_block, expert_nodes,

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from megainfer.config import ModelConfig
 from megainfer.errors import CheckpointError
-from megainfer.hf_config import to_hf_dict
+from megainfer.hf_config import read_json_object, to_hf_dict
 from megainfer.model import mxfp4
 from megainfer.model.checkpoint_names import all_tensors
 
@@ -26,7 +26,9 @@ INDEX_FILE = "model.safetensors.index.json"
 RANDOM_INIT_STD = 0.02
 # Tensors that only quantized checkpoints carry: scales (FP8, compressed-tensors), packed
 # weights and their zero points and group indices (GPTQ, AWQ).
-QUANTIZED_TENSOR_SUFFIXES = ("_scale", ".weight_scale_inv", ".scales", ".qweight", ".qzeros", ".g_idx")
+QUANTIZED_TENSOR_SUFFIXES = ("_scale", ".scales", ".qweight", ".qzeros", ".g_idx")
+FP8_SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3's block-scaled FP8: `X.weight` float8 beside `X.weight_scale_inv`
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -65,6 +67,10 @@ class SafetensorsCheckpoint:
         scales = sorted(name for name in self.file_of if name.endswith(QUANTIZED_TENSOR_SUFFIXES))
         if scales:
             raise quantized_checkpoint_error(self.directory, f"{len(scales)} quantization tensors, e.g. {scales[0]!r}")
+        # Block-scaled FP8 (DeepSeek-V3's release): dequantized as each tensor loads, by the
+        # block size config.json names (128 x 128 there).
+        quant = read_json_object(self.directory / "config.json").get("quantization_config") or {}
+        self.fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
         self._handles: dict[Path, object] = {}
 
     def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -83,6 +89,9 @@ class SafetensorsCheckpoint:
             _check_float(self.directory, name, tensor)
             return tensor
         tensor = handle.get_tensor(name)
+        if tensor.dtype in FP8_DTYPES and name + FP8_SCALE_SUFFIX in self.file_of:
+            scale = self._handle(self.file_of[name + FP8_SCALE_SUFFIX], name).get_tensor(name + FP8_SCALE_SUFFIX)
+            tensor = dequantize_fp8(tensor, scale, self.fp8_block)
         _check_float(self.directory, name, tensor)
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"{self.directory}: tensor {name!r} has shape {list(tensor.shape)}, "
@@ -120,6 +129,19 @@ class SafetensorsCheckpoint:
             return mxfp4.dequantize(blocks, scales)
         except ValueError as exc:
             raise CheckpointError(f"{self.directory}: {name!r}: {exc}") from None
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled FP8 weight [out, in] -> float32: each (block x block) tile times its entry of
+    `scale_inv` [ceil(out / b0), ceil(in / b1)] (DeepSeek-V3's format; the name is theirs: the
+    factor that undoes the quantization's scale)."""
+    rows, cols = weight.shape
+    b0, b1 = block
+    if scale_inv.shape != (-(-rows // b0), -(-cols // b1)):
+        raise CheckpointError(f"FP8 scale {tuple(scale_inv.shape)} does not tile a {rows} x {cols} weight in "
+                              f"{b0} x {b1} blocks (quantization_config.weight_block_size)")
+    scale = scale_inv.float().repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    return weight.float() * scale
 
 
 def _check_float(directory: Path, name: str, tensor: torch.Tensor) -> None:
