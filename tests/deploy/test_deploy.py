@@ -91,15 +91,21 @@ def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy, tp_e, s
         served.close()
 
 
+def check_tensor_parallel_family(ref) -> None:
+    """A family's tiny checkpoint on Ray over gRPC, 1 attention x 2 expert nodes with tp 2 on both
+    sides and layered prefill: the colocated engine's tokens."""
+    expected = colocated(ref.path, ref.prompts)
+    served = Served(make_plan(str(ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
+    try:
+        assert [served.generate(p) for p in ref.prompts] == expected
+    finally:
+        served.close()
+
+
 def test_dbrx_with_tensor_parallel_nodes_matches_colocated(dbrx_ref):
     """DBRX on Ray over gRPC with tp 2 on both sides (each attention rank its share of the fused
     Wqkv's heads, each expert rank its slice of every expert's fused rows), layered prefill."""
-    expected = colocated(dbrx_ref.path, dbrx_ref.prompts)
-    served = Served(make_plan(str(dbrx_ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
-    try:
-        assert [served.generate(p) for p in dbrx_ref.prompts] == expected
-    finally:
-        served.close()
+    check_tensor_parallel_family(dbrx_ref)
 
 
 @pytest.mark.parametrize("gpt_oss_ref", ["gpt_oss"], indirect=True)
@@ -107,12 +113,7 @@ def test_gpt_oss_with_tensor_parallel_nodes_matches_colocated(gpt_oss_ref):
     """gpt-oss on Ray over gRPC with tp 2 on both sides (each attention rank its heads' sinks and
     both kinds of layer's caches, each expert rank its slice of the biased, clamped experts,
     the down bias added once), layered prefill."""
-    expected = colocated(gpt_oss_ref.path, gpt_oss_ref.prompts)
-    served = Served(make_plan(str(gpt_oss_ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
-    try:
-        assert [served.generate(p) for p in gpt_oss_ref.prompts] == expected
-    finally:
-        served.close()
+    check_tensor_parallel_family(gpt_oss_ref)
 
 
 @pytest.mark.parametrize("deepseek_ref", ["deepseek_v3"], indirect=True)
@@ -120,12 +121,7 @@ def test_deepseek_with_tensor_parallel_nodes_matches_colocated(deepseek_ref):
     """DeepSeek-V3 on Ray over gRPC with tp 2 on both sides: each attention rank its heads' query
     rows, W_UK and W_UV and the whole latent cache, its slice of the shared and dense FFNs (all-
     reduced); each expert rank its slice of the routed experts of the MoE layers; layered prefill."""
-    expected = colocated(deepseek_ref.path, deepseek_ref.prompts)
-    served = Served(make_plan(str(deepseek_ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
-    try:
-        assert [served.generate(p) for p in deepseek_ref.prompts] == expected
-    finally:
-        served.close()
+    check_tensor_parallel_family(deepseek_ref)
 
 
 def test_device_slots_match_colocated_and_are_traded_again_after_a_node_is_replaced(hf_ref):
