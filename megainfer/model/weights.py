@@ -64,13 +64,16 @@ class SafetensorsCheckpoint:
             for f in files:
                 with safe_open(f, framework="pt") as handle:
                     self.file_of.update({name: f for name in handle.keys()})
-        scales = sorted(name for name in self.file_of if name.endswith(QUANTIZED_TENSOR_SUFFIXES))
+        # Block-scaled FP8 (DeepSeek-V3's release, config.json's quantization_config naming fp8 and
+        # its block size, 128 x 128 there): dequantized as each tensor loads. Any other scale
+        # tensor marks a quantization megainfer does not serve.
+        quant = read_json_object(self.directory / "config.json").get("quantization_config") or {}
+        block = quant.get("weight_block_size") if quant.get("quant_method") == "fp8" else None
+        self.fp8_block = tuple(block) if block else None
+        suffixes = QUANTIZED_TENSOR_SUFFIXES + (() if self.fp8_block else (FP8_SCALE_SUFFIX,))
+        scales = sorted(name for name in self.file_of if name.endswith(suffixes))
         if scales:
             raise quantized_checkpoint_error(self.directory, f"{len(scales)} quantization tensors, e.g. {scales[0]!r}")
-        # Block-scaled FP8 (DeepSeek-V3's release): dequantized as each tensor loads, by the
-        # block size config.json names (128 x 128 there).
-        quant = read_json_object(self.directory / "config.json").get("quantization_config") or {}
-        self.fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
         self._handles: dict[Path, object] = {}
 
     def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -89,7 +92,7 @@ class SafetensorsCheckpoint:
             _check_float(self.directory, name, tensor)
             return tensor
         tensor = handle.get_tensor(name)
-        if tensor.dtype in FP8_DTYPES and name + FP8_SCALE_SUFFIX in self.file_of:
+        if self.fp8_block and tensor.dtype in FP8_DTYPES and name + FP8_SCALE_SUFFIX in self.file_of:
             scale = self._handle(self.file_of[name + FP8_SCALE_SUFFIX], name).get_tensor(name + FP8_SCALE_SUFFIX)
             tensor = dequantize_fp8(tensor, scale, self.fp8_block)
         _check_float(self.directory, name, tensor)

@@ -108,6 +108,7 @@ def test_dbrx_with_tensor_parallel_nodes_matches_colocated(dbrx_ref):
     check_tensor_parallel_family(dbrx_ref)
 
 
+@pytest.mark.slow  # ~25 s; DBRX's runs by default, the same path (tests/megainfer/test_disagg.py covers gpt-oss cut)
 @pytest.mark.parametrize("gpt_oss_ref", ["gpt_oss"], indirect=True)
 def test_gpt_oss_with_tensor_parallel_nodes_matches_colocated(gpt_oss_ref):
     """gpt-oss on Ray over gRPC with tp 2 on both sides (each attention rank its heads' sinks and
@@ -116,6 +117,7 @@ def test_gpt_oss_with_tensor_parallel_nodes_matches_colocated(gpt_oss_ref):
     check_tensor_parallel_family(gpt_oss_ref)
 
 
+@pytest.mark.slow  # ~35 s; DBRX's runs by default (tests/megainfer/test_disagg.py covers DeepSeek cut)
 @pytest.mark.parametrize("deepseek_ref", ["deepseek_v3"], indirect=True)
 def test_deepseek_with_tensor_parallel_nodes_matches_colocated(deepseek_ref):
     """DeepSeek-V3 on Ray over gRPC with tp 2 on both sides: each attention rank its heads' query

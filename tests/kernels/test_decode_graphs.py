@@ -211,7 +211,7 @@ def test_a_deployment_with_decode_graphs_matches_colocated(qwen3_ref, monkeypatc
 
     captures = []
 
-    def capture_on_cpu(device, enforce_eager, node):
+    def capture_on_cpu(device, enforce_eager, node, model=None):
         captures.append(RerunCapture(INTERPRETER))
         return captures[-1]
 

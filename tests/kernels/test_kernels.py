@@ -292,9 +292,16 @@ def _triton_sinks_window(hq, hkv, with_sinks, window):
     torch.testing.assert_close(case.prefill(attention_triton, 0.3, sinks, window), want[d:], **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("with_sinks, window", [(True, 0), (False, 5), (True, 16), (True, 40)],
-                         ids=["sinks", "window-5", "sinks-window-16", "sinks-window-40"])
-@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+# Half of the grid runs by default (each case ~4 s in the interpreter), the rest with -m slow.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("hq, hkv, with_sinks, window", [
+    (4, 4, True, 0), (8, 2, False, 5), (4, 4, True, 16), (8, 2, True, 40),
+    pytest.param(8, 2, True, 0, marks=SLOW), pytest.param(4, 4, False, 5, marks=SLOW),
+    pytest.param(8, 2, True, 16, marks=SLOW), pytest.param(4, 4, True, 40, marks=SLOW)],
+    ids=["mha-sinks", "gqa4-window-5", "mha-sinks-window-16", "gqa4-sinks-window-40", "gqa4-sinks", "mha-window-5",
+         "gqa4-sinks-window-16", "mha-sinks-window-40"])
 def test_triton_sinks_and_window_match_explicit_attention(hq, hkv, with_sinks, window):
     """The POD (split-KV on its decode side or not), decode (splits None, 1 and 16) and prefill
     kernels against the explicit softmax, the placeholder block full of NaN: no program reads a
