@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the m
 SKEWED = "deploy/plans/skewed-cpu.yaml"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # tp 2: ~30 s, with -m slow
 def test_a_live_re_placement_evens_out_the_skewed_expert_nodes_and_keeps_every_token(tp):
     """skewed-mixtral (experts 0-3 take ~92% of the pairs; see presets.py) on two expert nodes of
     four experts: node 0 computes nearly every pair. One re-placement under a steady load

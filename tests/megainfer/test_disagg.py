@@ -540,7 +540,7 @@ def test_dbrx_deployment_matches_colocated_with_and_without_replicas(dbrx_ref):
     assert run_local_deployment(dbrx_ref.path, 2, 2, 2, prompts, replicas=_replicated(dbrx_ref.path))[0] == expected
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_gpt_oss_deployment_matches_colocated(gpt_oss_ref, async_scheduling):
     """gpt-oss cut into halves, 1 attention node x 2 expert nodes, two micro-batches: sinks and
     windows (their blocks released as sequences pass them, also with steps scheduled ahead) on
