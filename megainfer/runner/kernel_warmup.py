@@ -18,7 +18,6 @@ from kernels.startup import (Warmup, attention_grid, warm_up_attention, warm_up_
                              warm_up_norm_rope)
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
-from megainfer.model.attention_layer import AttentionLayer
 from megainfer.model.expert_layer import ExpertLayer
 
 

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megainfer import LLM, SamplingParams
-from megainfer.errors import ConfigError
 from megainfer.hf_config import from_hf_dict
 from megainfer.model.grouped_routing import grouped_choice, grouped_weights
 from megainfer.model.weights import dequantize_fp8

@@ -14,12 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from megainfer import LLM, SamplingParams
 from megainfer.config import RopeScaling
-from megainfer.errors import ConfigError
 from megainfer.hf_config import from_hf_dict
 from megainfer.model import mxfp4
 from megainfer.model.rotary import yarn_inv_freq
 from megainfer.presets import PRESETS
-from megainfer.sampling_params import SamplingParams as Params
 from megainfer.scheduling.kv_cache import RELEASED, BlockManager
 from megainfer.scheduling.sequence import Sequence
 
@@ -141,7 +139,7 @@ def test_mxfp4_checkpoint_serves_the_tokens_of_its_dequantized_weights(tmp_path)
 
 def test_window_blocks_are_released_as_a_sequence_passes_them():
     blocks = BlockManager(64, 4, window=6)
-    seq = Sequence("a", [1] * 10, Params())
+    seq = Sequence("a", [1] * 10, SamplingParams())
     blocks.allocate(seq, 10)
     seq.num_computed_tokens = 10
     held = []
@@ -169,7 +167,6 @@ def test_prompt_longer_than_the_window_keeps_its_window_blocks_flat(gpt_oss_ref)
                           pad_token_id=0)[0, len(prompt):].tolist()
     llm = LLM(str(gpt_oss_ref.path), dtype="float32", block_size=4, max_num_batched_tokens=32)
     engine = llm.engine
-    blocks = engine.scheduler.block_manager
     window = engine.model_config.sliding_window
     engine.add_request("long", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     held, tokens = [], []
