@@ -115,6 +115,10 @@ class AttentionNode(NodeActor):
         with self.steps.between_steps() as engine:
             return engine.node_state()
 
+    def reset_prefix_cache(self) -> bool:
+        with self.steps.between_steps() as engine:
+            return engine.reset_prefix_cache()
+
     # -- expert placement (deploy/expert_rebalance.py) ----------------------------------------
     def expert_load(self) -> ExpertLoadReport:
         """Tokens routed to each (layer, expert) over the engine's last window of steps."""

@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode eager on CUDA instead of as CUDA graphs captured at start-up (vLLM's flag; "
                         "the plan's serve.enforce_eager)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share cached prompt prefixes on the attention nodes (vLLM's flag; default: the plan's "
+                        "scheduler.enable_prefix_caching, on unless it says false)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each node's runtime configuration, bundles and groups without starting anything; "
                         "exit 1 when the runtime would not reach the plan's predicted batch")
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     if args.enforce_eager:
         plan.serve.enforce_eager = True
+    if args.enable_prefix_caching is not None:
+        plan.scheduler.enable_prefix_caching = args.enable_prefix_caching
     if args.dry_run:
         from deploy import dry_run
         from deploy.runtime_config import runtime_of

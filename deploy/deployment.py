@@ -74,6 +74,9 @@ class Deployment:
     def abort(self, request_id: str) -> bool:
         return self.frontend.abort(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.frontend.reset_prefix_cache()
+
     def rebalance_experts(self) -> RebalanceReport:
         """Re-place the experts now, from the attention nodes' window (deploy/expert_rebalance.py)."""
         return self.rebalancer.rebalance()

@@ -217,6 +217,12 @@ class Frontend:
         except (RayActorError, GetTimeoutError):
             return False
 
+    def reset_prefix_cache(self) -> bool:
+        """Every attention leader forgets its cached prefixes, all at once; True if any had a cache."""
+        with self._lock:
+            nodes = list(self._nodes)
+        return any(ray.get([node.reset_prefix_cache.remote() for node in nodes], timeout=SUBMIT_TIMEOUT_S))
+
     def _actor(self, node: int):
         """Attention node `node`'s actor; None once its group retired."""
         with self._lock:

@@ -175,6 +175,9 @@ class ReplicaSet:
     def metrics_snapshot(self) -> MetricsSnapshot:
         return metrics_snapshot(list(self.replicas), self.frontend.ttft_feedback.router_error)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.frontend.reset_prefix_cache()
+
     def rebalance_experts(self):
         raise ConfigError("expert re-placement serves one replica: the plan's autoscale section makes several "
                           "(the plan schema refuses experts.rebalance with autoscale)")

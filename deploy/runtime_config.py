@@ -110,7 +110,7 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
                           group_tokens=s.group_tokens, layered_chunk_tokens=s.layered_chunk_tokens,
                           target_step_ms=s.target_step_ms, async_scheduling=plan.async_scheduling, num_threads=threads,
                           gpu_memory_utilization=plan.serve.gpu_memory_utilization,
-                          enforce_eager=plan.serve.enforce_eager,
+                          enforce_eager=plan.serve.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
                           expert_load_window=(plan.experts.rebalance.window_steps
                                               if plan.experts.rebalance is not None else EXPERT_LOAD_WINDOW))
     tokens, tp_a = step_tokens(engine), plan.attention.tp

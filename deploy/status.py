@@ -32,6 +32,8 @@ def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHisto
         num_preemptions=sum(e.num_preemptions for e in engines),
         kernels=[e.kernels for e in engines if e.kernels is not None],
         kernel_builds_while_serving=sum(e.kernel_builds_while_serving for e in engines),
+        prefix_cache_queries=sum(e.prefix_cache_queries for e in engines),
+        prefix_cache_hits=sum(e.prefix_cache_hits for e in engines),
         m2n_send=latency.merge([s.m2n_send for s in stats]),
         m2n_receive_wait=latency.merge([s.m2n_receive_wait for s in stats]),
         router_ttft_error=router_error.snapshot() if router_error is not None else None,

@@ -15,6 +15,7 @@ from typing import Any
 from megainfer.config import (DTYPE_BYTES, GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConfig,
                               check_gpu_memory_utilization)
 from megainfer.errors import ConfigError
+from megainfer.scheduling.prefix_hash import model_salt
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class EngineConfig:
     # Steps whose routed tokens per expert the engine keeps (engine/expert_load_window.py).
     expert_load_window: int = EXPERT_LOAD_WINDOW
     show_progress: bool = False  # progress bar while loading weights
+    # Automatic prefix caching (vLLM v1's default): full KV blocks named by their prefix are
+    # kept and shared by later prompts (scheduling/prefix_cache.py). Turned off, with a warning,
+    # for models with sliding-window layers (`resolve`).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES and self.dtype != AUTO:
@@ -72,7 +77,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"engine option '{name}' must be a positive integer, got {value!r}")
-        for name in ("async_scheduling", "enforce_eager"):
+        for name in ("async_scheduling", "enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"engine option '{name}' must be true or false, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:
@@ -109,7 +114,20 @@ class EngineConfig:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             if device == "cpu":
                 logger.info("device auto: running on the CPU (torch.cuda.is_available() is False)")
-        return self if (dtype, device) == (self.dtype, self.device) else self.replace(dtype=dtype, device=device)
+        caching = self.enable_prefix_caching
+        if caching and model.kv_window:
+            logger.warning("%s: prefix caching is off: its sliding-window layers' blocks are not cached yet "
+                           "(every prompt is computed whole)", model.name)
+            caching = False
+        if (dtype, device, caching) == (self.dtype, self.device, self.enable_prefix_caching):
+            return self
+        return self.replace(dtype=dtype, device=device, enable_prefix_caching=caching)
+
+    def prefix_salt(self, model: ModelConfig) -> bytes | None:
+        """The salt naming this engine's cached blocks (None: prefix caching off)."""
+        if not self.enable_prefix_caching:
+            return None
+        return model_salt(model.name, self.concrete_dtype, self.block_size)
 
     @property
     def concrete_dtype(self) -> str:

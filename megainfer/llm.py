@@ -177,7 +177,8 @@ class _PromptRun:
         return RequestOutput(request_id=self.group.request_id, prompt=self.prompt_text,
                              prompt_token_ids=prompt.token_ids, prompt_logprobs=prompt.logprobs,
                              outputs=[_output(c) for c in completions],
-                             finished=self.group.finished, metrics=self.metrics)
+                             finished=self.group.finished, metrics=self.metrics,
+                             num_cached_tokens=self.group.cached_tokens)
 
 
 def _output(c: Completion) -> CompletionOutput:

@@ -100,6 +100,7 @@ class RequestMetrics:
     decode_s: float  # first generated token to the last
     e2e_s: float  # arrival to the end
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 @dataclass
@@ -398,6 +399,9 @@ class EngineStats:
     energy_unavailable: str = ""  # why energy is unavailable, where it is
     kernels: KernelReport | None = None  # which implementation each operator runs (decided at start)
     kernel_builds_while_serving: int = 0  # Triton variants built after start: steps that stalled (want 0)
+    prefix_caching: bool = False  # automatic prefix caching is on
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's counter)
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 @dataclass
@@ -476,6 +480,22 @@ class RequestLengths(NamedTuple):
 
 
 @dataclass
+class PrefixSummary:
+    """What a node's prefix cache holds, for routers: the 64-bit routing keys of the full blocks
+    it registered and dropped since its last summary (`whole`: `stored` lists every cached block
+    instead, replacing what the reader knew), with the salt and block size that name a prompt's
+    blocks as the node names them (scheduling/prefix_hash.py)."""
+
+    salt: bytes
+    block_size: int
+    whole: bool
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    queries: int = 0  # prompt tokens looked up so far (vLLM's prefix_cache_queries)
+    hits: int = 0  # of those, found cached (prefix_cache_hits)
+
+
+@dataclass
 class NodeState:
     knobs: SchedulingKnobs
     running: list[RequestLengths] = field(default_factory=list)  # in the scheduler's order
@@ -485,6 +505,7 @@ class NodeState:
     finished: list[tuple[int, int]] = field(default_factory=list)  # (prompt, output tokens) since the last one
     time: float = 0.0  # the node's clock when taken (seconds; the router's clock must agree)
     steps_done: int = -1  # lockstep nodes: every step numbered below this one has run (-1: colocated)
+    prefix: PrefixSummary | None = None  # its prefix cache's changes since the last snapshot (None: off)
 
     def load(self) -> "NodeLoad":
         """The heuristic routers' view."""

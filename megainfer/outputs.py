@@ -61,3 +61,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # the n completions, by index
     finished: bool
     metrics: OutputMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)

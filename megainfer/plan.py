@@ -119,10 +119,15 @@ class SchedulerSpec:
     # (vLLM's async scheduling). null: on for GPU plans, off for CPU plans, whose layers run on
     # the host's own cores, so bookkeeping beside them hides nothing (`Plan.async_scheduling`).
     async_scheduling: bool | None = None
+    # Automatic prefix caching on the attention nodes (vLLM v1's default; scheduling/prefix_cache.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise PlanError(f"scheduler.async_scheduling must be true, false or null, got {self.async_scheduling!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise PlanError(f"scheduler.enable_prefix_caching must be true or false, got "
+                            f"{self.enable_prefix_caching!r}")
         if self.target_step_ms is not None:
             _positive("scheduler", target_step_ms=self.target_step_ms)
         if self.prefill_policy not in PREFILL_POLICIES:

@@ -183,5 +183,17 @@ class RequestGroup:
         return sum(p.num_tokens for p in self.prompts)
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache: each prompt's, as its completions that ran
+        report them (the most of them: a prompt's n completions may find different amounts)."""
+        cached = {}
+        for c in self.completions:
+            metrics = c.last.metrics if c.last is not None else None
+            if metrics is not None:
+                key = id(c.source)
+                cached[key] = max(cached.get(key, 0), metrics.cached_tokens)
+        return sum(cached.values())
+
+    @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)

@@ -11,6 +11,7 @@ from megainfer.errors import RequestError
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is 20 too
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 1024
 MAX_CHOICES = 128  # n
 # top_k's largest value: the gRPC field's int32 range (the sampler builds an int64 tensor of it; any
 # value at or above the vocabulary keeps every token).
@@ -45,6 +46,9 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its logprob and the top-`logprobs` (0: the token's alone)
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # vLLM's request field: salts the names of the request's cached KV blocks, so it shares
+    # cached prefixes only with requests of the same salt (tenants; or caching off per request).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +81,9 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2]")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "a number > 0 (1 disables it)")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or
+                                            not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise bad("cache_salt", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, or None")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if not all(isinstance(s, str) and s for s in self.stop):

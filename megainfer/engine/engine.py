@@ -63,7 +63,8 @@ class Engine:
                                                max_model_len=self.max_model_len,
                                                eos_token_ids=self.model_config.eos_token_ids,
                                                num_layers=self.model_config.num_layers,
-                                               window=self.model_config.kv_window)
+                                               window=self.model_config.kv_window,
+                                               prefix_salt=self.config.prefix_salt(self.model_config))
         self.admission = RequestAdmission(self.model_config, self.tokenizer, self.max_model_len,
                                           self.scheduler.block_manager)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.runner.sampler)
@@ -221,6 +222,11 @@ class Engine:
             self._settle(pending, None, settled)
         fail = self.output_processor.fail
         return settled.deltas + [fail(seq, error, code=code) for seq in list(self.scheduler.requests.values())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache; for benchmarks). Running
+        requests keep their blocks. False when prefix caching is off."""
+        return self.scheduler.block_manager.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         """The engine's counters so far, with its scheduler's state now."""

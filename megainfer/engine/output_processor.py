@@ -120,4 +120,4 @@ class OutputProcessor:
             queued_s=scheduled - seq.arrival_time,
             prefill_s=(now if first_token is None else first_token) - scheduled,
             decode_s=0.0 if first_token is None else seq.last_token_time - first_token,
-            e2e_s=now - seq.arrival_time, num_preemptions=seq.num_preemptions)
+            e2e_s=now - seq.arrival_time, num_preemptions=seq.num_preemptions, cached_tokens=seq.num_cached_tokens)

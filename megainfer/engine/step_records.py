@@ -100,6 +100,9 @@ class StepRecords:
         s.num_running = scheduler.num_running
         s.num_waiting = scheduler.num_waiting
         s.kv_cache_usage = scheduler.block_manager.usage
+        prefix = scheduler.block_manager.prefix
+        if prefix is not None:
+            s.prefix_caching, s.prefix_cache_queries, s.prefix_cache_hits = True, prefix.queries, prefix.hits
         s.energy_j = self.energy.joules()
         s.kernels = kernels
         s.kernel_builds_while_serving = WATCH.built_while_serving

@@ -11,12 +11,21 @@ query at position p sees keys from p - window + 1 on, so once a sequence's compu
 pass a block by a window, that block of its window table is released and its entry left at
 `RELEASED` (the kernels skip entries before a query's window). Its window table then holds at
 most a window's worth of blocks however long the sequence grows.
+
+With automatic prefix caching (`prefix_salt` given; `prefix_cache.PrefixCache` keeps the names and
+counts) a block may be held by several sequences: it returns to the free blocks when the last
+one lets it go, and a named one stays findable there (evictable) until the blocks that never
+held a named full block run out. A waiting sequence takes the cached blocks of its prompt with
+`claim_prefix` before it is admitted. Models with windowed layers are not prefix-cached.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from megainfer.errors import ConfigError
+from megainfer.scheduling.prefix_cache import PrefixCache
+from megainfer.scheduling.prefix_hash import extend_block_hashes, request_salt
 from megainfer.scheduling.sequence import Sequence
 
 
@@ -24,9 +33,13 @@ RELEASED = 0  # a window table's entry whose block was released (any valid id: i
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, window: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0, prefix_salt: bytes | None = None) -> None:
         """`window` > 0: sequences also hold window tables for layers that see that many
-        positions (a model mixing windowed and full-attention layers)."""
+        positions (a model mixing windowed and full-attention layers). `prefix_salt`: cache full
+        blocks by name for later prompts (prefix_hash.model_salt of the served model)."""
+        if prefix_salt is not None and window:
+            raise ConfigError("prefix caching does not serve models with sliding-window layers yet; "
+                              "turn it off (--no-enable-prefix-caching)")
         self.num_blocks = num_blocks
         self.block_size = block_size  # tokens per block
         self.window = window
@@ -36,15 +49,18 @@ class BlockManager:
         # mapped lazily (model_runner._zeroed), so resident memory follows the peak use instead
         # of creeping up to the whole cache as a queue would cycle through every block.
         self.free_block_ids: deque[int] = deque(range(num_blocks - 1, -1, -1))
+        self.prefix = PrefixCache(num_blocks, block_size, prefix_salt) if prefix_salt is not None else None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks no sequence holds: never-named ones, and cached ones that may be evicted."""
+        prefix = self.prefix
+        return len(self.free_block_ids) + (len(prefix.evictable) if prefix is not None else 0)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
-        return 1.0 - len(self.free_block_ids) / self.num_blocks
+        """Fraction of blocks held by sequences, 0..1 (cached blocks nobody holds count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -76,24 +92,93 @@ class BlockManager:
         return max(min(first_needed, len(seq.window_table)) - seq.window_released, 0)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_new_tokens) <= len(self.free_block_ids)
+        return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         if self.window:
             self._release_window(seq)
+        elif self.prefix is not None:
+            self._register(seq)
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         n = needed - len(seq.block_table)
         w = needed - len(seq.window_table) if self.window else 0
         if n <= 0 and w <= 0:  # most decode steps: the last block has room
             return
-        if max(n, 0) + max(w, 0) > len(self.free_block_ids):
-            raise RuntimeError(f"allocate: {max(n, 0) + max(w, 0)} blocks wanted, {len(self.free_block_ids)} free "
+        if max(n, 0) + max(w, 0) > self.num_free_blocks:
+            raise RuntimeError(f"allocate: {max(n, 0) + max(w, 0)} blocks wanted, {self.num_free_blocks} free "
                                "(check can_allocate)")
-        free = self.free_block_ids
         if n > 0:
-            seq.block_table.extend(free.pop() for _ in range(n))
+            seq.block_table.extend(self._take(n))
         if w > 0:
-            seq.window_table.extend(free.pop() for _ in range(w))
+            seq.window_table.extend(self._take(w))
+
+    def _take(self, n: int) -> list[int]:
+        """`n` free blocks: never-named ones first (most recently freed first), then cached ones,
+        least recently released first, their names dropped."""
+        free, prefix = self.free_block_ids, self.prefix
+        if prefix is None:
+            return [free.pop() for _ in range(n)]
+        taken = [free.pop() for _ in range(min(n, len(free)))]
+        while len(taken) < n:
+            block, _ = prefix.evictable.popitem(last=False)
+            prefix.drop(block)
+            taken.append(block)
+        holders = prefix.holders
+        for block in taken:
+            holders[block] = 1
+        return taken
+
+    # -- prefix caching --------------------------------------------------------------------------
+    def _root(self, seq: Sequence) -> bytes:
+        return request_salt(self.prefix.salt, seq.params.cache_salt)
+
+    def _register(self, seq: Sequence) -> None:
+        """Name the full blocks of `seq` whose KV is computed (or being computed by a step that
+        runs before any step scheduled after this call) and not yet named."""
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.hashed_blocks:
+            return
+        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, full)
+        table, register = seq.block_table, self.prefix.register
+        for k in range(seq.hashed_blocks, full):
+            register(table[k], names[k])
+        seq.hashed_blocks = full
+
+    def claim_prefix(self, seq: Sequence) -> int:
+        """A waiting sequence with no blocks takes the cached blocks of its longest cached prefix
+        (full blocks, never its last token) and counts them computed. Returns the tokens taken.
+        Undone by `free` if the sequence is not admitted after all."""
+        prefix = self.prefix
+        if prefix is None or seq.block_table or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position's logits: computed, not cached
+        limit = (len(seq.token_ids) - 1) // self.block_size
+        if limit <= 0:
+            return 0
+        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, limit)
+        blocks = prefix.match(names, limit)
+        holders, evictable = prefix.holders, prefix.evictable
+        for block in blocks:
+            if not holders[block]:
+                del evictable[block]
+            holders[block] += 1
+        seq.block_table = blocks
+        seq.hashed_blocks = len(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        return seq.num_computed_tokens
+
+    def count_lookup(self, seq: Sequence) -> None:
+        """An admitted sequence's lookup into the counters (vLLM's prefix_cache_queries/hits, tokens)."""
+        prefix = self.prefix
+        if prefix is not None:
+            prefix.queries += len(seq.token_ids)
+            prefix.hits += seq.num_computed_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache). False when nothing is cached."""
+        if self.prefix is None:
+            return False
+        self.free_block_ids.extend(self.prefix.reset())
+        return True
 
     def _release_window(self, seq: Sequence) -> None:
         n = self._releasable(seq)
@@ -103,13 +188,38 @@ class BlockManager:
             table[start:start + n] = [RELEASED] * n
             seq.window_released = start + n
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, keep_cache: bool = True) -> None:
+        """`seq` lets its blocks go. `keep_cache` False (a sequence that failed: its last step's
+        KV may not have been written) names none of its blocks and forgets those only it held."""
+        if self.prefix is not None:
+            self._free_shared(seq, keep_cache)
+            return
         # Reversed so that a table freed whole is handed out again in its own order.
         self.free_block_ids.extend(reversed(seq.block_table))
         seq.block_table = []
         if self.window:
             self.free_block_ids.extend(reversed(seq.window_table[seq.window_released:]))
             seq.window_table, seq.window_released = [], 0
+
+    def _free_shared(self, seq: Sequence, keep_cache: bool) -> None:
+        prefix = self.prefix
+        if keep_cache:
+            self._register(seq)
+        holders, named, evictable, free = prefix.holders, prefix.name_of, prefix.evictable, self.free_block_ids
+        # Reversed: a freed table's tail is evicted before its head (prompts share heads), and
+        # its unnamed blocks are handed out again in its own order.
+        for block in reversed(seq.block_table):
+            holders[block] -= 1
+            if holders[block]:
+                continue
+            if not keep_cache:
+                prefix.drop(block)
+            if block in named:
+                evictable[block] = None
+            else:
+                free.append(block)
+        seq.block_table = []
+        seq.hashed_blocks = 0
 
     def held_blocks(self, seq: Sequence) -> int:
         """Block ids `seq` holds now, in both of its tables."""

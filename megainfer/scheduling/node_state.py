@@ -34,9 +34,11 @@ def snapshot(scheduler: Scheduler, now: float, steps: list[StepSample] = (), fin
                steps_done: int = -1) -> NodeState:
     """The node's snapshot at `now`: its queues' lengths, free blocks, and the steps measured and
     requests finished since the last one."""
+    prefix = scheduler.block_manager.prefix
     return NodeState(scheduling_knobs(scheduler), [_lengths(s) for s in scheduler.running],
                      [_lengths(s) for s in scheduler.waiting], scheduler.block_manager.num_free_blocks,
-                     list(steps), list(finished), now, steps_done)
+                     list(steps), list(finished), now, steps_done,
+                     prefix.take_summary() if prefix is not None else None)
 
 
 def _lengths(s: Sequence) -> RequestLengths:

@@ -90,8 +90,10 @@ class ChunkedPrefill:
         and only when nothing had to be preempted: they would evict each other."""
         while not out.preempted and scheduler.waiting and token_budget > 0 and scheduler.has_room:
             seq = scheduler.waiting[0]
+            scheduler.claim_prefix(seq)
             n = self.num_prefill_tokens(seq, token_budget)
             if n <= 0 or not scheduler.block_manager.can_allocate(seq, n):
+                scheduler.unclaim_prefix(seq)
                 break
             scheduler.admit(seq, n)
             out.seqs.append(seq)
@@ -162,13 +164,16 @@ class LayeredPrefill:
         # Long prompts already running (their next chunk) first, then waiting prompts in order.
         candidates = [s for s in scheduler.running if s.num_uncomputed_tokens > 1]
         for seq in candidates + list(scheduler.waiting):
-            n = min(seq.num_uncomputed_tokens, self.chunk_tokens - total)
             waiting = seq.status is SequenceStatus.WAITING
+            if waiting and scheduler.has_room:  # a cached prefix skips every layer group
+                scheduler.claim_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, self.chunk_tokens - total)
             # Only the first member may be cut to fit: a prompt split over two cohorts would
             # wait for both, and a smaller cohort passes its groups sooner.
-            if members and n < seq.num_uncomputed_tokens:
-                break
-            if n <= 0 or (waiting and not scheduler.has_room) or not scheduler.block_manager.can_allocate(seq, n):
+            if (members and n < seq.num_uncomputed_tokens) or n <= 0 or (waiting and not scheduler.has_room) \
+                    or not scheduler.block_manager.can_allocate(seq, n):
+                if waiting:
+                    scheduler.unclaim_prefix(seq)
                 break
             if waiting:
                 scheduler.admit(seq, n)
@@ -297,10 +302,13 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
-                    eos_token_ids: Iterable[int], num_layers: int = 1, window: int = 0) -> "Scheduler":
+                    eos_token_ids: Iterable[int], num_layers: int = 1, window: int = 0,
+                    prefix_salt: bytes | None = None) -> "Scheduler":
         """`window`: the model's sliding window where it mixes windowed and full-attention layers
-        (sequences then hold window tables, kv_cache.BlockManager)."""
-        return cls(BlockManager(num_blocks, config.block_size, window), make_prefill_policy(config, num_layers),
+        (sequences then hold window tables, kv_cache.BlockManager). `prefix_salt`: prefix caching
+        on, blocks named under this salt (prefix_hash.model_salt)."""
+        return cls(BlockManager(num_blocks, config.block_size, window, prefix_salt),
+                   make_prefill_policy(config, num_layers),
                    max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
 
@@ -332,7 +340,7 @@ class Scheduler:
         if seq.is_finished:
             return
         seq.error = error
-        self._end(seq, FinishReason.ERROR)
+        self._end(seq, FinishReason.ERROR, keep_cache=False)
 
     @property
     def has_unfinished(self) -> bool:
@@ -408,8 +416,23 @@ class Scheduler:
         """Whether one more sequence may start running (`max_num_seqs`)."""
         return len(self.running) < self.max_num_seqs
 
+    def claim_prefix(self, seq: Sequence) -> None:
+        """Before a waiting `seq` is weighed for admission: it takes the cached blocks of its
+        prompt's longest cached prefix (prefix caching), which then count computed."""
+        if not seq.block_table:
+            self.block_manager.claim_prefix(seq)
+
+    def unclaim_prefix(self, seq: Sequence) -> None:
+        """`seq` stays waiting after `claim_prefix`: the blocks it took go back, still cached."""
+        if seq.status is SequenceStatus.WAITING and seq.block_table:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+
     def admit(self, seq: Sequence, num_tokens: int) -> None:
         """A waiting prompt starts running: blocks for its first `num_tokens`, to the running set."""
+        self.block_manager.count_lookup(seq)
+        if seq.first_scheduled_time is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.block_manager.allocate(seq, num_tokens)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
@@ -456,16 +479,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _end(self, seq: Sequence, reason: FinishReason) -> None:
+    def _end(self, seq: Sequence, reason: FinishReason, keep_cache: bool = True) -> None:
         """`seq` leaves its queue and finishes. Advanced ahead, a sequence that stops may have been
-        preempted meanwhile: it waits, not runs."""
+        preempted meanwhile: it waits, not runs. `keep_cache` False: a failed sequence's blocks
+        are not kept for later prompts (its last step's KV may not have been written)."""
         (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
-        self._finish(seq, reason)
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.num_finished += 1
         self.policy.drop(seq)
-        self.block_manager.free(seq)
+        self.block_manager.free(seq, keep_cache)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)

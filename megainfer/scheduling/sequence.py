@@ -30,6 +30,12 @@ class Sequence:
     # entries were released (kv_cache.BlockManager). Empty for models without windowed layers.
     window_table: list[int] = field(default_factory=list)
     window_released: int = 0
+    # Prefix caching (kv_cache.BlockManager): the names of its full blocks so far (they depend on
+    # its tokens alone, so they outlive a preemption), how many leading blocks of `block_table`
+    # were named or found named, and the prompt tokens its first admission found cached.
+    block_hashes: list[bytes] = field(default_factory=list)
+    hashed_blocks: int = 0
+    num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

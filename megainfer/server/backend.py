@@ -134,6 +134,10 @@ class GenerationBackend(Protocol):
         """Re-place the experts now (a `RebalanceReport`); ConfigError where there is nothing to
         re-place (a colocated engine, a plan whose experts cannot move, autoscaled replicas)."""
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every attention node's cached prefixes (vLLM's route, for benchmarks); False
+        where prefix caching is off."""
+
     def close(self) -> None: ...
 
 

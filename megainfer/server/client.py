@@ -25,7 +25,7 @@ def sampling_message(params: SamplingParams, server_defaults: Iterable[str] = ()
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
         if name not in leave:
             setattr(msg, name, getattr(params, name))
-    for name in ("seed", "logprobs", "prompt_logprobs"):  # None: unset
+    for name in ("seed", "logprobs", "prompt_logprobs", "cache_salt"):  # None: unset
         if getattr(params, name) is not None:
             setattr(msg, name, getattr(params, name))
     return msg

@@ -66,8 +66,13 @@ class EngineBackend:
                                expert_bytes_read=s.expert_bytes_read, kv_blocks=s.num_kv_blocks,
                                num_preemptions=s.num_preemptions, kernels=[s.kernels] if s.kernels else [],
                                kernel_builds_while_serving=s.kernel_builds_while_serving,
+                               prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                                expert_layer_imbalance=placed_load(None, s.expert_window.of("all"))[1]
                                if s.expert_window is not None else [])
+
+    def reset_prefix_cache(self) -> bool:
+        with self.steps.between_steps() as engine:
+            return engine.reset_prefix_cache()
 
     def rebalance_experts(self):
         raise ConfigError("a colocated engine holds every expert itself: there is nothing to re-place "

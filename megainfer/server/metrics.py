@@ -34,6 +34,8 @@ At each scrape, from the backend's `MetricsSnapshot` (attention nodes summed in 
   megainfer:num_replicas                               gauge: model replicas serving (autoscaled deployments)
   megainfer:num_preemptions_total                      counter: requests preempted (recomputed later)
   megainfer:expert_load_bytes_total                    counter: expert-weight bytes read by the expert GEMMs
+  megainfer:prefix_cache_queries_total                 counter: prompt tokens looked up in the prefix caches
+  megainfer:prefix_cache_hits_total                    counter: of those, tokens found cached (vLLM's pair)
   megainfer:m2n_send_latency_seconds                   histogram: one M2N send (deployments)
   megainfer:m2n_receive_wait_seconds                   histogram: waiting for one expert node's answer
                                                        (deployments)
@@ -108,6 +110,10 @@ class MetricsSnapshot:
     # expert (colocated) over the mean.
     expert_node_pairs: list[float] = field(default_factory=list)
     expert_layer_imbalance: list[float] = field(default_factory=list)
+    # Cumulative, summed over attention nodes: prompt tokens looked up in the prefix caches and
+    # of those the tokens found cached (EngineStats.prefix_cache_queries/hits).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 def _expert_families(snap: MetricsSnapshot, labels: list[str]):
@@ -184,7 +190,11 @@ class _BackendCollector:
                 ("megainfer:num_preemptions", "Cumulative number of requests preempted by the schedulers.",
                  snap.num_preemptions),
                 ("megainfer:expert_load_bytes", "Cumulative expert-weight bytes read by the experts' GEMMs.",
-                 snap.expert_bytes_read)):
+                 snap.expert_bytes_read),
+                ("megainfer:prefix_cache_queries", "Prefix cache queries, in terms of prompt tokens looked up.",
+                 snap.prefix_cache_queries),
+                ("megainfer:prefix_cache_hits", "Prefix cache hits, in terms of prompt tokens found cached.",
+                 snap.prefix_cache_hits)):
             family = CounterMetricFamily(name, doc, labels=[MODEL_LABEL])  # exposed with the _total suffix
             family.add_metric(labels, value)
             yield family

@@ -60,7 +60,7 @@ def _finish(delta: RequestDelta) -> str | None:
 
 
 def _usage(group: RequestGroup) -> Usage:
-    return Usage.of(group.prompt_tokens, group.completion_tokens)
+    return Usage.of(group.prompt_tokens, group.completion_tokens, group.cached_tokens)
 
 
 # -- /v1/completions --------------------------------------------------------------------------

@@ -93,6 +93,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -118,7 +119,8 @@ class SamplingRequest(OpenAIModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             min_tokens=self.min_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            cache_salt=self.cache_salt)
 
     @property
     def include_usage(self) -> bool:
@@ -218,15 +220,21 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):

@@ -188,6 +188,18 @@ class OpenAIServer:
         async def version() -> Response:
             return JSONResponse({"version": megainfer.__version__})
 
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:  # vLLM's route, behind the API keys
+            try:
+                reset = await self._in_thread(self.backend.reset_prefix_cache)
+            except Exception as exc:
+                return error_response(api_error(exc))
+            if not reset:
+                return error_response(ApiError(HTTPStatus.BAD_REQUEST, "prefix caching is off on this server "
+                                               "(started with --no-enable-prefix-caching, or a model it does not "
+                                               "serve); there is nothing to reset"))
+            return Response(status_code=HTTPStatus.OK)
+
         @app.post("/admin/experts/rebalance")
         async def rebalance_experts() -> Response:  # behind the API keys, as every route but /health
             try:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # only its `defaults` are read
 API_DEFAULTS = {"max_tokens": 16, "temperature": 0.0}  # for fields unset, where the model sets none
 # Optional in the proto: unset means "the served model's default" (generation_config.json).
 MODEL_DEFAULTED = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-_OPTIONAL = ("seed", "n", "logprobs", "prompt_logprobs", "skip_special_tokens")  # unset: SamplingParams' default
+_OPTIONAL = ("seed", "n", "logprobs", "prompt_logprobs", "skip_special_tokens", "cache_salt")  # unset: SamplingParams' default
 _PLAIN = ("ignore_eos", "presence_penalty", "frequency_penalty", "min_tokens", "include_stop_str_in_output")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -165,7 +165,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                 if p is not None)
             if group.finished:
                 batch[-1].usage.CopyFrom(pb.Usage(prompt_tokens=group.prompt_tokens,
-                                                  completion_tokens=group.completion_tokens))
+                                                  completion_tokens=group.completion_tokens,
+                                                  cached_tokens=group.cached_tokens))
                 batch[-1].timings.CopyFrom(_timings(group.completions, now))
             yield from batch
             if group.finished:

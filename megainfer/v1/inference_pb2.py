@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmegainfer/v1/inference.proto\x12\x0cmegainfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdd\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x05H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.megainfer.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.megainfer.v1.SamplingParamsB\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"?\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x13\n\x0bmean_tbt_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"K\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\"u\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12%\n\x03top\x18\x05 \x03(\x0b\x32\x18.megainfer.v1.TopLogprob\"\xdd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.megainfer.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.megainfer.v1.Timings\x12\r\n\x05index\x18\x07 \x01(\x05\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.megainfer.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.megainfer.v1.TokenLogprobs\x12\x17\n\rstop_token_id\x18\n \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x0b \x01(\tH\x00\x42\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x13\n\x11ServerInfoRequest\"E\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"n\n\x12ServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tplan_yaml\x18\x03 \x01(\t\x12%\n\x05nodes\x18\x04 \x03(\x0b\x32\x16.megainfer.v1.NodeInfo2\xeb\x01\n\tInference\x12K\n\x08Generate\x12\x1d.megainfer.v1.GenerateRequest\x1a\x1e.megainfer.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.megainfer.v1.AbortRequest\x1a\x1b.megainfer.v1.AbortResponse\x12O\n\nServerInfo\x12\x1f.megainfer.v1.ServerInfoRequest\x1a .megainfer.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmegainfer/v1/inference.proto\x12\x0cmegainfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x85\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\x17\n\ncache_salt\x18\x13 \x01(\tH\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\r\n\x0b_cache_salt\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.megainfer.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.megainfer.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"?\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x13\n\x0bmean_tbt_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"K\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\"u\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12%\n\x03top\x18\x05 \x03(\x0b\x32\x18.megainfer.v1.TopLogprob\"\xdd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.megainfer.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.megainfer.v1.Timings\x12\r\n\x05index\x18\x07 \x01(\x05\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.megainfer.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.megainfer.v1.TokenLogprobs\x12\x17\n\rstop_token_id\x18\n \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x0b \x01(\tH\x00\x42\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x13\n\x11ServerInfoRequest\"E\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"n\n\x12ServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tplan_yaml\x18\x03 \x01(\t\x12%\n\x05nodes\x18\x04 \x03(\x0b\x32\x16.megainfer.v1.NodeInfo2\xeb\x01\n\tInference\x12K\n\x08Generate\x12\x1d.megainfer.v1.GenerateRequest\x1a\x1e.megainfer.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.megainfer.v1.AbortRequest\x1a\x1b.megainfer.v1.AbortResponse\x12O\n\nServerInfo\x12\x1f.megainfer.v1.ServerInfoRequest\x1a .megainfer.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=46
   _globals['_TOKENIDS']._serialized_end=69
   _globals['_SAMPLINGPARAMS']._serialized_start=72
-  _globals['_SAMPLINGPARAMS']._serialized_end=677
-  _globals['_GENERATEREQUEST']._serialized_start=680
-  _globals['_GENERATEREQUEST']._serialized_end=836
-  _globals['_USAGE']._serialized_start=838
-  _globals['_USAGE']._serialized_end=895
-  _globals['_TIMINGS']._serialized_start=897
-  _globals['_TIMINGS']._serialized_end=960
-  _globals['_TOPLOGPROB']._serialized_start=962
-  _globals['_TOPLOGPROB']._serialized_end=1037
-  _globals['_TOKENLOGPROBS']._serialized_start=1039
-  _globals['_TOKENLOGPROBS']._serialized_end=1156
-  _globals['_GENERATERESPONSE']._serialized_start=1159
-  _globals['_GENERATERESPONSE']._serialized_end=1508
-  _globals['_ABORTREQUEST']._serialized_start=1510
-  _globals['_ABORTREQUEST']._serialized_end=1544
-  _globals['_ABORTRESPONSE']._serialized_start=1546
-  _globals['_ABORTRESPONSE']._serialized_end=1578
-  _globals['_SERVERINFOREQUEST']._serialized_start=1580
-  _globals['_SERVERINFOREQUEST']._serialized_end=1599
-  _globals['_NODEINFO']._serialized_start=1601
-  _globals['_NODEINFO']._serialized_end=1670
-  _globals['_SERVERINFORESPONSE']._serialized_start=1672
-  _globals['_SERVERINFORESPONSE']._serialized_end=1782
-  _globals['_INFERENCE']._serialized_start=1785
-  _globals['_INFERENCE']._serialized_end=2020
+  _globals['_SAMPLINGPARAMS']._serialized_end=717
+  _globals['_GENERATEREQUEST']._serialized_start=720
+  _globals['_GENERATEREQUEST']._serialized_end=876
+  _globals['_USAGE']._serialized_start=878
+  _globals['_USAGE']._serialized_end=958
+  _globals['_TIMINGS']._serialized_start=960
+  _globals['_TIMINGS']._serialized_end=1023
+  _globals['_TOPLOGPROB']._serialized_start=1025
+  _globals['_TOPLOGPROB']._serialized_end=1100
+  _globals['_TOKENLOGPROBS']._serialized_start=1102
+  _globals['_TOKENLOGPROBS']._serialized_end=1219
+  _globals['_GENERATERESPONSE']._serialized_start=1222
+  _globals['_GENERATERESPONSE']._serialized_end=1571
+  _globals['_ABORTREQUEST']._serialized_start=1573
+  _globals['_ABORTREQUEST']._serialized_end=1607
+  _globals['_ABORTRESPONSE']._serialized_start=1609
+  _globals['_ABORTRESPONSE']._serialized_end=1641
+  _globals['_SERVERINFOREQUEST']._serialized_start=1643
+  _globals['_SERVERINFOREQUEST']._serialized_end=1662
+  _globals['_NODEINFO']._serialized_start=1664
+  _globals['_NODEINFO']._serialized_end=1733
+  _globals['_SERVERINFORESPONSE']._serialized_start=1735
+  _globals['_SERVERINFORESPONSE']._serialized_end=1845
+  _globals['_INFERENCE']._serialized_start=1848
+  _globals['_INFERENCE']._serialized_end=2083
 # @@protoc_insertion_point(module_scope)

@@ -85,6 +85,11 @@ def check_greedy(hf_ref, name, captured_logits) -> None:
     if "chunks" in name or "layered" in name:
         assert stats.num_steps > NEW_TOKENS  # prompts were split over several steps (or layer groups)
     assert stats.kv_cache_usage == 0.0  # every block came back
+    # Prefix caching is on by default: the prompts admitted after those they share a prefix with
+    # (split prompts, preempted ones) took cached blocks, and the tokens above stayed equal.
+    assert stats.prefix_caching == (not llm.engine.model_config.kv_window)  # sliding windows: off, said
+    if stats.prefix_caching and ("chunks" in name or "tiny-kv" in name):
+        assert stats.prefix_cache_hits > 0, "no prompt found a cached prefix"
 
 
 def test_batch_composition_does_not_change_tokens(mixtral_ref):

@@ -65,6 +65,9 @@ class Switchable:
     def metrics_snapshot(self):
         return self.inner.metrics_snapshot()
 
+    def reset_prefix_cache(self):
+        return self.inner.reset_prefix_cache()
+
     def rebalance_experts(self):
         if self.placed is None:
             return self.inner.rebalance_experts()

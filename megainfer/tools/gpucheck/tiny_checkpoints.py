@@ -129,6 +129,11 @@ def _deepseek(kind: str):
 
 
 def tiny_prompts() -> list[list[int]]:
-    """The prompts every comparison uses: seeded token ids of PROMPT_LENGTHS."""
+    """The prompts every comparison uses: seeded token ids of PROMPT_LENGTHS, then two that share
+    a prefix with earlier ones (so prefix caching finds blocks whenever they are admitted after
+    those are computed): the 33-token prompt's first 21 tokens with 12 of their own, and the
+    24-token prompt followed by the 17-token one's first 9 (a conversation's next turn)."""
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    own = torch.randint(0, VOCAB, (12,), generator=g).tolist()
+    return prompts + [prompts[2][:21] + own, prompts[4] + prompts[1][:9]]
