@@ -8,8 +8,22 @@ from a gamma distribution of shape --burstiness and mean 1/rate (burstiness 1 is
 process; the gaps are scaled so the last request leaves at num_prompts / rate), with at most
 --max-concurrency in flight. A trace (--dataset-name trace) brings its own schedule: each request
 leaves at its arrival after the start, so --request-rate and --burstiness do not apply and are
-refused. One asyncio client carries every request (serve_requests.py); the figures are vLLM's
-(serve_metrics.py).
+refused. A conversation (--dataset-name conversation, openai-chat only) paces its turns the same
+way, turn-major, and each turn leaves no earlier than its slot and no earlier than the completion of
+its conversation's previous turn (failed or not: the history holds the recorded replies, not the
+server's), so conversations run side by side while each one's turns run in order; the result adds
+each turn's TTFT. One asyncio client carries every request (serve_requests.py); the figures are
+vLLM's (serve_metrics.py).
+
+--compare-prefix-caching (HTTP backends) measures automatic prefix caching in one invocation, on the
+same requests and schedule twice: POST /reset_prefix_cache (vLLM's route; a server without it gets a
+printed note and no reset), the requests with a distinct `cache_salt` each (vLLM's body field: no
+request shares cached blocks, caching in effect off), reset again, the same requests without salts
+(caching on). It prints both result blocks and the ratio of mean TTFT (on / off) with the mean
+usage.prompt_tokens_details.cached_tokens of each run where the server reports it; the result holds
+both runs ("caching_off", "caching_on") and those figures. The off run goes first, so it also bears
+any warm-up of the server: warm it with a short run beforehand. Datasets whose requests share
+prefixes show the effect: prefix_repetition, conversation, random with --random-prefix-len.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,10 +45,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from megainfer.bench.serve_datasets import DatasetSpec, SampleRequest, sample_requests
-from megainfer.bench.serve_metrics import (PERCENTILE_METRICS, calculate_metrics, format_block, output_lengths,
+from megainfer.bench.serve_metrics import (PERCENTILE_METRICS, calculate_metrics, comparison_fields, format_block,
+                                           format_comparison, format_turn_block, output_lengths, per_turn_fields,
                                            result_fields)
 from megainfer.bench.serve_requests import (BACKENDS, OPENAI_ENDPOINTS, REQUEST_FUNCS, RequestInput, RequestOutput,
-                                            open_session, server_model)
+                                            open_session, reset_prefix_cache, server_model)
 from megainfer.errors import CheckpointError, ConfigError, MegaInferError, RequestError
 from megainfer.model_resolution import resolve_model
 from megainfer.sampling_params import SamplingParams
@@ -65,6 +81,7 @@ class ServeBenchConfig:
     metric_percentiles: list[float] = field(default_factory=lambda: [99.0])
     label: str | None = None
     disable_tqdm: bool = False
+    compare_prefix_caching: bool = False  # two runs: every request salted (caching off), then unsalted (on)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -76,15 +93,7 @@ class ServeBenchConfig:
         if self.endpoint is not None and not self.endpoint.endswith(suffix):
             raise ConfigError(f"--endpoint {self.endpoint}: --backend {self.backend} needs a path ending in {suffix} "
                               f"(e.g. {OPENAI_ENDPOINTS[self.backend]})")
-        if self.dataset.name == "trace":
-            if math.isfinite(self.request_rate) or self.burstiness != 1.0:
-                raise ConfigError("--request-rate and --burstiness pace generated requests; --dataset-name trace "
-                                  "sends each request at its arrival in the trace: drop them (or rescale the "
-                                  "trace's arrivals)")
-            if self.backend == "openai-chat":
-                raise ConfigError("--dataset-name trace sends prompts of exactly input_len token ids, which "
-                                  "/v1/chat/completions cannot take (its chat template adds tokens); use --backend "
-                                  "openai or megainfer-grpc")
+        self._check_dataset_and_mode()
         if not self.request_rate > 0:
             raise ConfigError(f"--request-rate must be positive (or inf), got {self.request_rate}")
         if not self.burstiness > 0:
@@ -98,6 +107,25 @@ class ServeBenchConfig:
             SamplingParams(**self.sampling)
         except RequestError as exc:
             raise ConfigError(f"--temperature/--top-p/--top-k: {exc}") from None
+
+    def _check_dataset_and_mode(self) -> None:
+        if self.dataset.name == "trace":
+            if math.isfinite(self.request_rate) or self.burstiness != 1.0:
+                raise ConfigError("--request-rate and --burstiness pace generated requests; --dataset-name trace "
+                                  "sends each request at its arrival in the trace: drop them (or rescale the "
+                                  "trace's arrivals)")
+            if self.backend == "openai-chat":
+                raise ConfigError("--dataset-name trace sends prompts of exactly input_len token ids, which "
+                                  "/v1/chat/completions cannot take (its chat template adds tokens); use --backend "
+                                  "openai or megainfer-grpc")
+        if self.dataset.name == "conversation" and self.backend != "openai-chat":
+            raise ConfigError(f"--dataset-name conversation sends each turn as chat messages (the conversation so "
+                              f"far), which only /v1/chat/completions takes: use --backend openai-chat, not "
+                              f"{self.backend}")
+        if self.compare_prefix_caching and self.backend == "megainfer-grpc":
+            raise ConfigError("--compare-prefix-caching salts requests with cache_salt and resets the cache at "
+                              "/reset_prefix_cache, both over HTTP: use --backend openai or openai-chat (megainfer "
+                              "serve's HTTP port, 8000 by default)")
 
     @property
     def target(self) -> str:
@@ -143,30 +171,78 @@ def load_bench_tokenizer(name: str) -> tuple[Tokenizer, int]:
 
 
 def run(config: ServeBenchConfig, metadata: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; print vLLM's block; return the dict vLLM saves."""
+    """Run the benchmark; print vLLM's block; return the dict vLLM saves (comparing prefix caching:
+    each run's under "caching_off" and "caching_on", beside the comparison's figures)."""
     return asyncio.run(_run(config, metadata or {}))
 
 
 async def _run(config: ServeBenchConfig, metadata: dict[str, str]) -> dict[str, Any]:
     async with open_session(config.backend, config.target, config.max_concurrency) as session:
-        if config.model is None:
-            print("Model not specified, fetching first model from server...")
-            served = await server_model(config.backend, session, config.target)
-            model_name, model_id = config.served_model_name or served.name, served.root
-            print(f"First model name: {served.name}, first model id: {served.root}")
-        else:
-            model_name, model_id = config.served_model_name or config.model, config.model
+        model_name, model_id = await _model_names(config, session)
         tokenizer_id = config.tokenizer or model_id
         tokenizer, max_model_len = load_bench_tokenizer(tokenizer_id)
         requests = sample_requests(config.dataset, tokenizer, max_model_len)
-        if config.dataset.name == "trace":
-            print(f"Traffic: trace arrivals, {len(requests)} requests over {requests[-1].arrival_s:.2f} s")
+        _print_traffic(config, requests)
+        if config.compare_prefix_caching:
+            body = await _compare_prefix_caching(config, requests, session, model_name, tokenizer)
         else:
-            distribution = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
-            print(f"Traffic request rate: {config.request_rate}")
-            print(f"Burstiness factor: {config.burstiness} ({distribution})")
-        print(f"Maximum request concurrency: {config.max_concurrency}")
-        outputs, duration = await _send(config, requests, session, model_name)
+            body = (await _measure(config, requests, session, model_name, tokenizer))[0]
+    header = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": config.backend,
+              "backend": config.backend, "label": config.label, "model_id": model_id, "tokenizer_id": tokenizer_id,
+              "num_prompts": len(requests), **metadata,
+              "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
+              "burstiness": config.burstiness, "max_concurrency": config.max_concurrency}
+    return {**header, **body}
+
+
+async def _model_names(config: ServeBenchConfig, session: Any) -> tuple[str, str]:
+    """The name requests ask for and the model's id (the default tokenizer)."""
+    if config.model is not None:
+        return config.served_model_name or config.model, config.model
+    print("Model not specified, fetching first model from server...")
+    served = await server_model(config.backend, session, config.target)
+    print(f"First model name: {served.name}, first model id: {served.root}")
+    return config.served_model_name or served.name, served.root
+
+
+def _print_traffic(config: ServeBenchConfig, requests: list[SampleRequest]) -> None:
+    if config.dataset.name == "trace":
+        print(f"Traffic: trace arrivals, {len(requests)} requests over {requests[-1].arrival_s:.2f} s")
+    else:
+        distribution = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
+        print(f"Traffic request rate: {config.request_rate}")
+        print(f"Burstiness factor: {config.burstiness} ({distribution})")
+    if config.dataset.name == "conversation":
+        conversations = len({r.conversation for r in requests})
+        print(f"Conversations: {conversations}, {len(requests)} turns (each after its conversation's previous one)")
+    print(f"Maximum request concurrency: {config.max_concurrency}")
+
+
+async def _compare_prefix_caching(config: ServeBenchConfig, requests: list[SampleRequest], session: Any,
+                                  model_name: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The same requests twice, after a cache reset each: salted apart (caching off), then unsalted (on);
+    both runs' fields and the comparison's figures."""
+    runs, outputs = {}, {}
+    salt = f"megainfer-bench-{secrets.token_hex(8)}-"  # one per invocation: no earlier run's blocks match either
+    noted = False
+    for name, salt_prefix in (("caching_off", salt), ("caching_on", None)):
+        if not await reset_prefix_cache(session, config.target) and not noted:
+            print(f"Note: POST {config.target}/reset_prefix_cache found no such route (vLLM serves it with "
+                  f"VLLM_SERVER_DEV_MODE=1); the runs go on without emptying the prefix cache, so the caching-on "
+                  f"run may also hit blocks cached before this benchmark")
+            noted = True
+        print(f"Prefix caching {'off (a distinct cache_salt per request)' if salt_prefix else 'on (no salts)'}:")
+        runs[name], outputs[name] = await _measure(config, requests, session, model_name, tokenizer, salt_prefix)
+    figures = comparison_fields(outputs["caching_off"], outputs["caching_on"])
+    print(format_comparison(figures))
+    return {"compare_prefix_caching": True, **figures, **runs}
+
+
+async def _measure(config: ServeBenchConfig, requests: list[SampleRequest], session: Any, model_name: str,
+                   tokenizer: Tokenizer, salt_prefix: str | None = None) -> tuple[dict[str, Any], list[RequestOutput]]:
+    """One run of the requests: its result fields (vLLM's, plus per_turn for a conversation),
+    printed as vLLM's block, and its outputs."""
+    outputs, duration = await _send(config, requests, session, model_name, salt_prefix)
     output_lens = output_lengths(outputs, tokenizer)
     metrics = calculate_metrics(outputs, duration, output_lens, config.goodput_ms)
     failed = [o.error for o in outputs if not o.success]
@@ -177,21 +253,33 @@ async def _run(config: ServeBenchConfig, metadata: dict[str, str]) -> dict[str, 
     fields = result_fields(metrics, duration, outputs, output_lens, config.goodput_ms, config.percentile_metrics,
                            config.metric_percentiles)
     print(format_block(fields, config.max_concurrency, config.request_rate, config.percentile_metrics))
-    header = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": config.backend,
-              "backend": config.backend, "label": config.label, "model_id": model_id, "tokenizer_id": tokenizer_id,
-              "num_prompts": len(outputs), **metadata,
-              "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
-              "burstiness": config.burstiness, "max_concurrency": config.max_concurrency}
-    return {**header, **fields}
+    if config.dataset.name == "conversation":
+        fields["per_turn"] = per_turn_fields(outputs, [r.turn for r in requests], config.metric_percentiles)
+        print(format_turn_block(fields["per_turn"]))
+    return fields, outputs
 
 
-async def _send(config: ServeBenchConfig, requests: list[SampleRequest], session: Any,
-                model_name: str) -> tuple[list[RequestOutput], float]:
+def _request_input(config: ServeBenchConfig, request: SampleRequest, model_name: str,
+                   salt_prefix: str | None) -> RequestInput:
+    # Token ids go as they are where the API takes them; the chat endpoint gets their text.
+    ids = request.prompt_token_ids
+    return RequestInput(
+        prompt=request.prompt if ids is None or config.backend == "openai-chat" else list(ids),
+        prompt_len=request.prompt_len, output_len=request.expected_output_len, model=model_name, url=config.api_url,
+        request_id=request.request_id, ignore_eos=config.ignore_eos, sampling=config.sampling,
+        messages=[{"role": role, "content": text} for role, text in request.messages] if request.messages else None,
+        cache_salt=None if salt_prefix is None else salt_prefix + request.request_id)
+
+
+async def _send(config: ServeBenchConfig, requests: list[SampleRequest], session: Any, model_name: str,
+                salt_prefix: str | None = None) -> tuple[list[RequestOutput], float]:
     func = REQUEST_FUNCS[config.backend]
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=len(requests), disable=config.disable_tqdm, file=sys.stderr)
 
-    async def one(inp: RequestInput) -> RequestOutput:
+    async def one(inp: RequestInput, after: asyncio.Task | None) -> RequestOutput:
+        if after is not None:
+            await asyncio.wait([after])  # the conversation's previous turn, whatever its outcome
         async with limit:
             output = await func(inp, session)
         bar.update(1)
@@ -203,15 +291,16 @@ async def _send(config: ServeBenchConfig, requests: list[SampleRequest], session
         times = arrival_times(len(requests), config.request_rate, config.burstiness,
                               np.random.default_rng(config.dataset.seed))
     tasks = []
+    latest: dict[int, asyncio.Task] = {}  # conversation -> the task of its latest turn sent
     start = time.perf_counter()
     for request, at in zip(requests, times):
         if (wait := start + at - time.perf_counter()) > 0:
             await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(RequestInput(
-            prompt=request.prompt if request.prompt_token_ids is None else list(request.prompt_token_ids),
-            prompt_len=request.prompt_len, output_len=request.expected_output_len,
-            model=model_name, url=config.api_url, request_id=request.request_id, ignore_eos=config.ignore_eos,
-            sampling=config.sampling))))
+        task = asyncio.create_task(one(_request_input(config, request, model_name, salt_prefix),
+                                       latest.get(request.conversation)))
+        if request.conversation is not None:
+            latest[request.conversation] = task
+        tasks.append(task)
     outputs = list(await asyncio.gather(*tasks))
     duration = time.perf_counter() - start
     bar.close()

@@ -19,6 +19,29 @@
   exactly input_len token ids (runs of consecutive non-special ids from a random offset, as the
   random dataset draws them), sent as ids: no tokenizer round trip changes its length. The
   requests come in arrival order; --num-prompts keeps the file's first N lines.
+- prefix_repetition (vLLM's): --prefix-repetition-num-prefixes N prefixes of
+  --prefix-repetition-prefix-len random non-special token ids, each followed by num_prompts / N
+  suffixes of --prefix-repetition-suffix-len random ids (every suffix distinct), asking for
+  --prefix-repetition-output-len tokens; the requests shuffled with the seed. Prompts go as token ids
+  (megainfer-grpc, openai), so a prefix is the same tokens in every request that shares it; the chat
+  endpoint takes their decoded text instead. num_prompts must be a multiple of N (vLLM would drop the
+  remainder silently).
+- conversation: multi-turn chats replayed turn by turn, for /v1/chat/completions. With
+  --dataset-path, a ShareGPT file's conversations of at least two (human, gpt) exchanges, shuffled
+  with the seed (a leading non-human turn is skipped; a conversation ends at its first break in the
+  alternation or a turn without text); without one, generated conversations of user turns of
+  --conversation-input-len random tokens and replies of --conversation-output-len (decoded to text:
+  tokens drawn from those that decode alone to printable text and encode back, so the text keeps
+  about its length; adjacent tokens may merge). Turn k of a conversation is
+  one request whose messages are the conversation so far (the previous user turns and the recorded
+  replies, never the server's: every backend sees the same prompts) plus user turn k; it asks for
+  the recorded reply's token count (--conversation-output-len fixes it). --conversation-num
+  conversations (all distinct), at most --conversation-turns turns each (generated: exactly that
+  many, default 5); a conversation is cut before the first turn whose context would not fit
+  max_model_len (the messages' tokens, TEMPLATE_ALLOWANCE per message for the chat template, and
+  the output). --num-prompts does not apply. The requests come turn-major (every conversation's
+  first turn, then every second turn, ...), the order the sender paces them in; each carries its
+  conversation and turn, and bench serve sends turn k + 1 only once turn k has completed.
 
 Lengths are counted with the benchmark's tokenizer. Nothing here depends on the backend, so the
 same seed and dataset arguments give the same prompts to every backend.
@@ -38,12 +61,17 @@ from megainfer.errors import ConfigError
 from megainfer.bench.workload import load_trace
 from megainfer.tokenizer import Tokenizer
 
-DATASETS = ("sharegpt", "random", "trace")
+DATASETS = ("sharegpt", "random", "trace", "prefix_repetition", "conversation")
 SHAREGPT_URL = ("https://huggingface.co/datasets/anon8231489123/ShareGPT_Vicuna_unfiltered/resolve/main/"
                 "ShareGPT_V3_unfiltered_cleaned_split.json")
 # vLLM's ShareGPT filter (datasets/utils.py is_valid_sequence), in tokens.
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 DECODE_RETRIES = 10  # random dataset: decode/re-encode rounds before a length mismatch is accepted
+DEFAULT_CONVERSATION_TURNS = 5  # generated conversations, without --conversation-turns
+TEXT_ID_SAMPLE = 4096  # generated conversations: vocabulary ids tried as text material
+TEMPLATE_ALLOWANCE = 8  # tokens per chat message a chat template may add (role markers), for the context check
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+                  "bing": "assistant", "assistant": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -52,8 +80,12 @@ class SampleRequest:
     prompt_len: int  # tokens, as the benchmark's tokenizer counts them
     expected_output_len: int  # tokens asked for (max_tokens)
     request_id: str
-    prompt_token_ids: tuple[int, ...] | None = None  # sent instead of the text where set (trace)
+    prompt_token_ids: tuple[int, ...] | None = None  # sent instead of the text where set (trace, prefix_repetition)
     arrival_s: float | None = None  # seconds after the start it is sent (trace); None: paced by the rate
+    # conversation: the chat sent, (role, content) pairs ending with the new user turn (`prompt`)
+    messages: tuple[tuple[str, str], ...] | None = None
+    conversation: int | None = None  # conversation: which one (0-based); its turns are sent one after another
+    turn: int | None = None  # conversation: the turn's index in it (0-based)
 
 
 @dataclass
@@ -69,6 +101,14 @@ class DatasetSpec:
     random_output_len: int = 128
     random_range_ratio: float = 0.0
     random_prefix_len: int = 0
+    prefix_repetition_prefix_len: int = 256  # tokens of each shared prefix
+    prefix_repetition_suffix_len: int = 256  # tokens of each request's own suffix
+    prefix_repetition_num_prefixes: int = 10
+    prefix_repetition_output_len: int = 128
+    conversation_num: int = 100  # conversations replayed
+    conversation_turns: int | None = None  # turns per conversation at most; None: a file's all, generated 5
+    conversation_input_len: int = 256  # generated conversations: tokens of each user turn
+    conversation_output_len: int | None = None  # tokens asked per turn; None: the recorded reply's (generated: 128)
     request_id_prefix: str = ""
 
     def __post_init__(self) -> None:
@@ -80,10 +120,13 @@ class DatasetSpec:
         if self.name == "trace" and self.path is None:
             raise ConfigError('--dataset-name trace needs --dataset-path, a JSONL file of {"arrival": s, '
                               '"input_len": tokens, "output_len": tokens} lines')
-        if self.name == "random" and self.path is not None:
-            raise ConfigError(f"--dataset-name random takes no --dataset-path (got {self.path}); for a ShareGPT "
-                              f"file use --dataset-name sharegpt, for a JSONL trace --dataset-name trace")
-        if self.num_prompts is None and self.name != "trace":
+        if self.name in ("random", "prefix_repetition") and self.path is not None:
+            raise ConfigError(f"--dataset-name {self.name} takes no --dataset-path (got {self.path}); for a ShareGPT "
+                              f"file use --dataset-name sharegpt (or conversation), for a JSONL trace --dataset-name "
+                              f"trace")
+        if self.name == "conversation":
+            self._check_conversation()
+        elif self.num_prompts is None and self.name != "trace":
             raise ConfigError(f"--dataset-name {self.name} needs --num-prompts")
         if self.num_prompts is not None and self.num_prompts <= 0:
             raise ConfigError(f"--num-prompts must be positive, got {self.num_prompts}")
@@ -96,12 +139,45 @@ class DatasetSpec:
                               f"{self.random_input_len} and {self.random_prefix_len}")
         if not 0 <= self.random_range_ratio < 1:
             raise ConfigError(f"--random-range-ratio must lie in [0, 1), got {self.random_range_ratio}")
+        if self.name == "prefix_repetition":
+            self._check_prefix_repetition()
+
+    def _check_prefix_repetition(self) -> None:
+        for flag, value in (("--prefix-repetition-prefix-len", self.prefix_repetition_prefix_len),
+                            ("--prefix-repetition-suffix-len", self.prefix_repetition_suffix_len),
+                            ("--prefix-repetition-num-prefixes", self.prefix_repetition_num_prefixes),
+                            ("--prefix-repetition-output-len", self.prefix_repetition_output_len)):
+            if value <= 0:
+                raise ConfigError(f"{flag} must be positive, got {value}")
+        n, prefixes = self.num_prompts, self.prefix_repetition_num_prefixes
+        if n < prefixes or n % prefixes:
+            fix = f"{n - n % prefixes} or {n - n % prefixes + prefixes}" if n >= prefixes else f"{prefixes}"
+            raise ConfigError(f"--num-prompts {n} must be a multiple of --prefix-repetition-num-prefixes {prefixes} "
+                              f"(each prefix is shared by num_prompts / num_prefixes requests): pass --num-prompts "
+                              f"{fix}, or change --prefix-repetition-num-prefixes")
+
+    def _check_conversation(self) -> None:
+        if self.num_prompts is not None:
+            raise ConfigError(f"--num-prompts {self.num_prompts} does not apply to --dataset-name conversation, whose "
+                              f"requests are the turns of --conversation-num conversations: drop it and set "
+                              f"--conversation-num (and --conversation-turns)")
+        for flag, value in (("--conversation-num", self.conversation_num),
+                            ("--conversation-turns", self.conversation_turns),
+                            ("--conversation-input-len", self.conversation_input_len),
+                            ("--conversation-output-len", self.conversation_output_len)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag} must be positive, got {value}")
 
 
 def sample_requests(spec: DatasetSpec, tokenizer: Tokenizer, max_model_len: int | None = None) -> list[SampleRequest]:
-    """The run's requests. `max_model_len`: the context a trace's requests must fit (trace only)."""
+    """The run's requests. `max_model_len`: the context a trace's requests must fit (trace), and a
+    conversation's turns (conversation; None: unchecked)."""
     if spec.name == "sharegpt":
         return sample_sharegpt(spec, tokenizer)
+    if spec.name == "prefix_repetition":
+        return sample_prefix_repetition(spec, tokenizer)
+    if spec.name == "conversation":
+        return sample_conversations(spec, tokenizer, max_model_len)
     if spec.name == "trace":
         if max_model_len is None:
             raise ValueError("a trace is checked against the model's context: pass max_model_len")
@@ -226,3 +302,143 @@ def decode_to_length(tokenizer: Tokenizer, ids: list[int], target: int,
         else:
             ids = ids[:target]
     return prompt, ids
+
+
+def sample_prefix_repetition(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleRequest]:
+    """vLLM's prefix_repetition requests, as token ids: every request of prefix k starts with the same ids."""
+    rng = np.random.default_rng(spec.seed)
+    allowed = _non_special_ids(tokenizer)
+    n, num_prefixes = spec.num_prompts, spec.prefix_repetition_num_prefixes
+    prefixes = _distinct_rows(rng, allowed, num_prefixes, spec.prefix_repetition_prefix_len,
+                              "--prefix-repetition-prefix-len", "--prefix-repetition-num-prefixes prefixes")
+    suffixes = _distinct_rows(rng, allowed, n, spec.prefix_repetition_suffix_len,
+                              "--prefix-repetition-suffix-len", "--num-prompts suffixes")
+    per_prefix = n // num_prefixes
+    samples = []
+    for i, k in enumerate(rng.permutation(n).tolist()):
+        ids = (*prefixes[k // per_prefix], *suffixes[k])
+        samples.append(SampleRequest(tokenizer.decode(list(ids)), len(ids), spec.prefix_repetition_output_len,
+                                     f"{spec.request_id_prefix}{i}", prompt_token_ids=ids))
+    return samples
+
+
+def _distinct_rows(rng: np.random.Generator, allowed: np.ndarray, count: int, length: int, length_flag: str,
+                   what: str) -> list[tuple[int, ...]]:
+    """`count` distinct runs of `length` ids drawn from `allowed` (a drawn duplicate is drawn again)."""
+    if len(allowed) ** min(length, 64) < count:
+        raise ConfigError(f"{length_flag} {length}: only {len(allowed)}^{length} distinct runs of the tokenizer's "
+                          f"{len(allowed)} ids exist, fewer than the {count} {what}; raise {length_flag}")
+    rows: dict[tuple[int, ...], None] = {}
+    while len(rows) < count:
+        for row in allowed[rng.integers(0, len(allowed), size=(count - len(rows), length))].tolist():
+            rows.setdefault(tuple(row), None)
+    return list(rows)
+
+
+# A conversation as it is replayed: (user turn, recorded reply, tokens asked for) per exchange.
+Exchange = tuple[str, str, int]
+
+
+def sample_conversations(spec: DatasetSpec, tokenizer: Tokenizer,
+                         max_model_len: int | None) -> list[SampleRequest]:
+    """Every turn of `conversation_num` conversations, turn-major, each with the conversation so far."""
+    if spec.path is None:
+        conversations = _generated_conversations(spec, tokenizer)
+    else:
+        conversations = _sharegpt_conversations(spec, tokenizer, max_model_len)
+    samples = []
+    for c, exchanges in enumerate(conversations):
+        history: list[tuple[str, str]] = []
+        history_len = 0  # tokens of the history's contents
+        for t, (user, reply, output_len) in enumerate(_fitting(exchanges, tokenizer, max_model_len)):
+            user_len = len(tokenizer.encode(user, add_special_tokens=False))
+            messages = (*history, ("user", user))
+            samples.append(SampleRequest(user, history_len + user_len, output_len,
+                                         f"{spec.request_id_prefix}{c}-{t}", messages=messages, conversation=c,
+                                         turn=t))
+            history += [("user", user), ("assistant", reply)]
+            history_len += user_len + len(tokenizer.encode(reply, add_special_tokens=False))
+    if not samples:
+        raise ConfigError(f"--conversation-input-len {spec.conversation_input_len} and --conversation-output-len "
+                          f"{spec.conversation_output_len or 128}: a first turn does not fit the model's context of "
+                          f"{max_model_len} tokens; lower them")
+    return sorted(samples, key=lambda s: (s.turn, s.conversation))
+
+
+def _fitting(exchanges: list[Exchange], tokenizer: Tokenizer, max_model_len: int | None) -> list[Exchange]:
+    """The exchanges before the first whose context (contents, template allowance, output) passes max_model_len."""
+    used = 0  # tokens of the conversation so far, with the template's allowance
+    for i, (user, reply, output_len) in enumerate(exchanges):
+        used += len(tokenizer.encode(user, add_special_tokens=False)) + TEMPLATE_ALLOWANCE
+        if max_model_len is not None and used + output_len > max_model_len:
+            return exchanges[:i]
+        used += len(tokenizer.encode(reply, add_special_tokens=False)) + TEMPLATE_ALLOWANCE
+    return exchanges
+
+
+def _generated_conversations(spec: DatasetSpec, tokenizer: Tokenizer) -> list[list[Exchange]]:
+    rng = np.random.default_rng(spec.seed)
+    pool = _text_ids(tokenizer, rng)
+    turns = spec.conversation_turns or DEFAULT_CONVERSATION_TURNS
+    output_len = spec.conversation_output_len or 128
+
+    def text(length: int) -> str:
+        return tokenizer.decode(pool[rng.integers(0, len(pool), size=length)].tolist())
+
+    return [[(text(spec.conversation_input_len), text(output_len), output_len) for _ in range(turns)]
+            for _ in range(spec.conversation_num)]
+
+
+def _text_ids(tokenizer: Tokenizer, rng: np.random.Generator) -> np.ndarray:
+    """Non-special ids (of up to TEXT_ID_SAMPLE drawn from the vocabulary) that decode alone to
+    printable text which encodes back to the id: chat text, unlike random ids (a byte-level vocabulary's
+    lone high bytes decode to U+FFFD), keeps its length and its difference from other draws."""
+    allowed = _non_special_ids(tokenizer)
+    sample = allowed if len(allowed) <= TEXT_ID_SAMPLE else rng.choice(allowed, TEXT_ID_SAMPLE, replace=False)
+    pool = []
+    for i in sample.tolist():
+        piece = tokenizer.decode([i])
+        if piece.isprintable() and piece.strip() and tokenizer.encode(piece, add_special_tokens=False) == [i]:
+            pool.append(i)
+    if not pool:
+        raise ConfigError(f"--dataset-name conversation without --dataset-path writes its text from tokens that "
+                          f"decode to printable text and encode back, and none of {len(sample)} tokens of this "
+                          f"tokenizer does: pass --dataset-path a ShareGPT file")
+    return np.array(sorted(pool))
+
+
+def _sharegpt_conversations(spec: DatasetSpec, tokenizer: Tokenizer,
+                            max_model_len: int | None) -> list[list[Exchange]]:
+    entries = _load_sharegpt(Path(spec.path))
+    random.Random(spec.seed).shuffle(entries)
+    conversations = []
+    for entry in entries:
+        if len(conversations) == spec.conversation_num:
+            break
+        pairs = _exchanges(entry["conversations"])
+        if len(pairs) < 2:
+            continue  # not a multi-turn conversation
+        exchanges = [(user, reply, spec.conversation_output_len or len(tokenizer.encode(reply,
+                                                                                        add_special_tokens=False)))
+                     for user, reply in pairs[:spec.conversation_turns]]
+        if _fitting(exchanges, tokenizer, max_model_len):
+            conversations.append(exchanges)
+    if len(conversations) < spec.conversation_num:
+        raise ConfigError(f"--conversation-num {spec.conversation_num}: --dataset-path {spec.path} holds only "
+                          f"{len(conversations)} conversations of two or more (human, gpt) exchanges whose first "
+                          f"turn fits the context; lower --conversation-num (or pass no --dataset-path for "
+                          f"generated conversations)")
+    return conversations
+
+
+def _exchanges(turns: list) -> list[tuple[str, str]]:
+    """(user, reply) pairs of a ShareGPT conversation: from its first human turn to its first break."""
+    roles = [SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) and isinstance(t.get("value"), str)
+             and t["value"] else None for t in turns]
+    start = roles.index("user") if "user" in roles else len(roles)
+    pairs = []
+    for i in range(start, len(turns) - 1, 2):
+        if (roles[i], roles[i + 1]) != ("user", "assistant"):
+            break
+        pairs.append((turns[i]["value"], turns[i + 1]["value"]))
+    return pairs

@@ -9,6 +9,11 @@ Over the successful requests:
 - peak output tokens per second over one-second buckets (one token per chunk) and the peak number
   of requests in flight at once (a sweep over [start, end) intervals).
 Statistics are reported in ms: mean, median, std and each --metric-percentiles percentile.
+
+Beyond vLLM's keys, where they apply: cached_tokens (per request, the server's
+usage.prompt_tokens_details.cached_tokens, None where it gave none) and mean_cached_tokens (over
+the successful requests that report it), when any request reports it; per_turn (a conversation's
+turn k: its requests' TTFT statistics); and the prefix-caching comparison's block and figures.
 """
 
 from __future__ import annotations
@@ -138,6 +143,9 @@ def result_fields(metrics: BenchmarkMetrics, duration_s: float, outputs: list[Re
         "max_output_tokens_per_s": metrics.max_output_tokens_per_s,
         "max_concurrent_requests": metrics.max_concurrent_requests,
     }
+    if any(o.cached_tokens is not None for o in outputs):
+        result["cached_tokens"] = [o.cached_tokens for o in outputs]
+        result["mean_cached_tokens"] = mean_cached_tokens(outputs)
     for name in metric_names:
         for stat, value in statistics_ms(metrics.samples[name], percentiles).items():
             result[f"{stat}_{name}_ms"] = value
@@ -160,6 +168,8 @@ def format_block(result: dict, max_concurrency: int | None, request_rate: float,
     row("Benchmark duration (s):", result["duration"], ".2f")
     row("Total input tokens:", result["total_input_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])
+    if result.get("mean_cached_tokens") is not None:
+        row("Mean cached prompt tokens:", result["mean_cached_tokens"], ".2f")
     row("Request throughput (req/s):", result["request_throughput"], ".2f")
     if result["request_goodput"] is not None:
         row("Request goodput (req/s):", result["request_goodput"], ".2f")
@@ -174,5 +184,61 @@ def format_block(result: dict, max_concurrency: int | None, request_rate: float,
             stat = key.removesuffix(f"_{name}_ms")  # mean, median, p99, p99.9 ...
             word = stat.capitalize() if stat in ("mean", "median") else stat.upper()
             row(f"{word} {label} (ms):", result[key], ".2f")
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def mean_cached_tokens(outputs: list[RequestOutput]) -> float | None:
+    """Mean cached prompt tokens over the successful requests whose usage says; None where none does."""
+    counts = [o.cached_tokens for o in outputs if o.success and o.cached_tokens is not None]
+    return float(np.mean(counts)) if counts else None
+
+
+def mean_ttft_ms(outputs: list[RequestOutput]) -> float | None:
+    """Mean TTFT of the successful requests, ms; None where none succeeded."""
+    ttfts = [o.ttft for o in outputs if o.success]
+    return float(np.mean(ttfts)) * 1e3 if ttfts else None
+
+
+def per_turn_fields(outputs: list[RequestOutput], turns: list[int], percentiles: list[float]) -> list[dict]:
+    """Per conversation turn (1-based): its successful requests and their TTFT statistics (ms)."""
+    rows = []
+    for turn in sorted(set(turns)):
+        ttfts = [o.ttft for o, t in zip(outputs, turns) if t == turn and o.success]
+        stats = statistics_ms(ttfts, percentiles)
+        rows.append({"turn": turn + 1, "completed": len(ttfts), **{f"{k}_ttft_ms": v for k, v in stats.items()}})
+    return rows
+
+
+def format_turn_block(rows: list[dict]) -> str:
+    """TTFT by conversation turn: later turns carry longer histories, which a prefix cache shortens."""
+    lines = ["{s:{c}^{n}}".format(s=" TTFT per Conversation Turn ", n=WIDTH, c="=")]
+    for row in rows:
+        label = f"Turn {row['turn']} mean / median TTFT (ms):"
+        lines.append(f"{label:<40} {row['mean_ttft_ms']:.2f} / {row['median_ttft_ms']:.2f} "
+                     f"({row['completed']} requests)")
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def comparison_fields(off: list[RequestOutput], on: list[RequestOutput]) -> dict[str, float | None]:
+    """The prefix-caching comparison's figures: mean TTFT of each run, their ratio, mean cached tokens."""
+    ttft_off, ttft_on = mean_ttft_ms(off), mean_ttft_ms(on)
+    return {"mean_ttft_ms_caching_off": ttft_off, "mean_ttft_ms_caching_on": ttft_on,
+            "mean_ttft_ratio_on_off": ttft_on / ttft_off if ttft_on is not None and ttft_off else None,
+            "mean_cached_tokens_caching_off": mean_cached_tokens(off),
+            "mean_cached_tokens_caching_on": mean_cached_tokens(on)}
+
+
+def format_comparison(fields: dict[str, float | None]) -> str:
+    """The comparison's block; a figure the runs could not give reads n/a."""
+    lines = ["{s:{c}^{n}}".format(s=" Prefix Caching: On vs Off ", n=WIDTH, c="=")]
+    for label, key in (("Mean TTFT, caching off (ms):", "mean_ttft_ms_caching_off"),
+                       ("Mean TTFT, caching on (ms):", "mean_ttft_ms_caching_on"),
+                       ("Mean TTFT ratio (on / off):", "mean_ttft_ratio_on_off"),
+                       ("Mean cached prompt tokens, off:", "mean_cached_tokens_caching_off"),
+                       ("Mean cached prompt tokens, on:", "mean_cached_tokens_caching_on")):
+        value = fields[key]
+        lines.append(f"{label:<40} {'n/a' if value is None else format(value, '.2f'):<10}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)

@@ -6,12 +6,19 @@
 - openai: POST /v1/completions with stream=True and stream_options.include_usage; each
   server-sent event with `choices` is a chunk (its text may be empty). A prompt of token ids is
   sent as OpenAI's list-of-integers prompt.
-- openai-chat: POST /v1/chat/completions, the same, the text in choices[0].delta.content.
+- openai-chat: POST /v1/chat/completions, the same, the text in choices[0].delta.content; the
+  request's `messages` where it has them (a conversation's turn), else one user message.
+
+A request with a `cache_salt` carries it in the JSON body (vLLM's field: it salts the prefix cache's
+block hashes, so the request shares cached blocks with no request of another salt): how
+--compare-prefix-caching turns caching off for one run. `reset_prefix_cache` POSTs vLLM's
+/reset_prefix_cache route (megainfer serve's too).
 
 Per request: TTFT is sent -> first chunk; ITL one gap per pair of consecutive chunks (a chunk
 carrying several tokens is one gap, as in vLLM); latency is sent -> last chunk (a trailing
 usage-only event does not extend it); output_tokens and prompt_len are the server's usage where
-it reports them (0 output tokens: the metrics count the text's tokens instead). A request fails
+it reports them (0 output tokens: the metrics count the text's tokens instead), cached_tokens its
+usage.prompt_tokens_details.cached_tokens (None where absent: the server does not say). A request fails
 alone: whatever goes wrong is recorded in its `error`. OPENAI_API_KEY, where set, goes with every
 request as `Authorization: Bearer <key>` (gRPC: the `authorization` metadata), as vLLM's bench sends it.
 """
@@ -56,6 +63,8 @@ class RequestInput:
     request_id: str = ""
     ignore_eos: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k where given
+    messages: list[dict[str, str]] | None = None  # openai-chat: the chat sent (a conversation's turn)
+    cache_salt: str | None = None  # HTTP backends: sent as the body's cache_salt (vLLM's field)
 
 
 @dataclass
@@ -69,6 +78,7 @@ class RequestOutput:
     prompt_len: int = 0
     error: str = ""
     start_time: float = 0.0  # perf_counter() when sent
+    cached_tokens: int | None = None  # prompt tokens the server found cached; None: its usage does not say
 
 
 class ChunkClock:
@@ -170,6 +180,8 @@ async def _openai_stream(inp: RequestInput, client: httpx2.AsyncClient, payload:
     payload.update(stream=True, stream_options={"include_usage": True}, **inp.sampling)
     if inp.ignore_eos:
         payload["ignore_eos"] = True
+    if inp.cache_salt is not None:
+        payload["cache_salt"] = inp.cache_salt
     output = RequestOutput(prompt_len=inp.prompt_len)
     clock = ChunkClock(output)
     text: list[str] = []
@@ -185,14 +197,21 @@ async def _openai_stream(inp: RequestInput, client: httpx2.AsyncClient, payload:
                         clock.chunk()
                         text.append(text_of(choices[0]) or "")
                     elif usage := event.get("usage"):
-                        output.output_tokens = usage.get("completion_tokens") or 0
-                        if usage.get("prompt_tokens") is not None:
-                            output.prompt_len = usage["prompt_tokens"]
+                        _read_usage(usage, output)
     except Exception as exc:  # noqa: BLE001
         output.error = f"{type(exc).__name__}: {exc}"
     output.generated_text = "".join(text)
     clock.finish()
     return output
+
+
+def _read_usage(usage: dict, output: RequestOutput) -> None:
+    output.output_tokens = usage.get("completion_tokens") or 0
+    if usage.get("prompt_tokens") is not None:
+        output.prompt_len = usage["prompt_tokens"]
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        output.cached_tokens = details["cached_tokens"]
 
 
 async def openai_completions(inp: RequestInput, client: httpx2.AsyncClient) -> RequestOutput:
@@ -201,7 +220,7 @@ async def openai_completions(inp: RequestInput, client: httpx2.AsyncClient) -> R
 
 
 async def openai_chat(inp: RequestInput, client: httpx2.AsyncClient) -> RequestOutput:
-    payload = {"model": inp.model, "messages": [{"role": "user", "content": inp.prompt}],
+    payload = {"model": inp.model, "messages": inp.messages or [{"role": "user", "content": inp.prompt}],
                "max_completion_tokens": inp.output_len}
     return await _openai_stream(inp, client, payload, lambda choice: (choice.get("delta") or {}).get("content"))
 
@@ -285,3 +304,21 @@ async def server_model(backend: str, session: Any, target: str) -> ServerModel:
     if not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise MegaInferError(f"--model not given and {url} names no model; pass --model")
     return ServerModel(models[0]["id"], models[0].get("root") or models[0]["id"])
+
+
+async def reset_prefix_cache(client: httpx2.AsyncClient, target: str) -> bool:
+    """POST {target}/reset_prefix_cache (vLLM's route): True once the server has emptied its prefix
+    cache, False where it has no such route (404, 405); any other failure is an error."""
+    url = f"{target}/reset_prefix_cache"
+    try:
+        response = await client.post(url, headers=_headers(""))
+    except httpx2.HTTPError as exc:
+        raise MegaInferError(f"POST {url} failed ({type(exc).__name__}: {exc}); the prefix-caching comparison "
+                             f"resets the cache before each run") from None
+    if response.status_code in (404, 405):
+        return False
+    if response.status_code >= 400:
+        raise MegaInferError(f"POST {url}: HTTP {response.status_code} ({response.text[:300]}); the prefix-caching "
+                             f"comparison resets the cache before each run: check the server's log (or its "
+                             f"--api-key and OPENAI_API_KEY)")
+    return True

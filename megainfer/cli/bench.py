@@ -121,11 +121,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     sv = benches.add_parser(
         "serve", help="online load against a running server: vllm bench serve's flags, summary and JSON",
-        description="Send a ShareGPT, random or trace workload to a running server (megainfer gRPC, or any "
-                    "OpenAI-compatible HTTP server: megainfer's, vLLM's, SGLang's) at --request-rate (a trace: each "
-                    "request at its arrival) with at most --max-concurrency in flight, and report throughput, "
-                    "goodput, TTFT, TPOT, ITL and E2E latency as `vllm bench serve` does (the same flags, printed "
-                    "block and JSON keys).")
+        description="Send a ShareGPT, random, trace, prefix_repetition or multi-turn conversation workload to a "
+                    "running server (megainfer gRPC, or any OpenAI-compatible HTTP server: megainfer's, vLLM's, "
+                    "SGLang's) at --request-rate (a trace: each request at its arrival) with at most "
+                    "--max-concurrency in flight, and report throughput, goodput, TTFT, TPOT, ITL and E2E latency "
+                    "as `vllm bench serve` does (the same flags, printed block and JSON keys). "
+                    "--compare-prefix-caching runs the workload twice, prefix caching off (cache_salt) then on, "
+                    "and reports the TTFT ratio.")
     _add_serve_options(sv)
     sv.set_defaults(run=_run_serve)
 
@@ -381,18 +383,26 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                                             "and makes the prompts (default: the model)")
     server.add_argument("--label", help="the result's label and file-name prefix (default: the backend)")
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=["sharegpt", "random", "trace"], default="random",
+    data.add_argument("--dataset-name", choices=["sharegpt", "random", "trace", "prefix_repetition", "conversation"],
+                      default="random",
                       help="trace: replay a JSONL trace (--dataset-path): each request at its arrival, with a "
-                           "prompt of exactly input_len token ids and output_len tokens generated (EOS ignored)")
-    data.add_argument("--dataset-path", help="sharegpt: the ShareGPT JSON file (e.g. "
+                           "prompt of exactly input_len token ids and output_len tokens generated (EOS ignored); "
+                           "prefix_repetition: vLLM's, N random-token prefixes each shared by num_prompts / N "
+                           "requests with their own random suffixes (sent as token ids); conversation: multi-turn "
+                           "chats (--backend openai-chat), turn k sent with the conversation so far once turn k-1 "
+                           "has completed, from a ShareGPT file (--dataset-path) or generated")
+    data.add_argument("--dataset-path", help="sharegpt and conversation: the ShareGPT JSON file (e.g. "
                                              "ShareGPT_V3_unfiltered_cleaned_split.json); trace: a JSONL file of "
                                              '{"arrival": s, "input_len": n, "output_len": n} lines (the format '
                                              "`megainfer simulate --workload` reads)")
     data.add_argument("--num-prompts", type=positive_int, help="default 1000; trace: the file's first N lines "
-                                                               "(default: all)")
+                                                               "(default: all); not for conversation "
+                                                               "(--conversation-num)")
     data.add_argument("--seed", type=int, default=0, help="the prompts and the arrival times")
-    data.add_argument("--input-len", type=int, help="sets --random-input-len")
-    data.add_argument("--output-len", type=positive_int, help="sets --random-output-len and --sharegpt-output-len")
+    data.add_argument("--input-len", type=int, help="sets --random-input-len and --conversation-input-len")
+    data.add_argument("--output-len", type=positive_int, help="sets --random-output-len, --sharegpt-output-len, "
+                                                              "--prefix-repetition-output-len and "
+                                                              "--conversation-output-len")
     data.add_argument("--sharegpt-output-len", type=positive_int,
                       help="output tokens of every request (default: each conversation's answer length)")
     data.add_argument("--random-input-len", type=int, default=1024)
@@ -400,6 +410,23 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     data.add_argument("--random-range-ratio", type=float, default=0.0,
                       help="lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)")
     data.add_argument("--random-prefix-len", type=int, default=0, help="random tokens shared by every prompt's start")
+    data.add_argument("--prefix-repetition-prefix-len", type=positive_int, default=256,
+                      help="prefix_repetition: tokens of each shared prefix")
+    data.add_argument("--prefix-repetition-suffix-len", type=positive_int, default=256,
+                      help="prefix_repetition: tokens of each request's own suffix")
+    data.add_argument("--prefix-repetition-num-prefixes", type=positive_int, default=10,
+                      help="prefix_repetition: distinct prefixes (--num-prompts must be a multiple)")
+    data.add_argument("--prefix-repetition-output-len", type=positive_int, default=128,
+                      help="prefix_repetition: output tokens of every request")
+    data.add_argument("--conversation-num", type=positive_int, default=100,
+                      help="conversation: conversations replayed (default 100)")
+    data.add_argument("--conversation-turns", type=positive_int,
+                      help="conversation: turns per conversation at most (default: a file's all; generated: 5)")
+    data.add_argument("--conversation-input-len", type=positive_int, default=256,
+                      help="conversation, generated: tokens of each user turn")
+    data.add_argument("--conversation-output-len", type=positive_int,
+                      help="conversation: output tokens of every turn (default: the recorded reply's; generated: "
+                           "128)")
     data.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-")
     load = p.add_argument_group("traffic and sampling")
     load.add_argument("--request-rate", type=float, default=float("inf"),
@@ -408,11 +435,16 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier, above steadier")
     load.add_argument("--max-concurrency", type=int, help="requests in flight at most")
-    load.add_argument("--ignore-eos", action="store_true", help="generate every requested token (always on for the "
-                                                                "random dataset)")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="generate every requested token (always on for the random, trace and prefix_repetition "
+                           "datasets and generated conversations)")
     load.add_argument("--temperature", type=float, help="sent with each request (default: the server's)")
     load.add_argument("--top-p", type=float)
     load.add_argument("--top-k", type=int)
+    load.add_argument("--compare-prefix-caching", action="store_true",
+                      help="run the workload twice, each after POST /reset_prefix_cache: every request with its own "
+                           "cache_salt (prefix caching in effect off), then unsalted (on); print both results and "
+                           "the mean TTFT ratio on/off (openai and openai-chat)")
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
                      help="SLOs a request must meet to count as goodput, KEY in ttft, tpot, e2el: e.g. ttft:500 "
@@ -442,24 +474,32 @@ def _run_serve(args: argparse.Namespace) -> int:
         metadata[key.strip()] = value.strip()
     dataset = DatasetSpec(
         name=args.dataset_name, path=args.dataset_path, seed=args.seed,
-        num_prompts=args.num_prompts or (None if args.dataset_name == "trace" else 1000),
+        num_prompts=args.num_prompts or (None if args.dataset_name in ("trace", "conversation") else 1000),
         sharegpt_output_len=args.output_len or args.sharegpt_output_len,
         random_input_len=args.input_len if args.input_len is not None else args.random_input_len,
         random_output_len=args.output_len or args.random_output_len, random_range_ratio=args.random_range_ratio,
-        random_prefix_len=args.random_prefix_len, request_id_prefix=args.request_id_prefix)
+        random_prefix_len=args.random_prefix_len, prefix_repetition_prefix_len=args.prefix_repetition_prefix_len,
+        prefix_repetition_suffix_len=args.prefix_repetition_suffix_len,
+        prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
+        prefix_repetition_output_len=args.output_len or args.prefix_repetition_output_len,
+        conversation_num=args.conversation_num, conversation_turns=args.conversation_turns,
+        conversation_input_len=args.input_len if args.input_len is not None else args.conversation_input_len,
+        conversation_output_len=args.output_len or args.conversation_output_len,
+        request_id_prefix=args.request_id_prefix)
+    # Prompts of random tokens ignore EOS, as vLLM's random dataset does: the lengths are the workload.
+    noise = args.dataset_name in ("random", "trace", "prefix_repetition") or (
+        args.dataset_name == "conversation" and args.dataset_path is None)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
                 if v is not None}
     config = serve_bench.ServeBenchConfig(
         backend=args.backend, base_url=args.base_url, host=args.host, port=args.port, endpoint=args.endpoint,
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, dataset=dataset,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        # vLLM ignores EOS on the random dataset: its prompts are noise, the lengths are the workload
-        # (a trace's too: each request generates its output_len).
-        ignore_eos=args.ignore_eos or args.dataset_name in ("random", "trace"), sampling=sampling,
+        ignore_eos=args.ignore_eos or noise, sampling=sampling,
         goodput_ms=parse_goodput(args.goodput),
         percentile_metrics=[name.strip() for name in args.percentile_metrics.split(",") if name.strip()],
         metric_percentiles=parse_percentiles(args.metric_percentiles), label=args.label,
-        disable_tqdm=args.disable_tqdm)
+        disable_tqdm=args.disable_tqdm, compare_prefix_caching=args.compare_prefix_caching)
     result = serve_bench.run(config, metadata)
     if args.save_result:
         path = serve_bench.result_filename(result, config, args.result_dir, args.result_filename)
@@ -467,4 +507,5 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"result: {path}")
     if args.json:
         write_json(args.json, result)
-    return 0 if result["completed"] else 1
+    runs = [result["caching_off"], result["caching_on"]] if args.compare_prefix_caching else [result]
+    return 0 if all(run["completed"] for run in runs) else 1
