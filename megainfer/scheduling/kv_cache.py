@@ -25,8 +25,8 @@ from collections import deque
 
 from megainfer.errors import ConfigError
 from megainfer.scheduling.prefix_cache import PrefixCache
-from megainfer.scheduling.prefix_hash import extend_block_hashes, request_salt
-from megainfer.scheduling.sequence import Sequence
+from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.sequence import Sequence, SequenceStatus
 
 
 RELEASED = 0  # a window table's entry whose block was released (any valid id: it is never read)
@@ -98,7 +98,7 @@ class BlockManager:
         if self.window:
             self._release_window(seq)
         elif self.prefix is not None:
-            self._register(seq)
+            self.prefix.register_sequence(seq)
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         n = needed - len(seq.block_table)
         w = needed - len(seq.window_table) if self.window else 0
@@ -128,50 +128,42 @@ class BlockManager:
             holders[block] = 1
         return taken
 
-    # -- prefix caching --------------------------------------------------------------------------
-    def _root(self, seq: Sequence) -> bytes:
-        return request_salt(self.prefix.salt, seq.params.cache_salt)
-
-    def _register(self, seq: Sequence) -> None:
-        """Name the full blocks of `seq` whose KV is computed (or being computed by a step that
-        runs before any step scheduled after this call) and not yet named."""
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if full <= seq.hashed_blocks:
-            return
-        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, full)
-        table, register = seq.block_table, self.prefix.register
-        for k in range(seq.hashed_blocks, full):
-            register(table[k], names[k])
-        seq.hashed_blocks = full
-
+    # -- prefix caching (prefix_cache.PrefixCache keeps the names and holders) ------------------
     def claim_prefix(self, seq: Sequence) -> int:
         """A waiting sequence with no blocks takes the cached blocks of its longest cached prefix
-        (full blocks, never its last token) and counts them computed. Returns the tokens taken.
-        Undone by `free` if the sequence is not admitted after all."""
-        prefix = self.prefix
-        if prefix is None or seq.block_table or seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position's logits: computed, not cached
-        limit = (len(seq.token_ids) - 1) // self.block_size
-        if limit <= 0:
+        and counts them computed; returns the tokens taken (0 with caching off). Undone by
+        `unclaim_prefix` if the sequence is not admitted after all."""
+        if self.prefix is None or seq.block_table:
             return 0
-        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, limit)
-        blocks = prefix.match(names, limit)
-        holders, evictable = prefix.holders, prefix.evictable
-        for block in blocks:
-            if not holders[block]:
-                del evictable[block]
-            holders[block] += 1
-        seq.block_table = blocks
-        seq.hashed_blocks = len(blocks)
-        seq.num_computed_tokens = len(blocks) * self.block_size
-        return seq.num_computed_tokens
+        return self.prefix.claim(seq)
+
+    def unclaim_prefix(self, seq: Sequence) -> None:
+        """`seq` stays waiting after `claim_prefix`: the blocks it took go back, still cached."""
+        if seq.block_table and seq.status is SequenceStatus.WAITING:
+            self.free(seq)
+            seq.num_computed_tokens = 0
+
+    def register_computed(self, seq: Sequence) -> None:
+        if self.prefix is not None:
+            self.prefix.register_sequence(seq)
+
+    def register_prompt_chunks(self, out: SchedulerOutput) -> None:
+        """Name the blocks step `out`'s prompt chunks filled, as soon as the step is counted done
+        (or advanced ahead), so prompts admitted next step share them. A decode's filled block is
+        named when its next block is allocated, the step after."""
+        if self.prefix is None:
+            return
+        for seq in out.seqs[out.num_single_token:]:
+            self.prefix.register_sequence(seq)
+        if out.layered is not None and out.layered.last:
+            for seq in out.layered.seqs:
+                self.prefix.register_sequence(seq)
 
     def count_lookup(self, seq: Sequence) -> None:
         """An admitted sequence's lookup into the counters (vLLM's prefix_cache_queries/hits, tokens)."""
-        prefix = self.prefix
-        if prefix is not None:
-            prefix.queries += len(seq.token_ids)
-            prefix.hits += seq.num_computed_tokens
+        if self.prefix is not None:
+            self.prefix.queries += len(seq.token_ids)
+            self.prefix.hits += seq.num_computed_tokens
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache). False when nothing is cached."""
@@ -192,7 +184,7 @@ class BlockManager:
         """`seq` lets its blocks go. `keep_cache` False (a sequence that failed: its last step's
         KV may not have been written) names none of its blocks and forgets those only it held."""
         if self.prefix is not None:
-            self._free_shared(seq, keep_cache)
+            self.prefix.release(seq, keep_cache, self.free_block_ids)
             return
         # Reversed so that a table freed whole is handed out again in its own order.
         self.free_block_ids.extend(reversed(seq.block_table))
@@ -200,26 +192,6 @@ class BlockManager:
         if self.window:
             self.free_block_ids.extend(reversed(seq.window_table[seq.window_released:]))
             seq.window_table, seq.window_released = [], 0
-
-    def _free_shared(self, seq: Sequence, keep_cache: bool) -> None:
-        prefix = self.prefix
-        if keep_cache:
-            self._register(seq)
-        holders, named, evictable, free = prefix.holders, prefix.name_of, prefix.evictable, self.free_block_ids
-        # Reversed: a freed table's tail is evicted before its head (prompts share heads), and
-        # its unnamed blocks are handed out again in its own order.
-        for block in reversed(seq.block_table):
-            holders[block] -= 1
-            if holders[block]:
-                continue
-            if not keep_cache:
-                prefix.drop(block)
-            if block in named:
-                evictable[block] = None
-            else:
-                free.append(block)
-        seq.block_table = []
-        seq.hashed_blocks = 0
 
     def held_blocks(self, seq: Sequence) -> int:
         """Block ids `seq` holds now, in both of its tables."""

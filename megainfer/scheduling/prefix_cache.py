@@ -15,10 +15,11 @@ router can tell how much of a prompt each node caches without asking per request
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from megainfer.messages import PrefixSummary
-from megainfer.scheduling.prefix_hash import routing_key
+from megainfer.scheduling.prefix_hash import extend_block_hashes, request_salt, routing_key
+from megainfer.scheduling.sequence import Sequence
 
 # Every this many summaries lists every name again, so a reader that missed one (a summary taken
 # by another caller, a lost answer) is whole again within seconds at the routers' polling rate.
@@ -81,6 +82,64 @@ class PrefixCache:
         self.evictable.clear()
         self._stored, self._removed, self._whole = [], [], True
         return freed
+
+    # -- sequences -----------------------------------------------------------------------------
+    def _root(self, seq: Sequence) -> bytes:
+        return request_salt(self.salt, seq.params.cache_salt)
+
+    def register_sequence(self, seq: Sequence) -> None:
+        """Name the full blocks of `seq` whose KV is computed (or being computed by a step that
+        runs before any step scheduled after this call) and not yet named."""
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.hashed_blocks:
+            return
+        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, full)
+        table = seq.block_table
+        for k in range(seq.hashed_blocks, full):
+            self.register(table[k], names[k])
+        seq.hashed_blocks = full
+
+    def claim(self, seq: Sequence) -> int:
+        """`seq` (no blocks yet) takes the blocks of its longest cached prefix of full blocks, never
+        its last token (computed to sample from), and counts them computed; returns the tokens."""
+        if seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position's logits: computed, not cached
+        limit = (len(seq.token_ids) - 1) // self.block_size
+        if limit <= 0:
+            return 0
+        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, limit)
+        blocks = self.match(names, limit)
+        holders, evictable = self.holders, self.evictable
+        for block in blocks:
+            if not holders[block]:
+                del evictable[block]
+            holders[block] += 1
+        seq.block_table = blocks
+        seq.hashed_blocks = len(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        return seq.num_computed_tokens
+
+    def release(self, seq: Sequence, keep_cache: bool, free: deque[int]) -> None:
+        """`seq` lets its blocks go: a block no one holds any more becomes evictable if named, else
+        goes to `free`. `keep_cache` False (a failed sequence): nothing of it is named, and the
+        blocks only it held lose their names."""
+        if keep_cache:
+            self.register_sequence(seq)
+        holders, named, evictable = self.holders, self.name_of, self.evictable
+        # Reversed: a freed table's tail is evicted before its head (prompts share heads), and
+        # its unnamed blocks are handed out again in its own order.
+        for block in reversed(seq.block_table):
+            holders[block] -= 1
+            if holders[block]:
+                continue
+            if not keep_cache:
+                self.drop(block)
+            if block in named:
+                evictable[block] = None
+            else:
+                free.append(block)
+        seq.block_table = []
+        seq.hashed_blocks = 0
 
     # -- the routers' view ---------------------------------------------------------------------
     def _log(self, log: list[int], name: bytes) -> None:

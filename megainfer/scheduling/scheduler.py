@@ -90,10 +90,10 @@ class ChunkedPrefill:
         and only when nothing had to be preempted: they would evict each other."""
         while not out.preempted and scheduler.waiting and token_budget > 0 and scheduler.has_room:
             seq = scheduler.waiting[0]
-            scheduler.claim_prefix(seq)
+            scheduler.block_manager.claim_prefix(seq)
             n = self.num_prefill_tokens(seq, token_budget)
             if n <= 0 or not scheduler.block_manager.can_allocate(seq, n):
-                scheduler.unclaim_prefix(seq)
+                scheduler.block_manager.unclaim_prefix(seq)
                 break
             scheduler.admit(seq, n)
             out.seqs.append(seq)
@@ -166,14 +166,14 @@ class LayeredPrefill:
         for seq in candidates + list(scheduler.waiting):
             waiting = seq.status is SequenceStatus.WAITING
             if waiting and scheduler.has_room:  # a cached prefix skips every layer group
-                scheduler.claim_prefix(seq)
+                scheduler.block_manager.claim_prefix(seq)
             n = min(seq.num_uncomputed_tokens, self.chunk_tokens - total)
             # Only the first member may be cut to fit: a prompt split over two cohorts would
             # wait for both, and a smaller cohort passes its groups sooner.
             if (members and n < seq.num_uncomputed_tokens) or n <= 0 or (waiting and not scheduler.has_room) \
                     or not scheduler.block_manager.can_allocate(seq, n):
                 if waiting:
-                    scheduler.unclaim_prefix(seq)
+                    scheduler.block_manager.unclaim_prefix(seq)
                 break
             if waiting:
                 scheduler.admit(seq, n)
@@ -416,18 +416,6 @@ class Scheduler:
         """Whether one more sequence may start running (`max_num_seqs`)."""
         return len(self.running) < self.max_num_seqs
 
-    def claim_prefix(self, seq: Sequence) -> None:
-        """Before a waiting `seq` is weighed for admission: it takes the cached blocks of its
-        prompt's longest cached prefix (prefix caching), which then count computed."""
-        if not seq.block_table:
-            self.block_manager.claim_prefix(seq)
-
-    def unclaim_prefix(self, seq: Sequence) -> None:
-        """`seq` stays waiting after `claim_prefix`: the blocks it took go back, still cached."""
-        if seq.status is SequenceStatus.WAITING and seq.block_table:
-            self.block_manager.free(seq)
-            seq.num_computed_tokens = 0
-
     def admit(self, seq: Sequence, num_tokens: int) -> None:
         """A waiting prompt starts running: blocks for its first `num_tokens`, to the running set."""
         self.block_manager.count_lookup(seq)
@@ -444,6 +432,7 @@ class Scheduler:
         """Advance each scheduled sequence; `sampled[i]` is the new token of `out.seqs[i]`, or
         None where that sequence was mid-prompt. Returns the sequences that gained a token."""
         advanced = self.tokens.record(out, sampled, self.clock())
+        self.block_manager.register_prompt_chunks(out)
         self.policy.step_done(out)
         return advanced
 
@@ -455,6 +444,7 @@ class Scheduler:
         this token runs in the next step too; its token there is dropped (`settle`). Only steps
         without a layered cohort: a cohort's group advances in `update_from_output`."""
         self.tokens.advance_ahead(out)
+        self.block_manager.register_prompt_chunks(out)
         self.policy.step_done(out)
 
     def place(self, out: SchedulerOutput, sampled: list[int | None]) -> None:

@@ -188,6 +188,12 @@ class OpenAIServer:
         async def version() -> Response:
             return JSONResponse({"version": megainfer.__version__})
 
+        self._add_admin_routes(app)
+        return app
+
+    def _add_admin_routes(self, app: FastAPI) -> None:
+        """Operators' calls, behind the API keys as every route but /health."""
+
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache() -> Response:  # vLLM's route, behind the API keys
             try:
@@ -208,8 +214,6 @@ class OpenAIServer:
                 return error_response(ApiError(HTTPStatus.BAD_REQUEST, str(exc)))
             except Exception as exc:
                 return error_response(api_error(exc))
-
-        return app
 
     def _card(self, name: str) -> ModelCard:
         return ModelCard(id=name, root=self.served.root, max_model_len=self.served.max_model_len)

@@ -102,6 +102,10 @@ def check_tensor_parallel_family(ref) -> None:
     served = Served(make_plan(str(ref.path), 1, 2, 2, tp_a=2, policy="layered", tp_e=2))
     try:
         assert [served.generate(p) for p in ref.prompts] == expected
+        # One at a time, the last two prompts came after those they share a prefix with: both
+        # attention ranks read the blocks their leader found cached (prefix caching on).
+        engine = served.deployment.metrics_snapshot()
+        assert engine.prefix_cache_hits > 0 or served.deployment.model.kv_window
     finally:
         served.close()
 

@@ -287,3 +287,15 @@ def test_an_abort_that_loses_the_race_with_the_end_still_ends_the_stream(serve, 
     rest = [first, *call]
     assert rest[-1].finish_reason == "abort" and rest[-1].HasField("usage")
     assert idle(backend)
+
+
+def test_cached_prompt_tokens_come_in_the_usage_and_cache_salt_keeps_requests_apart(serve):
+    server = serve()
+    client = Client(server.address)
+    prompt = list(range(7, 47))  # 40 tokens: two full blocks of 16 reusable
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    usages = [list(client.generate(prompt, p))[-1].usage
+              for p in (params, params, params.replace(cache_salt="tenant-b"))]
+    client.close()
+    assert [u.cached_tokens for u in usages] == [usages[0].cached_tokens, 32, 0]
+    assert all(u.prompt_tokens == 40 for u in usages)

@@ -495,3 +495,37 @@ def test_the_admin_call_re_places_a_deployments_experts_and_refuses_a_colocated_
     report = json.loads(body)
     assert status == 200 and report["switch_step"] == 144 and report["imbalance_after"] == 1.0
     assert http(endpoints, "/health")[0] == 200
+
+
+def _prefix_counters(endpoints: Endpoints) -> tuple[float, float]:
+    status, body = http(endpoints, "/metrics")
+    assert status == 200
+    text = body.decode()
+
+    def value(name: str) -> float:
+        return float(re.search(rf'^{name}_total{{model_name="[^"]*"}} (\S+)$', text, re.M).group(1))
+
+    return value("megainfer:prefix_cache_queries"), value("megainfer:prefix_cache_hits")
+
+
+def test_a_repeated_prefix_is_served_from_the_cache_and_reported(server, client):
+    """cached_tokens in the SDK's usage object, vLLM's counters moving in /metrics, and
+    /reset_prefix_cache making the next request compute its prompt whole again."""
+    endpoints, backend = server
+    prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16 can be reused
+    assert http(endpoints, "/reset_prefix_cache", b"")[0] == 200
+    queries, hits = _prefix_counters(endpoints)
+    first = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    assert second.choices[0].text == first.choices[0].text
+    queries_after, hits_after = _prefix_counters(endpoints)
+    assert (queries_after - queries, hits_after - hits) == (80, 32)
+    salted = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, temperature=0,
+                                       extra_body={"cache_salt": "another-tenant"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert http(endpoints, "/reset_prefix_cache", b"")[0] == 200
+    again = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    wait_all_blocks_free(backend)
