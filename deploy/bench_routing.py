@@ -39,6 +39,8 @@ class RouterRuns:
     round_p99_ttft_ms: list[float] = dataclasses.field(default_factory=list)
     error_sum_s: float = 0.0  # |predicted - measured| TTFT, predictive only
     error_count: int = 0
+    prefix_queries: int = 0  # prompt tokens the attention nodes looked up in their prefix caches
+    prefix_hits: int = 0  # of those, found cached
 
 
 def measure(deployment: Deployment, server: Server, routers: list[str], spec: ServeBenchSpec, rounds: int,
@@ -50,10 +52,13 @@ def measure(deployment: Deployment, server: Server, routers: list[str], spec: Se
             round_spec = dataclasses.replace(spec, server=server.address, seed=spec.seed + k)
             for name in routers if k % 2 == 0 else routers[::-1]:
                 deployment.use_router(instances[name])
-                before = deployment.router_error.snapshot()
+                deployment.reset_prefix_cache()  # no router starts from the prefixes another's run cached
+                before, cache_before = deployment.router_error.snapshot(), deployment.metrics_snapshot()
                 results, duration, peak = load_generator.submit(run_serve_bench, round_spec, show_progress).result()
-                after = deployment.router_error.snapshot()
+                after, cache_after = deployment.router_error.snapshot(), deployment.metrics_snapshot()
                 run = runs[name]
+                run.prefix_queries += cache_after.prefix_cache_queries - cache_before.prefix_cache_queries
+                run.prefix_hits += cache_after.prefix_cache_hits - cache_before.prefix_cache_hits
                 run.results += results
                 run.duration_s += duration
                 run.peak = max(run.peak, peak)
@@ -67,6 +72,7 @@ def measure(deployment: Deployment, server: Server, routers: list[str], spec: Se
         s = summarize(spec, run.results, run.duration_s, run.peak)
         s["rounds"] = rounds
         s["round_p99_ttft_ms"] = run.round_p99_ttft_ms
+        s["prefix_hit_rate"] = run.prefix_hits / run.prefix_queries if run.prefix_queries else None
         if name == "predictive":
             s["prediction_mae_ms"] = 1e3 * run.error_sum_s / run.error_count if run.error_count else None
             s["decision_p99_ms"] = 1e3 * instances[name].decision_p99_s()
@@ -108,10 +114,13 @@ def run(plan_path: str, routers: list[str], spec: ServeBenchSpec, json_path: str
     table = []
     for router, r in rows.items():
         ratio = r["p99_ttft_ms"] / base["p99_ttft_ms"] if base["p99_ttft_ms"] else float("nan")
+        hits = r["prefix_hit_rate"]
+        hit_ratio = hits / base["prefix_hit_rate"] if hits is not None and base["prefix_hit_rate"] else None
         table.append([router, r["mean_ttft_ms"], r["p99_ttft_ms"], " ".join(f"{x:.0f}" for x in r["round_p99_ttft_ms"]),
-                      r["p99_e2el_ms"], r["request_throughput"], f"{ratio:.2f}x"])
+                      r["p99_e2el_ms"], r["request_throughput"], f"{ratio:.2f}x",
+                      "-" if hits is None else f"{hits:.1%}", "-" if hit_ratio is None else f"{hit_ratio:.2f}x"])
     print(format_table(["router", "TTFT mean ms", "TTFT p99 ms", "p99 per round", "E2E p99 ms", "req/s",
-                        f"p99 TTFT vs {routers[0]}"], table))
+                        f"p99 TTFT vs {routers[0]}", "prefix hit rate", f"hits vs {routers[0]}"], table))
     if json_path:
         write_json(json_path, {"benchmark": "routing", "plan": plan_path, "spec": dataclasses.asdict(spec),
                                "rounds": rounds, "machine": platform.machine(), "cpus": os.cpu_count(),

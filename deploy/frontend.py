@@ -22,6 +22,7 @@ from deploy.node_group import NodeGroup, states_of
 from deploy.ray_calls import cause
 from megainfer.errors import DataPlaneError
 from megainfer.messages import NodeLoad, NodeState, RequestDelta
+from megainfer.routing.prefix_index import PrefixIndex
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import RequestStream, StreamRegistry
 
@@ -67,6 +68,7 @@ class Frontend:
         self._nodes: list = []  # attention leader actors, numbered across the groups
         self._pumps: list[DeltaPump] = []  # one per attention node, same numbering
         self._loads: list[NodeLoad] = []  # per node: the last snapshot, plus what was routed since
+        self._prefixes = PrefixIndex()  # per node: its cached blocks, from its snapshots (kept across routers)
         self._owner: dict[str, int] = {}  # request id -> attention node
         self.deliveries = DeltaDelivery(self.registry, self._owner, self.ttft_feedback, self._actor)
         self._down = DownNodes()  # nodes that refused a request lately: routed around
@@ -93,6 +95,7 @@ class Frontend:
             self.groups.pop()
             first = len(self._nodes) - len(group.attention)
             self.router.forget(first)
+            self._prefixes.forget(first)
             self._nodes, self._loads = self._nodes[:first], self._loads[:first]
             pumps, self._pumps = self._pumps[first:], self._pumps[:first]
             self.registry.max_open = self.max_open_per_group * len(self.groups)
@@ -102,19 +105,20 @@ class Frontend:
         return attention_nodes_of(self.groups, group)
 
     # -- routing ------------------------------------------------------------------------------
-    def route(self, prompt_tokens: int, max_tokens: int) -> Routed:
-        """The router's choice; where it chose a node marked down while another is up, the
-        freest node that is up instead."""
+    def route(self, prompt, params: SamplingParams) -> Routed:
+        """The router's choice for `prompt` (text or token ids), with what each node caches of it;
+        where it chose a node marked down while another is up, the freest node that is up instead."""
         with self._lock:
-            router = self.router
-            node = router.choose(self._loads, prompt_tokens, max_tokens)
+            router, loads = self.router, self._loads
+            cached = self._prefixes.cached_tokens(prompt, len(loads), params.cache_salt)
+            node = router.choose(loads, prompt_tokens(prompt), params.max_tokens, cached)
             last = getattr(router, "last", None)  # the predictive router's forecast of this choice
             instead = self._down.steer(node, self._loads)
             if instead is not None:
                 if last is not None:  # its forecast committed the request to a node it will not reach
                     router.placed(node, last.at, None)
                 node, last = instead, None
-            self._loads[node].add(prompt_tokens)
+            self._loads[node].add(prompt_tokens(prompt))
         return Routed(node, router, last.ttft_s, last.at) if last is not None else Routed(node, router)
 
     def pin(self, node: int, prompt_tokens: int) -> Routed:
@@ -136,6 +140,7 @@ class Frontend:
         states = states_of(list(self.groups))  # (asked at, node states) per group, asked all at once
         with self._lock:
             self._loads = observe_states(self.router, states, self._loads)[:len(self._nodes)]
+            observe_prefixes(self._prefixes, states)
 
     def loads_of(self, group: NodeGroup) -> list[NodeLoad]:
         nodes = self.nodes_of(group)
@@ -162,7 +167,7 @@ class Frontend:
         stream = self.registry.open(request_id)
         if routed is None:
             try:
-                routed = self.route(prompt_tokens(prompt), params.max_tokens)
+                routed = self.route(prompt, params)
             except BaseException:
                 self.registry.close(request_id)
                 raise
@@ -185,7 +190,7 @@ class Frontend:
                     self._forget(request_id)
                     raise DataPlaneError(f"{exc} (waited {time.monotonic() - submitted:.1f} s); retry") from None
                 time.sleep(RETRY_EVERY_S)
-                routed = self.route(prompt_tokens(prompt), params.max_tokens)
+                routed = self.route(prompt, params)
             except BaseException:
                 self._forget(request_id)
                 raise
@@ -330,6 +335,14 @@ def observe_states(router, groups: list[tuple[float, list[NodeState | None]]],
             router.observe_lockstep(first, states, asked_at)
         first += len(states)
     return fresh
+
+
+def observe_prefixes(index: PrefixIndex, groups: list[tuple[float, list[NodeState | None]]]) -> None:
+    """Each answering node's prefix-cache summary into `index` (nodes numbered across the groups)."""
+    states = [state for _, group in groups for state in group]
+    for node, state in enumerate(states):
+        if state is not None:
+            index.observe(node, state.prefix)
 
 
 def prompt_tokens(prompt) -> int:

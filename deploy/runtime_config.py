@@ -111,6 +111,7 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
                           target_step_ms=s.target_step_ms, async_scheduling=plan.async_scheduling, num_threads=threads,
                           gpu_memory_utilization=plan.serve.gpu_memory_utilization,
                           enforce_eager=plan.serve.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
+                          num_kv_blocks=s.num_kv_blocks,
                           expert_load_window=(plan.experts.rebalance.window_steps
                                               if plan.experts.rebalance is not None else EXPERT_LOAD_WINDOW))
     tokens, tp_a = step_tokens(engine), plan.attention.tp

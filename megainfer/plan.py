@@ -27,7 +27,7 @@ from megainfer.expert_replicas import ExpertReplicas, from_assignment
 
 # serve.router: how requests are spread over attention nodes (megainfer/routing/policies.py
 # implements each; the schema names them so it imports no router).
-ROUTERS = ("round_robin", "random", "least_loaded", "predictive")
+ROUTERS = ("round_robin", "random", "least_loaded", "predictive", "prefix_affinity")
 
 PREFILL_POLICIES = ("chunked", "layered")
 TRANSPORT_BACKENDS = ("auto", "shm", "tcp", "rdma", "nixl")
@@ -121,10 +121,15 @@ class SchedulerSpec:
     async_scheduling: bool | None = None
     # Automatic prefix caching on the attention nodes (vLLM v1's default; scheduling/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # KV-cache blocks per attention node instead of what memory allows (vLLM's
+    # num_gpu_blocks_override): to study a smaller cache (eviction, preemption) on a large machine.
+    num_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise PlanError(f"scheduler.async_scheduling must be true, false or null, got {self.async_scheduling!r}")
+        if self.num_kv_blocks is not None:
+            _positive("scheduler", num_kv_blocks=self.num_kv_blocks)
         if not isinstance(self.enable_prefix_caching, bool):
             raise PlanError(f"scheduler.enable_prefix_caching must be true or false, got "
                             f"{self.enable_prefix_caching!r}")

@@ -1,7 +1,7 @@
 """The load `megainfer bench routing` sends: requests from the simulator's workload vocabulary
 (random; mixed, random prompts of which a share are long, as chat turns among the odd pasted
 document; ShareGPT-like and arXiv-like length distributions; or a JSONL trace of
-arrival/input_len/output_len), each a stream of random token ids asking for exactly its output
+arrival/input_len/output_len; any of them behind shared prefixes, `shared_prefixes`), each a stream of random token ids asking for exactly its output
 length (EOS ignored), on a Poisson (or bursty) schedule over gRPC. Per request: TTFT, every
 inter-token latency (between streamed chunks, spread over the chunk's tokens), TPOT and E2E.
 
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from megainfer.errors import ConfigError, MegaInferError
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.client import Client
-from megainfer.bench.workload import SimRequest, arrival_times, generate, load_trace
+from megainfer.bench.workload import SimRequest, arrival_times, generate, load_trace, with_shared_prefixes
 
 
 @dataclass
@@ -45,6 +45,8 @@ class ServeBenchSpec:
     goodput_tpot_ms: float | None = None
     vocab: int = 256  # prompt ids are drawn below this
     seed: int = 0
+    shared_prefixes: int = 0  # each prompt starts with one of this many shared prefixes (0: none)
+    prefix_len: int = 0  # tokens of each shared prefix (part of the prompt length)
 
 
 @dataclass
@@ -92,15 +94,26 @@ def workload(spec: ServeBenchSpec) -> list[SimRequest]:
         return load_trace(spec.dataset, max_model_len=spec.max_model_len, num_requests=spec.num_prompts)
     if not np.isfinite(rate):
         reqs = [SimRequest(0.0, r.input_len, r.output_len) for r in reqs]
+    if spec.shared_prefixes:
+        reqs = with_shared_prefixes(reqs, num_prefixes=spec.shared_prefixes, prefix_len=spec.prefix_len,
+                                    max_model_len=spec.max_model_len, seed=spec.seed)
     return reqs
+
+
+def prompt_ids(spec: ServeBenchSpec, requests: list[SimRequest]) -> list[list[int]]:
+    """Random token ids for each request; a request with a shared prefix starts with that
+    prefix's ids (drawn once per prefix), then ids of its own."""
+    rng = random.Random(spec.seed)
+    prefixes = [[rng.randrange(spec.vocab) for _ in range(spec.prefix_len)] for _ in range(spec.shared_prefixes)]
+    return [(prefixes[r.prefix_id] if r.prefix_id >= 0 else []) +
+            [rng.randrange(spec.vocab) for _ in range(r.input_len - r.prefix_len)] for r in requests]
 
 
 def run_serve_bench(spec: ServeBenchSpec, show_progress: bool = True) -> tuple[list[RequestResult], float, int]:
     """Send the workload; return per-request results, the duration and the peak concurrency."""
     requests = workload(spec)
     client = Client(spec.server)
-    rng = random.Random(spec.seed)
-    prompts = [[rng.randrange(spec.vocab) for _ in range(r.input_len)] for r in requests]
+    prompts = prompt_ids(spec, requests)
     results = [RequestResult(r.input_len) for r in requests]
     active, peak = 0, 0
     lock = threading.Lock()

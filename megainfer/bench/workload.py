@@ -82,6 +82,35 @@ class SimRequest:
     arrival_s: float
     input_len: int
     output_len: int
+    prefix_id: int = -1  # its prompt starts with shared prefix `prefix_id` (-1: nothing shared)
+    prefix_len: int = 0  # tokens of that prefix (part of input_len)
+
+    def prompt_token_ids(self, own_first: int) -> list[int]:
+        """Token ids standing for the prompt where only sharing matters (the simulators' prefix
+        caches): prefix p is the same run of ids in every request that has it, the rest are the
+        ids from `own_first` on, which no other request uses."""
+        shared = range(1 + self.prefix_id * self.prefix_len, 1 + (self.prefix_id + 1) * self.prefix_len) \
+            if self.prefix_id >= 0 else range(0)
+        return [*shared, *range(own_first, own_first + self.input_len - len(shared))]
+
+
+def with_shared_prefixes(requests: list[SimRequest], *, num_prefixes: int, prefix_len: int, max_model_len: int,
+                         seed: int = 0) -> list[SimRequest]:
+    """Each request's prompt behind one of `num_prefixes` shared prefixes of `prefix_len` tokens
+    (a system prompt or few-shot examples; vLLM's prefix_repetition), drawn uniformly; prompts are
+    shortened to keep prompt + output within `max_model_len`."""
+    if num_prefixes <= 0 or prefix_len <= 0:
+        raise ConfigError(f"--shared-prefixes and --prefix-len must be positive, got {num_prefixes} and {prefix_len}")
+    rng = np.random.default_rng(seed + 1)
+    which = rng.integers(0, num_prefixes, len(requests))
+    out = []
+    for r, p in zip(requests, which):
+        room = max_model_len - r.output_len - prefix_len
+        if room < 1:
+            raise ConfigError(f"--prefix-len {prefix_len} leaves no room for a prompt of its own and "
+                              f"{r.output_len} output tokens in a context of {max_model_len}; shorten it")
+        out.append(SimRequest(r.arrival_s, prefix_len + min(r.input_len, room), r.output_len, int(p), prefix_len))
+    return out
 
 
 def arrival_times(rng: np.random.Generator, n: int, rate: float, arrival: str, cv: float) -> np.ndarray:

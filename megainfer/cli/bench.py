@@ -115,6 +115,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="random and mixed datasets: lengths uniform in [len*(1-r), len*(1+r)], as vllm bench serve")
     _add_mixed_options(rt)
     rt.add_argument("--max-model-len", type=positive_int, default=512, help="sharegpt/arxiv lengths are clipped")
+    rt.add_argument("--shared-prefixes", type=int, default=0, metavar="N",
+                    help="each prompt starts with one of N shared prefixes (drawn uniformly): the attention nodes' "
+                         "prefix caches are reset before each router's run and their hit rate reported")
+    rt.add_argument("--prefix-len", type=positive_int, default=512, help="tokens of each shared prefix")
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--json", metavar="PATH")
     rt.set_defaults(run=_run_routing)
@@ -300,12 +304,16 @@ def _run_routing(args: argparse.Namespace) -> int:
 
     if not args.request_rate > 0:
         raise ConfigError(f"--request-rate must be positive, got {args.request_rate}")
+    if args.shared_prefixes < 0:
+        raise ConfigError(f"--shared-prefixes must be 0 (none) or a positive count, got {args.shared_prefixes}")
     from deploy.bench_routing import run
 
     spec = ServeBenchSpec(server="", dataset=args.dataset, request_rate=args.request_rate,
                           num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                           random_range_ratio=args.random_range_ratio, long_input_len=args.long_input_len,
-                          long_fraction=args.long_fraction, max_model_len=args.max_model_len, seed=args.seed)
+                          long_fraction=args.long_fraction, max_model_len=args.max_model_len, seed=args.seed,
+                          shared_prefixes=args.shared_prefixes,
+                          prefix_len=args.prefix_len if args.shared_prefixes else 0)
     return run(args.plan, [r.strip() for r in args.routers.split(",") if r.strip()], spec, args.json, args.rounds)
 
 

@@ -23,8 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                       "mixed fleet (replicas take them in turn, e.g. H100,A100)")
     p.add_argument("--replicas", type=positive_int, default=12)
     p.add_argument("--routers", default="round_robin,least_loaded,predictive",
-                   help="comma-separated: round_robin, random, least_loaded, predictive")
+                   help="comma-separated: round_robin, random, least_loaded, predictive, prefix_affinity")
     p.add_argument("--workload", default="sharegpt", choices=["sharegpt", "arxiv"])
+    p.add_argument("--shared-prefixes", type=int, default=0, metavar="N",
+                   help="each prompt starts with one of N shared prefixes (a system prompt, few-shot examples): "
+                        "the replicas' prefix caches and the routers' view of them are simulated")
+    p.add_argument("--prefix-len", type=positive_int, default=1024, help="tokens of each shared prefix")
     p.add_argument("--requests", type=positive_int, default=3000, help="requests per rate")
     p.add_argument("--sweep-rates", metavar="A:B:STEP", default="26:40:2", help="request rates, req/s")
     p.add_argument("--chunk-size", type=positive_int, default=512, help="token budget of a step")
@@ -52,16 +56,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--routers {args.routers!r}: choose from {', '.join(ROUTERS)}")
     if args.ttft_slo_s <= 0 or args.snapshot_s <= 0:
         raise ConfigError("--ttft-slo-s and --snapshot-s must be positive")
+    if args.shared_prefixes < 0:
+        raise ConfigError(f"--shared-prefixes must be 0 (none) or a positive number of prefixes, got "
+                          f"{args.shared_prefixes}")
     model, _ = resolve_model(args.model)
     step_models = build_step_models(args, model, default_tp=1)
     # The predictive router starts every replica from the first step model's prices.
     spec = rx.RoutingSpec(model=model, step_models=step_models, step_prior=step_prior(step_models[0]),
                           replicas=args.replicas, routers=routers, workload=args.workload,
                           num_requests=args.requests, chunk_size=args.chunk_size, ttft_slo_s=args.ttft_slo_s,
-                          snapshot_s=args.snapshot_s, seed=args.seed)
+                          snapshot_s=args.snapshot_s, seed=args.seed, shared_prefixes=args.shared_prefixes,
+                          prefix_len=args.prefix_len if args.shared_prefixes else 0)
     rates = rate_range(args.sweep_rates)
     fleet = ", ".join(dict.fromkeys(device_label(m) for m in step_models))
-    print(f"{args.replicas} replicas of {model.name} on {fleet}; {args.workload}, Poisson arrivals, "
+    shared = f" behind {args.shared_prefixes} shared {args.prefix_len}-token prefixes" if args.shared_prefixes else ""
+    print(f"{args.replicas} replicas of {model.name} on {fleet}; {args.workload}{shared}, Poisson arrivals, "
           f"{args.requests} requests per rate; chunk {args.chunk_size} tokens; state every {args.snapshot_s:g} s")
     started = time.perf_counter()
 

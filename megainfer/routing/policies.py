@@ -9,7 +9,13 @@ and asks `choose` for each request.
 - predictive: Block's idea. Each node's snapshot is rolled forward with the real scheduler
   and a step-time model calibrated from the node's own measured steps
   (`routing.forecast`); the request goes where its predicted TTFT (or end-to-end latency)
-  is lowest.
+  is lowest, charging each node only the part of the prompt it does not cache.
+- prefix_affinity: the node caching most of the prompt (`routing.prefix_index`), then the
+  least loaded; a node carrying well over the mean number of requests is passed over, so one
+  popular prefix does not flood one node.
+
+`choose` gets, with each request, `cached[i]`: the prompt tokens node i would serve from its
+prefix cache (None where nobody knows: a text prompt, prefix caching off).
 """
 
 from __future__ import annotations
@@ -67,9 +73,10 @@ class Router:
         node's scheduler at `reached_at` (None: it never will, it was refused), so snapshots
         asked for after `reached_at` hold it."""
 
-    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int) -> int:
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int,
+               cached: list[int] | None = None) -> int:
         """Index of the node that takes a request of `prompt_tokens` tokens and at most
-        `max_tokens` generated ones."""
+        `max_tokens` generated ones, of which node i caches `cached[i]`."""
         raise NotImplementedError
 
 
@@ -79,7 +86,8 @@ class RoundRobin(Router):
     def __init__(self) -> None:
         self._next = itertools.count()
 
-    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0,
+               cached: list[int] | None = None) -> int:
         return next(self._next) % len(loads)
 
 
@@ -89,16 +97,39 @@ class RandomRouter(Router):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0,
+               cached: list[int] | None = None) -> int:
         return self._rng.randrange(len(loads))
 
 
 class LeastLoaded(Router):
     name = "least_loaded"
 
-    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0,
+               cached: list[int] | None = None) -> int:
         # Ties go to the lower index, so equal nodes fill in a stable order.
         return max(range(len(loads)), key=lambda i: (loads[i].freeness(), -i))
+
+
+class PrefixAffinity(Router):
+    """The node caching most of the prompt, then the freest (least_loaded's freeness). A node
+    carrying more than `load_cap` times the mean requests per node, plus `slack`, is passed
+    over while another is under it: a popular prefix spreads once its node is busy, and its
+    blocks are then cached on the next node too."""
+
+    name = "prefix_affinity"
+
+    def __init__(self, load_cap: float = 1.5, slack: int = 4) -> None:
+        self.load_cap = load_cap
+        self.slack = slack
+
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0,
+               cached: list[int] | None = None) -> int:
+        carried = [load.running + load.waiting for load in loads]
+        cap = self.load_cap * sum(carried) / len(loads) + self.slack
+        candidates = [i for i, n in enumerate(carried) if n <= cap] or list(range(len(loads)))
+        hits = cached or [0] * len(loads)
+        return max(candidates, key=lambda i: (hits[i], loads[i].freeness(), -i))
 
 
 class PredictiveRouter(Router):
@@ -204,15 +235,18 @@ class PredictiveRouter(Router):
             return 0.0, 0.0
         return forecast.predict(now, prompt_tokens, output_tokens)
 
-    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0) -> int:
+    def choose(self, loads: list[NodeLoad], prompt_tokens: int, max_tokens: int = 0,
+               cached: list[int] | None = None) -> int:
         started = time.perf_counter()
         self._grow(len(loads))
         now = self.clock()
         output = self.estimator.estimate(prompt_tokens, 0, max(max_tokens, 1))
         primary = 0 if self.objective == "ttft" else 1  # which of (TTFT, e2e) decides; the other breaks ties
+        # What each node must compute: the prompt less what it caches (at least the last token).
+        uncached = [max(prompt_tokens - (cached[i] if cached else 0), 1) for i in range(len(loads))]
         best, best_latency = 0, None
         for i in range(len(loads)):
-            latency = self.predict(i, prompt_tokens, output, now)
+            latency = self.predict(i, uncached[i], output, now)
             if best_latency is None or \
                     (latency[primary], latency[1 - primary]) < (best_latency[primary], best_latency[1 - primary]):
                 best, best_latency = i, latency
@@ -220,8 +254,8 @@ class PredictiveRouter(Router):
                 best = i
         forecast = self.forecasts[best]
         if forecast is not None:
-            forecast.commit(now, prompt_tokens, output)
-        self._routed[best].append(_Routed(now, prompt_tokens, output))
+            forecast.commit(now, uncached[best], output)
+        self._routed[best].append(_Routed(now, uncached[best], output))
         offset = self.ttft_offset_s
         ttft_s, e2e_s = best_latency
         self.last = RequestForecast(best, max(ttft_s + offset, 0.0), max(e2e_s + offset, 0.0), output, now)
@@ -270,4 +304,6 @@ def make_router(name: str, seed: int = 0, **options) -> Router:
         return LeastLoaded()
     if name == "predictive":
         return PredictiveRouter(**options)
+    if name == "prefix_affinity":
+        return PrefixAffinity()
     raise ConfigError(f"router {name!r} is not one of {', '.join(ROUTERS)}")

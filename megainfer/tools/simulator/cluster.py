@@ -31,6 +31,7 @@ from megainfer.errors import ConfigError
 from megainfer.messages import NodeLoad, StepSample
 from megainfer.routing.autoscale import Autoscaler, ScaleEvent
 from megainfer.routing.policies import PredictiveRouter, Router
+from megainfer.routing.prefix_index import PrefixIndex
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduling.node_state import snapshot, step_sample
 from megainfer.scheduling.scheduler import Scheduler
@@ -60,6 +61,8 @@ class ClusterResult:
     scale_events: list[ScaleEvent] = field(default_factory=list)  # the autoscaler's, this run
     waiting_trace: list[tuple[float, int]] = field(default_factory=list)  # (time, longest queue) at snapshots
     wall_s: float = 0.0
+    prefix_queries: int = 0  # prompt tokens looked up in the replicas' prefix caches (0: caching not simulated)
+    prefix_hits: int = 0  # of those, found cached
 
     def summary(self) -> dict:
         def pct(values: np.ndarray, q: float) -> float:
@@ -75,15 +78,18 @@ class ClusterResult:
                 "prediction_bias_s": float((self.predicted_ttft_s - self.actual_ttft_s).mean()) if len(error) else None,
                 "preemptions": self.preemptions, "decision_p99_ms": self.decision_p99_s * 1e3,
                 "per_replica": self.per_replica,
+                "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
                 "scale_events": [event.as_dict() for event in self.scale_events], "wall_s": self.wall_s}
 
 
 class _Replica:
-    def __init__(self, sim: Simulator, clock) -> None:
+    def __init__(self, sim: Simulator, clock, prefix_caching: bool = False) -> None:
+        """`prefix_caching`: the replica's KV cache shares prefixes, as an engine's does."""
         self.sim = sim
+        salt = sim.config.prefix_salt(sim.model) if prefix_caching else None
         self.scheduler = Scheduler.from_config(sim.config, num_blocks=sim.num_blocks, max_model_len=sim.max_model_len,
                                                eos_token_ids=(), num_layers=sim.model.num_layers,
-                                               window=sim.model.kv_window)
+                                               window=sim.model.kv_window, prefix_salt=salt)
         self.scheduler.clock = clock
         self.step: SchedulerOutput | None = None  # in flight
         self.step_sample: StepSample | None = None
@@ -97,6 +103,28 @@ class _Replica:
     def serving(self, now: float) -> bool:
         """Started (its weights loaded) by `now`."""
         return self.ready_at <= now
+
+
+class _SharedPrefixes:
+    """Prefix caching in a simulated fleet, where the workload shares prefixes (elsewhere nothing
+    would hit): replicas name blocks as engines do, and the router sees them through the
+    replicas' snapshots (`index`), as a deployment's does."""
+
+    def __init__(self, requests: list[SimRequest], enabled: bool) -> None:
+        self.caching = enabled and any(request.prefix_len for request in requests)
+        self.index = PrefixIndex()
+        # The next token id no request has used (SimRequest.prompt_token_ids): past every prefix's.
+        self._own = 1 + sum({r.prefix_id: r.prefix_len for r in requests if r.prefix_id >= 0}.values())
+
+    def prompt(self, request: SimRequest, fleet: int, serving: list[int]) -> tuple[list[int], list[int] | None]:
+        """The request's token ids, and per serving replica the tokens of it that replica caches
+        (None without caching)."""
+        if not self.caching:
+            return [_TOKEN] * request.input_len, None
+        tokens = request.prompt_token_ids(self._own)
+        self._own += request.input_len
+        cached = self.index.cached_tokens(tokens, fleet)
+        return tokens, [cached[k] for k in serving]
 
 
 @dataclass
@@ -140,12 +168,13 @@ class ClusterSimulator:
         self.unfinished = 0  # requests arrived and not finished
         self.max_model_len = 0  # tokens, the first replica's
         self.measured = _Measured()
+        self.prefixes = _SharedPrefixes([], False)
 
     def _replica(self, k: int) -> _Replica:
         step_model = self.step_models[k % len(self.step_models)]
         return _Replica(Simulator(self.model, step_model, self.config, expert_skew=self.expert_skew,
                                   expert_rank_offset=self.expert_rank_offset, seed=self.seed + 7919 * k),
-                        lambda: self.now)
+                        lambda: self.now, self.prefixes.caching)
 
     def run(self, requests: list[SimRequest], rate: float = 0.0) -> ClusterResult:
         """Every request through the fleet, events in time order: a snapshot to the router, a
@@ -176,6 +205,7 @@ class ClusterSimulator:
         in arrival order."""
         if isinstance(self.router, PredictiveRouter):
             self.router.clock = lambda: self.now  # predictions on the simulated clock
+        self.prefixes = _SharedPrefixes(requests, self.config.enable_prefix_caching and not self.model.kv_window)
         self.fleet = [self._replica(k) for k in range(self.initial)]
         self.max_model_len = self.fleet[0].sim.max_model_len
         for request in requests:
@@ -199,6 +229,7 @@ class ClusterSimulator:
             state = snapshot(rep.scheduler, self.now, rep.steps, rep.finished)
             rep.steps, rep.finished = [], []
             self.loads[k] = state.load()
+            self.prefixes.index.observe(k, state.prefix)
             self.router.observe(k, state, self.now)
         self.measured.waiting_trace.append((self.now, max(len(rep.scheduler.waiting) for rep in self.fleet)))
         self._retire()
@@ -230,14 +261,15 @@ class ClusterSimulator:
         serving = [k for k, rep in enumerate(self.fleet) if rep.serving(self.now)]
         client_max = request.output_len if self.length_oracle else \
             (self.client_max_tokens or self.max_model_len - request.input_len)
-        choice = self.router.choose([self.loads[k] for k in serving], request.input_len, client_max)
+        tokens, cached = self.prefixes.prompt(request, len(self.fleet), serving)
+        choice = self.router.choose([self.loads[k] for k in serving], request.input_len, client_max, cached)
         self.router.placed(choice, self.now, self.now)
         k = serving[choice]
         self.loads[k].add(request.input_len)
         rep = self.fleet[k]
         rep.served += 1
-        seq = Sequence(request_id, [_TOKEN] * request.input_len,
-                       SamplingParams(max_tokens=request.output_len, ignore_eos=True), arrival_time=self.now)
+        seq = Sequence(request_id, tokens, SamplingParams(max_tokens=request.output_len, ignore_eos=True),
+                       arrival_time=self.now)
         rep.scheduler.add(seq)
         self.unfinished += 1
         if isinstance(self.router, PredictiveRouter):
@@ -275,7 +307,9 @@ class ClusterSimulator:
             preemptions=sum(rep.scheduler.num_preemptions for rep in self.fleet),
             decision_p99_s=self.router.decision_p99_s() if predictive else 0.0,
             scale_events=self.autoscaler.events[first_event:] if self.autoscaler is not None else [],
-            waiting_trace=measured.waiting_trace, wall_s=wall_s)
+            waiting_trace=measured.waiting_trace, wall_s=wall_s,
+            prefix_queries=sum(rep.scheduler.block_manager.prefix.queries for rep in self.fleet if self.prefixes.caching),
+            prefix_hits=sum(rep.scheduler.block_manager.prefix.hits for rep in self.fleet if self.prefixes.caching))
 
     # -- autoscaling ----------------------------------------------------------------------------
     def _scale_up(self) -> None:
@@ -298,3 +332,4 @@ class ClusterSimulator:
             self.fleet.pop()
             self.loads.pop()
             self.router.forget(len(self.fleet))
+            self.prefixes.index.forget(len(self.fleet))

@@ -12,7 +12,7 @@ from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.routing.policies import make_router
 from megainfer.tools.simulator.cluster import ClusterSimulator
-from megainfer.bench.workload import generate
+from megainfer.bench.workload import generate, with_shared_prefixes
 from planner.step_cost_model import ColocatedStepModel
 
 
@@ -30,10 +30,16 @@ class RoutingSpec:
     snapshot_s: float = 0.25
     seed: int = 0
     step_prior: tuple[float, ...] | None = None  # the predictive router's prior (planner.step_prior)
+    shared_prefixes: int = 0  # prompts start with one of this many shared prefixes (0: none shared)
+    prefix_len: int = 0  # tokens of each shared prefix
 
     def requests(self, rate: float) -> list:
-        return generate(self.workload, num_requests=self.num_requests, rate=rate,
-                        max_model_len=self.model.max_position_embeddings, seed=self.seed)
+        requests = generate(self.workload, num_requests=self.num_requests, rate=rate,
+                            max_model_len=self.model.max_position_embeddings, seed=self.seed)
+        if self.shared_prefixes:
+            requests = with_shared_prefixes(requests, num_prefixes=self.shared_prefixes, prefix_len=self.prefix_len,
+                                            max_model_len=self.model.max_position_embeddings, seed=self.seed)
+        return requests
 
     def run(self, router: str, rate: float, requests: list) -> dict:
         config = EngineConfig(max_num_batched_tokens=self.chunk_size, max_num_seqs=self.max_num_seqs)
@@ -78,10 +84,16 @@ def capacity(rows: list[dict], router: str, slo_s: float) -> float:
 
 
 def format_sweep(rows: list[dict], spec: RoutingSpec) -> str:
-    head = f"{'rate req/s':>10s}  " + "  ".join(f"{r + ' p99 TTFT s':>24s}" for r in spec.routers)
+    """P99 TTFT per rate and router; with shared prefixes, each router's mean TTFT and prefix-cache
+    hit rate (cached prompt tokens over prompt tokens looked up) too."""
+    cells = [("p99 TTFT s", "ttft_p99_s", "{:.2f}")]
+    if spec.shared_prefixes:
+        cells += [("mean TTFT s", "ttft_mean_s", "{:.2f}"), ("hit rate", "prefix_hit_rate", "{:.1%}")]
+    head = f"{'rate req/s':>10s}  " + "  ".join(f"{r + ' ' + name:>26s}" for r in spec.routers for name, _, _ in cells)
     out = [head, "-" * len(head)]
     for row in rows:
-        out.append(f"{row['rate']:10.2f}  " + "  ".join(f"{row[r]['ttft_p99_s']:24.2f}" for r in spec.routers))
+        out.append(f"{row['rate']:10.2f}  " + "  ".join(f"{form.format(row[r][key] or 0.0):>26s}"
+                                                         for r in spec.routers for _, key, form in cells))
     return "\n".join(out)
 
 
