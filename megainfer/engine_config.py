@@ -58,8 +58,7 @@ class EngineConfig:
     expert_load_window: int = EXPERT_LOAD_WINDOW
     show_progress: bool = False  # progress bar while loading weights
     # Automatic prefix caching (vLLM v1's default): full KV blocks named by their prefix are
-    # kept and shared by later prompts (scheduling/prefix_cache.py). Turned off, with a warning,
-    # for models with sliding-window layers (`resolve`).
+    # kept and shared by later prompts (scheduling/prefix_cache.py).
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -114,14 +113,7 @@ class EngineConfig:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             if device == "cpu":
                 logger.info("device auto: running on the CPU (torch.cuda.is_available() is False)")
-        caching = self.enable_prefix_caching
-        if caching and model.kv_window:
-            logger.warning("%s: prefix caching is off: its sliding-window layers' blocks are not cached yet "
-                           "(every prompt is computed whole)", model.name)
-            caching = False
-        if (dtype, device, caching) == (self.dtype, self.device, self.enable_prefix_caching):
-            return self
-        return self.replace(dtype=dtype, device=device, enable_prefix_caching=caching)
+        return self if (dtype, device) == (self.dtype, self.device) else self.replace(dtype=dtype, device=device)
 
     def prefix_salt(self, model: ModelConfig) -> bytes | None:
         """The salt naming this engine's cached blocks (None: prefix caching off)."""

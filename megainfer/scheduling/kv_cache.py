@@ -13,23 +13,23 @@ pass a block by a window, that block of its window table is released and its ent
 most a window's worth of blocks however long the sequence grows.
 
 With automatic prefix caching (`prefix_salt` given; `prefix_cache.PrefixCache` keeps the names and
-counts) a block may be held by several sequences: it returns to the free blocks when the last
-one lets it go, and a named one stays findable there (evictable) until the blocks that never
-held a named full block run out. A waiting sequence takes the cached blocks of its prompt with
-`claim_prefix` before it is admitted. Models with windowed layers are not prefix-cached.
+counts, `prefix_tables.PrefixTables` a sequence's tables) a block may be held by several
+sequences: it returns to the free blocks when the last one lets it go, and a named one stays
+findable there (evictable) until the blocks that never held a named full block run out. A
+waiting sequence takes the cached blocks of its prompt with `claim_prefix` before it is
+admitted; with windowed layers, the blocks of both tables that its window needs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from megainfer.errors import ConfigError
 from megainfer.scheduling.prefix_cache import PrefixCache
+from megainfer.scheduling.prefix_tables import RELEASED, PrefixTables
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.sequence import Sequence, SequenceStatus
 
-
-RELEASED = 0  # a window table's entry whose block was released (any valid id: it is never read)
+__all__ = ["RELEASED", "BlockManager"]
 
 
 class BlockManager:
@@ -37,9 +37,6 @@ class BlockManager:
         """`window` > 0: sequences also hold window tables for layers that see that many
         positions (a model mixing windowed and full-attention layers). `prefix_salt`: cache full
         blocks by name for later prompts (prefix_hash.model_salt of the served model)."""
-        if prefix_salt is not None and window:
-            raise ConfigError("prefix caching does not serve models with sliding-window layers yet; "
-                              "turn it off (--no-enable-prefix-caching)")
         self.num_blocks = num_blocks
         self.block_size = block_size  # tokens per block
         self.window = window
@@ -50,6 +47,7 @@ class BlockManager:
         # of creeping up to the whole cache as a queue would cycle through every block.
         self.free_block_ids: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self.prefix = PrefixCache(num_blocks, block_size, prefix_salt) if prefix_salt is not None else None
+        self.tables = PrefixTables(self.prefix, block_size, window) if self.prefix is not None else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,8 +78,17 @@ class BlockManager:
         have = len(seq.block_table)
         new = needed - have if needed > have else 0
         if self.window:
-            new += max(needed - len(seq.window_table), 0) - self._releasable(seq)
+            new += max(needed - len(seq.window_table), 0) - self._freed_by_release(seq)
         return new
+
+    def _freed_by_release(self, seq: Sequence) -> int:
+        """Blocks releasing `seq`'s passed window blocks returns to the free ones: with prefix
+        caching, not those another sequence holds too."""
+        n = self._releasable(seq)
+        if not n or self.tables is None:
+            return n
+        holders, start = self.prefix.holders, seq.window_released
+        return sum(holders[block] == 1 for block in seq.window_table[start:start + n])
 
     def _releasable(self, seq: Sequence) -> int:
         """Leading window-table blocks no query of `seq` will read again: wholly before the window
@@ -95,10 +102,10 @@ class BlockManager:
         return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        if self.tables is not None:
+            self.tables.register(seq)
         if self.window:
             self._release_window(seq)
-        elif self.prefix is not None:
-            self.prefix.register_sequence(seq)
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         n = needed - len(seq.block_table)
         w = needed - len(seq.window_table) if self.window else 0
@@ -133,9 +140,9 @@ class BlockManager:
         """A waiting sequence with no blocks takes the cached blocks of its longest cached prefix
         and counts them computed; returns the tokens taken (0 with caching off). Undone by
         `unclaim_prefix` if the sequence is not admitted after all."""
-        if self.prefix is None or seq.block_table:
+        if self.tables is None or seq.block_table:
             return 0
-        return self.prefix.claim(seq)
+        return self.tables.claim(seq)
 
     def unclaim_prefix(self, seq: Sequence) -> None:
         """`seq` stays waiting after `claim_prefix`: the blocks it took go back, still cached."""
@@ -144,20 +151,20 @@ class BlockManager:
             seq.num_computed_tokens = 0
 
     def register_computed(self, seq: Sequence) -> None:
-        if self.prefix is not None:
-            self.prefix.register_sequence(seq)
+        if self.tables is not None:
+            self.tables.register(seq)
 
     def register_prompt_chunks(self, out: SchedulerOutput) -> None:
         """Name the blocks step `out`'s prompt chunks filled, as soon as the step is counted done
         (or advanced ahead), so prompts admitted next step share them. A decode's filled block is
         named when its next block is allocated, the step after."""
-        if self.prefix is None:
+        if self.tables is None:
             return
         for seq in out.seqs[out.num_single_token:]:
-            self.prefix.register_sequence(seq)
+            self.tables.register(seq)
         if out.layered is not None and out.layered.last:
             for seq in out.layered.seqs:
-                self.prefix.register_sequence(seq)
+                self.tables.register(seq)
 
     def count_lookup(self, seq: Sequence) -> None:
         """An admitted sequence's lookup into the counters (vLLM's prefix_cache_queries/hits, tokens)."""
@@ -174,7 +181,9 @@ class BlockManager:
 
     def _release_window(self, seq: Sequence) -> None:
         n = self._releasable(seq)
-        if n:
+        if n and self.tables is not None:
+            self.tables.release_window(seq, n, self.free_block_ids)
+        elif n:
             table, start = seq.window_table, seq.window_released
             self.free_block_ids.extend(table[start + n - 1:start - 1 if start else None:-1])
             table[start:start + n] = [RELEASED] * n
@@ -183,8 +192,8 @@ class BlockManager:
     def free(self, seq: Sequence, keep_cache: bool = True) -> None:
         """`seq` lets its blocks go. `keep_cache` False (a sequence that failed: its last step's
         KV may not have been written) names none of its blocks and forgets those only it held."""
-        if self.prefix is not None:
-            self.prefix.release(seq, keep_cache, self.free_block_ids)
+        if self.tables is not None:
+            self.tables.release(seq, keep_cache, self.free_block_ids)
             return
         # Reversed so that a table freed whole is handed out again in its own order.
         self.free_block_ids.extend(reversed(seq.block_table))

@@ -15,11 +15,10 @@ router can tell how much of a prompt each node caches without asking per request
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 from megainfer.messages import PrefixSummary
-from megainfer.scheduling.prefix_hash import extend_block_hashes, request_salt, routing_key
-from megainfer.scheduling.sequence import Sequence
+from megainfer.scheduling.prefix_hash import routing_key
 
 # Every this many summaries lists every name again, so a reader that missed one (a summary taken
 # by another caller, a lost answer) is whole again within seconds at the routers' polling rate.
@@ -46,21 +45,24 @@ class PrefixCache:
         self._summaries = 0
 
     # -- names ---------------------------------------------------------------------------------
-    def register(self, block: int, name: bytes) -> None:
+    def register(self, block: int, name: bytes, routed: bool = True) -> None:
         """`block`'s KV is now the full block `name`. A name already held by another block stays
-        with that one (two sequences computed the same block at once): this block stays unnamed."""
+        with that one (two sequences computed the same block at once): this block stays unnamed.
+        `routed` False: routers are not told (a window table's block: they count full blocks)."""
         if name in self.block_of or block in self.name_of:
             return
         self.block_of[name] = block
         self.name_of[block] = name
-        self._log(self._stored, name)
+        if routed:
+            self._log(self._stored, name)
 
     def drop(self, block: int) -> None:
         """`block` is being reused or its KV is no longer trusted: its name goes."""
         name = self.name_of.pop(block, None)
         if name is not None:
             del self.block_of[name]
-            self._log(self._removed, name)
+            if len(name) == len(self.salt):  # a full-table name (window names are longer)
+                self._log(self._removed, name)
 
     def match(self, names: list[bytes], limit: int) -> list[int]:
         """Blocks holding the longest run of `names[:limit]` from the first."""
@@ -73,62 +75,19 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
-    def reset(self) -> list[int]:
-        """Every name dropped (vLLM's reset_prefix_cache); blocks held by running sequences stay
-        theirs, unnamed. Returns the blocks that were evictable (now plain free blocks)."""
-        freed = list(self.evictable)
-        self.block_of.clear()
-        self.name_of.clear()
-        self.evictable.clear()
-        self._stored, self._removed, self._whole = [], [], True
-        return freed
-
-    # -- sequences -----------------------------------------------------------------------------
-    def _root(self, seq: Sequence) -> bytes:
-        return request_salt(self.salt, seq.params.cache_salt)
-
-    def register_sequence(self, seq: Sequence) -> None:
-        """Name the full blocks of `seq` whose KV is computed (or being computed by a step that
-        runs before any step scheduled after this call) and not yet named."""
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if full <= seq.hashed_blocks:
-            return
-        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, full)
-        table = seq.block_table
-        for k in range(seq.hashed_blocks, full):
-            self.register(table[k], names[k])
-        seq.hashed_blocks = full
-
-    def claim(self, seq: Sequence) -> int:
-        """`seq` (no blocks yet) takes the blocks of its longest cached prefix of full blocks, never
-        its last token (computed to sample from), and counts them computed; returns the tokens."""
-        if seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position's logits: computed, not cached
-        limit = (len(seq.token_ids) - 1) // self.block_size
-        if limit <= 0:
-            return 0
-        names = extend_block_hashes(seq.block_hashes, self._root(seq), seq.token_ids, self.block_size, limit)
-        blocks = self.match(names, limit)
+    def take(self, blocks: list[int]) -> None:
+        """A sequence holds `blocks` (found by name) too: evictable ones are no longer."""
         holders, evictable = self.holders, self.evictable
         for block in blocks:
             if not holders[block]:
                 del evictable[block]
             holders[block] += 1
-        seq.block_table = blocks
-        seq.hashed_blocks = len(blocks)
-        seq.num_computed_tokens = len(blocks) * self.block_size
-        return seq.num_computed_tokens
 
-    def release(self, seq: Sequence, keep_cache: bool, free: deque[int]) -> None:
-        """`seq` lets its blocks go: a block no one holds any more becomes evictable if named, else
-        goes to `free`. `keep_cache` False (a failed sequence): nothing of it is named, and the
-        blocks only it held lose their names."""
-        if keep_cache:
-            self.register_sequence(seq)
+    def let_go(self, blocks, keep_cache: bool, free) -> None:
+        """A sequence no longer holds `blocks` (in the order given): a block nobody holds becomes
+        evictable if named, else goes to `free`. `keep_cache` False: it loses its name first."""
         holders, named, evictable = self.holders, self.name_of, self.evictable
-        # Reversed: a freed table's tail is evicted before its head (prompts share heads), and
-        # its unnamed blocks are handed out again in its own order.
-        for block in reversed(seq.block_table):
+        for block in blocks:
             holders[block] -= 1
             if holders[block]:
                 continue
@@ -138,8 +97,16 @@ class PrefixCache:
                 evictable[block] = None
             else:
                 free.append(block)
-        seq.block_table = []
-        seq.hashed_blocks = 0
+
+    def reset(self) -> list[int]:
+        """Every name dropped (vLLM's reset_prefix_cache); blocks held by running sequences stay
+        theirs, unnamed. Returns the blocks that were evictable (now plain free blocks)."""
+        freed = list(self.evictable)
+        self.block_of.clear()
+        self.name_of.clear()
+        self.evictable.clear()
+        self._stored, self._removed, self._whole = [], [], True
+        return freed
 
     # -- the routers' view ---------------------------------------------------------------------
     def _log(self, log: list[int], name: bytes) -> None:
@@ -154,7 +121,8 @@ class PrefixCache:
         """What changed since the last summary (or everything, `whole`), and the counters."""
         self._summaries += 1
         whole = self._whole or self._summaries % WHOLE_EVERY == 0
-        stored = [routing_key(name) for name in self.block_of] if whole else self._stored
+        stored = [routing_key(name) for name in self.block_of if len(name) == len(self.salt)] if whole \
+            else self._stored
         summary = PrefixSummary(self.salt, self.block_size, whole, stored, [] if whole else self._removed,
                                 self.queries, self.hits)
         self._stored, self._removed, self._whole = [], [], False

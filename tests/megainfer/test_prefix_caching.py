@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from megainfer import LLM, SamplingParams
 from megainfer.engine.engine import Engine
 from megainfer.engine_config import EngineConfig
-from megainfer.errors import ConfigError
-from megainfer.scheduling.kv_cache import BlockManager
+from megainfer.scheduling.kv_cache import RELEASED, BlockManager
 from megainfer.scheduling.prefix_hash import extend_block_hashes, model_salt, prompt_routing_keys, routing_key
 from megainfer.scheduling.sequence import Sequence, SequenceStatus
 from tests.helpers import generate_all
@@ -97,9 +96,25 @@ def test_a_failed_sequence_leaves_no_cached_blocks_and_reset_forgets_the_rest():
     assert not BlockManager(16, 4).reset_prefix_cache()
 
 
-def test_windowed_models_refuse_prefix_caching_by_name():
-    with pytest.raises(ConfigError, match="sliding-window"):
-        BlockManager(16, 4, window=8, prefix_salt=SALT)
+def test_a_windowed_hit_takes_the_full_blocks_and_the_window_blocks_its_window_reaches():
+    """gpt-oss's hybrid tables: blocks 0..k-1 of the full table, and of the window table only those
+    the window of position k * block_size reaches; the rest of it `RELEASED`, as if computed."""
+    bm = BlockManager(64, 4, window=6, prefix_salt=SALT)
+    first = running(bm, list(range(26)))
+    bm.free(first)
+    second = Sequence("s", list(range(26)) + [99], SamplingParams())
+    assert bm.claim_prefix(second) == 24  # six full blocks (the seventh is partial)
+    assert second.window_released == 4  # position 24's window starts at 19: block 4
+    assert second.window_table[:4] == [RELEASED] * 4 and RELEASED not in second.window_table[4:]
+    assert bm.held_blocks(second) == 6 + 2
+    # Decoding on, a sequence's window blocks fall behind and are released with their names kept.
+    for _ in range(8):
+        second.token_ids.append(7)
+        computed(bm, second, second.num_uncomputed_tokens)
+    assert second.window_released > 4
+    third = Sequence("t", list(second.token_ids), SamplingParams())
+    bm.free(second)
+    assert bm.claim_prefix(third) == (len(third.token_ids) - 1) // 4 * 4
 
 
 def test_summaries_give_routers_the_nodes_own_names():
@@ -124,7 +139,7 @@ class Reference:
         prefix = bm.prefix
         held = [0] * bm.num_blocks
         for seq in seqs:
-            for block in seq.block_table:
+            for block in seq.block_table + seq.window_table[seq.window_released:]:
                 held[block] += 1
         assert held == prefix.holders
         free = set(bm.free_block_ids)
@@ -142,10 +157,12 @@ class Reference:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 14)), min_size=1, max_size=40))
-def test_sharing_and_eviction_keep_the_block_accounting_whole(ops):
-    """Random admissions (prompts from 4 shared prefixes), steps, frees and failures."""
-    bm = BlockManager(24, 4, prefix_salt=SALT)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 14)), min_size=1, max_size=40),
+       st.sampled_from([0, 6]))
+def test_sharing_and_eviction_keep_the_block_accounting_whole(ops, window):
+    """Random admissions (prompts from 4 shared prefixes), steps, frees and failures; with and
+    without a sliding window's second table."""
+    bm = BlockManager(32, 4, window=window, prefix_salt=SALT)
     prefixes = [[p * 100 + i for i in range(12)] for p in range(4)]
     seqs: list[Sequence] = []
     for n, (kind, which, length) in enumerate(ops):
@@ -189,6 +206,22 @@ def test_tokens_are_the_same_with_and_without_prefix_caching(mixtral_ref, option
     assert stats.kv_cache_usage == 0.0 and not off.stats().prefix_caching
     if "num_kv_blocks" in options:
         assert stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=16),
+                                     dict(max_num_batched_tokens=16, num_kv_blocks=40, block_size=4)],
+                         ids=["chunked", "chunked-preempting"])
+def test_gpt_oss_windows_share_prefixes_with_the_same_tokens(gpt_oss_ref, options):
+    """Prompts much longer than the windows (8 and 16 tokens): a hit carries the window blocks its
+    window reaches, and the tokens stay those computed without caching."""
+    rng = random.Random(4)
+    system = [rng.randrange(320) for _ in range(40)]
+    prompts = [system + [rng.randrange(320) for _ in range(rng.randrange(1, 9))] for _ in range(5)]
+    on = Engine(str(gpt_oss_ref.path), EngineConfig(**options))
+    off = Engine(str(gpt_oss_ref.path), EngineConfig(enable_prefix_caching=False, **options))
+    assert generate_all(on, prompts, GREEDY) == generate_all(off, prompts, GREEDY)
+    stats = on.stats()
+    assert stats.prefix_cache_hits >= 32 and stats.kv_cache_usage == 0.0, stats
 
 
 def test_cached_tokens_reach_the_request_output(mixtral_ref):

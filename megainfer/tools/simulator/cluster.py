@@ -205,7 +205,7 @@ class ClusterSimulator:
         in arrival order."""
         if isinstance(self.router, PredictiveRouter):
             self.router.clock = lambda: self.now  # predictions on the simulated clock
-        self.prefixes = _SharedPrefixes(requests, self.config.enable_prefix_caching and not self.model.kv_window)
+        self.prefixes = _SharedPrefixes(requests, self.config.enable_prefix_caching)
         self.fleet = [self._replica(k) for k in range(self.initial)]
         self.max_model_len = self.fleet[0].sim.max_model_len
         for request in requests:
