@@ -175,7 +175,7 @@ class BoundaryRunner:
 
 
 def boundary_engine(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
-                    async_scheduling: bool = True, t_e_s: float = 0.0) -> QueuedEngine:
+                    async_scheduling: bool = True, t_e_s: float = 0.0, prefix_caching: bool = True) -> QueuedEngine:
     """A demo-model engine on a `BoundaryRunner`, in the `QueuedEngine` an attention node steps,
     with `running` sequences decoding at `context` tokens each (their prompts prefilled in a few
     large steps); scheduling as the plan's attention nodes do (`async_scheduling`), the expert
@@ -186,7 +186,8 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
     # A token budget that prefills every prompt in a few steps (the decode steps ignore it).
     config = EngineConfig(max_num_seqs=running, max_num_batched_tokens=max(8192, running * context // 4),
                           block_size=block_size, async_scheduling=async_scheduling,
-                          num_kv_blocks=blocks, max_model_len=min(model.max_position_embeddings, context + 1024))
+                          num_kv_blocks=blocks, max_model_len=min(model.max_position_embeddings, context + 1024),
+                          enable_prefix_caching=prefix_caching)
 
     def runner(mc, cfg, weights, max_len):
         return BoundaryRunner(mc, cfg, weights, max_len, micro_batches=micro_batches, num_blocks=blocks,
@@ -207,11 +208,12 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
 
 
 def measure_boundary(running: int, context: int, micro_batches: int, plan_model: ModelConfig,
-                     steps: int = 7, async_scheduling: bool = True, t_e_s: float = 0.0) -> BoundaryPhases:
+                     steps: int = 7, async_scheduling: bool = True, t_e_s: float = 0.0,
+                     prefix_caching: bool = True) -> BoundaryPhases:
     """CPU time of the whole boundary at `running` sequences, by phase: the median decode step
     of `steps` (by total; the machines are shared, and one step's share of a neighbour's burst
     is noise, not cost)."""
-    core = boundary_engine(running, context, micro_batches, plan_model, async_scheduling, t_e_s)
+    core = boundary_engine(running, context, micro_batches, plan_model, async_scheduling, t_e_s, prefix_caching)
     measured = []
     # One torch thread: the argmax stand-in (device work on a GPU) otherwise spreads over the
     # cores and its share of a step swings with the neighbours; the host code is one thread anyway.

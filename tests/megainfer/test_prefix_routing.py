@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megainfer.bench.workload import generate, with_shared_prefixes
 from megainfer.engine_config import EngineConfig
-from megainfer.messages import NodeLoad, PrefixSummary
+from megainfer.messages import NodeLoad
 from megainfer.presets import PRESETS
 from megainfer.routing.policies import PrefixAffinity, make_router
 from megainfer.routing.prefix_index import PrefixIndex
