@@ -31,6 +31,7 @@ import torch
 from megainfer.config import ModelConfig
 from megainfer.engine.engine import Engine
 from megainfer.engine.queued_engine import QueuedEngine
+from megainfer.engine.expert_load_window import ExpertLoadWindow
 from megainfer.engine_config import EngineConfig
 from megainfer.model.moe_model import MoEModel
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
@@ -195,8 +196,10 @@ def boundary_engine(running: int, context: int, micro_batches: int, plan_model: 
 
     core = QueuedEngine(Engine(DEMO_MODEL, config, runner_factory=runner))
     engine = core.engine
-    # The engine's per-expert totals at the plan's model's shape (what its bookkeeping walks).
+    # The engine's per-expert totals and window at the plan's model's shape (what its bookkeeping walks).
     engine.step_records.expert_tokens = np.zeros((plan_model.num_layers, plan_model.num_experts), dtype=np.int64)
+    engine.step_records.expert_window = ExpertLoadWindow(plan_model.num_layers, plan_model.num_experts,
+                                                         config.expert_load_window)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     for i in range(running):
