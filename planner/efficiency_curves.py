@@ -64,6 +64,10 @@ class EfficiencyCurves:
     allreduce_latency_s: float  # one tensor-parallel all-reduce, beyond its bytes
     link: float  # achieved fraction of NVLink/PCIe bandwidth in an all-reduce
     source: str = ""  # where the figures come from
+    # The expert GEMMs' FLOP rate also grows with their width (an expert's intermediate size on
+    # one rank: 384 for Qwen3-30B-A3B at TP 2, 1,440 for gpt-oss-120b): x / (x + this). 0: no
+    # width term (what a fit to one model cannot pin down; validation.py fits it across models).
+    moe_width_half: float = 0.0
 
     @classmethod
     def load(cls, gpu: str, path: str | os.PathLike | None = None) -> "EfficiencyCurves":
@@ -96,7 +100,7 @@ class EfficiencyCurves:
         unknown = sorted(set(data) - names)
         if unknown:
             raise PlanError(f"{where}: unknown field {unknown[0]!r}; fields: {', '.join(sorted(names))}")
-        missing = sorted(names - set(data) - {"source"})
+        missing = sorted(names - set(data) - {"source", "moe_width_half"})
         if missing:
             raise PlanError(f"{where}: missing field {missing[0]!r}")
         try:
@@ -110,7 +114,10 @@ class EfficiencyCurves:
                             f"the rest are numbers ({exc})") from None
         if any(v < 0 or not math.isfinite(v) for v in scalars.values()) or not 0 < scalars["link"] <= 1:
             raise PlanError(f"{where}: times must be finite and >= 0, link in (0, 1]")
-        return cls(**ops, **scalars, source=str(data.get("source", "")))
+        width = float(data.get("moe_width_half", 0.0))
+        if width < 0 or not math.isfinite(width):
+            raise PlanError(f"{where}: moe_width_half must be a finite number >= 0, got {width}")
+        return cls(**ops, **scalars, source=str(data.get("source", "")), moe_width_half=width)
 
     def with_values(self, **changes) -> "EfficiencyCurves":
         """A copy with some fields replaced (the fit's search)."""

@@ -58,11 +58,15 @@ class DevicePeaks:
 
 class OperatorCosts:
     def __init__(self, model: ModelConfig, tp: int, peaks: DevicePeaks, curves: EfficiencyCurves, *,
-                 dtype_bytes: int = 2, profile: OperatorProfile | None = None) -> None:
+                 dtype_bytes: int = 2, profile: OperatorProfile | None = None,
+                 expert_bytes_per_param: float | None = None) -> None:
+        """`expert_bytes_per_param`: the expert weights' storage where it differs from `dtype_bytes`
+        (MXFP4: 4.25 bits, a serving engine that computes from it directly reads that much)."""
         if profile is not None:
             profile.check_applies(model, tp)
         self.model, self.tp, self.peaks, self.curves, self.profile = model, tp, peaks, curves, profile
         self.dtype_bytes = dtype_bytes
+        self.expert_bytes_per_param = expert_bytes_per_param or dtype_bytes
         self.sources: dict[str, Counter] = {op: Counter() for op in OPERATOR_AXES}
         m = model
         # The attention side's weights of one MoE layer (attention, router, shared experts) and of
@@ -80,6 +84,8 @@ class OperatorCosts:
             self.decode_pair_flops = self.prefill_pair_flops = 4 * (m.q_size / tp)
             self.decompress_flops = 0.0
         self.head_params = m.vocab_size * m.hidden_size / tp
+        width = m.expert_intermediate_size / tp  # one expert's GEMM width on one rank
+        self._moe_width_efficiency = width / (width + curves.moe_width_half)
         self.token_bytes = m.hidden_size * dtype_bytes
         # Exact-point cache of table lookups: steps repeat the same few shapes.
         self._cache: dict[tuple, float | None] = {}
@@ -184,9 +190,10 @@ class OperatorCosts:
         return total
 
     def _moe_roofline(self, pairs: int, experts):
-        flops = 2 * self.expert_params * pairs  # gate, up and down: expert_params counts all three
-        return self._roofline(self.curves.moe, flops, pairs / experts, experts * self.expert_params * self.dtype_bytes,
-                              LAUNCHES["moe"])
+        # gate, up and down: expert_params counts all three; narrow experts run below the curve's rate
+        flops = 2 * self.expert_params * pairs / self._moe_width_efficiency
+        return self._roofline(self.curves.moe, flops, pairs / experts,
+                              experts * self.expert_params * self.expert_bytes_per_param, LAUNCHES["moe"])
 
     def allreduce(self, tokens: int) -> float:
         """One all-reduce of `tokens` hidden vectors over the instance's TP ranks (0 at tp 1)."""

@@ -90,7 +90,8 @@ class StepCost:
 class ColocatedStepModel:
     def __init__(self, model: ModelConfig, gpu: GPU | None, tp: int, *, dtype_bytes: int | None = None,
                  curves: EfficiencyCurves | None = None, profile: OperatorProfile | None = None,
-                 curves_path: str | None = None, idle_power_fraction: float = IDLE_POWER_FRACTION) -> None:
+                 curves_path: str | None = None, idle_power_fraction: float = IDLE_POWER_FRACTION,
+                 expert_bytes_per_param: float | None = None) -> None:
         """`gpu` (the catalog's entry) gives memory, power and the curves' peaks; it may be None
         when a profile is given (a CPU, or a device outside the catalog): the profile's measured
         peaks and KV capacity stand in, and energy is not estimated."""
@@ -106,8 +107,12 @@ class ColocatedStepModel:
             d = profile.device
             peaks = DevicePeaks(d.name, d.peak_flops or 1e12, d.peak_bytes_per_s or 1e11, d.peak_bytes_per_s or 1e11)
         self.curves = curves or EfficiencyCurves.load(gpu.name if gpu is not None else "cpu", curves_path)
-        self.ops = OperatorCosts(model, tp, peaks, self.curves, dtype_bytes=self.dtype_bytes, profile=profile)
-        self.expert_bytes_each = model.expert_params * self.dtype_bytes
+        self.ops = OperatorCosts(model, tp, peaks, self.curves, dtype_bytes=self.dtype_bytes, profile=profile,
+                                 expert_bytes_per_param=expert_bytes_per_param)
+        # Expert weights as stored (MXFP4 for gpt-oss's published checkpoints, when the engine
+        # priced computes from them; megainfer itself dequantizes at load).
+        self.expert_bytes_per_param = expert_bytes_per_param or self.dtype_bytes
+        self.expert_bytes_each = model.expert_params * self.expert_bytes_per_param
         self.power_w = tp * gpu.power_w if gpu is not None else 0.0
         self.idle_w = self.power_w * idle_power_fraction
 
@@ -123,7 +128,8 @@ class ColocatedStepModel:
         if self.profile is not None and self.profile.kv_cache_tokens:
             return int(self.profile.kv_cache_tokens)
         model = self.model
-        weights = model.num_params * self.dtype_bytes
+        experts = model.num_moe_layers * model.num_experts * model.expert_params
+        weights = (model.num_params - experts) * self.dtype_bytes + experts * self.expert_bytes_per_param
         free = self.tp * self.gpu.memory_bytes * MEMORY_HEADROOM - weights
         # A block id's layers, over the tp ranks: split (KV heads) or, MLA, a whole copy on each.
         per_token = model.kv_cache_width * self.dtype_bytes * model.kv_cache_layers * (self.tp // model.kv_shards(self.tp))

@@ -73,6 +73,9 @@ WORKLOADS = {
                              "openchat ShareGPT4, 8K-filtered: median and p90 (Sarathi-Serve Table 2)"),
     "arxiv": WorkloadSpec("arxiv", LogNormalLengths.from_mean_std(9194, 5754), LogNormalLengths.from_mean_std(231, 104),
                           None, "arXiv summarization: mean and std (layered-prefill paper, arXiv 2510.08055)"),
+    "sharegpt-lp": WorkloadSpec("sharegpt-lp", LogNormalLengths.from_mean_std(2340, 2088),
+                                LogNormalLengths.from_mean_std(438, 265), None,
+                                "ShareGPT as the layered-prefill paper ran it: mean and std (arXiv 2510.08055)"),
 }
 ARRIVALS = ("poisson", "bursty")
 

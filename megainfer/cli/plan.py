@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.round_host_cost import HostCost
     from planner.operator_profile import OperatorProfile
     from planner.perf_model import Calibration, PerfModel
+    from planner.prediction_error import PredictionError
     from planner.search import search
     from planner.timeline import explain, plot_predicted_gantt
 
@@ -162,7 +163,10 @@ def run(args: argparse.Namespace) -> int:
     skew = _skew(args, model)
     perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration, curves_path=args.curves,
                      profiles=profiles, host=host, skew=skew, redundant_experts=args.redundant_experts)
-    slo = args.tbt_slo_ms / 1e3
+    band = PredictionError.load()
+    # Plans are searched to the SLO less the model's usual TBT error: one predicted at the SLO
+    # itself would miss it whenever the model is optimistic.
+    slo = band.headroom_slo_s(args.tbt_slo_ms / 1e3)
     start = time.perf_counter()
     result = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf,
                     max_micro_batches=args.max_micro_batches, objective=args.objective)
@@ -183,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
                         + (f"; the host profile {host.source} also refuses plans whose M2N rounds the host cannot "
                            "post within the micro-batch's compute" if host else ""))
 
-    print(f"{model.name}: {args.dtype}, seq-len {args.seq_len}, TBT SLO {args.tbt_slo_ms:g} ms, objective "
+    print(f"{model.name}: {args.dtype}, seq-len {args.seq_len}, TBT SLO {args.tbt_slo_ms:g} ms (planned to "
+          f"{slo * 1e3:.1f} ms: the model's TBT error +/-{band.tbt:.0%} left as headroom), objective "
           f"{args.objective}, GPUs {','.join(gpus)}; {result.configurations:,} configurations searched in "
           f"{elapsed:.2f} s (prices: {catalog.price_unit or 'catalog units'})")
     rows = []
@@ -195,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
                      f"{c.balance:.2f}", "yes" if c.network_hidden else "NO", "yes" if c.pipeline_full else "no"])
     print(format_table(["#", "attention", "experts", "m", "B", "T_a ms", "T_e ms", "T_c ms", "TBT ms", "tokens/s",
                         "/GPU", "/cost", "/kW", "(1) Ta/Te", "(2) Tc<Tf", "(3) mTf>=2(Tf+Tc)"], rows))
+    print(band.line())
     best = result.candidates[0]
     if skew is not None:
         print_skew(result.candidates[:args.top], args, no_spare)

@@ -45,6 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "hottest expert node, the experts placed and re-placed by the deployment's code; compares "
                         "the TBT with the planner's prediction for the plan (--expert-skew, --steps)")
     p.add_argument("--steps", type=positive_int, default=400, help="with --plan: decode steps to simulate")
+    p.add_argument("--validate", action="store_true",
+                   help="the model against every published row (megainfer/tools/simulator/published_rows.py): "
+                        "fitted on all at once and each left out; per-row and mean absolute error of mean TTFT and "
+                        "mean TBT, the layered-vs-chunked directions, saturation (--requests per row, --json)")
+    p.add_argument("--write-error", action="store_true",
+                   help="with --validate: store the left-out mean absolute errors as the error band plan and "
+                        "simulate print (planner/prediction_error.yaml)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write configuration, workload statistics and results as JSON")
     p.add_argument("--plot", metavar="PATH", help="with --sweep-rates: draw SLO attainment against rate (PNG)")
@@ -92,6 +99,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.validate:
+        return run_validate(args)
+    if args.write_error:
+        from megainfer.errors import ConfigError
+
+        raise ConfigError("--write-error stores what --validate measured; add --validate")
     if args.plan:
         return run_plan(args)
     from megainfer.errors import ConfigError
@@ -132,9 +145,33 @@ def run(args: argparse.Namespace) -> int:
             ex.plot_sweep(rows, spec, args.plot)
             print(f"plot: {args.plot}")
     print(describe_sources(step_model))
+    from planner.prediction_error import PredictionError
+
+    print(PredictionError.load().line())
     print(f"simulated in {time.perf_counter() - started:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ex.to_json(spec, requests, results, rows), f, indent=2)
         print(f"json: {args.json}")
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    """`megainfer simulate --validate`: every published row, fitted and left out."""
+    from megainfer.tools.simulator.validation import format_report, validate
+    from planner.efficiency_curves import EfficiencyCurves
+    from planner.prediction_error import PredictionError
+
+    report = validate(EfficiencyCurves.load("H100", args.curves), num_requests=args.requests,
+                      progress=lambda text: print(text, file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.as_dict(), f, indent=2)
+        print(f"json: {args.json}")
+    if args.write_error:
+        band = report.error_band()
+        PredictionError(band["ttft"], band["tbt"], len(report.rows),
+                        "megainfer simulate --validate, H100 rows of the layered-prefill paper").write()
+        print("error band written: planner/prediction_error.yaml")
     return 0

@@ -50,6 +50,27 @@ class SimResult:
     preemptions: int
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    finished_at_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # each request's end, from the first arrival
+    arrived_at_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # each request's arrival, from the first
+
+    def served_rate(self) -> float:
+        """Requests completed per second over the run, the drain after the last arrival left out
+        (the time since the last arrival, less one mean request's time in the system): about the
+        arrival rate where the instance keeps up, less where a queue grows."""
+        if not len(self.arrived_at_s):
+            return 0.0
+        in_system = float(self.finished_at_s.mean() - self.arrived_at_s.mean())  # every request finishes
+        window = max(float(self.arrived_at_s.max()) + in_system, 1e-9)
+        return min(self.num_requests / max(self.duration_s, 1e-9) * self.duration_s / window,
+                   self.num_requests / window)
+
+    def queue_growth(self) -> float:
+        """Mean TTFT of the last quarter of requests to finish over that of the first half: near
+        1 where the instance keeps up, growing with the run where a queue builds (saturation)."""
+        n = len(self.ttft_s)
+        if n < 8:
+            return 1.0
+        return float(self.ttft_s[3 * n // 4:].mean() / max(self.ttft_s[:n // 2].mean(), 1e-9))
 
     def slo_attainment(self, ttft_slo_s: float, tbt_slo_s: float) -> float:
         """Fraction of requests whose TTFT and every time between tokens met the SLOs."""
@@ -66,6 +87,8 @@ class SimResult:
             "duration_s": self.duration_s,
             "steps": self.steps,
             "request_throughput": self.num_requests / self.duration_s if self.duration_s else 0.0,
+            "served_rate": self.served_rate(),
+            "queue_growth": self.queue_growth(),
             "output_throughput": self.output_tokens / self.duration_s if self.duration_s else 0.0,
             "ttft_mean_s": float(self.ttft_s.mean()),
             "ttft_p99_s": pct(self.ttft_s, 99),
@@ -130,7 +153,8 @@ class Simulator:
             tbt_s=np.frombuffer(totals.tbt_s), max_tbt_s=np.frombuffer(totals.max_tbt_s),
             input_tokens=sum(r.input_len for r in requests), output_tokens=sum(r.output_len for r in requests),
             expert_bytes=totals.expert_bytes, energy_j=totals.energy_j, preemptions=sched.num_preemptions,
-            wall_s=time.perf_counter() - started)
+            wall_s=time.perf_counter() - started, finished_at_s=np.frombuffer(totals.finished_at_s) - first_arrival,
+            arrived_at_s=np.array([r.arrival_s for r in requests]) - first_arrival)
 
     def _check_fits(self, requests: list[SimRequest]) -> None:
         """Every request must fit the model's context and the instance's KV cache on its own."""
@@ -154,6 +178,7 @@ class Simulator:
         totals.energy_j += cost.energy_j
         for seq in sched.update_from_output(out, [_TOKEN if sampled else None for sampled in layout.samples]):
             if seq.is_finished:
+                totals.finished_at_s.append(self.now)
                 totals.ttft_s.append(seq.first_token_time - seq.arrival_time)
                 gaps = seq.tbt_s
                 totals.tbt_s.extend(gaps)
@@ -195,5 +220,6 @@ class _Totals:
     expert_bytes: float = 0.0  # expert-weight bytes read
     energy_j: float = 0.0  # joules
     ttft_s: array = field(default_factory=lambda: array("d"))  # per finished request, seconds
+    finished_at_s: array = field(default_factory=lambda: array("d"))  # when each finished, on the clock
     tbt_s: array = field(default_factory=lambda: array("d"))  # every time between tokens, seconds
     max_tbt_s: array = field(default_factory=lambda: array("d"))  # per finished request, seconds
