@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the model against every published row (megainfer/tools/simulator/published_rows.py): "
                         "fitted on all at once and each left out; per-row and mean absolute error of mean TTFT and "
                         "mean TBT, the layered-vs-chunked directions, saturation (--requests per row, --json)")
+    p.add_argument("--fit-steps", type=positive_int, default=1,
+                   help="with --validate: Gauss-Newton steps of the fit on all rows (each simulates every row "
+                        "once per fitted parameter)")
     p.add_argument("--write-error", action="store_true",
                    help="with --validate: store the left-out mean absolute errors as the error band plan and "
                         "simulate print (planner/prediction_error.yaml)")
@@ -163,7 +166,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from planner.prediction_error import PredictionError
 
     report = validate(EfficiencyCurves.load("H100", args.curves), num_requests=args.requests,
-                      progress=lambda text: print(text, file=sys.stderr, flush=True))
+                      progress=lambda text: print(text, file=sys.stderr, flush=True), iterations=args.fit_steps)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -157,38 +157,51 @@ def _evaluate(curves: EfficiencyCurves, rows, num_requests: int) -> list[Predict
     return [predict(row, curves, num_requests) for row in rows]
 
 
-def _solve(jacobian: np.ndarray, r0: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """The Gauss-Newton step on the residuals `keep` selects, ridge toward 0."""
-    j, r = jacobian[keep], r0[keep]
-    k = jacobian.shape[1]
-    return np.linalg.solve(j.T @ j + RIDGE * len(r) * np.eye(k), -j.T @ r)
+def _solve(jacobian: np.ndarray, r: np.ndarray, keep: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """The Gauss-Newton step on the residuals `keep` selects, from a point `offset` away from the
+    committed curves, for the residuals plus a ridge toward the committed curves."""
+    j, r = jacobian[keep], r[keep]
+    ridge = RIDGE * len(r)
+    return np.linalg.solve(j.T @ j + ridge * np.eye(jacobian.shape[1]), -j.T @ r - ridge * offset)
 
 
-def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int = 300, progress=None) -> Validation:
+def _sensitivities(curves: EfficiencyCurves, x: np.ndarray, r: np.ndarray, rows, num_requests: int, say) -> np.ndarray:
+    jacobian = np.zeros((len(r), len(PARAMETERS)))
+    for k, param in enumerate(PARAMETERS):
+        say(f"  sensitivity {k + 1}/{len(PARAMETERS)}: {param.name}")
+        moved = x.copy()
+        moved[k] += STEP
+        jacobian[:, k] = (residuals(_evaluate(from_vector(curves, moved, PARAMETERS), rows, num_requests), rows) - r) / STEP
+    return jacobian
+
+
+def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int = 300, progress=None,
+             iterations: int = 1) -> Validation:
+    """`iterations` Gauss-Newton steps for the fit on all rows (sensitivities taken afresh at each
+    point); the rows left out take one more step from the last point without their residuals."""
     started = time.perf_counter()
     say = progress or (lambda text: None)
     curves = with_width(curves)
     x0 = to_vector(curves, PARAMETERS)
+    x = x0.copy()
+    everything = np.ones(2 * len(rows), dtype=bool)
     say(f"simulating {len(rows)} rows with the committed curves ...")
-    base = _evaluate(curves, rows, num_requests)
-    r0 = residuals(base, rows)
-    jacobian = np.zeros((len(r0), len(PARAMETERS)))
-    for k, param in enumerate(PARAMETERS):
-        say(f"sensitivity {k + 1}/{len(PARAMETERS)}: {param.name}")
-        x = x0.copy()
-        x[k] += STEP
-        jacobian[:, k] = (residuals(_evaluate(from_vector(curves, x, PARAMETERS), rows, num_requests), rows) - r0) / STEP
-    everything = np.ones(len(r0), dtype=bool)
-    fitted_curves = from_vector(curves, x0 + _solve(jacobian, r0, everything), PARAMETERS)
-    say("simulating every row with the curves fitted on all of them ...")
-    fitted = _evaluate(fitted_curves, rows, num_requests)
+    r = residuals(_evaluate(curves, rows, num_requests), rows)
+    for it in range(iterations):
+        say(f"step {it + 1}/{iterations}")
+        jacobian = _sensitivities(curves, x, r, rows, num_requests, say)
+        last_x, last_r, last_j = x, r, jacobian
+        x = x + _solve(jacobian, r, everything, x - x0)
+        fitted = _evaluate(from_vector(curves, x, PARAMETERS), rows, num_requests)
+        r = residuals(fitted, rows)
+    fitted_curves = from_vector(curves, x, PARAMETERS)
     results = []
     for i, row in enumerate(rows):
         keep = everything.copy()
         keep[2 * i:2 * i + 2] = False
         say(f"left out {i + 1}/{len(rows)}: {row.label}")
-        left_out = predict(row, from_vector(curves, x0 + _solve(jacobian, r0, keep), PARAMETERS), num_requests)
-        results.append(RowResult(row, fitted[i], left_out))
+        refit = last_x + _solve(last_j, last_r, keep, last_x - x0)
+        results.append(RowResult(row, fitted[i], predict(row, from_vector(curves, refit, PARAMETERS), num_requests)))
     return Validation(results, curves, fitted_curves, time.perf_counter() - started)
 
 
