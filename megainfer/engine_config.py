@@ -15,7 +15,6 @@ from typing import Any
 from megainfer.config import (DTYPE_BYTES, GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConfig,
                               check_gpu_memory_utilization)
 from megainfer.errors import ConfigError
-from megainfer.scheduling.prefix_hash import model_salt
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +113,6 @@ class EngineConfig:
             if device == "cpu":
                 logger.info("device auto: running on the CPU (torch.cuda.is_available() is False)")
         return self if (dtype, device) == (self.dtype, self.device) else self.replace(dtype=dtype, device=device)
-
-    def prefix_salt(self, model: ModelConfig) -> bytes | None:
-        """The salt naming this engine's cached blocks (None: prefix caching off)."""
-        if not self.enable_prefix_caching:
-            return None
-        return model_salt(model.name, self.concrete_dtype, self.block_size)
 
     @property
     def concrete_dtype(self) -> str:

@@ -31,6 +31,7 @@ from megainfer.routing.online_step_model import OnlineStepModel, StepTimeBalance
 from megainfer.runner.model_runner import ModelRunner, StepHooks, StepResult
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduling.node_state import snapshot
+from megainfer.scheduling.prefix_hash import engine_salt
 from megainfer.scheduling.scheduler import Scheduler
 from megainfer.scheduling.scheduler_output import SchedulerOutput, without_finished
 from megainfer.scheduling.sequence import Sequence
@@ -64,7 +65,7 @@ class Engine:
                                                eos_token_ids=self.model_config.eos_token_ids,
                                                num_layers=self.model_config.num_layers,
                                                window=self.model_config.kv_window,
-                                               prefix_salt=self.config.prefix_salt(self.model_config))
+                                               prefix_salt=engine_salt(self.config, self.model_config.name))
         self.admission = RequestAdmission(self.model_config, self.tokenizer, self.max_model_len,
                                           self.scheduler.block_manager)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.runner.sampler)

@@ -19,6 +19,8 @@ import hashlib
 from array import array
 from collections.abc import Sequence as Tokens
 
+from megainfer.engine_config import EngineConfig
+
 ROUTING_KEY_BYTES = 8
 
 
@@ -26,6 +28,14 @@ def model_salt(model_name: str, dtype: str, block_size: int) -> bytes:
     """The first block's parent for an engine serving `model_name` in `dtype` (what changes the
     KV besides the tokens; LoRA and multimodal inputs are not served)."""
     return hashlib.sha256(f"megainfer-prefix-cache|{model_name}|{dtype}|{block_size}".encode()).digest()
+
+
+def engine_salt(config: EngineConfig, model_name: str) -> bytes | None:
+    """The salt naming the cached blocks of an engine with `config` serving `model_name` (None:
+    its prefix caching is off)."""
+    if not config.enable_prefix_caching:
+        return None
+    return model_salt(model_name, config.concrete_dtype, config.block_size)
 
 
 def request_salt(salt: bytes, cache_salt: str | None) -> bytes:

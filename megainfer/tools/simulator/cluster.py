@@ -34,6 +34,7 @@ from megainfer.routing.policies import PredictiveRouter, Router
 from megainfer.routing.prefix_index import PrefixIndex
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduling.node_state import snapshot, step_sample
+from megainfer.scheduling.prefix_hash import engine_salt
 from megainfer.scheduling.scheduler import Scheduler
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.sequence import Sequence
@@ -86,7 +87,7 @@ class _Replica:
     def __init__(self, sim: Simulator, clock, prefix_caching: bool = False) -> None:
         """`prefix_caching`: the replica's KV cache shares prefixes, as an engine's does."""
         self.sim = sim
-        salt = sim.config.prefix_salt(sim.model) if prefix_caching else None
+        salt = engine_salt(sim.config, sim.model.name) if prefix_caching else None
         self.scheduler = Scheduler.from_config(sim.config, num_blocks=sim.num_blocks, max_model_len=sim.max_model_len,
                                                eos_token_ids=(), num_layers=sim.model.num_layers,
                                                window=sim.model.kv_window, prefix_salt=salt)
