@@ -108,17 +108,18 @@ class Frontend:
     def route(self, prompt, params: SamplingParams) -> Routed:
         """The router's choice for `prompt` (text or token ids), with what each node caches of it;
         where it chose a node marked down while another is up, the freest node that is up instead."""
+        tokens = prompt_tokens(prompt)
+        keys = self._prefixes.prompt_keys(prompt, params.cache_salt)  # the hashing, outside the lock
         with self._lock:
             router, loads = self.router, self._loads
-            cached = self._prefixes.cached_tokens(prompt, len(loads), params.cache_salt)
-            node = router.choose(loads, prompt_tokens(prompt), params.max_tokens, cached)
+            node = router.choose(loads, tokens, params.max_tokens, self._prefixes.count(keys, len(loads)))
             last = getattr(router, "last", None)  # the predictive router's forecast of this choice
             instead = self._down.steer(node, self._loads)
             if instead is not None:
                 if last is not None:  # its forecast committed the request to a node it will not reach
                     router.placed(node, last.at, None)
                 node, last = instead, None
-            self._loads[node].add(prompt_tokens(prompt))
+            self._loads[node].add(tokens)
         return Routed(node, router, last.ttft_s, last.at) if last is not None else Routed(node, router)
 
     def pin(self, node: int, prompt_tokens: int) -> Routed:

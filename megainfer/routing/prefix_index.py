@@ -64,15 +64,26 @@ class PrefixIndex:
     def cached_tokens(self, prompt: Tokens[int] | str, num_nodes: int, cache_salt: str | None = None) -> list[int]:
         """Per node (0 .. num_nodes - 1), the prompt tokens it would serve from its cache. A text
         prompt (tokenized only on its node) counts 0 everywhere."""
-        cached = [0] * num_nodes
+        return self.count(self.prompt_keys(prompt, cache_salt), num_nodes)
+
+    def prompt_keys(self, prompt: Tokens[int] | str, cache_salt: str | None = None) -> dict[tuple[bytes, int], list[int]]:
+        """The prompt's routing keys under each naming (salt, block size) a node that caches
+        anything uses (one per deployment): the hashing, apart from the counting, so a caller
+        can do it outside its lock."""
+        keys: dict[tuple[bytes, int], list[int]] = {}
         if isinstance(prompt, str) or len(prompt) < 2:
-            return cached
-        keys: dict[tuple[bytes, int], list[int]] = {}  # nodes of one deployment share one naming
-        for i, node in enumerate(self.nodes[:num_nodes]):
-            if node.salt is None or not node.keys:
-                continue
+            return keys
+        for node in list(self.nodes):
             naming = (node.salt, node.block_size)
-            if naming not in keys:
+            if node.salt is not None and node.keys and naming not in keys:
                 keys[naming] = prompt_routing_keys(node.salt, cache_salt, prompt, node.block_size)
-            cached[i] = node.cached_blocks(keys[naming]) * node.block_size
+        return keys
+
+    def count(self, keys: dict[tuple[bytes, int], list[int]], num_nodes: int) -> list[int]:
+        """Per node, the tokens of a prompt with `keys` (`prompt_keys`) it would serve from its cache."""
+        cached = [0] * num_nodes
+        for i, node in enumerate(self.nodes[:num_nodes]):
+            naming_keys = keys.get((node.salt, node.block_size))
+            if naming_keys is not None:
+                cached[i] = node.cached_blocks(naming_keys) * node.block_size
         return cached

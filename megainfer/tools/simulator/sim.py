@@ -60,9 +60,7 @@ class SimResult:
         if not len(self.arrived_at_s):
             return 0.0
         in_system = float(self.finished_at_s.mean() - self.arrived_at_s.mean())  # every request finishes
-        window = max(float(self.arrived_at_s.max()) + in_system, 1e-9)
-        return min(self.num_requests / max(self.duration_s, 1e-9) * self.duration_s / window,
-                   self.num_requests / window)
+        return self.num_requests / max(float(self.arrived_at_s.max()) + in_system, 1e-9)
 
     def queue_growth(self) -> float:
         """Mean TTFT of the last quarter of requests to finish over that of the first half: near
