@@ -15,6 +15,7 @@ from typing import Any
 from megainfer.config import (DTYPE_BYTES, GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConfig,
                               check_gpu_memory_utilization)
 from megainfer.errors import ConfigError
+from megainfer.messages import LayeredSettings
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class EngineConfig:
     prefill_policy: str = "chunked"
     group_tokens: int = 512  # layered: prompt tokens per layer group, G = ceil(cohort tokens / this)
     num_layer_groups: int | None = None  # layered: a fixed G instead
+    # layered: G from group_tokens but at most this many, a cohort filling layered_chunk_tokens
+    # (the layered-prefill paper's --num-stages with its --max-num-batched-tokens)
+    max_layer_groups: int | None = None
     layered_chunk_tokens: int = 8192  # layered: prompt tokens of one cohort (longer prompts go in chunks)
     target_step_ms: float | None = None  # attention balancing: cap prompt tokens by predicted step time
     # Schedule the next step while this one's last layer runs (a runner that takes `StepHooks`:
@@ -90,10 +94,14 @@ class EngineConfig:
                                                 self.target_step_ms <= 0):
             raise ConfigError(f"engine option 'target_step_ms' must be a positive number or None, "
                               f"got {self.target_step_ms!r}")
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "num_layer_groups"):
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "num_layer_groups",
+                     "max_layer_groups"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"engine option '{name}' must be a positive integer or None, got {value!r}")
+        if self.num_layer_groups is not None and self.max_layer_groups is not None:
+            raise ConfigError("engine options 'num_layer_groups' (a fixed G) and 'max_layer_groups' (a cap on the G "
+                              "derived from group_tokens) exclude each other; give one")
         check_gpu_memory_utilization(self.gpu_memory_utilization, "engine option 'gpu_memory_utilization'")
 
     def resolve(self, model: ModelConfig) -> "EngineConfig":
@@ -180,9 +188,13 @@ class EngineConfig:
         states, at most one cohort's tokens), taken from the KV-cache budget; 0 for chunked."""
         if self.prefill_policy != "layered":
             return 0
-        groups = self.num_layer_groups or model.num_layers
-        tokens = min(self.layered_chunk_tokens, self.group_tokens * groups)
+        tokens = self.layered_settings(model.num_layers).chunk_tokens
         return tokens * model.hidden_size * DTYPE_BYTES[self.concrete_dtype]
+
+    def layered_settings(self, num_layers: int) -> LayeredSettings:
+        """The layered policy's settings for a model of `num_layers` (whatever the policy)."""
+        return LayeredSettings.of(num_layers, self.group_tokens, self.num_layer_groups, self.layered_chunk_tokens,
+                                  self.max_layer_groups)
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

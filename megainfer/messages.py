@@ -455,6 +455,27 @@ class LayeredSettings:
     group_tokens: int  # cohort tokens per layer group when the group count is derived
     num_layer_groups: int | None  # fixed number of groups; None: derived from the cohort's tokens
     chunk_tokens: int  # most prompt tokens one cohort carries
+    # Derived groups, at most this many (the layered-prefill paper's --num-stages): a cohort
+    # then fills chunk_tokens and a big one passes in fewer, fuller groups.
+    max_layer_groups: int | None = None
+
+    @classmethod
+    def of(cls, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_limit: int,
+           max_layer_groups: int | None = None) -> "LayeredSettings":
+        """The settings with the cohort's token cap worked out: `chunk_limit`, and unless the
+        groups are capped by max_layer_groups, at most group_tokens per group (so a step's work,
+        tokens x layers, matches a chunked step with a group_tokens budget)."""
+        if max_layer_groups is None or num_layer_groups is not None:
+            chunk_limit = min(chunk_limit, group_tokens * (num_layer_groups or num_layers))
+        return cls(num_layers, group_tokens, num_layer_groups, chunk_limit, max_layer_groups)
+
+    def groups(self, cohort_tokens: int) -> int:
+        """G for a cohort of `cohort_tokens`: the fixed count, else ceil(tokens / group_tokens)
+        capped by max_layer_groups; never more than the layers."""
+        groups = self.num_layer_groups or max(1, -(-cohort_tokens // self.group_tokens))
+        if self.num_layer_groups is None and self.max_layer_groups is not None:
+            groups = min(groups, self.max_layer_groups)
+        return min(groups, self.num_layers)
 
 
 @dataclass(frozen=True)

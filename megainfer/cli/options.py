@@ -68,6 +68,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-tokens", type=positive_int, default=512,
                         help="layered: prompt tokens per layer group (G = ceil(tokens / this))")
     parser.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
+    parser.add_argument("--max-layer-groups", type=positive_int, default=None,
+                        help="layered: G from --group-tokens but at most this many, each cohort filling 8,192 "
+                             "prompt tokens (the layered-prefill paper's --num-stages)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="keep computed full KV blocks and share them with later prompts of the same prefix "
                              "(default on, as vLLM; --no-enable-prefix-caching turns it off)")
@@ -81,5 +84,6 @@ def engine_config(args: argparse.Namespace, **extra):
                         max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         prefill_policy=args.prefill_policy, group_tokens=args.group_tokens,
-                        num_layer_groups=args.num_layer_groups, enable_prefix_caching=args.enable_prefix_caching,
+                        num_layer_groups=args.num_layer_groups, max_layer_groups=args.max_layer_groups,
+                        enable_prefix_caching=args.enable_prefix_caching,
                         gpu_memory_utilization=args.gpu_memory_utilization, **extra)

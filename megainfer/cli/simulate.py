@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=512, help="token budget of a step (chunked prefill)")
     p.add_argument("--group-tokens", type=positive_int, default=512, help="layered: prompt tokens per layer group")
     p.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
+    p.add_argument("--max-layer-groups", type=positive_int, default=None,
+                   help="layered: G from --group-tokens but at most this many, each cohort filling 8,192 prompt "
+                        "tokens (the layered-prefill paper's --num-stages)")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--expert-skew", type=float, default=FITTED_SKEW,
                    help=f"expert popularity ~ (rank + {FITTED_RANK_OFFSET:g})^-S per layer, each token's top-k drawn "
@@ -125,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     spec = ex.SimulationSpec(
         model=model, step_model=step_model, workload=args.workload, rate=args.rate, num_requests=args.requests,
         policies=policies, arrival=args.arrival, cv=args.cv, chunk_size=args.chunk_size,
-        group_tokens=args.group_tokens, num_layer_groups=args.num_layer_groups, max_num_seqs=args.max_num_seqs,
+        group_tokens=args.group_tokens, num_layer_groups=args.num_layer_groups,
+        max_layer_groups=args.max_layer_groups, max_num_seqs=args.max_num_seqs,
         expert_skew=args.expert_skew, tbt_slo_s=args.tbt_slo_ms / 1e3, ttft_slo_s=args.ttft_slo_s, seed=args.seed)
     rates = ex.rate_range(args.sweep_rates) if args.sweep_rates else None
     started = time.perf_counter()

@@ -384,7 +384,7 @@ class _Replay:
         self.num_layers = layered.num_layers if layered is not None else 1
         self.layered = layered is not None
         policy = LayeredPrefill(layered.num_layers, layered.group_tokens, layered.num_layer_groups,
-                                layered.chunk_tokens) if layered is not None else ChunkedPrefill()
+                                layered.chunk_tokens, layered.max_layer_groups) if layered is not None else ChunkedPrefill()
         self.scheduler = scheduler = Scheduler(block_manager, policy, max_num_seqs=knobs.max_num_seqs,
                                                max_num_batched_tokens=knobs.max_num_batched_tokens,
                                                max_model_len=knobs.max_model_len, clock=lambda: 0.0)
@@ -404,8 +404,7 @@ class _Replay:
         self.budget = layered.chunk_tokens if layered is not None else knobs.max_num_batched_tokens
         self.group_lag = 0
         if self.layered:
-            groups = layered.num_layer_groups or max(1, -(-self.budget // layered.group_tokens))
-            self.group_lag = min(groups, layered.num_layers) - 1
+            self.group_lag = layered.groups(self.budget) - 1
         self.spare: list[int] = []
         self.lag: list[int] = []
         self.kv_free: list[int] = []

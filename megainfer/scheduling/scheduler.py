@@ -116,23 +116,21 @@ class LayeredPrefill:
     the decode batch that runs through every layer. So decode never stalls behind a prompt,
     and each prompt token meets each MoE layer once per chunk.
 
-    G = num_layer_groups, or max(1, ceil(cohort tokens / group_tokens)), at most the layers.
-    Short prompts admitted together share a cohort; a prompt longer than the chunk limit
-    passes in several cohorts, each layer group by layer group. Prompts never take the step's
-    token budget: a cohort is bounded by `chunk_tokens` instead."""
+    G = num_layer_groups, or max(1, ceil(cohort tokens / group_tokens)) capped by
+    max_layer_groups, at most the layers (LayeredSettings.groups). Short prompts admitted
+    together share a cohort; a prompt longer than the chunk limit passes in several cohorts,
+    each layer group by layer group. Prompts never take the step's token budget: a cohort is
+    bounded by `chunk_tokens` instead."""
 
     name = "layered"
     uses_token_budget = False  # a cohort is bounded by its chunk limit, not the step's budget
     never_schedules_itself = False
 
-    def __init__(self, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_tokens: int) -> None:
-        self.num_layers = num_layers
-        self.group_tokens = group_tokens
-        self.num_layer_groups = num_layer_groups
-        # A cohort carries at most group_tokens per layer group, so a step's work (tokens x layers)
-        # matches a chunked step with a group_tokens budget and G never exceeds the layers.
-        groups = num_layer_groups or num_layers
-        self.chunk_tokens = min(chunk_tokens, group_tokens * groups)
+    def __init__(self, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_tokens: int,
+                 max_layer_groups: int | None = None) -> None:
+        self.settings = settings = LayeredSettings.of(num_layers, group_tokens, num_layer_groups, chunk_tokens,
+                                                      max_layer_groups)
+        self.num_layers, self.chunk_tokens = num_layers, settings.chunk_tokens
         self.cohort: list[Sequence] = []
         self.chunk: list[int] = []  # tokens of each cohort member's chunk
         self.group = 0
@@ -186,8 +184,7 @@ class LayeredPrefill:
             self.start(members, chunk)
 
     def start(self, seqs: list[Sequence], chunk: list[int]) -> None:
-        groups = self.num_layer_groups or max(1, -(-sum(chunk) // self.group_tokens))
-        groups = min(groups, self.num_layers)
+        groups = self.settings.groups(sum(chunk))
         cuts = [round(i * self.num_layers / groups) for i in range(groups + 1)]
         self.cohort, self.chunk, self.group = list(seqs), list(chunk), 0
         self._member_ids = {id(s) for s in seqs}
@@ -214,7 +211,7 @@ class LayeredPrefill:
             self._clear()
 
     def layered_settings(self) -> LayeredSettings:
-        return LayeredSettings(self.num_layers, self.group_tokens, self.num_layer_groups, self.chunk_tokens)
+        return self.settings
 
     def _clear(self) -> None:
         self.cohort, self.chunk, self.bounds, self.group = [], [], [], 0
@@ -223,7 +220,8 @@ class LayeredPrefill:
 
 def make_prefill_policy(config: EngineConfig, num_layers: int = 1) -> PrefillPolicy:
     if config.prefill_policy == "layered":
-        return LayeredPrefill(num_layers, config.group_tokens, config.num_layer_groups, config.layered_chunk_tokens)
+        return LayeredPrefill(num_layers, config.group_tokens, config.num_layer_groups, config.layered_chunk_tokens,
+                              config.max_layer_groups)
     return ChunkedPrefill()
 
 

@@ -76,6 +76,35 @@ def test_short_prompts_share_a_cohort_and_long_ones_go_in_chunks():
     assert c.num_computed_tokens == 70 and c.num_output_tokens == 1
 
 
+def test_capped_groups_let_a_cohort_fill_its_chunk_and_pass_in_at_most_that_many_steps():
+    # The layered-prefill paper's engine: a cohort fills the chunk limit (8,192 there) and passes
+    # in ceil(tokens / group_tokens) stages, at most --num-stages of them.
+    s = Scheduler(BlockManager(256, 4), LayeredPrefill(8, 16, None, 200, max_layer_groups=2),
+                  max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
+    short, long = Sequence("short", [1] * 10, GREEDY), Sequence("long", [2] * 150, GREEDY)
+    s.add(short)
+    out = step(s)
+    assert out.layered.num_groups == 1 and out.layered.layers == (0, 8)  # 10 tokens: one stage
+    s.add(long)
+    outs = [step(s), step(s)]
+    # 150 tokens would take ceil(150 / 16) = 10 groups, and uncapped at most 8 x 16 = 128 tokens
+    # could share a cohort: capped, the whole prompt passes in 2 steps of 4 layers each.
+    assert [o.layered.num_tokens for o in outs] == [[150], [150]]
+    assert [o.layered.layers for o in outs] == [(0, 4), (4, 8)]
+    assert long.num_output_tokens == 1 and step(s).layered is None
+
+
+def test_fixed_and_capped_groups_exclude_each_other():
+    import pytest
+    from megainfer.errors import ConfigError
+    with pytest.raises(ConfigError, match="max_layer_groups"):
+        EngineConfig(prefill_policy="layered", num_layer_groups=4, max_layer_groups=4)
+    with pytest.raises(ConfigError, match="max_layer_groups"):
+        EngineConfig(max_layer_groups=0)
+    config = EngineConfig(prefill_policy="layered", max_layer_groups=12)
+    assert config.layered_settings(36).chunk_tokens == 8192 and config.layered_settings(36).groups(8192) == 12
+
+
 def test_engine_layered_equals_chunked_and_counts_expert_bytes_per_group():
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 1, 130, 17)]
     chunked = LLM("tiny-mixtral", num_kv_blocks=256).generate(prompts, GREEDY)

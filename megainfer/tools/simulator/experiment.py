@@ -28,6 +28,7 @@ class SimulationSpec:
     chunk_size: int = 512
     group_tokens: int = 512
     num_layer_groups: int | None = None
+    max_layer_groups: int | None = None  # layered: a cap on the derived G (the paper's --num-stages)
     max_num_seqs: int = 256
     expert_skew: float = FITTED_SKEW  # expert popularity ~ (rank + expert_rank_offset)^-expert_skew; 0: uniform
     expert_rank_offset: float = FITTED_RANK_OFFSET
@@ -39,6 +40,7 @@ class SimulationSpec:
     def engine_config(self, policy: str) -> EngineConfig:
         return EngineConfig(prefill_policy=policy, max_num_batched_tokens=self.chunk_size,
                             group_tokens=self.group_tokens, num_layer_groups=self.num_layer_groups,
+                            max_layer_groups=self.max_layer_groups,
                             max_num_seqs=self.max_num_seqs)
 
     def requests(self, rate: float | None = None) -> list[SimRequest]:
@@ -95,7 +97,8 @@ def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[
     lines = [
         f"{spec.model.name} on {device_label(step_model)} (TP {step_model.tp}); "
         f"chunk {spec.chunk_size} tokens, "
-        f"group tokens {spec.group_tokens}; {routing}",
+        f"group tokens {spec.group_tokens}" + (f" (at most {spec.max_layer_groups} groups)" if spec.max_layer_groups
+                                               else "") + f"; {routing}",
         f"workload {spec.workload}: {len(requests)} requests, {arrivals}",
     ]
     for name in ("input", "output"):
