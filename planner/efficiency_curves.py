@@ -29,6 +29,19 @@ from megainfer.errors import PlanError
 DEFAULT_CURVES = Path(__file__).with_name("efficiency_curves.yaml")
 
 
+# GPUs of one architecture share their kernels' efficiency (fractions of each GPU's own
+# datasheet peaks): a GPU without a fitted entry takes the first fitted one of its generation.
+GENERATIONS = (("H100", "H800", "H200", "H20"), ("A100", "A800"), ("L40S", "L20", "L4"), ("B200",))
+
+
+# Fields a curves entry may leave out (0: the term is off), added since the first fits.
+OPTIONAL_FIELDS = ("moe_width_half", "eager_layer_s", "moe_quantized_flops_half", "moe_overlap")
+
+
+def _generation_of(gpu: str) -> tuple[str, ...]:
+    return next((g for g in GENERATIONS if gpu in g), ())
+
+
 @dataclass(frozen=True)
 class Saturation:
     """Achieved fraction of a peak at size x: peak · x / (x + half)."""
@@ -68,6 +81,19 @@ class EfficiencyCurves:
     # one rank: 384 for Qwen3-30B-A3B at TP 2, 1,440 for gpt-oss-120b): x / (x + this). 0: no
     # width term (what a fit to one model cannot pin down; validation.py fits it across models).
     moe_width_half: float = 0.0
+    # A layer that carries prompt tokens runs eagerly, each kernel launched from the host; a
+    # decode-only layer replays a CUDA graph (the layered-prefill paper's engine and vLLM alike
+    # capture decode only). Seconds per such layer and step, on top of the kernels' own: what
+    # makes a chunked step (every layer eager) dearer than a layered one (one group eager).
+    eager_layer_s: float = 0.0
+    # Experts stored in 4 bits (MXFP4) run a different kernel: weights dequantized in registers
+    # (W4A16, Marlin-style), memory-bound to more tokens per expert than the bf16 grouped GEMM.
+    # Its FLOP curve's half-saturation in tokens per expert (the peak is the bf16 one's); 0: as bf16.
+    moe_quantized_flops_half: float = 0.0
+    # How the expert GEMMs' weight streaming and their MMAs combine: 0 the roofline's max (they
+    # overlap fully); p > 0 the p-norm of the two times, p = 1 their sum (they serialise), larger
+    # p closer to the max. A grouped GEMM of 32 to 128 tokens per expert sits where both matter.
+    moe_overlap: float = 0.0
 
     @classmethod
     def load(cls, gpu: str, path: str | os.PathLike | None = None) -> "EfficiencyCurves":
@@ -82,17 +108,21 @@ class EfficiencyCurves:
         if not isinstance(data, dict) or not isinstance(data.get("default"), dict):
             raise PlanError(f"{path}: an efficiency-curves file is a mapping with a `default` entry and GPU entries")
         merged = dict(data["default"])
-        own = data.get(gpu)
+        entry = gpu if gpu in data else next((g for g in _generation_of(gpu) if g in data), None)
+        own = data.get(entry) if entry is not None else None
         if own is not None:
             if not isinstance(own, dict):
-                raise PlanError(f"{path}: entry {gpu!r} must be a mapping of curve fields")
+                raise PlanError(f"{path}: entry {entry!r} must be a mapping of curve fields")
             for key, value in own.items():
                 merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(
                     merged.get(key), dict) else value
         merged.setdefault("source", "")
         if own is None:
             merged["source"] = f"default curves ({gpu} has no fitted entry): {merged['source']}"
-        return cls.from_dict(merged, f"{path}: {gpu if own is not None else 'default'}")
+        elif entry != gpu:
+            merged["source"] = (f"{entry}'s curves, shared across its generation ({gpu} has no fitted entry; "
+                                f"its own datasheet peaks apply): {merged['source']}")
+        return cls.from_dict(merged, f"{path}: {entry if own is not None else 'default'}")
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "EfficiencyCurves":
@@ -100,7 +130,7 @@ class EfficiencyCurves:
         unknown = sorted(set(data) - names)
         if unknown:
             raise PlanError(f"{where}: unknown field {unknown[0]!r}; fields: {', '.join(sorted(names))}")
-        missing = sorted(names - set(data) - {"source", "moe_width_half"})
+        missing = sorted(names - set(data) - {"source", *OPTIONAL_FIELDS})
         if missing:
             raise PlanError(f"{where}: missing field {missing[0]!r}")
         try:
@@ -114,10 +144,15 @@ class EfficiencyCurves:
                             f"the rest are numbers ({exc})") from None
         if any(v < 0 or not math.isfinite(v) for v in scalars.values()) or not 0 < scalars["link"] <= 1:
             raise PlanError(f"{where}: times must be finite and >= 0, link in (0, 1]")
-        width = float(data.get("moe_width_half", 0.0))
-        if width < 0 or not math.isfinite(width):
-            raise PlanError(f"{where}: moe_width_half must be a finite number >= 0, got {width}")
-        return cls(**ops, **scalars, source=str(data.get("source", "")), moe_width_half=width)
+        optional = {}
+        for name in OPTIONAL_FIELDS:
+            try:
+                optional[name] = float(data.get(name, 0.0))
+            except (TypeError, ValueError):
+                optional[name] = math.nan
+            if not optional[name] >= 0 or not math.isfinite(optional[name]):
+                raise PlanError(f"{where}: {name} must be a finite number >= 0, got {data.get(name)!r}")
+        return cls(**ops, **scalars, source=str(data.get("source", "")), **optional)
 
     def with_values(self, **changes) -> "EfficiencyCurves":
         """A copy with some fields replaced (the fit's search)."""

@@ -86,6 +86,10 @@ class OperatorCosts:
         self.head_params = m.vocab_size * m.hidden_size / tp
         width = m.expert_intermediate_size / tp  # one expert's GEMM width on one rank
         self._moe_width_efficiency = width / (width + curves.moe_width_half)
+        self._moe_curves = curves.moe
+        if self.expert_bytes_per_param < 1 and curves.moe_quantized_flops_half:  # 4-bit experts: their own kernel
+            flops = type(curves.moe.flops)(curves.moe.flops.peak, curves.moe_quantized_flops_half)
+            self._moe_curves = type(curves.moe)(flops, curves.moe.bandwidth)
         self.token_bytes = m.hidden_size * dtype_bytes
         # Exact-point cache of table lookups: steps repeat the same few shapes.
         self._cache: dict[tuple, float | None] = {}
@@ -121,10 +125,17 @@ class OperatorCosts:
         return out
 
     # -- roofline with curves --------------------------------------------------------------
-    def _roofline(self, curves: OperatorCurves, flops: float, size: float, bytes_read: float, launches: int):
+    def _roofline(self, curves: OperatorCurves, flops: float, size: float, bytes_read: float, launches: int,
+                  overlap: float = 0.0):
+        """max(FLOP time, byte time), or where `overlap` p > 0 the p-norm (t_f^p + t_b^p)^(1/p): a
+        kernel whose weight loads and MMAs overlap only partly (p 1: they add up)."""
         peaks = self.peaks
         t_flops = flops / (peaks.flops * curves.flops(np.maximum(size, 1e-9)))
         t_bytes = bytes_read / (peaks.hbm_bytes_per_s * curves.bandwidth(np.maximum(bytes_read, 1e-9)))
+        if overlap:
+            longer = np.maximum(t_flops, t_bytes)
+            ratio = np.minimum(t_flops, t_bytes) / np.maximum(longer, 1e-30)
+            return longer * (1 + ratio ** overlap) ** (1 / overlap) + launches * self.curves.launch_s
         return np.maximum(t_flops, t_bytes) + launches * self.curves.launch_s
 
     # -- per layer -------------------------------------------------------------------------
@@ -192,8 +203,9 @@ class OperatorCosts:
     def _moe_roofline(self, pairs: int, experts):
         # gate, up and down: expert_params counts all three; narrow experts run below the curve's rate
         flops = 2 * self.expert_params * pairs / self._moe_width_efficiency
-        return self._roofline(self.curves.moe, flops, pairs / experts,
-                              experts * self.expert_params * self.expert_bytes_per_param, LAUNCHES["moe"])
+        return self._roofline(self._moe_curves, flops, pairs / experts,
+                              experts * self.expert_params * self.expert_bytes_per_param, LAUNCHES["moe"],
+                              self.curves.moe_overlap)
 
     def allreduce(self, tokens: int) -> float:
         """One all-reduce of `tokens` hidden vectors over the instance's TP ranks (0 at tp 1)."""

@@ -141,7 +141,8 @@ class ColocatedStepModel:
     def step(self, layer_classes: list[LayerClass], *, sampled: int, seqs: int) -> StepCost:
         """A step of `seqs` scheduled sequences, `sampled` of which sample a token."""
         ops = self.ops
-        by_op = dict.fromkeys(("dense", "attention", "moe", "allreduce", "lm_head", "sampling", "step_overhead"), 0.0)
+        by_op = dict.fromkeys(("dense", "attention", "moe", "allreduce", "lm_head", "sampling", "eager",
+                               "step_overhead"), 0.0)
         expert_bytes = 0.0
         for group in layer_classes:  # layers that see the same work
             if group.layers == 0 or group.tokens == 0:
@@ -154,6 +155,8 @@ class ColocatedStepModel:
                 by_op["dense"] += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
             by_op["attention"] += group.layers * attention
             by_op["allreduce"] += group.layers * 2 * ops.allreduce(group.tokens)  # attention's, and the FFN's
+            if work.prefill_chunks:  # prompt tokens: these layers launch eagerly, not as a graph
+                by_op["eager"] += group.layers * self.curves.eager_layer_s
             active = group.active_experts
             if group.moe_layers == 0:
                 continue
@@ -167,7 +170,7 @@ class ColocatedStepModel:
         by_op["sampling"] = ops.sampling(sampled)
         by_op["step_overhead"] = ops.step_overhead(seqs)
         seconds = sum(by_op.values())
-        busy = seconds - by_op["step_overhead"]  # device kernels at work: what draws power beyond idle
+        busy = seconds - by_op["step_overhead"] - by_op["eager"]  # kernels at work: power beyond idle
         energy = self.idle_w * seconds + (self.power_w - self.idle_w) * busy
         return StepCost(seconds, expert_bytes, energy, by_op)
 

@@ -179,6 +179,8 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.write_error:
         band = report.error_band()
         PredictionError(band["ttft"], band["tbt"], len(report.rows),
-                        "megainfer simulate --validate, H100 rows of the layered-prefill paper").write()
+                        f"megainfer simulate --validate --fit-steps {args.fit_steps}: the {len(report.rows)} H100 rows "
+                        "of the layered-prefill paper, the curves refitted without each (docs/performance-model.md, "
+                        "'Generalisation')").write()
         print("error band written: planner/prediction_error.yaml")
     return 0

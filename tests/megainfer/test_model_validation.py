@@ -32,7 +32,7 @@ def moe_seconds(model: str, tp: int, curves: EfficiencyCurves, **kw) -> float:
 def test_the_width_term_prices_narrow_experts_slower_and_keeps_the_reference_width():
     committed = EfficiencyCurves.load("H100")
     assert committed.moe_width_half == 0.0  # the committed fit has no width term: nothing changes
-    widened = with_width(committed)
+    widened = with_width(committed).with_values(moe_overlap=0.0)  # the width term alone
     # Qwen3-30B-A3B at TP 2 (384 wide per rank), what the curves were fitted on: the same price.
     assert moe_seconds("qwen3-30b-a3b", 2, widened) == pytest.approx(moe_seconds("qwen3-30b-a3b", 2, committed))
     # gpt-oss-120b's 2,880-wide experts at TP 2 (1,440 per rank) are priced faster per FLOP.
@@ -53,42 +53,88 @@ def test_mxfp4_experts_read_a_quarter_of_the_bytes_and_leave_room_for_kv():
     assert fp4.ops.moe(64, decode[0]) < 0.9 * bf16.ops.moe(64, decode[0])
 
 
-def run(rate: float, n: int = 120) -> dict:
+def test_layers_carrying_prompt_tokens_pay_the_eager_launches_and_decode_only_layers_do_not():
+    from planner.step_cost_model import AttentionWork, LayerClass
+    model = PRESETS["qwen3-30b-a3b"]
+    curves = EfficiencyCurves.load("H100").with_values(eager_layer_s=50e-6)
+    step = ColocatedStepModel(model, H100, 2, curves=curves)
+    decode = AttentionWork(8, 8 * 4000.0)
+    chunk = decode + AttentionWork(prefill_chunks=((504, 2000),))
+    chunked = step.step([LayerClass(48, 512, chunk, 100)], sampled=8, seqs=9)
+    assert chunked.operators["eager"] == pytest.approx(48 * 50e-6)
+    decoding = step.step([LayerClass(48, 8, decode, 40)], sampled=8, seqs=8)
+    assert decoding.operators["eager"] == 0.0  # a CUDA graph's replay
+    # Layered: the cohort's group of 3 layers runs eagerly, the other 45 decode from graphs.
+    layered = step.step([LayerClass(3, 8 + 8192, chunk, 128), LayerClass(45, 8, decode, 40)], sampled=8, seqs=9)
+    assert layered.operators["eager"] == pytest.approx(3 * 50e-6)
+    with pytest.raises(Exception, match="eager_layer_s"):
+        EfficiencyCurves.from_dict({**_curve_fields(), "eager_layer_s": -1}, "test")
+
+
+def _curve_fields() -> dict:
+    import yaml
+    from planner.efficiency_curves import DEFAULT_CURVES
+    return yaml.safe_load(DEFAULT_CURVES.read_text())["default"]
+
+
+def run(rate: float, n: int = 120, poisson: bool = False) -> dict:
     model = PRESETS["qwen3-30b-a3b"]
     step = ColocatedStepModel(model, H100, 2)
-    requests = [SimRequest(i / rate, 2000, 100) for i in range(n)]
+    gaps = np.random.default_rng(0).exponential(1 / rate, n) if poisson else np.full(n, 1 / rate)
+    requests = [SimRequest(float(t), 2000, 300) for t in np.cumsum(gaps) - gaps[0]]
     return Simulator(model, step, EngineConfig(max_num_batched_tokens=512)).run(requests).summary(10.0, 0.125)
 
 
-def test_the_served_rate_and_the_queue_tell_a_kept_up_instance_from_a_saturated_one():
+def test_the_served_rate_tells_a_kept_up_instance_from_a_saturated_one():
     light, heavy = run(1.0), run(40.0)
-    assert light["served_rate"] == pytest.approx(1.0, rel=0.05) and light["queue_growth"] < 2
-    assert heavy["served_rate"] < 0.5 * 40 and heavy["queue_growth"] > 3
+    assert light["served_rate"] == pytest.approx(light["offered_rate"], rel=0.05)
+    assert light["offered_rate"] == pytest.approx(1.0, rel=0.01) and light["queue_growth"] < 2
+    assert heavy["served_rate"] < 0.5 * heavy["offered_rate"] and heavy["queue_growth"] > 3
+    # Poisson arrivals: the first requests meet an empty instance and finish sooner than later
+    # ones, which a count of completions in a window mistakes for falling behind; the wait's
+    # growth does not.
+    poisson = run(1.5, n=200, poisson=True)
+    assert poisson["served_rate"] == pytest.approx(poisson["offered_rate"], rel=0.05)
 
 
 def test_published_rows_are_well_formed():
-    assert len(ROWS) == 20
+    from megainfer.tools.simulator.published_rows import OFFLINE, SERVING, SINGLE_PROMPT
+    kinds = [r.kind for r in ROWS]
+    assert (kinds.count(SERVING), kinds.count(OFFLINE), kinds.count(SINGLE_PROMPT)) == (20, 2, 2)
     for row in ROWS:
         assert row.model in PRESETS and row.policy in ("chunked", "layered")
-        assert row.ttft_mean_s > 0 and 0 < row.tbt_mean_s < 0.2
-        if row.num_layer_groups:
-            assert row.group_tokens == 8192  # the paper's cohort carries whole prompts through N_lg groups
+        assert row.max_layer_groups in (2, 4, 8, 12, 16)  # the paper's --num-stages
+        expected = {SERVING: {"ttft", "tbt"}, OFFLINE: {"throughput"}, SINGLE_PROMPT: {"ttft"}}[row.kind]
+        assert set(row.measured) == expected and all(v > 0 for v in row.measured.values())
     layered_configs = {r.config for r in ROWS if r.policy == "layered"}
     chunked_configs = {r.config for r in ROWS if r.policy == "chunked"}
-    assert len(layered_configs & chunked_configs) >= 5  # the directions the report checks
+    assert len(layered_configs & chunked_configs) >= 6  # the directions the report checks, offline's too
+
+
+def test_offline_and_single_prompt_rows_are_simulated_as_measured():
+    curves = EfficiencyCurves.load("H100")
+    offline = next(r for r in ROWS if r.label.endswith("offline chunked"))
+    p = predict(offline, curves, num_requests=40)
+    # Every request at once: a throughput, not a served rate against an offered one.
+    assert set(p.errors(offline)) == {"throughput"} and 100 < p.throughput_tok_s < 1000
+    assert not p.saturated(offline)
+    single = next(r for r in ROWS if r.label.endswith("chunk 8192"))
+    p = predict(single, curves)
+    assert set(p.errors(single)) == {"ttft"} and p.ttft_mean_s == pytest.approx(0.200, rel=0.25)
 
 
 def test_the_leave_one_out_report_runs_end_to_end_on_a_subset():
-    rows = [r for r in ROWS if r.model == "qwen3-30b-a3b" and r.rate == 1.3]
-    report = validate(EfficiencyCurves.load("H100"), rows=rows, num_requests=40)
+    rows = [r for r in ROWS if r.model == "qwen3-30b-a3b" and r.rate == 1.3] + [ROWS[-1]]
+    report = validate(EfficiencyCurves.load("H100"), rows=rows, num_requests=40, workers=2)
     assert [r.row for r in report.rows] == rows
     for r in report.rows:  # every figure is a simulation's
-        assert r.fitted.ttft_mean_s > 0 and r.left_out.tbt_mean_s > 0
+        assert all(r.fitted.values()[m] > 0 and r.left_out.values()[m] > 0 for m in r.row.measured)
     assert report.directions("fitted")[0][0].startswith("Qwen3-30B 2xH100 arXiv 1.3 layered")
     text = format_report(report)
-    assert "mean absolute error, left out" in text and "layered vs chunked" in text
+    assert "mean absolute error, left out" in text and "layered vs chunked" in text and "fitted curves" in text
     band = report.error_band()
     assert set(band) == {"ttft", "tbt", "all"} and all(v >= 0 for v in band.values())
+    assert report.within("left_out")[1] == 5  # two serving rows' two figures and the single prompt's one
     assert set(report.as_dict()) >= {"rows", "mean_abs_error", "directions", "saturated", "bars"}
 
 
@@ -110,3 +156,44 @@ def test_plan_and_simulate_print_the_error_band_and_plan_leaves_headroom(tmp_pat
     missing = tmp_path / "none.yaml"
     with pytest.raises(Exception, match="regenerate it"):
         PredictionError.load(missing)
+
+
+def test_a_gpu_without_a_fit_takes_its_generations_curves_at_its_own_peaks():
+    h100, h20 = EfficiencyCurves.load("H100"), EfficiencyCurves.load("H20")
+    assert h20.moe == h100.moe and h20.step_overhead_s == h100.step_overhead_s
+    assert "H100's curves, shared across its generation" in h20.source
+    assert "no fitted entry" in EfficiencyCurves.load("A100").source  # no Ampere fit: the defaults
+    model = PRESETS["qwen3-30b-a3b"]
+    h20_step = ColocatedStepModel(model, Catalog.load()["H20"], 2)
+    # The same fractions of a slower GPU's peaks: 148 against 989 TFLOP/s prices prefill higher.
+    assert h20_step.ops.moe(8192, 128) > 3 * ColocatedStepModel(model, H100, 2).ops.moe(8192, 128)
+
+
+def test_the_expert_gemms_overlap_and_the_4_bit_kernel_are_off_until_an_entry_sets_them():
+    model = PRESETS["qwen3-30b-a3b"]
+    committed = EfficiencyCurves.load("H100")
+    assert committed.moe_overlap == 0 and committed.moe_quantized_flops_half == 0
+    ops = ColocatedStepModel(model, H100, 2, curves=committed).ops
+    summed = ColocatedStepModel(model, H100, 2, curves=committed.with_values(moe_overlap=1.0)).ops
+    sharp = ColocatedStepModel(model, H100, 2, curves=committed.with_values(moe_overlap=64.0)).ops
+    layers = np.full(model.num_moe_layers, 128)
+    t_max, t_sum, t_sharp = ops.moe(1024, layers), summed.moe(1024, layers), sharp.moe(1024, layers)
+    # p = 1 adds the weight streaming and the MMAs, a large p comes back to the roofline's max.
+    assert t_max <= t_sharp < 1.02 * t_max and t_sum > 1.3 * t_max
+    oss = PRESETS["gpt-oss-120b"]
+    fp4 = committed.with_values(moe_quantized_flops_half=1.0)
+    quantized = ColocatedStepModel(oss, H100, 8, curves=fp4, expert_bytes_per_param=MXFP4_BYTES).ops
+    plain = ColocatedStepModel(oss, H100, 8, curves=committed, expert_bytes_per_param=MXFP4_BYTES).ops
+    bf16 = ColocatedStepModel(oss, H100, 8, curves=fp4).ops  # bf16 experts keep the bf16 kernel's curve
+    few = np.full(oss.num_moe_layers, 128)
+    assert quantized.moe(512, few) < 0.5 * plain.moe(512, few)  # 16 tokens per expert: no longer FLOP-priced
+    assert bf16.moe(512, few) == pytest.approx(ColocatedStepModel(oss, H100, 8, curves=committed).ops.moe(512, few))
+
+
+def test_the_paper_engines_gpt_oss_attends_every_layer_in_full():
+    row = next(r for r in ROWS if r.model == "gpt-oss-20b")
+    assert not row.windowed_attention  # its GptOssAttention passes no window to its kernel
+    curves = EfficiencyCurves.load("H100")
+    full = predict(row, curves, num_requests=30)
+    windowed = predict(dataclasses.replace(row, windowed_attention=True), curves, num_requests=30)
+    assert full.tbt_mean_s > windowed.tbt_mean_s  # every layer reads the whole context

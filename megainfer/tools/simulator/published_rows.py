@@ -2,8 +2,12 @@
 layered-prefill paper's runs ("From Tokens to Layers", arXiv 2510.08055, as quoted in issues 20
 and 37) of Qwen3-30B-A3B, gpt-oss-20b, gpt-oss-120b and Qwen3-235B-A22B on 2 and 8 H100s, TP
 across the instance, a vLLM-based engine, bf16 (gpt-oss-120b's experts in MXFP4), Poisson
-arrivals, chunked prefill at 512 tokens unless said, layered prefill with the given number of
-layer groups (N_lg; otherwise 512 tokens per group).
+arrivals, chunked prefill at 512 tokens unless said. The paper's engine (github.com/scale-snu/
+layered-prefill, a nano-vllm fork) runs layered prefill with --num-stages N_lg (16 unless said)
+and --max-num-batched-tokens 8192: a cohort takes waiting prompts up to 8,192 tokens and passes
+in G stages, G growing with the cohort's tokens (one stage per 512, in powers of two) up to
+N_lg; megainfer's layered policy does the same with group_tokens 512 and max_layer_groups N_lg
+(G = ceil(tokens / 512), not rounded up to a power of two).
 
 `megainfer simulate --validate` (validation.py) predicts each row and reports its error, fitted
 and left out."""
@@ -15,35 +19,60 @@ from dataclasses import dataclass
 MXFP4_BYTES = 4.25 / 8  # a 4-bit value and one 8-bit scale per 32
 
 
+SERVING, OFFLINE, SINGLE_PROMPT = "serving", "offline", "single prompt"
+
+
 @dataclass(frozen=True)
 class PublishedRow:
     label: str
     model: str  # preset
     gpus: int  # H100s of the instance, all tensor parallel
     workload: str  # built-in workload name
-    rate: float  # requests per second
+    rate: float  # requests per second (offline: every request at once; single prompt: one)
     policy: str  # chunked or layered
-    ttft_mean_s: float
-    tbt_mean_s: float
+    ttft_mean_s: float | None  # serving and single prompt
+    tbt_mean_s: float | None  # serving
     ttft_p99_s: float | None = None
     tbt_p99_s: float | None = None
     chunk_size: int = 512
-    num_layer_groups: int | None = None  # layered: N_lg (None: 512 tokens per group)
-    # Layered with N_lg: a cohort carries whole prompts (up to 8,192 tokens) through the N_lg
-    # groups, as the paper's does; megainfer caps a cohort at group_tokens x N_lg.
-    group_tokens: int = 512
+    max_layer_groups: int = 16  # layered: N_lg, the most stages a cohort passes in
     expert_bytes_per_param: float | None = None  # None: bf16
     gpu: str = "H100"
+    kind: str = SERVING
+    throughput_tok_s: float | None = None  # offline: output tokens per second
+    prompt_tokens: int = 0  # single prompt: its length
+    # The paper's engine never passes gpt-oss's sliding window to its attention (its
+    # GptOssAttention builds Attention without one): every layer attends, and caches, the whole
+    # context. Its rows are priced that way.
+    windowed_attention: bool = False
 
     @property
     def config(self) -> tuple:
         """Rows that differ only in policy share a pair: the direction of layered vs chunked."""
-        return self.model, self.gpus, self.workload, self.rate
+        return self.kind, self.model, self.gpus, self.workload, self.rate
+
+    @property
+    def measured(self) -> dict[str, float]:
+        """What the row measured, by metric: ttft and tbt (seconds), throughput (tokens/s)."""
+        values = {"ttft": self.ttft_mean_s, "tbt": self.tbt_mean_s, "throughput": self.throughput_tok_s}
+        return {name: v for name, v in values.items() if v is not None}
 
 
 def _row(label, model, gpus, workload, rate, policy, ttft, tbt, *, p99=(None, None), **kw) -> PublishedRow:
     return PublishedRow(label, model, gpus, workload, rate, policy, ttft, tbt * 1e-3, p99[0],
                         p99[1] * 1e-3 if p99[1] is not None else None, **kw)
+
+
+def _offline(label, policy, tokens_per_s, **kw) -> PublishedRow:
+    """Qwen3-30B-A3B on 2 H100s, every arXiv request at once: output tokens per second."""
+    return PublishedRow(label, "qwen3-30b-a3b", 2, "arxiv", 0.0, policy, None, None, kind=OFFLINE,
+                        throughput_tok_s=tokens_per_s, **kw)
+
+
+def _single(label, chunk_size, prefill_s) -> PublishedRow:
+    """One 8,192-token prompt alone on Qwen3-30B-A3B, 2 H100s, chunked: its prefill time."""
+    return PublishedRow(label, "qwen3-30b-a3b", 2, "arxiv", 0.0, "chunked", prefill_s, None, kind=SINGLE_PROMPT,
+                        chunk_size=chunk_size, prompt_tokens=8192)
 
 
 Q30, OSS20, OSS120, Q235 = "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b", "qwen3-235b-a22b"
@@ -56,27 +85,32 @@ ROWS: tuple[PublishedRow, ...] = (
          chunk_size=1024),
     _row("Qwen3-30B 2xH100 arXiv 2.6 chunked 2048", Q30, 2, "arxiv", 2.6, "chunked", 2.56, 73.6, p99=(5.58, 129),
          chunk_size=2048),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N2", Q30, 2, "arxiv", 1.4, "layered", 0.480, 20.9, num_layer_groups=2, group_tokens=8192),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N4", Q30, 2, "arxiv", 1.4, "layered", 0.566, 20.6, num_layer_groups=4, group_tokens=8192),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N8", Q30, 2, "arxiv", 1.4, "layered", 0.768, 20.8, num_layer_groups=8, group_tokens=8192),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N16", Q30, 2, "arxiv", 1.4, "layered", 1.27, 19.7, num_layer_groups=16, group_tokens=8192),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N2", Q30, 2, "arxiv", 1.4, "layered", 0.480, 20.9, max_layer_groups=2),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N4", Q30, 2, "arxiv", 1.4, "layered", 0.566, 20.6, max_layer_groups=4),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N8", Q30, 2, "arxiv", 1.4, "layered", 0.768, 20.8, max_layer_groups=8),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N16", Q30, 2, "arxiv", 1.4, "layered", 1.27, 19.7, max_layer_groups=16),
     _row("gpt-oss-20b 2xH100 arXiv 2.1 chunked", OSS20, 2, "arxiv", 2.1, "chunked", 3.00, 25.1, p99=(8.57, 30.6)),
     _row("gpt-oss-20b 2xH100 arXiv 2.1 layered", OSS20, 2, "arxiv", 2.1, "layered", 0.87, 18.2, p99=(2.82, 32.3)),
     _row("gpt-oss-20b 2xH100 arXiv 2.7 layered", OSS20, 2, "arxiv", 2.7, "layered", 2.18, 25.7, p99=(6.86, 33.2)),
     _row("gpt-oss-120b 2xH100 arXiv 1.2 chunked", OSS120, 2, "arxiv", 1.2, "chunked", 3.11, 34.9, p99=(8.82, 47.2),
          **FP4),
     _row("gpt-oss-120b 2xH100 arXiv 1.2 layered N12", OSS120, 2, "arxiv", 1.2, "layered", 1.09, 20.5,
-         p99=(3.89, 44.8), num_layer_groups=12, group_tokens=8192, **FP4),
+         p99=(3.89, 44.8), max_layer_groups=12, **FP4),
     _row("Qwen3-235B 8xH100 ShareGPT 3.5 chunked", Q235, 8, "sharegpt-lp", 3.5, "chunked", 6.65, 50.2,
          p99=(16.4, 70.2)),
     _row("Qwen3-235B 8xH100 ShareGPT 3.5 layered N16", Q235, 8, "sharegpt-lp", 3.5, "layered", 3.35, 50.8,
-         p99=(8.48, 88.5), num_layer_groups=16, group_tokens=8192),
+         p99=(8.48, 88.5), max_layer_groups=16),
     _row("gpt-oss-120b 8xH100 arXiv 3.0 chunked", OSS120, 8, "arxiv", 3.0, "chunked", 1.05, 14.4, p99=(3.45, 18.6),
          **FP4),
     _row("gpt-oss-120b 8xH100 arXiv 3.0 layered N12", OSS120, 8, "arxiv", 3.0, "layered", 0.530, 11.8,
-         p99=(1.75, 19.3), num_layer_groups=12, group_tokens=8192, **FP4),
+         p99=(1.75, 19.3), max_layer_groups=12, **FP4),
     _row("gpt-oss-120b 8xH100 ShareGPT 6.5 chunked", OSS120, 8, "sharegpt-lp", 6.5, "chunked", 0.212, 12.2,
          p99=(0.791, 19.6), **FP4),
     _row("gpt-oss-120b 8xH100 ShareGPT 6.5 layered N12", OSS120, 8, "sharegpt-lp", 6.5, "layered", 0.178, 11.3,
-         p99=(0.572, 21.0), num_layer_groups=12, group_tokens=8192, **FP4),
+         p99=(0.572, 21.0), max_layer_groups=12, **FP4),
+    _offline("Qwen3-30B 2xH100 arXiv offline chunked", "chunked", 315.36),
+    _offline("Qwen3-30B 2xH100 arXiv offline layered N16", "layered", 391.59),
+    # The calibration issue's (20) single prompt; at chunk 512 the paper says only "over 0.5 s".
+    _single("Qwen3-30B 2xH100 8,192-token prompt chunk 4096", 4096, 0.200),
+    _single("Qwen3-30B 2xH100 8,192-token prompt chunk 8192", 8192, 0.200),
 )
