@@ -29,17 +29,8 @@ from megainfer.errors import PlanError
 DEFAULT_CURVES = Path(__file__).with_name("efficiency_curves.yaml")
 
 
-# GPUs of one architecture share their kernels' efficiency (fractions of each GPU's own
-# datasheet peaks): a GPU without a fitted entry takes the first fitted one of its generation.
-GENERATIONS = (("H100", "H800", "H200", "H20"), ("A100", "A800"), ("L40S", "L20", "L4"), ("B200",))
-
-
 # Fields a curves entry may leave out (0: the term is off), added since the first fits.
 OPTIONAL_FIELDS = ("moe_width_half", "eager_layer_s", "moe_quantized_flops_half", "moe_overlap")
-
-
-def _generation_of(gpu: str) -> tuple[str, ...]:
-    return next((g for g in GENERATIONS if gpu in g), ())
 
 
 @dataclass(frozen=True)
@@ -108,21 +99,17 @@ class EfficiencyCurves:
         if not isinstance(data, dict) or not isinstance(data.get("default"), dict):
             raise PlanError(f"{path}: an efficiency-curves file is a mapping with a `default` entry and GPU entries")
         merged = dict(data["default"])
-        entry = gpu if gpu in data else next((g for g in _generation_of(gpu) if g in data), None)
-        own = data.get(entry) if entry is not None else None
+        own = data.get(gpu)
         if own is not None:
             if not isinstance(own, dict):
-                raise PlanError(f"{path}: entry {entry!r} must be a mapping of curve fields")
+                raise PlanError(f"{path}: entry {gpu!r} must be a mapping of curve fields")
             for key, value in own.items():
                 merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(
                     merged.get(key), dict) else value
         merged.setdefault("source", "")
         if own is None:
             merged["source"] = f"default curves ({gpu} has no fitted entry): {merged['source']}"
-        elif entry != gpu:
-            merged["source"] = (f"{entry}'s curves, shared across its generation ({gpu} has no fitted entry; "
-                                f"its own datasheet peaks apply): {merged['source']}")
-        return cls.from_dict(merged, f"{path}: {entry if own is not None else 'default'}")
+        return cls.from_dict(merged, f"{path}: {gpu if own is not None else 'default'}")
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "EfficiencyCurves":

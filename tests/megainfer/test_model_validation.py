@@ -158,17 +158,6 @@ def test_plan_and_simulate_print_the_error_band_and_plan_leaves_headroom(tmp_pat
         PredictionError.load(missing)
 
 
-def test_a_gpu_without_a_fit_takes_its_generations_curves_at_its_own_peaks():
-    h100, h20 = EfficiencyCurves.load("H100"), EfficiencyCurves.load("H20")
-    assert h20.moe == h100.moe and h20.step_overhead_s == h100.step_overhead_s
-    assert "H100's curves, shared across its generation" in h20.source
-    assert "no fitted entry" in EfficiencyCurves.load("A100").source  # no Ampere fit: the defaults
-    model = PRESETS["qwen3-30b-a3b"]
-    h20_step = ColocatedStepModel(model, Catalog.load()["H20"], 2)
-    # The same fractions of a slower GPU's peaks: 148 against 989 TFLOP/s prices prefill higher.
-    assert h20_step.ops.moe(8192, 128) > 3 * ColocatedStepModel(model, H100, 2).ops.moe(8192, 128)
-
-
 def test_the_expert_gemms_overlap_and_the_4_bit_kernel_are_off_until_an_entry_sets_them():
     model = PRESETS["qwen3-30b-a3b"]
     committed = EfficiencyCurves.load("H100")
