@@ -52,9 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the model against every published row (megainfer/tools/simulator/published_rows.py): "
                         "fitted on all at once and each left out; per-row and mean absolute error of mean TTFT and "
                         "mean TBT, the layered-vs-chunked directions, saturation (--requests per row, --json)")
-    p.add_argument("--fit-steps", type=positive_int, default=1,
+    p.add_argument("--fit-steps", type=positive_int, default=3,
                    help="with --validate: Gauss-Newton steps of the fit on all rows (each simulates every row "
                         "once per fitted parameter)")
+    p.add_argument("--write-curves", metavar="PATH", default=None,
+                   help="with --validate: write a curves file (the default one with its H100 entry replaced by the "
+                        "fit on every published row) for plan/simulate --curves PATH")
     p.add_argument("--write-error", action="store_true",
                    help="with --validate: store the left-out mean absolute errors as the error band plan and "
                         "simulate print (planner/prediction_error.yaml)")
@@ -111,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         from megainfer.errors import ConfigError
 
         raise ConfigError("--write-error stores what --validate measured; add --validate")
+    if args.write_curves and not args.validate:
+        raise ConfigError("--write-curves stores what --validate fitted; add --validate")
     if args.plan:
         return run_plan(args)
     from megainfer.errors import ConfigError
@@ -176,6 +181,8 @@ def run_validate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report.as_dict(), f, indent=2)
         print(f"json: {args.json}")
+    if args.write_curves:
+        write_fitted_curves(report, args)
     if args.write_error:
         band = report.error_band()
         PredictionError(band["ttft"], band["tbt"], len(report.rows),
@@ -184,3 +191,24 @@ def run_validate(args: argparse.Namespace) -> int:
                         "'Generalisation')").write()
         print("error band written: planner/prediction_error.yaml")
     return 0
+
+
+def write_fitted_curves(report, args: argparse.Namespace) -> None:
+    """The curves file `plan --curves` and `simulate --curves` take: the one validated against
+    (`--curves`, or the default), its H100 entry replaced by the fit on every published row."""
+    from pathlib import Path
+
+    from megainfer.tools.simulator.curves_entry import entry_text, write_entry
+    from megainfer.tools.simulator.validation import PARAMETERS
+    from planner.efficiency_curves import DEFAULT_CURVES
+
+    path = Path(args.write_curves)
+    path.write_text(Path(args.curves or DEFAULT_CURVES).read_text())
+    out = report.mean_abs("left_out")
+    text = entry_text("H100", report.fitted_curves, {p.name for p in PARAMETERS},
+                      f"{len(report.rows)} rows, left out: TTFT {out['ttft']:.0%}, TBT {out['tbt']:.0%}",
+                      command=f"megainfer simulate --validate --fit-steps {args.fit_steps} --write-curves PATH",
+                      source="fitted to the layered-prefill paper's published H100 rows, four models, TP 2 and 8 "
+                             "(issue 37; docs/performance-model.md, 'Generalisation')")
+    write_entry(path, "H100", text)
+    print(f"curves written: {path} (pass --curves {path} to plan or simulate)")

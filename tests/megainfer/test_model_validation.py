@@ -123,7 +123,7 @@ def test_offline_and_single_prompt_rows_are_simulated_as_measured():
     assert set(p.errors(single)) == {"ttft"} and p.ttft_mean_s == pytest.approx(0.200, rel=0.25)
 
 
-def test_the_leave_one_out_report_runs_end_to_end_on_a_subset():
+def test_the_leave_one_out_report_runs_end_to_end_on_a_subset(tmp_path):
     rows = [r for r in ROWS if r.model == "qwen3-30b-a3b" and r.rate == 1.3] + [ROWS[-1]]
     report = validate(EfficiencyCurves.load("H100"), rows=rows, num_requests=40, workers=2)
     assert [r.row for r in report.rows] == rows
@@ -135,6 +135,15 @@ def test_the_leave_one_out_report_runs_end_to_end_on_a_subset():
     band = report.error_band()
     assert set(band) == {"ttft", "tbt", "all"} and all(v >= 0 for v in band.values())
     assert report.within("left_out")[1] == 5  # two serving rows' two figures and the single prompt's one
+    # The fit as a curves file plan and simulate take with --curves: every fitted term, read back.
+    import argparse
+    from megainfer.cli.simulate import write_fitted_curves
+    path = tmp_path / "curves.yaml"
+    write_fitted_curves(report, argparse.Namespace(curves=None, write_curves=str(path), fit_steps=1))
+    loaded = EfficiencyCurves.load("H100", path)
+    for name in ("moe_overlap", "eager_layer_s", "moe_quantized_flops_half", "moe_width_half"):
+        assert getattr(loaded, name) == pytest.approx(getattr(report.fitted_curves, name), rel=1e-3), name
+    assert "published H100 rows" in loaded.source
     assert set(report.as_dict()) >= {"rows", "mean_abs_error", "directions", "saturated", "bars"}
 
 

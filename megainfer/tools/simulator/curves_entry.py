@@ -8,16 +8,19 @@ import re
 import textwrap
 from pathlib import Path
 
-from planner.efficiency_curves import EfficiencyCurves, Saturation
+from planner.efficiency_curves import OPTIONAL_FIELDS, EfficiencyCurves, Saturation
 
 
 def _number(value: float) -> str:
     return f"{value:.4g}" if 1e-3 <= abs(value) < 1e4 else f"{value:.3e}".replace("e-0", "e-")
 
 
-def entry_text(gpu: str, curves: EfficiencyCurves, fitted: set[str], result: str = "") -> str:
+def entry_text(gpu: str, curves: EfficiencyCurves, fitted: set[str], result: str = "",
+               command: str = "python -m megainfer.tools.simulator.curve_fit --gpu {gpu} --write",
+               source: str = "fitted to the layered-prefill paper's Qwen3-30B-A3B runs on 2 x H100 (arXiv 2510.08055)",
+               ) -> str:
     """The GPU's YAML entry: the `fitted` fields only (the rest are `default`'s, held fixed in
-    the fit); `result` says how the fit ended (objective, evaluations)."""
+    the fit); `result` says how the fit ended (objective, evaluations), `command` what wrote it."""
     names = fitted
     fixed = sorted({f"{op}.{leg}" for op in ("gemm", "moe", "attention") for leg in ("flops", "bandwidth")
                     if f"{op}.{leg}.peak" not in names and f"{op}.{leg}.half" not in names} |
@@ -25,11 +28,11 @@ def entry_text(gpu: str, curves: EfficiencyCurves, fitted: set[str], result: str
                     if f"{op}.{leg}.peak" in names and f"{op}.{leg}.half" not in names} |
                    {n for n in ("launch_s", "allreduce_latency_s", "link") if n not in names})
     lines = [f"{gpu}:",
-             f"  # Fitted by `python -m megainfer.tools.simulator.curve_fit --gpu {gpu} --write`"
+             f"  # Fitted by `{command.format(gpu=gpu)}`"
              + (f" ({result})" if result else "") + ";",
              *textwrap.wrap(f"held at `default`: {', '.join(fixed)}. Data and method: docs/performance-model.md.",
                             width=100, initial_indent="  # ", subsequent_indent="  # "),
-             "  source: \"fitted to the layered-prefill paper's Qwen3-30B-A3B runs on 2 x H100 (arXiv 2510.08055)\""]
+             f"  source: \"{source}\""]
     for op in ("gemm", "moe", "attention"):
         legs = []
         for leg in ("flops", "bandwidth"):
@@ -38,7 +41,8 @@ def entry_text(gpu: str, curves: EfficiencyCurves, fitted: set[str], result: str
                 legs.append(f"{leg}: [{_number(s.peak)}, {_number(s.half)}]")
         if legs:
             lines.append(f"  {op + ':':10s} {{{', '.join(legs)}}}")
-    for name in ("launch_s", "step_overhead_s", "step_overhead_per_seq_s", "allreduce_latency_s", "link"):
+    for name in ("launch_s", "step_overhead_s", "step_overhead_per_seq_s", "allreduce_latency_s", "link",
+                 *OPTIONAL_FIELDS):
         if name in names:
             lines.append(f"  {name}: {_number(getattr(curves, name))}")
     return "\n".join(lines) + "\n"

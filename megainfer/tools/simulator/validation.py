@@ -197,7 +197,8 @@ class Validation:
     def as_dict(self) -> dict:
         return {"rows": [r.as_dict() for r in self.rows], "mean_abs_error": {"fitted": self.mean_abs("fitted"),
                                                                              "left_out": self.mean_abs("left_out")},
-                "within_bar": {w: dict(zip(("within", "of"), self.within(w))) for w in ("fitted", "left_out")},
+                "within_bar": {w: dict(zip(("within", "of"), self.within(w, bar)), bar=bar)
+                               for w, bar in (("fitted", BAR_FITTED), ("left_out", BAR_LEFT_OUT))},
                 "directions": {w: [{"pair": p, "ok": ok} for p, ok in self.directions(w)] for w in ("fitted", "left_out")},
                 "saturated": {w: self.saturated(w) for w in ("fitted", "left_out")},
                 "bars": {"left_out_row": BAR_LEFT_OUT, "left_out_mean": BAR_MEAN, "fitted_row": BAR_FITTED},
@@ -273,16 +274,19 @@ def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int = 300, progr
         for it in range(iterations):
             say(f"step {it + 1}/{iterations} (squared log error {float(r @ r):.3f})")
             jacobian = _sensitivities(sims, curves, x, r, say)
-            last_x, last_r, last_j = x, r, jacobian
+            last_x, last_r, last_j, last_fitted = x, r, jacobian, fitted
             step = _solve(jacobian, r, everything, x - x0)
-            for halving in range(HALVINGS + 1):  # the simulated responses are far from linear near capacity
+            for _ in range(HALVINGS + 1):  # the simulated responses are far from linear near capacity
                 fitted = sims.each_row(from_vector(curves, last_x + step, PARAMETERS))[0]
                 r = residuals(fitted, rows)
-                if float(r @ r) <= float(last_r @ last_r) or halving == HALVINGS:
+                if float(r @ r) <= float(last_r @ last_r):
+                    x = last_x + step
                     break
                 say(f"  the step raised the error ({float(r @ r):.3f} > {float(last_r @ last_r):.3f}): halved")
                 step = step / 2
-            x = last_x + step
+            else:  # no step helped: the fit has converged as far as these sensitivities see
+                fitted, r = last_fitted, last_r
+                say("  no step lowered the error: kept the point")
         say(f"fitted (squared log error {float(r @ r):.3f}); {len(rows)} rows left out, each refitted and simulated")
         refits = []
         for i in range(len(rows)):
