@@ -23,7 +23,7 @@ from megainfer.disagg.attention_dispatch import attend_and_pack  # noqa: E402
 from megainfer.disagg.capture_audit import CaptureAudit  # noqa: E402
 from megainfer.disagg.decode_graphs import (AttentionGraphs, ExpertGraphs, RerunCapture, capture_sizes,  # noqa: E402
                                             size_for)
-from megainfer.disagg.expert_link import pack_records, record_bytes  # noqa: E402
+from megainfer.disagg.expert_link import pack_records, record_bytes, unpack_dispatch  # noqa: E402
 from megainfer.model.expert_layer import ExpertLayer  # noqa: E402
 from megainfer.model.moe_model import MoEModel  # noqa: E402
 from megainfer.model.weights import RandomWeights  # noqa: E402
@@ -73,10 +73,28 @@ def eager_parts(cfg, model, caches, layer, hidden, inputs):
     return parts, counts
 
 
-def node_records(parts) -> list[list[bytes]]:
-    """Each expert node's records as a set (the gating kernel orders a segment by its atomics)."""
+def node_records(parts, hidden: int, top_k: int) -> list[list[tuple]]:
+    """Each expert node's records, unpacked to (ids, weights, x) and sorted by ids and x (the
+    gating kernel orders a segment by its atomics)."""
     bounds = parts.node_offsets.tolist()
-    return [sorted(bytes(parts.records[r].tolist()) for r in range(bounds[n], bounds[n + 1])) for n in range(NODES)]
+    out = []
+    for n in range(NODES):
+        flat = parts.records[bounds[n]:bounds[n + 1]].reshape(-1)
+        x, ids, weights = unpack_dispatch(flat, bounds[n + 1] - bounds[n], hidden, top_k, torch.float32)
+        rows = [(tuple(ids[i].tolist()), weights[i], x[i]) for i in range(len(x))]
+        out.append(sorted(rows, key=lambda r: (r[0], round(float(r[2].sum()), 3))))
+    return out
+
+
+def assert_same_records(got: list[list[tuple]], want: list[list[tuple]]) -> None:
+    """The same tokens to the same nodes with the same expert ids; hidden states and gate weights
+    equal to float rounding. (A graph runs the padded batch, whose GEMMs the CPU's BLAS may
+    block differently from the live rows' alone: bitwise equality holds on some CPUs only.)"""
+    assert [[r[0] for r in node] for node in got] == [[r[0] for r in node] for node in want]
+    for node_got, node_want in zip(got, want):
+        for (_, w_got, x_got), (_, w_want, x_want) in zip(node_got, node_want):
+            torch.testing.assert_close(w_got, w_want)
+            torch.testing.assert_close(x_got, x_want)
 
 
 # -- capture safety ----------------------------------------------------------------------------
@@ -174,14 +192,16 @@ def test_attention_graphs_give_the_eager_dispatch_and_touch_only_the_padding_blo
             want, want_counts = eager_parts(cfg, model, eager_caches, layer, hidden, inputs)
             torch.testing.assert_close(parts.residual, want.residual)
             assert torch.equal(parts.node_offsets, want.node_offsets)
-            assert node_records(parts) == node_records(want)
+            assert_same_records(node_records(parts, cfg.hidden_size, cfg.top_k),
+                                node_records(want, cfg.hidden_size, cfg.top_k))
             assert torch.equal(counts[layer], want_counts)
             hidden = want.residual  # the next layer's input (its combine skipped)
         written = {int(s) // BLOCK for s in inputs[2].slot_mapping}
         for (k, _), (k0, _), (ke, _) in zip(caches, before, eager_caches):
             changed = {b for b in range(k.shape[0]) if not torch.equal(k[b], k0[b])}
             assert changed <= written | {PAD_BLOCK}  # the live rows' slots and the padding block
-            assert all(torch.equal(k[b], ke[b]) for b in written)
+            for b in written:  # the live rows' keys, equal to float rounding (the padded batch's GEMMs)
+                torch.testing.assert_close(k[b], ke[b])
     assert not graphs.load(0, decode_inputs(9), 9)  # past the largest size
     prompt = prepare_batch([DecodingSequence("p", 4, [0])] * 2, [2, 1], 1, BLOCK, torch.device("cpu"))
     assert not graphs.load(0, prompt, 3)  # not a decode batch
