@@ -132,11 +132,11 @@ class OperatorCosts:
         peaks = self.peaks
         t_flops = flops / (peaks.flops * curves.flops(np.maximum(size, 1e-9)))
         t_bytes = bytes_read / (peaks.hbm_bytes_per_s * curves.bandwidth(np.maximum(bytes_read, 1e-9)))
+        seconds = np.maximum(t_flops, t_bytes)
         if overlap:
-            longer = np.maximum(t_flops, t_bytes)
-            ratio = np.minimum(t_flops, t_bytes) / np.maximum(longer, 1e-30)
-            return longer * (1 + ratio ** overlap) ** (1 / overlap) + launches * self.curves.launch_s
-        return np.maximum(t_flops, t_bytes) + launches * self.curves.launch_s
+            ratio = np.minimum(t_flops, t_bytes) / np.maximum(seconds, 1e-30)
+            seconds = seconds * (1 + ratio ** overlap) ** (1 / overlap)
+        return seconds + launches * self.curves.launch_s
 
     # -- per layer -------------------------------------------------------------------------
     def dense(self, tokens: int, moe_layer: bool = True) -> float:

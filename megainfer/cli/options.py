@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 
 
+MAX_LAYER_GROUPS_HELP = ("layered: G from --group-tokens but at most this many, each cohort filling 8,192 prompt "
+                         "tokens (the layered-prefill paper's --num-stages)")
+
 def length_range(text: str) -> tuple[int, int]:
     """'A:B' (or 'A') -> (A, B) with 1 <= A <= B."""
     parts = text.split(":")
@@ -68,9 +71,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-tokens", type=positive_int, default=512,
                         help="layered: prompt tokens per layer group (G = ceil(tokens / this))")
     parser.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
-    parser.add_argument("--max-layer-groups", type=positive_int, default=None,
-                        help="layered: G from --group-tokens but at most this many, each cohort filling 8,192 "
-                             "prompt tokens (the layered-prefill paper's --num-stages)")
+    parser.add_argument("--max-layer-groups", type=positive_int, default=None, help=MAX_LAYER_GROUPS_HELP)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="keep computed full KV blocks and share them with later prompts of the same prefix "
                              "(default on, as vLLM; --no-enable-prefix-caching turns it off)")

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from megainfer.cli.options import positive_int
+from megainfer.cli.options import MAX_LAYER_GROUPS_HELP, positive_int
 from megainfer.cli.step_model_options import add_step_model_options
 
 
@@ -32,9 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=512, help="token budget of a step (chunked prefill)")
     p.add_argument("--group-tokens", type=positive_int, default=512, help="layered: prompt tokens per layer group")
     p.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
-    p.add_argument("--max-layer-groups", type=positive_int, default=None,
-                   help="layered: G from --group-tokens but at most this many, each cohort filling 8,192 prompt "
-                        "tokens (the layered-prefill paper's --num-stages)")
+    p.add_argument("--max-layer-groups", type=positive_int, default=None, help=MAX_LAYER_GROUPS_HELP)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--expert-skew", type=float, default=FITTED_SKEW,
                    help=f"expert popularity ~ (rank + {FITTED_RANK_OFFSET:g})^-S per layer, each token's top-k drawn "
