@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="requests per second")
     p.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson")
     p.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of inter-arrival times")
-    p.add_argument("--requests", type=positive_int, default=300)
+    p.add_argument("--requests", type=positive_int, default=None,
+                   help="requests to simulate (default 300; with --validate, each row's as long as the paper's run)")
     p.add_argument("--policy", choices=["chunked", "layered", "both"], default="both")
     p.add_argument("--chunk-size", type=positive_int, default=512, help="token budget of a step (chunked prefill)")
     p.add_argument("--group-tokens", type=positive_int, default=512, help="layered: prompt tokens per layer group")
@@ -49,10 +50,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--validate", action="store_true",
                    help="the model against every published row (megainfer/tools/simulator/published_rows.py): "
                         "fitted on all at once and each left out; per-row and mean absolute error of mean TTFT and "
-                        "mean TBT, the layered-vs-chunked directions, saturation (--requests per row, --json)")
+                        "mean TBT, the layered-vs-chunked directions, saturation (each row as long as the paper's run, "
+                        "--requests N to shorten; --json)")
     p.add_argument("--fit-steps", type=positive_int, default=3,
                    help="with --validate: Gauss-Newton steps of the fit on all rows (each simulates every row "
                         "once per fitted parameter)")
+    p.add_argument("--seeds", type=positive_int, default=None,
+                   help="with --validate: each prediction the mean of this many draws of arrivals and lengths "
+                        "(default 2: near capacity one draw's mean TTFT swings by tens of percent)")
     p.add_argument("--write-curves", metavar="PATH", default=None,
                    help="with --validate: write a curves file (the default one with its H100 entry replaced by the "
                         "fit on every published row) for plan/simulate --curves PATH")
@@ -63,6 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help="write configuration, workload statistics and results as JSON")
     p.add_argument("--plot", metavar="PATH", help="with --sweep-rates: draw SLO attainment against rate (PNG)")
     p.set_defaults(run=run)
+
+
+DEFAULT_REQUESTS = 300
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -129,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     step_model, = build_step_models(args, model, default_tp=2)
     policies = ("chunked", "layered") if args.policy == "both" or args.sweep_rates else (args.policy,)
     spec = ex.SimulationSpec(
-        model=model, step_model=step_model, workload=args.workload, rate=args.rate, num_requests=args.requests,
+        model=model, step_model=step_model, workload=args.workload, rate=args.rate,
+        num_requests=args.requests or DEFAULT_REQUESTS,
         policies=policies, arrival=args.arrival, cv=args.cv, chunk_size=args.chunk_size,
         group_tokens=args.group_tokens, num_layer_groups=args.num_layer_groups,
         max_layer_groups=args.max_layer_groups, max_num_seqs=args.max_num_seqs,
@@ -168,12 +177,13 @@ def run(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     """`megainfer simulate --validate`: every published row, fitted and left out."""
-    from megainfer.tools.simulator.validation import format_report, validate
+    from megainfer.tools.simulator.validation import SEEDS, format_report, validate
     from planner.efficiency_curves import EfficiencyCurves
     from planner.prediction_error import PredictionError
 
     report = validate(EfficiencyCurves.load("H100", args.curves), num_requests=args.requests,
-                      progress=lambda text: print(text, file=sys.stderr, flush=True), iterations=args.fit_steps)
+                      progress=lambda text: print(text, file=sys.stderr, flush=True), iterations=args.fit_steps,
+                      seeds=args.seeds or SEEDS)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -184,7 +194,7 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.write_error:
         band = report.error_band()
         PredictionError(band["ttft"], band["tbt"], len(report.rows),
-                        f"megainfer simulate --validate --fit-steps {args.fit_steps}: the {len(report.rows)} H100 rows "
+                        f"megainfer simulate --validate --fit-steps {args.fit_steps} --seeds {report.seeds}: the {len(report.rows)} H100 rows "
                         "of the layered-prefill paper, the curves refitted without each (docs/performance-model.md, "
                         "'Generalisation')").write()
         print("error band written: planner/prediction_error.yaml")
@@ -205,7 +215,8 @@ def write_fitted_curves(report, args: argparse.Namespace) -> None:
     out = report.mean_abs("left_out")
     text = entry_text("H100", report.fitted_curves, {p.name for p in PARAMETERS},
                       f"{len(report.rows)} rows, left out: TTFT {out['ttft']:.0%}, TBT {out['tbt']:.0%}",
-                      command=f"megainfer simulate --validate --fit-steps {args.fit_steps} --write-curves PATH",
+                      command=f"megainfer simulate --validate --fit-steps {args.fit_steps} --seeds {report.seeds} "
+                              "--write-curves PATH",
                       source="fitted to the layered-prefill paper's published H100 rows, four models, TP 2 and 8 "
                              "(issue 37; docs/performance-model.md, 'Generalisation')")
     write_entry(path, "H100", text)

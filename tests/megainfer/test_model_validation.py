@@ -106,6 +106,14 @@ def test_published_rows_are_well_formed():
         assert row.max_layer_groups in (2, 4, 8, 12, 16)  # the paper's --num-stages
         expected = {SERVING: {"ttft", "tbt"}, OFFLINE: {"throughput"}, SINGLE_PROMPT: {"ttft"}}[row.kind]
         assert set(row.measured) == expected and all(v > 0 for v in row.measured.values())
+    # Run as the paper's driver ran them: ten minutes of arrivals (6,000 at most), 1,024 running
+    # sequences on 8 GPUs; gpt-oss-20b's layered rows with its --num-stages 12.
+    by_label = {r.label: r for r in ROWS}
+    assert by_label["Qwen3-30B 2xH100 arXiv 1.3 chunked"].num_requests == 780
+    assert by_label["gpt-oss-120b 8xH100 ShareGPT 6.5 chunked"].num_requests == 3900
+    assert [r.num_requests for r in ROWS if r.kind != SERVING] == [300, 300, 1, 1]
+    assert {r.max_num_seqs for r in ROWS if r.gpus == 8} == {1024} and {r.max_num_seqs for r in ROWS if r.gpus == 2} == {256}
+    assert {r.max_layer_groups for r in ROWS if r.model == "gpt-oss-20b" and r.policy == "layered"} == {12}
     layered_configs = {r.config for r in ROWS if r.policy == "layered"}
     chunked_configs = {r.config for r in ROWS if r.policy == "chunked"}
     assert len(layered_configs & chunked_configs) >= 6  # the directions the report checks, offline's too
@@ -123,9 +131,24 @@ def test_offline_and_single_prompt_rows_are_simulated_as_measured():
     assert set(p.errors(single)) == {"ttft"} and p.ttft_mean_s == pytest.approx(0.200, rel=0.25)
 
 
+def test_each_prediction_is_the_mean_of_its_draws():
+    from megainfer.tools.simulator.validation import Prediction, _Simulations
+    curves = EfficiencyCurves.load("H100")
+    serving, single = ROWS[0], ROWS[-1]
+    sims = _Simulations([serving, single], 40, workers=1, seeds=2)
+    draws = sims.run([(serving, curves), (single, curves)])
+    assert [len(d) for d in draws] == [2, 1]  # one prompt alone has no arrivals to draw
+    assert draws[0] == [predict(serving, curves, 40, seed) for seed in (0, 1)]
+    assert draws[0][0].ttft_mean_s != draws[0][1].ttft_mean_s  # different arrivals and lengths
+    mean = Prediction.mean(draws[0])
+    assert mean.ttft_mean_s == pytest.approx((draws[0][0].ttft_mean_s + draws[0][1].ttft_mean_s) / 2)
+    assert mean.offered_rate == pytest.approx((draws[0][0].offered_rate + draws[0][1].offered_rate) / 2)
+
+
 def test_the_leave_one_out_report_runs_end_to_end_on_a_subset(tmp_path):
     rows = [r for r in ROWS if r.model == "qwen3-30b-a3b" and r.rate == 1.3] + [ROWS[-1]]
-    report = validate(EfficiencyCurves.load("H100"), rows=rows, num_requests=40, workers=2)
+    report = validate(EfficiencyCurves.load("H100"), rows=rows, num_requests=40, workers=2, seeds=2)
+    assert report.seeds == 2 and "mean of 2 simulations" in format_report(report)
     assert [r.row for r in report.rows] == rows
     for r in report.rows:  # every figure is a simulation's
         assert all(r.fitted.values()[m] > 0 and r.left_out.values()[m] > 0 for m in r.row.measured)

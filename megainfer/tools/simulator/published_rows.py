@@ -9,6 +9,13 @@ in G stages, G growing with the cohort's tokens (one stage per 512, in powers of
 N_lg; megainfer's layered policy does the same with group_tokens 512 and max_layer_groups N_lg
 (G = ceil(tokens / 512), not rounded up to a power of two).
 
+How the paper ran them is in its benchmark driver (benchmarks/benchmark_batch.py of that
+repository), and each row is simulated the same way: after a warm-up run that finishes first,
+the measured run sends min(6,000, 600 s x rate) requests at the rate (`PublishedRow.
+num_requests`: 780 at 1.3 req/s), so the instance starts empty and runs ten minutes; 256
+running sequences at most on 2 GPUs, 1,024 on 8 (`max_num_seqs`); gpt-oss-20b in bf16 with
+--num-stages 12, Qwen3-30B-A3B with 16.
+
 `megainfer simulate --validate` (validation.py) predicts each row and reports its error, fitted
 and left out."""
 
@@ -17,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MXFP4_BYTES = 4.25 / 8  # a 4-bit value and one 8-bit scale per 32
+# The paper's driver: each measured run lasts MAX_TIME seconds of arrivals, NUM_REQUESTS at most.
+RUN_SECONDS, MAX_REQUESTS = 600.0, 6000
+OFFLINE_REQUESTS = 300  # the offline rows' batch (the paper does not say how many)
 
 
 SERVING, OFFLINE, SINGLE_PROMPT = "serving", "offline", "single prompt"
@@ -45,6 +55,15 @@ class PublishedRow:
     # GptOssAttention builds Attention without one): every layer attends, and caches, the whole
     # context. Its rows are priced that way.
     windowed_attention: bool = False
+    max_num_seqs: int = 256  # the engine's --max-num-seqs (1,024 in the paper's 8-GPU runs)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests of the run as the paper's driver sent them: ten minutes of arrivals at the
+        rate, at most 6,000; the offline batch; one prompt alone."""
+        if self.kind == SERVING:
+            return min(MAX_REQUESTS, int(RUN_SECONDS * self.rate))
+        return OFFLINE_REQUESTS if self.kind == OFFLINE else 1
 
     @property
     def config(self) -> tuple:
@@ -59,6 +78,7 @@ class PublishedRow:
 
 
 def _row(label, model, gpus, workload, rate, policy, ttft, tbt, *, p99=(None, None), **kw) -> PublishedRow:
+    kw.setdefault("max_num_seqs", 1024 if gpus == 8 else 256)  # the driver's setups for 8 and 2 GPUs
     return PublishedRow(label, model, gpus, workload, rate, policy, ttft, tbt * 1e-3, p99[0],
                         p99[1] * 1e-3 if p99[1] is not None else None, **kw)
 
@@ -90,8 +110,10 @@ ROWS: tuple[PublishedRow, ...] = (
     _row("Qwen3-30B 2xH100 arXiv 1.4 layered N8", Q30, 2, "arxiv", 1.4, "layered", 0.768, 20.8, max_layer_groups=8),
     _row("Qwen3-30B 2xH100 arXiv 1.4 layered N16", Q30, 2, "arxiv", 1.4, "layered", 1.27, 19.7, max_layer_groups=16),
     _row("gpt-oss-20b 2xH100 arXiv 2.1 chunked", OSS20, 2, "arxiv", 2.1, "chunked", 3.00, 25.1, p99=(8.57, 30.6)),
-    _row("gpt-oss-20b 2xH100 arXiv 2.1 layered", OSS20, 2, "arxiv", 2.1, "layered", 0.87, 18.2, p99=(2.82, 32.3)),
-    _row("gpt-oss-20b 2xH100 arXiv 2.7 layered", OSS20, 2, "arxiv", 2.7, "layered", 2.18, 25.7, p99=(6.86, 33.2)),
+    _row("gpt-oss-20b 2xH100 arXiv 2.1 layered N12", OSS20, 2, "arxiv", 2.1, "layered", 0.87, 18.2, p99=(2.82, 32.3),
+         max_layer_groups=12),
+    _row("gpt-oss-20b 2xH100 arXiv 2.7 layered N12", OSS20, 2, "arxiv", 2.7, "layered", 2.18, 25.7, p99=(6.86, 33.2),
+         max_layer_groups=12),
     _row("gpt-oss-120b 2xH100 arXiv 1.2 chunked", OSS120, 2, "arxiv", 1.2, "chunked", 3.11, 34.9, p99=(8.82, 47.2),
          **FP4),
     _row("gpt-oss-120b 2xH100 arXiv 1.2 layered N12", OSS120, 2, "arxiv", 1.2, "layered", 1.09, 20.5,

@@ -11,7 +11,13 @@ out is refitted the same way from the same sensitivities without its residuals (
 leave-one-out: one linearised step, as in a jackknife), and then predicted by a real
 simulation with its own refitted curves. Every number reported is a simulation's.
 
-    megainfer simulate --validate [--json PATH] [--requests 300]
+Each row runs as long as the paper's run (`PublishedRow.num_requests`: ten minutes of arrivals).
+Near capacity its mean TTFT still swings by tens of percent with the random draw of arrivals and
+lengths (Qwen3-30B-A3B chunked at 1.3 req/s, 780 requests: +19% and +93% for two seeds), so every
+prediction is the mean of `seeds` simulations with different draws (the sensitivities, which
+difference runs on the same draw, use the first seed alone).
+
+    megainfer simulate --validate [--json PATH] [--requests N] [--seeds 2]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ BAR_LEFT_OUT = 0.35  # issue 37: every row within 35% when left out
 BAR_MEAN = 0.20  # and the mean absolute error at most 20%
 BAR_FITTED = 0.25  # every row within 25% when fitted
 BAR_SATURATION = 0.05  # the simulated served rate within 5% of the offered rate
+SEEDS = 2  # draws of arrivals and lengths each prediction averages
 RIDGE = 0.02  # pulls each log-parameter toward the committed curves (identifies what the rows do not)
 STEP = 0.15  # finite-difference step in each log-parameter
 HALVINGS = 2  # a step that raises the squared error is halved up to this many times
@@ -90,6 +97,11 @@ class Prediction:
         run's own arrivals."""
         return row.kind == SERVING and self.served_rate < (1 - BAR_SATURATION) * (self.offered_rate or row.rate)
 
+    @classmethod
+    def mean(cls, draws: list["Prediction"]) -> "Prediction":
+        """The mean of the same row's simulations under different random draws."""
+        return cls(*(float(np.mean([getattr(p, f.name) for p in draws])) for f in dataclasses.fields(cls)))
+
     def errors(self, row: PublishedRow) -> dict[str, float]:
         """Relative error of each metric the row measured: predicted / measured - 1."""
         values = self.values()
@@ -105,8 +117,9 @@ def _requests(row: PublishedRow, spec: SimulationSpec) -> list[SimRequest]:
     return requests
 
 
-def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int = 300, seed: int = 0) -> Prediction:
-    """`row` as `megainfer simulate` runs it with `curves` (the command's defaults otherwise)."""
+def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | None = None, seed: int = 0) -> Prediction:
+    """`row` as `megainfer simulate` runs it with `curves`, as long as the paper's run
+    (`row.num_requests`) unless `num_requests` says otherwise."""
     model = PRESETS[row.model]
     if not row.windowed_attention and model.window_layers:
         model = dataclasses.replace(model, window_layers=())
@@ -114,8 +127,9 @@ def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int = 300
     step_model = ColocatedStepModel(model, gpu, row.gpus, curves=curves,
                                     expert_bytes_per_param=row.expert_bytes_per_param)
     spec = SimulationSpec(model=model, step_model=step_model, workload=row.workload, rate=row.rate or 1.0,
-                          num_requests=num_requests, policies=(row.policy,), chunk_size=row.chunk_size,
-                          max_layer_groups=row.max_layer_groups, seed=seed)
+                          num_requests=num_requests or row.num_requests, policies=(row.policy,),
+                          chunk_size=row.chunk_size, max_layer_groups=row.max_layer_groups,
+                          max_num_seqs=row.max_num_seqs, seed=seed)
     s = spec.run(_requests(row, spec))[row.policy]
     return Prediction(s["ttft_mean_s"], s["tbt_mean_s"], s["served_rate"], s["queue_growth"], s["offered_rate"],
                       s["output_throughput"])
@@ -153,6 +167,7 @@ class Validation:
     fitted_curves: EfficiencyCurves
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    seeds: int = SEEDS  # draws each prediction averages
 
     def mean_abs(self, which: str) -> dict[str, float]:
         """Mean absolute relative error by metric (over the rows that measured it) and of all."""
@@ -203,7 +218,7 @@ class Validation:
                 "saturated": {w: self.saturated(w) for w in ("fitted", "left_out")},
                 "bars": {"left_out_row": BAR_LEFT_OUT, "left_out_mean": BAR_MEAN, "fitted_row": BAR_FITTED},
                 "fitted_curves": {p.name: p.get(self.fitted_curves) for p in PARAMETERS},
-                "wall_s": self.wall_s, "notes": self.notes}
+                "seeds": self.seeds, "wall_s": self.wall_s, "notes": self.notes}
 
 
 def _predict_job(job: tuple) -> Prediction:
@@ -212,21 +227,25 @@ def _predict_job(job: tuple) -> Prediction:
 
 class _Simulations:
     """The validation's simulations, spread over `workers` processes (the cores): each is one
-    row under one set of curves, independent of the others."""
+    row under one set of curves and one random draw, independent of the others."""
 
-    def __init__(self, rows, num_requests: int, workers: int) -> None:
-        self.rows, self.num_requests = rows, num_requests
+    def __init__(self, rows, num_requests: int | None, workers: int, seeds: int) -> None:
+        self.rows, self.num_requests, self.seeds = rows, num_requests, seeds
         self.pool = ProcessPoolExecutor(workers) if workers > 1 else None
 
-    def run(self, jobs: list[tuple[PublishedRow, EfficiencyCurves]]) -> list[Prediction]:
-        jobs = [(row, curves, self.num_requests) for row, curves in jobs]
-        if self.pool is None:
-            return [_predict_job(job) for job in jobs]
-        return list(self.pool.map(_predict_job, jobs))
+    def _draws(self, row: PublishedRow, seeds: int) -> range:
+        return range(1 if row.kind == SINGLE_PROMPT else seeds)  # one prompt alone: no arrivals to draw
 
-    def each_row(self, *curves_sets: EfficiencyCurves) -> list[list[Prediction]]:
-        """Every row under each set of curves, all at once."""
-        flat = self.run([(row, curves) for curves in curves_sets for row in self.rows])
+    def run(self, jobs: list[tuple[PublishedRow, EfficiencyCurves]], seeds: int | None = None) -> list[list[Prediction]]:
+        """Each job's simulations, one per draw (`seeds`, default the validation's)."""
+        seeds = self.seeds if seeds is None else seeds
+        flat = [(row, curves, self.num_requests, seed) for row, curves in jobs for seed in self._draws(row, seeds)]
+        done = iter([_predict_job(job) for job in flat] if self.pool is None else self.pool.map(_predict_job, flat))
+        return [[next(done) for _ in self._draws(row, seeds)] for row, _ in jobs]
+
+    def each_row(self, *curves_sets: EfficiencyCurves, seeds: int | None = None) -> list[list[list[Prediction]]]:
+        """Every row under each set of curves, all at once: per set, per row, the draws."""
+        flat = self.run([(row, curves) for curves in curves_sets for row in self.rows], seeds)
         n = len(self.rows)
         return [flat[i * n:(i + 1) * n] for i in range(len(curves_sets))]
 
@@ -243,62 +262,76 @@ def _solve(jacobian: np.ndarray, r: np.ndarray, keep: np.ndarray, offset: np.nda
     return np.linalg.solve(j.T @ j + ridge * np.eye(jacobian.shape[1]), -j.T @ r - ridge * offset)
 
 
-def _sensitivities(sims: _Simulations, curves: EfficiencyCurves, x: np.ndarray, r: np.ndarray, say) -> np.ndarray:
+def _sensitivities(sims: _Simulations, curves: EfficiencyCurves, x: np.ndarray, first_draw: list[Prediction],
+                   say) -> np.ndarray:
+    """d residuals / d log-parameter, each from the first draw moved against the same draw at `x`."""
     say(f"  sensitivities to {len(PARAMETERS)} parameters: {len(PARAMETERS) * len(sims.rows)} simulations")
     moved = []
     for k in range(len(PARAMETERS)):
         xk = x.copy()
         xk[k] += STEP
         moved.append(from_vector(curves, xk, PARAMETERS))
-    columns = [(residuals(p, sims.rows) - r) / STEP for p in sims.each_row(*moved)]
+    r = residuals(first_draw, sims.rows)
+    columns = [(residuals([d[0] for d in p], sims.rows) - r) / STEP for p in sims.each_row(*moved, seeds=1)]
     return np.stack(columns, axis=1)
 
 
-def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int = 300, progress=None,
-             iterations: int = 1, workers: int | None = None) -> Validation:
+class _Point:
+    """The rows simulated at one set of curves: every draw, their means and the residuals."""
+
+    def __init__(self, draws: list[list[Prediction]], rows) -> None:
+        self.first_draw = [d[0] for d in draws]
+        self.predictions = [Prediction.mean(d) for d in draws]
+        self.r = residuals(self.predictions, rows)
+
+
+def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = None, progress=None,
+             iterations: int = 1, workers: int | None = None, seeds: int = SEEDS) -> Validation:
     """`iterations` Gauss-Newton steps for the fit on all rows (sensitivities taken afresh at each
     point, a step that raises the error halved); the rows left out take one more step from the
-    last linearisation point without their residuals. `workers` processes (default: the cores)."""
+    last linearisation point without their residuals. Every prediction is the mean of `seeds`
+    draws. `workers` processes (default: the cores)."""
     started = time.perf_counter()
     say = progress or (lambda text: None)
-    sims = _Simulations(rows, num_requests, workers or os.cpu_count() or 1)
+    sims = _Simulations(rows, num_requests, workers or os.cpu_count() or 1, seeds)
     try:
         curves = with_width(curves)
         x0 = to_vector(curves, PARAMETERS)
         x = x0.copy()
         everything = np.ones(2 * len(rows), dtype=bool)
-        say(f"simulating {len(rows)} rows with the committed curves ...")
-        fitted = sims.each_row(curves)[0]
-        r = residuals(fitted, rows)
-        last_x, last_r, last_j = x, r, None
+        say(f"simulating {len(rows)} rows with the committed curves, {seeds} draws each ...")
+        point = _Point(sims.each_row(curves)[0], rows)
+        last_x, last_point, last_j = x, point, None
         for it in range(iterations):
-            say(f"step {it + 1}/{iterations} (squared log error {float(r @ r):.3f})")
-            jacobian = _sensitivities(sims, curves, x, r, say)
-            last_x, last_r, last_j, last_fitted = x, r, jacobian, fitted
-            step = _solve(jacobian, r, everything, x - x0)
+            say(f"step {it + 1}/{iterations} (squared log error {float(point.r @ point.r):.3f})")
+            jacobian = _sensitivities(sims, curves, x, point.first_draw, say)
+            last_x, last_point, last_j = x, point, jacobian
+            step = _solve(jacobian, point.r, everything, x - x0)
+            before = float(last_point.r @ last_point.r)
             for _ in range(HALVINGS + 1):  # the simulated responses are far from linear near capacity
-                fitted = sims.each_row(from_vector(curves, last_x + step, PARAMETERS))[0]
-                r = residuals(fitted, rows)
-                if float(r @ r) <= float(last_r @ last_r):
+                point = _Point(sims.each_row(from_vector(curves, last_x + step, PARAMETERS))[0], rows)
+                if float(point.r @ point.r) <= before:
                     x = last_x + step
                     break
-                say(f"  the step raised the error ({float(r @ r):.3f} > {float(last_r @ last_r):.3f}): halved")
+                say(f"  the step raised the error ({float(point.r @ point.r):.3f} > {before:.3f}): halved")
                 step = step / 2
             else:  # no step helped: the fit has converged as far as these sensitivities see
-                fitted, r = last_fitted, last_r
+                point = last_point
                 say("  no step lowered the error: kept the point")
-        say(f"fitted (squared log error {float(r @ r):.3f}); {len(rows)} rows left out, each refitted and simulated")
+        say(f"fitted (squared log error {float(point.r @ point.r):.3f}); {len(rows)} rows left out, each refitted "
+            "and simulated")
         refits = []
         for i in range(len(rows)):
             keep = everything.copy()
             keep[2 * i:2 * i + 2] = False
-            refit = x if last_j is None else last_x + _solve(last_j, last_r, keep, last_x - x0)
+            refit = x if last_j is None else last_x + _solve(last_j, last_point.r, keep, last_x - x0)
             refits.append(from_vector(curves, refit, PARAMETERS))
-        left_out = sims.run(list(zip(rows, refits)))
+        left_out = [Prediction.mean(d) for d in sims.run(list(zip(rows, refits)))]
     finally:
         sims.close()
-    results = [RowResult(row, f, o) for row, f, o in zip(rows, fitted, left_out)]
-    return Validation(results, curves, from_vector(curves, x, PARAMETERS), time.perf_counter() - started)
+    results = [RowResult(row, f, o) for row, f, o in zip(rows, point.predictions, left_out)]
+    return Validation(results, curves, from_vector(curves, x, PARAMETERS), time.perf_counter() - started,
+                      seeds=seeds)
 
 
 UNITS = {"ttft": ("TTFT s", 1.0, "8.3f"), "tbt": ("TBT ms", 1e3, "8.1f"), "throughput": ("tok/s", 1.0, "8.1f")}
@@ -321,6 +354,7 @@ def format_report(v: Validation) -> str:
             f", all {errors['all']:.0%}"
 
     lines.append("")
+    lines.append(f"each prediction the mean of {v.seeds} simulations (draws of arrivals and lengths)")
     lines.append(f"mean absolute error, fitted:   {by_metric(fit)}")
     lines.append(f"mean absolute error, left out: {by_metric(out)} (bar: each row within {BAR_LEFT_OUT:.0%}, "
                  f"mean within {BAR_MEAN:.0%})")
