@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "fitted on all at once and each left out; per-row and mean absolute error of mean TTFT and "
                         "mean TBT, the layered-vs-chunked directions, saturation (each row as long as the paper's run, "
                         "--requests N to shorten; --json)")
-    p.add_argument("--fit-steps", type=positive_int, default=3,
+    p.add_argument("--fit-steps", type=positive_int, default=2,
                    help="with --validate: Gauss-Newton steps of the fit on all rows (each simulates every row "
                         "once per fitted parameter)")
     p.add_argument("--seeds", type=positive_int, default=None,
