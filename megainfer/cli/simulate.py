@@ -11,6 +11,8 @@ import time
 from megainfer.cli.options import MAX_LAYER_GROUPS_HELP, positive_int
 from megainfer.cli.step_model_options import add_step_model_options
 
+DEFAULT_REQUESTS = 300  # a plain simulation's; --validate runs each row as long as the paper did
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
@@ -28,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson")
     p.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of inter-arrival times")
     p.add_argument("--requests", type=positive_int, default=None,
-                   help="requests to simulate (default 300; with --validate, each row's as long as the paper's run)")
+                   help=f"requests to simulate (default {DEFAULT_REQUESTS}; with --validate, each row's as long as "
+                        "the paper's run)")
     p.add_argument("--policy", choices=["chunked", "layered", "both"], default="both")
     p.add_argument("--chunk-size", type=positive_int, default=512, help="token budget of a step (chunked prefill)")
     p.add_argument("--group-tokens", type=positive_int, default=512, help="layered: prompt tokens per layer group")
@@ -68,9 +71,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help="write configuration, workload statistics and results as JSON")
     p.add_argument("--plot", metavar="PATH", help="with --sweep-rates: draw SLO attainment against rate (PNG)")
     p.set_defaults(run=run)
-
-
-DEFAULT_REQUESTS = 300
 
 
 def run_plan(args: argparse.Namespace) -> int:
