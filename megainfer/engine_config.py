@@ -48,6 +48,10 @@ class EngineConfig:
     # (the layered-prefill paper's --num-stages with its --max-num-batched-tokens)
     max_layer_groups: int | None = None
     layered_chunk_tokens: int = 8192  # layered: prompt tokens of one cohort (longer prompts go in chunks)
+    # layered, with max_layer_groups: (most cohort tokens, groups) rows, rising; the groups of the
+    # first row a cohort fits, max_layer_groups above the last (LayeredSettings.group_table)
+    layered_group_table: tuple[tuple[int, int], ...] | None = None
+    layered_fill_cohorts: bool = False  # layered: cut any member so a cohort fills layered_chunk_tokens
     target_step_ms: float | None = None  # attention balancing: cap prompt tokens by predicted step time
     # Schedule the next step while this one's last layer runs (a runner that takes `StepHooks`:
     # an attention node's); the colocated runner always schedules after the step.
@@ -102,6 +106,11 @@ class EngineConfig:
         if self.num_layer_groups is not None and self.max_layer_groups is not None:
             raise ConfigError("engine options 'num_layer_groups' (a fixed G) and 'max_layer_groups' (a cap on the G "
                               "derived from group_tokens) exclude each other; give one")
+        if self.layered_group_table is not None:
+            self.layered_group_table = check_group_table(self.layered_group_table, self.max_layer_groups)
+        if not isinstance(self.layered_fill_cohorts, bool):
+            raise ConfigError(f"engine option 'layered_fill_cohorts' must be true or false, "
+                              f"got {self.layered_fill_cohorts!r}")
         check_gpu_memory_utilization(self.gpu_memory_utilization, "engine option 'gpu_memory_utilization'")
 
     def resolve(self, model: ModelConfig) -> "EngineConfig":
@@ -194,7 +203,29 @@ class EngineConfig:
     def layered_settings(self, num_layers: int) -> LayeredSettings:
         """The layered policy's settings for a model of `num_layers` (whatever the policy)."""
         return LayeredSettings.of(num_layers, self.group_tokens, self.num_layer_groups, self.layered_chunk_tokens,
-                                  self.max_layer_groups)
+                                  self.max_layer_groups, self.layered_group_table, self.layered_fill_cohorts)
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_group_table(table: Any, max_layer_groups: int | None) -> tuple[tuple[int, int], ...]:
+    """`layered_group_table` as a tuple of (most cohort tokens, groups) rows, or a ConfigError
+    naming what is wrong: it needs max_layer_groups (the groups above its last row), and both
+    columns rise, positive integers, the groups at most max_layer_groups."""
+    if max_layer_groups is None:
+        raise ConfigError("engine option 'layered_group_table' needs 'max_layer_groups' (the groups of a cohort "
+                          "above the table's last row); set it, or drop the table")
+    try:
+        rows = tuple((t, g) for t, g in table)
+    except (TypeError, ValueError):
+        raise ConfigError(f"engine option 'layered_group_table' must be a list of [most tokens, groups] pairs, "
+                          f"got {table!r}") from None
+    for t, g in rows:
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (t, g)) or g > max_layer_groups:
+            raise ConfigError(f"engine option 'layered_group_table' row {[t, g]!r}: tokens and groups must be "
+                              f"positive integers, groups at most max_layer_groups ({max_layer_groups})")
+    if any(a[0] >= b[0] or a[1] > b[1] for a, b in zip(rows, rows[1:])):
+        raise ConfigError(f"engine option 'layered_group_table' must rise in tokens (and not fall in groups), "
+                          f"got {[list(r) for r in rows]!r}")
+    return rows

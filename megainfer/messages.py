@@ -458,22 +458,37 @@ class LayeredSettings:
     # Derived groups, at most this many (the layered-prefill paper's --num-stages): a cohort
     # then fills chunk_tokens and a big one passes in fewer, fuller groups.
     max_layer_groups: int | None = None
+    # With max_layer_groups: (most cohort tokens, groups) rows in rising order; a cohort takes the
+    # groups of the first row it fits, max_layer_groups above the last (the paper's engine's
+    # get_num_stages table). None: ceil(tokens / group_tokens).
+    group_table: tuple[tuple[int, int], ...] | None = None
+    # Every member of a cohort may be cut so that it fills chunk_tokens, the rest of a cut prompt
+    # leading the next cohort (the paper's engine). False: only the first member is cut, so no
+    # prompt waits for two cohorts and a smaller cohort passes its groups sooner.
+    fill_cohorts: bool = False
 
     @classmethod
     def of(cls, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_limit: int,
-           max_layer_groups: int | None = None) -> "LayeredSettings":
+           max_layer_groups: int | None = None, group_table: tuple[tuple[int, int], ...] | None = None,
+           fill_cohorts: bool = False) -> "LayeredSettings":
         """The settings with the cohort's token cap worked out: `chunk_limit`, and unless the
         groups are capped by max_layer_groups, at most group_tokens per group (so a step's work,
         tokens x layers, matches a chunked step with a group_tokens budget)."""
         if max_layer_groups is None or num_layer_groups is not None:
             chunk_limit = min(chunk_limit, group_tokens * (num_layer_groups or num_layers))
-        return cls(num_layers, group_tokens, num_layer_groups, chunk_limit, max_layer_groups)
+        table = None if group_table is None else tuple((int(t), int(g)) for t, g in group_table)
+        return cls(num_layers, group_tokens, num_layer_groups, chunk_limit, max_layer_groups, table, fill_cohorts)
 
     def groups(self, cohort_tokens: int) -> int:
-        """G for a cohort of `cohort_tokens`: the fixed count, else ceil(tokens / group_tokens)
-        capped by max_layer_groups; never more than the layers."""
-        groups = self.num_layer_groups or max(1, -(-cohort_tokens // self.group_tokens))
-        if self.num_layer_groups is None and self.max_layer_groups is not None:
+        """G for a cohort of `cohort_tokens`: the fixed count, else the group table's or
+        ceil(tokens / group_tokens), capped by max_layer_groups; never more than the layers."""
+        if self.num_layer_groups is not None:
+            return min(self.num_layer_groups, self.num_layers)
+        if self.group_table is not None and self.max_layer_groups is not None:
+            groups = next((g for most, g in self.group_table if cohort_tokens <= most), self.max_layer_groups)
+        else:
+            groups = max(1, -(-cohort_tokens // self.group_tokens))
+        if self.max_layer_groups is not None:
             groups = min(groups, self.max_layer_groups)
         return min(groups, self.num_layers)
 

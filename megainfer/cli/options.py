@@ -7,6 +7,12 @@ import argparse
 
 MAX_LAYER_GROUPS_HELP = ("layered: G from --group-tokens but at most this many, each cohort filling 8,192 prompt "
                          "tokens (the layered-prefill paper's --num-stages)")
+GROUP_TABLE_HELP = ("layered, with --max-layer-groups: a cohort's groups by its tokens, TOKENS:G rows rising, "
+                    "--max-layer-groups above the last (the paper's engine at --num-stages 16: "
+                    "512:1,1024:2,2048:4,4096:8); default ceil(tokens / --group-tokens)")
+FILL_COHORTS_HELP = ("layered: cut any prompt so that every cohort fills its 8,192 tokens, the rest of a cut prompt "
+                     "leading the next cohort (the paper's engine); default: only a cohort's first prompt is cut")
+
 
 def length_range(text: str) -> tuple[int, int]:
     """'A:B' (or 'A') -> (A, B) with 1 <= A <= B."""
@@ -18,6 +24,15 @@ def length_range(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= A <= B in A:B")
     return lo, hi
+
+
+def group_table(text: str) -> tuple[tuple[int, int], ...]:
+    """'512:1,1024:2' -> ((512, 1), (1024, 2)); EngineConfig checks the rows rise."""
+    try:
+        return tuple((int(t), int(g)) for t, g in (row.split(":") for row in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a group table; write TOKENS:G rows, e.g. "
+                                         "512:1,1024:2,2048:4,4096:8") from None
 
 
 def positive_int(text: str) -> int:
@@ -72,6 +87,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="layered: prompt tokens per layer group (G = ceil(tokens / this))")
     parser.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
     parser.add_argument("--max-layer-groups", type=positive_int, default=None, help=MAX_LAYER_GROUPS_HELP)
+    parser.add_argument("--layered-group-table", type=group_table, default=None, help=GROUP_TABLE_HELP)
+    parser.add_argument("--layered-fill-cohorts", action="store_true", help=FILL_COHORTS_HELP)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="keep computed full KV blocks and share them with later prompts of the same prefix "
                              "(default on, as vLLM; --no-enable-prefix-caching turns it off)")
@@ -86,5 +103,6 @@ def engine_config(args: argparse.Namespace, **extra):
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         prefill_policy=args.prefill_policy, group_tokens=args.group_tokens,
                         num_layer_groups=args.num_layer_groups, max_layer_groups=args.max_layer_groups,
+                        layered_group_table=args.layered_group_table, layered_fill_cohorts=args.layered_fill_cohorts,
                         enable_prefix_caching=args.enable_prefix_caching,
                         gpu_memory_utilization=args.gpu_memory_utilization, **extra)

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from megainfer.cli.options import MAX_LAYER_GROUPS_HELP, positive_int
+from megainfer.cli.options import FILL_COHORTS_HELP, GROUP_TABLE_HELP, MAX_LAYER_GROUPS_HELP, group_table, positive_int
 from megainfer.cli.step_model_options import add_step_model_options
 
 DEFAULT_REQUESTS = 300  # a plain simulation's; --validate runs each row as long as the paper did
@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-tokens", type=positive_int, default=512, help="layered: prompt tokens per layer group")
     p.add_argument("--num-layer-groups", type=positive_int, default=None, help="layered: a fixed G")
     p.add_argument("--max-layer-groups", type=positive_int, default=None, help=MAX_LAYER_GROUPS_HELP)
+    p.add_argument("--layered-group-table", type=group_table, default=None, help=GROUP_TABLE_HELP)
+    p.add_argument("--layered-fill-cohorts", action="store_true", help=FILL_COHORTS_HELP)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--expert-skew", type=float, default=FITTED_SKEW,
                    help=f"expert popularity ~ (rank + {FITTED_RANK_OFFSET:g})^-S per layer, each token's top-k drawn "
@@ -141,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         num_requests=args.requests or DEFAULT_REQUESTS,
         policies=policies, arrival=args.arrival, cv=args.cv, chunk_size=args.chunk_size,
         group_tokens=args.group_tokens, num_layer_groups=args.num_layer_groups,
-        max_layer_groups=args.max_layer_groups, max_num_seqs=args.max_num_seqs,
+        max_layer_groups=args.max_layer_groups, group_table=args.layered_group_table,
+        fill_cohorts=args.layered_fill_cohorts, max_num_seqs=args.max_num_seqs,
         expert_skew=args.expert_skew, tbt_slo_s=args.tbt_slo_ms / 1e3, ttft_slo_s=args.ttft_slo_s, seed=args.seed)
     rates = ex.rate_range(args.sweep_rates) if args.sweep_rates else None
     started = time.perf_counter()

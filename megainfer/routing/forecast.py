@@ -383,8 +383,7 @@ class _Replay:
         self.block_manager = block_manager = BlockManager(knobs.num_blocks, knobs.block_size)
         self.num_layers = layered.num_layers if layered is not None else 1
         self.layered = layered is not None
-        policy = LayeredPrefill(layered.num_layers, layered.group_tokens, layered.num_layer_groups,
-                                layered.chunk_tokens, layered.max_layer_groups) if layered is not None else ChunkedPrefill()
+        policy = LayeredPrefill(layered) if layered is not None else ChunkedPrefill()
         self.scheduler = scheduler = Scheduler(block_manager, policy, max_num_seqs=knobs.max_num_seqs,
                                                max_num_batched_tokens=knobs.max_num_batched_tokens,
                                                max_model_len=knobs.max_model_len, clock=lambda: 0.0)

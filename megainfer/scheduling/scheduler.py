@@ -116,21 +116,19 @@ class LayeredPrefill:
     the decode batch that runs through every layer. So decode never stalls behind a prompt,
     and each prompt token meets each MoE layer once per chunk.
 
-    G = num_layer_groups, or max(1, ceil(cohort tokens / group_tokens)) capped by
-    max_layer_groups, at most the layers (LayeredSettings.groups). Short prompts admitted
-    together share a cohort; a prompt longer than the chunk limit passes in several cohorts,
-    each layer group by layer group. Prompts never take the step's token budget: a cohort is
-    bounded by `chunk_tokens` instead."""
+    G = num_layer_groups, or max(1, ceil(cohort tokens / group_tokens)) (or the group table's)
+    capped by max_layer_groups, at most the layers (LayeredSettings.groups). Short prompts
+    admitted together share a cohort; a prompt longer than the chunk limit passes in several
+    cohorts, each layer group by layer group. Prompts never take the step's token budget: a
+    cohort is bounded by `chunk_tokens` instead."""
 
     name = "layered"
     uses_token_budget = False  # a cohort is bounded by its chunk limit, not the step's budget
     never_schedules_itself = False
 
-    def __init__(self, num_layers: int, group_tokens: int, num_layer_groups: int | None, chunk_tokens: int,
-                 max_layer_groups: int | None = None) -> None:
-        self.settings = settings = LayeredSettings.of(num_layers, group_tokens, num_layer_groups, chunk_tokens,
-                                                      max_layer_groups)
-        self.num_layers, self.chunk_tokens = num_layers, settings.chunk_tokens
+    def __init__(self, settings: LayeredSettings) -> None:
+        self.settings = settings
+        self.num_layers, self.chunk_tokens = settings.num_layers, settings.chunk_tokens
         self.cohort: list[Sequence] = []
         self.chunk: list[int] = []  # tokens of each cohort member's chunk
         self.group = 0
@@ -166,9 +164,11 @@ class LayeredPrefill:
             if waiting and scheduler.has_room:  # a cached prefix skips every layer group
                 scheduler.block_manager.claim_prefix(seq)
             n = min(seq.num_uncomputed_tokens, self.chunk_tokens - total)
-            # Only the first member may be cut to fit: a prompt split over two cohorts would
-            # wait for both, and a smaller cohort passes its groups sooner.
-            if (members and n < seq.num_uncomputed_tokens) or n <= 0 or (waiting and not scheduler.has_room) \
+            # Unless cohorts fill (LayeredSettings.fill_cohorts), only the first member may be cut
+            # to fit: a prompt split over two cohorts would wait for both, and a smaller cohort
+            # passes its groups sooner.
+            cut_later_member = members and n < seq.num_uncomputed_tokens and not self.settings.fill_cohorts
+            if cut_later_member or n <= 0 or (waiting and not scheduler.has_room) \
                     or not scheduler.block_manager.can_allocate(seq, n):
                 if waiting:
                     scheduler.block_manager.unclaim_prefix(seq)
@@ -220,8 +220,7 @@ class LayeredPrefill:
 
 def make_prefill_policy(config: EngineConfig, num_layers: int = 1) -> PrefillPolicy:
     if config.prefill_policy == "layered":
-        return LayeredPrefill(num_layers, config.group_tokens, config.num_layer_groups, config.layered_chunk_tokens,
-                              config.max_layer_groups)
+        return LayeredPrefill(config.layered_settings(num_layers))
     return ChunkedPrefill()
 
 

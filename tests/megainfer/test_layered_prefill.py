@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megainfer import Engine, LLM, SamplingParams
 from megainfer.engine_config import EngineConfig
+from megainfer.messages import LayeredSettings
 from megainfer.presets import PRESETS
 from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.scheduling.scheduler import LayeredPrefill, Scheduler
@@ -14,7 +15,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def layered_scheduler(num_layers=8, group_tokens=16, groups=None, chunk_tokens=1024):
-    return Scheduler(BlockManager(256, 4), LayeredPrefill(num_layers, group_tokens, groups, chunk_tokens),
+    policy = LayeredPrefill(LayeredSettings.of(num_layers, group_tokens, groups, chunk_tokens))
+    return Scheduler(BlockManager(256, 4), policy,
                      max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
 
 
@@ -79,7 +81,7 @@ def test_short_prompts_share_a_cohort_and_long_ones_go_in_chunks():
 def test_capped_groups_let_a_cohort_fill_its_chunk_and_pass_in_at_most_that_many_steps():
     # The layered-prefill paper's engine: a cohort fills the chunk limit (8,192 there) and passes
     # in ceil(tokens / group_tokens) stages, at most --num-stages of them.
-    s = Scheduler(BlockManager(256, 4), LayeredPrefill(8, 16, None, 200, max_layer_groups=2),
+    s = Scheduler(BlockManager(256, 4), LayeredPrefill(LayeredSettings.of(8, 16, None, 200, max_layer_groups=2)),
                   max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
     short, long = Sequence("short", [1] * 10, GREEDY), Sequence("long", [2] * 150, GREEDY)
     s.add(short)
@@ -103,6 +105,48 @@ def test_fixed_and_capped_groups_exclude_each_other():
         EngineConfig(max_layer_groups=0)
     config = EngineConfig(prefill_policy="layered", max_layer_groups=12)
     assert config.layered_settings(36).chunk_tokens == 8192 and config.layered_settings(36).groups(8192) == 12
+
+
+def test_a_group_table_sets_the_stages_by_cohort_tokens_and_max_layer_groups_above_it():
+    # The layered-prefill paper's engine at --num-stages 12: 1, 2, 4 and 6 stages up to 512,
+    # 1,024, 2,048 and 4,096 tokens, 12 above.
+    table = ((512, 1), (1024, 2), (2048, 4), (4096, 6))
+    config = EngineConfig(prefill_policy="layered", max_layer_groups=12, layered_group_table=table)
+    settings = config.layered_settings(36)
+    assert [settings.groups(t) for t in (1, 512, 513, 1500, 2049, 4096, 4097, 8192)] == [1, 1, 2, 4, 6, 6, 12, 12]
+    assert LayeredSettings.of(36, 512, None, 8192, 12).groups(2049) == 5  # without it: ceil(2,049 / 512)
+    assert LayeredSettings.of(36, 512, None, 8192, 8, group_table=()).groups(10) == 8  # empty: always the cap
+
+
+def test_a_bad_group_table_names_the_option_and_the_fix():
+    import pytest
+    from megainfer.errors import ConfigError
+    with pytest.raises(ConfigError, match="needs 'max_layer_groups'"):
+        EngineConfig(prefill_policy="layered", layered_group_table=((512, 1),))
+    with pytest.raises(ConfigError, match=r"row \[512, 20\].*at most max_layer_groups \(12\)"):
+        EngineConfig(prefill_policy="layered", max_layer_groups=12, layered_group_table=((512, 20),))
+    with pytest.raises(ConfigError, match="must rise in tokens"):
+        EngineConfig(prefill_policy="layered", max_layer_groups=12, layered_group_table=((1024, 2), (512, 1)))
+    with pytest.raises(ConfigError, match="pairs"):
+        EngineConfig(prefill_policy="layered", max_layer_groups=12, layered_group_table=(5,))
+    with pytest.raises(ConfigError, match="layered_fill_cohorts"):
+        EngineConfig(prefill_policy="layered", layered_fill_cohorts="yes")
+
+
+def test_filling_cohorts_cuts_the_last_member_and_its_rest_leads_the_next_cohort():
+    def cohorts(fill: bool) -> list[list[tuple[str, int]]]:
+        settings = LayeredSettings.of(4, 16, None, 100, max_layer_groups=1, fill_cohorts=fill)
+        s = Scheduler(BlockManager(256, 4), LayeredPrefill(settings), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=4096)
+        for name, n in (("a", 60), ("b", 70), ("c", 20)):
+            s.add(Sequence(name, [3] * n, GREEDY))
+        passes = [step(s).layered for _ in range(2)]  # one group each: a cohort per step
+        return [[(q.request_id, n) for q, n in zip(p.seqs, p.num_tokens)] for p in passes]
+
+    # Filling: a takes 60 and b the 40 left of 100; b's other 30 lead the next cohort, with c.
+    assert cohorts(True) == [[("a", 60), ("b", 40)], [("b", 30), ("c", 20)]]
+    # megainfer's default cuts only a cohort's first member: b waits for the next cohort whole.
+    assert cohorts(False) == [[("a", 60)], [("b", 70), ("c", 20)]]
 
 
 def test_engine_layered_equals_chunked_and_counts_expert_bytes_per_group():

@@ -114,6 +114,15 @@ def test_published_rows_are_well_formed():
     assert [r.num_requests for r in ROWS if r.kind != SERVING] == [300, 300, 1, 1]
     assert {r.max_num_seqs for r in ROWS if r.gpus == 8} == {1024} and {r.max_num_seqs for r in ROWS if r.gpus == 2} == {256}
     assert {r.max_layer_groups for r in ROWS if r.model == "gpt-oss-20b" and r.policy == "layered"} == {12}
+    # Stages by the engine's get_num_stages table, which has rows for 4, 12 and 16 only: the
+    # N_lg sweep (2, 4, 8, 16 at 1.4 req/s) passes every cohort in N_lg stages.
+    sweep = [r for r in ROWS if r.rate == 1.4]
+    assert [r.max_layer_groups for r in sweep] == [2, 4, 8, 16] and all(r.group_table == () for r in sweep)
+    n12 = by_label["gpt-oss-120b 8xH100 ShareGPT 6.5 layered N12"]
+    settings = EngineConfig(prefill_policy="layered", max_layer_groups=12,
+                            layered_group_table=n12.group_table).layered_settings(36)
+    assert [settings.groups(t) for t in (400, 1000, 2000, 3000, 5000)] == [1, 2, 4, 6, 12]
+    assert by_label["Qwen3-30B 2xH100 arXiv 1.3 layered"].group_table[-1] == (4096, 8)
     layered_configs = {r.config for r in ROWS if r.policy == "layered"}
     chunked_configs = {r.config for r in ROWS if r.policy == "chunked"}
     assert len(layered_configs & chunked_configs) >= 6  # the directions the report checks, offline's too

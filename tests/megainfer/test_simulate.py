@@ -237,6 +237,11 @@ def test_simulate_command_prints_the_comparison_and_writes_json_and_plot(tmp_pat
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "s.png").stat().st_size > 10000
     assert [row["rate"] for row in json.loads((tmp_path / "s.json").read_text())["sweep"]] == [1.0, 3.0]
+    # The paper's engine's layered stages and filled cohorts, said in the header.
+    out = _cli("--workload", "arxiv", "--requests", "20", "--policy", "layered", "--max-layer-groups", "16",
+               "--layered-group-table", "512:1,1024:2,2048:4,4096:8", "--layered-fill-cohorts")
+    assert out.returncode == 0, out.stderr
+    assert "(at most 16 groups, by the table 512:1,1024:2,2048:4,4096:8), cohorts filled" in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -246,6 +251,9 @@ def test_simulate_command_prints_the_comparison_and_writes_json_and_plot(tmp_pat
     (("--rate", "-1"), "--rate"),
     (("--plot", "x.png"), "--sweep-rates"),
     (("--model", "qwen3-235b-a22b", "--tp", "1"), "does not fit"),
+    (("--layered-group-table", "512"), "not a group table"),
+    (("--layered-group-table", "512:1"), "needs 'max_layer_groups'"),
+    (("--max-layer-groups", "12", "--layered-group-table", "512:20"), "at most max_layer_groups (12)"),
 ])
 def test_simulate_command_errors_are_one_line(args, message):
     out = _cli(*args, "--requests", "5")

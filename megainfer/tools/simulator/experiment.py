@@ -29,6 +29,8 @@ class SimulationSpec:
     group_tokens: int = 512
     num_layer_groups: int | None = None
     max_layer_groups: int | None = None  # layered: a cap on the derived G (the paper's --num-stages)
+    group_table: tuple[tuple[int, int], ...] | None = None  # layered: EngineConfig.layered_group_table
+    fill_cohorts: bool = False  # layered: EngineConfig.layered_fill_cohorts
     max_num_seqs: int = 256
     expert_skew: float = FITTED_SKEW  # expert popularity ~ (rank + expert_rank_offset)^-expert_skew; 0: uniform
     expert_rank_offset: float = FITTED_RANK_OFFSET
@@ -40,7 +42,8 @@ class SimulationSpec:
     def engine_config(self, policy: str) -> EngineConfig:
         return EngineConfig(prefill_policy=policy, max_num_batched_tokens=self.chunk_size,
                             group_tokens=self.group_tokens, num_layer_groups=self.num_layer_groups,
-                            max_layer_groups=self.max_layer_groups,
+                            max_layer_groups=self.max_layer_groups, layered_group_table=self.group_table,
+                            layered_fill_cohorts=self.fill_cohorts,
                             max_num_seqs=self.max_num_seqs)
 
     def requests(self, rate: float | None = None) -> list[SimRequest]:
@@ -94,11 +97,16 @@ def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[
     step_model = spec.step_model
     routing = ("uniform routing" if spec.expert_skew == 0 else
                f"expert popularity ~ (rank + {spec.expert_rank_offset:g})^-{spec.expert_skew:g}")
+    groups = f"group tokens {spec.group_tokens}"
+    if spec.max_layer_groups:
+        rows = ",".join(f"{t}:{g}" for t, g in spec.group_table or ())
+        table = "" if spec.group_table is None else f", by the table {rows}"
+        groups += f" (at most {spec.max_layer_groups} groups{table})"
+    if spec.fill_cohorts:
+        groups += ", cohorts filled"
     lines = [
         f"{spec.model.name} on {device_label(step_model)} (TP {step_model.tp}); "
-        f"chunk {spec.chunk_size} tokens, "
-        f"group tokens {spec.group_tokens}" + (f" (at most {spec.max_layer_groups} groups)" if spec.max_layer_groups
-                                               else "") + f"; {routing}",
+        f"chunk {spec.chunk_size} tokens, {groups}; {routing}",
         f"workload {spec.workload}: {len(requests)} requests, {arrivals}",
     ]
     for name in ("input", "output"):

@@ -5,9 +5,15 @@ across the instance, a vLLM-based engine, bf16 (gpt-oss-120b's experts in MXFP4)
 arrivals, chunked prefill at 512 tokens unless said. The paper's engine (github.com/scale-snu/
 layered-prefill, a nano-vllm fork) runs layered prefill with --num-stages N_lg (16 unless said)
 and --max-num-batched-tokens 8192: a cohort takes waiting prompts up to 8,192 tokens and passes
-in G stages, G growing with the cohort's tokens (one stage per 512, in powers of two) up to
-N_lg; megainfer's layered policy does the same with group_tokens 512 and max_layer_groups N_lg
-(G = ceil(tokens / 512), not rounded up to a power of two).
+in G stages, G growing with the cohort's tokens by its get_num_stages table (1, 2 and 4 stages
+up to 512, 1,024 and 2,048 tokens, then 8 for N_lg 16 and 6 for N_lg 12 up to 4,096, N_lg
+above: `STAGE_TABLES`), every member cut as needed to fill the 8,192 (the rest of a cut prompt
+leads the next cohort). Its rows run megainfer's layered policy with the same table
+(`LayeredSettings.group_table`) and filling (`fill_cohorts`); megainfer's own default derives
+G = ceil(tokens / 512) and cuts only a cohort's first member. The table has no rows for N_lg 2
+and 8, so the sweep over N_lg (2, 4, 8, 16 at 1.4 req/s) ran with get_num_stages returning N_lg,
+the line that stands commented out at its top: those rows pass every cohort in N_lg stages
+(`PublishedRow.fixed_stages`; an inference from the code, the paper does not say).
 
 How the paper ran them is in its benchmark driver (benchmarks/benchmark_batch.py of that
 repository), and each row is simulated the same way: after a warm-up run that finishes first,
@@ -27,6 +33,11 @@ MXFP4_BYTES = 4.25 / 8  # a 4-bit value and one 8-bit scale per 32
 # The paper's driver: each measured run lasts MAX_TIME seconds of arrivals, NUM_REQUESTS at most.
 RUN_SECONDS, MAX_REQUESTS = 600.0, 6000
 OFFLINE_REQUESTS = 300  # the offline rows' batch (the paper does not say how many)
+# The paper's engine's Scheduler.get_num_stages: (most cohort tokens, stages) rows by --num-stages,
+# --num-stages itself above the last row.
+STAGE_TABLES = {4: ((512, 1), (1024, 2)),
+                12: ((512, 1), (1024, 2), (2048, 4), (4096, 6)),
+                16: ((512, 1), (1024, 2), (2048, 4), (4096, 8))}
 
 
 SERVING, OFFLINE, SINGLE_PROMPT = "serving", "offline", "single prompt"
@@ -56,6 +67,13 @@ class PublishedRow:
     # context. Its rows are priced that way.
     windowed_attention: bool = False
     max_num_seqs: int = 256  # the engine's --max-num-seqs (1,024 in the paper's 8-GPU runs)
+    fixed_stages: bool = False  # layered: every cohort passes in max_layer_groups stages (the N_lg sweep)
+
+    @property
+    def group_table(self) -> tuple[tuple[int, int], ...]:
+        """Layered: the stages a cohort takes by its tokens (LayeredSettings.group_table); empty
+        when every cohort takes max_layer_groups."""
+        return () if self.fixed_stages else STAGE_TABLES[self.max_layer_groups]
 
     @property
     def num_requests(self) -> int:
@@ -105,10 +123,14 @@ ROWS: tuple[PublishedRow, ...] = (
          chunk_size=1024),
     _row("Qwen3-30B 2xH100 arXiv 2.6 chunked 2048", Q30, 2, "arxiv", 2.6, "chunked", 2.56, 73.6, p99=(5.58, 129),
          chunk_size=2048),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N2", Q30, 2, "arxiv", 1.4, "layered", 0.480, 20.9, max_layer_groups=2),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N4", Q30, 2, "arxiv", 1.4, "layered", 0.566, 20.6, max_layer_groups=4),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N8", Q30, 2, "arxiv", 1.4, "layered", 0.768, 20.8, max_layer_groups=8),
-    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N16", Q30, 2, "arxiv", 1.4, "layered", 1.27, 19.7, max_layer_groups=16),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N2", Q30, 2, "arxiv", 1.4, "layered", 0.480, 20.9, max_layer_groups=2,
+         fixed_stages=True),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N4", Q30, 2, "arxiv", 1.4, "layered", 0.566, 20.6, max_layer_groups=4,
+         fixed_stages=True),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N8", Q30, 2, "arxiv", 1.4, "layered", 0.768, 20.8, max_layer_groups=8,
+         fixed_stages=True),
+    _row("Qwen3-30B 2xH100 arXiv 1.4 layered N16", Q30, 2, "arxiv", 1.4, "layered", 1.27, 19.7, max_layer_groups=16,
+         fixed_stages=True),
     _row("gpt-oss-20b 2xH100 arXiv 2.1 chunked", OSS20, 2, "arxiv", 2.1, "chunked", 3.00, 25.1, p99=(8.57, 30.6)),
     _row("gpt-oss-20b 2xH100 arXiv 2.1 layered N12", OSS20, 2, "arxiv", 2.1, "layered", 0.87, 18.2, p99=(2.82, 32.3),
          max_layer_groups=12),

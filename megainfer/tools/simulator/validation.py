@@ -51,10 +51,11 @@ HALVINGS = 2  # a step that raises the squared error is halved up to this many t
 # curve_fit's parameters and the terms only several models, TP degrees and policies pin down:
 # the expert GEMMs' width, a TP all-reduce's latency (TP 2 and 8), a layer's eager launches
 # (chunked steps run every layer eagerly, layered ones one group), the 4-bit experts' kernel,
-# how far the expert GEMMs' weight streaming and MMAs overlap.
+# how far the expert GEMMs' weight streaming and MMAs overlap, and decode attention's achieved
+# bandwidth reading the paged KV cache (contexts from 2,000 to 20,000 tokens across the rows).
 PARAMETERS = FITTED + (FitParameter("moe_width_half", 1.0, 16384.0), FitParameter("allreduce_latency_s", 1e-6, 1e-4),
                        FitParameter("eager_layer_s", 1e-7, 1e-3), FitParameter("moe_quantized_flops_half", 0.01, 4096.0),
-                       FitParameter("moe_overlap", 1.0, 64.0))
+                       FitParameter("moe_overlap", 1.0, 64.0), FitParameter("attention.bandwidth.peak", 0.01, 1.0))
 WIDTH_START = 512.0  # where the width term starts (tokens of expert width at half efficiency)
 EAGER_START = 30e-6  # where the eager term starts: ~8 kernel launches of a few microseconds
 OVERLAP_START = 4.0  # where the expert GEMMs' p-norm starts: within 19% of the max where both times are equal
@@ -129,6 +130,7 @@ def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | Non
     spec = SimulationSpec(model=model, step_model=step_model, workload=row.workload, rate=row.rate or 1.0,
                           num_requests=num_requests or row.num_requests, policies=(row.policy,),
                           chunk_size=row.chunk_size, max_layer_groups=row.max_layer_groups,
+                          group_table=row.group_table, fill_cohorts=True,
                           max_num_seqs=row.max_num_seqs, seed=seed)
     s = spec.run(_requests(row, spec))[row.policy]
     return Prediction(s["ttft_mean_s"], s["tbt_mean_s"], s["served_rate"], s["queue_growth"], s["offered_rate"],
