@@ -30,7 +30,8 @@ DEFAULT_CURVES = Path(__file__).with_name("efficiency_curves.yaml")
 
 
 # Fields a curves entry may leave out (0: the term is off), added since the first fits.
-OPTIONAL_FIELDS = ("moe_width_half", "eager_layer_s", "moe_quantized_flops_half", "moe_overlap")
+OPTIONAL_FIELDS = ("moe_width_half", "eager_layer_s", "moe_quantized_flops_half", "moe_quantized_bandwidth",
+                   "moe_overlap")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class EfficiencyCurves:
     # (W4A16, Marlin-style), memory-bound to more tokens per expert than the bf16 grouped GEMM.
     # Its FLOP curve's half-saturation in tokens per expert (the peak is the bf16 one's); 0: as bf16.
     moe_quantized_flops_half: float = 0.0
+    # The same kernel's weight streaming as a share of the bf16 grouped GEMM's achieved bandwidth
+    # (each 4-bit load is unpacked and scaled before its MMA, which a plain bf16 load is not);
+    # 0: as bf16.
+    moe_quantized_bandwidth: float = 0.0
     # How the expert GEMMs' weight streaming and their MMAs combine: 0 the roofline's max (they
     # overlap fully); p > 0 the p-norm of the two times, p = 1 their sum (they serialise), larger
     # p closer to the max. A grouped GEMM of 32 to 128 tokens per expert sits where both matter.

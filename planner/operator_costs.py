@@ -87,9 +87,13 @@ class OperatorCosts:
         width = m.expert_intermediate_size / tp  # one expert's GEMM width on one rank
         self._moe_width_efficiency = width / (width + curves.moe_width_half)
         self._moe_curves = curves.moe
-        if self.expert_bytes_per_param < 1 and curves.moe_quantized_flops_half:  # 4-bit experts: their own kernel
-            flops = type(curves.moe.flops)(curves.moe.flops.peak, curves.moe_quantized_flops_half)
-            self._moe_curves = type(curves.moe)(flops, curves.moe.bandwidth)
+        if self.expert_bytes_per_param < 1:  # 4-bit experts: their own kernel, where the curves price it
+            flops, bandwidth = curves.moe.flops, curves.moe.bandwidth
+            if curves.moe_quantized_flops_half:
+                flops = type(flops)(flops.peak, curves.moe_quantized_flops_half)
+            if curves.moe_quantized_bandwidth:
+                bandwidth = type(bandwidth)(min(1.0, bandwidth.peak * curves.moe_quantized_bandwidth), bandwidth.half)
+            self._moe_curves = type(curves.moe)(flops, bandwidth)
         self.token_bytes = m.hidden_size * dtype_bytes
         # Exact-point cache of table lookups: steps repeat the same few shapes.
         self._cache: dict[tuple, float | None] = {}

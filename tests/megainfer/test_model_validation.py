@@ -218,6 +218,15 @@ def test_the_expert_gemms_overlap_and_the_4_bit_kernel_are_off_until_an_entry_se
     few = np.full(oss.num_moe_layers, 128)
     assert quantized.moe(512, few) < 0.5 * plain.moe(512, few)  # 16 tokens per expert: no longer FLOP-priced
     assert bf16.moe(512, few) == pytest.approx(ColocatedStepModel(oss, H100, 8, curves=committed).ops.moe(512, few))
+    # The 4-bit kernel's weight streaming at a share of the bf16 one's: decode's few tokens per
+    # expert are bandwidth-bound, so half the bandwidth doubles their weight streaming (the rest of
+    # the layer's expert time stays); bf16 experts keep theirs.
+    assert committed.moe_quantized_bandwidth == 0
+    slow = fp4.with_values(moe_quantized_bandwidth=0.5)
+    decode = np.full(oss.num_moe_layers, 32)
+    streamed = ColocatedStepModel(oss, H100, 8, curves=slow, expert_bytes_per_param=MXFP4_BYTES).ops
+    assert 1.4 * quantized.moe(8, decode) < streamed.moe(8, decode) <= 2 * quantized.moe(8, decode)
+    assert ColocatedStepModel(oss, H100, 8, curves=slow).ops.moe(8, decode) == pytest.approx(bf16.moe(8, decode))
 
 
 def test_the_paper_engines_gpt_oss_attends_every_layer_in_full():

@@ -51,11 +51,14 @@ HALVINGS = 2  # a step that raises the squared error is halved up to this many t
 # curve_fit's parameters and the terms only several models, TP degrees and policies pin down:
 # the expert GEMMs' width, a TP all-reduce's latency (TP 2 and 8), a layer's eager launches
 # (chunked steps run every layer eagerly, layered ones one group), the 4-bit experts' kernel,
-# how far the expert GEMMs' weight streaming and MMAs overlap, and decode attention's achieved
-# bandwidth reading the paged KV cache (contexts from 2,000 to 20,000 tokens across the rows).
-PARAMETERS = FITTED + (FitParameter("moe_width_half", 1.0, 16384.0), FitParameter("allreduce_latency_s", 1e-6, 1e-4),
-                       FitParameter("eager_layer_s", 1e-7, 1e-3), FitParameter("moe_quantized_flops_half", 0.01, 4096.0),
-                       FitParameter("moe_overlap", 1.0, 64.0), FitParameter("attention.bandwidth.peak", 0.01, 1.0))
+# how far the expert GEMMs' weight streaming and MMAs overlap, decode attention's achieved
+# bandwidth reading the paged KV cache (contexts from 2,000 to 20,000 tokens across the rows), and
+# the 4-bit kernel's weight streaming against the bf16 one's (gpt-oss-120b at TP 2 and 8).
+PARAMETERS = FITTED + (
+    FitParameter("moe_width_half", 1.0, 16384.0), FitParameter("allreduce_latency_s", 1e-6, 1e-4),
+    FitParameter("eager_layer_s", 1e-7, 1e-3), FitParameter("moe_quantized_flops_half", 0.01, 4096.0),
+    FitParameter("moe_overlap", 1.0, 64.0), FitParameter("attention.bandwidth.peak", 0.01, 1.0),
+    FitParameter("moe_quantized_bandwidth", 0.05, 1.5))
 WIDTH_START = 512.0  # where the width term starts (tokens of expert width at half efficiency)
 EAGER_START = 30e-6  # where the eager term starts: ~8 kernel launches of a few microseconds
 OVERLAP_START = 4.0  # where the expert GEMMs' p-norm starts: within 19% of the max where both times are equal
@@ -65,13 +68,15 @@ def with_width(curves: EfficiencyCurves, reference_width: float = 384.0) -> Effi
     """`curves` with the width term at WIDTH_START where it has none, the expert FLOP peak raised
     so that an expert of `reference_width` (Qwen3-30B-A3B at TP 2, what the curves were fitted on)
     is priced as before, the eager term at EAGER_START where it has none (log space needs a
-    start above 0) and the 4-bit experts' kernel as the bf16 one."""
+    start above 0) and the 4-bit experts' kernel (FLOP curve and weight streaming) as the bf16 one."""
     if not curves.eager_layer_s:
         curves = curves.with_values(eager_layer_s=EAGER_START)
     if not curves.moe_quantized_flops_half:  # the 4-bit kernel starts as the bf16 one
         curves = curves.with_values(moe_quantized_flops_half=curves.moe.flops.half)
     if not curves.moe_overlap:  # the expert GEMMs start near the roofline's max
         curves = curves.with_values(moe_overlap=OVERLAP_START)
+    if not curves.moe_quantized_bandwidth:  # the 4-bit kernel streams weights as the bf16 one
+        curves = curves.with_values(moe_quantized_bandwidth=1.0)
     if curves.moe_width_half:
         return curves
     moe = curves.moe
