@@ -476,8 +476,8 @@ class LayeredSettings:
         tokens x layers, matches a chunked step with a group_tokens budget)."""
         if max_layer_groups is None or num_layer_groups is not None:
             chunk_limit = min(chunk_limit, group_tokens * (num_layer_groups or num_layers))
-        table = None if group_table is None else tuple((int(t), int(g)) for t, g in group_table)
-        return cls(num_layers, group_tokens, num_layer_groups, chunk_limit, max_layer_groups, table, fill_cohorts)
+        return cls(num_layers, group_tokens, num_layer_groups, chunk_limit, max_layer_groups, group_table,
+                   fill_cohorts)
 
     def groups(self, cohort_tokens: int) -> int:
         """G for a cohort of `cohort_tokens`: the fixed count, else the group table's or

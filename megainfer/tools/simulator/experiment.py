@@ -99,8 +99,8 @@ def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[
                f"expert popularity ~ (rank + {spec.expert_rank_offset:g})^-{spec.expert_skew:g}")
     groups = f"group tokens {spec.group_tokens}"
     if spec.max_layer_groups:
-        rows = ",".join(f"{t}:{g}" for t, g in spec.group_table or ())
-        table = "" if spec.group_table is None else f", by the table {rows}"
+        table = "" if spec.group_table is None else \
+            ", by the table " + ",".join(f"{t}:{g}" for t, g in spec.group_table)
         groups += f" (at most {spec.max_layer_groups} groups{table})"
     if spec.fill_cohorts:
         groups += ", cohorts filled"
