@@ -33,6 +33,32 @@ def test_arxiv_statistics_hold_at_small_samples_for_any_seed():
                 assert stats[side][name] == pytest.approx(value, rel=0.10), (seed, side, name)
 
 
+# The same paper's ShareGPT (the 8K-filtered trace its driver samples), tokens.
+PAPER_SHAREGPT = {"input": {"mean": 2340, "p90": 5696, "std": 2088},
+                  "output": {"mean": 438, "p90": 834, "std": 265}}
+
+
+@pytest.mark.parametrize("num_requests", [600, 30000])
+def test_sharegpt_lp_draws_the_trace_itself(num_requests):
+    requests = generate("sharegpt-lp", num_requests=num_requests, rate=1.0, max_model_len=CONTEXT, seed=1)
+    stats = describe(requests)
+    for side, figures in PAPER_SHAREGPT.items():
+        for name, value in figures.items():
+            assert stats[side][name] == pytest.approx(value, rel=0.04), (side, name)
+    # The trace's tail, not a log-normal's: no prompt above its longest, no output above 1,024.
+    assert max(r.input_len for r in requests) <= 8141 and max(r.output_len for r in requests) <= 1024
+    prompts = np.array([r.input_len for r in requests])
+    assert np.percentile(prompts, 99) < 7700  # a log-normal through the same mean and std: 10,400
+
+
+def test_quantile_lengths_interpolate_between_their_points():
+    from megainfer.bench.workload import QuantileLengths
+    lengths = QuantileLengths((10.0, 20.0, 100.0)).sample(np.random.default_rng(0), 40000)
+    assert lengths.min() >= 10.0 and lengths.max() <= 100.0
+    assert np.median(lengths) == pytest.approx(20.0, rel=0.02)
+    assert lengths.mean() == pytest.approx((15.0 + 60.0) / 2, rel=0.02)  # each half uniform on its segment
+
+
 def test_lengths_fit_their_moments_and_quantiles():
     rng = np.random.default_rng(3)
     by_moments = LogNormalLengths.from_mean_std(1000.0, 600.0).sample(rng, 200000)
