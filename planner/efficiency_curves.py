@@ -31,7 +31,7 @@ DEFAULT_CURVES = Path(__file__).with_name("efficiency_curves.yaml")
 
 # Fields a curves entry may leave out (0: the term is off), added since the first fits.
 OPTIONAL_FIELDS = ("moe_width_half", "eager_layer_s", "moe_quantized_flops_half", "moe_quantized_bandwidth",
-                   "moe_overlap")
+                   "moe_overlap", "request_latency_s")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,10 @@ class EfficiencyCurves:
     # overlap fully); p > 0 the p-norm of the two times, p = 1 their sum (they serialise), larger
     # p closer to the max. A grouped GEMM of 32 to 128 tokens per expert sits where both matter.
     moe_overlap: float = 0.0
+    # A request's way outside the engine's steps, as a client measures TTFT: the HTTP request,
+    # tokenisation, the hand-over to the engine's process and the first token's way back. Added
+    # to every TTFT (not to the time between tokens, which streams); 0: none.
+    request_latency_s: float = 0.0
 
     @classmethod
     def load(cls, gpu: str, path: str | os.PathLike | None = None) -> "EfficiencyCurves":

@@ -154,10 +154,43 @@ def test_each_prediction_is_the_mean_of_its_draws():
     assert mean.offered_rate == pytest.approx((draws[0][0].offered_rate + draws[0][1].offered_rate) / 2)
 
 
+def test_the_requests_way_outside_the_engine_adds_to_every_ttft_and_to_no_gap_between_tokens():
+    curves = EfficiencyCurves.load("H100")
+    assert curves.request_latency_s == 0.0  # off until an entry sets it
+    row = ROWS[0]
+    base = predict(row, curves, 40)
+    late = predict(row, curves.with_values(request_latency_s=0.05), 40)
+    assert late.ttft_mean_s == pytest.approx(base.ttft_mean_s + 0.05)
+    assert late.tbt_mean_s == base.tbt_mean_s and late.throughput_tok_s == base.throughput_tok_s
+
+
+def test_a_figure_that_one_draw_swings_weighs_less_in_the_fit():
+    import math
+    from megainfer.tools.simulator.validation import (MODEL_SIGMA, Prediction, draw_spread, residual_weights,
+                                                      residuals)
+    serving, single = ROWS[0], ROWS[-1]
+    steady = [Prediction(2.8, 0.032, 1.3), Prediction(2.8, 0.032, 1.3)]
+    swinging = [Prediction(1.4, 0.030, 1.3), Prediction(5.6, 0.034, 1.3)]
+    assert draw_spread(steady, serving) == {"ttft": 0.0, "tbt": 0.0}
+    spread = draw_spread(swinging, serving)
+    assert spread["ttft"] == pytest.approx(math.log(4) / math.sqrt(2))  # sample deviation of log 1.4, log 5.6
+    assert draw_spread(swinging[:1], serving) == {"ttft": 0.0, "tbt": 0.0}  # one draw: nothing to tell
+    w = residual_weights([draw_spread(steady, serving), spread, {"ttft": 0.0}], seeds=2)
+    assert list(w[:2]) == [1.0, 1.0]  # no draw noise: the model's own error alone
+    assert w[2] == pytest.approx(MODEL_SIGMA / math.sqrt(MODEL_SIGMA ** 2 + spread["ttft"] ** 2 * 1.5))
+    assert w[2] < 0.15 and 0.5 < w[3] < 1.0  # the swinging TTFT counts for little, its TBT (13% apart) more
+    assert w[5] == 1.0  # a row of one figure: its empty slot
+    r = residuals([Prediction.mean(swinging)], [serving], w[2:4])
+    assert r == pytest.approx(residuals([Prediction.mean(swinging)], [serving]) * w[2:4])
+    assert single.kind == "single prompt"
+
+
 def test_the_leave_one_out_report_runs_end_to_end_on_a_subset(tmp_path):
     rows = [r for r in ROWS if r.model == "qwen3-30b-a3b" and r.rate == 1.3] + [ROWS[-1]]
     report = validate(EfficiencyCurves.load("H100"), rows=rows, num_requests=40, workers=2, seeds=2)
     assert report.seeds == 2 and "mean of 2 simulations" in format_report(report)
+    assert set(report.rows[0].spread) == {"ttft", "tbt"} and report.rows[-1].spread == {"ttft": 0.0}
+    assert report.as_dict()["rows"][0]["draw_spread"] == report.rows[0].spread
     assert [r.row for r in report.rows] == rows
     for r in report.rows:  # every figure is a simulation's
         assert all(r.fitted.values()[m] > 0 and r.left_out.values()[m] > 0 for m in r.row.measured)

@@ -245,7 +245,7 @@ class ClusterSimulator:
         tokens = [_TOKEN if sampled else None for sampled in out.all_samples()]
         for seq in rep.scheduler.update_from_output(out, tokens):
             if seq.num_output_tokens == 1:
-                measured.ttft_s.append(seq.first_token_time - seq.arrival_time)
+                measured.ttft_s.append(seq.first_token_time - seq.arrival_time + rep.sim.request_latency_s)
                 if seq.request_id in measured.predictions:
                     measured.predicted_ttft_s.append(measured.predictions.pop(seq.request_id))
                     measured.actual_ttft_s.append(measured.ttft_s[-1])
@@ -274,7 +274,8 @@ class ClusterSimulator:
         rep.scheduler.add(seq)
         self.unfinished += 1
         if isinstance(self.router, PredictiveRouter):
-            self.measured.predictions[request_id] = self.router.last.ttft_s
+            # The router forecasts the engine's part; the client sees the request's way too.
+            self.measured.predictions[request_id] = self.router.last.ttft_s + rep.sim.request_latency_s
             if self.autoscaler is not None:
                 self._scale_up()
         if rep.step is None:

@@ -129,6 +129,8 @@ class Simulator:
         self.activation = ExpertActivation(model.num_experts, model.top_k, skew=expert_skew,
                                            rank_offset=expert_rank_offset, seed=seed)
         self.now = 0.0
+        # What a client adds to the engine's TTFT (EfficiencyCurves.request_latency_s).
+        self.request_latency_s = step_model.curves.request_latency_s
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         started = time.perf_counter()
@@ -190,7 +192,7 @@ class Simulator:
         for seq in sched.update_from_output(out, [_TOKEN if sampled else None for sampled in layout.samples]):
             if seq.is_finished:
                 totals.finished_at_s.append(self.now)
-                totals.ttft_s.append(seq.first_token_time - seq.arrival_time)
+                totals.ttft_s.append(seq.first_token_time - seq.arrival_time + self.request_latency_s)
                 gaps = seq.tbt_s
                 totals.tbt_s.extend(gaps)
                 totals.max_tbt_s.append(max(gaps, default=0.0))

@@ -15,7 +15,10 @@ Each row runs as long as the paper's run (`PublishedRow.num_requests`: ten minut
 Near capacity its mean TTFT still swings by tens of percent with the random draw of arrivals and
 lengths (Qwen3-30B-A3B chunked at 1.3 req/s, 780 requests: +19% and +93% for two seeds), so every
 prediction is the mean of `seeds` simulations with different draws (the sensitivities, which
-difference runs on the same draw, use the first seed alone).
+difference runs on the same draw, use the first seed alone). The paper's run is itself one draw:
+the report prints each figure's draw spread beside it, and the fit weighs each residual by the
+deviation it is expected to have (residual_weights: the model's own ~10% and the draw noise), so
+a near-capacity TTFT that one draw moves by half does not bend the curves every other row uses.
 
     megainfer simulate --validate [--json PATH] [--requests N] [--seeds 2]
 """
@@ -48,27 +51,36 @@ SEEDS = 2  # draws of arrivals and lengths each prediction averages
 RIDGE = 0.02  # pulls each log-parameter toward the committed curves (identifies what the rows do not)
 STEP = 0.15  # finite-difference step in each log-parameter
 HALVINGS = 2  # a step that raises the squared error is halved up to this many times
+# The error a row's figure carries beside its draw noise: the model's own, about the spread of the
+# steady rows' TBT. A residual's weight is MODEL_SIGMA over its whole expected deviation
+# (residual_weights), so a figure that swings by a factor with the draw of arrivals pulls the fit
+# no harder than its one realisation deserves.
+MODEL_SIGMA = 0.10
 # curve_fit's parameters and the terms only several models, TP degrees and policies pin down:
 # the expert GEMMs' width, a TP all-reduce's latency (TP 2 and 8), a layer's eager launches
 # (chunked steps run every layer eagerly, layered ones one group), the 4-bit experts' kernel,
 # how far the expert GEMMs' weight streaming and MMAs overlap, decode attention's achieved
 # bandwidth reading the paged KV cache (contexts from 2,000 to 20,000 tokens across the rows), and
-# the 4-bit kernel's weight streaming against the bf16 one's (gpt-oss-120b at TP 2 and 8).
+# the 4-bit kernel's weight streaming against the bf16 one's (gpt-oss-120b at TP 2 and 8), and the
+# request's way outside the engine that every client-measured TTFT carries (short prompts at low
+# load show it: gpt-oss-120b on ShareGPT at 0.2 s).
 PARAMETERS = FITTED + (
     FitParameter("moe_width_half", 1.0, 16384.0), FitParameter("allreduce_latency_s", 1e-6, 1e-4),
     FitParameter("eager_layer_s", 1e-7, 1e-3), FitParameter("moe_quantized_flops_half", 0.01, 4096.0),
     FitParameter("moe_overlap", 1.0, 64.0), FitParameter("attention.bandwidth.peak", 0.01, 1.0),
-    FitParameter("moe_quantized_bandwidth", 0.05, 1.5))
+    FitParameter("moe_quantized_bandwidth", 0.05, 1.5), FitParameter("request_latency_s", 1e-4, 0.5))
 WIDTH_START = 512.0  # where the width term starts (tokens of expert width at half efficiency)
 EAGER_START = 30e-6  # where the eager term starts: ~8 kernel launches of a few microseconds
 OVERLAP_START = 4.0  # where the expert GEMMs' p-norm starts: within 19% of the max where both times are equal
+REQUEST_LATENCY_START = 0.01  # where the request's way starts: an HTTP round trip and a tokenisation
 
 
 def with_width(curves: EfficiencyCurves, reference_width: float = 384.0) -> EfficiencyCurves:
     """`curves` with the width term at WIDTH_START where it has none, the expert FLOP peak raised
     so that an expert of `reference_width` (Qwen3-30B-A3B at TP 2, what the curves were fitted on)
     is priced as before, the eager term at EAGER_START where it has none (log space needs a
-    start above 0) and the 4-bit experts' kernel (FLOP curve and weight streaming) as the bf16 one."""
+    start above 0), the 4-bit experts' kernel (FLOP curve and weight streaming) as the bf16 one and
+    the request's way at REQUEST_LATENCY_START."""
     if not curves.eager_layer_s:
         curves = curves.with_values(eager_layer_s=EAGER_START)
     if not curves.moe_quantized_flops_half:  # the 4-bit kernel starts as the bf16 one
@@ -77,6 +89,8 @@ def with_width(curves: EfficiencyCurves, reference_width: float = 384.0) -> Effi
         curves = curves.with_values(moe_overlap=OVERLAP_START)
     if not curves.moe_quantized_bandwidth:  # the 4-bit kernel streams weights as the bf16 one
         curves = curves.with_values(moe_quantized_bandwidth=1.0)
+    if not curves.request_latency_s:
+        curves = curves.with_values(request_latency_s=REQUEST_LATENCY_START)
     if curves.moe_width_half:
         return curves
     moe = curves.moe
@@ -142,13 +156,32 @@ def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | Non
                       s["output_throughput"])
 
 
-def residuals(predictions: list[Prediction], rows=ROWS) -> np.ndarray:
+def residuals(predictions: list[Prediction], rows=ROWS, weights: np.ndarray | None = None) -> np.ndarray:
     """Log errors, two slots per row (TTFT then TBT; a row that measured one figure, its log
-    error and 0): what the fit minimises."""
+    error and 0), each times its weight (residual_weights; none: 1): what the fit minimises."""
     out = []
     for p, r in zip(predictions, rows):
         logs = [math.log1p(e) for e in p.errors(r).values()]
         out += (logs + [0.0])[:2]
+    return np.array(out) * (1.0 if weights is None else weights)
+
+
+def draw_spread(draws: list[Prediction], row: PublishedRow) -> dict[str, float]:
+    """How far one draw of arrivals and lengths strays, by measured metric: the standard
+    deviation of the log of the figure across `draws` (0 with one draw). The paper's run is one
+    such draw, so a figure is only as reproducible as this."""
+    return {name: float(np.std([math.log(p.values()[name]) for p in draws], ddof=1)) if len(draws) > 1 else 0.0
+            for name in row.measured}
+
+
+def residual_weights(spreads: list[dict[str, float]], seeds: int) -> np.ndarray:
+    """Each residual's weight, in the slots of `residuals`: MODEL_SIGMA over the deviation the
+    figure is expected to have, the model's own and the draw noise of both the measured run (one
+    draw) and the prediction (the mean of `seeds`) added in quadrature."""
+    out = []
+    for spread in spreads:
+        w = [MODEL_SIGMA / math.sqrt(MODEL_SIGMA ** 2 + s * s * (1 + 1 / seeds)) for s in spread.values()]
+        out += (w + [1.0])[:2]
     return np.array(out)
 
 
@@ -157,6 +190,7 @@ class RowResult:
     row: PublishedRow
     fitted: Prediction
     left_out: Prediction
+    spread: dict[str, float] = field(default_factory=dict)  # draw_spread at the fitted curves
 
     def as_dict(self) -> dict:
         def side(p: Prediction) -> dict:
@@ -164,7 +198,7 @@ class RowResult:
                     "served_rate": p.served_rate, "offered_rate": p.offered_rate, "queue_growth": p.queue_growth}
 
         return {"label": self.row.label, "kind": self.row.kind, "rate": self.row.rate, "measured": self.row.measured,
-                "fitted": side(self.fitted), "left_out": side(self.left_out)}
+                "fitted": side(self.fitted), "left_out": side(self.left_out), "draw_spread": self.spread}
 
 
 @dataclass
@@ -270,26 +304,30 @@ def _solve(jacobian: np.ndarray, r: np.ndarray, keep: np.ndarray, offset: np.nda
 
 
 def _sensitivities(sims: _Simulations, curves: EfficiencyCurves, x: np.ndarray, first_draw: list[Prediction],
-                   say) -> np.ndarray:
-    """d residuals / d log-parameter, each from the first draw moved against the same draw at `x`."""
+                   weights: np.ndarray, say) -> np.ndarray:
+    """d weighted residuals / d log-parameter, each from the first draw moved against the same
+    draw at `x`."""
     say(f"  sensitivities to {len(PARAMETERS)} parameters: {len(PARAMETERS) * len(sims.rows)} simulations")
     moved = []
     for k in range(len(PARAMETERS)):
         xk = x.copy()
         xk[k] += STEP
         moved.append(from_vector(curves, xk, PARAMETERS))
-    r = residuals(first_draw, sims.rows)
-    columns = [(residuals([d[0] for d in p], sims.rows) - r) / STEP for p in sims.each_row(*moved, seeds=1)]
+    r = residuals(first_draw, sims.rows, weights)
+    columns = [(residuals([d[0] for d in p], sims.rows, weights) - r) / STEP
+               for p in sims.each_row(*moved, seeds=1)]
     return np.stack(columns, axis=1)
 
 
 class _Point:
-    """The rows simulated at one set of curves: every draw, their means and the residuals."""
+    """The rows simulated at one set of curves: every draw, their means and spreads, and the
+    weighted residuals."""
 
-    def __init__(self, draws: list[list[Prediction]], rows) -> None:
+    def __init__(self, draws: list[list[Prediction]], rows, weights: np.ndarray | None = None) -> None:
         self.first_draw = [d[0] for d in draws]
         self.predictions = [Prediction.mean(d) for d in draws]
-        self.r = residuals(self.predictions, rows)
+        self.spreads = [draw_spread(d, row) for d, row in zip(draws, rows)]
+        self.r = residuals(self.predictions, rows, weights)
 
 
 def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = None, progress=None,
@@ -307,16 +345,20 @@ def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = Non
         x = x0.copy()
         everything = np.ones(2 * len(rows), dtype=bool)
         say(f"simulating {len(rows)} rows with the committed curves, {seeds} draws each ...")
-        point = _Point(sims.each_row(curves)[0], rows)
+        start = sims.each_row(curves)[0]
+        # Weights from the draws at the committed curves, fixed for the whole fit so that every
+        # point's error is measured alike.
+        weights = residual_weights(_Point(start, rows).spreads, seeds)
+        point = _Point(start, rows, weights)
         last_x, last_point, last_j = x, point, None
         for it in range(iterations):
             say(f"step {it + 1}/{iterations} (squared log error {float(point.r @ point.r):.3f})")
-            jacobian = _sensitivities(sims, curves, x, point.first_draw, say)
+            jacobian = _sensitivities(sims, curves, x, point.first_draw, weights, say)
             last_x, last_point, last_j = x, point, jacobian
             step = _solve(jacobian, point.r, everything, x - x0)
             before = float(last_point.r @ last_point.r)
             for _ in range(HALVINGS + 1):  # the simulated responses are far from linear near capacity
-                point = _Point(sims.each_row(from_vector(curves, last_x + step, PARAMETERS))[0], rows)
+                point = _Point(sims.each_row(from_vector(curves, last_x + step, PARAMETERS))[0], rows, weights)
                 if float(point.r @ point.r) <= before:
                     x = last_x + step
                     break
@@ -336,7 +378,7 @@ def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = Non
         left_out = [Prediction.mean(d) for d in sims.run(list(zip(rows, refits)))]
     finally:
         sims.close()
-    results = [RowResult(row, f, o) for row, f, o in zip(rows, point.predictions, left_out)]
+    results = [RowResult(row, f, o, spread) for row, f, o, spread in zip(rows, point.predictions, left_out, point.spreads)]
     return Validation(results, curves, from_vector(curves, x, PARAMETERS), time.perf_counter() - started,
                       seeds=seeds)
 
@@ -345,7 +387,8 @@ UNITS = {"ttft": ("TTFT s", 1.0, "8.3f"), "tbt": ("TBT ms", 1e3, "8.1f"), "throu
 
 
 def format_report(v: Validation) -> str:
-    head = f"{'row':48s} {'metric':>7s} {'measured':>8s} {'fitted':>8s} {'err':>6s} {'left out':>8s} {'err':>6s}"
+    head = (f"{'row':48s} {'metric':>7s} {'measured':>8s} {'fitted':>8s} {'err':>6s} {'left out':>8s} {'err':>6s} "
+            f"{'draws':>6s}")
     lines = [head, "-" * len(head)]
     for r in v.rows:
         fe, le = r.fitted.errors(r.row), r.left_out.errors(r.row)
@@ -353,7 +396,8 @@ def format_report(v: Validation) -> str:
             unit, scale, fmt = UNITS[name]
             lines.append(f"{r.row.label if i == 0 else '':48s} {unit:>7s} {measured * scale:{fmt}} "
                          f"{r.fitted.values()[name] * scale:{fmt}} {fe[name]:+6.0%} "
-                         f"{r.left_out.values()[name] * scale:{fmt}} {le[name]:+6.0%}")
+                         f"{r.left_out.values()[name] * scale:{fmt}} {le[name]:+6.0%} "
+                         f"{math.expm1(r.spread.get(name, 0.0)):>6.0%}")
     fit, out = v.mean_abs("fitted"), v.mean_abs("left_out")
 
     def by_metric(errors: dict[str, float]) -> str:
@@ -361,7 +405,8 @@ def format_report(v: Validation) -> str:
             f", all {errors['all']:.0%}"
 
     lines.append("")
-    lines.append(f"each prediction the mean of {v.seeds} simulations (draws of arrivals and lengths)")
+    lines.append(f"each prediction the mean of {v.seeds} simulations (draws of arrivals and lengths); draws: how "
+                 "far one draw strays (its log's deviation across them), as the paper's one run may")
     lines.append(f"mean absolute error, fitted:   {by_metric(fit)}")
     lines.append(f"mean absolute error, left out: {by_metric(out)} (bar: each row within {BAR_LEFT_OUT:.0%}, "
                  f"mean within {BAR_MEAN:.0%})")
