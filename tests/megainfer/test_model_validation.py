@@ -5,6 +5,7 @@ saturation measures, and the leave-one-out report end to end on a small subset."
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -165,7 +166,6 @@ def test_the_requests_way_outside_the_engine_adds_to_every_ttft_and_to_no_gap_be
 
 
 def test_a_figure_that_one_draw_swings_weighs_less_in_the_fit():
-    import math
     from megainfer.tools.simulator.validation import (MODEL_SIGMA, Prediction, draw_spread, residual_weights,
                                                       residuals)
     serving, single = ROWS[0], ROWS[-1]
@@ -191,6 +191,11 @@ def test_the_leave_one_out_report_runs_end_to_end_on_a_subset(tmp_path):
     assert report.seeds == 2 and "mean of 2 simulations" in format_report(report)
     assert set(report.rows[0].spread) == {"ttft", "tbt"} and report.rows[-1].spread == {"ttft": 0.0}
     assert report.as_dict()["rows"][0]["draw_spread"] == report.rows[0].spread
+    spreads = {(r.row.label, name): s for r in report.rows for name, s in r.spread.items()}
+    assert report.swung_by_the_draw(bar=0.0) == [key for key, s in spreads.items() if s > 0]
+    assert report.swung_by_the_draw(bar=math.inf) == []
+    assert "figures one draw moves by more than 35%" in format_report(report)
+    assert "swung_by_the_draw" in report.as_dict()
     assert [r.row for r in report.rows] == rows
     for r in report.rows:  # every figure is a simulation's
         assert all(r.fitted.values()[m] > 0 and r.left_out.values()[m] > 0 for m in r.row.measured)

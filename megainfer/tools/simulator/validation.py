@@ -246,6 +246,12 @@ class Validation:
         """Serving rows whose simulated served rate falls short of the offered one (the real one kept up)."""
         return [r.row.label for r in self.rows if getattr(r, which).saturated(r.row)]
 
+    def swung_by_the_draw(self, bar: float = BAR_LEFT_OUT) -> list[tuple[str, str]]:
+        """(row, metric) of every figure that one draw of arrivals and lengths moves by more than
+        `bar` (its draw spread, as a ratio): the paper's one run of it could miss any model by
+        that much."""
+        return [(r.row.label, name) for r in self.rows for name, s in r.spread.items() if math.expm1(s) > bar]
+
     def error_band(self) -> dict[str, float]:
         """What plan and simulate print beside a prediction: the mean absolute left-out error."""
         return self.mean_abs("left_out")
@@ -257,6 +263,7 @@ class Validation:
                                for w, bar in (("fitted", BAR_FITTED), ("left_out", BAR_LEFT_OUT))},
                 "directions": {w: [{"pair": p, "ok": ok} for p, ok in self.directions(w)] for w in ("fitted", "left_out")},
                 "saturated": {w: self.saturated(w) for w in ("fitted", "left_out")},
+                "swung_by_the_draw": [{"row": label, "metric": name} for label, name in self.swung_by_the_draw()],
                 "bars": {"left_out_row": BAR_LEFT_OUT, "left_out_mean": BAR_MEAN, "fitted_row": BAR_FITTED},
                 "fitted_curves": {p.name: p.get(self.fitted_curves) for p in PARAMETERS},
                 "seeds": self.seeds, "wall_s": self.wall_s, "notes": self.notes}
@@ -421,6 +428,10 @@ def format_report(v: Validation) -> str:
         saturated = v.saturated(which)
         lines.append(f"saturated where the real system kept up, {which.replace('_', ' ')}: "
                      + (", ".join(saturated) if saturated else "none"))
+    swung = v.swung_by_the_draw()
+    lines.append(f"figures one draw moves by more than {BAR_LEFT_OUT:.0%} (the paper's one run may miss any model "
+                 f"by that much): " + ("; ".join(f"{label} {UNITS[name][0].split()[0]}" for label, name in swung)
+                                       if swung else "none"))
     lines.append("fitted curves: " + ", ".join(f"{p.name} {p.get(v.fitted_curves):.4g}" for p in PARAMETERS))
     lines.append(f"validated in {v.wall_s:.0f} s")
     return "\n".join(lines)
