@@ -141,6 +141,7 @@ class _OperatorTally:
 
     def __init__(self, step_model: ColocatedStepModel) -> None:
         self.step_model = step_model
+        self.curves = step_model.curves  # what the simulator reads beside the steps (request_latency_s)
         self.seconds: Counter = Counter()
 
     def kv_capacity_tokens(self) -> int:
