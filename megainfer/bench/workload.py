@@ -39,6 +39,13 @@ from megainfer.errors import ConfigError
 _Z90 = 1.2815515655446004  # standard normal 90th percentile
 
 
+def _strata(rng: np.random.Generator, n: int) -> np.ndarray:
+    """`n` probabilities in random order, one from each of n equal-probability strata (Latin
+    hypercube), so a few hundred requests already follow the trace's mean, p90 and std:
+    independent draws of 300 arXiv prompts miss the std by 10% or more at many seeds."""
+    return (rng.permutation(n) + rng.random(n)) / n
+
+
 @dataclass(frozen=True)
 class LogNormalLengths:
     """Token lengths whose natural logarithm is normal with mean `mu` and deviation `sigma`."""
@@ -55,10 +62,8 @@ class LogNormalLengths:
         return cls(math.log(mean) - variance / 2, math.sqrt(variance))
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """`n` lengths in random order, one from each of n equal-probability strata (Latin
-        hypercube), so a few hundred requests already follow the trace's mean, p90 and std:
-        independent draws of 300 arXiv prompts miss the std by 10% or more at many seeds."""
-        quantiles = (rng.permutation(n) + rng.random(n)) / n
+        """`n` lengths in random order, one from each of n equal-probability strata (_strata)."""
+        quantiles = _strata(rng, n)
         normal = NormalDist()
         return np.exp(self.mu + self.sigma * np.array([normal.inv_cdf(q) for q in quantiles]))
 
@@ -70,18 +75,17 @@ class QuantileLengths:
     quantiles: tuple[float, ...]
 
     @classmethod
-    def from_trace_file(cls, path: Path, key: str) -> QuantileLengths:
-        return cls(tuple(json.loads(path.read_text(encoding="utf-8"))[key]["quantiles"]))
+    def from_trace_file(cls, path: Path) -> tuple[QuantileLengths, QuantileLengths]:
+        """(prompt, output) lengths of a trace file (traces/*.json), read once."""
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return cls(tuple(data["prompt"]["quantiles"])), cls(tuple(data["output"]["quantiles"]))
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """`n` lengths in random order, one from each of n equal-probability strata (as
-        LogNormalLengths.sample)."""
-        quantiles = (rng.permutation(n) + rng.random(n)) / n
-        return np.interp(quantiles, np.linspace(0.0, 1.0, len(self.quantiles)), self.quantiles)
+        """`n` lengths in random order, one from each of n equal-probability strata (_strata)."""
+        return np.interp(_strata(rng, n), np.linspace(0.0, 1.0, len(self.quantiles)), self.quantiles)
 
 
-TRACES = Path(__file__).with_name("traces")
-_SHAREGPT_LP = TRACES / "sharegpt_lp_lengths.json"
+_SHAREGPT_LP = QuantileLengths.from_trace_file(Path(__file__).with_name("traces") / "sharegpt_lp_lengths.json")
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,7 @@ WORKLOADS = {
                              "openchat ShareGPT4, 8K-filtered: median and p90 (Sarathi-Serve Table 2)"),
     "arxiv": WorkloadSpec("arxiv", LogNormalLengths.from_mean_std(9194, 5754), LogNormalLengths.from_mean_std(231, 104),
                           None, "arXiv summarization: mean and std (layered-prefill paper, arXiv 2510.08055)"),
-    "sharegpt-lp": WorkloadSpec("sharegpt-lp", QuantileLengths.from_trace_file(_SHAREGPT_LP, "prompt"),
-                                QuantileLengths.from_trace_file(_SHAREGPT_LP, "output"), None,
+    "sharegpt-lp": WorkloadSpec("sharegpt-lp", *_SHAREGPT_LP, None,
                                 "ShareGPT as the layered-prefill paper's driver samples it: the trace's quantiles "
                                 "(arXiv 2510.08055)"),
 }
