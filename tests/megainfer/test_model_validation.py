@@ -152,7 +152,11 @@ def test_each_prediction_is_the_mean_of_its_draws():
     assert draws[0][0].ttft_mean_s != draws[0][1].ttft_mean_s  # different arrivals and lengths
     mean = Prediction.mean(draws[0])
     assert mean.ttft_mean_s == pytest.approx((draws[0][0].ttft_mean_s + draws[0][1].ttft_mean_s) / 2)
-    assert mean.offered_rate == pytest.approx((draws[0][0].offered_rate + draws[0][1].offered_rate) / 2)
+    # A prediction's draws offer exactly the row's rate; free draws, as the paper's run, stray from it.
+    assert all(d.offered_rate == pytest.approx(serving.rate, rel=1e-9) for d in draws[0])
+    free = sims.run([(serving, curves)], exact_rate=False)[0]
+    assert free == [predict(serving, curves, 40, seed, exact_rate=False) for seed in (0, 1)]
+    assert all(abs(d.offered_rate / serving.rate - 1) > 1e-3 for d in free)
 
 
 def test_the_requests_way_outside_the_engine_adds_to_every_ttft_and_to_no_gap_between_tokens():
@@ -175,9 +179,15 @@ def test_a_figure_that_one_draw_swings_weighs_less_in_the_fit():
     spread = draw_spread(swinging, serving)
     assert spread["ttft"] == pytest.approx(math.log(4) / math.sqrt(2))  # sample deviation of log 1.4, log 5.6
     assert draw_spread(swinging[:1], serving) == {"ttft": 0.0, "tbt": 0.0}  # one draw: nothing to tell
-    w = residual_weights([draw_spread(steady, serving), spread, {"ttft": 0.0}], seeds=2)
+    runs = [draw_spread(steady, serving), spread, {"ttft": 0.0}]
+    w = residual_weights(runs, runs, seeds=2)
     assert list(w[:2]) == [1.0, 1.0]  # no draw noise: the model's own error alone
     assert w[2] == pytest.approx(MODEL_SIGMA / math.sqrt(MODEL_SIGMA ** 2 + spread["ttft"] ** 2 * 1.5))
+    # The paper's one free draw counts whole, the prediction's mean of draws at the exact rate by 1/seeds.
+    tight = {"ttft": spread["ttft"] / 4, "tbt": spread["tbt"] / 4}
+    w_tight = residual_weights(runs, [runs[0], tight, runs[2]], seeds=2)
+    assert w_tight[2] == pytest.approx(MODEL_SIGMA / math.sqrt(MODEL_SIGMA ** 2 + spread["ttft"] ** 2 * (1 + 1 / 32)))
+    assert w[2] < w_tight[2]
     assert w[2] < 0.15 and 0.5 < w[3] < 1.0  # the swinging TTFT counts for little, its TBT (13% apart) more
     assert w[5] == 1.0  # a row of one figure: its empty slot
     r = residuals([Prediction.mean(swinging)], [serving], w[2:4])

@@ -76,3 +76,16 @@ def test_generation_is_deterministic_per_seed_and_respects_the_context():
     assert max(r.input_len + r.output_len for r in a) <= 16384
     assert min(r.input_len for r in a) >= 1 and min(r.output_len for r in a) >= 1
     assert describe(a)["input"]["mean"] < 0.97 * PAPER_ARXIV["input"]["mean"]  # a 16K context clips the tail
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "bursty"])
+def test_exact_rate_scales_a_draw_to_offer_the_rate_and_keeps_its_pattern_and_lengths(arrival):
+    free = generate("arxiv", num_requests=1560, rate=2.6, max_model_len=40960, arrival=arrival, cv=2.0, seed=0)
+    exact = generate("arxiv", num_requests=1560, rate=2.6, max_model_len=40960, arrival=arrival, cv=2.0, seed=0,
+                     exact_rate=True)
+    t_free, t_exact = (np.array([r.arrival_s for r in reqs]) for reqs in (free, exact))
+    free_rate = (len(t_free) - 1) / t_free[-1]
+    assert abs(free_rate / 2.6 - 1) > 0.01  # this draw strays from the rate (seed 0: 6.7% fast under Poisson)
+    assert (len(t_exact) - 1) / t_exact[-1] == pytest.approx(2.6, rel=1e-12)
+    assert t_exact[0] == 0.0 and np.allclose(t_exact / t_exact[-1], t_free / t_free[-1])  # the same pattern
+    assert [(r.input_len, r.output_len) for r in exact] == [(r.input_len, r.output_len) for r in free]

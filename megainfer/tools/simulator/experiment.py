@@ -25,6 +25,7 @@ class SimulationSpec:
     policies: tuple[str, ...] = ("chunked", "layered")
     arrival: str = "poisson"
     cv: float = 1.0
+    exact_rate: bool = False  # arrivals scaled to offer exactly the rate (workload.arrival_times)
     chunk_size: int = 512
     group_tokens: int = 512
     num_layer_groups: int | None = None
@@ -54,7 +55,8 @@ class SimulationSpec:
                 raise ConfigError("--sweep-rates needs a built-in workload; a trace file fixes its own arrivals")
             return load_trace(self.workload, max_model_len=max_len, num_requests=self.num_requests)
         return generate(self.workload, num_requests=self.num_requests, rate=self.rate if rate is None else rate,
-                        max_model_len=max_len, arrival=self.arrival, cv=self.cv, seed=self.seed)
+                        max_model_len=max_len, arrival=self.arrival, cv=self.cv, seed=self.seed,
+                        exact_rate=self.exact_rate)
 
     def run(self, requests: list[SimRequest]) -> dict[str, dict]:
         """policy -> summary of one simulation of `requests` under it."""
@@ -93,7 +95,8 @@ def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[
     stats = describe(requests)
     rate = f"{spec.rate:g} req/s" if rates is None else f"{rates[0]:g} to {rates[-1]:g} req/s"
     arrivals = "trace arrivals" if spec.from_trace else (
-        f"Poisson {rate}" if spec.arrival == "poisson" else f"bursty {rate}, CV {spec.cv:g}")
+        f"Poisson {rate}" if spec.arrival == "poisson" else f"bursty {rate}, CV {spec.cv:g}") + \
+        (", scaled to offer the rate exactly" if spec.exact_rate and not spec.from_trace else "")
     step_model = spec.step_model
     routing = ("uniform routing" if spec.expert_skew == 0 else
                f"expert popularity ~ (rank + {spec.expert_rank_offset:g})^-{spec.expert_skew:g}")

@@ -15,10 +15,14 @@ Each row runs as long as the paper's run (`PublishedRow.num_requests`: ten minut
 Near capacity its mean TTFT still swings by tens of percent with the random draw of arrivals and
 lengths (Qwen3-30B-A3B chunked at 1.3 req/s, 780 requests: +19% and +93% for two seeds), so every
 prediction is the mean of `seeds` simulations with different draws (the sensitivities, which
-difference runs on the same draw, use the first seed alone). The paper's run is itself one draw:
-the report prints each figure's draw spread beside it, and the fit weighs each residual by the
-deviation it is expected to have (residual_weights: the model's own ~10% and the draw noise), so
-a near-capacity TTFT that one draw moves by half does not bend the curves every other row uses.
+difference runs on the same draw, use the first seed alone). A prediction's draws offer exactly
+the row's rate (workload.arrival_times, exact_rate): a free draw's arrivals stray from it by a few
+percent, which near capacity moves the wait by a factor and, TTFT being convex in the load, biases
+the mean of draws upward (seeds 0 and 2 of 1,560 arrivals at 2.6 req/s run 6-7% fast). The
+paper's run is itself one free draw: the report prints beside each figure how far such a draw
+strays, and the fit weighs each residual by the deviation it is expected to have
+(residual_weights: the model's own ~10%, the paper's draw and the prediction's), so a
+near-capacity TTFT that one draw moves by half does not bend the curves every other row uses.
 
     megainfer simulate --validate [--json PATH] [--requests N] [--seeds 2]
 """
@@ -137,9 +141,11 @@ def _requests(row: PublishedRow, spec: SimulationSpec) -> list[SimRequest]:
     return requests
 
 
-def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | None = None, seed: int = 0) -> Prediction:
-    """`row` as `megainfer simulate` runs it with `curves`, as long as the paper's run
-    (`row.num_requests`) unless `num_requests` says otherwise."""
+def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | None = None, seed: int = 0,
+            exact_rate: bool = True) -> Prediction:
+    """`row` as `megainfer simulate --exact-rate` runs it with `curves`, as long as the paper's
+    run (`row.num_requests`) unless `num_requests` says otherwise. `exact_rate` False: the draw's
+    arrivals as drawn, their rate off the row's by the draw's own error, as the paper's run was."""
     model = PRESETS[row.model]
     if not row.windowed_attention and model.window_layers:
         model = dataclasses.replace(model, window_layers=())
@@ -150,7 +156,7 @@ def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | Non
                           num_requests=num_requests or row.num_requests, policies=(row.policy,),
                           chunk_size=row.chunk_size, max_layer_groups=row.max_layer_groups,
                           group_table=row.group_table, fill_cohorts=True,
-                          max_num_seqs=row.max_num_seqs, seed=seed)
+                          max_num_seqs=row.max_num_seqs, seed=seed, exact_rate=exact_rate)
     s = spec.run(_requests(row, spec))[row.policy]
     return Prediction(s["ttft_mean_s"], s["tbt_mean_s"], s["served_rate"], s["queue_growth"], s["offered_rate"],
                       s["output_throughput"])
@@ -174,13 +180,16 @@ def draw_spread(draws: list[Prediction], row: PublishedRow) -> dict[str, float]:
             for name in row.measured}
 
 
-def residual_weights(spreads: list[dict[str, float]], seeds: int) -> np.ndarray:
+def residual_weights(run_spreads: list[dict[str, float]], prediction_spreads: list[dict[str, float]],
+                     seeds: int) -> np.ndarray:
     """Each residual's weight, in the slots of `residuals`: MODEL_SIGMA over the deviation the
-    figure is expected to have, the model's own and the draw noise of both the measured run (one
-    draw) and the prediction (the mean of `seeds`) added in quadrature."""
+    figure is expected to have, in quadrature the model's own, the measured run's draw noise (one
+    free draw: `run_spreads`) and the prediction's (the mean of `seeds` draws at the exact rate:
+    `prediction_spreads`)."""
     out = []
-    for spread in spreads:
-        w = [MODEL_SIGMA / math.sqrt(MODEL_SIGMA ** 2 + s * s * (1 + 1 / seeds)) for s in spread.values()]
+    for run, prediction in zip(run_spreads, prediction_spreads):
+        w = [MODEL_SIGMA / math.sqrt(MODEL_SIGMA ** 2 + run[name] ** 2 + prediction[name] ** 2 / seeds)
+             for name in run]
         out += (w + [1.0])[:2]
     return np.array(out)
 
@@ -190,7 +199,7 @@ class RowResult:
     row: PublishedRow
     fitted: Prediction
     left_out: Prediction
-    spread: dict[str, float] = field(default_factory=dict)  # draw_spread at the fitted curves
+    spread: dict[str, float] = field(default_factory=dict)  # draw_spread of free draws at the fitted curves
 
     def as_dict(self) -> dict:
         def side(p: Prediction) -> dict:
@@ -284,16 +293,20 @@ class _Simulations:
     def _draws(self, row: PublishedRow, seeds: int) -> range:
         return range(1 if row.kind == SINGLE_PROMPT else seeds)  # one prompt alone: no arrivals to draw
 
-    def run(self, jobs: list[tuple[PublishedRow, EfficiencyCurves]], seeds: int | None = None) -> list[list[Prediction]]:
-        """Each job's simulations, one per draw (`seeds`, default the validation's)."""
+    def run(self, jobs: list[tuple[PublishedRow, EfficiencyCurves]], seeds: int | None = None,
+            exact_rate: bool = True) -> list[list[Prediction]]:
+        """Each job's simulations, one per draw (`seeds`, default the validation's); `exact_rate`
+        False: free draws, as the paper's runs were (draw_spread)."""
         seeds = self.seeds if seeds is None else seeds
-        flat = [(row, curves, self.num_requests, seed) for row, curves in jobs for seed in self._draws(row, seeds)]
+        flat = [(row, curves, self.num_requests, seed, exact_rate)
+                for row, curves in jobs for seed in self._draws(row, seeds)]
         done = iter([_predict_job(job) for job in flat] if self.pool is None else self.pool.map(_predict_job, flat))
         return [[next(done) for _ in self._draws(row, seeds)] for row, _ in jobs]
 
-    def each_row(self, *curves_sets: EfficiencyCurves, seeds: int | None = None) -> list[list[list[Prediction]]]:
+    def each_row(self, *curves_sets: EfficiencyCurves, seeds: int | None = None,
+                 exact_rate: bool = True) -> list[list[list[Prediction]]]:
         """Every row under each set of curves, all at once: per set, per row, the draws."""
-        flat = self.run([(row, curves) for curves in curves_sets for row in self.rows], seeds)
+        flat = self.run([(row, curves) for curves in curves_sets for row in self.rows], seeds, exact_rate)
         n = len(self.rows)
         return [flat[i * n:(i + 1) * n] for i in range(len(curves_sets))]
 
@@ -351,11 +364,13 @@ def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = Non
         x0 = to_vector(curves, PARAMETERS)
         x = x0.copy()
         everything = np.ones(2 * len(rows), dtype=bool)
-        say(f"simulating {len(rows)} rows with the committed curves, {seeds} draws each ...")
-        start = sims.each_row(curves)[0]
+        say(f"simulating {len(rows)} rows with the committed curves, {seeds} draws each at the rows' rates "
+            "and as many free ones ...")
+        start, free = sims.each_row(curves)[0], sims.each_row(curves, exact_rate=False)[0]
         # Weights from the draws at the committed curves, fixed for the whole fit so that every
         # point's error is measured alike.
-        weights = residual_weights(_Point(start, rows).spreads, seeds)
+        weights = residual_weights([draw_spread(d, row) for d, row in zip(free, rows)], _Point(start, rows).spreads,
+                                   seeds)
         point = _Point(start, rows, weights)
         last_x, last_point, last_j = x, point, None
         for it in range(iterations):
@@ -383,9 +398,12 @@ def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = Non
             refit = x if last_j is None else last_x + _solve(last_j, last_point.r, keep, last_x - x0)
             refits.append(from_vector(curves, refit, PARAMETERS))
         left_out = [Prediction.mean(d) for d in sims.run(list(zip(rows, refits)))]
+        say("free draws at the fitted curves: how far the paper's one run of each row may stray")
+        spreads = [draw_spread(d, row) for d, row in zip(sims.each_row(from_vector(curves, x, PARAMETERS),
+                                                                       exact_rate=False)[0], rows)]
     finally:
         sims.close()
-    results = [RowResult(row, f, o, spread) for row, f, o, spread in zip(rows, point.predictions, left_out, point.spreads)]
+    results = [RowResult(row, f, o, spread) for row, f, o, spread in zip(rows, point.predictions, left_out, spreads)]
     return Validation(results, curves, from_vector(curves, x, PARAMETERS), time.perf_counter() - started,
                       seeds=seeds)
 
@@ -412,8 +430,9 @@ def format_report(v: Validation) -> str:
             f", all {errors['all']:.0%}"
 
     lines.append("")
-    lines.append(f"each prediction the mean of {v.seeds} simulations (draws of arrivals and lengths); draws: how "
-                 "far one draw strays (its log's deviation across them), as the paper's one run may")
+    lines.append(f"each prediction the mean of {v.seeds} simulations (draws of arrivals and lengths, the arrivals "
+                 "scaled to the row's rate); draws: how far one free draw strays (its log's deviation across "
+                 f"{v.seeds}), as the paper's one run may")
     lines.append(f"mean absolute error, fitted:   {by_metric(fit)}")
     lines.append(f"mean absolute error, left out: {by_metric(out)} (bar: each row within {BAR_LEFT_OUT:.0%}, "
                  f"mean within {BAR_MEAN:.0%})")
