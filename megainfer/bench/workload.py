@@ -23,8 +23,8 @@ variation; CV 1 is Poisson). `exact_rate` scales a draw's arrivals so that it of
 rate asked for: n Poisson arrivals conditioned on spanning (n - 1) / rate seconds (exponential
 gaps over their sum are uniform spacings, so only the draw's own rate error goes). Near capacity
 that error dominates a run: 1,560 arrivals at 2.6 req/s stray from the rate by 2.5% (one standard
-deviation), and at 90% load a 6% faster draw more than doubles the mean wait. A JSONL trace of {"arrival": s, "input_len": n, "output_len": n}
-lines replays recorded traffic instead.
+deviation), and at 90% load a 6% faster draw more than doubles the mean wait. A JSONL trace of
+{"arrival": s, "input_len": n, "output_len": n} lines replays recorded traffic instead.
 """
 
 from __future__ import annotations

@@ -180,6 +180,11 @@ def draw_spread(draws: list[Prediction], row: PublishedRow) -> dict[str, float]:
             for name in row.measured}
 
 
+def draw_spreads(draws: list[list[Prediction]], rows) -> list[dict[str, float]]:
+    """draw_spread of every row's draws."""
+    return [draw_spread(d, row) for d, row in zip(draws, rows)]
+
+
 def residual_weights(run_spreads: list[dict[str, float]], prediction_spreads: list[dict[str, float]],
                      seeds: int) -> np.ndarray:
     """Each residual's weight, in the slots of `residuals`: MODEL_SIGMA over the deviation the
@@ -346,7 +351,7 @@ class _Point:
     def __init__(self, draws: list[list[Prediction]], rows, weights: np.ndarray | None = None) -> None:
         self.first_draw = [d[0] for d in draws]
         self.predictions = [Prediction.mean(d) for d in draws]
-        self.spreads = [draw_spread(d, row) for d, row in zip(draws, rows)]
+        self.spreads = draw_spreads(draws, rows)
         self.r = residuals(self.predictions, rows, weights)
 
 
@@ -369,8 +374,7 @@ def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = Non
         start, free = sims.each_row(curves)[0], sims.each_row(curves, exact_rate=False)[0]
         # Weights from the draws at the committed curves, fixed for the whole fit so that every
         # point's error is measured alike.
-        weights = residual_weights([draw_spread(d, row) for d, row in zip(free, rows)], _Point(start, rows).spreads,
-                                   seeds)
+        weights = residual_weights(draw_spreads(free, rows), _Point(start, rows).spreads, seeds)
         point = _Point(start, rows, weights)
         last_x, last_point, last_j = x, point, None
         for it in range(iterations):
@@ -399,8 +403,7 @@ def validate(curves: EfficiencyCurves, rows=ROWS, num_requests: int | None = Non
             refits.append(from_vector(curves, refit, PARAMETERS))
         left_out = [Prediction.mean(d) for d in sims.run(list(zip(rows, refits)))]
         say("free draws at the fitted curves: how far the paper's one run of each row may stray")
-        spreads = [draw_spread(d, row) for d, row in zip(sims.each_row(from_vector(curves, x, PARAMETERS),
-                                                                       exact_rate=False)[0], rows)]
+        spreads = draw_spreads(sims.each_row(from_vector(curves, x, PARAMETERS), exact_rate=False)[0], rows)
     finally:
         sims.close()
     results = [RowResult(row, f, o, spread) for row, f, o, spread in zip(rows, point.predictions, left_out, spreads)]
