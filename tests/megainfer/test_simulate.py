@@ -212,6 +212,18 @@ def test_trace_files_load_and_bad_lines_name_their_line(tmp_path):
         assert "bad.jsonl:1" in str(info.value)
 
 
+def test_a_trace_refuses_the_options_that_would_redraw_its_arrivals(tmp_path, h100x2):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival": 0.5, "input_len": 100, "output_len": 8}\n')
+    spec = SimulationSpec(model=QWEN, step_model=h100x2, workload=str(trace), rate=1.0, num_requests=1)
+    assert [r.arrival_s for r in spec.requests()] == [0.5]
+    with pytest.raises(ConfigError, match="--sweep-rates needs a built-in workload"):
+        spec.requests(rate=2.0)
+    with pytest.raises(ConfigError, match="--exact-rate scales a built-in workload"):
+        SimulationSpec(model=QWEN, step_model=h100x2, workload=str(trace), rate=1.0, num_requests=1,
+                       exact_rate=True).requests()
+
+
 def test_rate_ranges():
     assert rate_range("0.5:2:0.5") == [0.5, 1.0, 1.5, 2.0]
     for bad in ("1:2", "2:1:0.5", "a:b:c", "0.001:100:0.001"):

@@ -53,6 +53,9 @@ class SimulationSpec:
             self.from_trace = True
             if rate is not None and rate != self.rate:
                 raise ConfigError("--sweep-rates needs a built-in workload; a trace file fixes its own arrivals")
+            if self.exact_rate:
+                raise ConfigError("--exact-rate scales a built-in workload's drawn arrivals; a trace file fixes "
+                                  "its own arrivals (drop --exact-rate, or name a built-in workload)")
             return load_trace(self.workload, max_model_len=max_len, num_requests=self.num_requests)
         return generate(self.workload, num_requests=self.num_requests, rate=self.rate if rate is None else rate,
                         max_model_len=max_len, arrival=self.arrival, cv=self.cv, seed=self.seed,
@@ -96,7 +99,7 @@ def format_header(spec: SimulationSpec, requests: list[SimRequest], rates: list[
     rate = f"{spec.rate:g} req/s" if rates is None else f"{rates[0]:g} to {rates[-1]:g} req/s"
     arrivals = "trace arrivals" if spec.from_trace else (
         f"Poisson {rate}" if spec.arrival == "poisson" else f"bursty {rate}, CV {spec.cv:g}") + \
-        (", scaled to offer the rate exactly" if spec.exact_rate and not spec.from_trace else "")
+        (", scaled to offer the rate exactly" if spec.exact_rate else "")
     step_model = spec.step_model
     routing = ("uniform routing" if spec.expert_skew == 0 else
                f"expert popularity ~ (rank + {spec.expert_rank_offset:g})^-{spec.expert_skew:g}")
