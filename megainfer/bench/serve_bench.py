@@ -15,12 +15,13 @@ server's), so conversations run side by side while each one's turns run in order
 each turn's TTFT. One asyncio client carries every request (serve_requests.py); the figures are
 vLLM's (serve_metrics.py).
 
---compare-prefix-caching (HTTP backends) measures automatic prefix caching in one invocation, on the
-same requests and schedule twice: POST /reset_prefix_cache (vLLM's route; a server without it gets a
-printed note and no reset), the requests with a distinct `cache_salt` each (vLLM's body field: no
-request shares cached blocks, caching in effect off), reset again, the same requests without salts
-(caching on). It prints both result blocks and the ratio of mean TTFT (on / off) with the mean
-usage.prompt_tokens_details.cached_tokens of each run where the server reports it; the result holds
+--compare-prefix-caching measures automatic prefix caching in one invocation, on the same requests
+and schedule twice: POST /reset_prefix_cache (vLLM's route; gRPC: ResetPrefixCache; a server
+without it gets a printed note and no reset), the requests with a distinct `cache_salt` each
+(vLLM's body field, the sampling message's over gRPC: no request shares cached blocks, caching in
+effect off), reset again, the same requests without salts (caching on). It prints both result
+blocks and the ratio of mean TTFT (on / off) with the mean cached prompt tokens of each run where
+the server reports them; the result holds
 both runs ("caching_off", "caching_on") and those figures. The off run goes first, so it also bears
 any warm-up of the server: warm it with a short run beforehand. Datasets whose requests share
 prefixes show the effect: prefix_repetition, conversation, random with --random-prefix-len.
@@ -122,10 +123,6 @@ class ServeBenchConfig:
             raise ConfigError(f"--dataset-name conversation sends each turn as chat messages (the conversation so "
                               f"far), which only /v1/chat/completions takes: use --backend openai-chat, not "
                               f"{self.backend}")
-        if self.compare_prefix_caching and self.backend == "megainfer-grpc":
-            raise ConfigError("--compare-prefix-caching salts requests with cache_salt and resets the cache at "
-                              "/reset_prefix_cache, both over HTTP: use --backend openai or openai-chat (megainfer "
-                              "serve's HTTP port, 8000 by default)")
 
     @property
     def target(self) -> str:
@@ -226,9 +223,12 @@ async def _compare_prefix_caching(config: ServeBenchConfig, requests: list[Sampl
     salt = f"megainfer-bench-{secrets.token_hex(8)}-"  # one per invocation: no earlier run's blocks match either
     noted = False
     for name, salt_prefix in (("caching_off", salt), ("caching_on", None)):
-        if not await reset_prefix_cache(session, config.target) and not noted:
-            print(f"Note: POST {config.target}/reset_prefix_cache found no such route (vLLM serves it with "
-                  f"VLLM_SERVER_DEV_MODE=1); the runs go on without emptying the prefix cache, so the caching-on "
+        if not await reset_prefix_cache(config.backend, session, config.target) and not noted:
+            where = (f"ResetPrefixCache at {config.target} is not implemented (an older megainfer server)"
+                     if config.backend == "megainfer-grpc" else
+                     f"POST {config.target}/reset_prefix_cache found no such route (vLLM serves it with "
+                     f"VLLM_SERVER_DEV_MODE=1)")
+            print(f"Note: {where}; the runs go on without emptying the prefix cache, so the caching-on "
                   f"run may also hit blocks cached before this benchmark")
             noted = True
         print(f"Prefix caching {'off (a distinct cache_salt per request)' if salt_prefix else 'on (no salts)'}:")

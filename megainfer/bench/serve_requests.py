@@ -10,15 +10,17 @@
   request's `messages` where it has them (a conversation's turn), else one user message.
 
 A request with a `cache_salt` carries it in the JSON body (vLLM's field: it salts the prefix cache's
-block hashes, so the request shares cached blocks with no request of another salt): how
---compare-prefix-caching turns caching off for one run. `reset_prefix_cache` POSTs vLLM's
-/reset_prefix_cache route (megainfer serve's too).
+block hashes, so the request shares cached blocks with no request of another salt; over gRPC the
+sampling message's field of the same name): how --compare-prefix-caching turns caching off for one
+run. `reset_prefix_cache` POSTs vLLM's /reset_prefix_cache route (megainfer serve's too), or calls
+the ResetPrefixCache RPC over gRPC.
 
 Per request: TTFT is sent -> first chunk; ITL one gap per pair of consecutive chunks (a chunk
 carrying several tokens is one gap, as in vLLM); latency is sent -> last chunk (a trailing
 usage-only event does not extend it); output_tokens and prompt_len are the server's usage where
 it reports them (0 output tokens: the metrics count the text's tokens instead), cached_tokens its
-usage.prompt_tokens_details.cached_tokens (None where absent: the server does not say). A request fails
+usage.prompt_tokens_details.cached_tokens (gRPC: usage.cached_tokens; None where absent: the server
+does not say). A request fails
 alone: whatever goes wrong is recorded in its `error`. OPENAI_API_KEY, where set, goes with every
 request as `Authorization: Bearer <key>` (gRPC: the `authorization` metadata), as vLLM's bench sends it.
 """
@@ -226,7 +228,8 @@ async def openai_chat(inp: RequestInput, client: httpx2.AsyncClient) -> RequestO
 
 
 async def megainfer_grpc(inp: RequestInput, stub: pb_grpc.InferenceStub) -> RequestOutput:
-    params = SamplingParams(max_tokens=inp.output_len, ignore_eos=inp.ignore_eos, **inp.sampling)
+    params = SamplingParams(max_tokens=inp.output_len, ignore_eos=inp.ignore_eos, cache_salt=inp.cache_salt,
+                            **inp.sampling)
     # Sampling not asked for is left to the server's defaults, as the HTTP backends leave it.
     message = request_message(inp.prompt, params, inp.request_id,
                               server_defaults=[f for f in SERVER_DEFAULTED if f not in inp.sampling])
@@ -241,6 +244,7 @@ async def megainfer_grpc(inp: RequestInput, stub: pb_grpc.InferenceStub) -> Requ
             if response.HasField("usage") and response.usage.completion_tokens:
                 output.output_tokens = response.usage.completion_tokens
                 output.prompt_len = response.usage.prompt_tokens or output.prompt_len
+                output.cached_tokens = response.usage.cached_tokens
     except grpc.aio.AioRpcError as exc:
         output.error = f"{exc.code().name}: {exc.details()}"
     output.generated_text = "".join(text)
@@ -306,12 +310,23 @@ async def server_model(backend: str, session: Any, target: str) -> ServerModel:
     return ServerModel(models[0]["id"], models[0].get("root") or models[0]["id"])
 
 
-async def reset_prefix_cache(client: httpx2.AsyncClient, target: str) -> bool:
-    """POST {target}/reset_prefix_cache (vLLM's route): True once the server has emptied its prefix
-    cache, False where it has no such route (404, 405); any other failure is an error."""
+async def reset_prefix_cache(backend: str, session: Any, target: str) -> bool:
+    """Empty the server's prefix cache: POST {target}/reset_prefix_cache (vLLM's route) or, for
+    megainfer-grpc, the ResetPrefixCache RPC. True once emptied, False where the server has no such
+    route (404, 405; gRPC UNIMPLEMENTED); any other failure is an error."""
+    if backend == "megainfer-grpc":
+        try:
+            await session.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=CONNECT_TIMEOUT_S,
+                                           metadata=_grpc_metadata())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            raise MegaInferError(f"ResetPrefixCache at {target}: {exc.code().name} ({exc.details()}); the "
+                                 f"prefix-caching comparison resets the cache before each run") from None
+        return True
     url = f"{target}/reset_prefix_cache"
     try:
-        response = await client.post(url, headers=_headers(""))
+        response = await session.post(url, headers=_headers(""))
     except httpx2.HTTPError as exc:
         raise MegaInferError(f"POST {url} failed ({type(exc).__name__}: {exc}); the prefix-caching comparison "
                              f"resets the cache before each run") from None

@@ -450,9 +450,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     load.add_argument("--top-p", type=float)
     load.add_argument("--top-k", type=int)
     load.add_argument("--compare-prefix-caching", action="store_true",
-                      help="run the workload twice, each after POST /reset_prefix_cache: every request with its own "
-                           "cache_salt (prefix caching in effect off), then unsalted (on); print both results and "
-                           "the mean TTFT ratio on/off (openai and openai-chat)")
+                      help="run the workload twice, each after POST /reset_prefix_cache (gRPC: ResetPrefixCache): "
+                           "every request with its own cache_salt (prefix caching in effect off), then unsalted "
+                           "(on); print both results and the mean TTFT ratio on/off")
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
                      help="SLOs a request must meet to count as goodput, KEY in ttft, tpot, e2el: e.g. ttft:500 "

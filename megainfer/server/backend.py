@@ -17,6 +17,10 @@ from typing import Protocol
 from megainfer.messages import DeltaColumns, ErrorCode, FinishReason, NodeRole, NodeStatus, RequestDelta
 from megainfer.sampling_params import SamplingParams
 
+# What both frontends answer when asked to reset a prefix cache that is not there.
+PREFIX_CACHING_OFF = ("prefix caching is off on this server (started with --no-enable-prefix-caching, or a model "
+                      "it does not serve); there is nothing to reset")
+
 
 @dataclass
 class RequestStream:

@@ -69,6 +69,14 @@ class Client:
         """Whether the server stopped the request (False: unknown, ended, or another key's)."""
         return self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata).aborted
 
+    def reset_prefix_cache(self) -> None:
+        """Empty every attention node's prefix cache (MegaInferError where caching is off)."""
+        try:
+            self.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise MegaInferError(f"the server did not reset its prefix cache: {exc.code().name}: "
+                                 f"{exc.details()}") from None
+
     def info(self) -> pb.ServerInfoResponse:
         return self.stub.ServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)
 

@@ -29,7 +29,7 @@ import megainfer
 from megainfer.errors import ConfigError
 from megainfer.server import openai_generate as gen
 from megainfer.server.access import AccessPolicy
-from megainfer.server.backend import GenerationBackend
+from megainfer.server.backend import PREFIX_CACHING_OFF, GenerationBackend
 from megainfer.server.choice_streams import ChoiceStreams
 from megainfer.server.http_access import HttpAccess
 from megainfer.server.metrics import ServingMetrics
@@ -201,9 +201,7 @@ class OpenAIServer:
             except Exception as exc:
                 return error_response(api_error(exc))
             if not reset:
-                return error_response(ApiError(HTTPStatus.BAD_REQUEST, "prefix caching is off on this server "
-                                               "(started with --no-enable-prefix-caching, or a model it does not "
-                                               "serve); there is nothing to reset"))
+                return error_response(ApiError(HTTPStatus.BAD_REQUEST, PREFIX_CACHING_OFF))
             return Response(status_code=HTTPStatus.OK)
 
         @app.post("/admin/experts/rebalance")

@@ -21,7 +21,7 @@ from megainfer.errors import DataPlaneError, Overloaded, RequestError
 from megainfer.messages import ErrorCode, FinishReason, PositionLogprobs, RequestDelta
 from megainfer.request_group import Completion, RequestGroup
 from megainfer.sampling_params import SamplingParams
-from megainfer.server.backend import GenerationBackend, RequestStream
+from megainfer.server.backend import PREFIX_CACHING_OFF, GenerationBackend, RequestStream
 from megainfer.server.fan_in import FanIn
 from megainfer.server.grpc_decoding import add_inference_service
 from megainfer.server.grpc_access import AccessInterceptor, principal_of
@@ -190,6 +190,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if live is None and self.access is None:
             return pb.AbortResponse(aborted=self.backend.abort(request.request_id))
         return pb.AbortResponse(aborted=live is not None and live.owner == principal and self._abort(live))
+
+    def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
+                         context: grpc.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        """HTTP's POST /reset_prefix_cache over gRPC: every attention node forgets its cached blocks."""
+        try:
+            reset = self.backend.reset_prefix_cache()
+        except Exception as exc:  # a node that cannot be reached: the caller sees why, the server serves on
+            logger.warning("ResetPrefixCache failed: %s", exc)
+            context.abort(_status(exc), f"the prefix cache was not reset: {exc}")
+        if not reset:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, PREFIX_CACHING_OFF)
+        return pb.ResetPrefixCacheResponse()
 
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoResponse:
         info = self.backend.info()

@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=megainfer_dot_v1_dot_inference__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=megainfer_dot_v1_dot_inference__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/megainfer.v1.Inference/ResetPrefixCache',
+                request_serializer=megainfer_dot_v1_dot_inference__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=megainfer_dot_v1_dot_inference__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -76,6 +81,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forgets every attention node's cached prefix blocks (vLLM's POST /reset_prefix_cache, for
+        benchmarks); blocks that running requests hold stay theirs. FAILED_PRECONDITION where prefix
+        caching is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ServerInfo,
                     request_deserializer=megainfer_dot_v1_dot_inference__pb2.ServerInfoRequest.FromString,
                     response_serializer=megainfer_dot_v1_dot_inference__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=megainfer_dot_v1_dot_inference__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=megainfer_dot_v1_dot_inference__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class Inference:
             '/megainfer.v1.Inference/ServerInfo',
             megainfer_dot_v1_dot_inference__pb2.ServerInfoRequest.SerializeToString,
             megainfer_dot_v1_dot_inference__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/megainfer.v1.Inference/ResetPrefixCache',
+            megainfer_dot_v1_dot_inference__pb2.ResetPrefixCacheRequest.SerializeToString,
+            megainfer_dot_v1_dot_inference__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -299,3 +299,31 @@ def test_cached_prompt_tokens_come_in_the_usage_and_cache_salt_keeps_requests_ap
     client.close()
     assert [u.cached_tokens for u in usages] == [usages[0].cached_tokens, 32, 0]
     assert all(u.prompt_tokens == 40 for u in usages)
+
+
+def test_reset_prefix_cache_empties_the_cache_and_says_why_where_it_cannot(serve, backend, monkeypatch):
+    server = serve()
+    client = Client(server.address)
+    prompt = list(range(50, 90))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    list(client.generate(prompt, params))
+    assert list(client.generate(prompt, params))[-1].usage.cached_tokens == 32
+    client.reset_prefix_cache()
+    assert list(client.generate(prompt, params))[-1].usage.cached_tokens == 0  # computed whole again
+    rpc = stub(server)
+    monkeypatch.setattr(backend, "reset_prefix_cache", lambda: False)  # caching off
+    with pytest.raises(grpc.RpcError) as info:
+        rpc.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "prefix caching is off on this server" in info.value.details()
+
+    def unreachable():
+        raise DataPlaneError("attention1 did not answer")
+
+    monkeypatch.setattr(backend, "reset_prefix_cache", unreachable)
+    with pytest.raises(grpc.RpcError) as info:
+        rpc.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "attention1 did not answer" in info.value.details()
+    monkeypatch.undo()
+    assert list(client.generate([5, 6, 7], params))[-1].finish_reason == "length"  # and it serves on
+    client.close()

@@ -312,6 +312,28 @@ def test_megainfer_grpc_random_run_prints_and_saves_vllms_result(grpc_server, tm
     assert "{:<40} {:<10}".format("Maximum request concurrency:", 3) in printed
 
 
+def test_megainfer_grpc_compares_prefix_caching_with_salts_and_the_reset_call(grpc_server, tmp_path, capsys):
+    from megainfer.cli import main
+
+    server, checkpoint = grpc_server
+    json_path = tmp_path / "out.json"
+    # One at a time, so each prefix's later requests find its blocks; 32 shared tokens (and the BOS
+    # the server adds) are two full blocks of 16.
+    rc = main(["bench", "serve", "--backend", "megainfer-grpc", "--port", str(server.port), "--dataset-name",
+               "prefix_repetition", "--num-prompts", "6", "--prefix-repetition-num-prefixes", "2",
+               "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "4",
+               "--prefix-repetition-output-len", "2", "--max-concurrency", "1", "--compare-prefix-caching",
+               "--seed", "3", "--json", str(json_path), "--disable-tqdm"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    result = json.loads(json_path.read_text())
+    assert result["caching_off"]["completed"] == result["caching_on"]["completed"] == 6
+    assert result["caching_off"]["cached_tokens"] == [0] * 6  # every request salted apart
+    # The reset before the second run: each prefix's first request computes it, the other two reuse it.
+    assert sorted(result["caching_on"]["cached_tokens"]) == [0, 0, 32, 32, 32, 32]
+    assert " Prefix Caching: On vs Off " in printed and "Note:" not in printed
+
+
 def test_megainfer_grpc_sharegpt_runs_repeat_the_workload(grpc_server, sharegpt_file):
     from megainfer.bench.serve_bench import ServeBenchConfig, run
 

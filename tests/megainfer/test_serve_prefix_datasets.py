@@ -176,14 +176,11 @@ def test_conversation_options_are_checked():
             conversation_spec(**{field: 0})
     with pytest.raises(ConfigError, match="use --backend openai-chat, not openai"):
         ServeBenchConfig(backend="openai", dataset=conversation_spec())
-    with pytest.raises(ConfigError, match="--compare-prefix-caching salts requests .* use --backend openai or"):
-        ServeBenchConfig(backend="megainfer-grpc", compare_prefix_caching=True)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--dataset-name", "conversation"], "use --backend openai-chat, not openai"),
     (["--dataset-name", "prefix_repetition", "--num-prompts", "15"], "pass --num-prompts 10 or 20"),
-    (["--backend", "megainfer-grpc", "--compare-prefix-caching"], "--compare-prefix-caching salts requests"),
     (["--prefix-repetition-prefix-len", "0"], "argument --prefix-repetition-prefix-len: '0' must be positive"),
 ])
 def test_cli_errors_are_one_line(args, message):
