@@ -53,9 +53,7 @@ DEMO_SEED = 0  # the model's own sampling settings (its generation_config.json),
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.status import kernel_lines
     from megainfer.plan import Plan
-    from megainfer.server.endpoints import Endpoints
 
     plan = Plan.load(args.plan)
     if args.enforce_eager:
@@ -67,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
         from deploy.runtime_config import runtime_of
 
         return dry_run.run(runtime_of(plan, args.device))
+    # Below the dry run: these bring in torch and Ray, which a dry run never needs (~3 s).
+    from deploy.status import kernel_lines
+    from megainfer.server.endpoints import Endpoints
+
     if args.router:
         plan.serve.router = args.router
     served = _served_model(plan, args)  # a bad --chat-template fails before any actor starts

@@ -47,7 +47,7 @@ def describe(runtime: DeploymentRuntime, check: BatchCheck) -> str:
 
 def graph_line(runtime: DeploymentRuntime) -> str:
     """What decode's CUDA graphs will be (megainfer/disagg/decode_graphs.py), or that it runs eager."""
-    from megainfer.disagg.decode_graphs import capture_sizes
+    from megainfer.disagg.graph_sizes import capture_sizes
 
     # MoE layers only, on both sides: DeepSeek's dense first layers run eager on the attention ranks.
     plan, layers, dense = runtime.plan, runtime.model.num_moe_layers, runtime.model.first_k_dense
