@@ -34,12 +34,13 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", device="cpu", worker_options=None,
-                         replicas=None, switch=None, nodes=None, **engine_options):
+                         replicas=None, switch=None, nodes=None, steps=None, params=GREEDY, **engine_options):
     """Wire a deployment in threads; return each prompt's greedy tokens. `worker_options`: more
     ExpertWorker arguments. `replicas`: where the experts' slots live (default: contiguous runs,
     one slot each); `switch`: (step, ExpertReplicas), a re-placement every rank switches to at
     that step (staged on the expert workers first). `nodes`: a list the workers and the engines
-    are appended to, for a test to look at afterwards."""
+    are appended to, for a test to look at afterwards. `steps`: how many lockstep steps every node
+    runs (default: enough for 40 per prompt); `params`: the requests' sampling (default GREEDY)."""
     engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, device=device,
                                  **engine_options)
     probe = Engine(str(path), engine_config)
@@ -83,11 +84,11 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
             engine.runner.slot_maps.switch_at(step, new)
     # Spread prompts over attention nodes round robin; every node steps until all are done.
     for i, p in enumerate(prompts):
-        engines[i % n_attention].add_request(f"r{i}", p, GREEDY)
+        engines[i % n_attention].add_request(f"r{i}", p, params)
     results = {f"r{i}": [] for i in range(len(prompts))}
     done = threading.Event()
     errors = []
-    steps = max(len(prompts) * 40, 200)
+    steps = steps or max(len(prompts) * 40, 200)
 
     def attention_loop(engine):
         try:
@@ -119,9 +120,9 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
     return [results[f"r{i}"] for i in range(len(prompts))], [e.stats() for e in engines]
 
 
-def colocated(path, prompts, device="cpu"):
+def colocated(path, prompts, device="cpu", params=GREEDY):
     config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, device=device)
-    return generate_all(Engine(str(path), config), prompts, GREEDY)
+    return generate_all(Engine(str(path), config), prompts, params)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

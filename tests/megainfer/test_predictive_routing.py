@@ -481,7 +481,7 @@ def test_autoscaler_in_the_fleet_adds_before_queues_build_and_retires_when_idle(
     # Rates for one H100 per replica as the fitted H100 curves price it (a long ShareGPT prompt
     # alone takes about a second there, hence the 2 s threshold).
     calm = generate("sharegpt", num_requests=60, rate=1.0, max_model_len=model.max_position_embeddings, seed=1)
-    surge = generate("sharegpt", num_requests=700, rate=10.0, max_model_len=model.max_position_embeddings, seed=2)
+    surge = generate("sharegpt", num_requests=400, rate=10.0, max_model_len=model.max_position_embeddings, seed=2)
     tail = generate("sharegpt", num_requests=40, rate=0.1, max_model_len=model.max_position_embeddings, seed=3)
     t1 = calm[-1].arrival_s
     t2 = t1 + surge[-1].arrival_s
@@ -509,12 +509,12 @@ def test_fleet_simulation_reports_prediction_error_and_the_cli_compares_routers(
     from megainfer.bench.workload import generate
 
     model = PRESETS["qwen3-30b-a3b"]
-    requests = generate("sharegpt", num_requests=300, rate=8.0, max_model_len=model.max_position_embeddings)
+    requests = generate("sharegpt", num_requests=150, rate=8.0, max_model_len=model.max_position_embeddings)
     summary = fleet().run(requests, 8.0).summary()
-    assert summary["requests"] == 300 and sum(summary["per_replica"]) == 300
+    assert summary["requests"] == 150 and sum(summary["per_replica"]) == 150
     assert 0 <= summary["prediction_mae_s"] < 0.5 * summary["ttft_mean_s"] + 0.05
     path = tmp_path / "routing.json"
-    out = subprocess.run([sys.executable, "-m", "megainfer", "simulate-routing", "--replicas", "3", "--requests", "150",
+    out = subprocess.run([sys.executable, "-m", "megainfer", "simulate-routing", "--replicas", "3", "--requests", "40",
                           "--sweep-rates", "4:6:2", "--json", str(path), "--plot", str(tmp_path / "r.png")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr

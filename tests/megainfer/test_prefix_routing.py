@@ -85,7 +85,7 @@ def test_a_simulated_fleet_behind_shared_prefixes_hits_more_with_prefix_aware_ro
     (docs/routing.md), at a scale the default run affords."""
     model = PRESETS["qwen3-30b-a3b"]
     step_model = ColocatedStepModel(model, Catalog.load()["H100"], 1)
-    requests = with_shared_prefixes(generate("sharegpt", num_requests=240, rate=3.0, max_model_len=16384, seed=2),
+    requests = with_shared_prefixes(generate("sharegpt", num_requests=150, rate=3.0, max_model_len=16384, seed=2),
                                     num_prefixes=24, prefix_len=4096, max_model_len=16384, seed=2)
     # A KV cache of ~100k tokens per replica: a few replicas' worth of prefixes, not all 24.
     config = EngineConfig(max_num_batched_tokens=512, num_kv_blocks=6400)
@@ -94,7 +94,7 @@ def test_a_simulated_fleet_behind_shared_prefixes_hits_more_with_prefix_aware_ro
         sim = ClusterSimulator(model, step_model, config, 4, make_router(name), snapshot_s=0.25)
         summary = sim.run(requests, 3.0).summary()
         rates[name], ttft[name] = summary["prefix_hit_rate"], summary["ttft_mean_s"]
-    # Measured: 31.5% round robin, 51.6% predictive, 56.3% prefix_affinity; mean TTFT 0.60, 0.43, 0.46 s.
+    # Measured: 26.3% round robin, 48.6% predictive, 52.8% prefix_affinity; mean TTFT 0.62, 0.45, 0.49 s.
     assert rates["predictive"] > 1.4 * rates["round_robin"], rates
     assert rates["prefix_affinity"] > 1.4 * rates["round_robin"], rates
     assert ttft["predictive"] < ttft["round_robin"] and ttft["prefix_affinity"] < ttft["round_robin"], ttft

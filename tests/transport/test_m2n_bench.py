@@ -49,8 +49,9 @@ def test_bench_spec_validation(kwargs, match):
 
 
 def test_cli_writes_the_documented_json_and_one_chart_for_every_backend(tmp_path):
+    """Two backends in one invocation (nixl's own runs are the pattern and duplex tests')."""
     report, chart = tmp_path / "m2n.json", tmp_path / "m2n.png"
-    backends = "shm,tcp,nixl" if NIXL_OK else "shm,tcp"
+    backends = "shm,tcp"
     out = megainfer("bench", "m2n", "--backend", backends, "--senders", "1", "--receivers", "2", "--sizes", "4K,64K",
                     "--iters", "40", "--warmup", "5", "--baseline", "torch", "--json", str(report), "--plot", str(chart))
     assert out.returncode == 0, out.stderr
@@ -72,7 +73,8 @@ def test_cli_writes_the_documented_json_and_one_chart_for_every_backend(tmp_path
     not NIXL_OK, reason=NIXL_REASON))])
 def test_duplex_moves_both_directions_for_m2n_floor_and_torch(backend):
     spec = BenchSpec(backend=backend, senders=2, receivers=2, sizes=[65536], iters=20, warmup=2, duplex=True)
-    for system in ("m2n", "floor", "torch"):
+    # torch's baseline is gloo over TCP whatever --backend says: measured once, beside shm.
+    for system in ("m2n", "floor", "torch") if backend == "shm" else ("m2n", "floor"):
         (r,) = measure(system, spec)
         assert r.duplex and r.iters == 20 and 0 < r.p50_us <= r.p99_us
         # both directions of the four pairs every iteration
