@@ -76,6 +76,20 @@ def test_gpucheck_runs_on_the_cpu_without_the_serving_packages(gpu_machine_env, 
     assert "| kernels | decode gqa4" in summary and "| pair |" in summary
 
 
+def test_the_engine_check_passes_against_transformers_on_the_cpu(tmp_path):
+    """Where the serving packages are absent (above), transformers cannot be imported here (this
+    huggingface_hub needs httpx2; the GPU machine's needs httpx) and the engine check skips its
+    transformers cases. Here it runs them: every family, float32 equal, bfloat16 up to rounding."""
+    from megainfer.tools.gpucheck.tiny_checkpoints import KINDS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MEGAINFER_KERNELS")}
+    out = subprocess.run([sys.executable, "-m", "megainfer.gpucheck", "--device", "cpu", "--out", str(tmp_path),
+                          "--checks", "engine"], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    passed = {r.case.split(":")[0] for r in _records(tmp_path) if r.check == "engine" and r.status is Status.PASSED}
+    assert {f"{kind} {dtype}" for kind in KINDS for dtype in ("float32", "bfloat16")} <= passed, passed
+
+
 def test_a_short_budget_ends_inside_it_with_what_finished(gpu_machine_env, tmp_path):
     budget = 20
     start = time.monotonic()
