@@ -185,8 +185,11 @@ def highest_float32_precision():
         torch.set_float32_matmul_precision(before)
 
 
-def check_float32(ctx: CheckContext, path: Path, kind: str, prompts: list[list[int]]) -> None:
+def check_float32(ctx: CheckContext, path: Path, kind: str, prompts: list[list[int]]) -> Greedy | None:
+    """The case; returns transformers' float32 greedy run (None where the case failed before it),
+    which the bfloat16 case judges by."""
     device = ctx.device.type
+    ref = None
     with ctx.case(f"{kind} float32: greedy tokens and logits equal to transformers") as case, \
             highest_float32_precision():
         ref = transformers_greedy(path, prompts, "float32", device)
@@ -201,6 +204,7 @@ def check_float32(ctx: CheckContext, path: Path, kind: str, prompts: list[list[i
         problem = first_disagreement(ours, ref, FLOAT32_LOGIT_ATOL, near_tie=0.0)
         if problem:
             raise AssertionError(problem)
+    return ref
 
 
 def bfloat16_partings(ours: Greedy, ref: Greedy, truth: list[torch.Tensor]) -> dict:
@@ -250,11 +254,15 @@ def bfloat16_misses(ours: Greedy, ref: Greedy, float32: Greedy, near_tie: float 
                      f"first: {ours_misses[0]}")
 
 
-def check_bfloat16(ctx: CheckContext, path: Path, kind: str, prompts: list[list[int]]) -> None:
+def check_bfloat16(ctx: CheckContext, path: Path, kind: str, prompts: list[list[int]],
+                   float32: Greedy | None) -> None:
+    """`float32`: transformers' float32 greedy run of the same prompts (the float32 case's), or None
+    to make it here."""
     device = ctx.device.type
     with ctx.case(f"{kind} bfloat16: agrees with transformers up to rounding") as case, highest_float32_precision():
         ref = transformers_greedy(path, prompts, "bfloat16", device)
-        float32 = transformers_greedy(path, prompts, "float32", device)
+        if float32 is None:
+            float32 = transformers_greedy(path, prompts, "float32", device)
         free_memory(ctx.device)
         ours = megainfer_greedy(path, prompts, "bfloat16", device)
         free_memory(ctx.device)
@@ -346,7 +354,6 @@ def run(ctx: CheckContext) -> None:
                 continue
             path = Path(tmp) / kind
             write_tiny_checkpoint(kind, path)
-            check_float32(ctx, path, kind, prompts)
-            check_bfloat16(ctx, path, kind, prompts)
+            check_bfloat16(ctx, path, kind, prompts, check_float32(ctx, path, kind, prompts))
     check_demo(ctx)
     check_no_build_while_serving(ctx)
