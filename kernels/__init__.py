@@ -9,11 +9,11 @@ measured faster the first time (`kernels.choice`); the reference elsewhere;
 """
 
 from kernels.dispatch import (KernelUnavailable, add_layer_norm, add_rms_norm, backend, decode_attention, fused_gating,
-                              graph_region, grouped_expert_gemm, paged_attention, prefill_attention, rotary_store_kv)
+                              graph_region, grouped_expert_gemm, latent_attention, paged_attention, prefill_attention, rotary_store_kv)
 from kernels.moe_ref import REPLICA_BUCKETS, SWIGLU, ExpertActivation, Gating
 from kernels.paged_attention_ref import PagedAttentionBatch, store_kv
 
 __all__ = ["ExpertActivation", "Gating", "REPLICA_BUCKETS", "SWIGLU", "KernelUnavailable", "PagedAttentionBatch",
            "add_layer_norm", "add_rms_norm", "backend", "decode_attention",
-           "fused_gating", "graph_region", "grouped_expert_gemm", "paged_attention", "prefill_attention",
+           "fused_gating", "graph_region", "grouped_expert_gemm", "latent_attention", "paged_attention", "prefill_attention",
            "rotary_store_kv", "store_kv"]

@@ -32,6 +32,10 @@ ATTENTION = (("mixtral", 32, 8, 128), ("qwen3-gqa4", 16, 4, 128), ("qwen3-gqa16"
 # gpt-oss-20b and -120b's attention (GQA 8, head dim 64), compiled in its two variants: sinks
 # with a sliding window (every other layer) and sinks alone (the rest).
 GPT_OSS_ATTENTION = ("gpt-oss", 64, 8, 64)
+# DeepSeek's latent attention (heads per rank, kv_lora_rank, qk_rope_head_dim): V3's 128 heads at
+# TP 8 and TP 1, V2-Lite's 16 at TP 2.
+LATENT_ATTENTION = (("deepseek-v3 tp8", 16, 512, 64), ("deepseek-v3 tp1", 128, 512, 64),
+                    ("deepseek-v2-lite tp2", 8, 512, 64))
 # Experts (count, hidden, intermediate) and the mean rows per expert of each GEMM tile row.
 EXPERTS = (("mixtral", 8, 4096, 14336), ("qwen3-30b-a3b", 128, 2048, 768))
 # gpt-oss's experts, compiled with their biases and clamped SwiGLU: widths of 2880, not a power
@@ -152,6 +156,23 @@ def attention_reports(name: str, hq: int, hkv: int, d: int, dtype: torch.dtype, 
     return reports + [compile_one(jit.merge_kernel, merge, pointers, 4, 1, arch, shape)]
 
 
+def latent_reports(name: str, heads: int, rank: int, rope: int, dtype: torch.dtype, arch: int) -> list[Report]:
+    """The latent-attention kernels (DeepSeek's MLA) at these shapes."""
+    from kernels import latent_attention_jit as jit
+    from kernels.latent_attention_triton import latent_tiles
+
+    t = latent_tiles(heads, rank, dtype, interpreted=False)
+    ty = "*" + TYPES[dtype]
+    pointers = {"q_ptr": ty, "cache_ptr": ty, "out_ptr": ty, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    common = dict(H=heads, RANK=rank, ROPE=rope, PAGE=PAGE, BLOCK_N=t.block_n, BLOCK_C=pow2(rank),
+                  BLOCK_P=max(16, pow2(rope)), IEEE=dtype == torch.float32)
+    shape = f"{name} {heads}x{rank}+{rope} {TYPES[dtype]}"
+    return [compile_one(jit.latent_decode_kernel, common | dict(BLOCK_H=max(16, t.block_h)), pointers,
+                        t.decode_warps, t.num_stages, arch, shape),
+            compile_one(jit.latent_prefill_kernel, common | dict(BLOCK_T=t.block_t, BLOCK_H=t.block_h), pointers,
+                        t.prefill_warps, t.num_stages, arch, shape)]
+
+
 def gemm_reports(name: str, experts: int, h: int, i: int, rows: int, dtype: torch.dtype, arch: int,
                  gpt_oss: bool = False) -> list[Report]:
     """The grouped GEMM's two kernels; gpt_oss: with biases and the clamped SwiGLU."""
@@ -211,7 +232,8 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
     """Every tile-table row at the shapes above. quick: the rows nearest a limit or that differ
     by architecture: the attention kernels at Qwen3's 16-head groups (POD with %smid, two
     programs per SM, in registers and shared memory) and at head dim 64 (prefill warps by
-    arch), the GEMM's decode row (72 KiB: one program per SM on sm_86/89) and prefill row
+    arch), DeepSeek-V3's latent attention at TP 8 (a [16, 512] float32 accumulator per
+    program), the GEMM's decode row (72 KiB: one program per SM on sm_86/89) and prefill row
     (96 KiB on sm_90, the most shared memory of any row), and gpt-oss's biased, clamped prefill
     row (two more accumulator-sized values live at the activation)."""
     if interpreted():
@@ -221,6 +243,7 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
                 + attention_reports(*ATTENTION[4], torch.bfloat16, arch)
                 # gpt-oss's sinks with a window: its prefill comes nearest the register limit (252 on sm_90)
                 + attention_reports(*GPT_OSS_ATTENTION, torch.bfloat16, arch, sinks=True, window=True)
+                + latent_reports(*LATENT_ATTENTION[0], torch.bfloat16, arch)
                 + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[0], torch.bfloat16, arch)
                 + gemm_reports(*EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch)
                 + gemm_reports(*GPT_OSS_EXPERTS[1], ROWS_PER_EXPERT[-1], torch.bfloat16, arch, gpt_oss=True))
@@ -228,6 +251,8 @@ def all_reports(arch: int, quick: bool = False) -> list[Report]:
     reports += attention_reports(*GPT_OSS_ATTENTION, torch.bfloat16, arch, sinks=True, window=True)
     reports += attention_reports(*GPT_OSS_ATTENTION, torch.bfloat16, arch, sinks=True)
     reports += attention_reports(*ATTENTION[0], torch.float32, arch)
+    reports += [r for shape in LATENT_ATTENTION for r in latent_reports(*shape, torch.bfloat16, arch)]
+    reports += latent_reports(*LATENT_ATTENTION[0], torch.float32, arch)
     reports += [r for e in EXPERTS for rows in ROWS_PER_EXPERT for r in gemm_reports(*e, rows, torch.bfloat16, arch)]
     reports += [r for e in GPT_OSS_EXPERTS for rows in ROWS_PER_EXPERT
                 for r in gemm_reports(*e, rows, torch.bfloat16, arch, gpt_oss=True)]

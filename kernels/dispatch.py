@@ -181,12 +181,48 @@ def paged_attention(query, key_cache, value_cache, batch, scale: float, sinks=No
                  lambda: r.paged_attention(query, key_cache, value_cache, batch, scale, sinks, window))
 
 
-# The Triton attention kernels hold a head's whole width in registers and shared memory: MLA's
-# 576-wide latent heads (DeepSeek) spill and overflow an H100's shared memory there
-# (`python -m kernels.compile_check`), so those shapes run the torch reference, said so.
+# The generic Triton attention kernels hold a head's whole width in registers and shared memory:
+# a 576-wide head spills and overflows an H100's shared memory there (`python -m
+# kernels.compile_check`), so such shapes run the torch reference, said so. MLA's latent heads
+# (DeepSeek) do not come here: `latent_attention` has kernels of its own.
 TRITON_MAX_HEAD_DIM = 256
-WIDE_HEADS_RULE = (f"heads wider than {TRITON_MAX_HEAD_DIM} (MLA's latent heads) exceed the Triton attention "
-                   "kernels' tiles; the torch reference runs them (no MLA kernel yet)")
+WIDE_HEADS_RULE = (f"heads wider than {TRITON_MAX_HEAD_DIM} exceed the generic Triton attention kernels' tiles; "
+                   "the torch reference runs them (MLA's latent heads take kernels.latent_attention)")
+
+
+def latent_attention(query, cache, batch, scale: float, rank: int):
+    """DeepSeek's latent attention (MLA, absorbed) of a hybrid batch over its [c | k_r] cache ->
+    [T, H, rank]: Triton's split-KV decode and prefill tiles (`latent_attention_triton`), their
+    plan built once per batch and reused by every layer, or the reference."""
+    from kernels import latent_attention_ref as r
+    from kernels import paged_attention_ref
+
+    shape = (query.dtype, query.shape[1], query.shape[2], rank, cache.shape[1])
+
+    def triton_fn():
+        from kernels import latent_attention_triton as t
+
+        plan = batch.memo(("latent", shape, query.device), lambda: t.plan_latent(
+            query, rank, batch.block_tables, cache.shape[1], batch.query_start_host, batch.num_single,
+            max(batch.seq_lens_host[:batch.num_single], default=0)))
+        return t.latent_attention(query, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                  batch.query_start_host, batch.num_single, scale, rank, plan=plan)
+
+    def key():
+        return batch.memo(("latent bucket", shape), lambda: ShapeKey(
+            "latent_attention", shape, (bucket(batch.num_single), bucket(batch.query_start_host[-1] - batch.num_single),
+                                        bucket(max(batch.seq_lens_host, default=0))), ATTENTION_DIMS))
+
+    def reference():
+        return r.latent_attention(query, cache, batch, scale, rank)
+
+    mode = backend(query.device)
+    if mode == FASTEST:  # once per batch, reused by every layer of the step
+        too_large = batch.memo(("latent reference_gather", shape),
+                               lambda: _over_gather_limit(paged_attention_ref.gather_bytes(cache, batch)))
+        if too_large:
+            return _choice.fixed(key(), triton_fn, too_large)
+    return _pick(mode, key, triton_fn, reference)
 
 
 def _over_gather_limit(gather: int) -> str:

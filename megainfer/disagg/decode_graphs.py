@@ -37,7 +37,6 @@ from typing import Protocol
 import torch
 
 import kernels
-from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.disagg.attention_dispatch import DispatchParts, attend_and_pack
 from megainfer.disagg.expert_link import unpack_dispatch
@@ -134,28 +133,24 @@ class CaptureReport:
                 f"static buffers, {self.pool_bytes / 2 ** 20:.0f} MiB in the graphs' pool (outside the memory profile)")
 
 
-def decode_capture(device: torch.device, enforce_eager: bool, node: str,
-                   model: ModelConfig | None = None) -> "Capture | None":
+def decode_capture(device: torch.device, enforce_eager: bool, node: str) -> "Capture | None":
     """How `node` captures decode's graphs, or None where it runs eager (said in its log where
     a GPU could have captured)."""
     if device.type != "cuda":
         return None
-    reason = eager_reason(device, enforce_eager, model)
+    reason = eager_reason(device, enforce_eager)
     if reason:
         (logger.info if enforce_eager else logger.warning)("%s: decode runs %s", node, reason)
         return None
     return CudaCapture(device)
 
 
-def eager_reason(device: torch.device, enforce_eager: bool, model: ModelConfig | None = None) -> str:
-    """Why decode runs eager on `device` ("" where it can capture); `model`: an attention node's."""
+def eager_reason(device: torch.device, enforce_eager: bool) -> str:
+    """Why decode runs eager on `device` ("" where it can capture)."""
     if enforce_eager:
         return "eager (--enforce-eager)"
     if device.type != "cuda":
         return "eager (CUDA graphs need a GPU)"
-    if model is not None and model.mla and model.kv_cache_width > kernels.dispatch.TRITON_MAX_HEAD_DIM:
-        return (f"eager: MLA's {model.kv_cache_width}-wide latent heads run the torch reference attention "
-                "(no MLA kernel yet), which the graphs do not capture")
     if kernels.backend(device) == "reference":
         return ("eager: MEGAINFER_KERNELS=reference, and the torch references synchronise with the host, which a "
                 "CUDA graph cannot; unset it to capture")
@@ -282,11 +277,12 @@ class AttentionGraphs:
         from host lists) is built then, for every layer's graph to read, not inside a capture.
         The regions run with padding rows only (valid = 0): they write the padding block and
         count nothing."""
+        first_moe = self.model.cfg.first_k_dense  # DeepSeek's dense first layers run eager (no round)
         with kernels.graph_region():
             for size in self.sizes:
                 for slots in self.slots:  # each slot's batch plans its attention launch once, here
-                    capture.warm_up(self.region(0, slots[size]))
-                for layer in range(self.model.cfg.first_k_dense, len(self.kv_caches)):  # dense layers run eager
+                    capture.warm_up(self.region(first_moe, slots[size]))
+                for layer in range(first_moe, len(self.kv_caches)):
                     for j, slots in enumerate(self.slots):
                         self.graphs[layer, j, size] = capture(self.region(layer, slots[size]))
         return len(self.graphs)
@@ -349,11 +345,13 @@ class ExpertGraphs:
         return region
 
     def capture(self, capture: Capture) -> int:
-        """Every (layer, size) graph; returns how many (each size run once first, as above)."""
+        """Every (MoE layer, size) graph; returns how many (each size run once first, as above).
+        DeepSeek's dense first layers hold no experts (no slot) and are never served here."""
+        moe_layers = [i for i, layer in enumerate(self.layers) if layer.slots.room]
         with kernels.graph_region():
             for size in self.sizes:
-                capture.warm_up(self.region(0, self.slots[size]))
-                for layer in range(len(self.layers)):
+                capture.warm_up(self.region(moe_layers[0], self.slots[size]))
+                for layer in moe_layers:
                     self.graphs[layer, size] = capture(self.region(layer, self.slots[size]))
         return len(self.graphs)
 
@@ -395,7 +393,7 @@ def capture_attention(capture: Capture | None, model: MoEModel, kv_caches: list[
     its kernels report for decode; (None, why) where it runs eager."""
     device = torch.device(config.device)
     if capture is None:
-        return None, eager_reason(device, config.enforce_eager, model.cfg)
+        return None, eager_reason(device, config.enforce_eager)
     sizes = capture_sizes(-(-config.max_num_seqs // micro_batches), config.cuda_graph_sizes)
     graphs = AttentionGraphs(model, kv_caches, expert_counts, sizes, micro_batches,
                              -(-max_model_len // config.block_size), config.block_size, pad_block, expert_nodes,

@@ -79,7 +79,7 @@ class PipelinedModelRunner:
         self.slot_maps = SlotMaps(replicas, model_config.num_experts, self.device, movable_experts)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        capture = decode_graphs.decode_capture(self.device, config.enforce_eager, name, model_config)
+        capture = decode_graphs.decode_capture(self.device, config.enforce_eager, name)
         # Each rank caches its own KV heads; all ranks agree on the block count (with CUDA graphs
         # one more, past the scheduler's, for the padding rows: decode_graphs.py).
         load_and_size(self, lambda: self._attention_model(max_model_len), weights, max_model_len, tp_group,

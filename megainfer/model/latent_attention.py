@@ -5,9 +5,10 @@ A token's KV is one latent c (kv_lora_rank values, RMS-normed) and one rotary ke
 (576 values for V3) instead of heads. Head h's key would be [W_UK[h] c | k_r] and its value
 W_UV[h] c; rather than expanding them for every cached token, the query absorbs W_UK
 (q_h . k = (W_UK[h]^T q_nope) . c + q_rot . k_r) and the output W_UV, so attention is one
-multi-query attention over the cache with keys [c | k_r] and values c, the same tensor: the
-paged-attention kernels run it with one KV head whose values are the keys (their first
-kv_lora_rank columns are kept). Mathematically transformers' expanded form; float32 rounding apart.
+multi-query attention over the cache with keys [c | k_r] and values c, the same tensor
+(`kernels.latent_attention`: on a GPU Triton kernels that read each cache tile once for a block of
+heads and split the score into its latent and rotary products). Mathematically transformers'
+expanded form; float32 rounding apart.
 
 Rotary dims: DeepSeek rotates adjacent pairs (V2, and V3's `rope_interleave`); the rows that
 produce them are permuted to halves as they load, so the rotate-half tables apply and every
@@ -83,7 +84,7 @@ class LatentAttention(nn.Module):
         entry = torch.cat([c[:, None], k_rot], dim=-1)  # [T, 1, rank + rope]
         cache.view(-1, 1, self.rank + self.rope).index_copy_(0, batch.slot_mapping, entry)
         query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, self.w_uk), q_rot], dim=-1)
-        out = kernels.paged_attention(query, cache, cache, batch, self.scale)[..., :self.rank]
+        out = kernels.latent_attention(query, cache, batch, self.scale, self.rank)
         return torch.einsum("thc,hvc->thv", out, self.w_uv).reshape(t, self.num_heads * self.v_dim)
 
     def load(self, t: dict[str, torch.Tensor], heads: slice) -> None:

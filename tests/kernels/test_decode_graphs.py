@@ -102,13 +102,13 @@ def assert_same_records(got: list[list[tuple]], want: list[list[tuple]]) -> None
 class AuditingCapture(RerunCapture):
     """Audits every region as a capture would record it (after the warm-ups, in capture order)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, lock=None) -> None:
+        super().__init__(lock)
         self.violations, self.ops = [], set()
 
     def __call__(self, region):
         audit = CaptureAudit()
-        with audit:
+        with self.lock, audit:
             region()
         self.violations += audit.violations
         self.ops |= set(audit.ops)
@@ -232,7 +232,7 @@ def test_a_deployment_with_decode_graphs_matches_colocated(qwen3_ref, monkeypatc
 
     captures = []
 
-    def capture_on_cpu(device, enforce_eager, node, model=None):
+    def capture_on_cpu(device, enforce_eager, node):
         captures.append(RerunCapture(INTERPRETER))
         return captures[-1]
 
@@ -249,3 +249,28 @@ def test_a_deployment_with_decode_graphs_matches_colocated(qwen3_ref, monkeypatc
     assert len(captures) == 4  # both attention nodes and both expert nodes captured, and replayed
     assert all(c.replays > 0 for c in captures), [c.replays for c in captures]
     assert all(s.kv_cache_usage == 0.0 for s in stats)
+
+
+@pytest.mark.parametrize("deepseek_ref", ["deepseek_v3"], indirect=True)
+def test_a_deepseek_deployment_captures_its_latent_attention(deepseek_ref, monkeypatch):
+    """MLA's decode through the graphs (they captured nothing for it before its kernels): every
+    region audited as a capture records it (the latent kernels launch, nothing capture forbids
+    runs), then replayed; the dense first layer eager; the colocated engine's greedy tokens."""
+    from tests.megainfer.test_disagg import colocated, run_local_deployment
+
+    captures = []
+
+    def capture_on_cpu(device, enforce_eager, node):
+        captures.append(AuditingCapture(INTERPRETER))
+        return captures[-1]
+
+    monkeypatch.setattr(decode_graphs, "decode_capture", capture_on_cpu)
+    prompts = deepseek_ref.prompts[:2]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = colocated(deepseek_ref.path, prompts, params=params)
+    got, _ = run_local_deployment(deepseek_ref.path, 1, 2, 2, prompts, cuda_graph_sizes=(2, 4), steps=30,
+                                  params=params, worker_options={"decode_graph_tokens": 8, "cuda_graph_sizes": (2, 4)})
+    assert got == expected
+    attention = [c for c in captures if "triton:latent_decode_kernel" in c.ops]
+    assert len(attention) == 1 and attention[0].replays > 0
+    assert all(c.violations == [] for c in captures), [c.violations for c in captures]

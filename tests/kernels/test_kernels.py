@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels import attention_jit, attention_triton, dispatch, moe_ref, moe_triton, tiles  # noqa: E402
+from kernels import attention_jit, attention_triton, dispatch, latent_attention_triton, moe_ref, moe_triton, tiles  # noqa: E402
+from kernels import latent_attention_ref  # noqa: E402
 from kernels import paged_attention_ref as attention_ref  # noqa: E402
 from kernels.choice import REFERENCE, TRITON, KernelFailed, ShapeChoice, ShapeKey, bucket  # noqa: E402
 from kernels.paged_samples import PagedCache, batch_of, expected  # noqa: E402
@@ -68,6 +69,79 @@ def test_prefill_kernel_matches_reference_and_dense(hq, hkv, page):
     out = attention_triton.prefill_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
                                              torch.tensor(starts, dtype=torch.int32), starts, 0.3)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+# -- latent attention (DeepSeek's MLA, absorbed) -------------------------------------------------
+def _latent_case(heads, rank, rope, page, lens, chunks, dtype=torch.float32, seed=1):
+    """A [c | k_r] cache (the values are the keys' latent columns), its batch, random queries and
+    the dense float32 answer cut to the latent."""
+    cache = PagedCache(lens, page, 1, rank + rope, dtype=dtype, seed=seed)
+    cache.v = cache.k
+    batch, starts = batch_of(cache, chunks)
+    q = torch.randn(starts[-1], heads, rank + rope, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return cache, batch, q, expected(cache, q.float(), starts, 0.1)[..., :rank]
+
+
+# Heads: fewer than a tile (padded rows), V2-Lite's 8 at TP 2, 16 (V3 at TP 8: one head block), 24 (a
+# partial second block); latent widths 32, 48 (not a power of two) and 64; rope 8 and 16.
+@pytest.mark.parametrize("heads, rank, rope, page", [(4, 32, 16, 16), (8, 48, 8, 1), (16, 64, 16, 4),
+                                                     (24, 32, 8, 16)])
+@pytest.mark.parametrize("chunks", [[1, 1, 1, 12, 30], [1, 1, 1], [9, 30]],
+                         ids=["hybrid", "decode-only", "prefill-only"])
+@pytest.mark.parametrize("splits", [None, 3], ids=["one-split", "3-splits"])
+def test_latent_attention_kernel_matches_reference_and_dense(heads, rank, rope, page, chunks, splits):
+    lens = [max(n, c) for n, c in zip([3, 16, 40, 12, 30], chunks)]  # a sequence ending on a 16-token page
+    cache, batch, q, want = _latent_case(heads, rank, rope, page, lens, chunks)
+    ref = latent_attention_ref.latent_attention(q, cache.k, batch, 0.1, rank)
+    torch.testing.assert_close(ref, want, **TOL[torch.float32])
+    out = latent_attention_triton.latent_attention(q, cache.k, batch.block_tables, batch.seq_lens,
+                                                   batch.query_start_loc, batch.query_start_host, batch.num_single,
+                                                   0.1, rank, num_splits=splits)
+    assert out.shape == (q.shape[0], heads, rank)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_latent_attention_kernel_in_half_precision_at_deepseeks_widths(dtype):
+    """V3's own widths (a 512-wide latent, 64 rotary dims), 16 heads as at TP 8."""
+    cache, batch, q, want = _latent_case(16, 512, 64, 16, [40, 7, 33], [1, 7, 12], dtype=dtype)
+    out = latent_attention_triton.latent_attention(q, cache.k, batch.block_tables, batch.seq_lens,
+                                                   batch.query_start_loc, batch.query_start_host, batch.num_single,
+                                                   0.1, 512)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+def test_latent_attention_names_the_argument_it_cannot_read():
+    cache, batch, q, _ = _latent_case(4, 32, 16, 16, [5], [1])
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.query_start_host, 1, 0.1)
+    with pytest.raises(ValueError, match="rank: want 0 < rank < the query's width 48"):
+        latent_attention_triton.latent_attention(q, cache.k, *args, 48)
+    with pytest.raises(ValueError, match=r"cache: want a contiguous \[blocks, page, 1, 48\]"):
+        latent_attention_triton.latent_attention(q, cache.k.expand(-1, -1, 2, -1).contiguous(), *args, 32)
+    with pytest.raises(ValueError, match="cache: dtype torch.bfloat16 differs"):
+        latent_attention_triton.latent_attention(q, cache.k.bfloat16(), *args, 32)
+
+
+def test_dispatch_times_latent_attention_per_bucket_and_plans_it_once(monkeypatch):
+    """On CUDA (FASTEST) the latent kernels are timed against the reference per bucket like every
+    attention call; under MEGAINFER_KERNELS=triton a batch's plan is built once for all layers."""
+    cache, batch, q, want = _latent_case(8, 32, 16, 16, [12, 30], [1, 30])
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device: dispatch.FASTEST)
+    monkeypatch.setattr(dispatch, "_choice", ShapeChoice(timer=lambda fn, reps, warmup: (1.0, fn())))
+    torch.testing.assert_close(dispatch.latent_attention(q, cache.k, batch, 0.1, 32), want, **TOL[torch.float32])
+    (decision,) = dispatch.decisions()
+    assert decision.op == "latent_attention" and decision.triton_ms is not None and decision.reference_ms is not None
+    monkeypatch.undo()
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    built = []
+    plan_latent = latent_attention_triton.plan_latent
+    monkeypatch.setattr(latent_attention_triton, "plan_latent", lambda *a, **k: built.append(1) or plan_latent(*a, **k))
+    cache, batch, q, want = _latent_case(8, 32, 16, 16, [12, 30], [1, 30])
+    for _ in range(3):  # three layers of one step
+        torch.testing.assert_close(dispatch.latent_attention(q, cache.k, batch, 0.1, 32), want, **TOL[torch.float32])
+    assert built == [1]
 
 
 @pytest.mark.parametrize("chunks", [[1, 1, 1, 12, 30], [1, 1, 1], [9, 30], [1]],
@@ -755,6 +829,23 @@ def test_engine_tokens_unchanged_with_the_triton_kernels(monkeypatch, qwen3_ref)
     assert got == want
 
 
+def test_deepseek_tokens_unchanged_with_the_latent_kernels(monkeypatch, deepseek_ref):
+    """The tiny DeepSeek checkpoints (MLA with and without the q bottleneck, 4 and 6 heads) through
+    the latent-attention kernels, chunked so that steps hold decodes and prompt chunks together:
+    greedy tokens equal to the reference kernels'."""
+    from megainfer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [p[:12] for p in deepseek_ref.prompts[:3]]
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    want = [o.outputs[0].token_ids for o in LLM(str(deepseek_ref.path), max_num_batched_tokens=16).generate(prompts,
+                                                                                                           params)]
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    got = [o.outputs[0].token_ids for o in LLM(str(deepseek_ref.path), max_num_batched_tokens=16).generate(prompts,
+                                                                                                          params)]
+    assert got == want
+
+
 def compile_check(*args: str) -> subprocess.CompletedProcess:
     """`python -m kernels.compile_check` outside the interpreter (it has no compiler)."""
     import triton
@@ -771,14 +862,16 @@ def test_kernels_compile_for_a_gpu_without_one():
     shared memory per program) and an H100 (sm_90) by Triton's own ptxas, the rows nearest a
     limit or that differ by architecture (about 30 s on two cores): the POD kernel at Qwen3's
     16-head groups with two programs fitting on an SM, head dim 64, the decode and prefill
-    grouped-GEMM rows (gpt-oss's biased, clamped one too, at its 2880-wide experts), all without
-    spills and within the architecture's shared memory."""
+    grouped-GEMM rows (gpt-oss's biased, clamped one too, at its 2880-wide experts), DeepSeek-V3's
+    latent-attention kernels at TP 8 (a [16, 512] accumulator), all without spills and within the
+    architecture's shared memory."""
     out = compile_check("--quick", "--arch", "80", "89", "90")
     assert out.returncode == 0, out.stdout + out.stderr
     for arch in ("sm_80", "sm_89", "sm_90"):
         section = out.stdout.split(arch)[1].split("sm_")[0]
         assert "pod_kernel" in section and "reads %smid" in section and "_gate_up_kernel" in section, out.stdout
         assert "gpt-oss-120b 512 rows/expert bf16 bias+clamp" in section, out.stdout
+        assert "latent_decode_kernel" in section and "deepseek-v3 tp8 16x512+64 bf16" in section, out.stdout
 
 
 @pytest.mark.slow

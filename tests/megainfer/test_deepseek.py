@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3: config.json read, the grouped routing as transformers' routers route, a
-block-scaled FP8 checkpoint served as its dequantized weights, and MLA's wide heads kept off the
-Triton attention kernels and the decode graphs, said so."""
+block-scaled FP8 checkpoint served as its dequantized weights, and MLA's attention through the
+latent kernels, which decode graphs capture."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import PagedAttentionBatch
 from megainfer import LLM, SamplingParams
 from megainfer.hf_config import from_hf_dict
 from megainfer.model.grouped_routing import grouped_choice, grouped_weights
@@ -125,17 +126,25 @@ def test_fp8_checkpoint_serves_the_tokens_of_its_dequantized_weights(tmp_path):
     assert LLM(str(fp8_dir), dtype="float32").generate([prompt], params)[0].outputs[0].token_ids == want
 
 
-def test_mla_heads_run_the_reference_attention_and_decode_eager_saying_why():
-    from kernels.choice import REFERENCE, ShapeChoice, ShapeKey
+def test_mla_takes_the_latent_kernels_and_decode_captures_its_graphs(monkeypatch):
+    """MLA's 576-wide heads no longer keep a GPU's decode eager: they run kernels.latent_attention
+    (tests/kernels/test_kernels.py), which the graphs capture."""
     from megainfer.disagg.decode_graphs import eager_reason
+    from megainfer.model import latent_attention
 
-    reason = eager_reason(torch.device("cuda"), False, PRESETS["deepseek-v3"])
-    assert "576-wide latent heads" in reason
-    assert eager_reason(torch.device("cuda"), True, PRESETS["deepseek-v3"]) == "eager (--enforce-eager)"
-    book = ShapeChoice()
-    key = ShapeKey("paged_attention", ("bf16", 128, 1, 576), (1,), ("seqs",))
-    assert book.reference_only(key, lambda: "ran", "wide heads") == "ran"
-    assert book.choices[key] == REFERENCE and book.decisions[key].reason == "wide heads"
+    monkeypatch.delenv("MEGAINFER_KERNELS", raising=False)
+    assert eager_reason(torch.device("cuda"), False) == ""
+    assert eager_reason(torch.device("cuda"), True) == "eager (--enforce-eager)"
+    calls = []
+    monkeypatch.setattr(latent_attention.kernels, "latent_attention",
+                        lambda query, cache, batch, scale, rank: calls.append(rank) or query[..., :rank])
+    cfg = from_hf_dict(V3)
+    layer = latent_attention.LatentAttention(cfg, cfg.num_heads, torch.float32, "cpu")
+    cache = torch.zeros(2, 16, 1, cfg.kv_cache_width)
+    batch = PagedAttentionBatch.of(torch.tensor([[0]], dtype=torch.int32), [3], [3])
+    cos = sin = torch.ones(8, cfg.qk_rope_head_dim)
+    layer(torch.randn(3, cfg.hidden_size), torch.arange(3), cos, sin, cache, batch)
+    assert calls == [cfg.kv_lora_rank]
 
 
 def test_presets_have_the_published_sizes():

@@ -8,7 +8,8 @@ GQA 4), Mixtral-8x22B (48/8, GQA 6), Qwen3-30B-A3B (32/4, GQA 8) and Qwen3-235B-
 GQA 16); contexts up to 32K; POD hybrid batches (64 decodes over 4K-16K beside a 2K chunk and a
 512-token prompt) reading %smid; expert GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and
 Mixtral-8x22B from decode (4 tokens) to prefill (4096) sizes, and gpt-oss-20b's (biases, the
-clamped SwiGLU, widths of 2880); fused gating at Qwen3's routing shape; the attention half's
+clamped SwiGLU, widths of 2880); DeepSeek-V3's latent attention at TP 8 (16 heads over a
+512 + 64-wide [c | k_r] cache, contexts up to 32K, a hybrid batch); fused gating at Qwen3's routing shape; the attention half's
 fused kernels (residual add + RMSNorm, rotary + KV write); and a step's hot path launched
 without a host synchronisation."""
 
@@ -261,6 +262,54 @@ def _gpt_oss_sample(ctx: CheckContext, scale: Scale, heads: Heads, lens, chunks,
     return cache, freed, q, expected(cache, q, starts, heads.dim ** -0.5, sinks, window)
 
 
+@dataclass(frozen=True)
+class LatentShapes:
+    """DeepSeek's latent attention (MLA, absorbed): heads per rank, latent and rotary widths, the
+    softmax scale's head dim (nope + rope), decode contexts and a hybrid batch."""
+
+    model: str
+    heads: int
+    rank: int
+    rope: int
+    qk_head_dim: int
+    decode_lens: tuple[int, ...]
+    hybrid: tuple[tuple[int, ...], tuple[int, ...]]  # (chunks, lens): decodes (1) first
+
+
+LATENT_REAL = LatentShapes("deepseek-v3 tp8", 16, 512, 64, 192, (1, 17, 4096, 16384, 32768),
+                           ((1,) * 32 + (2048, 512), tuple(range(300, 300 + 32 * 400, 400)) + (8192 + 2048, 512)))
+LATENT_SMALL = LatentShapes("mla-like", 8, 32, 16, 24, (1, 17, 40), ((1, 1, 12, 30), (20, 40, 28, 30)))
+
+
+def check_latent_attention(ctx: CheckContext, scale: Scale, shapes: LatentShapes) -> None:
+    """The latent-attention kernels (decode with splits None, 1 and 16; a hybrid batch of decodes
+    and prompt chunks) against float32 attention over the same [c | k_r] pages, the values their
+    latent columns; on the GPU the torch reference's error beside the decode's."""
+    from kernels import latent_attention_ref, latent_attention_triton
+
+    label = f"{shapes.model} {shapes.heads}x{shapes.rank}+{shapes.rope}"
+    sc = shapes.qk_head_dim ** -0.5
+    for name, chunks, lens in (("decode", (1,) * len(shapes.decode_lens), shapes.decode_lens),
+                               ("hybrid", *shapes.hybrid)):
+        decodes = chunks.count(1)
+        title = (f"latent decode {label}, contexts up to {max(lens)}" if name == "decode" else
+                 f"latent hybrid {label}, {decodes} decodes + chunks {'/'.join(map(str, chunks[decodes:]))}")
+        with ctx.case(title) as case:
+            cache = PagedCache(list(lens), scale.page, 1, shapes.rank + shapes.rope, scale.dtype, seed=11,
+                               device=ctx.device)
+            cache.v = cache.k  # the values are the keys' latent columns
+            batch, starts = batch_of(cache, list(chunks))
+            q = _queries(starts[-1], shapes.heads, shapes.rank + shapes.rope, scale.dtype, ctx.device, 11)
+            want = expected(cache, q, starts, sc)[..., :shapes.rank]
+            reference = latent_attention_ref.latent_attention(q, cache.k, batch, sc, shapes.rank) \
+                if ctx.on_gpu and name == "decode" else None
+            for splits in ((None, 1, 16) if name == "decode" else (None, 4)):
+                out = latent_attention_triton.latent_attention(
+                    q, cache.k, batch.block_tables, batch.seq_lens, batch.query_start_loc, starts, decodes, sc,
+                    shapes.rank, max_decode_len=max(lens[:decodes], default=0), num_splits=splits)
+                _errors(case, out, want, reference, scale.atol)
+
+
 def check_grouped_gemm(ctx: CheckContext, scale: Scale, experts: Experts, tokens: int) -> None:
     from kernels import moe_triton
 
@@ -503,6 +552,7 @@ def run(ctx: CheckContext) -> None:
     check_pod_one_kind(ctx, scale, scale.heads[-1])
     for windowed in ((True, False) if ctx.on_gpu else (True,)):  # the interpreter: the window's, with sinks
         check_gpt_oss_attention(ctx, scale, GPT_OSS_REAL if ctx.on_gpu else GPT_OSS_SMALL, windowed)
+    check_latent_attention(ctx, scale, LATENT_REAL if ctx.on_gpu else LATENT_SMALL)
     for experts in scale.experts:
         for tokens in scale.expert_tokens:
             check_grouped_gemm(ctx, scale, experts, tokens)
