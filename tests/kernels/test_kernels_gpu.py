@@ -63,6 +63,7 @@ CHECKS = {**{f"decode {h}": (checks.check_decode, h) for h in checks.REAL.heads}
                                                                        checks.GPT_OSS_REAL, w) for w in (True, False)},
           **{f"gemm {e.model} {t}": (checks.check_grouped_gemm, e, t) for e in checks.REAL.experts
              for t in checks.REAL.expert_tokens},
+          "latent attention": (checks.check_latent_attention, checks.LATENT_REAL),
           "gating": (checks.check_gating, checks.REAL.experts[0])}
 
 
