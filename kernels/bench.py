@@ -5,6 +5,9 @@
   one after the other (the prefill kernel, then the split-KV decode kernel), and against the
   torch reference (SDPA over gathered pages).
 - Decode attention alone: the split-KV decode kernel against torch SDPA on the gathered K/V.
+- DeepSeek-V3's latent attention (MLA, absorbed; 16 heads at TP 8 over a 512 + 64-wide cache):
+  the latent kernels against the torch reference (SDPA over the gathered pages, keys and values
+  the same 576-wide tensor, cut to the latent), on decode-only and hybrid batches.
 - The grouped SwiGLU expert GEMM against a per-expert loop of cuBLAS GEMMs (`F.linear`).
 
 Every ratio is the peer's time over the kernel's, both measured in the same run (above 1:
@@ -54,6 +57,15 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class LatentHeads:
+    name: str
+    heads: int  # query heads per rank
+    rank: int  # kv_lora_rank: the cached latent's width
+    rope: int  # qk_rope_head_dim: the cached rotary key's width
+    qk_head_dim: int  # nope + rope: the softmax scale's
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     model: str
     experts: int
@@ -70,6 +82,7 @@ class Suite:
     hybrid: tuple[HybridConfig, ...]
     decode: tuple[DecodeConfig, ...]
     moe: tuple[MoeConfig, ...]
+    latent: LatentHeads  # timed on `decode`'s batches and `hybrid`'s second
     page: int  # tokens per KV page
     dtype: torch.dtype
     iters: int  # timed calls per measurement
@@ -84,13 +97,13 @@ FULL = Suite(
     decode=(DecodeConfig(64, 4096), DecodeConfig(64, 16384), DecodeConfig(8, 32768)),
     moe=(MoeConfig("mixtral-8x7b", 8, 2, 4096, 14336, 256), MoeConfig("mixtral-8x7b", 8, 2, 4096, 14336, 4096),
          MoeConfig("qwen3-30b-a3b", 128, 8, 2048, 768, 256), MoeConfig("qwen3-30b-a3b", 128, 8, 2048, 768, 4096)),
-    page=16, dtype=torch.bfloat16, iters=20, warmup=3)
+    latent=LatentHeads("deepseek-v3 tp8", 16, 512, 64, 192), page=16, dtype=torch.bfloat16, iters=20, warmup=3)
 SMOKE = Suite(
     heads=(Heads("tiny-gqa4", 8, 2, 32),),
     hybrid=(HybridConfig("tiny", 3, 40, 20),),
     decode=(DecodeConfig(3, 40),),
     moe=(MoeConfig("tiny", 4, 2, 32, 48, 8),),
-    page=16, dtype=torch.float32, iters=2, warmup=1)
+    latent=LatentHeads("tiny-mla", 8, 32, 16, 24), page=16, dtype=torch.float32, iters=2, warmup=1)
 BALANCED = "chunk2k-ctx8k"  # the batch the goal is stated on
 
 
@@ -183,6 +196,34 @@ def bench_decode(suite: Suite, device: torch.device) -> list[dict]:
     return rows
 
 
+def bench_latent(suite: Suite, device: torch.device) -> list[dict]:
+    """The latent-attention kernels against the torch reference on decode-only batches and on the
+    second hybrid batch."""
+    from kernels import latent_attention_ref as r
+    from kernels import latent_attention_triton as t
+
+    h = suite.latent
+    heads = Heads(h.name, h.heads, 1, h.rank + h.rope)
+    scale = h.qk_head_dim ** -0.5
+    batches = [(f"decode {c.decodes}x{c.context}", [c.context] * c.decodes, [1] * c.decodes) for c in suite.decode]
+    hybrid = suite.hybrid[min(1, len(suite.hybrid) - 1)]
+    batches.append((f"hybrid {hybrid.name}", [hybrid.context] * hybrid.decodes + [hybrid.context + hybrid.chunk],
+                    [1] * hybrid.decodes + [hybrid.chunk]))
+    rows = []
+    for name, lens, chunks in batches:
+        q, cache, _, b = _paged_batch(lens, chunks, heads, suite, device)
+        d = b.num_single
+        plan = t.plan_latent(q, h.rank, b.block_tables, suite.page, b.query_start_host, d, max(lens[:d], default=0))
+        triton_ms = _time_ms(lambda: t.latent_attention(q, cache, b.block_tables, b.seq_lens, b.query_start_loc,
+                                                        b.query_start_host, d, scale, h.rank, plan=plan),
+                             device, suite.iters, suite.warmup)
+        reference_ms = _time_ms(lambda: r.latent_attention(q, cache, b, scale, h.rank), device, suite.iters,
+                                suite.warmup)
+        rows.append({"heads": h.name, "batch": name, "triton_ms": triton_ms, "torch_reference_ms": reference_ms,
+                     "triton_vs_reference": reference_ms / triton_ms})
+    return rows
+
+
 def bench_moe(suite: Suite, device: torch.device) -> list[dict]:
     """The grouped expert GEMM against one cuBLAS GEMM pair per expert."""
     from kernels import moe_ref, moe_triton
@@ -209,7 +250,7 @@ def bench_moe(suite: Suite, device: torch.device) -> list[dict]:
     return rows
 
 
-def _print(hybrid: list[dict], decode: list[dict], moe: list[dict]) -> None:
+def _print(hybrid: list[dict], decode: list[dict], latent: list[dict], moe: list[dict]) -> None:
     print(f"{'hybrid batch':16s} {'heads':16s} {'decodes':>7s} {'context':>7s} {'chunk':>6s} {'POD ms':>8s} "
           f"{'serial ms':>9s} {'SDPA ms':>8s} {'serial/POD':>10s} {'SDPA/POD':>8s}")
     for r in hybrid:
@@ -222,6 +263,11 @@ def _print(hybrid: list[dict], decode: list[dict], moe: list[dict]) -> None:
     for r in decode:
         print(f"{'':16s} {r['heads']:16s} {r['decodes']:7d} {r['context']:7d} {r['triton_ms']:9.3f} "
               f"{r['torch_sdpa_ms']:8.3f} {r['triton_vs_sdpa']:10.2f}x")
+    print()
+    print(f"{'latent (MLA)':16s} {'batch':28s} {'Triton ms':>9s} {'ref ms':>8s} {'ref/Triton':>10s}")
+    for r in latent:
+        print(f"{r['heads']:16s} {r['batch']:28s} {r['triton_ms']:9.3f} {r['torch_reference_ms']:8.3f} "
+              f"{r['triton_vs_reference']:9.2f}x")
     print()
     print(f"{'MoE':16s} {'experts':>7s} {'top_k':>5s} {'tokens':>6s} {'grouped ms':>10s} {'loop ms':>8s} "
           f"{'loop/grouped':>12s}")
@@ -246,7 +292,8 @@ def run(json_path: str | None = None, smoke: bool = False) -> int:
     device = _device(smoke)
     suite = SMOKE if smoke else FULL
     hybrid, decode, moe = bench_hybrid(suite, device), bench_decode(suite, device), bench_moe(suite, device)
-    _print(hybrid, decode, moe)
+    latent = bench_latent(suite, device)
+    _print(hybrid, decode, latent, moe)
     balanced = [r for r in hybrid if r["name"] == BALANCED]
     for r in balanced:
         print(f"goal: POD at least 1.2x the serial pair on {BALANCED} ({r['heads']}): {r['pod_vs_serial']:.2f}x")
@@ -258,5 +305,5 @@ def run(json_path: str | None = None, smoke: bool = False) -> int:
         with open(json_path, "w") as f:
             json.dump({"benchmark": "kernels", "smoke": smoke, "device": name, "torch": torch.__version__,
                        "machine": platform.node(), "dtype": str(suite.dtype).removeprefix("torch."),
-                       "hybrid": hybrid, "decode": decode, "moe": moe}, f, indent=2)
+                       "hybrid": hybrid, "decode": decode, "latent": latent, "moe": moe}, f, indent=2)
     return 0
