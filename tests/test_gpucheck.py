@@ -134,3 +134,30 @@ def test_the_m2n_core_builds_in_place_from_the_checkout(tmp_path):
     built, said = build_m2n_core(tmp_path)
     assert built, said
     assert list((tmp_path / "transport").glob("_m2n_core*.so"))
+
+
+def test_the_environment_check_names_a_transformers_that_imports_hugging_faces_kernels(monkeypatch, tmp_path):
+    """transformers 5.25 imports Hugging Face's `kernels` with every model; from a checkout ours
+    shadows it. The check fails that case naming the collision and the fix, and goes on."""
+    import importlib
+
+    import torch
+
+    from megainfer.tools.gpucheck import environment
+    from megainfer.tools.gpucheck.context import CheckContext
+    from megainfer.tools.gpucheck.records import RecordLog
+
+    real = importlib.import_module
+
+    def shadowed(name, *args):
+        if name == "transformers.modeling_utils":
+            raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (/checkout/kernels/__init__.py)")
+        return real(name, *args)
+
+    monkeypatch.setattr(environment.importlib, "import_module", shadowed)
+    environment.run(CheckContext("environment", torch.device("cpu"), tmp_path, float("inf")))
+    records = {r.case: r for r in RecordLog(tmp_path).read()}
+    failed = records["transformers loads models beside this checkout's kernels package"]
+    assert failed.status is Status.FAILED
+    assert "shadows it" in failed.detail and "transformers below 5.25" in failed.detail
+    assert records["the compiled M2N core (built here if missing)"].status is Status.PASSED  # the check went on

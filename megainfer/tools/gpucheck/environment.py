@@ -24,6 +24,16 @@ def _version(module: str) -> str | None:
         return None
 
 
+def _distribution_version(name: str) -> str | None:
+    """An installed distribution's version (not a module's: the module name may be shadowed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _driver() -> str | None:
     try:
         import pynvml
@@ -69,6 +79,19 @@ def run(ctx: CheckContext) -> None:
             f |= {"gpu": props.name, "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2 ** 30, 2),
                   "compute_capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda,
                   "driver": _driver(), "gpus_visible": torch.cuda.device_count()}
+    with ctx.case("transformers loads models beside this checkout's kernels package") as case:
+        case.figures["hf_kernels"] = _distribution_version("kernels")
+        try:
+            importlib.import_module("transformers.modeling_utils")
+        except ImportError as exc:
+            if "kernels" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"transformers {_version('transformers')} imports Hugging Face's `kernels` "
+                f"{case.figures['hf_kernels']} with every model, and this checkout's top-level `kernels` package "
+                "shadows it, so the engine and pair checks cannot build their transformers references: use "
+                "transformers below 5.25 (its `kernels` is optional: pip uninstall kernels) "
+                "(docs/architecture.md, 'Departures')") from exc
     with ctx.case("Triton can build its launcher (a C compiler)") as case:
         compiler = _c_compiler()
         case.figures["cc"] = compiler
