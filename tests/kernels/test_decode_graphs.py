@@ -225,18 +225,25 @@ def test_expert_graphs_answer_the_live_tokens_as_eager():
     assert graphs.run(0, records, 9) is None  # past the largest size: eager
 
 
+def captured_on_cpu(monkeypatch, capture_type) -> list:
+    """Every node of a deployment captures its decode graphs with `capture_type` (a RerunCapture
+    holding the interpreter's lock) where it would take a GPU's; returns the list they land in."""
+    captures = []
+
+    def capture_on_cpu(device, enforce_eager, node):
+        captures.append(capture_type(INTERPRETER))
+        return captures[-1]
+
+    monkeypatch.setattr(decode_graphs, "decode_capture", capture_on_cpu)
+    return captures
+
+
 def test_a_deployment_with_decode_graphs_matches_colocated(qwen3_ref, monkeypatch):
     """Two attention nodes, two expert nodes, m = 2, every decode micro-batch through the graphs
     (replayed by running their regions) and prompts eager: the colocated engine's greedy tokens."""
     from tests.megainfer.test_disagg import colocated, run_local_deployment
 
-    captures = []
-
-    def capture_on_cpu(device, enforce_eager, node):
-        captures.append(RerunCapture(INTERPRETER))
-        return captures[-1]
-
-    monkeypatch.setattr(decode_graphs, "decode_capture", capture_on_cpu)
+    captures = captured_on_cpu(monkeypatch, RerunCapture)
     prompts = qwen3_ref.prompts[:2]
     # Six tokens each (every decode step replays interpreted Triton kernels, ~0.2 s a launch), in
     # 40 lockstep steps: the prompts' prefills and five decode steps take under ten.
@@ -258,13 +265,7 @@ def test_a_deepseek_deployment_captures_its_latent_attention(deepseek_ref, monke
     runs), then replayed; the dense first layer eager; the colocated engine's greedy tokens."""
     from tests.megainfer.test_disagg import colocated, run_local_deployment
 
-    captures = []
-
-    def capture_on_cpu(device, enforce_eager, node):
-        captures.append(AuditingCapture(INTERPRETER))
-        return captures[-1]
-
-    monkeypatch.setattr(decode_graphs, "decode_capture", capture_on_cpu)
+    captures = captured_on_cpu(monkeypatch, AuditingCapture)
     prompts = deepseek_ref.prompts[:2]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     expected = colocated(deepseek_ref.path, prompts, params=params)
