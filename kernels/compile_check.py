@@ -167,7 +167,7 @@ def latent_reports(name: str, heads: int, rank: int, rope: int, dtype: torch.dty
     common = dict(H=heads, RANK=rank, ROPE=rope, PAGE=PAGE, BLOCK_N=t.block_n, BLOCK_C=pow2(rank),
                   BLOCK_P=max(16, pow2(rope)), IEEE=dtype == torch.float32)
     shape = f"{name} {heads}x{rank}+{rope} {TYPES[dtype]}"
-    return [compile_one(jit.latent_decode_kernel, common | dict(BLOCK_H=max(16, t.block_h)), pointers,
+    return [compile_one(jit.latent_decode_kernel, common | dict(BLOCK_H=t.decode_h), pointers,
                         t.decode_warps, t.num_stages, arch, shape),
             compile_one(jit.latent_prefill_kernel, common | dict(BLOCK_T=t.block_t, BLOCK_H=t.block_h), pointers,
                         t.prefill_warps, t.num_stages, arch, shape)]

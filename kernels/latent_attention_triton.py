@@ -2,7 +2,7 @@
 decode with the generic kernels' merge, then causal prefill tiles; the programs live in
 `latent_attention_jit`, the reference in `latent_attention_ref` (same signature but the plan).
 
-A decode program takes BLOCK_H heads of one sequence's token (FlashMLA's rows: every head reads
+A decode program takes 16 or 32 heads of one sequence's token (FlashMLA's rows: every head reads
 the same cache tile); a prefill program BLOCK_T tokens x BLOCK_H heads. Tiles (`LatentTiles`)
 are sized so the accumulator [rows, rank] stays in registers at DeepSeek's rank of 512:
 `python -m kernels.compile_check` compiles them at V2's and V3's shapes. Nothing here reads a
@@ -27,7 +27,8 @@ from kernels.tiles import pow2
 class LatentTiles:
     """Tile sizes of one (heads, rank, rope, dtype) shape."""
 
-    block_h: int  # heads per program (rows of a decode tile; padded with masked rows below 16)
+    decode_h: int  # heads per decode program: its tile's rows (masked rows pad fewer heads to 16)
+    block_h: int  # heads per prefill program
     block_t: int  # query tokens per prefill tile (its rows: block_t x block_h)
     block_n: int  # cached positions per K/V tile
     decode_warps: int
@@ -36,15 +37,19 @@ class LatentTiles:
 
 
 def latent_tiles(heads: int, rank: int, dtype: torch.dtype, interpreted: bool = INTERPRETED) -> LatentTiles:
-    """16 rows per decode tile (tensor cores' smallest M; FlashMLA's 64 need a warpgroup's
-    split of the value width that Triton does not express); 32 per prefill tile, as many of them
-    heads as there are, up to 16. float32 tiles are twice the bytes: half the cached positions
-    per tile, and 16 prefill rows (32 spill on sm_89/90: `python -m kernels.compile_check`). The
-    interpreter runs the same tiles (it has no shared memory to fit)."""
+    """Decode tiles of 16 heads (tensor cores' smallest M), 32 from 32 heads up (DeepSeek-V3 at TP 1,
+    2 and 4) with 8 warps: each program reads the whole cache of its sequence, so fewer, taller
+    head blocks read it fewer times (FlashMLA's 64 need a warpgroup's split of the value width
+    that Triton does not express; 64 rows spill on sm_90). Prefill tiles of 32 rows, as many of
+    them heads as there are, up to 16. float32 tiles are twice the bytes: half the cached
+    positions per tile, 16 rows (32 spill on sm_89/90). `python -m kernels.compile_check` compiles
+    each. The interpreter runs the same tiles (it has no shared memory to fit)."""
     wide = dtype == torch.float32 or rank > 512
     block_h = 16 if heads >= 16 else max(1, pow2(heads))
-    return LatentTiles(block_h=block_h, block_t=max(1, (16 if wide else 32) // block_h), block_n=16 if wide else 32,
-                       decode_warps=4, prefill_warps=8, num_stages=1 if interpreted else 2)
+    decode_h = 32 if heads >= 32 and not wide else 16
+    return LatentTiles(decode_h=decode_h, block_h=block_h, block_t=max(1, (16 if wide else 32) // block_h),
+                       block_n=16 if wide else 32, decode_warps=8 if decode_h > 16 else 4, prefill_warps=8,
+                       num_stages=1 if interpreted else 2)
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,9 @@ def plan_latent(query: torch.Tensor, rank: int, block_tables: torch.Tensor, page
     longest decode's cached tokens, known on the host (default: the block tables' width)."""
     heads = query.shape[1]
     tiles = latent_tiles(heads, rank, query.dtype)
-    head_blocks = -(-heads // tiles.block_h)
     max_len = max_decode_len if max_decode_len is not None else block_tables.shape[1] * page
-    splits = plan_splits(num_single * head_blocks, max_len, tiles.block_n, num_sms(query.device), num_splits)
+    splits = plan_splits(num_single * -(-heads // tiles.decode_h), max_len, tiles.block_n, num_sms(query.device),
+                         num_splits)
     return LatentPlan(tiles, splits, plan_prefill(query_start_host, num_single, tiles.block_t, query.device))
 
 
@@ -100,7 +105,6 @@ def latent_attention(query: torch.Tensor, cache: torch.Tensor, block_tables: tor
     plan = plan or plan_latent(query, rank, block_tables, page, query_start_host, num_single, max_decode_len,
                                num_splits)
     t = plan.tiles
-    head_blocks = -(-heads // t.block_h)
     blocks = dict(RANK=rank, ROPE=rope, PAGE=page, BLOCK_N=t.block_n, BLOCK_C=pow2(rank), BLOCK_P=max(16, pow2(rope)),
                   IEEE=_ieee(query), num_stages=t.num_stages)
     strides = (block_tables.stride(0), query.stride(0), query.stride(1))
@@ -111,14 +115,14 @@ def latent_attention(query: torch.Tensor, cache: torch.Tensor, block_tables: tor
             part_lse = torch.empty(num_single, heads, splits.count, dtype=torch.float32, device=query.device)
         else:  # unused with one split
             part_out = part_lse = torch.empty(1, dtype=torch.float32, device=query.device)
-        jit.latent_decode_kernel[(num_single, head_blocks, splits.count)](
+        jit.latent_decode_kernel[(num_single, -(-heads // t.decode_h), splits.count)](
             query, cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E, *strides, splits.length,
-            splits.count, H=heads, BLOCK_H=max(16, t.block_h), num_warps=t.decode_warps, **blocks)
+            splits.count, H=heads, BLOCK_H=t.decode_h, num_warps=t.decode_warps, **blocks)
         if splits.count > 1:
             attention_jit.merge_kernel[(num_single, heads)](part_out, part_lse, out, splits.count, HQ=heads, D=rank,
                                                            MAX_SPLITS=MAX_SPLITS, BLOCK_D=pow2(rank))
     if plan.prefill.count:
-        jit.latent_prefill_kernel[(plan.prefill.count, head_blocks)](
+        jit.latent_prefill_kernel[(plan.prefill.count, -(-heads // t.block_h))](
             query, cache, block_tables, seq_lens, query_start_loc, plan.prefill.seq, plan.prefill.start, out,
             scale * LOG2E, *strides, H=heads, BLOCK_T=t.block_t, BLOCK_H=t.block_h, num_warps=t.prefill_warps,
             **blocks)

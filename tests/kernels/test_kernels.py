@@ -102,9 +102,12 @@ def test_latent_attention_kernel_matches_reference_and_dense(heads, rank, rope, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_latent_attention_kernel_in_half_precision_at_deepseeks_widths(dtype):
-    """V3's own widths (a 512-wide latent, 64 rotary dims), 16 heads as at TP 8."""
-    cache, batch, q, want = _latent_case(16, 512, 64, 16, [40, 7, 33], [1, 7, 12], dtype=dtype)
+@pytest.mark.parametrize("heads", [16, 40])
+def test_latent_attention_kernel_in_half_precision_at_deepseeks_widths(dtype, heads):
+    """V3's own widths (a 512-wide latent, 64 rotary dims); 16 heads as at TP 8 (decode tiles of 16),
+    40 (decode tiles of 32, the second one partial)."""
+    assert latent_attention_triton.latent_tiles(heads, 512, dtype).decode_h == (16 if heads < 32 else 32)
+    cache, batch, q, want = _latent_case(heads, 512, 64, 16, [40, 7, 33], [1, 7, 12], dtype=dtype)
     out = latent_attention_triton.latent_attention(q, cache.k, batch.block_tables, batch.seq_lens,
                                                    batch.query_start_loc, batch.query_start_host, batch.num_single,
                                                    0.1, 512)
