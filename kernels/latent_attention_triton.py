@@ -1,6 +1,6 @@
 """Triton latent attention (DeepSeek's MLA, absorbed) over a paged [c | k_r] cache: split-KV
 decode with the generic kernels' merge, then causal prefill tiles; the programs live in
-`latent_attention_jit`, the reference in `latent_attention_ref` (same signature but the plan).
+`latent_attention_jit`, the reference in `latent_attention_ref` (which takes the batch whole).
 
 A decode program takes 16 or 32 heads of one sequence's token (FlashMLA's rows: every head reads
 the same cache tile); a prefill program BLOCK_T tokens x BLOCK_H heads. Tiles (`LatentTiles`)
