@@ -161,3 +161,27 @@ def test_the_environment_check_names_a_transformers_that_imports_hugging_faces_k
     assert failed.status is Status.FAILED
     assert "shadows it" in failed.detail and "transformers below 5.25" in failed.detail
     assert records["the compiled M2N core (built here if missing)"].status is Status.PASSED  # the check went on
+
+
+def test_the_environment_check_skips_where_transformers_itself_cannot_load(monkeypatch, tmp_path):
+    """Without transformers' own dependencies (the serving packages hidden above) that case is a
+    skip, as the engine check's transformers cases are, not a failure."""
+    import importlib
+
+    import torch
+
+    from megainfer.tools.gpucheck import environment
+    from megainfer.tools.gpucheck.context import CheckContext
+    from megainfer.tools.gpucheck.records import RecordLog
+
+    real = importlib.import_module
+
+    def missing(name, *args):
+        if name == "transformers.modeling_utils":
+            raise ModuleNotFoundError("No module named 'httpx2'")
+        return real(name, *args)
+
+    monkeypatch.setattr(environment.importlib, "import_module", missing)
+    environment.run(CheckContext("environment", torch.device("cpu"), tmp_path, float("inf")))
+    records = {r.case: r for r in RecordLog(tmp_path).read()}
+    assert records["transformers loads models beside this checkout's kernels package"].status is Status.SKIPPED
