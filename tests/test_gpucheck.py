@@ -136,9 +136,11 @@ def test_the_m2n_core_builds_in_place_from_the_checkout(tmp_path):
     assert list((tmp_path / "transport").glob("_m2n_core*.so"))
 
 
-def test_the_environment_check_names_a_transformers_that_imports_hugging_faces_kernels(monkeypatch, tmp_path):
-    """transformers 5.25 imports Hugging Face's `kernels` with every model; from a checkout ours
-    shadows it. The check fails that case naming the collision and the fix, and goes on."""
+TRANSFORMERS_CASE = "transformers loads models beside this checkout's kernels package"
+
+
+def _environment_where_transformers_raises(monkeypatch, tmp_path, error: ImportError) -> dict:
+    """The environment check run where importing transformers' models raises `error`: its records by case."""
     import importlib
 
     import torch
@@ -149,15 +151,22 @@ def test_the_environment_check_names_a_transformers_that_imports_hugging_faces_k
 
     real = importlib.import_module
 
-    def shadowed(name, *args):
+    def failing(name, *args):
         if name == "transformers.modeling_utils":
-            raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (/checkout/kernels/__init__.py)")
+            raise error
         return real(name, *args)
 
-    monkeypatch.setattr(environment.importlib, "import_module", shadowed)
+    monkeypatch.setattr(environment.importlib, "import_module", failing)
     environment.run(CheckContext("environment", torch.device("cpu"), tmp_path, float("inf")))
-    records = {r.case: r for r in RecordLog(tmp_path).read()}
-    failed = records["transformers loads models beside this checkout's kernels package"]
+    return {r.case: r for r in RecordLog(tmp_path).read()}
+
+
+def test_the_environment_check_names_a_transformers_that_imports_hugging_faces_kernels(monkeypatch, tmp_path):
+    """transformers 5.25 imports Hugging Face's `kernels` with every model; from a checkout ours
+    shadows it. The check fails that case naming the collision and the fix, and goes on."""
+    records = _environment_where_transformers_raises(monkeypatch, tmp_path, ImportError(
+        "cannot import name 'CUDAProperties' from 'kernels' (/checkout/kernels/__init__.py)"))
+    failed = records[TRANSFORMERS_CASE]
     assert failed.status is Status.FAILED
     assert "shadows it" in failed.detail and "transformers below 5.25" in failed.detail
     assert records["the compiled M2N core (built here if missing)"].status is Status.PASSED  # the check went on
@@ -166,22 +175,6 @@ def test_the_environment_check_names_a_transformers_that_imports_hugging_faces_k
 def test_the_environment_check_skips_where_transformers_itself_cannot_load(monkeypatch, tmp_path):
     """Without transformers' own dependencies (the serving packages hidden above) that case is a
     skip, as the engine check's transformers cases are, not a failure."""
-    import importlib
-
-    import torch
-
-    from megainfer.tools.gpucheck import environment
-    from megainfer.tools.gpucheck.context import CheckContext
-    from megainfer.tools.gpucheck.records import RecordLog
-
-    real = importlib.import_module
-
-    def missing(name, *args):
-        if name == "transformers.modeling_utils":
-            raise ModuleNotFoundError("No module named 'httpx2'")
-        return real(name, *args)
-
-    monkeypatch.setattr(environment.importlib, "import_module", missing)
-    environment.run(CheckContext("environment", torch.device("cpu"), tmp_path, float("inf")))
-    records = {r.case: r for r in RecordLog(tmp_path).read()}
-    assert records["transformers loads models beside this checkout's kernels package"].status is Status.SKIPPED
+    records = _environment_where_transformers_raises(monkeypatch, tmp_path,
+                                                     ModuleNotFoundError("No module named 'httpx2'"))
+    assert records[TRANSFORMERS_CASE].status is Status.SKIPPED
