@@ -106,7 +106,7 @@ class ExpertNode(ExpertRank):
         health.experts = list(self.worker.layers[0].expert_ids) if self.worker is not None else list(self.expert_ids)
         if self.worker is not None:
             health.steps, health.tokens, health.timing = self.worker.steps, self.worker.tokens, dict(self.worker.timing)
-            health.pairs = [int(layer.pairs_served) for layer in self.worker.layers]
+            health.pairs = self.worker.served.per_layer()
             health.placement_version = self.worker.switch.version
             health.device_slot_peers = self.worker.slots.direct_peers() if self.worker.slots is not None else []
         return health

@@ -4,7 +4,9 @@ window of steps, the redundancy plan (planner/expert_placement.py) decides each 
 and their shares; the experts that move are loaded on their new nodes beside the serving ones;
 then every rank switches at one agreed step.
 
-1. **Window.** Every attention leader's `ExpertLoadReport`, summed: the deployment's traffic.
+1. **Window.** The deployment's traffic: the expert nodes count the pairs they compute and send
+   every attention rank the step's counts (megainfer/disagg/expert_load_round.py), so any
+   attention leader's `ExpertLoadReport` holds all of it.
 2. **Plan.** Per layer, the redundancy plan with the plan's spare slots (experts.redundant_per_node)
    and floor cost (`planner.expert_placement.re_place`); each node's new experts keep the rows of
    those it already holds (`aligned`), so only the experts that really move are loaded.
@@ -63,12 +65,12 @@ class ExpertRebalancer:
         self._thread: threading.Thread | None = None
 
     def load(self) -> ExpertLoadReport:
-        """The deployment's window: every attention leader's, added up."""
+        """The deployment's window, from every attention leader's (ExpertLoadReport.deployment)."""
         reports = [r for r in gather([n.expert_load.remote() for n in self.group.attention], CALL_TIMEOUT_S)
                    if isinstance(r, ExpertLoadReport)]
         if not reports:
             raise DataPlaneError("no attention node reported its expert loads")
-        return ExpertLoadReport.total(reports)
+        return ExpertLoadReport.deployment(reports)
 
     def propose(self, loads: np.ndarray) -> ExpertReplicas:
         """Every layer's redundancy plan from `loads` [layers, experts], as the next version."""

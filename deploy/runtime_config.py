@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from megainfer.config import DTYPE_BYTES, ModelConfig, estimated_attention_step_bytes, kv_cache_budget_bytes
-from megainfer.disagg.staging_sizes import StagingBytes, attention_staging, expert_staging
+from megainfer.disagg.staging_sizes import StagingBytes, attention_staging, expert_staging, load_round_bytes
 from megainfer.engine_config import EXPERT_LOAD_WINDOW, EngineConfig
 from megainfer.errors import PlanError
 from megainfer.model_resolution import resolve_model
@@ -117,7 +117,9 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     tokens, tp_a = step_tokens(engine), plan.attention.tp
     share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens
     value_bytes = DTYPE_BYTES[plan.dtype]
-    answer_bytes = share * model.hidden_size * value_bytes
+    # An attention rank's receive slot takes one expert node's answer or its load round, the larger.
+    room = model.num_experts // plan.experts.nodes + plan.experts.redundant_per_node  # Plan.expert_replicas'
+    answer_bytes = max(share * model.hidden_size * value_bytes, load_round_bytes(model.num_layers, room))
     record = model.hidden_size * value_bytes + model.top_k * 8  # one token's x, int32 ids, float32 weights
     dispatch_bytes = share * record
     # Staged through pinned memory on CUDA, the largest message of each direction (staging_sizes.py).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from deploy.node_group import NodeGroup, health_of, stats_of
 from megainfer.disagg import latency
-from megainfer.expert_replicas import placed_load
+from megainfer.expert_replicas import imbalance, placed_load
 from megainfer.messages import ExpertLoadReport, NodeStats
 from megainfer.server.backend import NodeInfo
 from megainfer.server.metrics import MetricsSnapshot
@@ -41,14 +41,17 @@ def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHisto
 
 
 def expert_load(groups: list[NodeGroup], engines: list) -> tuple[list[float], list[float]]:
-    """The first replica's expert nodes' load over its attention nodes' windows, under the
-    placement it serves (with several replicas, each its own: the first stands for them)."""
+    """The first replica's expert nodes' load over its attention nodes' windows (with several
+    replicas, each its own: the first stands for them): as the expert nodes counted it, or
+    where they did not, its gating counts under the placement it serves."""
     windows = [e.expert_window for e in engines if e.expert_window is not None]
     if not groups or not windows or groups[0].expert_replicas is None:
         return [], []
     share = len(groups[0].attention)  # stats_of lists every group's attention leaders in order
-    loads = ExpertLoadReport.total(windows[:share]).of("all")
-    units, per_layer = placed_load(groups[0].expert_replicas, loads)
+    window = ExpertLoadReport.deployment(windows[:share])
+    if window.node_pairs is not None:
+        return window.node_pairs.sum(axis=0).tolist(), [imbalance(layer) for layer in window.node_pairs]
+    units, per_layer = placed_load(groups[0].expert_replicas, window.of("all"))
     return units.tolist(), per_layer
 
 

@@ -322,12 +322,17 @@ class ExpertLoad:
 class ExpertLoadReport:
     """Tokens routed to each (layer, expert) over an engine's last `window` steps, decode steps
     and steps with prompt tokens apart (megainfer/engine/expert_load_window.py): what a re-placement of
-    the experts is computed from (deploy/expert_rebalance.py), summed over attention nodes."""
+    the experts is computed from (deploy/expert_rebalance.py). A disaggregated attention node's
+    window holds the expert nodes' own counts, the whole deployment's (`node_pairs` set); a
+    colocated engine's, its gating kernel's."""
 
     decode: np.ndarray  # [layers, experts] int64, (token, expert) pairs of the window's decode-only steps
     prefill: np.ndarray  # [layers, experts] int64, those of its steps with prompt tokens
     decode_steps: int
     prefill_steps: int
+    # [layers, expert nodes] int64: the pairs each expert node computed over the window, every
+    # step; None where the counts are the gating kernel's (no expert node counted them)
+    node_pairs: np.ndarray | None = None
 
     def of(self, phase: str) -> np.ndarray:
         """The loads of `phase`: "decode", "prefill" or "all"."""
@@ -338,8 +343,11 @@ class ExpertLoadReport:
         return self.decode + self.prefill
 
     @classmethod
-    def total(cls, reports: "list[ExpertLoadReport]") -> "ExpertLoadReport":
-        """The deployment's: every attention node's windows added up."""
+    def deployment(cls, reports: "list[ExpertLoadReport]") -> "ExpertLoadReport":
+        """The deployment's window from its attention leaders' reports: where the expert nodes
+        counted, any one holds all of it (the first); else their gating counts added up."""
+        if reports[0].node_pairs is not None:
+            return reports[0]
         return cls(sum(r.decode for r in reports), sum(r.prefill for r in reports),
                    sum(r.decode_steps for r in reports), sum(r.prefill_steps for r in reports))
 

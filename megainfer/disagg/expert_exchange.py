@@ -23,11 +23,13 @@ from megainfer.disagg.attention_dispatch import DispatchParts
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink
+from megainfer.disagg.expert_load_round import PREFILL, LoadRound
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.errors import DataPlaneError
 from megainfer.messages import SpanKind
+from megainfer.runner.model_runner import ExpertNodeLoad
 from megainfer.tensor_parallel import TensorParallelGroup
 
 
@@ -103,7 +105,7 @@ class ExpertExchange:
     into the residual stream. Owns the step id every message carries."""
 
     def __init__(self, link: ExpertLink, expert_nodes: list[str], device: torch.device, dtype: torch.dtype,
-                 hidden_size: int, *, micro_batches: int, num_layers: int, record_size: int,
+                 hidden_size: int, *, micro_batches: int, num_layers: int, num_experts: int, record_size: int,
                  tp_group: TensorParallelGroup | None, staging_bytes: StagingBytes | int, device_slot_bytes: int,
                  name: str, timing: dict[str, float], timeline: Timeline) -> None:
         """`timing`: the runner's seconds, summed over steps, where this adds "send" (the host's time
@@ -124,6 +126,8 @@ class ExpertExchange:
         self._slots_wired = False  # offers traded with this wiring's expert nodes
         self.step_id = 0
         self.busy = False  # did any attention node send tokens in this step (so far)?
+        self.prefill = False  # does this step carry prompt tokens (its dispatches say so, flag PREFILL)?
+        self.load_round = LoadRound(self.peers, num_layers, num_experts)  # each step's last round
         self.deployment_busy = False  # ... in the last step?
         self._outbox: deque[PendingDispatch] = deque()  # dispatches copying to the host, oldest first
         self._routed: list[RoutedTokens | None] = [None] * micro_batches  # per micro-batch: its last dispatch sent
@@ -207,19 +211,20 @@ class ExpertExchange:
             bounds = offsets.numpy()  # pinned host memory, landed: no device access
         begins, ends = rank_shares(bounds, self.tp_size, self.tp_rank)
         counts = ends - begins
-        row = self.record_size
+        row, flags = self.record_size, PREFILL if self.prefill else 0
         try:
             if self.slots is not None and self.slots.any_direct:
                 if pending.records is not None:
                     self.slots.write(j, pending.records.view(-1), begins * row, ends * row, ready=pending.records_ready)
                 host_begins, host_ends = self.slots.host_ranges(begins * row, ends * row)
                 self.link.post_round(self.peers, records, host_begins, host_ends, counts, step=self.step_id,
-                                     layer=layer, micro_batch=j)
+                                     layer=layer, micro_batch=j, flags=flags)
             elif self.tp_size == 1:  # every node's records, end to end
-                self.link.post_rows(self.peers, records, counts, row, step=self.step_id, layer=layer, micro_batch=j)
+                self.link.post_rows(self.peers, records, counts, row, step=self.step_id, layer=layer, micro_batch=j,
+                                    flags=flags)
             else:
                 self.link.post_round(self.peers, records, begins * row, ends * row, counts, step=self.step_id,
-                                     layer=layer, micro_batch=j)
+                                     layer=layer, micro_batch=j, flags=flags)
         except Exception as exc:
             raise DataPlaneError(f"cannot reach the expert nodes (layer {layer}): {exc}") from exc
         if pending.token_ids is None:
@@ -262,6 +267,15 @@ class ExpertExchange:
         if self.tp_size > 1:  # every rank added its share of the answers: sum them
             self.tp_group.all_reduce(y)
         return residual + y
+
+    def collect_load(self) -> ExpertNodeLoad:
+        """After the step's last answers: the expert nodes' load round of this step, added up."""
+        try:
+            return self.load_round.collect(self.link, self.step_id)
+        except DataPlaneError:
+            raise
+        except Exception as exc:
+            raise DataPlaneError(f"the expert nodes sent no load round (step {self.step_id}): {exc}") from exc
 
     def _check_answers(self, arrivals, routed: RoutedTokens, layer: int, j: int) -> int:
         """The answers belong to (this step, `layer`) and carry the tokens sent; returns their

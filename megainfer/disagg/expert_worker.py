@@ -24,7 +24,8 @@ from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
 from megainfer.disagg import decode_graphs
 from megainfer.disagg.attention_exchange import AttentionExchange
 from megainfer.disagg.device_slots import land_round
-from megainfer.disagg.expert_link import ExpertLink, record_bytes, unpack_dispatch
+from megainfer.disagg.expert_link import FLAGS, ExpertLink, record_bytes, unpack_dispatch
+from megainfer.disagg.expert_load_round import PREFILL, ServedPairs, post_load
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.messages import NodeRole, SpanKind
@@ -46,7 +47,7 @@ class ExpertWorker:
                  staging_bytes: StagingBytes | int = 0, name: str = "experts", profile_tokens: int = 0,
                  gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, device_slot_bytes: int = 0,
                  decode_graph_tokens: int = 0, cuda_graph_sizes: tuple[int, ...] | None = None,
-                 replicas: ExpertReplicas | None = None, node: int = 0) -> None:
+                 replicas: ExpertReplicas | None = None, node: int = 0, load_reports: bool = True) -> None:
         """With a `tp_group` this is one rank of a tensor-parallel expert node: rank 0 exchanges
         every message with the attention nodes and broadcasts each (layer, micro-batch)'s records
         to the others (a header over the control group, the records over the activations'
@@ -61,7 +62,9 @@ class ExpertWorker:
         attention nodes on this host that use them too (device_slots.py; tensor-parallel size 1).
         `decode_graph_tokens`, `cuda_graph_sizes`: decode's CUDA graphs (`_capture`). `replicas`:
         where each expert's slots live (megainfer/expert_replicas.py), this node being `node`;
-        None: `expert_ids` in every layer, one slot each, named by expert id."""
+        None: `expert_ids` in every layer, one slot each, named by expert id. `load_reports`: end
+        every step with the load round (expert_load_round.py); off only where the peers are
+        stand-ins that do not collect it (`megainfer bench host`)."""
         self.cfg = model_config
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
@@ -90,8 +93,14 @@ class ExpertWorker:
                                           staging_bytes=staging_bytes, device_slot_bytes=device_slot_bytes,
                                           tp_size=tp_size, name=name, timeline=self.timeline)
         self.slots = self.exchange.slots  # the device slots, where some attention node takes them
+        # The pairs each row computes, counted on the device; read once per step for the load round.
+        self.served = ServedPairs(model_config.num_layers, max(slots.room for _, slots in self.placement),
+                                  model_config.num_experts, self.device)
+        self.load_reports = load_reports and link is not None  # followers send nothing
+        self.step_prefill = False  # some attention node's dispatches of this step carried prompt tokens
         self._load(model_config, weights, show_progress, profile_tokens, gpu_memory_utilization)
         self.decode_graphs = self._capture(decode_graph_tokens, cuda_graph_sizes, name)
+        self.served.restart()  # the warm-up, profile and capture ran the layers: count serving only
         self.steps = 0
         self.tokens = 0  # tokens processed (per layer, summed), for stats
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
@@ -104,7 +113,8 @@ class ExpertWorker:
         `profile_tokens`) the largest (layer, micro-batch) checked to fit. Sets `layers`, `kernels`."""
         before = memory_profile.baseline(self.device) if profile_tokens else None
         self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, experts, self.tp_rank, self.tp_size,
-                                   slots) for layer, (experts, slots) in enumerate(self.placement)]
+                                   slots, self.served.row_view(layer, slots.room))
+                       for layer, (experts, slots) in enumerate(self.placement)]
         with torch.inference_mode():
             for layer in tqdm(self.layers, desc=f"loading experts {self.expert_ids[0]}..{self.expert_ids[-1]}", unit="layer",
                               disable=not show_progress):
@@ -149,6 +159,9 @@ class ExpertWorker:
         served = [self._serve(layer, j) for layer in range(self.first_moe, self.cfg.num_layers) for j in range(self.m)]
         step_tokens = sum(tokens for _, tokens in served)
         self.exchange.finish_step()
+        if self.load_reports:  # the answers' copies landed: the counters are final
+            report = self.served.step_counts([layer.expert_ids for layer in self.layers], self.switch.version)
+            post_load(self.exchange.link, self.exchange.peers, report, step=served[0][0], prefill=self.step_prefill)
         self.timeline.end_step()
         self.timeline.span(SpanKind.STEP, served[0][0], -1, -1, start, time.perf_counter(), step_tokens)
         self.steps += 1
@@ -167,6 +180,7 @@ class ExpertWorker:
             step = exchange.check(arrivals, layer)
             if layer == self.first_moe and j == 0:  # a re-placement agreed for this step serves all of it
                 self.switch.apply_due(step, self.layers)
+                self.step_prefill = bool((arrivals.fields[:, FLAGS] & PREFILL).any())  # a sender's whole step
             counts = arrivals.token_counts.copy()  # the arrivals' fields are reused by the next round
             total = int(counts.sum())
             timeline = self.timeline

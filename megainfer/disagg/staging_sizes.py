@@ -20,7 +20,8 @@ expert node, to host: its answers, one row per token received,
         attention nodes x tokens x hidden x dtype bytes, ALIGN-aligned
 
 The transport's 32-byte message headers travel in its own slots (transport/wire.py), never in
-this staging.
+this staging. Nor does an expert node's load round (expert_load_round.py), sent once per step
+from host memory: `load_round_bytes`, which an attention rank's receive slots must hold too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 ALIGN = 64  # bytes: each part of a staged copy starts aligned (any dtype view of it is valid)
+LOAD_ENTRY_BYTES = 8  # the load round's entry per (layer, row): int32 (layer, expert) cell, int32 pairs
 FIELD_BYTES = 4  # a record's expert id (int32) or routing weight (float32)
 NODE_OFFSET_BYTES = 8  # int64 node offsets beside the dispatch records
 
@@ -83,3 +85,8 @@ def expert_staging(tokens: int, hidden: int, top_k: int, value_bytes: int, atten
     received = attention_nodes * tokens
     _, to_host = aligned_layout([received * hidden * value_bytes])
     return StagingBytes(to_host, received * record_size(hidden, top_k, value_bytes))
+
+
+def load_round_bytes(num_layers: int, room: int) -> int:
+    """An expert node's load round: an entry per (layer, row) of its room (expert_load_round.py)."""
+    return num_layers * room * LOAD_ENTRY_BYTES

@@ -73,7 +73,11 @@ class StepRecords:
         counts = np.asarray(result.expert_counts, dtype=np.int64)
         if counts.size:
             self.expert_tokens += counts
-        self.expert_window.observe(counts, prefill=out.num_single_token < len(out.seqs) or out.layered is not None)
+        node_load = result.expert_node_load
+        if node_load is not None:  # the expert nodes' own counts: the whole deployment's, router-independent
+            self.expert_window.observe(node_load.counts, node_load.prefill, node_load.node_pairs)
+        else:
+            self.expert_window.observe(counts, prefill=out.carries_prompt_tokens)
         num_activated = int(np.count_nonzero(counts))
         t.expert_activations += num_activated
         t.expert_bytes_read += num_activated * self.expert_bytes

@@ -52,12 +52,14 @@ class NodeSlots:
 class ExpertLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
                  expert_ids: Sequence[int] | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 slots: NodeSlots | None = None) -> None:
+                 slots: NodeSlots | None = None, row_pairs: torch.Tensor | None = None) -> None:
         """With tp_size > 1 this rank holds a 1/tp_size slice of every expert's intermediate
         dimension (gate and up rows, down columns): its output is a partial sum, and the
         ranks' outputs add up to the layer's. `slots`: where experts have replicas
         (megainfer/expert_replicas.py), the slot ids the records name for `expert_ids`, and room
-        for more experts than it holds now (a re-placement fills it: `stage`, `commit`)."""
+        for more experts than it holds now (a re-placement fills it: `stage`, `commit`). `row_pairs`:
+        int64 [room] on the device where this layer counts the pairs each row computes (an expert
+        node passes views of one [layers, room] tensor, read once per step); None: its own."""
         super().__init__()
         self.cfg = cfg
         self.layer = layer
@@ -85,9 +87,14 @@ class ExpertLayer(nn.Module):
         # pairs sort last and no boolean mask (a host sync on a GPU) drops them.
         self.register_buffer("local_index", self.slots.local_index().to(device), persistent=False)
         self.holds_all = n == cfg.num_experts and self.slots.ids == list(range(cfg.num_experts))
-        # (token, expert) pairs this layer computed, counted on the device (in a captured graph
-        # too) and read only when asked: the node's load, router-independent (deploy health).
-        self.register_buffer("pairs_served", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # (token, expert) pairs each row computed, counted on the device (in a captured graph too)
+        # and summed since start: the load the node takes, router-independent (its step's share
+        # goes to the attention nodes in the load round, disagg/expert_load_round.py).
+        if row_pairs is None:
+            row_pairs = torch.zeros(n, dtype=torch.int64, device=device)
+        elif row_pairs.shape != (n,) or row_pairs.dtype != torch.int64:
+            raise ValueError(f"row_pairs must be int64 [{n}], got {row_pairs.dtype} {list(row_pairs.shape)}")
+        self.register_buffer("row_pairs", row_pairs, persistent=False)
         # On the CPU, the experts packed once for oneDNN after loading (kernels/moe_packed.py):
         # the GEMM library would otherwise repack them on every call, once per micro-batch.
         self.packed: moe_packed.PackedExperts | None = None
@@ -116,7 +123,7 @@ class ExpertLayer(nn.Module):
         # the Triton GEMM reads them there; the torch reference reads them back itself.
         counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
         offsets = torch.cat([counts.new_zeros(1), counts[:n].cumsum(0)])
-        self.pairs_served += offsets[-1]  # the pairs held here: the offsets' end, counted already
+        self.row_pairs += counts[:n]  # in place: a captured graph and the node's [layers, room] view see it
         out = kernels.grouped_expert_gemm(x[token_ids], offsets, self.w_gate_up, self.w_down,
                                           topk_weights.reshape(-1)[order], packed=self.packed,
                                           activation=self.activation, gate_up_bias=self.b_gate_up,

@@ -60,6 +60,16 @@ class StepHooks:
 
 
 @dataclass
+class ExpertNodeLoad:
+    """A disaggregated step's (token, expert) pairs as the expert nodes counted them
+    (megainfer/disagg/expert_load_round.py): the whole deployment's, not one attention node's."""
+
+    counts: np.ndarray  # [layers, experts] int64, every expert node's added up
+    node_pairs: np.ndarray  # [layers, expert nodes] int64, each node's
+    prefill: bool  # some attention node's step carried prompt tokens
+
+
+@dataclass
 class StepResult:
     sampled: list[int | None]  # new token per scheduled sequence; None where it was mid-prompt
     expert_counts: np.ndarray | list  # [layer, expert] tokens routed this step (int64; empty when none)
@@ -68,6 +78,8 @@ class StepResult:
     # By sequence index, for sequences asking for prompt logprobs whose prompt rows completed
     # this step: (prompt position of the first entry, one entry per position from there on).
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # A disaggregated leader's: the expert nodes' counts of the step (None: colocated, a follower).
+    expert_node_load: ExpertNodeLoad | None = None
 
 
 class StepRunner(Protocol):

@@ -55,6 +55,12 @@ class SchedulerOutput:
         return not self.seqs and self.layered is None
 
     @property
+    def carries_prompt_tokens(self) -> bool:
+        """A prefill step, to the expert-load windows: an entry of more than one token (a prompt
+        chunk: the entries are ordered `single_tokens_first`), or a layered cohort."""
+        return self.num_single_token < len(self.seqs) or self.layered is not None
+
+    @property
     def all_seqs(self) -> list[Sequence]:
         """Every sequence this step touches: `seqs`, then the layered cohort."""
         return self.seqs + (self.layered.seqs if self.layered else [])

@@ -45,8 +45,8 @@ At each scrape, from the backend's `MetricsSnapshot` (attention nodes summed in 
   megainfer:kernel_shapes{operator, implementation}    gauge: shapes decided at start, by the implementation
                                                        that runs them (kernels/startup.py)
   megainfer:kernel_compiles_while_serving_total        counter: Triton variants built after the warm-up (0)
-  megainfer:expert_node_load{expert_node}              gauge: (token, expert) pairs each expert node takes over
-                                                       the window of steps (deployments)
+  megainfer:expert_node_load{expert_node}              gauge: (token, expert) pairs each expert node computed
+                                                       over the window of steps, its own count (deployments)
   megainfer:expert_layer_imbalance{layer}              gauge: busiest expert node (colocated: expert) over the
                                                        mean, per layer, over the window
 
@@ -119,8 +119,8 @@ class MetricsSnapshot:
 def _expert_families(snap: MetricsSnapshot, labels: list[str]):
     """Expert load over the engines' windows: per expert node, and the imbalance per layer."""
     if snap.expert_node_pairs:
-        load = GaugeMetricFamily("megainfer:expert_node_load", "(token, expert) pairs each expert node takes over "
-                                 "the attention nodes' window of steps, under the expert placement serving now.",
+        load = GaugeMetricFamily("megainfer:expert_node_load", "(token, expert) pairs each expert node computed over "
+                                 "the attention nodes' window of steps, as the expert nodes counted them.",
                                  labels=[MODEL_LABEL, "expert_node"])
         for node, pairs in enumerate(snap.expert_node_pairs):
             load.add_metric([*labels, str(node)], pairs)

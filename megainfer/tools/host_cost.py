@@ -266,7 +266,9 @@ def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: i
         conn.send(link.address)
         link.connect(dict(zip(names, addresses)))
         worker = ExpertWorker(model, list(range(scale.experts_per_node)), "bfloat16", "cpu", RandomWeights(),
-                              attention_nodes=names, micro_batches=m, link=link)
+                              attention_nodes=names, micro_batches=m, link=link,
+                              # the core's stand-in senders collect no load round (one round a step)
+                              load_reports=False)
         worker.layers = [lambda x, ids, weights: torch.zeros_like(x)]  # the experts' GEMMs stubbed
         cpu, wall = _timed(lambda i: worker.run_step(), max(3, steps // 10), steps)
     finally:
@@ -319,6 +321,7 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
     print(f"median of {repeats} runs of {rounds} rounds each. path core: rounds in the compiled M2N core (one call posts to every peer, one collects from every "
           "peer); python: the pure-Python reference backends, one call per message. CPU time: every thread of "
           "the measured process. Peers: the core's loopback loops in one other process, the same for both paths.")
+    results["load_round_us"] = load_round_line(plan, scale)
     results |= step_boundary_rows(plan, scale, boundary_running)
     if json_path:
         with open(json_path, "w") as f:
@@ -331,6 +334,20 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
 
 
 BOUNDARY_CONTEXT = 730  # tokens of context per running sequence (the plans' sequence length)
+
+
+def load_round_line(plan: Plan, scale: HostScale) -> dict:
+    """The load round at the plan's scale (megainfer/tools/load_round_cost.py), printed as one line."""
+    from megainfer.tools.load_round_cost import measure_load_round
+
+    load = measure_load_round(scale.layers, scale.experts, scale.expert_nodes,
+                              scale.experts_per_node + plan.experts.redundant_per_node)
+    tbt = plan.predicted.tbt_ms if plan.predicted else 0.0
+    print(f"load round, once per step after the last answers: an expert node's counter read and post "
+          f"{load['expert_step_us']:,.1f} us; an attention rank's collect of {scale.expert_nodes} nodes' rounds "
+          f"({load['entries_per_node']} entries each), added up, {load['attention_collect_us']:,.1f} us"
+          + (f" ({load['attention_collect_us'] / (tbt * 1e3):.2%} of the predicted {tbt:.1f} ms step)" if tbt else ""))
+    return load
 
 
 def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, ...] = ()) -> dict:

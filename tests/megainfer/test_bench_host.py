@@ -38,6 +38,11 @@ def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
             cost = result[key][path_name]
             assert cost["path"] == path_name and cost["cpu_us"] > 0 and cost["wall_us"] > 0 and cost["peers"] >= 1, key
     assert result["attention_round_cpu_us"]["python"]["message_bytes"] == 4096
+    # The load round: tiny-cpu-2a's one expert node, 4 layers x 8 rows (the demo model's every expert).
+    assert "load round, once per step" in out.stdout
+    load = result["load_round_us"]
+    assert load["expert_nodes"] == 1 and load["entries_per_node"] == 32
+    assert load["expert_step_us"] > 0 and load["attention_collect_us"] > 0
     # The step boundary at 512, 1,024 and the plan's max_num_seqs, and the driver's share.
     assert "step boundary of one attention rank" in out.stdout and "driver:" in out.stdout
     assert result["step_boundary_cpu_ms"] > 0 and result["driver_delta_cpu_ms"] > 0

@@ -192,6 +192,47 @@ def test_a_live_re_placement_at_an_agreed_step_keeps_the_tokens(hf_ref):
     assert workers[1].layers[0].expert_ids[-1] == 0  # node 1 now holds a replica of expert 0
 
 
+def test_the_expert_nodes_count_what_every_attention_nodes_router_sent_them_step_by_step(mixtral_ref, monkeypatch):
+    """The load round, across a live re-placement to replicated experts: every step, each
+    attention leader holds the expert nodes' counts, equal to the two attention nodes' gating
+    counts added up; each node's pairs add up to them per layer; the step is prefill exactly
+    when some attention node's carried prompt tokens; the windows hold them for the rebalancer."""
+    from megainfer.expert_replicas import from_assignment
+
+    steps: dict[int, list] = {}
+    execute = pipelined_runner.PipelinedModelRunner.execute
+
+    def recording(runner, out, hooks=None):
+        result = execute(runner, out, hooks)
+        steps.setdefault(id(runner), []).append((result.expert_counts.copy(), result.expert_node_load,
+                                                 out.carries_prompt_tokens))
+        return result
+
+    monkeypatch.setattr(pipelined_runner.PipelinedModelRunner, "execute", recording)
+    new = _replicated(mixtral_ref.path, version=1)
+    half = new.layers[0].slots_per_node - 1
+    start = ExpertReplicas.uniform(from_assignment([list(range(half)), list(range(half, 2 * half))], half + 1),
+                                   len(new.layers))
+    nodes = []
+    _, stats = run_local_deployment(mixtral_ref.path, 2, 2, 2, mixtral_ref.prompts[:3], replicas=start,
+                                    switch=(6, new), nodes=nodes, steps=40)
+    first, second = steps.values()
+    assert len(first) == len(second) == 40
+    routed = 0
+    for (gating_a, load_a, prompt_a), (gating_b, load_b, prompt_b) in zip(first, second):
+        np.testing.assert_array_equal(load_a.counts, gating_a + gating_b)
+        np.testing.assert_array_equal(load_b.counts, load_a.counts)
+        np.testing.assert_array_equal(load_a.node_pairs.sum(axis=1), load_a.counts.sum(axis=1))
+        assert load_a.prefill == load_b.prefill == (prompt_a or prompt_b)
+        routed += int(load_a.counts.sum())
+    assert routed and any(load.prefill for _, load, _ in first) and not all(load.prefill for _, load, _ in first)
+    assert [w.switch.version for w in nodes[:2]] == [1, 1]
+    window = stats[0].expert_window  # as the rebalancer reads it: the 40 steps fit its 64
+    np.testing.assert_array_equal(window.of("all"), sum(load.counts for _, load, _ in first))
+    np.testing.assert_array_equal(window.node_pairs, sum(load.node_pairs for _, load, _ in first))
+    assert sum(int(np.sum(w.served.per_layer())) for w in nodes[:2]) == routed
+
+
 @pytest.mark.parametrize("m", [1, 2])
 def test_layered_prefill_in_attention_nodes_matches_colocated(hf_ref, m):
     prompts = hf_ref.prompts

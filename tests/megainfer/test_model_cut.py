@@ -53,7 +53,7 @@ def test_nodes_holding_fewer_experts_than_top_k_sum_to_the_full_layer():
         torch.testing.assert_close(padded[:9], want[:9], atol=1e-5, rtol=1e-5)
         assert padded[9:].abs().sum() == 0
         # Every (token, expert) pair is computed on exactly one node, padding rows' on none.
-        assert sum(int(node.pairs_served) for node in nodes) == 12 * 4 + 9 * 4
+        assert sum(int(node.row_pairs.sum()) for node in nodes) == 12 * 4 + 9 * 4
 
 
 def test_tensor_parallel_expert_slices_sum_to_the_full_layer():
