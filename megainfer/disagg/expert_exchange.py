@@ -23,13 +23,12 @@ from megainfer.disagg.attention_dispatch import DispatchParts
 from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink
-from megainfer.disagg.expert_load_round import PREFILL, LoadRound
+from megainfer.disagg.expert_load_round import LoadRound
 from megainfer.disagg.latency import LatencyHistogram
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
 from megainfer.errors import DataPlaneError
 from megainfer.messages import SpanKind
-from megainfer.runner.model_runner import ExpertNodeLoad
 from megainfer.tensor_parallel import TensorParallelGroup
 
 
@@ -125,9 +124,8 @@ class ExpertExchange:
         self.slots = device_slots_for(name, self.peers, device, micro_batches, device_slot_bytes, self.tp_size)
         self._slots_wired = False  # offers traded with this wiring's expert nodes
         self.step_id = 0
-        self.busy = False  # did any attention node send tokens in this step (so far)?
-        self.prefill = False  # does this step carry prompt tokens (its dispatches say so, flag PREFILL)?
-        self.load_round = LoadRound(self.peers, num_layers, num_experts)  # each step's last round
+        self.busy, self.dispatch_flags = False, 0  # tokens sent in this step (so far)? its flags (PREFILL: prompts)
+        self.load_round = LoadRound(self.peers, num_layers, num_experts)  # each step's last round, into `node_load`
         self.deployment_busy = False  # ... in the last step?
         self._outbox: deque[PendingDispatch] = deque()  # dispatches copying to the host, oldest first
         self._routed: list[RoutedTokens | None] = [None] * micro_batches  # per micro-batch: its last dispatch sent
@@ -150,7 +148,8 @@ class ExpertExchange:
         self._routed = [None] * len(self._routed)
 
     def end_step(self) -> None:
-        """After a step's last answers: its busy flag kept, the next step's id."""
+        """After a step's last answers: the load round collected, the busy flag kept, the next id."""
+        self.node_load = self.load_round.collect(self.link, self.step_id)
         self.deployment_busy = self.busy
         self.step_id = (self.step_id + 1) & 0xFFFFFFFF
 
@@ -211,20 +210,17 @@ class ExpertExchange:
             bounds = offsets.numpy()  # pinned host memory, landed: no device access
         begins, ends = rank_shares(bounds, self.tp_size, self.tp_rank)
         counts = ends - begins
-        row, flags = self.record_size, PREFILL if self.prefill else 0
+        row, header = self.record_size, dict(step=self.step_id, layer=layer, micro_batch=j, flags=self.dispatch_flags)
         try:
             if self.slots is not None and self.slots.any_direct:
                 if pending.records is not None:
                     self.slots.write(j, pending.records.view(-1), begins * row, ends * row, ready=pending.records_ready)
                 host_begins, host_ends = self.slots.host_ranges(begins * row, ends * row)
-                self.link.post_round(self.peers, records, host_begins, host_ends, counts, step=self.step_id,
-                                     layer=layer, micro_batch=j, flags=flags)
+                self.link.post_round(self.peers, records, host_begins, host_ends, counts, **header)
             elif self.tp_size == 1:  # every node's records, end to end
-                self.link.post_rows(self.peers, records, counts, row, step=self.step_id, layer=layer, micro_batch=j,
-                                    flags=flags)
+                self.link.post_rows(self.peers, records, counts, row, **header)
             else:
-                self.link.post_round(self.peers, records, begins * row, ends * row, counts, step=self.step_id,
-                                     layer=layer, micro_batch=j, flags=flags)
+                self.link.post_round(self.peers, records, begins * row, ends * row, counts, **header)
         except Exception as exc:
             raise DataPlaneError(f"cannot reach the expert nodes (layer {layer}): {exc}") from exc
         if pending.token_ids is None:
@@ -267,15 +263,6 @@ class ExpertExchange:
         if self.tp_size > 1:  # every rank added its share of the answers: sum them
             self.tp_group.all_reduce(y)
         return residual + y
-
-    def collect_load(self) -> ExpertNodeLoad:
-        """After the step's last answers: the expert nodes' load round of this step, added up."""
-        try:
-            return self.load_round.collect(self.link, self.step_id)
-        except DataPlaneError:
-            raise
-        except Exception as exc:
-            raise DataPlaneError(f"the expert nodes sent no load round (step {self.step_id}): {exc}") from exc
 
     def _check_answers(self, arrivals, routed: RoutedTokens, layer: int, j: int) -> int:
         """The answers belong to (this step, `layer`) and carry the tokens sent; returns their

@@ -105,7 +105,13 @@ class LoadRound:
         self._index = np.zeros(0, dtype=np.int64)
 
     def collect(self, link: ExpertLink, step: int) -> ExpertNodeLoad:
-        arrivals = link.collect_round(self.peers, micro_batch=0)
+        """After step `step`'s last answers: every expert node's load round, added up."""
+        try:
+            arrivals = link.collect_round(self.peers, micro_batch=0)
+        except DataPlaneError:
+            raise
+        except Exception as exc:
+            raise DataPlaneError(f"the expert nodes sent no load round (step {step}): {exc}") from exc
         try:
             k = arrivals.mismatch(step, LOAD_LAYER, LOAD_ENTRY_BYTES)
             if k >= 0:

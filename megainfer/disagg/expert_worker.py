@@ -62,9 +62,7 @@ class ExpertWorker:
         attention nodes on this host that use them too (device_slots.py; tensor-parallel size 1).
         `decode_graph_tokens`, `cuda_graph_sizes`: decode's CUDA graphs (`_capture`). `replicas`:
         where each expert's slots live (megainfer/expert_replicas.py), this node being `node`;
-        None: `expert_ids` in every layer, one slot each, named by expert id. `load_reports`: end
-        every step with the load round (expert_load_round.py); off only where the peers are
-        stand-ins that do not collect it (`megainfer bench host`)."""
+        None: `expert_ids` in every layer, one slot each. `load_reports`: end steps with the load round."""
         self.cfg = model_config
         self.tp_group = tp_group
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
@@ -93,14 +91,10 @@ class ExpertWorker:
                                           staging_bytes=staging_bytes, device_slot_bytes=device_slot_bytes,
                                           tp_size=tp_size, name=name, timeline=self.timeline)
         self.slots = self.exchange.slots  # the device slots, where some attention node takes them
-        # The pairs each row computes, counted on the device; read once per step for the load round.
-        self.served = ServedPairs(model_config.num_layers, max(slots.room for _, slots in self.placement),
-                                  model_config.num_experts, self.device)
-        self.load_reports = load_reports and link is not None  # followers send nothing
-        self.step_prefill = False  # some attention node's dispatches of this step carried prompt tokens
+        # followers send no load round; step_prefill: some attention node's step carried prompt tokens
+        self.load_reports, self.step_prefill = load_reports and link is not None, False
         self._load(model_config, weights, show_progress, profile_tokens, gpu_memory_utilization)
         self.decode_graphs = self._capture(decode_graph_tokens, cuda_graph_sizes, name)
-        self.served.restart()  # the warm-up, profile and capture ran the layers: count serving only
         self.steps = 0
         self.tokens = 0  # tokens processed (per layer, summed), for stats
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
@@ -110,8 +104,11 @@ class ExpertWorker:
     def _load(self, model_config: ModelConfig, weights: WeightSource, show_progress: bool, profile_tokens: int,
               gpu_memory_utilization: float) -> None:
         """The experts' weights, every kernel built and decided, and (on CUDA, with
-        `profile_tokens`) the largest (layer, micro-batch) checked to fit. Sets `layers`, `kernels`."""
+        `profile_tokens`) the largest (layer, micro-batch) checked to fit. Sets `layers`, `kernels`, `served`."""
         before = memory_profile.baseline(self.device) if profile_tokens else None
+        # The pairs each row computes, counted on the device; read once per step for the load round.
+        self.served = ServedPairs(model_config.num_layers, max(slots.room for _, slots in self.placement),
+                                  model_config.num_experts, self.device)
         self.layers = [ExpertLayer(model_config, layer, self.dtype, self.device, experts, self.tp_rank, self.tp_size,
                                    slots, self.served.row_view(layer, slots.room))
                        for layer, (experts, slots) in enumerate(self.placement)]
@@ -134,6 +131,7 @@ class ExpertWorker:
         graphs, decode = decode_graphs.capture_experts(most_tokens, sizes, self.layers, self.record_size, self.dtype,
                                                        self.device, reduce, name)
         self.kernels = dataclasses.replace(self.kernels, decode=decode)
+        self.served.restart()  # the warm-up, profile and capture ran the layers: count serving only
         return graphs
 
     @torch.inference_mode()

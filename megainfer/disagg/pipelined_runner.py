@@ -31,6 +31,7 @@ from megainfer.disagg.attention_profile import attention_kv_budget, profile_atte
 from megainfer.disagg.device_staging import ComputeTimer
 from megainfer.disagg.expert_exchange import ExpertExchange
 from megainfer.disagg.expert_link import ExpertLink, record_bytes
+from megainfer.disagg.expert_load_round import PREFILL
 from megainfer.disagg.expert_slot_maps import SlotMaps
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
@@ -40,7 +41,7 @@ from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.runner.memory_profile import MemorySnapshot
-from megainfer.runner.model_runner import (CohortHiddenStates, ExpertNodeLoad, MicroBatchState, StepHooks, StepResult,
+from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult,
                                           device_and_dtype, greedy_rows, load_and_size, sample_step,
                                           samples_by_micro_batch)
 from megainfer.runner.sampler import Sampler
@@ -95,10 +96,9 @@ class PipelinedModelRunner:
         self.timeline = Timeline(name, NodeRole.ATTENTION, self.device)
         self.exchange = ExpertExchange(link, expert_nodes, self.device, self.dtype, model_config.hidden_size,
                                        micro_batches=micro_batches, num_layers=model_config.num_layers,
-                                       num_experts=model_config.num_experts,
-                                       record_size=self.record_size, tp_group=tp_group, staging_bytes=staging_bytes,
-                                       device_slot_bytes=device_slot_bytes, name=name, timing=self.timing,
-                                       timeline=self.timeline)
+                                       num_experts=model_config.num_experts, record_size=self.record_size, name=name,
+                                       tp_group=tp_group, staging_bytes=staging_bytes, timing=self.timing,
+                                       device_slot_bytes=device_slot_bytes, timeline=self.timeline)
         self.slots = self.exchange.slots  # the device slots, where some expert node takes them
         self.m2n = self.exchange.m2n  # per round latencies, for the metrics endpoint
         self.cohort_hidden = CohortHiddenStates()  # layered prefill: the cohort between its groups
@@ -183,26 +183,23 @@ class PipelinedModelRunner:
         # A plain greedy decode step samples each micro-batch as its last answers arrive, while
         # the expert nodes still work on the later ones (the leader: followers do not sample).
         early = [] if not self.tp_rank and samples_by_micro_batch(seqs, layout) else None
-        self.exchange.prefill = out.carries_prompt_tokens  # the expert nodes' load windows split by it
-        expert_counts, node_load = self._pass_layers(layout, states, seqs, early, hooks or StepHooks())
-        # Every rank keeps the cohort's hidden states for the next group (followers too: each
-        # rank's attention needs them whole); after the last group, completed prompts sample.
+        self.exchange.dispatch_flags = PREFILL if out.carries_prompt_tokens else 0  # the load windows split by it
+        expert_counts = self._pass_layers(layout, states, seqs, early, hooks or StepHooks())
+        # Every rank keeps the cohort's hidden states for the next group (each attends with them whole).
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
         if self.tp_rank:  # followers: the leader samples
             return StepResult([None] * layout.num_sequences, [])
         result = StepResult(layout.place_samples(early), []) if early is not None else \
             sample_step(self.model, self.sampler, seqs, layout, states)
-        result.expert_counts = expert_counts.cpu().numpy()  # the step's one read of the counts
-        result.expert_node_load = node_load
+        result.expert_counts, result.expert_node_load = expert_counts.cpu().numpy(), self.exchange.node_load  # one read
         self.timeline.end_step()
         return result
 
     def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState | None], seqs: list,
-                     early: list[int] | None, hooks: StepHooks) -> tuple[torch.Tensor, ExpertNodeLoad]:
+                     early: list[int] | None, hooks: StepHooks) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer before,
-        then runs this layer's attention and dispatches; returns tokens per [layer, expert] (device)
-        and the expert nodes' own counts (their load round, after the last answers).
+        then runs this layer's attention and dispatches; returns tokens per [layer, expert] (device).
         Micro-batch j's inputs are prepared right before its first layer: the expert nodes get
         micro-batch 0's dispatch while the others' inputs are built."""
         cfg = self.model_config
@@ -234,9 +231,8 @@ class PipelinedModelRunner:
             if early is not None and state.hidden is not None:  # `early`: this step's tokens, micro-batch by micro-batch
                 early.extend(greedy_rows(self.model, self.sampler, state.hidden))
         self.timing["attention"] += self.attention_timer.collect()
-        node_load = self.exchange.collect_load()
         self.exchange.end_step()
-        return expert_counts, node_load
+        return expert_counts
 
     def _attend_and_dispatch(self, layer: int, j: int, hidden, inp):
         """Micro-batch j's attention half of `layer` and its dispatch (once on the host): the residual."""
