@@ -118,8 +118,8 @@ def runtime_of(plan: Plan, device: str | None = None) -> DeploymentRuntime:
     share = math.ceil(tokens / tp_a)  # each attention rank sends and receives its share of a node's tokens
     value_bytes = DTYPE_BYTES[plan.dtype]
     # An attention rank's receive slot takes one expert node's answer or its load round, the larger.
-    room = model.num_experts // plan.experts.nodes + plan.experts.redundant_per_node  # Plan.expert_replicas'
-    answer_bytes = max(share * model.hidden_size * value_bytes, load_round_bytes(model.num_layers, room))
+    answer_bytes = max(share * model.hidden_size * value_bytes,
+                       load_round_bytes(model.num_layers, plan.expert_room(model)))
     record = model.hidden_size * value_bytes + model.top_k * 8  # one token's x, int32 ids, float32 weights
     dispatch_bytes = share * record
     # Staged through pinned memory on CUDA, the largest message of each direction (staging_sizes.py).

@@ -287,9 +287,12 @@ class Plan:
     def expert_replicas(self, model: ModelConfig) -> ExpertReplicas:
         """The deployment's first placement: `expert_assignment`, with room for
         `experts.redundant_per_node` more experts per node (empty until a re-placement)."""
-        assignment = self.expert_assignment(model)
-        room = len(assignment[0]) + self.experts.redundant_per_node
-        return ExpertReplicas.uniform(from_assignment(assignment, room), model.num_layers)
+        return ExpertReplicas.uniform(from_assignment(self.expert_assignment(model), self.expert_room(model)),
+                                      model.num_layers)
+
+    def expert_room(self, model: ModelConfig) -> int:
+        """Weight rows per expert node and layer: its share of the experts plus `experts.redundant_per_node`."""
+        return model.num_experts // self.experts.nodes + self.experts.redundant_per_node
 
     @property
     def places_experts(self) -> bool:

@@ -122,13 +122,14 @@ class LoadRound:
                     f"load round (layer {LOAD_LAYER}, {LOAD_ENTRY_BYTES} bytes an entry) was due: the nodes are "
                     "out of step")
             entries = arrivals.token_counts.copy()  # the arrivals' fields are reused by the next round
-            if 2 * int(entries.sum()) > len(self._gathered):
-                self._gathered = np.zeros(2 * int(entries.sum()), dtype=np.int32)
+            words = 2 * int(entries.sum())  # int32 (cell, pairs) per entry
+            if words > len(self._gathered):
+                self._gathered = np.zeros(words, dtype=np.int32)
             arrivals.gather_into(self._gathered)
             prefill = bool((arrivals.fields[:, FLAGS] & PREFILL).any())
         finally:
             arrivals.release()
-        return self._added_up(self._gathered[:2 * int(entries.sum())].reshape(-1, 2), entries, prefill)
+        return self._added_up(self._gathered[:words].reshape(-1, 2), entries, prefill)
 
     def _added_up(self, pairs: np.ndarray, entries: np.ndarray, prefill: bool) -> ExpertNodeLoad:
         """Every node's entries into the [layers, experts] counts and each node's pairs per layer."""
