@@ -259,7 +259,7 @@ def test_the_colocated_engine_reports_its_skewed_experts_imbalance_per_layer():
     backend = EngineBackend(Engine("skewed-mixtral", EngineConfig(num_kv_blocks=64)))
     try:
         stream = backend.submit("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=24, temperature=0.0))
-        while not (delta := stream.get(10)).finished:
+        while not stream.get(10).finished:
             pass
         snap = backend.metrics_snapshot()
     finally:
