@@ -24,7 +24,8 @@ import socket
 import threading
 
 from transport import nixl, rdma, rdma_host
-from transport.core import CoreShmInbound, CoreShmOutbound
+from transport.core import CoreShmInbound, CoreShmOutbound, native
+from transport.core_tcp import CoreTcpInbound, CoreTcpOutbound
 from transport.errors import BackendUnavailable
 from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
 from transport.selection import Capabilities
@@ -70,12 +71,13 @@ def capabilities_of(wanted: str, wiring: rdma.Wiring | None = None,
 class BackendSet:
     def __init__(self, name: str, wanted: str, slot_bytes: int, num_slots: int, tcp_buffer_bytes: int | None,
                  peers: int = 0, peer_slot_bytes: int | None = None, rdma_devices: tuple[str, ...] = (), *,
-                 rank: int = 0, core: bool = False) -> None:
+                 rank: int = 0, core: bool = False, timeout_s: float = 30.0) -> None:
         """`peers`: how many peers wiring will connect (0: not known yet; `expect_peers` then
         checks at connect); `peer_slot_bytes`: their receive slots (None: the same as ours);
-        `rank`: the sender rank headers carry; `core`: shm channels driven by the compiled core
-        (transport/core.py)."""
-        self.rank, self.core = rank, core
+        `rank`: the sender rank headers carry; `core`: shm and tcp channels driven by the compiled
+        core (transport/core.py, transport/core_tcp.py); `timeout_s`: the endpoint's, how long a
+        core tcp channel's close waits for its queued bytes to leave."""
+        self.rank, self.core, self.timeout_s = rank, core, timeout_s
         self.name, self.wanted, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = \
             name, wanted, slot_bytes, num_slots, tcp_buffer_bytes
         self.peer_slot_bytes = slot_bytes if peer_slot_bytes is None else peer_slot_bytes
@@ -93,6 +95,8 @@ class BackendSet:
         self._nixl_lock = threading.Lock()  # handshake threads ask for the agent at once
         self._sources: list = []  # send buffers declared with register()
         self._inbound_ids = itertools.count()
+        self._progress = None  # native.TcpProgress, made with the first core tcp channel
+        self._tcp_lock = threading.Lock()
 
     def wiring(self, peers: int) -> rdma.Wiring:
         """What rdma channels to `peers` peers would register."""
@@ -153,6 +157,8 @@ class BackendSet:
         if kind == "nixl":
             return NixlOutbound.connect(self._nixl_agent(), peer, slot_bytes, num_slots, sock, ack["nixl"])
         tune(sock, self.tcp_buffer_bytes)
+        if self.core:
+            return CoreTcpOutbound(peer, slot_bytes, num_slots, sock, self.rank, self._tcp_progress(), self.timeout_s)
         return TcpOutbound(peer, slot_bytes, num_slots, sock)
 
     def inbound(self, kind: str, hello: Hello, ack: dict, sock: socket.socket):
@@ -176,7 +182,7 @@ class BackendSet:
         if kind == "nixl":
             return NixlInbound.accept(self._nixl_agent(), peer, sender, self.slot_bytes, self.num_slots, sock, ack)
         tune(sock, self.tcp_buffer_bytes)
-        channel = TcpInbound(peer, sender, self.slot_bytes, self.num_slots, sock)
+        channel = (CoreTcpInbound if self.core else TcpInbound)(peer, sender, self.slot_bytes, self.num_slots, sock)
         send_json(sock, ack)
         return channel
 
@@ -198,11 +204,23 @@ class BackendSet:
             agent.close()
 
     def close(self) -> None:
+        with self._tcp_lock:
+            progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.stop()  # after the channels closed (Endpoint.close): it writes to no socket any more
         if self.doorbell is not None:
             self.doorbell.close()
         if self._rdma is not None:
             self._rdma.close()
         self.renew()
+
+    def _tcp_progress(self):
+        """The endpoint's progress thread for its core tcp channels' queued bytes (made once;
+        channels are made on the acceptor's threads too)."""
+        with self._tcp_lock:
+            if self._progress is None:
+                self._progress = native.TcpProgress()
+            return self._progress
 
     def _rdma_context(self):
         if self._rdma is None:  # the device the probe chose

@@ -1,4 +1,5 @@
-"""The compiled M2N core (transport/csrc/m2n_core.cpp) as shared-memory channels.
+"""The compiled M2N core (transport/csrc/m2n_core.cpp) as shared-memory channels; its tcp
+channels are in transport/core_tcp.py.
 
 The core does per round what transport/shm.py does per message: the same segment layout,
 the same state words, doorbells and rules, in C++ with the GIL released, so a round to 32
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from transport.errors import BackendUnavailable, ProtocolViolation
+from transport.errors import BackendUnavailable, PeerClosed
 from transport.shm import ShmInbound, ShmOutbound
 from transport.transport_settings import M2N_CORE
 from transport.wire import Header
@@ -42,7 +43,7 @@ _warned = False
 
 
 def resolve(wanted: str, endpoint: str) -> bool:
-    """Whether endpoint `endpoint` drives its shm channels with the core; logged."""
+    """Whether endpoint `endpoint` drives its shm and tcp channels with the core; logged."""
     global _warned
     if wanted not in CORE_CHOICES:
         raise ValueError(f"EndpointSpec.core {wanted!r} is not one of {', '.join(CORE_CHOICES)}")
@@ -50,21 +51,26 @@ def resolve(wanted: str, endpoint: str) -> bool:
     if wanted == "auto" and (forced := M2N_CORE.read()) != "auto":  # a SettingError (ValueError) if bad
         wanted, source = forced, CORE_ENV
     if wanted == "off":
-        logger.info("endpoint %s: shm channels on the pure-Python reference (%s='off')", endpoint, source)
+        logger.info("endpoint %s: shm and tcp channels on the pure-Python reference (%s='off')", endpoint, source)
         return False
     if native is None:
         if wanted == "on":
             raise BackendUnavailable(BUILD_ERROR)
         if not _warned:  # once per process: every endpoint of it says the same
             _warned = True
-            logger.warning("M2N: %s; shm rounds run on the pure-Python reference, one call per message", BUILD_ERROR)
+            logger.warning("M2N: %s; shm and tcp rounds run on the pure-Python reference, one call per message",
+                           BUILD_ERROR)
         return False
-    logger.info("endpoint %s: shm channels and their rounds in the compiled M2N core (%s)", endpoint, native.__file__)
+    logger.info("endpoint %s: shm and tcp channels and their rounds in the compiled M2N core (%s)", endpoint,
+                native.__file__)
     return True
 
 
-def violation_error(channel: "CoreShmInbound") -> ProtocolViolation:
-    """The channel's violation, in the reference's words (transport/shm.py, wire_rules.py)."""
+def violation_error(channel) -> PeerClosed:
+    """The channel's violation, in the reference's words (transport/shm.py, wire_rules.py; a
+    tcp channel's, transport/core_tcp.py, may be its peer leaving: a PeerClosed)."""
+    if channel.kind == "tcp":
+        return channel.error()
     code, a, b, fields = channel.core.violation_info()
     peer = channel.peer
     if code == native.BAD_STATE:

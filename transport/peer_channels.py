@@ -20,6 +20,7 @@ from functools import partial
 from transport.errors import PeerClosed, PeerTimeout, ProtocolViolation
 from transport.peering import Acceptor, dial
 from transport.selection import Choice
+from transport.core_tcp import CoreTcpInbound
 from transport.tcp import TcpInbound, TcpOutbound
 from transport.wakeups import Wakeups
 
@@ -84,8 +85,13 @@ class PeerChannels:
         if doorbell is not None:
             self.wakeups.watch(doorbell.sock, lambda sock: doorbell.drain())
         for peer, ch in self.inbound.items():
-            self.wakeups.watch(ch.control, (lambda sock, peer=peer: collect(peer)) if isinstance(ch, TcpInbound)
-                               else partial(self._notice_closed, peer))
+            if isinstance(ch, CoreTcpInbound):  # read into the core; a round or a receive takes it there
+                handler = partial(self._admit, peer)
+            elif isinstance(ch, TcpInbound):
+                handler = lambda sock, peer=peer: collect(peer)  # noqa: E731
+            else:
+                handler = partial(self._notice_closed, peer)
+            self.wakeups.watch(ch.control, handler)
         for peer, ch in self.outbound.items():
             self.wakeups.watch(ch.control, partial(self._take_credits if isinstance(ch, TcpOutbound)
                                                    else self._notice_closed, peer))
@@ -129,6 +135,14 @@ class PeerChannels:
     def _take_credits(self, peer: str, sock: socket.socket) -> None:
         try:
             self.outbound[peer].drain_credits()
+        except PeerClosed as exc:
+            self.drop(peer, exc, sock)
+
+    def _admit(self, peer: str, sock: socket.socket) -> None:
+        if peer in self.dead:
+            return
+        try:
+            self.inbound[peer].admit()
         except PeerClosed as exc:
             self.drop(peer, exc, sock)
 

@@ -99,9 +99,9 @@ class RoundCollector:
         native = round_.native
         channels = self.channels
         for i in np.flatnonzero(round_.broken):
-            peer = round_.peers[i]
-            if peer not in channels.violators:
-                channels.drop(peer, core.violation_error(round_.inbound[i]))
+            peer, channel = round_.peers[i], round_.inbound[i]
+            if peer not in channels.dead:
+                channels.drop(peer, core.violation_error(channel), channel.control if channel.kind == "tcp" else None)
         self.wakeups.look()
         awaited = 0
         for i, peer in enumerate(round_.peers):

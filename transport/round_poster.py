@@ -76,7 +76,7 @@ class RoundPoster:
             pending = post(*args)
         except (IndexError, ValueError) as exc:  # a range outside the buffer, or past a peer's slot
             raise PayloadTooLarge(f"endpoint {self.spec.name}: {exc}") from None
-        if pending:
+        if pending or round_.native.send_failures:
             self._post_pending(round_, micro_batch, limit)
 
     def _post_each(self, peers, buffer, begins, ends, counts, step, layer, micro_batch, flags, limit) -> None:
@@ -93,12 +93,14 @@ class RoundPoster:
 
     def _post_pending(self, round_: CoreRound, micro_batch: int, limit: float) -> None:
         """Peers that still held their slot at the post: spin, then sleep, until each frees it,
-        dies, or the timeout passes."""
+        dies, or the timeout passes. Peers whose connection broke in the post (tcp) fail now."""
         deadline = time.monotonic() + limit
         spin_until = time.monotonic() + self.wakeups.spin_s
         failures: dict[str, TransportError] = {}
         pending = round_.pending
         while True:
+            if round_.native.send_failures:
+                self._note_send_failures(round_, failures)
             for i in np.flatnonzero(pending):
                 peer = round_.peers[i]
                 if peer in self._dead:
@@ -122,3 +124,13 @@ class RoundPoster:
                 self.wakeups.block(deadline, lambda: round_.native.retry() == 0, asleep=waiting)
         if failures:
             raise round_failed(self.spec.name, "post", micro_batch, failures)
+
+    def _note_send_failures(self, round_: CoreRound, failures: dict[str, TransportError]) -> None:
+        """The round's channels whose connection broke (tcp): their peers are dropped and fail
+        the post."""
+        for i, channel in enumerate(round_.outbound):
+            peer = round_.peers[i]
+            if peer not in failures and getattr(channel.core, "failed", False):
+                if peer not in self._dead:
+                    self.channels.drop(peer, channel.failure(), channel.control)
+                failures[peer] = self.channels.dead_error(peer)

@@ -114,7 +114,8 @@ class CoreRound:
 
         self.peers = peers
         self.outbound, self.inbound = outbound, inbound
-        controls = [ch.control.fileno() if ch.control is not None else -1 for ch in inbound]
+        # A tcp channel's reads see its peer go (its control socket is its data socket).
+        controls = [ch.control.fileno() if ch.control is not None and ch.kind != "tcp" else -1 for ch in inbound]
         self.native = native.Round([ch.core for ch in outbound], [ch.core for ch in inbound], doorbell_fd, controls)
         self.partial: int | None = None  # the micro-batch of a round partly collected (a poll, a timeout)
         self.handed_out = False  # a collected round not released yet
@@ -143,7 +144,7 @@ class CoreRound:
 
 class MessageRound:
     """A round as a loop of per-message calls: the reference, and the path for channels the
-    core does not drive (tcp, rdma, nixl, or an endpoint with core='off')."""
+    core does not drive (rdma, nixl, or an endpoint with core='off')."""
 
     def __init__(self, peers: tuple[str, ...]) -> None:
         self.peers = peers
@@ -221,7 +222,7 @@ class RoundTable:
         channels = [self.outbound[p] for p in peers] + [self.inbound[p] for p in peers]
         if all(getattr(ch, "core_driven", False) for ch in channels):
             round_ = CoreRound(peers, [self.outbound[p] for p in peers], [self.inbound[p] for p in peers],
-                               self.doorbell.sock.fileno())
+                               self.doorbell.sock.fileno() if self.doorbell is not None else -1)
         else:
             round_ = MessageRound(peers)
         self.rounds[peers] = round_

@@ -53,7 +53,8 @@ def _payloads(n: int, step: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray, 
 
 
 @pytest.mark.parametrize("backend, hub_core, spoke_core", [
-    ("shm", "on", "on"), ("shm", "off", "off"), ("shm", "on", "off"), ("shm", "off", "on"), ("tcp", "on", "on")])
+    ("shm", "on", "on"), ("shm", "off", "off"), ("shm", "on", "off"), ("shm", "off", "on"),
+    ("tcp", "on", "on"), ("tcp", "off", "off"), ("tcp", "on", "off"), ("tcp", "off", "on")])
 def test_a_round_delivers_every_peers_bytes_both_ways(star, backend, hub_core, spoke_core):
     n = 5
     hub, spokes, names = star(n, backend, hub_core, spoke_core)
@@ -77,8 +78,7 @@ def test_a_round_delivers_every_peers_bytes_both_ways(star, backend, hub_core, s
         assert bytes(into[:offsets[-1]].numpy()) == b"".join(answers)
         assert offsets.tolist() == np.cumsum([0] + [len(a) for a in answers]).tolist()
         arrivals.release()
-    core_driven = backend == "shm" and hub_core == "on"
-    assert isinstance(hub._round_table.round_for(names), CoreRound if core_driven else MessageRound)
+    assert isinstance(hub._round_table.round_for(names), CoreRound if hub_core == "on" else MessageRound)
     assert hub.slots_in_use() == IDLE and all(s.slots_in_use() == IDLE for s in spokes)
 
 

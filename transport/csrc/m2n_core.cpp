@@ -1,4 +1,7 @@
-// The M2N core: shared-memory channels and whole rounds, off the GIL.
+// The M2N core: shared-memory channels and whole rounds, off the GIL. A Round drives any
+// channels that implement channels.h's interfaces: these shared-memory ones, and tcp's
+// (tcp_channels.cpp, which has a progress thread of its own for the bytes a socket cannot take
+// at once).
 //
 // transport/shm.py is the reference: same segment layout, same rules, same doorbells. This
 // file does per round what the Python path does per message, in one call: a round posts one
@@ -6,7 +9,8 @@
 // doorbell only to receivers that sleep) and collects one message from each of N peers
 // (acquire-load of the state word, every header checked as transport/wire_rules.py checks
 // it, in sequence), gathers the payloads into one buffer and releases the slots. It takes
-// addresses and sizes; it links against nothing but libc (not torch, not libibverbs).
+// addresses and sizes; it links against nothing but libc and the C++ runtime (not torch, not
+// libibverbs).
 //
 // Threading: every call comes from the endpoint's one data thread; the GIL is released for
 // the copies and the waits. Memory model (x86-64 and aarch64): the sender writes payload and
@@ -20,6 +24,8 @@
 // breaks a rule is recorded as the channel's violation (a code and the raw fields) and the
 // Python side raises ProtocolViolation with the same words the reference uses.
 
+#include "channels.h"
+
 #include <pybind11/pybind11.h>
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -29,15 +35,12 @@
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -46,57 +49,12 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4D324E01;
+using namespace m2n;
+
 constexpr size_t kSlotsOffset = 64, kHeaderOffset = 64, kPayloadOffset = 96;
 constexpr size_t kReceiverAsleep = 0, kSenderAsleep = 4;
 constexpr uint32_t kFree = 0, kFull = 1;
 constexpr uint8_t kDoorbellData = 1, kDoorbellFree = 2;
-constexpr int kHeaderFields = 9;  // magic, step, layer, micro_batch, sender, flags, token_count, seq, byte_length
-
-// Violation codes (transport/core.py words them as the reference does).
-enum Violation : int {
-  kNone = 0,
-  kBadState = 1,     // a state word neither free nor full (a = slot, b = the word)
-  kBadHeader = 2,    // magic, sender, length or sequence (fields hold the header)
-  kWrongSlot = 3,    // a message in a slot its micro-batch does not name (a = slot)
-  kSkipped = 4,      // a later message arrived where the next never did (a = the newest seq seen)
-  kRewritten = 5,    // a held slot's header changed before its release (a = slot, b = the seq held)
-};
-
-struct WireHeader {  // transport/wire.py HEADER "<IIHHHHIIQ"
-  uint32_t magic;
-  uint32_t step;
-  uint16_t layer;
-  uint16_t micro_batch;
-  uint16_t sender;
-  uint16_t flags;
-  uint32_t token_count;
-  uint32_t seq;
-  uint64_t byte_length;
-};
-static_assert(sizeof(WireHeader) == 32, "the wire header is 32 bytes");
-
-inline uint32_t load_acquire(const uint8_t* p) {
-  return __atomic_load_n(reinterpret_cast<const uint32_t*>(p), __ATOMIC_ACQUIRE);
-}
-inline void store_release(uint8_t* p, uint32_t v) {
-  __atomic_store_n(reinterpret_cast<uint32_t*>(p), v, __ATOMIC_RELEASE);
-}
-inline void fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-
-inline double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 // A mapped segment, held through a buffer export of the Python object it came from
 // (shm._Segment's memoryview) for as long as this object lives: the segment cannot be
@@ -152,7 +110,7 @@ struct Bell {
 };
 
 // this endpoint -> peer: writes into the segment the peer made for it.
-class OutChannel {
+class OutChannel : public Outbound {
  public:
   OutChannel(py::buffer segment, size_t slot_bytes, size_t stride, uint32_t num_slots, uint16_t rank,
              int doorbell_fd, const std::string& peer_doorbell, uint16_t peer_channel)
@@ -165,7 +123,7 @@ class OutChannel {
   // (nothing written) while the peer still holds that slot. Does not fence or ring: the
   // caller does, once per round (finish()).
   bool write(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
-             const uint8_t* payload, size_t n) {
+             const uint8_t* payload, size_t n) override {
     if (map_.is_closed()) throw std::runtime_error("channel closed");
     if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
     uint8_t* slot = slot_base(micro_batch % num_slots_);
@@ -180,6 +138,9 @@ class OutChannel {
   // After write()s: a fence, then the receiver's doorbell if it sleeps.
   void finish(uint16_t micro_batch) {
     fence();
+    after_round(micro_batch);
+  }
+  void after_round(uint16_t micro_batch) override {
     if (load_acquire(map_.base + kReceiverAsleep)) bell_.ring(kDoorbellData, micro_batch % num_slots_);
   }
   bool try_send(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
@@ -195,14 +156,13 @@ class OutChannel {
     return done;
   }
   bool slot_free(uint16_t micro_batch) const { return load_acquire(slot_base(micro_batch % num_slots_)) == kFree; }
-  size_t slot_bytes() const { return slot_bytes_; }
+  size_t slot_bytes() const override { return slot_bytes_; }
   uint32_t seq() const { return seq_; }
-  bool is_closed() const { return map_.is_closed(); }
+  bool is_closed() const override { return map_.is_closed(); }
   void close() { map_.close(); }
 
  private:
   uint8_t* slot_base(uint32_t slot) const { return map_.base + kSlotsOffset + slot * stride_; }
-  friend class Round;
   Mapping map_;
   Bell bell_;
   size_t slot_bytes_, stride_;
@@ -212,7 +172,7 @@ class OutChannel {
 };
 
 // peer -> this endpoint: reads the segment this endpoint made for the peer.
-class InChannel {
+class InChannel : public Inbound {
  public:
   enum SlotState : uint8_t { kEmpty = 0, kQueued = 1, kHanded = 2 };  // this side's view of a slot
 
@@ -229,7 +189,7 @@ class InChannel {
   // so where a gap shows, the slots are read once more after a fence, and then every message
   // up to the newest one the first look saw must be there (else one was skipped), as
   // shm.py's poll decides. Returns false once the channel broke a rule (see violation()).
-  bool admit() {
+  bool admit() override {
     if (violation_) return false;
     uint32_t first = next_seq_;
     uint32_t newest = 0;  // the newest seq the first look saw, as an offset from `first`
@@ -245,7 +205,7 @@ class InChannel {
   }
 
   // The queued message of `micro_batch`, handed out: its slot, or -1 if none is queued.
-  int take(uint32_t micro_batch) {
+  int take(uint32_t micro_batch) override {
     uint32_t s = micro_batch % num_slots_;
     if (state_[s] != kQueued || headers_[s].micro_batch != micro_batch) return -1;
     state_[s] = kHanded;
@@ -288,7 +248,7 @@ class InChannel {
   }
 
   // Any queued message, handed out: its slot, or -1 (the echo peer's order does not matter).
-  int take_any() {
+  int take_any() override {
     for (uint32_t s = 0; s < num_slots_; ++s) {
       if (state_[s] == kQueued) {
         state_[s] = kHanded;
@@ -300,7 +260,7 @@ class InChannel {
   }
 
   // Frees a handed-out slot; false if the sender rewrote its header meanwhile (recorded).
-  bool release_slot(uint32_t s) {
+  bool release_slot(uint32_t s) override {
     if (s >= num_slots_ || state_[s] == kEmpty) return true;
     if (state_[s] == kQueued) --queued_;
     state_[s] = kEmpty;
@@ -315,7 +275,7 @@ class InChannel {
     return same;
   }
 
-  void set_asleep(bool asleep) {
+  void set_asleep(bool asleep) override {
     if (map_.is_closed()) return;
     store_release(map_.base + kReceiverAsleep, asleep ? 1u : 0u);
     fence();
@@ -342,9 +302,9 @@ class InChannel {
     return out;  // a violation, if any, is read by the caller (after these are handed out)
   }
 
-  const uint8_t* payload(uint32_t s) const { return slot_base(s) + kPayloadOffset; }
-  const WireHeader& header(uint32_t s) const { return headers_[s]; }
-  int violation() const { return violation_; }
+  const uint8_t* payload(uint32_t s) const override { return slot_base(s) + kPayloadOffset; }
+  const WireHeader& header(uint32_t s) const override { return headers_[s]; }
+  int violation() const override { return violation_; }
   py::tuple violation_info() const {
     return py::make_tuple(violation_, va_, vb_,
                           py::make_tuple(vh_.magic, vh_.step, vh_.layer, vh_.micro_batch, vh_.sender, vh_.flags,
@@ -357,11 +317,10 @@ class InChannel {
   }
   uint32_t queued() const { return queued_; }
   uint32_t next_seq() const { return next_seq_; }
-  bool is_closed() const { return map_.is_closed(); }
+  bool is_closed() const override { return map_.is_closed(); }
   void close() { map_.close(); }
 
  private:
-  friend class Round;
   uint8_t* slot_base(uint32_t s) const { return map_.base + kSlotsOffset + s * stride_; }
   bool fail(int code, uint64_t a, uint64_t b, const WireHeader* h = nullptr) {
     violation_ = code;
@@ -392,7 +351,7 @@ class InChannel {
 class Round {
  public:
   // control_fds[i]: inbound peer i's control socket (-1: none), watched while it is awaited.
-  Round(std::vector<OutChannel*> out, std::vector<InChannel*> in, int doorbell_fd, std::vector<int> control_fds)
+  Round(std::vector<Outbound*> out, std::vector<Inbound*> in, int doorbell_fd, std::vector<int> control_fds)
       : out_(std::move(out)), in_(std::move(in)), doorbell_fd_(doorbell_fd), control_fds_(std::move(control_fds)),
         pending_(out_.size(), 0), arrived_(in_.size(), 0), slot_(in_.size(), -1),
         fields_(in_.size() * kHeaderFields, 0), broken_(in_.size(), 0), given_up_(in_.size(), 0) {
@@ -474,9 +433,9 @@ class Round {
       if (b[i] < 0 || e[i] < b[i] || static_cast<size_t>(e[i]) > nbytes)
         throw std::out_of_range("post: peer " + std::to_string(i) + "'s byte range [" + std::to_string(b[i]) + ", " +
                                 std::to_string(e[i]) + ") lies outside the " + std::to_string(nbytes) + "-byte buffer");
-      if (static_cast<size_t>(e[i] - b[i]) > out_[i]->slot_bytes_)
+      if (static_cast<size_t>(e[i] - b[i]) > out_[i]->slot_bytes())
         throw std::length_error("post: peer " + std::to_string(i) + "'s " + std::to_string(e[i] - b[i]) +
-                                " bytes exceed its " + std::to_string(out_[i]->slot_bytes_) + "-byte slot");
+                                " bytes exceed its " + std::to_string(out_[i]->slot_bytes()) + "-byte slot");
       if (c[i] < 0 || c[i] > 0xFFFFFFFFLL) throw std::out_of_range("post: a token count outside 32 bits");
     }
     post_ = PostArgs{step, layer, micro_batch, flags, reinterpret_cast<const uint8_t*>(address)};
@@ -484,6 +443,7 @@ class Round {
     ends_.assign(e, e + n);
     counts_.assign(c, c + n);
     std::fill(pending_.begin(), pending_.end(), 1);
+    send_failures_ = 0;
     py::gil_scoped_release nogil;
     return write_pending();
   }
@@ -583,6 +543,8 @@ class Round {
     std::fill(given_up_.begin(), given_up_.end(), 0);
     failed_count_ = 0;
   }
+  // Outbound channels found failed by the last post (and its retries).
+  int send_failures() const { return send_failures_; }
 
   // numpy views of the per-peer arrays (their owner keeps this object alive).
   py::array fields_view(py::object self) {
@@ -600,14 +562,19 @@ class Round {
     const uint8_t* base;
   };
 
+  // pending_[i]: 1 waiting for its slot, 2 written and not yet finished, 0 done; a channel that
+  // failed (tcp's connection broke) is done and counted in send_failures_ (the Python side names it).
   int write_pending() {
     int still = 0, wrote = 0;
     for (size_t i = 0; i < out_.size(); ++i) {
       if (!pending_[i]) continue;
       if (out_[i]->write(post_.step, post_.layer, post_.micro_batch, post_.flags, static_cast<uint32_t>(counts_[i]),
                          post_.base + begins_[i], static_cast<size_t>(ends_[i] - begins_[i]))) {
-        pending_[i] = 2;  // written, not yet rung
+        pending_[i] = 2;
         ++wrote;
+      } else if (out_[i]->failed()) {
+        pending_[i] = 0;
+        ++send_failures_;
       } else {
         ++still;
       }
@@ -617,8 +584,7 @@ class Round {
       for (size_t i = 0; i < out_.size(); ++i) {
         if (pending_[i] != 2) continue;
         pending_[i] = 0;
-        if (load_acquire(out_[i]->map_.base + kReceiverAsleep))
-          out_[i]->bell_.ring(kDoorbellData, post_.micro_batch % out_[i]->num_slots_);
+        out_[i]->after_round(post_.micro_batch);
       }
     }
     return still;
@@ -628,15 +594,16 @@ class Round {
     int missing = 0;
     for (size_t i = 0; i < in_.size(); ++i) {
       if (arrived_[i] || broken_[i] || given_up_[i]) continue;
-      InChannel* ch = in_[i];
+      Inbound* ch = in_[i];
       int s = ch->take(micro_batch);
       if (s < 0) {
-        if (!ch->admit()) {
+        bool ok = ch->admit();
+        s = ch->take(micro_batch);  // what came before a failure is still this round's
+        if (s < 0 && !ok) {
           broken_[i] = 1;
           ++failed_count_;
           continue;
         }
-        s = ch->take(micro_batch);
       }
       if (s < 0) {
         ++missing;
@@ -661,31 +628,36 @@ class Round {
       if (awaited(i)) in_[i]->set_asleep(true);
     bool spoke = false;
     if (scan(micro_batch)) {  // nothing landed between the last look and the asleep words
-      std::vector<pollfd> fds;
-      fds.reserve(1 + control_fds_.size());
-      fds.push_back({doorbell_fd_, POLLIN, 0});
+      // The doorbell (shm peers ring it), then the awaited tcp channels' sockets (data), then
+      // the awaited peers' control sockets (which speak only when a peer goes).
+      fds_.clear();
+      fds_.push_back({doorbell_fd_, POLLIN, 0});
       for (size_t i = 0; i < in_.size(); ++i)
-        if (awaited(i) && control_fds_[i] >= 0) fds.push_back({control_fds_[i], POLLIN, 0});
+        if (awaited(i) && in_[i]->wait_fd() >= 0) fds_.push_back({in_[i]->wait_fd(), POLLIN, 0});
+      size_t controls = fds_.size();
+      for (size_t i = 0; i < in_.size(); ++i)
+        if (awaited(i) && control_fds_[i] >= 0) fds_.push_back({control_fds_[i], POLLIN, 0});
       int ms = static_cast<int>(limit_s * 1e3) + 1;
       if (ms > 50) ms = 50;  // a lost wakeup costs at most this (the reference's MAX_SLEEP_S)
-      int ready = ::poll(fds.data(), fds.size(), ms);
+      int ready = ::poll(fds_.data(), fds_.size(), ms);
       if (ready > 0) {
-        if (fds[0].revents) {
+        if (fds_[0].revents) {
           char buf[64];
-          while (recv(doorbell_fd_, buf, sizeof buf, MSG_DONTWAIT) > 0) {
+          while (doorbell_fd_ >= 0 && recv(doorbell_fd_, buf, sizeof buf, MSG_DONTWAIT) > 0) {
           }
         }
-        for (size_t k = 1; k < fds.size(); ++k) spoke |= fds[k].revents != 0;
+        for (size_t k = controls; k < fds_.size(); ++k) spoke |= fds_[k].revents != 0;
       }
     }
     for (size_t i = 0; i < in_.size(); ++i) in_[i]->set_asleep(false);
     return spoke;
   }
 
-  std::vector<OutChannel*> out_;
-  std::vector<InChannel*> in_;
+  std::vector<Outbound*> out_;
+  std::vector<Inbound*> in_;
   int doorbell_fd_;
   std::vector<int> control_fds_;
+  std::vector<pollfd> fds_;  // sleep_once's
   std::vector<uint8_t> pending_;
   std::vector<uint8_t> arrived_;
   std::vector<int> slot_;
@@ -693,6 +665,7 @@ class Round {
   std::vector<uint8_t> broken_;
   std::vector<uint8_t> given_up_;
   int failed_count_ = 0;  // peers broken or given up, not yet cleared (clear_failures)
+  int send_failures_ = 0;  // outbound channels found failed by the last post and its retries
   PostArgs post_{};
   std::vector<int64_t> begins_, ends_, counts_;
   std::vector<int64_t> row_begins_, row_ends_;
@@ -708,7 +681,7 @@ bool any_closed(const std::vector<int>& control_fds) {
 
 // Each pair (inbound i, outbound i) answers every message with token_count rows of
 // `row_bytes` zero bytes, flag BUSY, same step, layer and micro-batch.
-void echo(std::vector<InChannel*> in, std::vector<OutChannel*> out, size_t row_bytes, std::vector<int> control_fds) {
+void echo(std::vector<Inbound*> in, std::vector<Outbound*> out, size_t row_bytes, std::vector<int> control_fds) {
   if (in.size() != out.size()) throw std::invalid_argument("echo: one outbound channel per inbound one");
   size_t most = 0;
   for (auto* o : out) most = std::max(most, o->slot_bytes());
@@ -718,14 +691,18 @@ void echo(std::vector<InChannel*> in, std::vector<OutChannel*> out, size_t row_b
   for (;;) {
     bool any = false;
     for (size_t i = 0; i < in.size(); ++i) {
-      InChannel* ch = in[i];
-      if (!ch->admit()) return;
+      Inbound* ch = in[i];
+      if (!ch->admit()) return;  // tcp: the measured side left
       for (int s; (s = ch->take_any()) >= 0;) {
         WireHeader h = ch->header(s);
         ch->release_slot(static_cast<uint32_t>(s));
         size_t n = std::min(zeros.size(), static_cast<size_t>(h.token_count) * row_bytes);
-        while (!out[i]->write(h.step, h.layer, h.micro_batch, 1, h.token_count, zeros.data(), n)) cpu_relax();
-        out[i]->finish(h.micro_batch);
+        while (!out[i]->write(h.step, h.layer, h.micro_batch, 1, h.token_count, zeros.data(), n)) {
+          if (out[i]->failed()) return;
+          cpu_relax();
+        }
+        fence();
+        out[i]->after_round(h.micro_batch);
         any = true;
       }
     }
@@ -743,7 +720,7 @@ void echo(std::vector<InChannel*> in, std::vector<OutChannel*> out, size_t row_b
 // j's answers are in from every inbound channel, j's next message goes out (the step counting
 // up once per pass over the micro-batches), as a runner's combine of j precedes its next
 // dispatch of j.
-void drive(std::vector<InChannel*> in, std::vector<OutChannel*> out, size_t nbytes, uint32_t tokens,
+void drive(std::vector<Inbound*> in, std::vector<Outbound*> out, size_t nbytes, uint32_t tokens,
            uint16_t micro_batches, std::vector<int> control_fds) {
   std::vector<uint8_t> payload(nbytes, 0);
   py::gil_scoped_release nogil;
@@ -751,10 +728,12 @@ void drive(std::vector<InChannel*> in, std::vector<OutChannel*> out, size_t nbyt
     for (auto* o : out) {
       unsigned waits = 0;
       while (!o->write(step, 0, j, 0, tokens, payload.data(), nbytes)) {
+        if (o->failed()) return false;  // tcp: the measured side left
         cpu_relax();
         if ((++waits & 4095) == 0 && any_closed(control_fds)) return false;
       }
-      o->finish(j);
+      fence();
+      o->after_round(j);
     }
     return true;
   };
@@ -781,7 +760,7 @@ void drive(std::vector<InChannel*> in, std::vector<OutChannel*> out, size_t nbyt
 }  // namespace
 
 PYBIND11_MODULE(_m2n_core, m) {
-  m.doc() = "The M2N core: shared-memory channels and whole rounds off the GIL (transport/core.py)";
+  m.doc() = "The M2N core: shm and tcp channels and whole rounds off the GIL (transport/core.py, core_tcp.py)";
   m.attr("HEADER_FIELDS") = kHeaderFields;
   m.attr("BAD_STATE") = static_cast<int>(kBadState);
   m.attr("BAD_HEADER") = static_cast<int>(kBadHeader);
@@ -789,14 +768,17 @@ PYBIND11_MODULE(_m2n_core, m) {
   m.attr("SKIPPED") = static_cast<int>(kSkipped);
   m.attr("REWRITTEN") = static_cast<int>(kRewritten);
 
-  py::class_<OutChannel>(m, "OutChannel")
+  py::class_<Outbound>(m, "Outbound");
+  py::class_<Inbound>(m, "Inbound");
+
+  py::class_<OutChannel, Outbound>(m, "OutChannel")
       .def(py::init<py::buffer, size_t, size_t, uint32_t, uint16_t, int, const std::string&, uint16_t>())
       .def("try_send", &OutChannel::try_send)
       .def("slot_free", &OutChannel::slot_free)
       .def_property_readonly("seq", &OutChannel::seq)
       .def("close", &OutChannel::close);
 
-  py::class_<InChannel>(m, "InChannel")
+  py::class_<InChannel, Inbound>(m, "InChannel")
       .def(py::init<py::buffer, size_t, size_t, uint32_t, uint16_t, int, const std::string&, uint16_t>())
       .def("poll", &InChannel::poll)
       .def("release", &InChannel::release_slot)
@@ -809,12 +791,13 @@ PYBIND11_MODULE(_m2n_core, m) {
       .def("close", &InChannel::close);
 
   py::class_<Round>(m, "Round")
-      .def(py::init<std::vector<OutChannel*>, std::vector<InChannel*>, int, std::vector<int>>(),
+      .def(py::init<std::vector<Outbound*>, std::vector<Inbound*>, int, std::vector<int>>(),
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("post", &Round::post)
       .def("post_rows", &Round::post_rows)
       .def("check", &Round::check)
       .def_property_readonly("failed_count", &Round::failed_count)
+      .def_property_readonly("send_failures", &Round::send_failures)
       .def("give_up", &Round::give_up)
       .def("clear_failures", &Round::clear_failures)
       .def("retry", &Round::retry)
@@ -826,6 +809,13 @@ PYBIND11_MODULE(_m2n_core, m) {
       .def("arrived", [](py::object self) { return self.cast<Round&>().arrived_view(self); })
       .def("broken", [](py::object self) { return self.cast<Round&>().broken_view(self); })
       .def("pending", [](py::object self) { return self.cast<Round&>().pending_view(self); });
+
+  m.attr("HELD_SLOT") = static_cast<int>(kHeldSlot);
+  m.attr("TRUNCATED") = static_cast<int>(kTruncated);
+  m.attr("BAD_CREDIT") = static_cast<int>(kBadCredit);
+  m.attr("CLOSED") = static_cast<int>(kClosed);
+  m.attr("DROPPED") = static_cast<int>(kDropped);
+  register_tcp(m);
 
   m.def("echo", &echo, "loopback expert nodes for bench host (until a control socket closes)");
   m.def("drive", &drive, "loopback attention ranks for bench host (until a control socket closes)");

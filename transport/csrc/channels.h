@@ -1,0 +1,120 @@
+// What the core's channels share: the wire header, the violation codes, the memory-order
+// helpers, and the two interfaces a Round drives (an outbound and an inbound channel).
+// Shared memory (m2n_core.cpp) and tcp (tcp_channels.cpp) implement them.
+
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <time.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace m2n {
+
+constexpr uint32_t kMagic = 0x4D324E01;
+constexpr uint32_t kCreditMagic = 0x43524454;  // transport/wire.py CREDIT_MAGIC ("CRDT")
+constexpr int kHeaderFields = 9;  // magic, step, layer, micro_batch, sender, flags, token_count, seq, byte_length
+
+// Violation codes (transport/core.py words them as the reference does). A channel that has one
+// is not read again; the Python side drops its peer.
+enum Violation : int {
+  kNone = 0,
+  kBadState = 1,     // shm: a state word neither free nor full (a = slot, b = the word)
+  kBadHeader = 2,    // magic, sender, length or sequence (a = the seq that was due; fields hold the header)
+  kWrongSlot = 3,    // shm: a message in a slot its micro-batch does not name (a = slot)
+  kSkipped = 4,      // shm: a later message arrived where the next never did (a = the newest seq seen)
+  kRewritten = 5,    // shm: a held slot's header changed before its release (a = slot, b = the seq held)
+  kHeldSlot = 6,     // tcp: a message for a slot still held (a = slot, b = the seq it holds; fields: the header)
+  kTruncated = 7,    // tcp: the connection closed inside a message (a = bytes that came, b = bytes due,
+                     // fields[0] = 1 while the header was arriving, 0 inside the payload)
+  kBadCredit = 8,    // tcp: a credit frame not for a slot in use (a = the frame's 8 bytes, b = busy or not)
+  kClosed = 9,       // tcp: the peer closed its connection between messages (not a violation: it left)
+  kDropped = 10,     // tcp: the connection failed (a = errno; not a violation)
+};
+
+struct WireHeader {  // transport/wire.py HEADER "<IIHHHHIIQ"
+  uint32_t magic;
+  uint32_t step;
+  uint16_t layer;
+  uint16_t micro_batch;
+  uint16_t sender;
+  uint16_t flags;
+  uint32_t token_count;
+  uint32_t seq;
+  uint64_t byte_length;
+};
+static_assert(sizeof(WireHeader) == 32, "the wire header is 32 bytes");
+
+struct CreditFrame {  // transport/wire.py CREDIT "<IHH"
+  uint32_t magic;
+  uint16_t slot;
+  uint16_t reserved;
+};
+static_assert(sizeof(CreditFrame) == 8, "a credit frame is 8 bytes");
+
+inline uint32_t load_acquire(const uint8_t* p) {
+  return __atomic_load_n(reinterpret_cast<const uint32_t*>(p), __ATOMIC_ACQUIRE);
+}
+inline void store_release(uint8_t* p, uint32_t v) {
+  __atomic_store_n(reinterpret_cast<uint32_t*>(p), v, __ATOMIC_RELEASE);
+}
+inline void fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+inline double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// this endpoint -> peer. Called from the endpoint's one data thread.
+class Outbound {
+ public:
+  virtual ~Outbound() = default;
+  // One message into the slot of `micro_batch`, stamped with this channel's next seq; false
+  // (nothing sent) while the peer still holds that slot, or once the channel failed (failed()).
+  virtual bool write(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
+                     const uint8_t* payload, size_t n) = 0;
+  // After a round's writes and one fence: wake the receiver if it needs waking (shm's doorbell).
+  virtual void after_round(uint16_t micro_batch) = 0;
+  virtual size_t slot_bytes() const = 0;
+  virtual bool is_closed() const = 0;
+  virtual bool failed() const { return false; }  // the connection broke (tcp); the Python side says why
+};
+
+// peer -> this endpoint. Called from the endpoint's one data thread.
+class Inbound {
+ public:
+  virtual ~Inbound() = default;
+  // Takes in what has arrived, in sequence, as queued messages; false once the channel broke a
+  // rule or its connection ended (violation() says which). Messages queued before stay takeable.
+  virtual bool admit() = 0;
+  // The queued message of `micro_batch`, handed out: its slot, or -1 if none is queued.
+  virtual int take(uint32_t micro_batch) = 0;
+  // Any queued message, handed out: its slot, or -1 (bench host's echoing peers).
+  virtual int take_any() = 0;
+  virtual const WireHeader& header(uint32_t slot) const = 0;
+  virtual const uint8_t* payload(uint32_t slot) const = 0;
+  // Frees a handed-out slot; false if the sender broke a rule meanwhile (recorded).
+  virtual bool release_slot(uint32_t slot) = 0;
+  virtual void set_asleep(bool asleep) = 0;
+  // A socket whose readability means this channel has something to admit (tcp), or -1 (shm
+  // rings the endpoint's doorbell instead).
+  virtual int wait_fd() const { return -1; }
+  virtual int violation() const = 0;
+  virtual bool is_closed() const = 0;
+};
+
+void register_tcp(pybind11::module_& m);
+
+}  // namespace m2n
