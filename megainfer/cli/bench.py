@@ -67,6 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--running", type=positive_int, action="append", default=[], metavar="N",
                    help="also measure the step boundary at N running sequences (repeatable; always at 512, "
                         "1,024 and the plan's max_num_seqs)")
+    h.add_argument("--backend", choices=("shm", "tcp"), default="shm",
+                   help="the M2N backend of the rounds (over loopback; shm: peers on one host, tcp: across hosts)")
     h.add_argument("--json", metavar="PATH", help="write the results as JSON")
     h.set_defaults(run=_run_host)
 
@@ -225,7 +227,8 @@ def _run_engine(args: argparse.Namespace) -> int:
 def _run_host(args: argparse.Namespace) -> int:
     from megainfer.tools.host_cost import run
 
-    return run(args.plan, args.rounds, args.json, repeats=args.repeats, boundary_running=tuple(args.running))
+    return run(args.plan, args.rounds, args.json, repeats=args.repeats, boundary_running=tuple(args.running),
+               backend=args.backend)
 
 
 def _run_m2n(args: argparse.Namespace) -> int:

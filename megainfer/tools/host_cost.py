@@ -108,43 +108,44 @@ def _stub_model(scale: HostScale, hidden: int) -> ModelConfig:
                        max_position_embeddings=4096, name="bench-host")
 
 
-def _endpoint(name: str, rank: int, slot_bytes: int, slots: int, core: str) -> Endpoint:
+def _endpoint(name: str, rank: int, slot_bytes: int, slots: int, core: str, backend: str) -> Endpoint:
     return Endpoint(EndpointSpec(name=name, rank=rank, secret=SECRET, listen="127.0.0.1:0", slot_bytes=slot_bytes,
-                                 num_slots=slots, backend="shm", timeout_s=TIMEOUT_S, core=core))
+                                 num_slots=slots, backend=backend, timeout_s=TIMEOUT_S, core=core))
 
 
 # -- the peers, in one other process: the core's loopback loops (fast stand-ins, so what the
 # measured side is charged is its own work, not a slow peer's; the same peers for both paths).
-def _wired_peers(names: list[str], first_rank: int, slot_bytes: int, slots: int, measured: str,
+def _wired_peers(names: list[str], first_rank: int, slot_bytes: int, slots: int, measured: str, backend: str,
                  conn) -> tuple[list, list, list[int]]:
     """The peer endpoints, connected to the measured one (its address comes through `conn`):
-    their channels to it as the core's loops take them (inbound, outbound, control sockets)."""
-    endpoints = [_endpoint(n, first_rank + i, slot_bytes, slots, "on") for i, n in enumerate(names)]
+    their channels to it as the core's loops take them (inbound, outbound, and the control
+    sockets that say the measured side left; over tcp the channels' own reads say it)."""
+    endpoints = [_endpoint(n, first_rank + i, slot_bytes, slots, "on", backend) for i, n in enumerate(names)]
     conn.send([ep.address for ep in endpoints])
     address = conn.recv()
     connect_concurrently([(ep, {measured: address}) for ep in endpoints], TIMEOUT_S)
-    return ([ep.inbound[measured].core for ep in endpoints], [ep.outbound[measured].core for ep in endpoints],
-            [ep.inbound[measured].control.fileno() for ep in endpoints])
+    controls = [ep.inbound[measured].control.fileno() for ep in endpoints] if backend == "shm" else []
+    return [ep.inbound[measured].core for ep in endpoints], [ep.outbound[measured].core for ep in endpoints], controls
 
 
-def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_bytes: int, conn) -> None:
+def _echo_experts(names: list[str], slot_bytes: int, slots: int, answer_row_bytes: int, backend: str, conn) -> None:
     """N expert nodes that answer each dispatch with token_count zero rows, until the rank leaves."""
     from transport.core import native
 
     try:
-        inbound, outbound, controls = _wired_peers(names, 100, slot_bytes, slots, "attention0", conn)
+        inbound, outbound, controls = _wired_peers(names, 100, slot_bytes, slots, "attention0", backend, conn)
         native.echo(inbound, outbound, answer_row_bytes, controls)
     except BaseException:
         conn.send(traceback.format_exc())
 
 
-def _attention_senders(names: list[str], slot_bytes: int, slots: int, record_size: int, tokens: int,
+def _attention_senders(names: list[str], slot_bytes: int, slots: int, record_size: int, tokens: int, backend: str,
                        conn) -> None:
     """M attention ranks in the ping-pong's steady state (transport._m2n_core.drive), until the node leaves."""
     from transport.core import native
 
     try:
-        inbound, outbound, controls = _wired_peers(names, 0, slot_bytes, slots, "experts0", conn)
+        inbound, outbound, controls = _wired_peers(names, 0, slot_bytes, slots, "experts0", backend, conn)
         native.drive(inbound, outbound, tokens * record_size, tokens, slots, controls)
     except BaseException:
         conn.send(traceback.format_exc())
@@ -201,7 +202,8 @@ class RoundCost:
         return self.cpu_us * scale.rounds_per_step / 1e3
 
 
-def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, rounds: int, core: str) -> RoundCost:
+def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, rounds: int, core: str,
+                      backend: str = "shm") -> RoundCost:
     from megainfer.disagg.expert_exchange import PendingDispatch
     from megainfer.disagg.pipelined_runner import PipelinedModelRunner
     from megainfer.model.weights import RandomWeights
@@ -211,8 +213,8 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
     rec = record_bytes(hidden, scale.top_k, DTYPE)
     answer_row = hidden * DTYPE.itemsize
     names = [f"experts{k}" for k in range(n)]
-    process, conn, addresses = _start(_echo_experts, (names, tokens_per_peer * rec, m, answer_row))
-    link = _endpoint("attention0", 0, tokens_per_peer * answer_row, m, core)
+    process, conn, addresses = _start(_echo_experts, (names, tokens_per_peer * rec, m, answer_row, backend))
+    link = _endpoint("attention0", 0, tokens_per_peer * answer_row, m, core, backend)
     try:
         conn.send(link.address)
         link.connect(dict(zip(names, addresses)))
@@ -251,7 +253,8 @@ def measure_attention(scale: HostScale, hidden: int, tokens_per_peer: int, round
     return RoundCost("attention", _path(core), n, tokens_per_peer * rec, cpu * 1e6 / rounds, wall * 1e6 / rounds)
 
 
-def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: int, core: str) -> RoundCost:
+def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: int, core: str,
+                   backend: str = "shm") -> RoundCost:
     from megainfer.disagg.expert_worker import ExpertWorker
     from megainfer.model.weights import RandomWeights
 
@@ -260,8 +263,8 @@ def measure_expert(scale: HostScale, hidden: int, tokens_per_peer: int, steps: i
     rec = record_bytes(hidden, scale.top_k, DTYPE)
     names = [f"attention{a}" for a in range(senders)]
     process, conn, addresses = _start(_attention_senders, (names, tokens_per_peer * hidden * DTYPE.itemsize, m, rec,
-                                                           tokens_per_peer))
-    link = _endpoint("experts0", 100, tokens_per_peer * rec, m, core)
+                                                           tokens_per_peer, backend))
+    link = _endpoint("experts0", 100, tokens_per_peer * rec, m, core, backend)
     try:
         conn.send(link.address)
         link.connect(dict(zip(names, addresses)))
@@ -285,7 +288,7 @@ def median_of(measure, repeats: int) -> RoundCost:
 
 
 def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
-        boundary_running: tuple[int, ...] = ()) -> int:
+        boundary_running: tuple[int, ...] = (), backend: str = "shm") -> int:
     import json
 
     from transport import core
@@ -301,7 +304,7 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
         key = "" if label == "4KiB" else "_plan_size"
         for side, measure, count in (("attention", measure_attention, rounds),
                                      ("expert", measure_expert, max(1, rounds // scale.micro_batches))):
-            costs = {path: median_of(lambda: measure(scale, hidden, tokens, count, setting), repeats)
+            costs = {path: median_of(lambda: measure(scale, hidden, tokens, count, setting, backend), repeats)
                      for path, setting in PATHS.items()}
             budget = scale.t_a_ms if side == "attention" else scale.t_e_ms
             for cost in costs.values():
@@ -318,9 +321,11 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
           + ("" if scale.t_a_ms else " (the plan predicts none)"))
     print(format_table(["side", "path", "message", "peers", "bytes", "CPU us/round", "wall us/round", "CPU ms/step",
                         "x t_a or t_e", "python / path"], rows))
-    print(f"median of {repeats} runs of {rounds} rounds each. path core: rounds in the compiled M2N core (one call posts to every peer, one collects from every "
-          "peer); python: the pure-Python reference backends, one call per message. CPU time: every thread of "
-          "the measured process. Peers: the core's loopback loops in one other process, the same for both paths.")
+    print(f"median of {repeats} runs of {rounds} rounds each, over {backend} (loopback). path core: rounds in the "
+          "compiled M2N core (one call posts to every peer, one collects from every peer); python: the pure-Python "
+          "reference backends, one call per message. CPU time: every thread of the measured process (the core's "
+          "tcp progress thread included). Peers: the core's loopback loops in one other process, the same for both "
+          "paths.")
     results["load_round_us"] = load_round_line(plan, scale)
     results |= step_boundary_rows(plan, scale, boundary_running)
     if json_path:
@@ -328,7 +333,8 @@ def run(plan_path: str, rounds: int, json_path: str | None, repeats: int = 3,
             from megainfer.tools.m2n_report import machine
 
             host = machine()
-            json.dump({"benchmark": "host", "plan": plan_path, "machine": f"{host['cpu']}, {host['cores']} cores",
+            json.dump({"benchmark": "host", "plan": plan_path, "backend": backend,
+                       "machine": f"{host['cpu']}, {host['cores']} cores",
                        "scale": dataclasses.asdict(scale), **results}, f, indent=2)
     return 0
 
