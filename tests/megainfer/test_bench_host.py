@@ -94,8 +94,10 @@ def test_on_the_235b_plan_over_tcp_the_core_is_several_times_cheaper_than_the_py
     assert out.returncode == 0, out.stderr
     result = json.loads(path.read_text())
     assert result["backend"] == "tcp"
-    for key in ("attention_round_cpu_us", "expert_round_cpu_us"):  # 2.3x and 2.4x measured (docs/benchmarks.md)
-        assert result[key]["core"]["cpu_us"] * 1.5 < result[key]["python"]["cpu_us"], result[key]
+    # 1.7-2.7x measured (docs/benchmarks.md): the kernel's system calls are what is left, and the
+    # reference's figures move by tens of percent between runs.
+    for key in ("attention_round_cpu_us", "expert_round_cpu_us"):
+        assert result[key]["core"]["cpu_us"] * 1.3 < result[key]["python"]["cpu_us"], result[key]
 
 
 def test_the_small_variant_sends_4_kib_records():

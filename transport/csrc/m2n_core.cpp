@@ -354,7 +354,8 @@ class Round {
   Round(std::vector<Outbound*> out, std::vector<Inbound*> in, int doorbell_fd, std::vector<int> control_fds)
       : out_(std::move(out)), in_(std::move(in)), doorbell_fd_(doorbell_fd), control_fds_(std::move(control_fds)),
         pending_(out_.size(), 0), arrived_(in_.size(), 0), slot_(in_.size(), -1),
-        fields_(in_.size() * kHeaderFields, 0), broken_(in_.size(), 0), given_up_(in_.size(), 0) {
+        fields_(in_.size() * kHeaderFields, 0), broken_(in_.size(), 0), given_up_(in_.size(), 0),
+        readable_(in_.size(), 0) {
     if (control_fds_.size() != in_.size()) throw std::invalid_argument("one control socket (or -1) per inbound peer");
   }
 
@@ -590,12 +591,33 @@ class Round {
     return still;
   }
 
+  // Which awaited socket channels (tcp) have bytes waiting, by one poll: a scan then reads
+  // only those, not every socket of the round (a recv per peer per look, most finding nothing).
+  void look_at_sockets() {
+    ready_fds_.clear();
+    ready_of_.clear();
+    for (size_t i = 0; i < in_.size(); ++i) {
+      readable_[i] = 0;
+      if (awaited(i) && in_[i]->wait_fd() >= 0) {
+        ready_fds_.push_back({in_[i]->wait_fd(), POLLIN, 0});
+        ready_of_.push_back(i);
+      }
+    }
+    if (ready_fds_.empty() || ::poll(ready_fds_.data(), ready_fds_.size(), 0) <= 0) return;
+    for (size_t k = 0; k < ready_fds_.size(); ++k) readable_[ready_of_[k]] = ready_fds_[k].revents != 0;
+  }
+
   int scan(uint16_t micro_batch) {
     int missing = 0;
+    look_at_sockets();
     for (size_t i = 0; i < in_.size(); ++i) {
       if (arrived_[i] || broken_[i] || given_up_[i]) continue;
       Inbound* ch = in_[i];
       int s = ch->take(micro_batch);
+      if (s < 0 && ch->wait_fd() >= 0 && !readable_[i]) {  // a socket with nothing waiting
+        ++missing;
+        continue;
+      }
       if (s < 0) {
         bool ok = ch->admit();
         s = ch->take(micro_batch);  // what came before a failure is still this round's
@@ -664,6 +686,9 @@ class Round {
   std::vector<int64_t> fields_;
   std::vector<uint8_t> broken_;
   std::vector<uint8_t> given_up_;
+  std::vector<uint8_t> readable_;  // look_at_sockets': an awaited socket with bytes waiting
+  std::vector<pollfd> ready_fds_;
+  std::vector<size_t> ready_of_;
   int failed_count_ = 0;  // peers broken or given up, not yet cleared (clear_failures)
   int send_failures_ = 0;  // outbound channels found failed by the last post and its retries
   PostArgs post_{};

@@ -323,6 +323,7 @@ class TcpInChannel : public Inbound {
       }
       const WireHeader& h = headers_[slot_];
       if (got_ < h.byte_length) {
+        low_water(h.byte_length - got_);  // a poll reports the socket once the rest (or 1 MiB of it) is in
         ssize_t k = recv(fd_, base_ + slot_ * slot_bytes_ + got_, h.byte_length - got_, MSG_DONTWAIT);
         if (k <= 0) return ended(k, false);
         got_ += static_cast<size_t>(k);
@@ -415,7 +416,6 @@ class TcpInChannel : public Inbound {
     next_seq_ += 1;
     arriving_ = true;
     got_ = 0;
-    low_water(h.byte_length);
     return true;
   }
   // recv gave `k` <= 0: nothing yet (true), or the connection's end, in or between messages.
