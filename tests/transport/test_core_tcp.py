@@ -137,3 +137,35 @@ def test_the_progress_thread_ends_with_the_endpoint():
     while _threads() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _threads() <= before
+
+
+def test_a_round_waiting_on_a_payload_that_arrives_in_parts_wakes_for_its_last_bytes():
+    """The core's channel and round alone, over a loopback connection: a header and the first
+    half of its payload, then the rest a moment later. The socket's low-water mark follows what
+    the payload still lacks, so the round's poll sees the rest arrive (a mark left at the whole
+    payload's size would never be reached: the round waited out its slice)."""
+    import socket
+
+    from transport.wire import MAGIC, HEADER
+
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+    receiver.setblocking(False)
+    slots = bytearray(2 * 8192)
+    channel = native.TcpInChannel(slots, receiver.fileno(), 8192, 2, 7)
+    round_ = native.Round([], [channel], -1, [-1])
+    payload = bytes(range(256)) * 24  # 6,144 bytes
+    header = HEADER.pack(MAGIC, 3, 1, 0, 7, 0, 2, 0, len(payload))
+    try:
+        sender.sendall(header + payload[:3000])
+        assert round_.collect(0, 0.0, 0.05) == 1  # half of it is in: the channel reads it and waits for the rest
+        threading.Timer(0.1, lambda: sender.sendall(payload[3000:])).start()
+        t0 = time.monotonic()
+        assert round_.collect(0, 0.0, 3.0) == 0
+        assert time.monotonic() - t0 < 1.0
+        assert bytes(slots[:len(payload)]) == payload and round_.fields()[0, 2] == 1  # layer 1
+        round_.release()
+    finally:
+        for sock in (sender, receiver, server):
+            sock.close()
