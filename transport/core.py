@@ -108,15 +108,8 @@ class CoreShmOutbound(ShmOutbound):
         super().close()
 
 
-class CoreShmInbound(ShmInbound):
-    """peer -> this endpoint over shm, read by the core (which holds the sequence and the slots)."""
-
-    core_driven = True
-
-    def bind_peer(self, doorbell: str, channel: int, control) -> None:
-        super().bind_peer(doorbell, channel, control)
-        self.core = native.InChannel(self.segment.view, self.slot_bytes, self.stride, self.num_slots,
-                                     self.rules.sender, self.doorbell._out.fileno(), doorbell, channel)
+class CoreInboundCounts:
+    """A core inbound channel's counts, from the core (which holds its slots): shm's and tcp's."""
 
     @property
     def outstanding(self) -> int:
@@ -127,6 +120,17 @@ class CoreShmInbound(ShmInbound):
     def queued(self) -> int:
         """Messages the core admitted that nobody has taken yet."""
         return self.core.queued
+
+
+class CoreShmInbound(CoreInboundCounts, ShmInbound):
+    """peer -> this endpoint over shm, read by the core (which holds the sequence and the slots)."""
+
+    core_driven = True
+
+    def bind_peer(self, doorbell: str, channel: int, control) -> None:
+        super().bind_peer(doorbell, channel, control)
+        self.core = native.InChannel(self.segment.view, self.slot_bytes, self.stride, self.num_slots,
+                                     self.rules.sender, self.doorbell._out.fileno(), doorbell, channel)
 
     def poll(self) -> list[tuple[int, Header]]:
         found = self.core.poll()

@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 
-from transport.core import native
+from transport.core import CoreInboundCounts, native
 from transport.errors import PeerClosed
 from transport.tcp import TcpInbound, TcpOutbound
 from transport.wire import CREDIT, HEADER_BYTES, Header
@@ -109,7 +109,7 @@ class CoreTcpOutbound(TcpOutbound):
         super().close()
 
 
-class CoreTcpInbound(TcpInbound):
+class CoreTcpInbound(CoreInboundCounts, TcpInbound):
     """peer -> this endpoint over tcp, read by the core into this channel's slot buffer."""
 
     core_driven = True
@@ -120,16 +120,6 @@ class CoreTcpInbound(TcpInbound):
 
     def error(self) -> PeerClosed:
         return tcp_error(self, *self.core.violation_info())
-
-    @property
-    def outstanding(self) -> int:
-        """Messages handed out and not released (Endpoint.recv's pending ones included)."""
-        return self.core.held
-
-    @property
-    def queued(self) -> int:
-        """Messages the core took in that nobody has taken yet."""
-        return self.core.queued
 
     def admit(self) -> None:
         """Takes in what has arrived (a readable socket, found by the endpoint's selector),

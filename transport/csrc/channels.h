@@ -8,9 +8,11 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace m2n {
 
@@ -113,6 +115,89 @@ class Inbound {
   virtual int wait_fd() const { return -1; }
   virtual int violation() const = 0;
   virtual bool is_closed() const = 0;
+};
+
+// An inbound channel's slots as this side sees them, and what every kind does alike with
+// them: the hand-outs (to a round, to the single-message path), the counts, the first
+// violation recorded. A kind admits messages into state_ and headers_ its own way.
+class SlottedInbound : public Inbound {
+ public:
+  enum SlotState : uint8_t { kEmpty = 0, kArriving = 1, kQueued = 2, kHanded = 3 };
+
+  SlottedInbound(uint32_t num_slots, uint16_t sender)
+      : num_slots_(num_slots), sender_(sender), held_seq_(num_slots, 0), state_(num_slots, kEmpty),
+        headers_(num_slots) {}
+
+  int take(uint32_t micro_batch) override {
+    uint32_t s = micro_batch % num_slots_;
+    if (state_[s] != kQueued || headers_[s].micro_batch != micro_batch) return -1;
+    state_[s] = kHanded;
+    --queued_;
+    return static_cast<int>(s);
+  }
+  int take_any() override {
+    for (uint32_t s = 0; s < num_slots_; ++s)
+      if (state_[s] == kQueued) return take(headers_[s].micro_batch);
+    return -1;
+  }
+  const WireHeader& header(uint32_t s) const override { return headers_[s]; }
+  int violation() const override { return violation_; }
+
+  // The single-message path (Endpoint.recv): every queued message, handed out, oldest first.
+  // (A round may have taken a later one already: the queued ones need not be the newest.) A
+  // violation, if any, is read by the caller after these are handed out.
+  pybind11::list poll() {
+    admit();
+    pybind11::list out;
+    std::vector<uint32_t> slots;
+    for (uint32_t s = 0; s < num_slots_; ++s)
+      if (state_[s] == kQueued) slots.push_back(s);
+    // every queued seq lies behind next_seq_: (seq - next_seq_) mod 2^32 orders them oldest first
+    std::sort(slots.begin(), slots.end(),
+              [&](uint32_t a, uint32_t b) { return headers_[a].seq - next_seq_ < headers_[b].seq - next_seq_; });
+    for (uint32_t s : slots) {
+      state_[s] = kHanded;
+      --queued_;
+      const WireHeader& h = headers_[s];
+      out.append(pybind11::make_tuple(s, pybind11::make_tuple(h.step, h.layer, h.micro_batch, h.sender, h.flags,
+                                                              h.token_count, h.seq, h.byte_length)));
+    }
+    return out;
+  }
+  pybind11::tuple violation_info() const {
+    return pybind11::make_tuple(violation_, va_, vb_,
+                                pybind11::make_tuple(vh_.magic, vh_.step, vh_.layer, vh_.micro_batch, vh_.sender,
+                                                     vh_.flags, vh_.token_count, vh_.seq, vh_.byte_length));
+  }
+  uint32_t held() const {
+    uint32_t n = 0;
+    for (auto st : state_) n += st == kHanded;
+    return n;
+  }
+  uint32_t queued() const { return queued_; }
+  uint32_t next_seq() const { return next_seq_; }
+
+ protected:
+  // Records the channel's first violation; false, for `return fail(...)`.
+  bool fail(int code, uint64_t a, uint64_t b, const WireHeader* h = nullptr) {
+    if (violation_) return false;
+    violation_ = code;
+    va_ = a;
+    vb_ = b;
+    if (h) vh_ = *h;
+    return false;
+  }
+
+  uint32_t num_slots_;
+  uint16_t sender_;
+  uint32_t next_seq_ = 0;
+  uint32_t queued_ = 0;
+  std::vector<uint32_t> held_seq_;
+  std::vector<uint8_t> state_;
+  std::vector<WireHeader> headers_;
+  int violation_ = kNone;
+  uint64_t va_ = 0, vb_ = 0;
+  WireHeader vh_{};
 };
 
 void register_tcp(pybind11::module_& m);

@@ -172,14 +172,11 @@ class OutChannel : public Outbound {
 };
 
 // peer -> this endpoint: reads the segment this endpoint made for the peer.
-class InChannel : public Inbound {
+class InChannel : public SlottedInbound {
  public:
-  enum SlotState : uint8_t { kEmpty = 0, kQueued = 1, kHanded = 2 };  // this side's view of a slot
-
   InChannel(py::buffer segment, size_t slot_bytes, size_t stride, uint32_t num_slots, uint16_t sender,
             int doorbell_fd, const std::string& peer_doorbell, uint16_t peer_channel)
-      : slot_bytes_(slot_bytes), stride_(stride), num_slots_(num_slots), sender_(sender),
-        held_seq_(num_slots, 0), state_(num_slots, kEmpty), headers_(num_slots) {
+      : SlottedInbound(num_slots, sender), slot_bytes_(slot_bytes), stride_(stride) {
     map_.bind(segment, kSlotsOffset + stride * num_slots);
     bell_.set(doorbell_fd, peer_doorbell, peer_channel);
   }
@@ -202,15 +199,6 @@ class InChannel : public Inbound {
     if (!admit_pass(first, &again, &ignored)) return false;
     if (next_seq_ - first <= newest) return fail(kSkipped, first + newest, 0);
     return true;
-  }
-
-  // The queued message of `micro_batch`, handed out: its slot, or -1 if none is queued.
-  int take(uint32_t micro_batch) override {
-    uint32_t s = micro_batch % num_slots_;
-    if (state_[s] != kQueued || headers_[s].micro_batch != micro_batch) return -1;
-    state_[s] = kHanded;
-    --queued_;
-    return static_cast<int>(s);
   }
 
   // One look: admits the run of full slots that continues the sequence; notes a gap (a full
@@ -247,18 +235,6 @@ class InChannel : public Inbound {
     }
   }
 
-  // Any queued message, handed out: its slot, or -1 (the echo peer's order does not matter).
-  int take_any() override {
-    for (uint32_t s = 0; s < num_slots_; ++s) {
-      if (state_[s] == kQueued) {
-        state_[s] = kHanded;
-        --queued_;
-        return static_cast<int>(s);
-      }
-    }
-    return -1;
-  }
-
   // Frees a handed-out slot; false if the sender rewrote its header meanwhile (recorded).
   bool release_slot(uint32_t s) override {
     if (s >= num_slots_ || state_[s] == kEmpty) return true;
@@ -281,69 +257,17 @@ class InChannel : public Inbound {
     fence();
   }
 
-  // The single-message path (Endpoint.recv): every queued message, handed out, oldest first.
-  // (A round may have taken a later one already: the queued ones need not be the newest.)
-  py::list poll() {
-    admit();
-    py::list out;
-    std::vector<uint32_t> slots;
-    for (uint32_t s = 0; s < num_slots_; ++s)
-      if (state_[s] == kQueued) slots.push_back(s);
-    // every queued seq lies behind next_seq_: (seq - next_seq_) mod 2^32 orders them oldest first
-    std::sort(slots.begin(), slots.end(),
-              [&](uint32_t a, uint32_t b) { return headers_[a].seq - next_seq_ < headers_[b].seq - next_seq_; });
-    for (uint32_t s : slots) {
-      state_[s] = kHanded;
-      --queued_;
-      const WireHeader& h = headers_[s];
-      out.append(py::make_tuple(s, py::make_tuple(h.step, h.layer, h.micro_batch, h.sender, h.flags,
-                                                  h.token_count, h.seq, h.byte_length)));
-    }
-    return out;  // a violation, if any, is read by the caller (after these are handed out)
-  }
-
   const uint8_t* payload(uint32_t s) const override { return slot_base(s) + kPayloadOffset; }
-  const WireHeader& header(uint32_t s) const override { return headers_[s]; }
-  int violation() const override { return violation_; }
-  py::tuple violation_info() const {
-    return py::make_tuple(violation_, va_, vb_,
-                          py::make_tuple(vh_.magic, vh_.step, vh_.layer, vh_.micro_batch, vh_.sender, vh_.flags,
-                                         vh_.token_count, vh_.seq, vh_.byte_length));
-  }
-  uint32_t held() const {
-    uint32_t n = 0;
-    for (auto st : state_) n += st == kHanded;
-    return n;
-  }
-  uint32_t queued() const { return queued_; }
-  uint32_t next_seq() const { return next_seq_; }
   bool is_closed() const override { return map_.is_closed(); }
   void close() { map_.close(); }
 
  private:
   uint8_t* slot_base(uint32_t s) const { return map_.base + kSlotsOffset + s * stride_; }
-  bool fail(int code, uint64_t a, uint64_t b, const WireHeader* h = nullptr) {
-    violation_ = code;
-    va_ = a;
-    vb_ = b;
-    if (h) vh_ = *h;
-    return false;
-  }
   bool fail_header(const WireHeader& h) { return fail(kBadHeader, next_seq_, 0, &h); }
 
   Mapping map_;
   Bell bell_;
   size_t slot_bytes_, stride_;
-  uint32_t num_slots_;
-  uint16_t sender_;
-  uint32_t next_seq_ = 0;
-  uint32_t queued_ = 0;
-  std::vector<uint32_t> held_seq_;
-  std::vector<uint8_t> state_;
-  std::vector<WireHeader> headers_;
-  int violation_ = kNone;
-  uint64_t va_ = 0, vb_ = 0;
-  WireHeader vh_{};
 };
 
 // A fixed set of peers exchanging whole rounds: N outbound and N inbound channels (either list

@@ -294,13 +294,10 @@ void TcpProgress::run() {
 }
 
 // peer -> this endpoint over tcp: reads into the slots of a buffer the Python channel owns.
-class TcpInChannel : public Inbound {
+class TcpInChannel : public SlottedInbound {
  public:
-  enum SlotState : uint8_t { kEmpty = 0, kArriving = 1, kQueued = 2, kHanded = 3 };
-
   TcpInChannel(py::buffer slots, int fd, size_t slot_bytes, uint32_t num_slots, uint16_t sender)
-      : fd_(fd), slot_bytes_(slot_bytes), num_slots_(num_slots), sender_(sender), held_seq_(num_slots, 0),
-        state_(num_slots, kEmpty), headers_(num_slots) {
+      : SlottedInbound(num_slots, sender), fd_(fd), slot_bytes_(slot_bytes) {
     info_ = std::make_unique<py::buffer_info>(slots.request(true));
     if (static_cast<size_t>(info_->size * info_->itemsize) < slot_bytes * num_slots)
       throw std::invalid_argument("slot buffer smaller than its slots");
@@ -336,24 +333,6 @@ class TcpInChannel : public Inbound {
       low_water(1);
     }
   }
-  int take(uint32_t micro_batch) override {
-    uint32_t s = micro_batch % num_slots_;
-    if (state_[s] != kQueued || headers_[s].micro_batch != micro_batch) return -1;
-    state_[s] = kHanded;
-    --queued_;
-    return static_cast<int>(s);
-  }
-  int take_any() override {
-    for (uint32_t s = 0; s < num_slots_; ++s) {
-      if (state_[s] == kQueued) {
-        state_[s] = kHanded;
-        --queued_;
-        return static_cast<int>(s);
-      }
-    }
-    return -1;
-  }
-  const WireHeader& header(uint32_t s) const override { return headers_[s]; }
   const uint8_t* payload(uint32_t s) const override { return base_ + s * slot_bytes_; }
   bool release_slot(uint32_t s) override {
     if (s >= num_slots_ || (state_[s] != kQueued && state_[s] != kHanded)) return true;
@@ -365,40 +344,8 @@ class TcpInChannel : public Inbound {
   }
   void set_asleep(bool) override {}
   int wait_fd() const override { return violation_ ? -1 : fd_; }
-  int violation() const override { return violation_; }
   bool is_closed() const override { return closed_; }
   void close() { closed_ = true; }
-
-  // The single-message path (Endpoint.recv): every queued message, handed out, oldest first.
-  py::list poll() {
-    admit();
-    py::list out;
-    std::vector<uint32_t> slots;
-    for (uint32_t s = 0; s < num_slots_; ++s)
-      if (state_[s] == kQueued) slots.push_back(s);
-    std::sort(slots.begin(), slots.end(),
-              [&](uint32_t a, uint32_t b) { return headers_[a].seq - next_seq_ < headers_[b].seq - next_seq_; });
-    for (uint32_t s : slots) {
-      state_[s] = kHanded;
-      --queued_;
-      const WireHeader& h = headers_[s];
-      out.append(py::make_tuple(s, py::make_tuple(h.step, h.layer, h.micro_batch, h.sender, h.flags,
-                                                  h.token_count, h.seq, h.byte_length)));
-    }
-    return out;
-  }
-  py::tuple violation_info() const {
-    return py::make_tuple(violation_, va_, vb_,
-                          py::make_tuple(vh_.magic, vh_.step, vh_.layer, vh_.micro_batch, vh_.sender, vh_.flags,
-                                         vh_.token_count, vh_.seq, vh_.byte_length));
-  }
-  uint32_t held() const {
-    uint32_t n = 0;
-    for (auto st : state_) n += st == kHanded;
-    return n;
-  }
-  uint32_t queued() const { return queued_; }
-  uint32_t next_seq() const { return next_seq_; }
 
  private:
   // A whole header came: checked as wire_rules.InboundRules.admit checks it, then its slot held.
@@ -446,35 +393,17 @@ class TcpInChannel : public Inbound {
       n -= static_cast<size_t>(k);
     }
   }
-  bool fail(int code, uint64_t a, uint64_t b, const WireHeader* h = nullptr) {
-    if (violation_) return false;
-    violation_ = code;
-    va_ = a;
-    vb_ = b;
-    if (h) vh_ = *h;
-    return false;
-  }
 
   int fd_;
   std::unique_ptr<py::buffer_info> info_;
   uint8_t* base_ = nullptr;
   size_t slot_bytes_;
-  uint32_t num_slots_;
-  uint16_t sender_;
-  uint32_t next_seq_ = 0;
-  uint32_t queued_ = 0;
-  std::vector<uint32_t> held_seq_;
-  std::vector<uint8_t> state_;
-  std::vector<WireHeader> headers_;
   uint8_t header_[sizeof(WireHeader)];
   bool arriving_ = false;  // a header came and its payload is arriving into slot_
   uint32_t slot_ = 0;
   size_t got_ = 0;  // bytes of the header (while !arriving_) or the payload
   int mark_ = 1;
   bool closed_ = false;
-  int violation_ = kNone;
-  uint64_t va_ = 0, vb_ = 0;
-  WireHeader vh_{};
 };
 
 }  // namespace
