@@ -73,6 +73,10 @@ class RoundCollector:
                 round_.partial = None
                 raise PeerClosed(f"endpoint {self.spec.name}: {exc}") from None
             if native.failed_count or missing:
+                if native.closed:  # closed meanwhile: a tcp channel's reads saw its own connection end first
+                    round_.partial = None
+                    raise PeerClosed(f"endpoint {self.spec.name}: a channel of this round was closed (the endpoint "
+                                     "closed)")
                 missing = self._note_failures(round_)
             if not missing:
                 if native.failed_count:

@@ -204,10 +204,12 @@ def test_mismatch_names_the_first_peer_off_the_round(star):
         arrivals.release()
 
 
-def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(star):
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(star, backend):
     """A deployment re-wiring closes a node's endpoint from another thread while its loop waits
-    in a round: the wait ends in PeerClosed (the core's mapping stays until it lets go)."""
-    hub, spokes, names = star(2)
+    in a round: the wait ends in PeerClosed (the core's shm mapping, and its own duplicate of a
+    tcp socket's descriptor, stay until it lets go)."""
+    hub, spokes, names = star(2, backend)
     spokes[0].send("hub", b"in", micro_batch=0)
     errors: list[BaseException] = []
 

@@ -747,6 +747,7 @@ PYBIND11_MODULE(_m2n_core, m) {
       .def("check", &Round::check)
       .def_property_readonly("failed_count", &Round::failed_count)
       .def_property_readonly("send_failures", &Round::send_failures)
+      .def_property_readonly("closed", &Round::any_closed_channel)
       .def("give_up", &Round::give_up)
       .def("clear_failures", &Round::clear_failures)
       .def("retry", &Round::retry)

@@ -16,9 +16,10 @@
 // Threads and memory: the progress thread touches only queued bytes and the socket's write
 // side, under TcpProgress::mu_; the data thread writes directly only while queued_ reads 0
 // (acquire), which the progress thread stores (release) once the queue is empty, so the two
-// never write one socket at once. The sockets belong to the Python channel objects, which close
-// them only after detaching the core's channel (close()), which takes mu_: the progress thread
-// never writes to a closed (or reused) descriptor.
+// never write one socket at once. A channel reads and writes its own duplicate of the Python
+// socket's descriptor (own_descriptor), closed only with the channel object, and its close()
+// detaches it from the progress thread under mu_ and shuts the connection down: no thread ever
+// reads or writes a descriptor number that was freed and reused by another connection.
 
 #include "channels.h"
 
@@ -26,6 +27,7 @@
 #include <pybind11/stl.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -50,6 +52,16 @@ constexpr size_t kReadChunk = 1 << 20;  // a waiting endpoint wakes for a large 
 constexpr int kProgressSleepMs = 100;    // the progress thread's longest sleep (it is woken for new work)
 
 bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
+
+// A channel reads and writes its own duplicate of the Python socket's descriptor, closed only
+// when the channel object goes: an endpoint closed from another thread (a deployment re-wiring
+// while its node waits in a round) cannot free the number under a read or a progress-thread
+// write and have it reused by a new connection. close() shuts the connection down for both.
+int own_descriptor(int fd) {
+  int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) throw std::runtime_error(std::string("dup of a tcp channel's socket: ") + std::strerror(errno));
+  return own;
+}
 
 class TcpOutChannel;
 
@@ -109,12 +121,15 @@ class TcpProgress {
 class TcpOutChannel : public Outbound {
  public:
   TcpOutChannel(int fd, size_t slot_bytes, uint32_t num_slots, uint16_t rank, std::shared_ptr<TcpProgress> progress)
-      : fd_(fd), slot_bytes_(slot_bytes), num_slots_(num_slots), rank_(rank), busy_(num_slots, 0),
+      : fd_(own_descriptor(fd)), slot_bytes_(slot_bytes), num_slots_(num_slots), rank_(rank), busy_(num_slots, 0),
         progress_(std::move(progress)) {}
   ~TcpOutChannel() override {
     closed_ = true;
-    std::lock_guard<std::mutex> lock(progress_->mu_);
-    progress_->detach_locked(this);
+    {
+      std::lock_guard<std::mutex> lock(progress_->mu_);
+      progress_->detach_locked(this);
+    }
+    ::close(fd_);
   }
 
   bool write(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
@@ -194,8 +209,11 @@ class TcpOutChannel : public Outbound {
       while (queued_.load(std::memory_order_acquire) && !failed() && now_s() < until) usleep(1000);
     }
     closed_ = true;
-    std::lock_guard<std::mutex> lock(progress_->mu_);
-    progress_->detach_locked(this);
+    {
+      std::lock_guard<std::mutex> lock(progress_->mu_);
+      progress_->detach_locked(this);
+    }
+    shutdown(fd_, SHUT_RDWR);  // the peer sees the connection end now, though this descriptor lives on
     return queued_.load(std::memory_order_acquire);
   }
 
@@ -297,13 +315,14 @@ void TcpProgress::run() {
 class TcpInChannel : public SlottedInbound {
  public:
   TcpInChannel(py::buffer slots, int fd, size_t slot_bytes, uint32_t num_slots, uint16_t sender)
-      : SlottedInbound(num_slots, sender), fd_(fd), slot_bytes_(slot_bytes) {
+      : SlottedInbound(num_slots, sender), fd_(own_descriptor(fd)), slot_bytes_(slot_bytes) {
     info_ = std::make_unique<py::buffer_info>(slots.request(true));
     if (static_cast<size_t>(info_->size * info_->itemsize) < slot_bytes * num_slots)
       throw std::invalid_argument("slot buffer smaller than its slots");
     base_ = static_cast<uint8_t*>(info_->ptr);
   }
   ~TcpInChannel() override {
+    ::close(fd_);
     py::gil_scoped_acquire gil;
     info_.reset();
   }
@@ -345,7 +364,10 @@ class TcpInChannel : public SlottedInbound {
   void set_asleep(bool) override {}
   int wait_fd() const override { return violation_ ? -1 : fd_; }
   bool is_closed() const override { return closed_; }
-  void close() { closed_ = true; }
+  void close() {
+    closed_ = true;
+    shutdown(fd_, SHUT_RDWR);  // the peer sees the connection end now, though this descriptor lives on
+  }
 
  private:
   // A whole header came: checked as wire_rules.InboundRules.admit checks it, then its slot held.
