@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from transport.errors import BackendUnavailable, PeerClosed
+from transport.errors import BackendUnavailable, PeerClosed, ProtocolViolation
 from transport.shm import ShmInbound, ShmOutbound
 from transport.transport_settings import M2N_CORE
 from transport.wire import Header
@@ -66,11 +66,8 @@ def resolve(wanted: str, endpoint: str) -> bool:
     return True
 
 
-def violation_error(channel) -> PeerClosed:
-    """The channel's violation, in the reference's words (transport/shm.py, wire_rules.py; a
-    tcp channel's, transport/core_tcp.py, may be its peer leaving: a PeerClosed)."""
-    if channel.kind == "tcp":
-        return channel.error()
+def violation_error(channel: "CoreShmInbound") -> ProtocolViolation:
+    """The channel's violation, in the reference's words (transport/shm.py, wire_rules.py)."""
     code, a, b, fields = channel.core.violation_info()
     peer = channel.peer
     if code == native.BAD_STATE:
@@ -108,8 +105,13 @@ class CoreShmOutbound(ShmOutbound):
         super().close()
 
 
-class CoreInboundCounts:
-    """A core inbound channel's counts, from the core (which holds its slots): shm's and tcp's."""
+class CoreInbound:
+    """What a core inbound channel (shm's, tcp's) does alike, the core holding its sequence and
+    slots: its counts, the single-message path's poll and release. `error()` is each kind's
+    failure in the reference's words."""
+
+    def error(self) -> PeerClosed:
+        raise NotImplementedError
 
     @property
     def outstanding(self) -> int:
@@ -121,8 +123,17 @@ class CoreInboundCounts:
         """Messages the core admitted that nobody has taken yet."""
         return self.core.queued
 
+    def poll(self) -> list[tuple[int, Header]]:
+        found = self.core.poll()
+        if not found and self.core.violation:  # after the messages that came before it
+            raise self.error()
+        return [(slot, Header._make(fields)) for slot, fields in found]
 
-class CoreShmInbound(CoreInboundCounts, ShmInbound):
+    def release(self, slot: int) -> None:
+        self.core.release(slot)  # a rule broken meanwhile (shm: a rewritten slot) is raised by the next poll
+
+
+class CoreShmInbound(CoreInbound, ShmInbound):
     """peer -> this endpoint over shm, read by the core (which holds the sequence and the slots)."""
 
     core_driven = True
@@ -132,14 +143,8 @@ class CoreShmInbound(CoreInboundCounts, ShmInbound):
         self.core = native.InChannel(self.segment.view, self.slot_bytes, self.stride, self.num_slots,
                                      self.rules.sender, self.doorbell._out.fileno(), doorbell, channel)
 
-    def poll(self) -> list[tuple[int, Header]]:
-        found = self.core.poll()
-        if not found and self.core.violation:
-            raise violation_error(self)
-        return [(slot, Header._make(fields)) for slot, fields in found]
-
-    def release(self, slot: int) -> None:
-        self.core.release(slot)  # a rewritten slot is recorded: the next poll raises it
+    def error(self) -> ProtocolViolation:
+        return violation_error(self)
 
     def set_asleep(self, asleep: bool) -> None:
         self.core.set_asleep(asleep)

@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 
-from transport.core import CoreInboundCounts, native
+from transport.core import CoreInbound, native
 from transport.errors import PeerClosed
 from transport.tcp import TcpInbound, TcpOutbound
 from transport.wire import CREDIT, HEADER_BYTES, Header
@@ -109,7 +109,7 @@ class CoreTcpOutbound(TcpOutbound):
         super().close()
 
 
-class CoreTcpInbound(CoreInboundCounts, TcpInbound):
+class CoreTcpInbound(CoreInbound, TcpInbound):
     """peer -> this endpoint over tcp, read by the core into this channel's slot buffer."""
 
     core_driven = True
@@ -126,15 +126,6 @@ class CoreTcpInbound(CoreInboundCounts, TcpInbound):
         without handing it out: a round or a receive takes it from the core."""
         if not self.core.admit():
             raise self.error()
-
-    def poll(self) -> list[tuple[int, Header]]:
-        found = self.core.poll()
-        if not found and self.core.violation:
-            raise self.error()
-        return [(slot, Header._make(fields)) for slot, fields in found]
-
-    def release(self, slot: int) -> None:
-        self.core.release(slot)
 
     def close(self) -> None:
         self.core.close()

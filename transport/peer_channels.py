@@ -17,10 +17,10 @@ import threading
 import time
 from functools import partial
 
+from transport.core_tcp import CoreTcpInbound
 from transport.errors import PeerClosed, PeerTimeout, ProtocolViolation
 from transport.peering import Acceptor, dial
 from transport.selection import Choice
-from transport.core_tcp import CoreTcpInbound
 from transport.tcp import TcpInbound, TcpOutbound
 from transport.wakeups import Wakeups
 

@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 
-from transport import core
 from transport.errors import PeerClosed, PeerTimeout, TransportError
 from transport.inbox import Inbox
 from transport.peer_channels import PeerChannels
@@ -105,7 +104,7 @@ class RoundCollector:
         for i in np.flatnonzero(round_.broken):
             peer, channel = round_.peers[i], round_.inbound[i]
             if peer not in channels.dead:
-                channels.drop(peer, core.violation_error(channel), channel.control if channel.kind == "tcp" else None)
+                channels.drop(peer, channel.error(), channel.control if channel.kind == "tcp" else None)
         self.wakeups.look()
         awaited = 0
         for i, peer in enumerate(round_.peers):

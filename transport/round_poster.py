@@ -130,7 +130,7 @@ class RoundPoster:
         the post."""
         for i, channel in enumerate(round_.outbound):
             peer = round_.peers[i]
-            if peer not in failures and getattr(channel.core, "failed", False):
+            if peer not in failures and channel.core.failed:
                 if peer not in self._dead:
                     self.channels.drop(peer, channel.failure(), channel.control)
                 failures[peer] = self.channels.dead_error(peer)

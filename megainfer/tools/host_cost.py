@@ -66,6 +66,7 @@ class HostScale:
     top_k: int
     experts: int
     experts_per_node: int
+    expert_room: int  # weight rows per expert node and layer: its experts and the plan's spares (Plan.expert_room)
     tokens_per_peer: int  # the plan's message: one rank's tokens of a micro-batch routed to one expert node
     t_a_ms: float  # the plan's predicted attention time of one (layer, micro-batch); 0: the plan predicts none
     t_e_ms: float
@@ -96,7 +97,7 @@ def scale_of(plan: Plan) -> HostScale:
     predicted = plan.predicted
     return HostScale(plan.experts.nodes, plan.attention.nodes * plan.attention.tp, plan.pipeline.micro_batches,
                      model.num_layers, model.hidden_size, model.top_k, model.num_experts, per_node,
-                     max(1, math.ceil(tokens * share)), predicted.t_a_ms if predicted else 0.0,
+                     plan.expert_room(model), max(1, math.ceil(tokens * share)), predicted.t_a_ms if predicted else 0.0,
                      predicted.t_e_ms if predicted else 0.0)
 
 
@@ -346,8 +347,7 @@ def load_round_line(plan: Plan, scale: HostScale) -> dict:
     """The load round at the plan's scale (megainfer/tools/load_round_cost.py), printed as one line."""
     from megainfer.tools.load_round_cost import measure_load_round
 
-    load = measure_load_round(scale.layers, scale.experts, scale.expert_nodes,
-                              scale.experts_per_node + plan.experts.redundant_per_node)
+    load = measure_load_round(scale.layers, scale.experts, scale.expert_nodes, scale.expert_room)
     tbt = plan.predicted.tbt_ms if plan.predicted else 0.0
     print(f"load round, once per step after the last answers: an expert node's counter read and post "
           f"{load['expert_step_us']:,.1f} us; an attention rank's collect of {scale.expert_nodes} nodes' rounds "

@@ -717,7 +717,7 @@ PYBIND11_MODULE(_m2n_core, m) {
   m.attr("SKIPPED") = static_cast<int>(kSkipped);
   m.attr("REWRITTEN") = static_cast<int>(kRewritten);
 
-  py::class_<Outbound>(m, "Outbound");
+  py::class_<Outbound>(m, "Outbound").def_property_readonly("failed", &Outbound::failed);
   py::class_<Inbound>(m, "Inbound");
 
   py::class_<OutChannel, Outbound>(m, "OutChannel")

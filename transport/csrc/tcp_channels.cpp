@@ -443,7 +443,6 @@ void register_tcp(py::module_& m) {
       .def("unreleased", &TcpOutChannel::unreleased)
       .def_property_readonly("busy", &TcpOutChannel::busy)
       .def_property_readonly("queued", &TcpOutChannel::queued)
-      .def_property_readonly("failed", &TcpOutChannel::failed)
       .def("failure", &TcpOutChannel::failure)
       .def_property_readonly("seq", &TcpOutChannel::seq)
       .def("close", &TcpOutChannel::close, py::arg("linger_s"));
