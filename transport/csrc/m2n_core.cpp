@@ -281,6 +281,9 @@ class Round {
         fields_(in_.size() * kHeaderFields, 0), broken_(in_.size(), 0), given_up_(in_.size(), 0),
         readable_(in_.size(), 0) {
     if (control_fds_.size() != in_.size()) throw std::invalid_argument("one control socket (or -1) per inbound peer");
+    // A channel's descriptor only ever goes (to -1, on a violation): a round that starts with
+    // no socket channel never has one, and its scans skip looking for readable sockets.
+    for (auto* ch : in_) has_sockets_ = has_sockets_ || ch->wait_fd() >= 0;
   }
 
   // Every channel still open, else an error (a closed endpoint's round is over).
@@ -518,6 +521,7 @@ class Round {
   // Which awaited socket channels (tcp) have bytes waiting, by one poll: a scan then reads
   // only those, not every socket of the round (a recv per peer per look, most finding nothing).
   void look_at_sockets() {
+    if (!has_sockets_) return;  // shm only: readable_ stays all zero, and no scan reads it
     ready_fds_.clear();
     ready_of_.clear();
     for (size_t i = 0; i < in_.size(); ++i) {
@@ -613,6 +617,7 @@ class Round {
   std::vector<uint8_t> readable_;  // look_at_sockets': an awaited socket with bytes waiting
   std::vector<pollfd> ready_fds_;
   std::vector<size_t> ready_of_;
+  bool has_sockets_ = false;  // some inbound channel is a socket (tcp)
   int failed_count_ = 0;  // peers broken or given up, not yet cleared (clear_failures)
   int send_failures_ = 0;  // outbound channels found failed by the last post and its retries
   PostArgs post_{};
