@@ -31,14 +31,14 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the m
 
 def make_plan(model: str, attention: int, experts: int, m: int, max_num_seqs: int = 16, tp_a: int = 1,
               policy: str = "chunked", tp_e: int = 1, device_slots: bool = False,
-              async_scheduling: bool | None = None) -> Plan:
+              async_scheduling: bool | None = None, **scheduler) -> Plan:
     return Plan.from_dict({
         "model": model, "dtype": "float32",
         "attention": {"gpu": "cpu", "tp": tp_a, "nodes": attention},
         "experts": {"gpu": "cpu", "tp": tp_e, "nodes": experts},
         "pipeline": {"micro_batches": m, "global_batch": 64, "device_slots": device_slots},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64, "prefill_policy": policy,
-                      "group_tokens": 8, "async_scheduling": async_scheduling},
+                      "group_tokens": 8, "async_scheduling": async_scheduling, **scheduler},
     })
 
 
@@ -114,6 +114,33 @@ def check_tensor_parallel_family(ref) -> None:
         # attention ranks read the blocks their leader found cached (prefix caching on).
         engine = served.deployment.metrics_snapshot()
         assert engine.prefix_cache_hits > 0 or served.deployment.model.kv_window
+    finally:
+        served.close()
+
+
+def test_tensor_parallel_attention_without_prefix_caching_under_kv_pressure_matches_colocated(mixtral_ref):
+    """tp 2 attention ranks with prefix caching off (vLLM's --no-enable-prefix-caching) and too few KV
+    blocks for the requests sent at once (preemption by recompute, both ranks on the leader's
+    block tables): the colocated engine's tokens, with caching on there."""
+    prompts = mixtral_ref.prompts
+    expected = colocated(mixtral_ref.path, prompts)
+    # 10 blocks of 16 tokens: the longest request needs 5 (33 prompt + 32 new tokens), all seven 29.
+    served = Served(make_plan(str(mixtral_ref.path), 1, 2, 2, tp_a=2, enable_prefix_caching=False, num_kv_blocks=10))
+    try:
+        results = [None] * len(prompts)
+
+        def ask(i):
+            results[i] = served.generate(prompts[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == expected
+        engine = served.deployment.metrics_snapshot()
+        assert engine.num_preemptions > 0, "the small cache was meant to force preemption"
+        assert engine.prefix_cache_queries == engine.prefix_cache_hits == 0  # nothing looked up: caching is off
     finally:
         served.close()
 

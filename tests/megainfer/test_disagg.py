@@ -41,8 +41,8 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
     that step (staged on the expert workers first). `nodes`: a list the workers and the engines
     are appended to, for a test to look at afterwards. `steps`: how many lockstep steps every node
     runs (default: enough for 40 per prompt); `params`: the requests' sampling (default GREEDY)."""
-    engine_config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, device=device,
-                                 **engine_options)
+    engine_config = EngineConfig(**{"num_kv_blocks": 64, "block_size": 8, "max_num_batched_tokens": 64, "device": device,
+                                    **engine_options})
     probe = Engine(str(path), engine_config)
     model_config = probe.model_config
     per = model_config.num_experts // n_expert

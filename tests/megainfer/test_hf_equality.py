@@ -70,8 +70,36 @@ def test_deepseek_greedy_matches_transformers(deepseek_ref, name, captured_logit
     check_greedy(deepseek_ref, name, captured_logits)
 
 
-def check_greedy(hf_ref, name, captured_logits) -> None:
-    llm = LLM(str(hf_ref.path), dtype="float32", **CONFIGS[name])
+# Prefix caching off (vLLM's --no-enable-prefix-caching): every family through whole prompts,
+# chunks with preemption under KV pressure, and layered prefill, equal to transformers as with it on.
+WITHOUT_CACHING = ["whole-prompts", "tiny-kv-and-chunks", "layered-tiny-kv"]
+
+
+@pytest.mark.parametrize("name", WITHOUT_CACHING)
+def test_greedy_matches_transformers_without_prefix_caching(hf_ref, name, captured_logits):
+    check_greedy(hf_ref, name, captured_logits, prefix_caching=False)
+
+
+@pytest.mark.parametrize("name", ["tiny-kv-and-chunks", "layered-tiny-kv"])
+def test_dbrx_matches_transformers_without_prefix_caching(dbrx_ref, name, captured_logits):
+    check_greedy(dbrx_ref, name, captured_logits, prefix_caching=False)
+
+
+# gpt-oss's windows need a few more blocks under pressure (CONFIGS' windowed row).
+@pytest.mark.parametrize("name, extra", [("tiny-kv-and-chunks-windowed", None),
+                                         ("layered-tiny-kv", dict(num_kv_blocks=26))])
+def test_gpt_oss_matches_transformers_without_prefix_caching(gpt_oss_ref, name, extra, captured_logits):
+    check_greedy(gpt_oss_ref, name, captured_logits, prefix_caching=False, extra=extra)
+
+
+@pytest.mark.parametrize("name", ["tiny-kv-and-chunks", "layered-tiny-kv"])
+def test_deepseek_matches_transformers_without_prefix_caching(deepseek_ref, name, captured_logits):
+    check_greedy(deepseek_ref, name, captured_logits, prefix_caching=False)
+
+
+def check_greedy(hf_ref, name, captured_logits, prefix_caching: bool = True, extra: dict | None = None) -> None:
+    llm = LLM(str(hf_ref.path), dtype="float32", enable_prefix_caching=prefix_caching,
+              **{**CONFIGS[name], **(extra or {})})
     outs = llm.generate(hf_ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for i, (out, expected) in enumerate(zip(outs, hf_ref.tokens)):
         assert out.outputs[0].token_ids == expected, f"prompt {i} (length {len(hf_ref.prompts[i])}) diverged"
@@ -87,8 +115,10 @@ def check_greedy(hf_ref, name, captured_logits) -> None:
     assert stats.kv_cache_usage == 0.0  # every block came back
     # Prefix caching is on by default: the prompts admitted after those they share a prefix with
     # (split prompts, preempted ones) took cached blocks, and the tokens above stayed equal.
-    assert stats.prefix_caching
-    if "chunks" in name or "tiny-kv" in name:
+    assert stats.prefix_caching is prefix_caching
+    if not prefix_caching:
+        assert stats.prefix_cache_hits == 0
+    elif "chunks" in name or "tiny-kv" in name:
         assert stats.prefix_cache_hits > 0, "no prompt found a cached prefix"
 
 

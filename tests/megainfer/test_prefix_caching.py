@@ -249,3 +249,21 @@ def test_a_disaggregated_attention_node_shares_prefixes_with_the_colocated_token
     assert got == colocated(mixtral_ref.path, prompts)
     assert stats[0].prefix_cache_hits >= 4 * 40  # the first two shared a step; the other four hit
     assert stats[0].kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
+def test_a_disaggregated_node_under_kv_pressure_gives_the_same_tokens_with_and_without_prefix_caching(
+        mixtral_ref, prefix_caching):
+    """1 attention node x 2 expert nodes, m = 2, scheduled ahead, with too few KV blocks for its
+    requests (preemption by recompute): the colocated engine's tokens either way."""
+    from tests.megainfer.test_disagg import colocated, run_local_deployment
+
+    rng = random.Random(6)
+    system = [rng.randrange(320) for _ in range(24)]
+    prompts = [system + [rng.randrange(320) for _ in range(rng.randrange(1, 9))] for _ in range(5)]
+    got, stats = run_local_deployment(mixtral_ref.path, 1, 2, 2, prompts, async_scheduling=True, num_kv_blocks=24,
+                                      block_size=4, max_num_batched_tokens=16, enable_prefix_caching=prefix_caching)
+    assert got == colocated(mixtral_ref.path, prompts)
+    assert stats[0].num_preemptions > 0, "the small cache was meant to force preemption"
+    assert stats[0].prefix_caching is prefix_caching and (stats[0].prefix_cache_hits > 0) is prefix_caching
+    assert stats[0].kv_cache_usage == 0.0
