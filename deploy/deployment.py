@@ -17,9 +17,9 @@ from deploy.node_config import checked_model
 from deploy.node_group import NodeGroup
 from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of
-from deploy.status import metrics_snapshot, node_infos
+from deploy.status import expert_window, metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
-from megainfer.messages import NodeHealth, NodeResources, NodeStats, RebalanceReport
+from megainfer.messages import ExpertLoadReport, NodeHealth, NodeResources, NodeStats, RebalanceReport
 from megainfer.plan import Plan
 from megainfer.routing.policies import make_router
 from megainfer.sampling_params import SamplingParams
@@ -76,6 +76,9 @@ class Deployment:
 
     def reset_prefix_cache(self) -> bool:
         return self.frontend.reset_prefix_cache()
+
+    def expert_load(self) -> ExpertLoadReport | None:
+        return expert_window(self.groups)
 
     def rebalance_experts(self) -> RebalanceReport:
         """Re-place the experts now, from the attention nodes' window (deploy/expert_rebalance.py)."""

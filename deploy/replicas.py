@@ -23,10 +23,10 @@ from deploy.node_config import checked_model
 from deploy.node_group import NodeGroup, health_of, resources_of
 from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of
-from deploy.status import metrics_snapshot, node_infos
+from deploy.status import expert_window, metrics_snapshot, node_infos
 from deploy.supervisor import Supervisor
 from megainfer.errors import ConfigError
-from megainfer.messages import NodeHealth, NodeResources
+from megainfer.messages import ExpertLoadReport, NodeHealth, NodeResources
 from megainfer.plan import Plan
 from megainfer.routing.autoscale import Autoscaler
 from megainfer.routing.policies import make_router
@@ -177,6 +177,9 @@ class ReplicaSet:
 
     def reset_prefix_cache(self) -> bool:
         return self.frontend.reset_prefix_cache()
+
+    def expert_load(self) -> ExpertLoadReport | None:
+        return expert_window(list(self.replicas))
 
     def rebalance_experts(self):
         raise ConfigError("expert re-placement serves one replica: the plan's autoscale section makes several "

@@ -40,15 +40,25 @@ def metrics_snapshot(groups: list[NodeGroup], router_error: latency.LatencyHisto
         replicas=len(groups), expert_node_pairs=node_pairs, expert_layer_imbalance=layer_imbalance)
 
 
-def expert_load(groups: list[NodeGroup], engines: list) -> tuple[list[float], list[float]]:
-    """The first replica's expert nodes' load over its attention nodes' windows (with several
-    replicas, each its own: the first stands for them): as the expert nodes counted it, or
-    where they did not, its gating counts under the placement it serves."""
+def expert_window(groups: list[NodeGroup], engines: list | None = None) -> ExpertLoadReport | None:
+    """The first replica's window (with several replicas, each its own: the first stands for
+    them) from its attention leaders' `engines` stats (read here when not given); None before
+    any step was counted."""
+    if engines is None:
+        engines = [s.engine for s in stats_of(groups[:1])]
     windows = [e.expert_window for e in engines if e.expert_window is not None]
-    if not groups or not windows or groups[0].expert_replicas is None:
-        return [], []
+    if not groups or not windows:
+        return None
     share = len(groups[0].attention)  # stats_of lists every group's attention leaders in order
-    window = ExpertLoadReport.deployment(windows[:share])
+    return ExpertLoadReport.deployment(windows[:share])
+
+
+def expert_load(groups: list[NodeGroup], engines: list) -> tuple[list[float], list[float]]:
+    """The first replica's expert nodes' load over its attention nodes' windows: as the expert
+    nodes counted it, or where they did not, its gating counts under the placement it serves."""
+    window = expert_window(groups, engines)
+    if window is None or groups[0].expert_replicas is None:
+        return [], []
     if window.node_pairs is not None:
         return window.node_pairs.sum(axis=0).tolist(), [imbalance(layer) for layer in window.node_pairs]
     units, per_layer = placed_load(groups[0].expert_replicas, window.of("all"))

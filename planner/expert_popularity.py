@@ -68,6 +68,40 @@ class SkewPricing:
         return self.imbalance(experts_per_node, redundant) * experts_per_node / (experts_per_node + redundant)
 
 
+class MeasuredPricing:
+    """`SkewPricing` from a measured profile (`ExpertLoadProfile`): each MoE layer's pairs as the
+    experts took them, by id, so a node holds the contiguous run of ids the deployment gives it
+    (or, with spare slots, the redundancy plan's placement of that layer's loads). Every layer
+    waits for its own hottest node, and a step sums its layers, so the imbalance charged is the
+    mean over the MoE layers of each layer's (a layer that saw no pairs counts as even)."""
+
+    def __init__(self, counts: np.ndarray, num_moe_layers: int, source: str) -> None:
+        loads = np.asarray(counts, dtype=np.float64)[-num_moe_layers:]  # the MoE layers are the last ones
+        totals = loads.sum(axis=1, keepdims=True)
+        self.num_experts = loads.shape[1]
+        self.source = source  # for what the planner prints: where the profile came from
+        # Each layer's share of its pairs per expert id; a layer with none, even.
+        self.shares = np.where(totals > 0, loads / np.maximum(totals, 1.0), 1.0 / self.num_experts)
+        self._imbalance = lru_cache(maxsize=None)(self._compute)
+
+    def imbalance(self, experts_per_node: int, redundant: int) -> float:
+        return self._imbalance(int(experts_per_node), int(redundant))
+
+    def _compute(self, experts_per_node: int, redundant: int) -> float:
+        from planner.expert_placement import place_layer  # scipy: only when skew is priced
+
+        nodes = self.num_experts // experts_per_node
+        if nodes == 1:
+            return 1.0
+        if redundant == 0:
+            load = self.shares.reshape(len(self.shares), nodes, experts_per_node).sum(axis=2)  # [layers, nodes]
+            return float((load.max(axis=1) / load.mean(axis=1)).mean())
+        return float(np.mean([place_layer(layer, nodes, redundant).imbalance for layer in self.shares]))
+
+    def hot_factor(self, experts_per_node: int, redundant: int) -> float:
+        return self.imbalance(experts_per_node, redundant) * experts_per_node / (experts_per_node + redundant)
+
+
 def inclusion_probability(weights: np.ndarray, top_k: int, nodes: int = 512) -> np.ndarray:
     """q_e, the chance that a token's top_k contains expert e when it picks top_k experts by
     weighted sampling without replacement (each pick in proportion to `weights` among those

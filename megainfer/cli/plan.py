@@ -45,9 +45,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "routing): every micro-batch waits for the hottest expert node (default: uniform routing)")
     p.add_argument("--expert-rank-offset", type=float, default=FITTED_RANK_OFFSET, metavar="OFFSET",
                    help="with --expert-skew: the popularity law's rank offset (default: the fitted %(default)g)")
+    p.add_argument("--expert-load", metavar="PATH",
+                   help="price the expert popularity a server measured instead of the fitted law: the JSON of "
+                        "`GET /admin/experts/load` (each layer's pairs per expert over its window; the same model)")
+    p.add_argument("--expert-load-phase", choices=("decode", "prefill", "all"), default="decode",
+                   help="with --expert-load: which steps' pairs to price (default: %(default)s, the steady load "
+                        "MegaScale-Infer places for)")
     p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
-                   help="with --expert-skew: also search 1..R spare expert slots per node, filled by the "
-                        "redundancy plan (MegaScale-Infer's hot-expert replicas); the plan gets experts.rebalance")
+                   help="with --expert-skew or --expert-load: also search 1..R spare expert slots per node, filled "
+                        "by the redundancy plan (MegaScale-Infer's hot-expert replicas); the plan gets experts.rebalance")
     p.add_argument("-o", "--output", help="write the best plan to this plan.yaml")
     p.add_argument("--json", metavar="PATH", help="write every candidate and the baseline as JSON")
     p.add_argument("--explain", action="store_true",
@@ -104,9 +110,16 @@ def explain_sources(perf, catalog, best, calibration) -> str:
 
 def _skew(args: argparse.Namespace, model):
     """The skew pricing the options ask for (None: uniform routing)."""
+    if args.expert_skew is not None and args.expert_load:
+        raise PlanError("--expert-skew prices the fitted law and --expert-load a measured profile: give one of them")
+    if args.expert_load:
+        if args.redundant_experts < 0:
+            raise PlanError(f"--redundant-experts must not be negative, got {args.redundant_experts}")
+        return measured_pricing(args.expert_load, args.expert_load_phase, model)
     if args.expert_skew is None:
         if args.redundant_experts:
-            raise PlanError("--redundant-experts prices spare slots against skew: give --expert-skew too")
+            raise PlanError("--redundant-experts prices spare slots against skew: give --expert-skew or "
+                            "--expert-load too")
         return None
     from planner.expert_popularity import SkewPricing
 
@@ -118,12 +131,28 @@ def _skew(args: argparse.Namespace, model):
     return SkewPricing(model.num_experts, model.top_k, args.expert_skew, args.expert_rank_offset)
 
 
-def print_skew(candidates, args: argparse.Namespace, no_spare) -> None:
+def measured_pricing(path: str, phase: str, model):
+    """`MeasuredPricing` of the profile at `path` (`megainfer plan`, `megainfer simulate --plan`)."""
+    from megainfer.expert_load_profile import ExpertLoadProfile
+    from planner.expert_popularity import MeasuredPricing
+
+    profile = ExpertLoadProfile.load(path)
+    profile.check_model(model.num_layers, model.num_experts, model.name, phase)
+    steps = profile.decode_steps if phase == "decode" else profile.prefill_steps if phase == "prefill" else \
+        profile.decode_steps + profile.prefill_steps
+    return MeasuredPricing(profile.counts(phase), model.num_moe_layers,
+                           f"measured on {profile.model}: {phase} pairs of {steps} steps, {path}")
+
+
+def print_skew(candidates, args: argparse.Namespace, no_spare, skew) -> None:
     """Per plan: spare slots, the hottest expert node's imbalance and T_e with them and without."""
     from megainfer.bench.report import format_table
 
-    print(f"\nexpert skew {args.expert_skew:g} (popularity ~ (rank + {args.expert_rank_offset:g})^-"
-          f"{args.expert_skew:g}); T_e is the hottest expert node's:")
+    if args.expert_load:
+        print(f"\nexpert load {skew.source}; T_e is the hottest expert node's (each layer's, averaged):")
+    else:
+        print(f"\nexpert skew {args.expert_skew:g} (popularity ~ (rank + {args.expert_rank_offset:g})^-"
+              f"{args.expert_skew:g}); T_e is the hottest expert node's:")
     print(format_table(["#", "experts", "spare/node", "imbalance without", "imbalance with", "T_e ms without",
                         "T_e ms with"],
                        [[rank, f"{c.expert_gpu} tp{c.tp_e} x{c.expert_nodes} ({c.experts_per_node}/node)",
@@ -203,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     print(band.line())
     best = result.candidates[0]
     if skew is not None:
-        print_skew(result.candidates[:args.top], args, no_spare)
+        print_skew(result.candidates[:args.top], args, no_spare, skew)
     ratios = None
     if baseline is None:
         print("colocated baseline: no colocated deployment on these GPUs meets the SLO")

@@ -56,6 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "hottest expert node, the experts placed and re-placed by the deployment's code; compares "
                         "the TBT with the planner's prediction for the plan (--expert-skew, --steps)")
     p.add_argument("--steps", type=positive_int, default=400, help="with --plan: decode steps to simulate")
+    p.add_argument("--expert-load", metavar="PATH",
+                   help="with --plan: draw each layer's expert pairs from a measured profile (the JSON of `GET "
+                        "/admin/experts/load`, the plan's model) instead of --expert-skew's law")
+    p.add_argument("--expert-load-phase", choices=("decode", "prefill", "all"), default="decode",
+                   help="with --expert-load: which steps' pairs (default: %(default)s)")
     p.add_argument("--validate", action="store_true",
                    help="the model against every published row (megainfer/tools/simulator/published_rows.py): "
                         "fitted on all at once and each left out; per-row and mean absolute error of mean TTFT and "
@@ -95,12 +100,18 @@ def run_plan(args: argparse.Namespace) -> int:
     model, _ = resolve_model(plan.model)
     plan.check_model(model)
     seq_len = plan.predicted.seq_len if plan.predicted is not None and plan.predicted.seq_len else 730
-    skew = SkewPricing(model.num_experts, model.top_k, args.expert_skew, FITTED_RANK_OFFSET, args.seed)
+    if args.expert_load:
+        from megainfer.cli.plan import measured_pricing
+
+        skew = measured_pricing(args.expert_load, args.expert_load_phase, model)
+    else:
+        skew = SkewPricing(model.num_experts, model.top_k, args.expert_skew, FITTED_RANK_OFFSET, args.seed)
     perf = PerfModel(model, seq_len, DTYPE_BYTES[plan.dtype], skew=skew)
     sim = PlanSimulator(plan, model, perf, Catalog.load(args.catalog), seed=args.seed).run(args.steps)
     print(f"{args.plan}: {model.name}, B={plan.pipeline.global_batch}, m={plan.pipeline.micro_batches}, "
-          f"{plan.experts.nodes} expert nodes with {plan.experts.redundant_per_node} spare slots each, expert skew "
-          f"{args.expert_skew:g}, seq-len {seq_len}; {args.steps} decode steps")
+          f"{plan.experts.nodes} expert nodes with {plan.experts.redundant_per_node} spare slots each, expert "
+          f"{'load ' + skew.source if args.expert_load else f'skew {args.expert_skew:g}'}, seq-len {seq_len}; "
+          f"{args.steps} decode steps")
     replaced = "never" if sim.replaced_at is None else f"after step {sim.replaced_at}"
     print(format_table(["", "value"], [
         ["imbalance before re-placement", f"{sim.imbalance_before:.2f}"],
@@ -110,7 +121,9 @@ def run_plan(args: argparse.Namespace) -> int:
         ["planner's TBT ms", f"{sim.predicted_tbt_s * 1e3:.2f}"],
         ["simulated / planner", f"{sim.tbt_over_prediction:.3f}"]]))
     if args.json:
-        write_json(args.json, {"plan": args.plan, "model": model.name, "expert_skew": args.expert_skew,
+        write_json(args.json, {"plan": args.plan, "model": model.name,
+                               "expert_skew": None if args.expert_load else args.expert_skew,
+                               "expert_load": args.expert_load,
                                "steps": args.steps, "replaced_at": sim.replaced_at,
                                "imbalance_before": sim.imbalance_before, "imbalance_after": sim.imbalance_after,
                                "simulated_tbt_ms": sim.settled_tbt_s * 1e3, "planner_tbt_ms": sim.predicted_tbt_s * 1e3,

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from megainfer.messages import DeltaColumns, ErrorCode, FinishReason, NodeRole, NodeStatus, RequestDelta
+from megainfer.messages import (DeltaColumns, ErrorCode, ExpertLoadReport, FinishReason, NodeRole, NodeStatus,
+                                RequestDelta)
 from megainfer.sampling_params import SamplingParams
 
 # What both frontends answer when asked to reset a prefix cache that is not there.
@@ -141,6 +142,11 @@ class GenerationBackend(Protocol):
     def reset_prefix_cache(self) -> bool:
         """Forget every attention node's cached prefixes (vLLM's route, for benchmarks); False
         where prefix caching is off."""
+
+    def expert_load(self) -> ExpertLoadReport | None:
+        """The experts' load over the window a re-placement reads (each (layer, expert)'s pairs,
+        decode and prefill apart): the expert nodes' own counts in a deployment, the gating
+        kernel's in a colocated engine; None before any step was counted."""
 
     def close(self) -> None: ...
 

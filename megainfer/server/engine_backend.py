@@ -74,6 +74,10 @@ class EngineBackend:
         with self.steps.between_steps() as engine:
             return engine.reset_prefix_cache()
 
+    def expert_load(self):
+        with self.steps.between_steps() as engine:
+            return engine.stats().expert_window
+
     def rebalance_experts(self):
         raise ConfigError("a colocated engine holds every expert itself: there is nothing to re-place "
                           "(expert re-placement is for deployments with experts.redundant_per_node or rebalance)")

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 import megainfer
 from megainfer.errors import ConfigError
+from megainfer.expert_load_profile import ExpertLoadProfile
 from megainfer.server import openai_generate as gen
 from megainfer.server.access import AccessPolicy
 from megainfer.server.backend import PREFIX_CACHING_OFF, GenerationBackend
@@ -203,6 +204,17 @@ class OpenAIServer:
             if not reset:
                 return error_response(ApiError(HTTPStatus.BAD_REQUEST, PREFIX_CACHING_OFF))
             return Response(status_code=HTTPStatus.OK)
+
+        @app.get("/admin/experts/load")
+        async def expert_load() -> Response:  # the profile `megainfer plan --expert-load` prices
+            try:
+                window = await self._in_thread(self.backend.expert_load)
+            except Exception as exc:
+                return error_response(api_error(exc))
+            if window is None:
+                return error_response(ApiError(HTTPStatus.CONFLICT, "no step has counted the experts' load yet: "
+                                               "serve some requests, then ask again"))
+            return JSONResponse(ExpertLoadProfile.of(self.served.name, window).to_dict())
 
         @app.post("/admin/experts/rebalance")
         async def rebalance_experts() -> Response:  # behind the API keys, as every route but /health

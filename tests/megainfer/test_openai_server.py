@@ -68,6 +68,11 @@ class Switchable:
     def reset_prefix_cache(self):
         return self.inner.reset_prefix_cache()
 
+    def expert_load(self):
+        return None if self.uncounted else self.inner.expert_load()
+
+    uncounted = False  # answer as a server whose steps have not counted the experts' load yet
+
     def rebalance_experts(self):
         if self.placed is None:
             return self.inner.rebalance_experts()
@@ -494,6 +499,43 @@ def test_the_admin_call_re_places_a_deployments_experts_and_refuses_a_colocated_
         backend.placed = None
     report = json.loads(body)
     assert status == 200 and report["switch_step"] == 144 and report["imbalance_after"] == 1.0
+    assert http(endpoints, "/health")[0] == 200
+
+
+def test_the_expert_load_profile_is_served_and_priced_by_the_planner(server, client, mixtral_ref, tmp_path):
+    """GET /admin/experts/load: the window's pairs per (layer, expert) as the profile file
+    `megainfer plan --expert-load` reads (409 before any step counted them); the planner prices
+    the tiny model against it."""
+    import json
+
+    from megainfer.expert_load_profile import ExpertLoadProfile
+    from tests.helpers import megainfer
+
+    endpoints, backend = server
+    backend.uncounted = True
+    try:
+        status, body = http(endpoints, "/admin/experts/load")
+    finally:
+        backend.uncounted = False
+    assert status == 409 and "serve some requests" in json.loads(body)["error"]["message"]
+    client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=4, temperature=0.0,
+                              extra_body={"ignore_eos": True})
+    status, body = http(endpoints, "/admin/experts/load")
+    assert status == 200, body
+    profile = ExpertLoadProfile.from_dict(json.loads(body))
+    config = backend.inner.engine.model_config
+    assert profile.model == "tiny-chat" and (profile.num_layers, profile.num_experts) == (config.num_layers,
+                                                                                      config.num_experts)
+    assert profile.decode_steps > 0 and profile.prefill_steps > 0
+    # Every token of a step routes top_k pairs in every layer.
+    assert (profile.counts("all").sum(axis=1) == profile.counts("all").sum(axis=1)[0]).all()
+    assert profile.counts("all")[0].sum() % config.top_k == 0
+    path = tmp_path / "load.json"
+    path.write_bytes(body)
+    out = megainfer("plan", "--model", str(mixtral_ref.path), "--gpus", "H100", "--expert-load", str(path),
+                    "--redundant-experts", "1", "--top", "2")
+    assert out.returncode == 0, out.stderr
+    assert f"expert load measured on tiny-chat: decode pairs of {profile.decode_steps} steps" in out.stdout
     assert http(endpoints, "/health")[0] == 200
 
 

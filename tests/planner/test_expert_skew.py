@@ -61,4 +61,4 @@ def test_plan_cli_shows_imbalance_and_t_e_with_and_without_spare_slots():
     assert "imbalance without" in out.stdout and "best plan with skew and no spare slot" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "megainfer", "plan", "--model", "qwen3-235b-a22b",
                           "--redundant-experts", "2"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "give --expert-skew too" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode != 0 and "give --expert-skew or --expert-load too" in bad.stderr and "Traceback" not in bad.stderr

@@ -72,7 +72,9 @@ class PlanSimulator:
         e = plan.experts.experts_per_node or model.num_experts // plan.experts.nodes
         self.experts_per_node, self.redundant = e, plan.experts.redundant_per_node
         skew = perf.skew or SkewPricing(model.num_experts, model.top_k, 0.0, 0.0)
-        self.shares = skew.shares  # per expert id, as the planner lays the ranks over the ids
+        # Per expert id, as the planner lays the ranks over the ids (the fitted law: the same for
+        # every layer), or [MoE layers, experts] as a measured profile has them.
+        self.shares = skew.shares if skew.shares.ndim == 1 else skew.shares[:, None, :]
         self.first_replicas = _moe_layers(plan.expert_replicas(model), model)
         self.replicas = self.first_replicas
         self.node_shares = self.replicas.share_matrices(model.num_experts)  # [L, E, nodes], as placed now
