@@ -6,9 +6,19 @@ every prompt has its first token, the expert nodes' own pair counters (the (toke
 pairs each computed, per layer: `NodeHealth.pairs`) and the delivered tokens are read over a
 window of `--window-s` seconds: the imbalance is the busiest expert node's pairs over the mean
 node's, decode tokens/s the tokens delivered over the window. Then the experts are re-placed
-from the attention nodes' window of routed tokens, under that same load, and the window is
-measured again. Every request's tokens are compared with the colocated engine's (same prompts,
-greedy): a re-placement must not change one.
+from the attention nodes' window of routed tokens, under that same load (asked for once; a plan
+with `experts.rebalance.interval_s` > 0 re-places by itself, and the bench waits for its first
+periodic re-placement instead), and the window is measured again. Every request's tokens are
+compared with the colocated engine's (same prompts, greedy): a re-placement must not change one.
+
+What a request waits for the switch: every delta's arrival is timed, and the longest gap between
+two decode tokens of one request that ended while the switch was under way (from the staging
+done to every node past the agreed step, and a few steps after) is set against the longest such
+gap of the window before, in steps (the median gap of the window before): `switch_added_steps`.
+A switch that held no request back more than one step adds at most 1. The same for the staging
+(`staging_added_steps`), where loading the moved experts shares this machine's two cores with
+the serving nodes. (The gaps of the window before are not all one step: the driver polls the
+nodes' outboxes, so two steps' tokens may arrive in one answer.)
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from megainfer.bench.report import format_table, write_json
 from megainfer.errors import DataPlaneError, PlanError
 from megainfer.expert_replicas import imbalance
 from megainfer.llm import LLM
-from megainfer.messages import FinishReason, NodeRole, RebalanceReport
+from megainfer.messages import ExpertLoadReport, FinishReason, NodeRole, RebalanceReport
 from megainfer.plan import Plan
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.backend import RequestStream
@@ -61,6 +71,7 @@ class SteadyLoad:
         self.rng = random.Random(seed)
         self.prompts: list[list[int]] = []
         self.tokens: list[list[int]] = []
+        self.arrivals: list[list[float]] = []  # perf_counter of each delta with tokens, per request
         self.finished: list[bool] = []
         self.errors: list[str] = []
         self.delivered = 0  # tokens so far, every request
@@ -73,6 +84,7 @@ class SteadyLoad:
         i = len(self.prompts)
         self.prompts.append([self.rng.randrange(self.deployment.model.vocab_size) for _ in range(self.prompt_len)])
         self.tokens.append([])
+        self.arrivals.append([])
         self.finished.append(False)
         return i, self.deployment.submit(f"eplb-{i}", self.prompts[i], self.params)
 
@@ -80,6 +92,8 @@ class SteadyLoad:
         while self._open:
             for i, stream in list(self._open.items()):
                 while (delta := stream.get(0.005)) is not None:
+                    if delta.new_token_ids:
+                        self.arrivals[i].append(time.perf_counter())
                     self.tokens[i] += delta.new_token_ids
                     self.delivered += len(delta.new_token_ids)
                     if delta.finished:
@@ -91,6 +105,17 @@ class SteadyLoad:
                             j, new = self._submit()
                             self._open[j] = new
                         break
+
+    def decode_gaps(self, start: float, end: float) -> np.ndarray:
+        """Seconds between two consecutive token deltas of one request (its first, the prompt's,
+        left out), for every such pair whose later delta arrived in [start, end]."""
+        gaps = []
+        for times in self.arrivals:
+            t = np.asarray(times[1:])
+            if len(t) > 1:
+                later = (t[1:] >= start) & (t[1:] <= end)
+                gaps.append(np.diff(t)[later])
+        return np.concatenate(gaps) if gaps else np.zeros(0)
 
     def all_started(self) -> bool:
         return all(self.tokens[i] for i in list(self._open))
@@ -125,6 +150,40 @@ def colocated_tokens(plan: Plan, prompts: list[list[int]], params: SamplingParam
 
 
 @dataclass
+class SwitchStall:
+    """The longest decode gaps of a re-placement's two phases against the window before's."""
+
+    step_s: float  # the median gap of the window before: one step
+    longest_before_s: float  # the window before: the same load, nothing re-placed
+    longest_staging_s: float  # gaps ending while the moved experts were loaded
+    longest_switch_s: float  # gaps ending from the staging done to a few steps past the switch
+
+    def added_steps(self, longest_s: float) -> float:
+        return max(0.0, longest_s - self.longest_before_s) / self.step_s if self.step_s else float("inf")
+
+    @property
+    def switch_added_steps(self) -> float:
+        return self.added_steps(self.longest_switch_s)
+
+    @property
+    def staging_added_steps(self) -> float:
+        return self.added_steps(self.longest_staging_s)
+
+    @classmethod
+    def of(cls, load: SteadyLoad, before: tuple[float, float], started: float, report: RebalanceReport,
+           ended: float) -> "SwitchStall":
+        gaps_before = load.decode_gaps(*before)
+        step = float(np.median(gaps_before)) if len(gaps_before) else 0.0
+        switching = ended - report.switch_s
+        return cls(step, float(gaps_before.max(initial=0.0)),
+                   float(load.decode_gaps(started, switching).max(initial=0.0)),
+                   float(load.decode_gaps(switching, ended + SWITCH_TAIL_STEPS * step).max(initial=0.0)))
+
+
+SWITCH_TAIL_STEPS = 3  # the switch's gaps: those ending up to this many steps after every node passed it
+
+
+@dataclass
 class EplbResult:
     before: Window
     report: RebalanceReport
@@ -132,6 +191,9 @@ class EplbResult:
     tokens_equal: bool  # every finished request's tokens equal the colocated engine's
     errors: list[str]  # failed requests
     metrics: MetricsSnapshot  # the deployment's /metrics source after the re-placement
+    stall: SwitchStall
+    periodic: bool  # the plan's own periodic re-placement was measured (else one asked for)
+    window: ExpertLoadReport | None  # the deployment's expert-load window just before it
 
 
 def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_s: float,
@@ -140,6 +202,7 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_
         raise PlanError("bench eplb re-places experts: the plan needs experts.redundant_per_node or "
                         "experts.rebalance (e.g. deploy/plans/skewed-cpu.yaml)")
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    periodic = bool(plan.experts.rebalance is not None and plan.experts.rebalance.interval_s)
     deployment = Deployment(plan, show_progress=False).start()
     try:
         load = SteadyLoad(deployment, requests, prompt_len, params, seed)
@@ -149,8 +212,18 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_
                 raise DataPlaneError(f"the prompts did not all start: {load.errors[:1]}")
             time.sleep(0.05)
         time.sleep(window_s)  # requests replaced at staggered times, and the attention window full
+        before_start = time.perf_counter()
         before = measure_window(deployment, load, window_s)
-        report = deployment.rebalance_experts()
+        before_span = (before_start, time.perf_counter())
+        if periodic and deployment.rebalancer.reports:
+            raise DataPlaneError(
+                f"the plan's first periodic re-placement came before the window before it was measured: set "
+                f"experts.rebalance.interval_s (now {plan.experts.rebalance.interval_s:g}) above the time it takes to "
+                f"start the load and measure one window")
+        window = deployment.expert_load()  # what the re-placement reads (GET /admin/experts/load serves it)
+        started = time.perf_counter()
+        report = first_periodic_report(deployment) if periodic else deployment.rebalance_experts()
+        ended = time.perf_counter()
         after = measure_window(deployment, load, window_s)
         metrics = deployment.metrics_snapshot()
         load.finish(600)
@@ -158,7 +231,22 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_
         deployment.close()
     done = [i for i, f in enumerate(load.finished) if f]
     want = colocated_tokens(plan, [load.prompts[i] for i in done], params)
-    return EplbResult(before, report, after, [load.tokens[i] for i in done] == want, load.errors, metrics)
+    # A periodic re-placement's own start is not seen here: its staging gaps are those from the
+    # bench's wait on (the serving load only, until it began).
+    stall = SwitchStall.of(load, before_span, started, report, ended)
+    return EplbResult(before, report, after, [load.tokens[i] for i in done] == want, load.errors, metrics, stall,
+                      periodic, window)
+
+
+def first_periodic_report(deployment: Deployment, timeout_s: float = 120.0) -> RebalanceReport:
+    """The report of the deployment's first periodic re-placement (`experts.rebalance.interval_s`)."""
+    reports, deadline = deployment.rebalancer.reports, time.monotonic() + timeout_s
+    while not reports:
+        if time.monotonic() > deadline:
+            raise DataPlaneError(f"no periodic re-placement within {timeout_s:g} s (experts.rebalance.interval_s "
+                                 f"{deployment.plan.experts.rebalance.interval_s:g})")
+        time.sleep(0.02)
+    return reports[0]
 
 
 def run(plan_path: str, requests: int, prompt_len: int, output_len: int, window_s: float,
@@ -176,7 +264,12 @@ def run(plan_path: str, requests: int, prompt_len: int, output_len: int, window_
                        [[name, f"{w.imbalance:.3f}", f"{max(w.layer_imbalance):.3f}", f"{w.tokens_per_s:.1f}",
                          ", ".join(map(str, w.node_pairs))] for name, w in (("before", before), ("after", after))]))
     print(f"decode tok/s after / before: {after.tokens_per_s / before.tokens_per_s:.2f}x")
-    print(report.summary())
+    print(report.summary() + (" (the plan's own periodic re-placement)" if result.periodic else ""))
+    stall = result.stall
+    print(f"longest wait between two tokens of a request: {stall.longest_before_s * 1e3:.1f} ms before (a step: "
+          f"{stall.step_s * 1e3:.1f} ms), {stall.longest_staging_s * 1e3:.1f} ms while the experts were staged "
+          f"(+{stall.staging_added_steps:.2f} steps), {stall.longest_switch_s * 1e3:.1f} ms around the switch "
+          f"(+{stall.switch_added_steps:.2f} steps)")
     print(f"tokens equal to the colocated engine's: {equal}; failed requests: {len(errors)}")
     if json_path:
         write_json(json_path, {
@@ -186,6 +279,9 @@ def run(plan_path: str, requests: int, prompt_len: int, output_len: int, window_
             "layer_imbalance_before": before.layer_imbalance, "layer_imbalance_after": after.layer_imbalance,
             "decode_tokens_per_s_before": before.tokens_per_s, "decode_tokens_per_s_after": after.tokens_per_s,
             "node_pairs_before": before.node_pairs, "node_pairs_after": after.node_pairs,
-            "tokens_equal": equal, "failed_requests": errors, "rebalance": asdict(report)})
+            "tokens_equal": equal, "failed_requests": errors, "rebalance": asdict(report),
+            "periodic": result.periodic, "step_ms": stall.step_s * 1e3, "longest_gap_before_ms": stall.longest_before_s * 1e3,
+            "longest_gap_staging_ms": stall.longest_staging_s * 1e3, "longest_gap_switch_ms": stall.longest_switch_s * 1e3,
+            "staging_added_steps": stall.staging_added_steps, "switch_added_steps": stall.switch_added_steps})
         print(f"wrote {json_path}")
     return 0 if equal and not errors and not report.error else 1

@@ -95,7 +95,9 @@ class ExpertRebalancer:
                 report.bytes_moved = sum(s.bytes_loaded for s in staged)
                 report.experts_moved = sum(s.experts_loaded for s in staged)
                 report.stage_s = max((s.seconds for s in staged), default=0.0)
+                switching = time.perf_counter()
                 report.switch_step = self._switch(new)
+                report.switch_s = time.perf_counter() - switching
                 self.current = self.group.expert_replicas = new
             except DataPlaneError as exc:
                 report.error = str(exc)

@@ -375,6 +375,7 @@ class RebalanceReport:
     experts_moved: int = 0  # (layer, slot)s whose expert changed
     stage_s: float = 0.0  # the slowest rank's loading, while serving
     switch_step: int = -1  # the step every rank switched at (-1: it did not)
+    switch_s: float = 0.0  # from the staging done to every node past the switch step (serving all along)
     seconds: float = 0.0  # the whole re-placement, window to every node past the switch
     error: str = ""  # why the old placement still serves, where it does
 
