@@ -14,7 +14,8 @@ compared with the colocated engine's (same prompts, greedy): a re-placement must
 What a request waits for the switch: every delta's arrival is timed, and the longest gap between
 two decode tokens of one request that ended while the switch was under way (from the staging
 done to every node past the agreed step, and a few steps after) is set against the longest such
-gap of the window before, in steps (the median gap of the window before): `switch_added_steps`.
+gap of the window before, in steps (a step: the window before's seconds over the tokens each
+request gained in it): `switch_added_steps`.
 A switch that held no request back more than one step adds at most 1. The same for the staging
 (`staging_added_steps`), where loading the moved experts shares this machine's two cores with
 the serving nodes. (The gaps of the window before are not all one step: the driver polls the
@@ -68,6 +69,7 @@ class SteadyLoad:
     def __init__(self, deployment: Deployment, concurrency: int, prompt_len: int, params: SamplingParams,
                  seed: int) -> None:
         self.deployment, self.prompt_len, self.params = deployment, prompt_len, params
+        self.concurrency = concurrency
         self.rng = random.Random(seed)
         self.prompts: list[list[int]] = []
         self.tokens: list[list[int]] = []
@@ -153,7 +155,7 @@ def colocated_tokens(plan: Plan, prompts: list[list[int]], params: SamplingParam
 class SwitchStall:
     """The longest decode gaps of a re-placement's two phases against the window before's."""
 
-    step_s: float  # the median gap of the window before: one step
+    step_s: float  # one step in the window before: its seconds over the tokens each request gained
     longest_before_s: float  # the window before: the same load, nothing re-placed
     longest_staging_s: float  # gaps ending while the moved experts were loaded
     longest_switch_s: float  # gaps ending from the staging done to a few steps past the switch
@@ -170,10 +172,12 @@ class SwitchStall:
         return self.added_steps(self.longest_staging_s)
 
     @classmethod
-    def of(cls, load: SteadyLoad, before: tuple[float, float], started: float, report: RebalanceReport,
-           ended: float) -> "SwitchStall":
+    def of(cls, load: SteadyLoad, before: tuple[float, float], window: Window, started: float,
+           report: RebalanceReport, ended: float) -> "SwitchStall":
         gaps_before = load.decode_gaps(*before)
-        step = float(np.median(gaps_before)) if len(gaps_before) else 0.0
+        # Every running request gains a token a step (a decode load), so a step is the window's time
+        # over the tokens one request gained; not a median gap: a poll may bring two steps' tokens.
+        step = window.seconds * load.concurrency / window.decode_tokens if window.decode_tokens else 0.0
         switching = ended - report.switch_s
         return cls(step, float(gaps_before.max(initial=0.0)),
                    float(load.decode_gaps(started, switching).max(initial=0.0)),
@@ -233,7 +237,7 @@ def measure(plan: Plan, requests: int, prompt_len: int, output_len: int, window_
     want = colocated_tokens(plan, [load.prompts[i] for i in done], params)
     # A periodic re-placement's own start is not seen here: its staging gaps are those from the
     # bench's wait on (the serving load only, until it began).
-    stall = SwitchStall.of(load, before_span, started, report, ended)
+    stall = SwitchStall.of(load, before_span, before, started, report, ended)
     return EplbResult(before, report, after, [load.tokens[i] for i in done] == want, load.errors, metrics, stall,
                       periodic, window)
 
