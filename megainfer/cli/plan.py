@@ -169,16 +169,10 @@ def print_skew(candidates, args: argparse.Namespace, no_spare, skew) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megainfer.bench.report import format_table, write_json
-    from megainfer.config import DTYPE_BYTES
     from planner.catalog import Catalog
     from planner.colocated import best_colocated
-    from planner.round_host_cost import HostCost
-    from planner.operator_profile import OperatorProfile
-    from planner.perf_model import Calibration, PerfModel
     from planner.prediction_error import PredictionError
     from planner.search import search
-    from planner.timeline import explain, plot_predicted_gantt
 
     if args.tbt_slo_ms <= 0:
         raise PlanError(f"--tbt-slo-ms must be positive, got {args.tbt_slo_ms}")
@@ -186,12 +180,7 @@ def run(args: argparse.Namespace) -> int:
     catalog = Catalog.load(args.catalog).with_prices(_prices(args.price))
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else catalog.names()
     gpus = [catalog[g].name for g in gpus]  # unknown names fail here, listing the known ones
-    calibration = Calibration.load(args.calibration) if args.calibration else None
-    profiles = [OperatorProfile.load(path) for path in args.profile]
-    host = HostCost.load(args.host_profile) if args.host_profile else None
-    skew = _skew(args, model)
-    perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration, curves_path=args.curves,
-                     profiles=profiles, host=host, skew=skew, redundant_experts=args.redundant_experts)
+    perf, calibration = _perf_model(args, model)
     band = PredictionError.load()
     # Plans are searched to the SLO less the model's usual TBT error: one predicted at the SLO
     # itself would miss it whenever the model is optimistic.
@@ -200,28 +189,60 @@ def run(args: argparse.Namespace) -> int:
     result = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf,
                     max_micro_batches=args.max_micro_batches, objective=args.objective)
     no_spare = None
-    if skew is not None and args.redundant_experts:  # the same skew, no spare slot: what redundancy wins
+    if perf.skew is not None and args.redundant_experts:  # the same skew, no spare slot: what redundancy wins
         no_spare = search(model, catalog, gpus, gpus, tbt_slo_s=slo, perf=perf.without_redundancy(),
                           max_micro_batches=args.max_micro_batches, objective=args.objective)
     baseline = best_colocated(model, catalog, gpus, tbt_slo_s=slo, perf=perf, objective=args.objective)
     elapsed = time.perf_counter() - start
     if not result.candidates:
-        f = result.fastest
-        where = (f"{f.attention_gpu}x{f.tp_a} x{f.n_a} attention, {f.expert_gpu}x{f.tp_e} x{f.expert_nodes} experts, "
-                 f"m={f.m}, one sequence per micro-batch" if f else "none fits in memory")
-        best_tbt = f"{f.tbt * 1e3:.1f} ms" if f else "n/a"
-        raise PlanError(f"no plan meets a TBT SLO of {args.tbt_slo_ms:g} ms for {model.name} at seq-len "
-                        f"{args.seq_len} on {', '.join(gpus)}; the best achievable TBT is {best_tbt} ({where}). "
-                        "Raise --tbt-slo-ms, shorten --seq-len, or add faster GPUs"
-                        + (f"; the host profile {host.source} also refuses plans whose M2N rounds the host cannot "
-                           "post within the micro-batch's compute" if host else ""))
+        raise PlanError(_nothing_meets(args, model, gpus, result.fastest, perf.host))
 
     print(f"{model.name}: {args.dtype}, seq-len {args.seq_len}, TBT SLO {args.tbt_slo_ms:g} ms (planned to "
           f"{slo * 1e3:.1f} ms: the model's TBT error +/-{band.tbt:.0%} left as headroom), objective "
           f"{args.objective}, GPUs {','.join(gpus)}; {result.configurations:,} configurations searched in "
           f"{elapsed:.2f} s (prices: {catalog.price_unit or 'catalog units'})")
+    print_candidates(result.candidates[:args.top])
+    print(band.line())
+    if perf.skew is not None:
+        print_skew(result.candidates[:args.top], args, no_spare, perf.skew)
+    ratios = print_baseline(result.candidates[0], baseline)
+    _write_outputs(args, model, gpus, result, baseline, ratios, elapsed, perf, catalog, calibration)
+    sys.stdout.flush()
+    return 0
+
+
+def _perf_model(args: argparse.Namespace, model):
+    """The performance model the options describe, and the calibration it holds (for --explain)."""
+    from megainfer.config import DTYPE_BYTES
+    from planner.operator_profile import OperatorProfile
+    from planner.perf_model import Calibration, PerfModel
+    from planner.round_host_cost import HostCost
+
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    profiles = [OperatorProfile.load(path) for path in args.profile]
+    host = HostCost.load(args.host_profile) if args.host_profile else None
+    perf = PerfModel(model, args.seq_len, DTYPE_BYTES[args.dtype], calibration=calibration, curves_path=args.curves,
+                     profiles=profiles, host=host, skew=_skew(args, model), redundant_experts=args.redundant_experts)
+    return perf, calibration
+
+
+def _nothing_meets(args: argparse.Namespace, model, gpus: list[str], fastest, host) -> str:
+    f = fastest
+    where = (f"{f.attention_gpu}x{f.tp_a} x{f.n_a} attention, {f.expert_gpu}x{f.tp_e} x{f.expert_nodes} experts, "
+             f"m={f.m}, one sequence per micro-batch" if f else "none fits in memory")
+    best_tbt = f"{f.tbt * 1e3:.1f} ms" if f else "n/a"
+    return (f"no plan meets a TBT SLO of {args.tbt_slo_ms:g} ms for {model.name} at seq-len "
+            f"{args.seq_len} on {', '.join(gpus)}; the best achievable TBT is {best_tbt} ({where}). "
+            "Raise --tbt-slo-ms, shorten --seq-len, or add faster GPUs"
+            + (f"; the host profile {host.source} also refuses plans whose M2N rounds the host cannot "
+               "post within the micro-batch's compute" if host else ""))
+
+
+def print_candidates(candidates) -> None:
+    from megainfer.bench.report import format_table
+
     rows = []
-    for rank, c in enumerate(result.candidates[:args.top], 1):
+    for rank, c in enumerate(candidates, 1):
         rows.append([rank, f"{c.attention_gpu} tp{c.tp_a} x{c.n_a}",
                      f"{c.expert_gpu} tp{c.tp_e} x{c.expert_nodes} ({c.experts_per_node}/node)", c.m, c.batch,
                      f"{c.t_a * 1e3:.3f}", f"{c.t_e * 1e3:.3f}", f"{c.t_c * 1e3:.3f}", f"{c.tbt * 1e3:.1f}",
@@ -229,25 +250,34 @@ def run(args: argparse.Namespace) -> int:
                      f"{c.balance:.2f}", "yes" if c.network_hidden else "NO", "yes" if c.pipeline_full else "no"])
     print(format_table(["#", "attention", "experts", "m", "B", "T_a ms", "T_e ms", "T_c ms", "TBT ms", "tokens/s",
                         "/GPU", "/cost", "/kW", "(1) Ta/Te", "(2) Tc<Tf", "(3) mTf>=2(Tf+Tc)"], rows))
-    print(band.line())
-    best = result.candidates[0]
-    if skew is not None:
-        print_skew(result.candidates[:args.top], args, no_spare, skew)
-    ratios = None
+
+
+def print_baseline(best, baseline) -> dict | None:
+    """The colocated baseline and the best plan's gains over it (None where none meets the SLO)."""
     if baseline is None:
         print("colocated baseline: no colocated deployment on these GPUs meets the SLO")
-    else:
-        ratios = {k: best_v / base_v for k, best_v, base_v in (
-            ("per_gpu", best.per_gpu, baseline.per_gpu), ("per_cost", best.per_cost, baseline.per_cost),
-            ("per_watt", best.per_watt, baseline.per_watt))}
-        print(f"colocated baseline: {baseline.gpu} x{baseline.gpus} (attention TP {baseline.attention_tp}, "
-              f"experts EP {baseline.gpus}), B={baseline.batch}, TBT {baseline.tbt * 1e3:.1f} ms, "
-              f"{baseline.tokens_per_s:,.0f} tokens/s, {baseline.per_gpu:,.0f}/GPU, {baseline.per_cost:,.0f}/cost")
-        print(f"disaggregation gains over it: {ratios['per_cost']:.2f}x per cost, {ratios['per_gpu']:.2f}x per GPU, "
-              f"{ratios['per_watt']:.2f}x per watt")
+        return None
+    ratios = {k: best_v / base_v for k, best_v, base_v in (
+        ("per_gpu", best.per_gpu, baseline.per_gpu), ("per_cost", best.per_cost, baseline.per_cost),
+        ("per_watt", best.per_watt, baseline.per_watt))}
+    print(f"colocated baseline: {baseline.gpu} x{baseline.gpus} (attention TP {baseline.attention_tp}, "
+          f"experts EP {baseline.gpus}), B={baseline.batch}, TBT {baseline.tbt * 1e3:.1f} ms, "
+          f"{baseline.tokens_per_s:,.0f} tokens/s, {baseline.per_gpu:,.0f}/GPU, {baseline.per_cost:,.0f}/cost")
+    print(f"disaggregation gains over it: {ratios['per_cost']:.2f}x per cost, {ratios['per_gpu']:.2f}x per GPU, "
+          f"{ratios['per_watt']:.2f}x per watt")
+    return ratios
+
+
+def _write_outputs(args: argparse.Namespace, model, gpus: list[str], result, baseline, ratios, elapsed: float, perf,
+                   catalog, calibration) -> None:
+    """--explain, --plot, -o and --json."""
+    from megainfer.bench.report import write_json
+    from planner.timeline import explain, plot_predicted_gantt
+
+    best = result.candidates[0]
     if args.explain:
         print()
-        print(explain(best, model.num_moe_layers, host.source if host else None, model.first_k_dense))
+        print(explain(best, model.num_moe_layers, perf.host.source if perf.host else None, model.first_k_dense))
         print()
         print(explain_sources(perf, catalog, best, calibration))
     if args.plot:
@@ -264,5 +294,3 @@ def run(args: argparse.Namespace) -> int:
             "objective": args.objective, "gpus": gpus, "configurations": result.configurations,
             "search_seconds": elapsed, "candidates": [c.as_dict() for c in result.candidates],
             "colocated": baseline.as_dict() if baseline else None, "ratios": ratios})
-    sys.stdout.flush()
-    return 0

@@ -84,6 +84,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _plan_popularity(args: argparse.Namespace, model):
+    """`--plan`'s expert popularity: a measured profile (`--expert-load`), else the fitted law."""
+    if args.expert_load:
+        from megainfer.cli.plan import measured_pricing
+
+        return measured_pricing(args.expert_load, args.expert_load_phase, model)
+    from planner.expert_popularity import SkewPricing
+    from planner.popularity_fit import FITTED_RANK_OFFSET
+
+    return SkewPricing(model.num_experts, model.top_k, args.expert_skew, FITTED_RANK_OFFSET, args.seed)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """`--plan`: the plan's decode steps against the planner's prediction."""
     from megainfer.bench.report import format_table, write_json
@@ -92,20 +104,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from megainfer.plan import Plan
     from megainfer.tools.simulator.disaggregated import PlanSimulator
     from planner.catalog import Catalog
-    from planner.expert_popularity import SkewPricing
     from planner.perf_model import PerfModel
-    from planner.popularity_fit import FITTED_RANK_OFFSET
 
     plan = Plan.load(args.plan)
     model, _ = resolve_model(plan.model)
     plan.check_model(model)
     seq_len = plan.predicted.seq_len if plan.predicted is not None and plan.predicted.seq_len else 730
-    if args.expert_load:
-        from megainfer.cli.plan import measured_pricing
-
-        skew = measured_pricing(args.expert_load, args.expert_load_phase, model)
-    else:
-        skew = SkewPricing(model.num_experts, model.top_k, args.expert_skew, FITTED_RANK_OFFSET, args.seed)
+    skew = _plan_popularity(args, model)
     perf = PerfModel(model, seq_len, DTYPE_BYTES[plan.dtype], skew=skew)
     sim = PlanSimulator(plan, model, perf, Catalog.load(args.catalog), seed=args.seed).run(args.steps)
     print(f"{args.plan}: {model.name}, B={plan.pipeline.global_batch}, m={plan.pipeline.micro_batches}, "
@@ -133,16 +138,19 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megainfer.errors import ConfigError
+
     if args.validate:
         return run_validate(args)
     if args.write_error:
-        from megainfer.errors import ConfigError
-
         raise ConfigError("--write-error stores what --validate measured; add --validate")
-    if args.write_curves and not args.validate:
+    if args.write_curves:
         raise ConfigError("--write-curves stores what --validate fitted; add --validate")
-    if args.plan:
-        return run_plan(args)
+    return run_plan(args) if args.plan else run_experiment(args)
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    """The two prefill policies on one workload (or a rate sweep), on the step model."""
     from megainfer.errors import ConfigError
     from megainfer.model_resolution import resolve_model
     from megainfer.tools.simulator import experiment as ex
