@@ -14,7 +14,10 @@ from deploy.delta_outbox import DeltaOutbox
 from deploy.node_actor import NodeActor, rank_resources
 from deploy.node_loop import NodeLoop
 from deploy.node_process import settle
-from deploy.node_config import bind_host, data_link, join_tp_group, node_names, tp_master_address, weights_of
+from deploy.node_link import bind_host, data_link
+from deploy.node_names import node_names
+from deploy.node_weights import weights_of
+from deploy.tp_group import join_tp_group, tp_master_address
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine.engine import Engine

@@ -8,7 +8,10 @@ from deploy.node_process import settle
 from deploy.link import SwitchableLink
 from deploy.node_actor import NodeActor
 from deploy.node_loop import NodeLoop
-from deploy.node_config import data_link, join_tp_group, node_names, weights_of
+from deploy.node_link import data_link
+from deploy.node_names import node_names
+from deploy.node_weights import weights_of
+from deploy.tp_group import join_tp_group
 from deploy.runtime_config import AttentionRuntime
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.expert_replicas import ExpertReplicas

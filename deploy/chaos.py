@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 
 import ray
 
-from deploy.node_config import PEER_TIMEOUT_S
+from deploy.node_link import PEER_TIMEOUT_S
 from deploy.node_group import CALL_TIMEOUT_S, NodeGroup
 from deploy.supervisor import HEALTH_EVERY_S
 from megainfer.messages import FinishReason

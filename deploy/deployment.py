@@ -13,7 +13,7 @@ import ray
 
 from deploy.expert_rebalance import ExpertRebalancer
 from deploy.frontend import Frontend, max_open_requests, prompt_tokens
-from deploy.node_config import checked_model
+from deploy.node_weights import checked_model
 from deploy.node_group import NodeGroup
 from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of

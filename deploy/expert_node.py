@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from deploy.node_process import settle
 from deploy.link import SwitchableLink
-from deploy.node_config import (attention_rank_names, bind_host, data_link, join_tp_group, tp_master_address,
-                                weights_of)
+from deploy.node_link import bind_host, data_link
+from deploy.node_names import attention_rank_names
+from deploy.node_weights import weights_of
+from deploy.tp_group import join_tp_group, tp_master_address
 from deploy.runtime_config import ExpertRuntime
 from deploy.node_actor import NodeActor
 from deploy.node_loop import NodeLoop

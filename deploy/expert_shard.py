@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from deploy.node_process import settle
 from deploy.expert_node import ExpertRank, build_expert_worker
-from deploy.node_config import join_tp_group
+from deploy.tp_group import join_tp_group
 from deploy.runtime_config import ExpertRuntime
 from deploy.node_loop import NodeLoop
 from megainfer.disagg.expert_worker import ExpertWorker

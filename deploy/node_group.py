@@ -20,7 +20,7 @@ from deploy.attention_node import AttentionNode
 from deploy.attention_shard import AttentionShard
 from deploy.expert_node import ExpertNode
 from deploy.expert_shard import ExpertShard
-from deploy.node_config import attention_rank_name, attention_rank_names, node_names
+from deploy.node_names import attention_rank_name, attention_rank_names, node_names
 from deploy.placement import Placement
 from deploy.runtime_config import DeploymentRuntime, rank_name
 from deploy.ray_calls import cause, gather, get_all

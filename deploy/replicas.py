@@ -19,7 +19,7 @@ import time
 import ray
 
 from deploy.frontend import LOAD_REFRESH_S, Frontend, max_open_requests
-from deploy.node_config import checked_model
+from deploy.node_weights import checked_model
 from deploy.node_group import NodeGroup, health_of, resources_of
 from deploy.placement import Placement, connect_ray
 from deploy.runtime_config import runtime_of

@@ -136,7 +136,7 @@ def test_deploy_refuses_an_expert_tp_the_intermediate_size_does_not_divide_befor
 
 
 def test_each_side_knows_its_m2n_peers_and_their_slots_for_the_rdma_check():
-    from deploy.node_config import data_link
+    from deploy.node_link import data_link
 
     one_expert = Plan.from_dict({**plan().to_dict(), "experts": {"gpu": "L40S", "tp": 1, "nodes": 1},
                                  "transport": {"backend": "auto", "rdma_devices": ["mlx5_1"]}})
