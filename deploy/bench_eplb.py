@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from deploy.deployment import Deployment
-from megainfer.bench.report import format_table, write_json
+from megainfer.tools.bench.report import format_table, write_json
 from megainfer.errors import DataPlaneError, PlanError
 from megainfer.expert_replicas import imbalance
 from megainfer.llm import LLM

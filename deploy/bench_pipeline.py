@@ -17,8 +17,8 @@ import ray
 from deploy.deployment import Deployment
 from deploy.placement import connect_ray
 from deploy.timeline_calls import read_timelines, trace
-from megainfer.bench.pipeline_overlap import PipelineOverlap, overlap, plot_measured_gantt
-from megainfer.bench.report import format_table, write_json
+from megainfer.tools.bench.pipeline_overlap import PipelineOverlap, overlap, plot_measured_gantt
+from megainfer.tools.bench.report import format_table, write_json
 from megainfer.errors import DataPlaneError, PlanError
 from megainfer.messages import FinishReason
 from megainfer.plan import PipelineSpec, Plan

@@ -20,8 +20,8 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 from deploy.deployment import Deployment
-from megainfer.bench.report import format_table, write_json
-from megainfer.bench.routing_load import (GENERATED_DATASETS, ServeBenchSpec, format_summary, run_serve_bench,
+from megainfer.tools.bench.report import format_table, write_json
+from megainfer.tools.bench.routing_load import (GENERATED_DATASETS, ServeBenchSpec, format_summary, run_serve_bench,
                                          summarize, workload)
 from megainfer.errors import PlanError
 from megainfer.plan import Plan

@@ -22,9 +22,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from deploy.cli import max_model_len, start_backend
-from megainfer.bench import soak_report
-from megainfer.bench.soak_report import Fault, ResourceSample, SoakRun
-from megainfer.bench.soak_traffic import SoakTraffic, TrafficSpec
+from megainfer.tools.bench import soak_report
+from megainfer.tools.bench.soak_report import Fault, ResourceSample, SoakRun
+from megainfer.tools.bench.soak_traffic import SoakTraffic, TrafficSpec
 from megainfer.errors import ConfigError
 from megainfer.plan import Plan
 from megainfer.server.access import AccessPolicy

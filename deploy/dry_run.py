@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from deploy.placement import bundle_of
 from deploy.runtime_config import BatchCheck, DeploymentRuntime, check_batch
-from megainfer.bench.report import format_table
+from megainfer.tools.bench.report import format_table
 
 
 def gpu_memory_bytes(runtime: DeploymentRuntime) -> float | None:

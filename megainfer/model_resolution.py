@@ -17,7 +17,7 @@ from megainfer.hf_config import from_pretrained
 from megainfer.hub_cache import cached_snapshot
 from megainfer.presets import PRESETS
 
-DEMO_MODEL = "megainfer-demo"  # the small checkpoint trained by `python -m megainfer.demo.train`
+DEMO_MODEL = "megainfer-demo"  # the small checkpoint trained by `python -m megainfer.tools.demo_train`
 # org/name, optionally @revision (a branch, tag or commit): a Hugging Face repo id.
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 
@@ -38,7 +38,7 @@ def resolve_model(model: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
         path = demo_checkpoint()
         if not (path / "config.json").is_file():
             raise ConfigError(f"the demo checkpoint is missing ({path} has no config.json); train it with "
-                              "`python -m megainfer.demo.train --minutes 40`")
+                              "`python -m megainfer.tools.demo_train --minutes 40`")
         return dataclasses.replace(from_pretrained(path), name=DEMO_MODEL), path
     path = Path(key).expanduser()
     if path.exists():

@@ -16,11 +16,11 @@ kernels/'s torch-importing package); megainfer's variables are text.
 Not here, because megainfer does not own them and only passes them on or reads them as their
 owner does: `HF_HUB_CACHE`, `HUGGINGFACE_HUB_CACHE`, `HF_HOME`, `XDG_CACHE_HOME`
 (huggingface_hub's cache, megainfer/hub_cache.py), `TRITON_INTERPRET` (Triton's,
-kernels/launch.py), `OPENAI_API_KEY` (the OpenAI SDK's, megainfer/bench/serve_requests.py),
+kernels/launch.py), `OPENAI_API_KEY` (the OpenAI SDK's, megainfer/tools/bench/serve_requests.py),
 `CC` (the C compiler the GPU check reports, megainfer/tools/gpucheck/environment.py); and
 writes: the environment the GPU check hands its child processes
 (megainfer/tools/gpucheck/runner.py sets or drops MEGAINFER_KERNELS there),
-`OMP_WAIT_POLICY` (megainfer/demo/train.py).
+`OMP_WAIT_POLICY` (megainfer/tools/demo_train.py).
 """
 
 from __future__ import annotations

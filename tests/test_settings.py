@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("megainfer", "transport", "kernels", "deploy", "planner")
 # Modules that touch os.environ for variables megainfer does not own (each named in
 # megainfer/settings.py's docstring), or that write a child's environment.
-FOREIGN = {"megainfer/hub_cache.py", "kernels/launch.py", "megainfer/bench/serve_requests.py",
+FOREIGN = {"megainfer/hub_cache.py", "kernels/launch.py", "megainfer/tools/bench/serve_requests.py",
            "megainfer/tools/gpucheck/environment.py", "megainfer/tools/gpucheck/runner.py",
-           "megainfer/tools/gpucheck/engine_check.py", "megainfer/demo/train.py"}
+           "megainfer/tools/gpucheck/engine_check.py", "megainfer/tools/demo_train.py"}
 SETTINGS_MODULES = {"megainfer/settings.py", "transport/transport_settings.py", "kernels/kernel_settings.py"}
 
 

@@ -216,7 +216,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from megainfer.bench.engine_bench import EngineBenchSpec, run_engine_bench
+    from megainfer.tools.bench.engine_bench import EngineBenchSpec, run_engine_bench
 
     spec = EngineBenchSpec(model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
                            output_len=args.output_len, seed=args.workload_seed, vs_hf=args.vs_hf,
@@ -302,7 +302,7 @@ def _run_eplb(args: argparse.Namespace) -> int:
 
 
 def _run_routing(args: argparse.Namespace) -> int:
-    from megainfer.bench.routing_load import ServeBenchSpec
+    from megainfer.tools.bench.routing_load import ServeBenchSpec
     from megainfer.errors import ConfigError
 
     if not args.request_rate > 0:
@@ -471,10 +471,10 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from megainfer.bench import serve_bench
-    from megainfer.bench.report import write_json
-    from megainfer.bench.serve_datasets import DatasetSpec
-    from megainfer.bench.serve_metrics import parse_goodput, parse_percentiles
+    from megainfer.tools.bench import serve_bench
+    from megainfer.tools.bench.report import write_json
+    from megainfer.tools.bench.serve_datasets import DatasetSpec
+    from megainfer.tools.bench.serve_metrics import parse_goodput, parse_percentiles
     from megainfer.errors import ConfigError
 
     metadata = {}

@@ -208,7 +208,7 @@ def _printable(text: str) -> str:
 
 
 def _logprobs_table(rows: list[tuple]) -> str:
-    from megainfer.bench.report import format_table
+    from megainfer.tools.bench.report import format_table
 
     def shown(text: str) -> str:
         return repr(text)[:14]  # repr escapes control characters

@@ -146,7 +146,7 @@ def measured_pricing(path: str, phase: str, model):
 
 def print_skew(candidates, args: argparse.Namespace, no_spare, skew) -> None:
     """Per plan: spare slots, the hottest expert node's imbalance and T_e with them and without."""
-    from megainfer.bench.report import format_table
+    from megainfer.tools.bench.report import format_table
 
     if args.expert_load:
         print(f"\nexpert load {skew.source}; T_e is the hottest expert node's (each layer's, averaged):")
@@ -239,7 +239,7 @@ def _nothing_meets(args: argparse.Namespace, model, gpus: list[str], fastest, ho
 
 
 def print_candidates(candidates) -> None:
-    from megainfer.bench.report import format_table
+    from megainfer.tools.bench.report import format_table
 
     rows = []
     for rank, c in enumerate(candidates, 1):
@@ -271,7 +271,7 @@ def print_baseline(best, baseline) -> dict | None:
 def _write_outputs(args: argparse.Namespace, model, gpus: list[str], result, baseline, ratios, elapsed: float, perf,
                    catalog, calibration) -> None:
     """--explain, --plot, -o and --json."""
-    from megainfer.bench.report import write_json
+    from megainfer.tools.bench.report import write_json
     from planner.timeline import explain, plot_predicted_gantt
 
     best = result.candidates[0]

@@ -98,7 +98,7 @@ def _plan_popularity(args: argparse.Namespace, model):
 
 def run_plan(args: argparse.Namespace) -> int:
     """`--plan`: the plan's decode steps against the planner's prediction."""
-    from megainfer.bench.report import format_table, write_json
+    from megainfer.tools.bench.report import format_table, write_json
     from megainfer.config import DTYPE_BYTES
     from megainfer.model_resolution import resolve_model
     from megainfer.plan import Plan

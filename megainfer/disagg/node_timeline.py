@@ -5,7 +5,7 @@ host; a reader on another host adds `NodeTimeline.clock_offset`, see deploy/time
 
 Off by default: a disabled recorder costs one attribute test per span. `bench pipeline`
 switches it on, reads it back after the run, and derives from it each node's busy time and
-the pipeline's efficiency (`megainfer/bench/pipeline_overlap.py`).
+the pipeline's efficiency (`megainfer/tools/bench/pipeline_overlap.py`).
 
 On CUDA the host runs ahead of the device, so a COMPUTE span timed on the host would be its
 launches. There a COMPUTE span is a pair of CUDA events on the compute stream, put on the

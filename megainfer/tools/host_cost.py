@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from megainfer.expert_replicas import ExpertReplicas
-from megainfer.bench.report import format_table
+from megainfer.tools.bench.report import format_table
 from megainfer.config import ModelConfig
 from megainfer.disagg.expert_link import record_bytes
 from megainfer.engine_config import EngineConfig

@@ -6,7 +6,7 @@ import os
 import platform
 from dataclasses import asdict
 
-from megainfer.bench.report import format_table, write_json
+from megainfer.tools.bench.report import format_table, write_json
 
 
 def parse_sizes(text: str) -> list[int]:

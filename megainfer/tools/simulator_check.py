@@ -36,18 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-from megainfer.bench import serve_bench
+from megainfer.tools.bench import serve_bench
 from megainfer.config import ModelConfig
 from megainfer.model_resolution import resolve_model
 from megainfer.tools.m2n_report import machine
-from megainfer.bench.report import format_table, write_json
-from megainfer.bench.serve_datasets import DatasetSpec
+from megainfer.tools.bench.report import format_table, write_json
+from megainfer.tools.bench.serve_datasets import DatasetSpec
 from megainfer.errors import ConfigError, MegaInferError
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.client import Client
 from megainfer.tools.simulator.experiment import SimulationSpec
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.bench.workload import SimRequest, arrival_times, describe, load_trace
+from megainfer.tools.bench.workload import SimRequest, arrival_times, describe, load_trace
 from planner.operator_profile import OperatorProfile
 from planner.step_cost_model import ColocatedStepModel
 

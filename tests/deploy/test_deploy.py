@@ -336,7 +336,7 @@ def test_predictive_routes_on_forecasts_and_reports_its_error():
         assert 0 <= m['megainfer:router_ttft_prediction_error_seconds_sum{model_name="tiny-mixtral"}'] < 5
         # bench routing: the routers take turns on this deployment, in alternating order.
         from deploy.bench_routing import measure
-        from megainfer.bench.routing_load import ServeBenchSpec
+        from megainfer.tools.bench.routing_load import ServeBenchSpec
 
         spec = ServeBenchSpec(server="", input_len=40, random_range_ratio=0.5, output_len=4, request_rate=50.0,
                               num_prompts=5)

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from megainfer.bench import soak_report
-from megainfer.bench.soak_report import Fault, ResourceSample, SoakRun
-from megainfer.bench.soak_traffic import (CLEAN, Ending, Frontend, PromptPool, RequestRecord, SoakTraffic, Status,
+from megainfer.tools.bench import soak_report
+from megainfer.tools.bench.soak_report import Fault, ResourceSample, SoakRun
+from megainfer.tools.bench.soak_traffic import (CLEAN, Ending, Frontend, PromptPool, RequestRecord, SoakTraffic, Status,
                                           TrafficMix, TrafficSpec, draw_shape, http_status)
 from megainfer.cli.bench import duration_s
 from megainfer.messages import NodeResources, NodeRole

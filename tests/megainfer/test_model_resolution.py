@@ -93,7 +93,7 @@ def test_demo_checkpoint_resolves_when_trained_and_says_how_to_train_it_otherwis
                                                                                  mixtral_ref):
     missing = tmp_path / "demo" / "checkpoint"
     monkeypatch.setattr(megainfer.model_resolution, "demo_checkpoint", lambda: missing)
-    with pytest.raises(ConfigError, match="demo checkpoint is missing.*python -m megainfer.demo.train"):
+    with pytest.raises(ConfigError, match="demo checkpoint is missing.*python -m megainfer.tools.demo_train"):
         resolve_model("megainfer-demo")
     shutil.copytree(mixtral_ref.path, missing)
     cfg, path = resolve_model("megainfer-demo")

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from megainfer.bench.workload import SimRequest
+from megainfer.tools.bench.workload import SimRequest
 from megainfer.engine_config import EngineConfig
 from megainfer.presets import PRESETS
 from megainfer.tools.simulator.published_rows import MXFP4_BYTES, ROWS

@@ -1,5 +1,5 @@
 """A node's timeline recorder (megainfer/disagg/node_timeline.py) and what the pipeline bench
-derives from timelines (megainfer/bench/pipeline_overlap.py): the decode window, each
+derives from timelines (megainfer/tools/bench/pipeline_overlap.py): the decode window, each
 node's busy time in it (STEP minus WAIT, clipped), the bottleneck and the pipeline's
 efficiency, a reader's clock offset, and the Gantt chart."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megainfer.bench.pipeline_overlap import decode_window, overlap, plot_measured_gantt
+from megainfer.tools.bench.pipeline_overlap import decode_window, overlap, plot_measured_gantt
 from megainfer.disagg import node_timeline as timeline_module
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.errors import MegaInferError

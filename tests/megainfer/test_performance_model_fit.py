@@ -18,7 +18,7 @@ from megainfer.tools.simulator import paper_measurements as paper
 from megainfer.tools.simulator.curves_entry import entry_text, write_entry
 from megainfer.tools.simulator.experiment import SimulationSpec
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.bench.workload import SimRequest
+from megainfer.tools.bench.workload import SimRequest
 from planner.catalog import Catalog
 from planner.efficiency_curves import DEFAULT_CURVES, EfficiencyCurves
 from planner.step_cost_model import ColocatedStepModel

@@ -475,7 +475,7 @@ def fleet(autoscaler=None, replicas: int = 4):
 
 
 def test_autoscaler_in_the_fleet_adds_before_queues_build_and_retires_when_idle():
-    from megainfer.bench.workload import generate
+    from megainfer.tools.bench.workload import generate
 
     model = PRESETS["qwen3-30b-a3b"]
     # Rates for one H100 per replica as the fitted H100 curves price it (a long ShareGPT prompt
@@ -506,7 +506,7 @@ def test_autoscaler_in_the_fleet_adds_before_queues_build_and_retires_when_idle(
 
 
 def test_fleet_simulation_reports_prediction_error_and_the_cli_compares_routers(tmp_path):
-    from megainfer.bench.workload import generate
+    from megainfer.tools.bench.workload import generate
 
     model = PRESETS["qwen3-30b-a3b"]
     requests = generate("sharegpt", num_requests=150, rate=8.0, max_model_len=model.max_position_embeddings)

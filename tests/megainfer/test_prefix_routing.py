@@ -4,7 +4,7 @@ workload shows prefix-aware routing hitting more than round robin."""
 
 from __future__ import annotations
 
-from megainfer.bench.workload import generate, with_shared_prefixes
+from megainfer.tools.bench.workload import generate, with_shared_prefixes
 from megainfer.engine_config import EngineConfig
 from megainfer.messages import NodeLoad
 from megainfer.presets import PRESETS

@@ -1,11 +1,11 @@
-"""The load `bench routing` sends (megainfer/bench/routing_load.py): the simulator's length
+"""The load `bench routing` sends (megainfer/tools/bench/routing_load.py): the simulator's length
 distributions as random token ids."""
 
 from __future__ import annotations
 
 import pytest
 
-from megainfer.bench.routing_load import ServeBenchSpec, workload
+from megainfer.tools.bench.routing_load import ServeBenchSpec, workload
 from megainfer.errors import ConfigError
 
 

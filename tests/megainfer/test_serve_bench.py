@@ -10,10 +10,10 @@ import socket
 import httpx2
 import pytest
 
-from megainfer.bench.serve_datasets import DatasetSpec, num_special_tokens, sample_random, sample_sharegpt
-from megainfer.bench.serve_metrics import (calculate_metrics, format_block, output_lengths, parse_goodput,
+from megainfer.tools.bench.serve_datasets import DatasetSpec, num_special_tokens, sample_random, sample_sharegpt
+from megainfer.tools.bench.serve_metrics import (calculate_metrics, format_block, output_lengths, parse_goodput,
                                            result_fields, statistics_ms)
-from megainfer.bench.serve_requests import (RequestInput, RequestOutput, SSEDecoder, openai_chat,
+from megainfer.tools.bench.serve_requests import (RequestInput, RequestOutput, SSEDecoder, openai_chat,
                                             openai_completions)
 from megainfer.errors import ConfigError
 from megainfer.tokenizer import ByteTokenizer
@@ -335,7 +335,7 @@ def test_megainfer_grpc_compares_prefix_caching_with_salts_and_the_reset_call(gr
 
 
 def test_megainfer_grpc_sharegpt_runs_repeat_the_workload(grpc_server, sharegpt_file):
-    from megainfer.bench.serve_bench import ServeBenchConfig, run
+    from megainfer.tools.bench.serve_bench import ServeBenchConfig, run
 
     server, checkpoint = grpc_server
     path, _ = sharegpt_file
@@ -352,7 +352,7 @@ def test_megainfer_grpc_sharegpt_runs_repeat_the_workload(grpc_server, sharegpt_
 
 
 def test_openai_backends_run_the_same_workload_against_megainfers_http_server(http_server, grpc_server):
-    from megainfer.bench.serve_bench import ServeBenchConfig, run
+    from megainfer.tools.bench.serve_bench import ServeBenchConfig, run
 
     http, checkpoint = http_server
     dataset = DatasetSpec(num_prompts=5, random_input_len=20, random_output_len=6, seed=5)

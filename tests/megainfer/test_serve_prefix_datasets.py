@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megainfer.bench import serve_bench
-from megainfer.bench.serve_bench import ServeBenchConfig
-from megainfer.bench.serve_datasets import DatasetSpec, sample_requests
-from megainfer.bench.serve_requests import RequestOutput
+from megainfer.tools.bench import serve_bench
+from megainfer.tools.bench.serve_bench import ServeBenchConfig
+from megainfer.tools.bench.serve_datasets import DatasetSpec, sample_requests
+from megainfer.tools.bench.serve_requests import RequestOutput
 from megainfer.errors import ConfigError
 from megainfer.tokenizer import ByteTokenizer
 from tests.helpers import megainfer

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megainfer.presets import PRESETS
-from megainfer.bench.workload import LogNormalLengths, describe, generate
+from megainfer.tools.bench.workload import LogNormalLengths, describe, generate
 
 # The layered-prefill paper (arXiv 2510.08055), arXiv summarisation, tokens.
 PAPER_ARXIV = {"input": {"mean": 9194, "p90": 17152, "std": 5754},
@@ -52,7 +52,7 @@ def test_sharegpt_lp_draws_the_trace_itself(num_requests):
 
 
 def test_quantile_lengths_interpolate_between_their_points():
-    from megainfer.bench.workload import QuantileLengths
+    from megainfer.tools.bench.workload import QuantileLengths
     lengths = QuantileLengths((10.0, 20.0, 100.0)).sample(np.random.default_rng(0), 40000)
     assert lengths.min() >= 10.0 and lengths.max() <= 100.0
     assert np.median(lengths) == pytest.approx(20.0, rel=0.02)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from megainfer.bench.workload import SimRequest, arrival_times, describe, generate, load_trace
+from megainfer.tools.bench.workload import SimRequest, arrival_times, describe, generate, load_trace
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError, PlanError
 from megainfer.presets import PRESETS

@@ -13,7 +13,7 @@ from megainfer.model_resolution import resolve_model
 from megainfer.tools.simulator_check import (CheckSpec, ServerSettings, compare, generate_trace, real_figures,
                                              run_check, write_trace)
 from megainfer.errors import ConfigError, PlanError
-from megainfer.bench.workload import load_trace
+from megainfer.tools.bench.workload import load_trace
 from planner.operator_profile import (OPERATOR_AXES, OperatorProfile, OperatorTable, ProfiledDevice,
                                       model_shape)
 

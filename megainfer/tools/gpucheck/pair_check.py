@@ -226,7 +226,7 @@ def colocated(spec: PairSpec, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _busy_fractions(attention: AttentionResult, expert: ExpertResult) -> dict[str, float]:
-    from megainfer.bench.pipeline_overlap import overlap
+    from megainfer.tools.bench.pipeline_overlap import overlap
 
     nodes = overlap([attention.timeline, expert.timeline]).nodes
     return {f"{n.role.value}_busy": round(n.busy_fraction, 3) for n in nodes}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megainfer.bench.workload import SimRequest
+from megainfer.tools.bench.workload import SimRequest
 from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError

@@ -41,7 +41,7 @@ from megainfer.tools.simulator.paper_measurements import (CHUNKED_512, CHUNKED_1
                                                           MEASURED_GPUS, MODEL, NUM_REQUESTS, SERVING, SINGLE_PROMPTS,
                                                           TOLERANCE, TP, WORKLOAD, ServingMeasurement)
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.bench.workload import SimRequest
+from megainfer.tools.bench.workload import SimRequest
 from planner.catalog import GPU, Catalog
 from planner.efficiency_curves import DEFAULT_CURVES, EfficiencyCurves, OperatorCurves, Saturation
 from planner.step_cost_model import ColocatedStepModel

@@ -11,7 +11,7 @@ from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError
 from megainfer.tools.simulator.routing_skew import FITTED_RANK_OFFSET, FITTED_SKEW
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.bench.workload import WORKLOADS, SimRequest, describe, generate, load_trace
+from megainfer.tools.bench.workload import WORKLOADS, SimRequest, describe, generate, load_trace
 from planner.step_cost_model import ColocatedStepModel, device_label
 
 

@@ -12,7 +12,7 @@ from megainfer.config import ModelConfig
 from megainfer.engine_config import EngineConfig
 from megainfer.routing.policies import make_router
 from megainfer.tools.simulator.cluster import ClusterSimulator
-from megainfer.bench.workload import generate, with_shared_prefixes
+from megainfer.tools.bench.workload import generate, with_shared_prefixes
 from planner.step_cost_model import ColocatedStepModel
 
 

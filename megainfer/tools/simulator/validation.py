@@ -41,7 +41,7 @@ import numpy as np
 from megainfer.presets import PRESETS
 from megainfer.tools.simulator.curve_fit import FITTED, FitParameter, from_vector, to_vector
 from megainfer.tools.simulator.experiment import SimulationSpec
-from megainfer.bench.workload import SimRequest
+from megainfer.tools.bench.workload import SimRequest
 from megainfer.tools.simulator.published_rows import OFFLINE, ROWS, SERVING, SINGLE_PROMPT, PublishedRow
 from planner.catalog import Catalog
 from planner.efficiency_curves import EfficiencyCurves

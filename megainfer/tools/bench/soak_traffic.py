@@ -35,7 +35,7 @@ import grpc
 import grpc.aio
 import httpx2
 
-from megainfer.bench.serve_requests import SSEDecoder
+from megainfer.tools.bench.serve_requests import SSEDecoder
 from megainfer.errors import ConfigError, MegaInferError
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.client import request_message

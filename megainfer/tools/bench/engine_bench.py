@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megainfer.bench.report import format_table, write_json
+from megainfer.tools.bench.report import format_table, write_json
 from megainfer.engine.engine import Engine
 from megainfer.engine_config import EngineConfig
 from megainfer.errors import ConfigError

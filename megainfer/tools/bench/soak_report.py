@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megainfer.bench.report import format_table, write_json
-from megainfer.bench.soak_traffic import CLEAN, RequestRecord, Status
+from megainfer.tools.bench.report import format_table, write_json
+from megainfer.tools.bench.soak_traffic import CLEAN, RequestRecord, Status
 from megainfer.messages import NodeResources
 
 WINDOWS = 24

@@ -1,6 +1,6 @@
 """Train the demo checkpoint: a small Mixtral-style MoE on the Python standard library.
 
-    python -m megainfer.demo.train --out megainfer/demo/checkpoint --steps 1800 --minutes 42
+    python -m megainfer.tools.demo_train --out megainfer/demo/checkpoint --steps 1800 --minutes 42
 
 Deterministic given --seed and --steps on one machine and Python version: the corpus is a
 sorted walk of the stdlib, every shuffle is seeded, and the learning-rate schedule follows
@@ -60,7 +60,7 @@ class RunStats:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megainfer.demo.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megainfer.tools.demo_train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=CHECKPOINT,
                    help="checkpoint directory to write (default: the shipped megainfer/demo/checkpoint)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (the schedule's length)")
@@ -232,7 +232,7 @@ def write_generation_config(transformers, out: Path, tok) -> None:
 
 
 def write_model_card(out: Path, args: argparse.Namespace, argv: list[str], stats: RunStats, cfg) -> None:
-    command = "python -m megainfer.demo.train " + shlex.join(argv)
+    command = "python -m megainfer.tools.demo_train " + shlex.join(argv)
     governed = ("elapsed time (the --minutes deadline), so a rerun may differ" if stats.time_bound
                 else "the step count, so the command above reproduces it")
     text = f"""# megainfer-demo

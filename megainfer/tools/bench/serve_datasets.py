@@ -14,7 +14,7 @@
   text is the intended number of tokens (up to 10 tries; a tokenizer that merges or splits across
   the joins leaves a few tokens off, and the prompt length is what the text re-encodes to).
 - trace: a JSONL file of {"arrival": s, "input_len": tokens, "output_len": tokens} lines, the
-  simulator's trace format (read by megainfer.bench.workload.load_trace, so a trace means the
+  simulator's trace format (read by megainfer.tools.bench.workload.load_trace, so a trace means the
   same requests to the simulator and to a server). Each request carries its arrival and a prompt of
   exactly input_len token ids (runs of consecutive non-special ids from a random offset, as the
   random dataset draws them), sent as ids: no tokenizer round trip changes its length. The
@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from megainfer.errors import ConfigError
-from megainfer.bench.workload import load_trace
+from megainfer.tools.bench.workload import load_trace
 from megainfer.tokenizer import Tokenizer
 
 DATASETS = ("sharegpt", "random", "trace", "prefix_repetition", "conversation")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megainfer.bench.serve_requests import RequestOutput
+from megainfer.tools.bench.serve_requests import RequestOutput
 from megainfer.errors import ConfigError
 from megainfer.tokenizer import Tokenizer
 

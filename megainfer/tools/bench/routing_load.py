@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from megainfer.errors import ConfigError, MegaInferError
 from megainfer.sampling_params import SamplingParams
 from megainfer.server.client import Client
-from megainfer.bench.workload import SimRequest, arrival_times, generate, load_trace, with_shared_prefixes
+from megainfer.tools.bench.workload import SimRequest, arrival_times, generate, load_trace, with_shared_prefixes
 
 
 @dataclass

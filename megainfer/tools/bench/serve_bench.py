@@ -45,11 +45,11 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from megainfer.bench.serve_datasets import DatasetSpec, SampleRequest, sample_requests
-from megainfer.bench.serve_metrics import (PERCENTILE_METRICS, calculate_metrics, comparison_fields, format_block,
+from megainfer.tools.bench.serve_datasets import DatasetSpec, SampleRequest, sample_requests
+from megainfer.tools.bench.serve_metrics import (PERCENTILE_METRICS, calculate_metrics, comparison_fields, format_block,
                                            format_comparison, format_turn_block, output_lengths, per_turn_fields,
                                            result_fields)
-from megainfer.bench.serve_requests import (BACKENDS, OPENAI_ENDPOINTS, REQUEST_FUNCS, RequestInput, RequestOutput,
+from megainfer.tools.bench.serve_requests import (BACKENDS, OPENAI_ENDPOINTS, REQUEST_FUNCS, RequestInput, RequestOutput,
                                             open_session, reset_prefix_cache, server_model)
 from megainfer.errors import CheckpointError, ConfigError, MegaInferError, RequestError
 from megainfer.model_resolution import resolve_model
