@@ -16,12 +16,16 @@ attributes, never keys.
 | `NodeStats`      | attention leader (`stats`)   | frontend (metrics endpoint, benches)| engine counters and M2N histograms        |
 | `EngineStats`    | inside `NodeStats`; `EngineBackend` | metrics endpoint, benches    | the engine's counters, kernel report, expert load |
 | `ExpertLoad`     | inside `EngineStats`         | metrics endpoint, energy estimate   | experts a step activated, bytes read      |
+| `ExpertLoadReport` | inside `EngineStats`       | rebalancer, metrics, `/admin/experts/load` | each (layer, expert)'s pairs over the window |
+| `StagedPlacement` | every expert rank (`stage_experts`) | rebalancer                | what a re-placement's staging loaded       |
+| `RebalanceReport` | the rebalancer (driver)     | `/admin/experts/rebalance`, `bench eplb` | what a re-placement moved, when it switched |
 | `NodeResources`  | every node actor (`resources`) | `bench soak`, leak checks         | resident memory, KV blocks, M2N slots held |
 | `NodeState`      | attention leader (`state`)   | frontend -> router                  | scheduler snapshot, measured steps        |
 | `StepSample`     | inside `NodeState`           | router's step-time model            | one step's work and seconds               |
 | `SchedulingKnobs`| inside `NodeState`           | router's forecast                   | the scheduler settings to reproduce       |
 | `LayeredSettings`| inside `SchedulingKnobs`     | router's forecast                   | a layered-prefill policy's settings       |
 | `RequestLengths` | inside `NodeState`           | router's forecast                   | one request's prompt, tokens, cached, max_tokens |
+| `PrefixSummary`  | inside `NodeState`           | frontend's `PrefixIndex` -> routers | the node's cached prefix keys, added and dropped |
 | `HistogramSnapshot` | inside `NodeStats`        | metrics endpoint                    | bucket counts of a latency histogram      |
 | `NodeTimeline`   | every node actor (`timeline`) | `bench pipeline` (table, Gantt)    | the node's spans: steps, computes, waits, messages |
 | `Span`           | inside `NodeTimeline`        | `bench pipeline`                    | one interval or instant on the node's clock |
