@@ -40,7 +40,12 @@ def test_quick_cpu_profile_through_the_cli(tmp_path, capsys):
     for operator, table in profile.operators.items():
         assert np.all(table.seconds >= 0), operator
         assert operator in printed
-    assert np.any(profile.table("step_overhead").seconds > 0)
+    # step_overhead is each decode step's wall time less its operators' share priced by the tables
+    # just measured, the median clipped at 0 (engine_overhead.py; the subtraction is tested on its
+    # own below). On an idle machine it reads positive; on a loaded 2-core one the tables, timed
+    # minutes earlier, can price the demo model's steps above what they took, and it reads 0
+    # (two full-suite runs of three saw that). Measured, then, and never negative.
+    assert "step_overhead" in printed and np.all(np.isfinite(profile.table("step_overhead").seconds))
     assert _mostly_increasing(profile.table("dense").seconds)
     assert _mostly_increasing(profile.table("lm_head").seconds)
     moe = profile.table("moe")

@@ -103,7 +103,7 @@ TINY = ["--steps", "3", "--vocab-size", "300", "--hidden-size", "32", "--layers"
 
 
 def test_train_script_runs_end_to_end_and_is_deterministic(tmp_path, capsys):
-    from megainfer.demo import train
+    from megainfer.tools import demo_train as train
 
     corpus = tmp_path / "corpus"
     for name, text in CORPUS.items():
@@ -131,7 +131,7 @@ def test_train_script_runs_end_to_end_and_is_deterministic(tmp_path, capsys):
 
 
 def test_train_without_transformers_says_how_to_install(tmp_path, monkeypatch):
-    from megainfer.demo import train
+    from megainfer.tools import demo_train as train
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ConfigError, match=r'pip install -e "\.\[test\]"'):
