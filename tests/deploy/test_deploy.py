@@ -51,6 +51,20 @@ class Served:
     def generate(self, prompt, params=GREEDY) -> list[int]:
         return [t for r in self.client.generate(prompt, params) for t in r.token_ids]
 
+    def generate_at_once(self, prompts) -> list[list[int] | None]:
+        """Every prompt's tokens, the requests sent together (one thread each)."""
+        results = [None] * len(prompts)
+
+        def ask(i):
+            results[i] = self.generate(prompts[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return results
+
     def close(self) -> None:
         self.client.close()
         self.server.stop(0)
@@ -85,17 +99,7 @@ def test_two_by_two_over_grpc_matches_colocated(hf_ref, m, tp_a, policy, tp_e, s
     served = Served(make_plan(str(hf_ref.path), 2, 2, m, tp_a=tp_a, policy=policy, tp_e=tp_e,
                               async_scheduling=scheduled_ahead))
     try:
-        results = [None] * len(hf_ref.prompts)
-
-        def ask(i):
-            results[i] = served.generate(hf_ref.prompts[i])
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(hf_ref.prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert results == expected
+        assert served.generate_at_once(hf_ref.prompts) == expected
         info = served.client.info()
         assert [n.state for n in info.nodes] == ["serving"] * (2 * tp_a + 2 * tp_e)
         assert "micro_batches: " + str(m) in info.plan_yaml
@@ -127,17 +131,7 @@ def test_tensor_parallel_attention_without_prefix_caching_under_kv_pressure_matc
     # 10 blocks of 16 tokens: the longest request needs 5 (33 prompt + 32 new tokens), all seven 29.
     served = Served(make_plan(str(mixtral_ref.path), 1, 2, 2, tp_a=2, enable_prefix_caching=False, num_kv_blocks=10))
     try:
-        results = [None] * len(prompts)
-
-        def ask(i):
-            results[i] = served.generate(prompts[i])
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert results == expected
+        assert served.generate_at_once(prompts) == expected
         engine = served.deployment.metrics_snapshot()
         assert engine.num_preemptions > 0, "the small cache was meant to force preemption"
         assert engine.prefix_cache_queries == engine.prefix_cache_hits == 0  # nothing looked up: caching is off
