@@ -51,6 +51,14 @@ class ExpertLoadProfile:
             return self.decode
         return self.prefill if phase == "prefill" else self.decode + self.prefill
 
+    def steps(self, phase: str) -> int:
+        """The window's steps of `phase` (as `counts`)."""
+        if phase not in PHASES:
+            raise ConfigError(f"expert-load phase {phase!r} is not one of {', '.join(PHASES)}")
+        if phase == "decode":
+            return self.decode_steps
+        return self.prefill_steps if phase == "prefill" else self.decode_steps + self.prefill_steps
+
     def to_dict(self) -> dict:
         return {"model": self.model, "num_layers": self.num_layers, "num_experts": self.num_experts,
                 "decode_steps": self.decode_steps, "prefill_steps": self.prefill_steps,

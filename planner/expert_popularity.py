@@ -36,16 +36,17 @@ def pair_shares(num_experts: int, top_k: int, skew: float, rank_offset: float) -
     return q / q.sum()
 
 
-class SkewPricing:
-    """The hottest expert node's load over the mean, per (experts per node, spare slots)."""
+class PopularityPricing:
+    """The hottest expert node's load over the mean, per (experts per node, spare slots), from
+    each MoE layer's share of its (token, expert) pairs by expert id (`layer_shares`, [layers,
+    experts]). Without spare slots a node holds a contiguous run of ids; with them, the
+    redundancy plan's placement of each layer's loads. Every layer waits for its own hottest
+    node and a step sums its layers, so the imbalance charged is the mean of the layers'."""
 
-    def __init__(self, num_experts: int, top_k: int, skew: float, rank_offset: float, seed: int = 0) -> None:
-        if skew < 0 or not math.isfinite(skew):
-            raise ValueError(f"expert skew must be a finite number >= 0 (0 = uniform), got {skew}")
-        self.num_experts, self.skew = num_experts, skew
-        ranked = pair_shares(num_experts, top_k, skew, rank_offset)
-        # Expert id -> its share: the ranks laid over the ids at random (seeded).
-        self.shares = ranked[np.random.default_rng(seed).permutation(num_experts)]
+    def __init__(self, layer_shares: np.ndarray, even: bool = False) -> None:
+        self.layer_shares = layer_shares
+        self.num_experts = layer_shares.shape[1]
+        self.even = even  # every expert alike: 1.0 at once, without a placement
         self._imbalance = lru_cache(maxsize=None)(self._compute)
 
     def imbalance(self, experts_per_node: int, redundant: int) -> float:
@@ -55,12 +56,12 @@ class SkewPricing:
         from planner.expert_placement import place_layer  # scipy: only when skew is priced
 
         nodes = self.num_experts // experts_per_node
-        if nodes == 1 or self.skew == 0:
+        if nodes == 1 or self.even:
             return 1.0
         if redundant == 0:
-            load = self.shares.reshape(nodes, experts_per_node).sum(axis=1)
-            return float(load.max() / load.mean())
-        return float(place_layer(self.shares, nodes, redundant).imbalance)
+            load = self.layer_shares.reshape(len(self.layer_shares), nodes, experts_per_node).sum(axis=2)
+            return float((load.max(axis=1) / load.mean(axis=1)).mean())
+        return float(np.mean([place_layer(layer, nodes, redundant).imbalance for layer in self.layer_shares]))
 
     def hot_factor(self, experts_per_node: int, redundant: int) -> float:
         """The hottest node's tokens per held expert over the uniform b_e: f · e / (e + R), so that
@@ -68,38 +69,32 @@ class SkewPricing:
         return self.imbalance(experts_per_node, redundant) * experts_per_node / (experts_per_node + redundant)
 
 
-class MeasuredPricing:
-    """`SkewPricing` from a measured profile (`ExpertLoadProfile`): each MoE layer's pairs as the
-    experts took them, by id, so a node holds the contiguous run of ids the deployment gives it
-    (or, with spare slots, the redundancy plan's placement of that layer's loads). Every layer
-    waits for its own hottest node, and a step sums its layers, so the imbalance charged is the
-    mean over the MoE layers of each layer's (a layer that saw no pairs counts as even)."""
+class SkewPricing(PopularityPricing):
+    """The fitted popularity law's pricing: the same shares in every layer."""
+
+    def __init__(self, num_experts: int, top_k: int, skew: float, rank_offset: float, seed: int = 0) -> None:
+        if skew < 0 or not math.isfinite(skew):
+            raise ValueError(f"expert skew must be a finite number >= 0 (0 = uniform), got {skew}")
+        self.skew = skew
+        ranked = pair_shares(num_experts, top_k, skew, rank_offset)
+        # Expert id -> its share: the ranks laid over the ids at random (seeded).
+        super().__init__(ranked[np.random.default_rng(seed).permutation(num_experts)][None, :], even=skew == 0)
+
+    @property
+    def shares(self) -> np.ndarray:
+        """Each expert id's share, every layer's."""
+        return self.layer_shares[0]
+
+
+class MeasuredPricing(PopularityPricing):
+    """The pricing of a measured profile (`ExpertLoadProfile`): each MoE layer's pairs as the
+    experts took them (a layer that saw none counts as even)."""
 
     def __init__(self, counts: np.ndarray, num_moe_layers: int, source: str) -> None:
         loads = np.asarray(counts, dtype=np.float64)[-num_moe_layers:]  # the MoE layers are the last ones
         totals = loads.sum(axis=1, keepdims=True)
-        self.num_experts = loads.shape[1]
         self.source = source  # for what the planner prints: where the profile came from
-        # Each layer's share of its pairs per expert id; a layer with none, even.
-        self.shares = np.where(totals > 0, loads / np.maximum(totals, 1.0), 1.0 / self.num_experts)
-        self._imbalance = lru_cache(maxsize=None)(self._compute)
-
-    def imbalance(self, experts_per_node: int, redundant: int) -> float:
-        return self._imbalance(int(experts_per_node), int(redundant))
-
-    def _compute(self, experts_per_node: int, redundant: int) -> float:
-        from planner.expert_placement import place_layer  # scipy: only when skew is priced
-
-        nodes = self.num_experts // experts_per_node
-        if nodes == 1:
-            return 1.0
-        if redundant == 0:
-            load = self.shares.reshape(len(self.shares), nodes, experts_per_node).sum(axis=2)  # [layers, nodes]
-            return float((load.max(axis=1) / load.mean(axis=1)).mean())
-        return float(np.mean([place_layer(layer, nodes, redundant).imbalance for layer in self.shares]))
-
-    def hot_factor(self, experts_per_node: int, redundant: int) -> float:
-        return self.imbalance(experts_per_node, redundant) * experts_per_node / (experts_per_node + redundant)
+        super().__init__(np.where(totals > 0, loads / np.maximum(totals, 1.0), 1.0 / loads.shape[1]))
 
 
 def inclusion_probability(weights: np.ndarray, top_k: int, nodes: int = 512) -> np.ndarray:

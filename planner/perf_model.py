@@ -37,7 +37,7 @@ import yaml
 from megainfer.config import (GPU_MEMORY_UTILIZATION, KV_BLOCK_TOKENS, ModelConfig, estimated_attention_step_bytes,
                               kv_cache_budget_bytes)
 from megainfer.errors import PlanError
-from planner.expert_popularity import SkewPricing
+from planner.expert_popularity import PopularityPricing
 from planner.catalog import GPU
 from planner.round_host_cost import HostCost
 from planner.operator_profile import OperatorProfile
@@ -148,7 +148,7 @@ class PerfModel:
     def __init__(self, model: ModelConfig, seq_len: int, dtype_bytes: int = 2,
                  efficiency: Efficiency = Efficiency(), calibration: Calibration | None = None, *,
                  curves_path: str | None = None, profiles: list[OperatorProfile] = (),
-                 host: HostCost | None = None, skew: SkewPricing | None = None, redundant_experts: int = 0) -> None:
+                 host: HostCost | None = None, skew: PopularityPricing | None = None, redundant_experts: int = 0) -> None:
         """`host`: the host's CPU time per M2N round (planner/round_host_cost.py), charged where given.
         `skew`: expert popularity, charged as the hottest expert node's load (expert_popularity.py;
         None: uniform routing); `redundant_experts`: the most spare slots per expert node the

@@ -138,10 +138,8 @@ def measured_pricing(path: str, phase: str, model):
 
     profile = ExpertLoadProfile.load(path)
     profile.check_model(model.num_layers, model.num_experts, model.name, phase)
-    steps = profile.decode_steps if phase == "decode" else profile.prefill_steps if phase == "prefill" else \
-        profile.decode_steps + profile.prefill_steps
     return MeasuredPricing(profile.counts(phase), model.num_moe_layers,
-                           f"measured on {profile.model}: {phase} pairs of {steps} steps, {path}")
+                           f"measured on {profile.model}: {phase} pairs of {profile.steps(phase)} steps, {path}")
 
 
 def print_skew(candidates, args: argparse.Namespace, no_spare, skew) -> None:

@@ -18,6 +18,7 @@ CONFIGS = {
     # gpt-oss: a sequence also holds a window's blocks for its windowed layers (5 here), so its
     # longest request needs 22 blocks, not 17.
     "tiny-kv-and-chunks-windowed": dict(num_kv_blocks=26, block_size=4, max_num_batched_tokens=8),
+    "layered-tiny-kv-windowed": dict(prefill_policy="layered", group_tokens=8, num_kv_blocks=26, block_size=4),
     "layered": dict(prefill_policy="layered", group_tokens=16),
     "layered-one-layer-per-group": dict(prefill_policy="layered", num_layer_groups=3),
     "layered-long-prompts-in-chunks": dict(prefill_policy="layered", group_tokens=8, layered_chunk_tokens=20),
@@ -85,11 +86,10 @@ def test_dbrx_matches_transformers_without_prefix_caching(dbrx_ref, name, captur
     check_greedy(dbrx_ref, name, captured_logits, prefix_caching=False)
 
 
-# gpt-oss's windows need a few more blocks under pressure (CONFIGS' windowed row).
-@pytest.mark.parametrize("name, extra", [("tiny-kv-and-chunks-windowed", None),
-                                         ("layered-tiny-kv", dict(num_kv_blocks=26))])
-def test_gpt_oss_matches_transformers_without_prefix_caching(gpt_oss_ref, name, extra, captured_logits):
-    check_greedy(gpt_oss_ref, name, captured_logits, prefix_caching=False, extra=extra)
+# gpt-oss's windows need a few more blocks under pressure (CONFIGS' windowed rows).
+@pytest.mark.parametrize("name", ["tiny-kv-and-chunks-windowed", "layered-tiny-kv-windowed"])
+def test_gpt_oss_matches_transformers_without_prefix_caching(gpt_oss_ref, name, captured_logits):
+    check_greedy(gpt_oss_ref, name, captured_logits, prefix_caching=False)
 
 
 @pytest.mark.parametrize("name", ["tiny-kv-and-chunks", "layered-tiny-kv"])
@@ -97,9 +97,8 @@ def test_deepseek_matches_transformers_without_prefix_caching(deepseek_ref, name
     check_greedy(deepseek_ref, name, captured_logits, prefix_caching=False)
 
 
-def check_greedy(hf_ref, name, captured_logits, prefix_caching: bool = True, extra: dict | None = None) -> None:
-    llm = LLM(str(hf_ref.path), dtype="float32", enable_prefix_caching=prefix_caching,
-              **{**CONFIGS[name], **(extra or {})})
+def check_greedy(hf_ref, name, captured_logits, prefix_caching: bool = True) -> None:
+    llm = LLM(str(hf_ref.path), dtype="float32", enable_prefix_caching=prefix_caching, **CONFIGS[name])
     outs = llm.generate(hf_ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for i, (out, expected) in enumerate(zip(outs, hf_ref.tokens)):
         assert out.outputs[0].token_ids == expected, f"prompt {i} (length {len(hf_ref.prompts[i])}) diverged"

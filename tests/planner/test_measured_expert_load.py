@@ -74,7 +74,7 @@ def test_each_layer_waits_for_its_own_hottest_node():
     # layer 2 saw no pairs (even), and a dense first layer is not a MoE layer at all.
     counts = np.array([[9, 9, 9, 9], [30, 10, 0, 0], [5, 5, 5, 5], [0, 0, 0, 0]])
     pricing = MeasuredPricing(counts, num_moe_layers=3, source="hand-made")
-    assert pricing.shares.shape == (3, 4)
+    assert pricing.layer_shares.shape == (3, 4)
     assert pricing.imbalance(2, 0) == pytest.approx((2.0 + 1.0 + 1.0) / 3)
     assert pricing.imbalance(4, 0) == 1.0  # one node holds every expert
     # One spare slot per node: layer 0's hot expert split over both nodes evens it out.

@@ -72,9 +72,10 @@ class PlanSimulator:
         e = plan.experts.experts_per_node or model.num_experts // plan.experts.nodes
         self.experts_per_node, self.redundant = e, plan.experts.redundant_per_node
         skew = perf.skew or SkewPricing(model.num_experts, model.top_k, 0.0, 0.0)
-        # Per expert id, as the planner lays the ranks over the ids (the fitted law: the same for
-        # every layer), or [MoE layers, experts] as a measured profile has them.
-        self.shares = skew.shares if skew.shares.ndim == 1 else skew.shares[:, None, :]
+        # Per expert id, as the planner lays the ranks over the ids: one row (the fitted law, every
+        # layer alike), or one per MoE layer as a measured profile has them.
+        layers = skew.layer_shares
+        self.shares = layers[0] if len(layers) == 1 else layers[:, None, :]
         self.first_replicas = _moe_layers(plan.expert_replicas(model), model)
         self.replicas = self.first_replicas
         self.node_shares = self.replicas.share_matrices(model.num_experts)  # [L, E, nodes], as placed now
