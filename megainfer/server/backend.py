@@ -23,7 +23,7 @@ PREFIX_CACHING_OFF = ("prefix caching is off on this server (started with --no-e
                       "it does not serve); there is nothing to reset")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestStream:
     """One request's deltas, in order, read by its consumer: a thread that calls `get`, or one
     woken through `listen` (a fan-in queue, an event loop) that then calls `pop`.
@@ -32,7 +32,12 @@ class RequestStream:
     and one wake, with no lock and no object built (`StreamRegistry.deliver_batch` queues a
     plain delta as its token and its text; `pop` makes the `RequestDelta` on the reading thread,
     as it writes the response). Order needs no lock: one thread delivers to a stream and only
-    its consumer pops."""
+    its consumer pops.
+
+    Small on purpose: a plan's serving process holds one per request in flight (9,420 at the
+    Qwen3-235B plan's scale) and its delivery touches each once a step, so slots and no
+    condition variable until a `get` needs one: the fan-out of a step then reads about 40% less
+    memory (`megainfer bench host`'s driver row)."""
 
     request_id: str
     prompt_tokens: int = 0
@@ -40,7 +45,9 @@ class RequestStream:
     # Deltas, a plain one as two items (token, text: `StreamRegistry.deliver_batch`)
     deltas: deque[RequestDelta | int | str] = field(default_factory=deque)
     _wake: Callable[[], None] | None = field(default=None, repr=False)
-    _ready: threading.Condition = field(default_factory=threading.Condition, repr=False)  # for `get`
+    # Made by the first `get` (its consumer's thread, the only one that makes it). A delivery
+    # that finds none yet wakes nobody: the `get` that makes it looks at the deltas after.
+    _ready: threading.Condition | None = field(default=None, repr=False)
 
     def put(self, delta: RequestDelta) -> None:
         """Deliver a delta (from the thread that pumps the engine's output)."""
@@ -52,9 +59,11 @@ class RequestStream:
         wake = self._wake
         if wake is not None:
             wake()
-        else:
-            with self._ready:
-                self._ready.notify()
+            return
+        ready = self._ready
+        if ready is not None:
+            with ready:
+                ready.notify()
 
     def listen(self, wake: Callable[[], None]) -> None:
         """Call `wake()` for every delta from now on (and now, once per delta already queued).
@@ -77,8 +86,11 @@ class RequestStream:
         return RequestDelta(self.request_id, [item], deltas.popleft())  # a plain delta: its token, then its text
 
     def get(self, timeout: float) -> RequestDelta | None:
-        with self._ready:
-            if not self.deltas and not self._ready.wait_for(lambda: self.deltas, timeout):
+        ready = self._ready
+        if ready is None:
+            ready = self._ready = threading.Condition()
+        with ready:  # the deltas looked at only now: one delivered before `_ready` was set is seen
+            if not self.deltas and not ready.wait_for(lambda: self.deltas, timeout):
                 return None
         return self.pop()
 
