@@ -165,13 +165,15 @@ class _Peer:
     events: list = field(default_factory=list)  # CUDA: the peer's send events, opened here
 
 
-def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None") -> torch.Tensor:
-    """A collected round's rows, peer order, end to end, as flat bytes on the node's device: by
-    `slots.land` where some peer is direct, else through the host (gathered into `staging`'s
-    landing buffer for the micro-batch, then one copy to the device; on the CPU the buffer)."""
+def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None",
+               tokens: int) -> torch.Tensor:
+    """A collected round's rows (`tokens` of them, its checked token counts' sum), peer order,
+    end to end, as flat bytes on the node's device: by `slots.land` where some peer is direct,
+    else through the host (gathered into `staging`'s landing buffer for the micro-batch, then
+    one copy to the device; on the CPU the buffer)."""
     if slots is not None and slots.any_direct:
         return slots.land(arrivals, micro_batch, row_bytes, staging)
-    host = staging.landing(int(arrivals.token_counts.sum()) * row_bytes, slot=micro_batch)
+    host = staging.landing(tokens * row_bytes, slot=micro_batch)
     arrivals.gather_into(host)
     return staging.upload(host, slot=micro_batch)
 

@@ -36,6 +36,10 @@ from megainfer.disagg.staging_sizes import ALIGN, StagingBytes, aligned_layout
 
 logger = logging.getLogger(__name__)
 
+# Landing slices kept per slot on the CPU (one per round length seen): a decode round's length
+# varies over a few dozen values, a prefill's more; past this many, the slot starts over.
+LANDING_SLICES_KEPT = 512
+
 
 @dataclass
 class HostCopy:
@@ -102,6 +106,9 @@ class DeviceStaging:
             self.inbound = [PinnedBuffer(f"to device #{i}", reserve.to_device) for i in range(slots)]
         else:  # where rounds are gathered on the CPU: one buffer per slot, grown as needed
             self._landing = [torch.empty(reserve.to_device, dtype=torch.uint8) for _ in range(slots)]
+            # Each slot's landing slices by length, made once: a round then lands in the same tensor
+            # object as the last round of its size did, so views of it can be kept (`RecordViews`).
+            self._landing_slices: list[dict[int, torch.Tensor]] = [{} for _ in range(slots)]
 
     def send_buffers(self) -> list[torch.Tensor]:
         """The pinned buffers payloads leave from (for the link to register); none on the CPU.
@@ -137,9 +144,16 @@ class DeviceStaging:
         the copy that last read it completed; a reused host buffer on the CPU."""
         if self.on_cuda:
             return self.inbound[slot].claim(nbytes)
+        slices = self._landing_slices[slot]
+        if (landed := slices.get(nbytes)) is not None:
+            return landed
         if nbytes > self._landing[slot].numel():
             self._landing[slot] = torch.empty(-(-nbytes // ALIGN) * ALIGN, dtype=torch.uint8)
-        return self._landing[slot][:nbytes]
+            slices.clear()  # slices of the old buffer
+        if len(slices) >= LANDING_SLICES_KEPT:  # a bound on what sizes that come and go keep
+            slices.clear()
+        landed = slices[nbytes] = self._landing[slot][:nbytes]
+        return landed
 
     def upload(self, host: torch.Tensor, slot: int) -> torch.Tensor:
         """`landing`'s bytes on the device, ordered on the compute stream (on the CPU: `host`

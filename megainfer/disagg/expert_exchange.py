@@ -57,6 +57,7 @@ class RoutedTokens:
     layer: int
     rows: torch.Tensor  # device indices of the tokens sent (this rank's share), expert-node order
     counts: np.ndarray  # int64 [N]: how many each expert node got
+    total: int  # their sum: what the answers, checked against `counts`, hold
 
 
 def rank_shares(bounds: np.ndarray, tp_size: int, tp_rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -208,9 +209,12 @@ class ExpertExchange:
             *parts, offsets = pending.copy.wait()
             records = parts[0] if parts else self._no_records
             bounds = offsets.numpy()  # pinned host memory, landed: no device access
-        begins, ends = rank_shares(bounds, self.tp_size, self.tp_rank)
-        counts = ends - begins
+        # One rank: every node's records, end to end (the shares are the whole segments).
+        begins, ends = (None, None) if self.tp_size == 1 else rank_shares(bounds, self.tp_size, self.tp_rank)
+        counts = bounds[1:] - bounds[:-1] if begins is None else ends - begins  # (np.diff: twice the cost)
         row, header = self.record_size, dict(step=self.step_id, layer=layer, micro_batch=j, flags=self.dispatch_flags)
+        if begins is None and self.slots is not None and self.slots.any_direct:
+            begins, ends = bounds[:-1], bounds[1:]
         try:
             if self.slots is not None and self.slots.any_direct:
                 if pending.records is not None:
@@ -223,14 +227,15 @@ class ExpertExchange:
                 self.link.post_round(self.peers, records, begins * row, ends * row, counts, **header)
         except Exception as exc:
             raise DataPlaneError(f"cannot reach the expert nodes (layer {layer}): {exc}") from exc
+        total = int(bounds[-1]) if self.tp_size == 1 else sum(counts.tolist())
         if pending.token_ids is None:
             rows = None
         elif self.tp_size == 1:  # the shares are the whole segments: the tokens sent are a prefix
-            rows = pending.token_ids[:int(bounds[-1])]
+            token_ids = pending.token_ids
+            rows = token_ids if token_ids.shape[0] == total else token_ids[:total]
         else:  # this rank's share of every node's segment, found on the device: no copy, no sync
-            rows = pending.token_ids[shared_positions_on(pending.node_offsets, self.tp_size, self.tp_rank,
-                                                         int(counts.sum()))]
-        self._routed[j] = RoutedTokens(layer, rows, counts)
+            rows = pending.token_ids[shared_positions_on(pending.node_offsets, self.tp_size, self.tp_rank, total)]
+        self._routed[j] = RoutedTokens(layer, rows, counts, total)
         if self.timeline.enabled:
             for tokens in counts.tolist():
                 self.timeline.instant(SpanKind.SEND, self.step_id, layer, j, tokens)
@@ -254,7 +259,7 @@ class ExpertExchange:
             if residual is not None:
                 y = torch.zeros_like(residual)
                 if total:
-                    values = land_round(arrivals, j, self.answer_row_bytes, self.staging, self.slots)
+                    values = land_round(arrivals, j, self.answer_row_bytes, self.staging, self.slots, total)
                     y.index_add_(0, routed.rows, values.view(self.dtype).view(-1, y.shape[1]))
         finally:
             arrivals.release()  # gathered: the slots are free at once
@@ -270,13 +275,12 @@ class ExpertExchange:
         k = round_mismatch(arrivals, self.step_id, layer, self.answer_row_bytes, self.slots, routed.counts)
         if k >= 0:
             raise answer_mismatch(arrivals, k, self.peers[k], routed, self.step_id, layer, j, self.answer_row_bytes)
-        fields, counts = arrivals.fields, arrivals.token_counts
         if not self.busy:
-            self.busy = bool((fields[:, FLAGS] & BUSY).any())
+            self.busy = bool((arrivals.fields[:, FLAGS] & BUSY).any())
         if self.timeline.enabled:
-            for tokens in counts.tolist():
+            for tokens in arrivals.token_counts.tolist():
                 self.timeline.instant(SpanKind.ARRIVE, self.step_id, layer, j, tokens)
-        return int(counts.sum())
+        return routed.total  # the counts were checked equal to those sent
 
     def _receive(self, layer: int, j: int):
         """Every expert node's answer for (layer, j), one round; while it is awaited,

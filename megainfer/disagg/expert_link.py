@@ -123,9 +123,37 @@ def unpack_dispatch(buf: torch.Tensor, tokens: int, hidden: int, top_k: int,
     if buf.numel() != tokens * size:
         raise ValueError(f"dispatch payload of {buf.numel()} bytes does not hold {tokens} tokens "
                          f"(expected {tokens * size})")
-    x, ids, weights = buf.view(tokens, size).split((hidden * dtype.itemsize, top_k * FIELD_BYTES, top_k * FIELD_BYTES),
-                                                   dim=1)
+    # split_with_sizes: the C op itself (Tensor.split is a Python wrapper around it, twice the
+    # cost, once per (layer, micro-batch) on an expert node)
+    x, ids, weights = buf.view(tokens, size).split_with_sizes(
+        (hidden * dtype.itemsize, top_k * FIELD_BYTES, top_k * FIELD_BYTES), dim=1)
     return x.view(dtype), ids.view(torch.int32), weights.view(torch.float32)
+
+
+class RecordViews:
+    """`unpack_dispatch` of rounds that land in reused buffers (the CPU's landing slices, one
+    tensor per length: `DeviceStaging.landing`), each buffer's views made once and kept with
+    it: an expert node unpacks a round per (layer, micro-batch), and the five view ops cost
+    more host time than the rest of its bookkeeping there. A buffer not seen before (every
+    round's fresh device tensor on CUDA) is unpacked and not kept."""
+
+    def __init__(self, hidden: int, top_k: int, dtype: torch.dtype, keep: bool, limit: int = 512) -> None:
+        self.hidden, self.top_k, self.dtype = hidden, top_k, dtype
+        self.keep, self.limit = keep, limit
+        self._kept: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    def of(self, buf: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kept = self._kept.get(id(buf))
+        if kept is not None and kept[0] is buf:  # (the entry holds `buf`: its id is not reused)
+            views = kept[1]
+            if views[0].shape[0] == tokens:
+                return views
+        views = unpack_dispatch(buf, tokens, self.hidden, self.top_k, self.dtype)
+        if self.keep:
+            if len(self._kept) >= self.limit:
+                self._kept.clear()
+            self._kept[id(buf)] = (buf, views)
+        return views
 
 
 def rank_share(count: int, tp_size: int, tp_rank: int) -> tuple[int, int]:

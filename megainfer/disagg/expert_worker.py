@@ -24,7 +24,7 @@ from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
 from megainfer.disagg import decode_graphs
 from megainfer.disagg.attention_exchange import AttentionExchange
 from megainfer.disagg.device_slots import land_round
-from megainfer.disagg.expert_link import FLAGS, ExpertLink, record_bytes, unpack_dispatch
+from megainfer.disagg.expert_link import FLAGS, ExpertLink, RecordViews, record_bytes, unpack_dispatch
 from megainfer.disagg.expert_load_round import PREFILL, ServedPairs, post_load
 from megainfer.disagg.node_timeline import Timeline
 from megainfer.disagg.staging_sizes import StagingBytes
@@ -91,6 +91,9 @@ class ExpertWorker:
                                           staging_bytes=staging_bytes, device_slot_bytes=device_slot_bytes,
                                           tp_size=tp_size, name=name, timeline=self.timeline)
         self.slots = self.exchange.slots  # the device slots, where some attention node takes them
+        # On the CPU a round lands in the staging's reused slices: their record views are kept.
+        self.record_views = RecordViews(model_config.hidden_size, model_config.top_k, self.dtype,
+                                        keep=self.device.type == "cpu")
         # followers send no load round; step_prefill: some attention node's step carried prompt tokens
         self.load_reports, self.step_prefill = load_reports and link is not None, False
         self._load(model_config, weights, show_progress, profile_tokens, gpu_memory_utilization)
@@ -180,19 +183,20 @@ class ExpertWorker:
                 self.switch.apply_due(step, self.layers)
                 self.step_prefill = bool((arrivals.fields[:, FLAGS] & PREFILL).any())  # a sender's whole step
             counts = arrivals.token_counts.copy()  # the arrivals' fields are reused by the next round
-            total = int(counts.sum())
+            total = sum(counts.tolist())  # (a numpy reduction costs four times as much on 20 numbers)
             timeline = self.timeline
             if timeline.enabled:
                 timeline.span(SpanKind.WAIT, step, layer, j, t0, t1)
                 for n in counts.tolist():
                     timeline.span(SpanKind.ARRIVE, step, layer, j, t1, t1, n)
             mark = timeline.compute_start()
-            records = land_round(arrivals, j, self.record_size, exchange.staging, exchange.slots) if total else None
+            records = land_round(arrivals, j, self.record_size, exchange.staging, exchange.slots,
+                                 total) if total else None
         finally:
             arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
             self._share(layer, j, total, records)
-        exchange.hold(step, layer, j, counts, self._experts(layer, records, total) if total else None)
+        exchange.hold(step, layer, j, counts, self._experts(layer, records, total, landed=True) if total else None)
         self.timing["experts"] += time.perf_counter() - t1
         exchange.flush_landed()
         timeline.compute_end(mark, step, layer, j, total)
@@ -202,14 +206,18 @@ class ExpertWorker:
         """After the deployment re-wired: offers are traded again at the next step."""
         self.exchange.rewired()
 
-    def _experts(self, layer: int, records: torch.Tensor, total: int) -> torch.Tensor:
+    def _experts(self, layer: int, records: torch.Tensor, total: int, landed: bool = False) -> torch.Tensor:
         """`total` tokens' answers of `layer` (on a tensor-parallel node: summed on the leader):
-        by a graph where one holds them, else eager."""
+        by a graph where one holds them, else eager. `landed`: `records` is what `land_round`
+        gave (on the CPU a reused slice, whose views are kept)."""
         if self.decode_graphs is not None and (y := self.decode_graphs.run(layer, records, total)) is not None:
             return y
-        cfg = self.cfg
-        x, ids, weights = unpack_dispatch(records, total, cfg.hidden_size, cfg.top_k, self.dtype)
-        y = self.layers[layer](x, ids.to(torch.int64), weights)
+        if landed:
+            x, ids, weights = self.record_views.of(records, total)
+        else:
+            cfg = self.cfg
+            x, ids, weights = unpack_dispatch(records, total, cfg.hidden_size, cfg.top_k, self.dtype)
+        y = self.layers[layer](x, ids, weights)  # the ids as sent, int32: the layer indexes with them
         if self.tp_size > 1:  # each rank holds a slice of every expert: their outputs add up
             self.tp_group.reduce(y, dst=0)
         return y

@@ -3,6 +3,8 @@ own process) as plain bucket counts, merged by the serving process when Promethe
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from megainfer.messages import HistogramSnapshot
 
 # M2N messages: tens of microseconds on shared memory up to milliseconds over TCP/RDMA.
@@ -16,12 +18,9 @@ class LatencyHistogram:
         self.sum = 0.0
 
     def observe(self, seconds: float) -> None:
-        for i, bound in enumerate(self.bounds):
-            if seconds <= bound:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
+        # Twice per round on an attention rank (376 rounds a step at the shipped plan): the
+        # bucket by bisection in C, the first bound at or above `seconds` (Prometheus' `le`).
+        self.counts[bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
 
     def snapshot(self) -> HistogramSnapshot:
