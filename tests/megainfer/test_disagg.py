@@ -20,8 +20,8 @@ from megainfer import Engine, SamplingParams
 from megainfer.disagg import attention_exchange, expert_exchange, expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_exchange import rank_shares, shared_positions_on
-from megainfer.disagg.expert_link import (dispatch_bytes, pack_dispatch, pack_records, rank_share, record_bytes,
-                                          unpack_dispatch)
+from megainfer.disagg.expert_link import (RecordViews, dispatch_bytes, pack_dispatch, pack_records, rank_share,
+                                          record_bytes, unpack_dispatch)
 from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine_config import EngineConfig
@@ -369,6 +369,32 @@ def test_cpu_staging_elides_every_copy():
     timer.stop()
     assert timer.collect() >= 0.0 and timer.collect() == 0.0
 
+
+
+def test_cpu_landing_slices_are_made_once_per_length_and_forgotten_when_the_buffer_grows():
+    staging = DeviceStaging("cpu", slots=2)
+    first = staging.landing(64, slot=0)
+    assert staging.landing(64, slot=0) is first  # the same tensor: views of it can be kept
+    assert staging.landing(64, slot=1) is not first and staging.landing(32, slot=0) is not first
+    grown = staging.landing(1 << 16, slot=0)  # a new buffer: slices of the old one are not handed out again
+    again = staging.landing(64, slot=0)
+    assert again is not first and again.data_ptr() == grown.data_ptr()
+
+
+def test_kept_record_views_are_the_unpacked_records_of_each_round_that_lands_in_a_kept_slice():
+    staging, views = DeviceStaging("cpu", slots=1), RecordViews(16, 2, torch.float32, keep=True)
+    for n in (5, 3, 5, 9, 5):  # lengths that come back reuse their slice and its views
+        x, ids, w = routed_tokens(n)
+        landed = staging.landing(n * record_bytes(16, 2, torch.float32), slot=0)
+        landed.copy_(pack_dispatch(x, ids, w))
+        got = views.of(landed, n)
+        assert all(torch.equal(a, b) for a, b in zip(got, (x, ids.int(), w)))
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, unpack_dispatch(landed, n, 16, 2, torch.float32)))
+    assert views.of(landed, 5) is views.of(landed, 5)  # made once
+    fresh = RecordViews(16, 2, torch.float32, keep=False)  # fresh device tensors each round: nothing kept
+    assert fresh.of(landed, 5) is not fresh.of(landed, 5)
+    with pytest.raises(ValueError, match="does not hold 4 tokens"):
+        views.of(landed, 4)
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time: work still running when the host looks
 
