@@ -209,12 +209,9 @@ class ExpertExchange:
             *parts, offsets = pending.copy.wait()
             records = parts[0] if parts else self._no_records
             bounds = offsets.numpy()  # pinned host memory, landed: no device access
-        # One rank: every node's records, end to end (the shares are the whole segments).
-        begins, ends = (None, None) if self.tp_size == 1 else rank_shares(bounds, self.tp_size, self.tp_rank)
-        counts = bounds[1:] - bounds[:-1] if begins is None else ends - begins  # (np.diff: twice the cost)
+        begins, ends = rank_shares(bounds, self.tp_size, self.tp_rank)
+        counts = ends - begins
         row, header = self.record_size, dict(step=self.step_id, layer=layer, micro_batch=j, flags=self.dispatch_flags)
-        if begins is None and self.slots is not None and self.slots.any_direct:
-            begins, ends = bounds[:-1], bounds[1:]
         try:
             if self.slots is not None and self.slots.any_direct:
                 if pending.records is not None:
@@ -230,9 +227,8 @@ class ExpertExchange:
         total = int(bounds[-1]) if self.tp_size == 1 else sum(counts.tolist())
         if pending.token_ids is None:
             rows = None
-        elif self.tp_size == 1:  # the shares are the whole segments: the tokens sent are a prefix
-            token_ids = pending.token_ids
-            rows = token_ids if token_ids.shape[0] == total else token_ids[:total]
+        elif self.tp_size == 1:  # the shares are the whole segments: the tokens sent are a prefix (or all)
+            rows = pending.token_ids if pending.token_ids.shape[0] == total else pending.token_ids[:total]
         else:  # this rank's share of every node's segment, found on the device: no copy, no sync
             rows = pending.token_ids[shared_positions_on(pending.node_offsets, self.tp_size, self.tp_rank, total)]
         self._routed[j] = RoutedTokens(layer, rows, counts, total)

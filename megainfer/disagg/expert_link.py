@@ -134,22 +134,26 @@ class RecordViews:
     """`unpack_dispatch` of rounds that land in reused buffers (the CPU's landing slices, one
     tensor per length: `DeviceStaging.landing`), each buffer's views made once and kept with
     it: an expert node unpacks a round per (layer, micro-batch), and the five view ops cost
-    more host time than the rest of its bookkeeping there. A buffer not seen before (every
-    round's fresh device tensor on CUDA) is unpacked and not kept."""
+    more host time than the rest of its bookkeeping there. Nothing is kept where rounds land in
+    fresh tensors: on CUDA (`keep` False: a device copy each round), or a buffer made for one
+    round (`of(..., kept=False)`: a tensor-parallel follower's share)."""
 
     def __init__(self, hidden: int, top_k: int, dtype: torch.dtype, keep: bool, limit: int = 512) -> None:
         self.hidden, self.top_k, self.dtype = hidden, top_k, dtype
         self.keep, self.limit = keep, limit
         self._kept: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
-    def of(self, buf: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kept = self._kept.get(id(buf))
-        if kept is not None and kept[0] is buf:  # (the entry holds `buf`: its id is not reused)
-            views = kept[1]
+    def of(self, buf: torch.Tensor, tokens: int, kept: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x, ids and weights of `buf`'s `tokens` records. kept: `buf` may be reused (a landing
+        slice), so its views may be kept; False: a buffer made for this round alone."""
+        keep = self.keep and kept
+        entry = self._kept.get(id(buf)) if keep else None
+        if entry is not None and entry[0] is buf:  # (the entry holds `buf`: its id is not reused)
+            views = entry[1]
             if views[0].shape[0] == tokens:
                 return views
         views = unpack_dispatch(buf, tokens, self.hidden, self.top_k, self.dtype)
-        if self.keep:
+        if keep:
             if len(self._kept) >= self.limit:
                 self._kept.clear()
             self._kept[id(buf)] = (buf, views)

@@ -65,8 +65,7 @@ class ExpertWorker:
         None: `expert_ids` in every layer, one slot each. `load_reports`: end steps with the load round."""
         self.cfg = model_config
         self.tp_group = tp_group
-        tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        tp_rank, tp_size = self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
         placement = [(list(expert_ids), NodeSlots(list(expert_ids), model_config.num_experts, len(expert_ids)))
                      ] * model_config.num_layers if replicas is None else node_slots(replicas, node)
         # DeepSeek's dense first layers have no experts: held empty, never served.
@@ -91,15 +90,13 @@ class ExpertWorker:
                                           staging_bytes=staging_bytes, device_slot_bytes=device_slot_bytes,
                                           tp_size=tp_size, name=name, timeline=self.timeline)
         self.slots = self.exchange.slots  # the device slots, where some attention node takes them
-        # On the CPU a round lands in the staging's reused slices: their record views are kept.
         self.record_views = RecordViews(model_config.hidden_size, model_config.top_k, self.dtype,
-                                        keep=self.device.type == "cpu")
+                                        self.device.type == "cpu")  # CPU: rounds land in reused slices
         # followers send no load round; step_prefill: some attention node's step carried prompt tokens
         self.load_reports, self.step_prefill = load_reports and link is not None, False
         self._load(model_config, weights, show_progress, profile_tokens, gpu_memory_utilization)
         self.decode_graphs = self._capture(decode_graph_tokens, cuda_graph_sizes, name)
-        self.steps = 0
-        self.tokens = 0  # tokens processed (per layer, summed), for stats
+        self.steps, self.tokens = 0, 0  # tokens: processed (per layer, summed), for stats
         # Seconds, summed over steps: "experts" from holding a (layer, micro-batch)'s messages to
         # holding its answers on the host (on CUDA: the copies and the experts' device time).
         self.timing = {"experts": 0.0, "wait_attention": 0.0}
@@ -208,15 +205,10 @@ class ExpertWorker:
 
     def _experts(self, layer: int, records: torch.Tensor, total: int, landed: bool = False) -> torch.Tensor:
         """`total` tokens' answers of `layer` (on a tensor-parallel node: summed on the leader):
-        by a graph where one holds them, else eager. `landed`: `records` is what `land_round`
-        gave (on the CPU a reused slice, whose views are kept)."""
+        by a graph where one holds them, else eager. `landed`: `records` came from `land_round`."""
         if self.decode_graphs is not None and (y := self.decode_graphs.run(layer, records, total)) is not None:
             return y
-        if landed:
-            x, ids, weights = self.record_views.of(records, total)
-        else:
-            cfg = self.cfg
-            x, ids, weights = unpack_dispatch(records, total, cfg.hidden_size, cfg.top_k, self.dtype)
+        x, ids, weights = self.record_views.of(records, total, kept=landed)
         y = self.layers[layer](x, ids, weights)  # the ids as sent, int32: the layer indexes with them
         if self.tp_size > 1:  # each rank holds a slice of every expert: their outputs add up
             self.tp_group.reduce(y, dst=0)

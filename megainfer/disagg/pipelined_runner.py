@@ -40,6 +40,7 @@ from megainfer.expert_replicas import ExpertReplicas
 from megainfer.messages import NodeRole, SpanKind
 from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
+from megainfer.runner.inputs_ahead import InputsAhead
 from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult,
                                           device_and_dtype, greedy_rows, load_and_size, sample_step,
@@ -105,6 +106,7 @@ class PipelinedModelRunner:
         blocks = -(-max_model_len // config.block_size)
         self.block_tables = BlockTableRows(config.max_num_seqs, blocks, windowed=bool(model_config.kv_window))
         self.layouts = LayoutAhead()  # the next step's layout, worked out while this one runs
+        self.inputs_ahead = InputsAhead()  # its micro-batch 0's inputs, while this one's last layer runs
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
 
     @property
@@ -139,10 +141,8 @@ class PipelinedModelRunner:
         """The KV budget gpu_memory_utilization leaves this rank after `profile_step`, the least
         over the node's ranks (bytes); None without a baseline (the CPU, or a cache sized by the
         config). See attention_profile.py."""
-        if before is None:
-            return None
-        return attention_kv_budget(self.device, self.model_config, self.config, self.tp_group, before, max_model_len,
-                                   self.profile_step)
+        return None if before is None else attention_kv_budget(self.device, self.model_config, self.config,
+                                                                self.tp_group, before, max_model_len, self.profile_step)
 
     def profile_step(self) -> None:
         """The largest micro-batch through every layer's attention half, nothing sent (attention_profile.py)."""
@@ -174,8 +174,7 @@ class PipelinedModelRunner:
         prefill, micro-batch j also carries its share of the cohort inside this step's layer
         group: it joins j's tokens at the group's first layer and leaves after its last."""
         self.slot_maps.apply_due(self.step_id, self.model.attention_layers)  # before the step's first dispatch
-        layout = self.layouts.of(out, self.m)
-        seqs = out.all_seqs
+        layout, seqs = self.layouts.of(out, self.m), out.all_seqs
         self.step_tokens = (out.total_tokens, out.total_tokens - out.num_single_token)
         self.cohort_hidden.forget_departed(seqs, layout)
         self.block_tables.retain(seqs)
@@ -184,7 +183,7 @@ class PipelinedModelRunner:
         # the expert nodes still work on the later ones (the leader: followers do not sample).
         early = [] if not self.tp_rank and samples_by_micro_batch(seqs, layout) else None
         self.exchange.dispatch_flags = PREFILL if out.carries_prompt_tokens else 0  # the load windows split by it
-        expert_counts = self._pass_layers(layout, states, seqs, early, hooks or StepHooks())
+        expert_counts = self._pass_layers(out, layout, states, seqs, early, hooks or StepHooks())
         # Every rank keeps the cohort's hidden states for the next group (each attends with them whole).
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
@@ -196,12 +195,12 @@ class PipelinedModelRunner:
         self.timeline.end_step()
         return result
 
-    def _pass_layers(self, layout: StepLayout, states: list[MicroBatchState | None], seqs: list,
-                     early: list[int] | None, hooks: StepHooks) -> torch.Tensor:
+    def _pass_layers(self, out: SchedulerOutput, layout: StepLayout, states: list[MicroBatchState | None],
+                     seqs: list, early: list[int] | None, hooks: StepHooks) -> torch.Tensor:
         """The ping-pong: per layer, each micro-batch takes its expert answers of the layer before,
         then runs this layer's attention and dispatches; returns tokens per [layer, expert] (device).
-        Micro-batch j's inputs are prepared right before its first layer: the expert nodes get
-        micro-batch 0's dispatch while the others' inputs are built."""
+        Micro-batch j's inputs are prepared right before its first layer (0's during the step
+        before, where it was scheduled ahead: `InputsAhead`), so 0's dispatch need not wait for 1..'s."""
         cfg = self.model_config
         residual: list[torch.Tensor | None] = [None] * self.m
         expert_counts = self.attention_halves.expert_counts.zero_()
@@ -213,9 +212,9 @@ class PipelinedModelRunner:
                 if layer > first_moe:
                     state.hidden = combine(layer - 1, j, residual[j])
                 elif not layer:
-                    states[j] = state = MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[j],
-                                                                self.cohort_hidden, self.config.block_size,
-                                                                self.device, self.block_tables)
+                    states[j] = state = (j == 0 and self.inputs_ahead.take(self.model, out, layout, self.device)) or \
+                        MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[j], self.cohort_hidden,
+                                                self.config.block_size, self.device, self.block_tables)
                     self.attention_halves.load(j, state)
                 state.cross(layout, layer)
                 if layer >= first_moe:
@@ -225,6 +224,8 @@ class PipelinedModelRunner:
             if not layer:  # every micro-batch's inputs built and its first layer under way:
                 # the step before settled, the next one scheduled and laid out
                 self.layouts.keep(hooks.run_lookahead(), self.m)
+        # While the expert nodes answer the last layer: the next step's micro-batch 0, but its tokens.
+        self.inputs_ahead.prepare(self.layouts.peek(), self.config.block_size, self.device, self.block_tables)
         for j, state in enumerate(states):
             state.hidden = combine(cfg.num_layers - 1, j, residual[j])
             state.cross(layout, cfg.num_layers)

@@ -248,8 +248,8 @@ class MicroBatchState:
                 cohort_hidden: CohortHiddenStates, block_size: int, device: torch.device,
                 tables: BlockTableRows | None = None) -> "MicroBatchState":
         """Inputs of both batches, the decodes' embeddings and the cohort's entering rows."""
-        decode = _prepare_rows(seqs, layout, batch.decode_sequences, block_size, device, tables)
-        combined = _prepare_rows(seqs, layout, batch.sequences, block_size, device, tables) \
+        decode = prepare_rows(seqs, layout, batch.decode_sequences, block_size, device, tables)
+        combined = prepare_rows(seqs, layout, batch.sequences, block_size, device, tables) \
             if batch.cohort_sequences else decode
         hidden = model.embed(decode[0]) if decode is not None else None
         return cls(batch, decode, combined, hidden, cohort_hidden.entering(model, seqs, layout, batch, combined))
@@ -272,7 +272,7 @@ class MicroBatchState:
             self.hidden = self.cohort if self.hidden is None else torch.cat([self.hidden, self.cohort])
 
 
-def _prepare_rows(seqs: list, layout: StepLayout, indices: tuple[int, ...], block_size: int,
+def prepare_rows(seqs: list, layout: StepLayout, indices: tuple[int, ...], block_size: int,
                   device: torch.device, tables: BlockTableRows | None) -> BatchInputs | None:
     """`prepare_batch` of the step's sequences at these sequence indices; None for none."""
     if not indices:

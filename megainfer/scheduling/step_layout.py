@@ -261,6 +261,10 @@ class LayoutAhead:
             getattr(layout, worked_out)
         self._kept = (out, layout)
 
+    def peek(self) -> tuple[SchedulerOutput, StepLayout] | None:
+        """The step kept and its layout, left kept (None: none)."""
+        return self._kept
+
     def of(self, out: SchedulerOutput, m: int) -> StepLayout:
         """`out`'s layout: the one kept if `out` is the step kept (not one filtered since)."""
         kept, self._kept = self._kept, None

@@ -37,6 +37,7 @@ from megainfer.model.moe_model import MoEModel
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
 from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, sample_rows,
                                     samples_by_micro_batch)
+from megainfer.runner.inputs_ahead import InputsAhead
 from megainfer.runner.sampler import Sampler
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduling.block_table_rows import BlockTableRows
@@ -100,6 +101,7 @@ class BoundaryRunner:
         self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size),
                                            windowed=bool(model_config.kv_window))
         self.layouts = LayoutAhead()
+        self.inputs_ahead = InputsAhead()
         self.phases = BoundaryPhases()
         self.t_e_s = t_e_s
         self._logits = torch.randn(config.max_num_seqs, model_config.vocab_size,
@@ -118,8 +120,9 @@ class BoundaryRunner:
         self.block_tables.retain(seqs)
         states = []
         for batch in layout.micro_batches:  # in the runner's order; 1.. after micro-batch 0's dispatch
-            states.append(MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden,
-                                                  self.config.block_size, self.device, self.block_tables))
+            ahead = not states and self.inputs_ahead.take(self.model, out, layout, self.device)
+            states.append(ahead or MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden,
+                                                           self.config.block_size, self.device, self.block_tables))
             if len(states) == 1 and self._last_answer is not None:
                 self.phases.wait += time.process_time() - self._last_answer + self._wait_after
         t1 = time.process_time()
@@ -128,6 +131,9 @@ class BoundaryRunner:
         t2 = time.process_time()
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
+        # As the runner once the last layer's dispatches are sent: the next step's micro-batch 0
+        # prepared but for its tokens, while the expert nodes answer.
+        self.inputs_ahead.prepare(self.layouts.peek(), self.config.block_size, self.device, self.block_tables)
         t3 = time.process_time()
         # The sampler's argmax, timed alone just before it runs, so both read the logits from the
         # same cache (18 MB at 2,290 rows: a cold read costs the argmax half as much again).

@@ -26,6 +26,7 @@ from megainfer.disagg.expert_worker import ExpertWorker
 from megainfer.disagg.pipelined_runner import PipelinedModelRunner
 from megainfer.engine_config import EngineConfig
 from megainfer.model.weights import SafetensorsCheckpoint
+from megainfer.runner.inputs_ahead import InputsAhead
 from megainfer.scheduling.step_layout import split_micro_batches
 from tests.helpers import connect_all, generate_all
 
@@ -127,14 +128,20 @@ def colocated(path, prompts, device="cpu", params=GREEDY):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling):
+def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, monkeypatch):
     """Asynchronous scheduling too: each step scheduled while the one before ran, its tokens
-    written into the placeholders the look-ahead held, settled inside the next step."""
+    written into the placeholders the look-ahead held, settled inside the next step, and its
+    micro-batch 0 prepared during the step before's last layer, its tokens read once placed."""
+    taken = []
+    take = InputsAhead.take
+    monkeypatch.setattr(InputsAhead, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
     prompts = hf_ref.prompts
     expected = colocated(hf_ref.path, prompts)
     got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts, async_scheduling=async_scheduling)
     assert got == expected
     assert all(s.kv_cache_usage == 0.0 for s in stats)
+    prepared_ahead = sum(state is not None for state in taken)
+    assert prepared_ahead > 0 if async_scheduling else prepared_ahead == 0
 
 
 @pytest.mark.gpu
