@@ -132,31 +132,34 @@ def unpack_dispatch(buf: torch.Tensor, tokens: int, hidden: int, top_k: int,
 
 class RecordViews:
     """`unpack_dispatch` of rounds that land in reused buffers (the CPU's landing slices, one
-    tensor per length: `DeviceStaging.landing`), each buffer's views made once and kept with
-    it: an expert node unpacks a round per (layer, micro-batch), and the five view ops cost
-    more host time than the rest of its bookkeeping there. Nothing is kept where rounds land in
-    fresh tensors: on CUDA (`keep` False: a device copy each round), or a buffer made for one
-    round (`of(..., kept=False)`: a tensor-parallel follower's share)."""
+    tensor per micro-batch slot and length: `DeviceStaging.landing`), each slice's views made
+    once and kept with it: an expert node unpacks a round per (layer, micro-batch), and the
+    five view ops cost more host time than the rest of its bookkeeping there. A slot's views
+    are let go when its landing buffer is replaced (it grew), so no old buffer outlives it.
+    Nothing is kept where rounds land in fresh tensors: on CUDA (`keep` False: a device copy
+    each round), from device slots, or a tensor-parallel follower's share (`slot` None)."""
 
     def __init__(self, hidden: int, top_k: int, dtype: torch.dtype, keep: bool, limit: int = 512) -> None:
         self.hidden, self.top_k, self.dtype = hidden, top_k, dtype
         self.keep, self.limit = keep, limit
-        self._kept: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._kept: dict[int, dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = {}  # slot, id(slice)
+        self._buffer: dict[int, int] = {}  # slot -> the address of the landing buffer its kept slices view
 
-    def of(self, buf: torch.Tensor, tokens: int, kept: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x, ids and weights of `buf`'s `tokens` records. kept: `buf` may be reused (a landing
-        slice), so its views may be kept; False: a buffer made for this round alone."""
-        keep = self.keep and kept
-        entry = self._kept.get(id(buf)) if keep else None
-        if entry is not None and entry[0] is buf:  # (the entry holds `buf`: its id is not reused)
-            views = entry[1]
-            if views[0].shape[0] == tokens:
-                return views
+    def of(self, buf: torch.Tensor, tokens: int, slot: int | None = None) -> tuple[torch.Tensor, ...]:
+        """x, ids and weights of `buf`'s `tokens` records. slot: the micro-batch slot whose
+        landing buffer `buf` is a slice of (its views may be kept); None: a buffer of this round's."""
+        if not self.keep or slot is None:
+            return unpack_dispatch(buf, tokens, self.hidden, self.top_k, self.dtype)
+        kept = self._kept.setdefault(slot, {})
+        entry = kept.get(id(buf))
+        if entry is not None and entry[0] is buf and entry[1][0].shape[0] == tokens:  # (the entry holds `buf`)
+            return entry[1]
         views = unpack_dispatch(buf, tokens, self.hidden, self.top_k, self.dtype)
-        if keep:
-            if len(self._kept) >= self.limit:
-                self._kept.clear()
-            self._kept[id(buf)] = (buf, views)
+        address = buf.untyped_storage().data_ptr()
+        if self._buffer.get(slot) != address or len(kept) >= self.limit:
+            kept.clear()  # slices of the slot's old buffer (it grew), or too many lengths
+            self._buffer[slot] = address
+        kept[id(buf)] = (buf, views)
         return views
 
 

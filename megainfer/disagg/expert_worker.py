@@ -162,8 +162,7 @@ class ExpertWorker:
             post_load(self.exchange.link, self.exchange.peers, report, step=served[0][0], prefill=self.step_prefill)
         self.timeline.end_step()
         self.timeline.span(SpanKind.STEP, served[0][0], -1, -1, start, time.perf_counter(), step_tokens)
-        self.steps += 1
-        self.tokens += step_tokens
+        self.steps, self.tokens = self.steps + 1, self.tokens + step_tokens
         return step_tokens
 
     def _serve(self, layer: int, j: int) -> tuple[int, int]:
@@ -193,7 +192,8 @@ class ExpertWorker:
             arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
             self._share(layer, j, total, records)
-        exchange.hold(step, layer, j, counts, self._experts(layer, records, total, landed=True) if total else None)
+        landed = j if self.slots is None or not self.slots.any_direct else None  # in slot j's landing buffer
+        exchange.hold(step, layer, j, counts, self._experts(layer, records, total, landed) if total else None)
         self.timing["experts"] += time.perf_counter() - t1
         exchange.flush_landed()
         timeline.compute_end(mark, step, layer, j, total)
@@ -203,12 +203,12 @@ class ExpertWorker:
         """After the deployment re-wired: offers are traded again at the next step."""
         self.exchange.rewired()
 
-    def _experts(self, layer: int, records: torch.Tensor, total: int, landed: bool = False) -> torch.Tensor:
-        """`total` tokens' answers of `layer` (on a tensor-parallel node: summed on the leader):
-        by a graph where one holds them, else eager. `landed`: `records` came from `land_round`."""
+    def _experts(self, layer: int, records: torch.Tensor, total: int, landed: int | None = None) -> torch.Tensor:
+        """`total` tokens' answers of `layer` (on a tensor-parallel node: summed on the leader), by a graph
+        where one holds them, else eager. `landed`: the slot whose landing buffer holds `records`, or None."""
         if self.decode_graphs is not None and (y := self.decode_graphs.run(layer, records, total)) is not None:
             return y
-        x, ids, weights = self.record_views.of(records, total, kept=landed)
+        x, ids, weights = self.record_views.of(records, total, landed)
         y = self.layers[layer](x, ids, weights)  # the ids as sent, int32: the layer indexes with them
         if self.tp_size > 1:  # each rank holds a slice of every expert: their outputs add up
             self.tp_group.reduce(y, dst=0)

@@ -3,8 +3,10 @@ connected by real M2N endpoints, produce exactly the colocated engine's greedy t
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+import weakref
 import time
 from pathlib import Path
 
@@ -390,18 +392,35 @@ def test_cpu_landing_slices_are_made_once_per_length_and_forgotten_when_the_buff
 
 def test_kept_record_views_are_the_unpacked_records_of_each_round_that_lands_in_a_kept_slice():
     staging, views = DeviceStaging("cpu", slots=1), RecordViews(16, 2, torch.float32, keep=True)
+    size = record_bytes(16, 2, torch.float32)
     for n in (5, 3, 5, 9, 5):  # lengths that come back reuse their slice and its views
         x, ids, w = routed_tokens(n)
-        landed = staging.landing(n * record_bytes(16, 2, torch.float32), slot=0)
+        landed = staging.landing(n * size, slot=0)
         landed.copy_(pack_dispatch(x, ids, w))
-        got = views.of(landed, n)
+        got = views.of(landed, n, slot=0)
         assert all(torch.equal(a, b) for a, b in zip(got, (x, ids.int(), w)))
         assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, unpack_dispatch(landed, n, 16, 2, torch.float32)))
-    assert views.of(landed, 5) is views.of(landed, 5)  # made once
-    fresh = RecordViews(16, 2, torch.float32, keep=False)  # fresh device tensors each round: nothing kept
-    assert fresh.of(landed, 5) is not fresh.of(landed, 5)
+    assert views.of(landed, 5, slot=0) is views.of(landed, 5, slot=0)  # made once
+    # A round of its own (device slots, a follower's share) or on CUDA: nothing kept.
+    assert views.of(landed, 5) is not views.of(landed, 5)
+    fresh = RecordViews(16, 2, torch.float32, keep=False)
+    assert fresh.of(landed, 5, slot=0) is not fresh.of(landed, 5, slot=0)
     with pytest.raises(ValueError, match="does not hold 4 tokens"):
-        views.of(landed, 4)
+        views.of(landed, 4, slot=0)
+
+
+def test_kept_record_views_let_a_grown_landing_buffer_go():
+    staging, views = DeviceStaging("cpu", slots=1), RecordViews(16, 2, torch.float32, keep=True)
+    size = record_bytes(16, 2, torch.float32)
+    small = staging.landing(3 * size, slot=0)
+    views.of(small, 3, slot=0)
+    old = weakref.ref(small.untyped_storage())
+    del small
+    big = staging.landing(4096 * size, slot=0)  # the slot's buffer grows: a new one
+    views.of(big, 4096, slot=0)
+    gc.collect()
+    assert old() is None  # no kept view holds the old buffer
+
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time: work still running when the host looks
 
