@@ -45,19 +45,11 @@ class ExpertLoadProfile:
 
     def counts(self, phase: str) -> np.ndarray:
         """[layers, experts] pairs of `phase`: "decode", "prefill" or "all"."""
-        if phase not in PHASES:
-            raise ConfigError(f"expert-load phase {phase!r} is not one of {', '.join(PHASES)}")
-        if phase == "decode":
-            return self.decode
-        return self.prefill if phase == "prefill" else self.decode + self.prefill
+        return _of_phase(phase, self.decode, self.prefill)
 
     def steps(self, phase: str) -> int:
         """The window's steps of `phase` (as `counts`)."""
-        if phase not in PHASES:
-            raise ConfigError(f"expert-load phase {phase!r} is not one of {', '.join(PHASES)}")
-        if phase == "decode":
-            return self.decode_steps
-        return self.prefill_steps if phase == "prefill" else self.decode_steps + self.prefill_steps
+        return _of_phase(phase, self.decode_steps, self.prefill_steps)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "num_layers": self.num_layers, "num_experts": self.num_experts,
@@ -117,3 +109,12 @@ class ExpertLoadProfile:
             raise ConfigError(f"the expert-load profile of {self.model} holds no {phase} pairs (decode steps "
                               f"{self.decode_steps}, prefill steps {self.prefill_steps}): serve traffic of that "
                               f"phase before taking it, or choose --expert-load-phase")
+
+
+def _of_phase(phase: str, decode, prefill):
+    """`decode`, `prefill` or their sum, as `phase` names ("decode", "prefill" or "all")."""
+    if phase not in PHASES:
+        raise ConfigError(f"expert-load phase {phase!r} is not one of {', '.join(PHASES)}")
+    if phase == "decode":
+        return decode
+    return prefill if phase == "prefill" else decode + prefill
