@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megainfer.disagg.device_slots import device_slots_for, round_mismatch
+from megainfer.disagg.device_slots import device_slots_for, round_mismatch, some_direct
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, LAYER, STEP, ExpertLink, row_ranges
 from megainfer.disagg.node_timeline import Timeline
@@ -110,7 +110,7 @@ class AttentionExchange:
         """(layer, j)'s answers `y` ([total, hidden], None: no tokens) into the outbox: to peers on
         device slots straight away, to the others once their copy to the host has landed."""
         copy = None
-        if y is not None and self.slots is not None and self.slots.any_direct:
+        if y is not None and some_direct(self.slots):
             begins, ends = row_ranges(counts, self.answer_row_bytes)
             self.slots.write(j, y.contiguous().view(-1).view(torch.uint8), begins, ends)  # once the experts ran
             if not self.slots.direct.all():
@@ -129,7 +129,7 @@ class AttentionExchange:
         for their copy only if it has not landed)."""
         answers = pending.copy.wait()[0] if pending.copy is not None else self._no_answers
         flags = BUSY if pending.busy else 0
-        if self.slots is not None and self.slots.any_direct:  # direct peers' rows went by device slots
+        if some_direct(self.slots):  # direct peers' rows went by device slots
             begins, ends = self.slots.host_ranges(*row_ranges(pending.counts, self.answer_row_bytes))
             self.link.post_round(self.peers, answers, begins, ends, pending.counts, step=pending.step,
                                  layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)

@@ -165,13 +165,19 @@ class _Peer:
     events: list = field(default_factory=list)  # CUDA: the peer's send events, opened here
 
 
+def some_direct(slots: "DeviceSlots | None") -> bool:
+    """Whether some peer of the node takes device slots (its rounds then land by `slots.land`,
+    not in the staging's landing buffer)."""
+    return slots is not None and slots.any_direct
+
+
 def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None",
                tokens: int) -> torch.Tensor:
     """A collected round's rows (`tokens` of them, its checked token counts' sum), peer order,
     end to end, as flat bytes on the node's device: by `slots.land` where some peer is direct,
     else through the host (gathered into `staging`'s landing buffer for the micro-batch, then
     one copy to the device; on the CPU the buffer)."""
-    if slots is not None and slots.any_direct:
+    if some_direct(slots):
         return slots.land(arrivals, micro_batch, row_bytes, staging)
     host = staging.landing(tokens * row_bytes, slot=micro_batch)
     arrivals.gather_into(host)
@@ -182,7 +188,7 @@ def round_mismatch(arrivals, step: int, layer: int, row_bytes: int, slots: "Devi
                    token_counts: np.ndarray | None = None) -> int:
     """`Arrivals.mismatch` where a direct peer's header carries no payload: its byte length is
     not checked (its bytes went by the region), every host peer's is."""
-    if slots is None or not slots.any_direct:
+    if not some_direct(slots):
         return arrivals.mismatch(step, layer, row_bytes, token_counts)
     k = arrivals.mismatch(step, layer, -1, token_counts)
     return k if k >= 0 else slots.length_mismatch(arrivals, row_bytes)

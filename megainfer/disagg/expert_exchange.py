@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megainfer.disagg.attention_dispatch import DispatchParts
-from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch
+from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch, some_direct
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink
 from megainfer.disagg.expert_load_round import LoadRound
@@ -168,7 +168,7 @@ class ExpertExchange:
             pending = PendingDispatch(layer, j)
         else:
             records, node_offsets = parts.records, parts.node_offsets
-            direct = self.slots is not None and self.slots.any_direct
+            direct = some_direct(self.slots)
             ready = torch.cuda.current_stream(self.staging.device).record_event() if direct and self.staging.on_cuda \
                 else None
             # where every expert node takes device slots, the records go device to device: only the offsets to the host
@@ -213,7 +213,7 @@ class ExpertExchange:
         counts = ends - begins
         row, header = self.record_size, dict(step=self.step_id, layer=layer, micro_batch=j, flags=self.dispatch_flags)
         try:
-            if self.slots is not None and self.slots.any_direct:
+            if some_direct(self.slots):
                 if pending.records is not None:
                     self.slots.write(j, pending.records.view(-1), begins * row, ends * row, ready=pending.records_ready)
                 host_begins, host_ends = self.slots.host_ranges(begins * row, ends * row)

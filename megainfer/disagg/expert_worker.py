@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from megainfer.config import GPU_MEMORY_UTILIZATION, ModelConfig
 from megainfer.disagg import decode_graphs
 from megainfer.disagg.attention_exchange import AttentionExchange
-from megainfer.disagg.device_slots import land_round
+from megainfer.disagg.device_slots import land_round, some_direct
 from megainfer.disagg.expert_link import FLAGS, ExpertLink, RecordViews, record_bytes, unpack_dispatch
 from megainfer.disagg.expert_load_round import PREFILL, ServedPairs, post_load
 from megainfer.disagg.node_timeline import Timeline
@@ -192,7 +192,7 @@ class ExpertWorker:
             arrivals.release()  # gathered: the slots are free at once
         if self.tp_size > 1:
             self._share(layer, j, total, records)
-        landed = j if self.slots is None or not self.slots.any_direct else None  # in slot j's landing buffer
+        landed = None if some_direct(self.slots) else j  # in slot j's landing buffer (`land_round`)
         exchange.hold(step, layer, j, counts, self._experts(layer, records, total, landed) if total else None)
         self.timing["experts"] += time.perf_counter() - t1
         exchange.flush_landed()
