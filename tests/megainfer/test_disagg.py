@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import sys
 import threading
-import weakref
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -377,7 +377,6 @@ def test_cpu_staging_elides_every_copy():
     timer.start()
     timer.stop()
     assert timer.collect() >= 0.0 and timer.collect() == 0.0
-
 
 
 def test_cpu_landing_slices_are_made_once_per_length_and_forgotten_when_the_buffer_grows():
