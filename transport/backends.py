@@ -25,6 +25,7 @@ import threading
 
 from transport import nixl, rdma, rdma_host
 from transport.core import CoreShmInbound, CoreShmOutbound, native
+from transport.core_rdma import CoreRdmaInbound, CoreRdmaOutbound, CoreVerbs
 from transport.core_tcp import CoreTcpInbound, CoreTcpOutbound
 from transport.errors import BackendUnavailable
 from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
@@ -74,8 +75,8 @@ class BackendSet:
                  rank: int = 0, core: bool = False, timeout_s: float = 30.0) -> None:
         """`peers`: how many peers wiring will connect (0: not known yet; `expect_peers` then
         checks at connect); `peer_slot_bytes`: their receive slots (None: the same as ours);
-        `rank`: the sender rank headers carry; `core`: shm and tcp channels driven by the compiled
-        core (transport/core.py, transport/core_tcp.py); `timeout_s`: the endpoint's, how long a
+        `rank`: the sender rank headers carry; `core`: shm, tcp and rdma channels driven by the
+        compiled core (transport/core.py, core_tcp.py, core_rdma.py); `timeout_s`: the endpoint's, how long a
         core tcp channel's close waits for its queued bytes to leave."""
         self.rank, self.core, self.timeout_s = rank, core, timeout_s
         self.name, self.wanted, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = \
@@ -90,7 +91,8 @@ class BackendSet:
                                      f"{getattr(self.capabilities, wanted + '_reason')}")
         self._log_rdma()
         self.doorbell = Doorbell() if self.capabilities.shm else None
-        self._rdma = None  # transport.rdma.RdmaContext, opened when a peer pair chooses rdma
+        self._rdma = None  # rdma.RdmaContext or core_rdma.CoreVerbs, opened when a peer pair chooses rdma
+        self._rdma_lock = threading.Lock()
         self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
         self._nixl_lock = threading.Lock()  # handshake threads ask for the agent at once
         self._sources: list = []  # send buffers declared with register()
@@ -152,7 +154,10 @@ class BackendSet:
                                        self.rank)
             return ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
         if kind == "rdma":
-            return rdma.RdmaOutbound.connect(self._rdma_context(), peer, channel_id, slot_bytes, num_slots, sock,
+            if self.core:
+                return CoreRdmaOutbound.connect(self._rdma_resources(), peer, channel_id, slot_bytes, num_slots,
+                                                sock, ack["rdma"], self.rank)
+            return rdma.RdmaOutbound.connect(self._rdma_resources(), peer, channel_id, slot_bytes, num_slots, sock,
                                              ack["rdma"])
         if kind == "nixl":
             return NixlOutbound.connect(self._nixl_agent(), peer, slot_bytes, num_slots, sock, ack["nixl"])
@@ -177,8 +182,8 @@ class BackendSet:
             send_json(sock, {**ack, "shm": channel.handshake_info()})
             return channel
         if kind == "rdma":
-            return rdma.RdmaInbound.accept(self._rdma_context(), peer, sender, self.slot_bytes, self.num_slots, sock,
-                                           ack)
+            inbound = CoreRdmaInbound if self.core else rdma.RdmaInbound
+            return inbound.accept(self._rdma_resources(), peer, sender, self.slot_bytes, self.num_slots, sock, ack)
         if kind == "nixl":
             return NixlInbound.accept(self._nixl_agent(), peer, sender, self.slot_bytes, self.num_slots, sock, ack)
         tune(sock, self.tcp_buffer_bytes)
@@ -222,11 +227,17 @@ class BackendSet:
                 self._progress = native.TcpProgress()
             return self._progress
 
-    def _rdma_context(self):
-        if self._rdma is None:  # the device the probe chose
-            probed = self.rdma_probe.device if self.rdma_probe is not None else ""
-            self._rdma = rdma.RdmaContext.open(allowed=(probed,) if probed else self.rdma_devices)
-        return self._rdma
+    def _rdma_resources(self):
+        """The device the probe chose, opened once (under a lock: the acceptor serves each
+        connection on a thread of its own): the core's domain where the core drives the
+        channels (transport/core_rdma.py), else pyverbs' context and protection domain."""
+        with self._rdma_lock:
+            if self._rdma is None:
+                probed = self.rdma_probe.device if self.rdma_probe is not None else ""
+                allowed = (probed,) if probed else self.rdma_devices
+                self._rdma = CoreVerbs(rdma.choose_port(allowed=allowed)) if self.core else \
+                    rdma.RdmaContext.open(allowed=allowed)
+            return self._rdma
 
     def _nixl_agent(self) -> NixlAgent:
         with self._nixl_lock:

@@ -43,7 +43,7 @@ _warned = False
 
 
 def resolve(wanted: str, endpoint: str) -> bool:
-    """Whether endpoint `endpoint` drives its shm and tcp channels with the core; logged."""
+    """Whether endpoint `endpoint` drives its shm, tcp and rdma channels with the core; logged."""
     global _warned
     if wanted not in CORE_CHOICES:
         raise ValueError(f"EndpointSpec.core {wanted!r} is not one of {', '.join(CORE_CHOICES)}")
@@ -51,17 +51,18 @@ def resolve(wanted: str, endpoint: str) -> bool:
     if wanted == "auto" and (forced := M2N_CORE.read()) != "auto":  # a SettingError (ValueError) if bad
         wanted, source = forced, CORE_ENV
     if wanted == "off":
-        logger.info("endpoint %s: shm and tcp channels on the pure-Python reference (%s='off')", endpoint, source)
+        logger.info("endpoint %s: shm, tcp and rdma channels on the pure-Python reference (%s='off')", endpoint,
+                    source)
         return False
     if native is None:
         if wanted == "on":
             raise BackendUnavailable(BUILD_ERROR)
         if not _warned:  # once per process: every endpoint of it says the same
             _warned = True
-            logger.warning("M2N: %s; shm and tcp rounds run on the pure-Python reference, one call per message",
+            logger.warning("M2N: %s; shm, tcp and rdma rounds run on the pure-Python reference, one call per message",
                            BUILD_ERROR)
         return False
-    logger.info("endpoint %s: shm and tcp channels and their rounds in the compiled M2N core (%s)", endpoint,
+    logger.info("endpoint %s: shm, tcp and rdma channels and their rounds in the compiled M2N core (%s)", endpoint,
                 native.__file__)
     return True
 

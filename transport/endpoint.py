@@ -61,7 +61,7 @@ class EndpointSpec:
     expected_peers: int = 0  # peers connect() will be given; 0: len(peers), or checked at connect
     peer_slot_bytes: int | None = None  # the peers' slot_bytes (this endpoint writes into them); None: ours
     rdma_devices: tuple[str, ...] = ()  # verbs devices rdma may use, nearest the GPU first; (): any
-    core: str = "auto"  # shm and tcp channels and rounds in the compiled core: "auto" | "on" | "off" (transport/core.py)
+    core: str = "auto"  # shm, tcp, rdma channels and rounds in the compiled core: auto | on | off (transport/core.py)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -271,9 +271,23 @@ def address_vector(local: rp.PortChoice, remote: QPInfo):
     if local.link_layer == rp.LINK_ETHERNET:  # RoCE: addressed by GID, every packet has a GRH
         route = GlobalRoute(dgid=GID(remote.gid_text), sgid_index=local.gid.index, hop_limit=HOP_LIMIT)
         return AHAttr(port_num=local.port, is_global=1, gr=route, dlid=0)
-    if remote.lid == 0:
-        raise HandshakeError("the peer's InfiniBand port has LID 0 (no subnet manager?)")
     return AHAttr(port_num=local.port, is_global=0, dlid=remote.lid)
+
+
+def check_reachable(local: rp.PortChoice, remote: QPInfo) -> None:
+    """HandshakeError where no RDMA path joins this port to the peer's (both channel kinds)."""
+    if remote.link_layer != local.link_layer:
+        theirs = rp.LINK_NAMES.get(remote.link_layer, f"link layer {remote.link_layer}")
+        raise HandshakeError(f"the peer's RDMA port is {theirs}, {local.where} is {local.link_name}: "
+                             "no RDMA path between them")
+    if local.link_layer != rp.LINK_ETHERNET and remote.lid == 0:
+        raise HandshakeError("the peer's InfiniBand port has LID 0 (no subnet manager?)")
+
+
+def check_stride(remote: QPInfo, stride: int) -> None:
+    if remote.slot_stride != stride:
+        raise HandshakeError(f"rdma: the peer's slot stride is {remote.slot_stride} bytes, this side's "
+                             f"{stride}: the two ends disagree on slot_bytes")
 
 
 def rtr_attr(local: rp.PortChoice, remote: QPInfo):
@@ -281,10 +295,7 @@ def rtr_attr(local: rp.PortChoice, remote: QPInfo):
     import pyverbs.enums as e
     from pyverbs.qp import QPAttr
 
-    if remote.link_layer != local.link_layer:
-        theirs = rp.LINK_NAMES.get(remote.link_layer, f"link layer {remote.link_layer}")
-        raise HandshakeError(f"the peer's RDMA port is {theirs}, {local.where} is {local.link_name}: "
-                             "no RDMA path between them")
+    check_reachable(local, remote)
     attr = QPAttr(qp_state=e.IBV_QPS_RTR, cur_qp_state=e.IBV_QPS_INIT, port_num=local.port,
                   path_mtu=rp.path_mtu(local.mtu, remote.mtu))
     attr.dest_qp_num = remote.qp_num
@@ -468,6 +479,17 @@ def loopback_write(rc: "RdmaContext", timeout_s: float, queue_pair=None) -> str:
 
 
 # -- context and queue pairs ------------------------------------------------------------------
+def choose_port(environ=None, allowed: tuple[str, ...] = ()) -> rp.PortChoice:
+    """The port `RdmaContext.open` would use, with pyverbs' context closed again: for the M2N
+    core's channels, which open their own (transport/core_rdma.py)."""
+    try:
+        ctx, choice = select_port(environ, allowed=allowed)
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"rdma: {exc}") from None
+    ctx.close()
+    return choice
+
+
 class RdmaContext:
     """This endpoint's device context, protection domain and chosen port."""
 
@@ -553,9 +575,7 @@ class _QueuePair:
                       self.region.addr, self.stride, c.mtu, c.link_layer)
 
     def to_rts(self, remote: QPInfo) -> None:
-        if remote.slot_stride != self.stride:
-            raise HandshakeError(f"rdma: the peer's slot stride is {remote.slot_stride} bytes, this side's "
-                                 f"{self.stride}: the two ends disagree on slot_bytes")
+        check_stride(remote, self.stride)
         rtr = rtr_attr(self.rc.choice, remote)
         with _verbs_failure(f"cannot connect the queue pair on {self.rc.choice.where} to queue pair "
                             f"{remote.qp_num} at {remote.gid_text}"):
@@ -620,6 +640,34 @@ def _peer_info(text: str, peer: str) -> QPInfo:
         raise HandshakeError(f"rdma: malformed queue-pair info from {peer} ({exc})") from None
 
 
+def accepted_queue_pair(qp, peer: str, sock: socket.socket, ack: dict):
+    """The accepting side's handshake for a new queue pair (this module's or the core's): its
+    info out with the acknowledgement, the peer's in, RTS, then "ready"; closed on failure."""
+    try:
+        send_json(sock, {**ack, "rdma": qp.info().pack().hex()})
+        reply = recv_json(sock)
+        qp.to_rts(_peer_info(reply.get("rdma"), peer))
+        send_json(sock, {"rdma_ready": True})
+    except BaseException:
+        qp.close()
+        raise
+    return qp
+
+
+def connected_queue_pair(qp, peer: str, sock: socket.socket, remote_hex: str):
+    """The connecting side's: RTS towards the peer's info, this side's info out, and back only
+    once the peer's queue pair is ready too; closed on failure."""
+    try:
+        qp.to_rts(_peer_info(remote_hex, peer))
+        send_json(sock, {"rdma": qp.info().pack().hex()})
+        if not recv_json(sock).get("rdma_ready"):
+            raise HandshakeError(f"rdma: {peer} did not confirm its queue pair is ready")
+    except BaseException:
+        qp.close()
+        raise
+    return qp
+
+
 class RdmaInbound:
     """peer -> this endpoint: the peer writes into this side's registered slots."""
 
@@ -638,15 +686,7 @@ class RdmaInbound:
     @classmethod
     def accept(cls, rc: RdmaContext, peer: str, sender: int, slot_bytes: int, num_slots: int, sock: socket.socket,
                ack: dict) -> "RdmaInbound":
-        qp = _QueuePair(rc, slot_bytes, num_slots)
-        try:
-            send_json(sock, {**ack, "rdma": qp.info().pack().hex()})
-            reply = recv_json(sock)
-            qp.to_rts(_peer_info(reply.get("rdma"), peer))
-            send_json(sock, {"rdma_ready": True})
-        except BaseException:
-            qp.close()
-            raise
+        qp = accepted_queue_pair(_QueuePair(rc, slot_bytes, num_slots), peer, sock, ack)
         return cls(peer, slot_bytes, num_slots, qp, sock, sender=sender)
 
     def poll(self) -> list[tuple[int, Header]]:
@@ -700,15 +740,7 @@ class RdmaOutbound:
     @classmethod
     def connect(cls, rc: RdmaContext, peer: str, channel_id: int, slot_bytes: int, num_slots: int,
                 sock: socket.socket, remote_hex: str) -> "RdmaOutbound":
-        qp = _QueuePair(rc, slot_bytes, num_slots)
-        try:
-            qp.to_rts(_peer_info(remote_hex, peer))
-            send_json(sock, {"rdma": qp.info().pack().hex()})
-            if not recv_json(sock).get("rdma_ready"):
-                raise HandshakeError(f"rdma: {peer} did not confirm its queue pair is ready")
-        except BaseException:
-            qp.close()
-            raise
+        qp = connected_queue_pair(_QueuePair(rc, slot_bytes, num_slots), peer, sock, remote_hex)
         return cls(peer, channel_id, slot_bytes, num_slots, qp, sock)
 
     def _take_credits(self) -> None:

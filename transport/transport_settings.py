@@ -67,8 +67,8 @@ class Setting:
 
 M2N_CORE = Setting(
     "MEGAINFER_M2N_CORE", "auto",
-    "whether endpoints whose spec says core=auto drive shm channels with the compiled M2N core: auto (where "
-    "built), on (fail where not built) or off (the pure-Python reference)",
+    "whether endpoints whose spec says core=auto drive shm, tcp and rdma channels with the compiled M2N core: "
+    "auto (where built), on (fail where not built) or off (the pure-Python reference)",
     choices=("auto", "on", "off"))
 RDMA_DEVICE = Setting(
     "MEGAINFER_RDMA_DEVICE", None,
@@ -80,4 +80,9 @@ RDMA_GID_INDEX = Setting(
     "the GID table entry rdma sends from, whatever its type; unset: IB's port GID, else RoCE v2 (IPv4-mapped "
     "first)", minimum=0)
 
-SETTINGS = (M2N_CORE, RDMA_DEVICE, RDMA_PORT, RDMA_GID_INDEX)
+LIBIBVERBS = Setting(
+    "MEGAINFER_LIBIBVERBS", None,
+    "the libibverbs (a path or a soname) the M2N core's rdma channels load; unset: the one pyverbs loaded, else "
+    "libibverbs.so.1")
+
+SETTINGS = (M2N_CORE, RDMA_DEVICE, RDMA_PORT, RDMA_GID_INDEX, LIBIBVERBS)

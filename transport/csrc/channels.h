@@ -113,6 +113,9 @@ class Inbound {
   // A socket whose readability means this channel has something to admit (tcp), or -1 (shm
   // rings the endpoint's doorbell instead).
   virtual int wait_fd() const { return -1; }
+  // What a Round sleeping on this channel polls, beside the doorbell: the socket (tcp), the
+  // completion channel its set_asleep(true) armed (rdma), or -1 (shm rings the doorbell).
+  virtual int sleep_fd() const { return wait_fd(); }
   virtual int violation() const = 0;
   virtual bool is_closed() const = 0;
 };
@@ -201,5 +204,6 @@ class SlottedInbound : public Inbound {
 };
 
 void register_tcp(pybind11::module_& m);
+void register_verbs(pybind11::module_& m);
 
 }  // namespace m2n

@@ -583,7 +583,7 @@ class Round {
       fds_.clear();
       fds_.push_back({doorbell_fd_, POLLIN, 0});
       for (size_t i = 0; i < in_.size(); ++i)
-        if (awaited(i) && in_[i]->wait_fd() >= 0) fds_.push_back({in_[i]->wait_fd(), POLLIN, 0});
+        if (awaited(i) && in_[i]->sleep_fd() >= 0) fds_.push_back({in_[i]->sleep_fd(), POLLIN, 0});
       size_t controls = fds_.size();
       for (size_t i = 0; i < in_.size(); ++i)
         if (awaited(i) && control_fds_[i] >= 0) fds_.push_back({control_fds_[i], POLLIN, 0});
@@ -714,7 +714,7 @@ void drive(std::vector<Inbound*> in, std::vector<Outbound*> out, size_t nbytes, 
 }  // namespace
 
 PYBIND11_MODULE(_m2n_core, m) {
-  m.doc() = "The M2N core: shm and tcp channels and whole rounds off the GIL (transport/core.py, core_tcp.py)";
+  m.doc() = "The M2N core: shm, tcp and rdma channels and whole rounds off the GIL (transport/core.py, core_tcp.py)";
   m.attr("HEADER_FIELDS") = kHeaderFields;
   m.attr("BAD_STATE") = static_cast<int>(kBadState);
   m.attr("BAD_HEADER") = static_cast<int>(kBadHeader);
@@ -771,6 +771,7 @@ PYBIND11_MODULE(_m2n_core, m) {
   m.attr("CLOSED") = static_cast<int>(kClosed);
   m.attr("DROPPED") = static_cast<int>(kDropped);
   register_tcp(m);
+  register_verbs(m);
 
   m.def("echo", &echo, "loopback expert nodes for bench host (until a control socket closes)");
   m.def("drive", &drive, "loopback attention ranks for bench host (until a control socket closes)");

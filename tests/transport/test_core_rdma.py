@@ -1,0 +1,292 @@
+"""The compiled core's rdma channels (transport/core_rdma.py, transport/csrc/verbs_channels.cpp)
+without an adapter.
+
+The core loads libibverbs at run time and calls it as verbs.h does; here it loads a software
+provider instead (tests/transport/verbs/soft_verbs.cpp, built by the fixture with the C++
+compiler that builds the core): the same exported functions and ops table, queue pairs in this
+process, writes copied between registered regions with their immediates, completion events,
+and a queue pair put in error as a dead peer's would be. So everything above the adapter runs:
+the core's queue-pair set-up and transitions with rdma.py's attribute values, its work
+requests, completions, credits and rules, the endpoint's handshake, rounds and failures.
+Beside it: the ABI the core declares is compiled against a real verbs.h, and the real
+libibverbs that pyverbs bundles is loaded (every symbol resolves; no device here)."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import connect_all
+from transport import Endpoint, EndpointSpec, ProtocolViolation, RoundFailed, SlotUsage
+from transport import backends, rdma
+from transport import rdma_port as rp
+from transport.core import native
+from transport.core_rdma import CoreQueuePair, CoreRdmaInbound, CoreRdmaOutbound, CoreVerbs, verbs_library
+from transport.errors import PeerClosed
+from transport.rounds import CoreRound
+from transport.wire import Header
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent / "verbs"
+SECRET = b"v" * 32
+IDLE = SlotUsage(held=0, unreleased=0, queued=0)
+SOFT_GID = rp.GidEntry(3, "0000:0000:0000:0000:0000:ffff:0a00:0005", rp.ROCE_V2, "veth0")
+SOFT = rp.PortChoice("soft0", 1, rp.LINK_ETHERNET, 0, 5, SOFT_GID)
+
+if native is None:
+    pytest.fail("the compiled M2N core is not built: pip install builds it", pytrace=False)
+
+
+def _compiler() -> str:
+    found = shutil.which("g++") or shutil.which("c++")
+    if not found:
+        pytest.skip("no C++ compiler to build the software verbs provider")
+    return found
+
+
+@pytest.fixture(scope="module")
+def soft_verbs(tmp_path_factory) -> str:
+    """The software provider, built from source into a temporary directory."""
+    out = tmp_path_factory.mktemp("verbs") / "libsoftverbs.so"
+    subprocess.run([_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT / 'transport' / 'csrc'}",
+                    str(HERE / "soft_verbs.cpp"), "-o", str(out)], check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def hooks(soft_verbs):
+    lib = ctypes.CDLL(soft_verbs)  # the same handle the core's dlopen got: the same queue pairs
+    lib.soft_verbs_break.argtypes = [ctypes.c_uint32]
+    lib.soft_verbs_attr.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    lib.soft_verbs_live.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    return lib
+
+
+def live(hooks) -> tuple[int, int]:
+    mrs = ctypes.c_int()
+    return hooks.soft_verbs_live(ctypes.byref(mrs)), mrs.value
+
+
+# -- the ABI, the real library ----------------------------------------------------------------
+def _verbs_include(tmp_path: Path) -> Path | None:
+    if Path("/usr/include/infiniband/verbs.h").exists():
+        return Path("/usr/include")
+    debs = sorted(glob.glob("/var/cache/apt/archives/libibverbs-dev_*.deb"))
+    if debs and shutil.which("dpkg"):  # the image keeps rdma-core's headers in its package cache
+        subprocess.run(["dpkg", "-x", debs[-1], str(tmp_path)], check=True)
+        return tmp_path / "usr" / "include"
+    return None
+
+
+def test_the_declared_abi_matches_a_real_verbs_h(tmp_path):
+    include = _verbs_include(tmp_path)
+    if include is None:
+        pytest.skip("no <infiniband/verbs.h> here (nor rdma-core's package in the apt cache)")
+    done = subprocess.run([_compiler(), "-std=c++17", "-fsyntax-only", f"-I{include}",
+                           f"-I{ROOT / 'transport' / 'csrc'}", str(HERE / "verbs_abi_check.cpp")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_core_loads_the_libibverbs_pyverbs_loaded_and_says_why_it_cannot_open_a_device():
+    pytest.importorskip("pyverbs.device", reason="pyverbs is not installed")
+    path = verbs_library({})
+    assert "libibverbs" in Path(path).name and Path(path).exists()
+    assert verbs_library({"MEGAINFER_LIBIBVERBS": "/opt/x/libibverbs.so.1"}) == "/opt/x/libibverbs.so.1"
+    try:
+        devices = native.verbs_devices(path)  # every symbol the core uses resolved, by version
+    except RuntimeError as exc:  # no RDMA in this kernel: the library's own error
+        assert "ibv_get_device_list failed" in str(exc)
+        devices = []
+    if "mlx5_0" not in devices:
+        with pytest.raises(RuntimeError, match=r"ibv_get_device_list failed|no verbs device named mlx5_0"):
+            native.VerbsDomain(path, "mlx5_0")
+    with pytest.raises(RuntimeError, match=r"libc\.so\.6 has no ibv_get_device_list \(not a libibverbs\?\)"):
+        native.verbs_devices("libc.so.6")
+    with pytest.raises(RuntimeError, match=r"cannot load /nonexistent/libibverbs\.so\.1"):
+        native.verbs_devices("/nonexistent/libibverbs.so.1")
+
+
+# -- a channel pair in the core ----------------------------------------------------------------
+@pytest.fixture
+def pair(soft_verbs, hooks):
+    verbs = CoreVerbs(SOFT, soft_verbs)
+    made = []
+
+    def build(slot_bytes=256, num_slots=2, rank=3, sender=3, out_slots=None):
+        out_qp = CoreQueuePair(verbs, slot_bytes, out_slots or num_slots)
+        in_qp = CoreQueuePair(verbs, slot_bytes, num_slots)
+        made.extend([out_qp, in_qp])
+        out_qp.to_rts(in_qp.info())
+        in_qp.to_rts(out_qp.info())
+        out = native.VerbsOutChannel(out_qp.native, slot_bytes, out_qp.stride, out_slots or num_slots, rank, 5)
+        inbound = native.VerbsInChannel(in_qp.native, slot_bytes, in_qp.stride, num_slots, sender)
+        return out, inbound, out_qp, in_qp
+
+    yield build
+    for qp in made:
+        qp.close()
+    assert live(hooks) == (0, 0)  # every queue pair destroyed, every region deregistered
+
+
+def test_queue_pairs_get_the_reference_attributes(pair, hooks):
+    _, _, out_qp, in_qp = pair()
+    attr, state = (ctypes.c_uint8 * 256)(), ctypes.c_int()
+    assert hooks.soft_verbs_attr(out_qp.native.qp_num, attr, ctypes.byref(state)) == 0
+    raw = bytes(attr)
+    fields = dict(zip(("qp_state", "cur", "path_mtu", "mig", "qkey", "rq_psn", "sq_psn", "dest_qp_num", "access"),
+                      np.frombuffer(raw[:36], dtype=np.uint32)))
+    assert state.value == 3  # RTS
+    assert fields["dest_qp_num"] == in_qp.native.qp_num and fields["rq_psn"] == in_qp.psn
+    assert fields["sq_psn"] == out_qp.psn and fields["path_mtu"] == rp.path_mtu(SOFT.mtu, SOFT.mtu)
+    assert fields["access"] == 3  # LOCAL_WRITE | REMOTE_WRITE, at INIT
+    ah = raw[56:88]  # ibv_qp_attr.ah_attr: the GRH (dgid, flow label, sgid index, hop limit, class), then dlid ...
+    assert ah[:16] == SOFT_GID.raw and ah[20] == SOFT.gid.index and ah[21] == rdma.HOP_LIMIT
+    assert ah[29] == 1 and ah[30] == SOFT.port  # is_global, port_num
+    tail = raw[120:135]  # pkey_index .. alt_timeout
+    assert tail[6:13] == bytes([rdma.MAX_RD_ATOMIC, rdma.MAX_RD_ATOMIC, rdma.MIN_RNR_TIMER, SOFT.port, rdma.TIMEOUT,
+                                rdma.RETRY_CNT, rdma.RNR_RETRY])
+
+
+def test_messages_land_in_place_and_credits_free_the_slots(pair):
+    out, inbound, _, in_qp = pair()
+    assert out.try_send(7, 1, 0, 0, 4, b"hello") and out.try_send(7, 1, 1, 0, 2, b"")
+    assert not out.try_send(7, 1, 2, 0, 4, b"x")  # slot 0 still held by the peer
+    got = inbound.poll()
+    assert [(slot, Header._make(f).micro_batch, Header._make(f).seq) for slot, f in got] == [(0, 0, 0), (1, 1, 1)]
+    start = rdma.payload_offset(0, in_qp.stride)
+    assert bytes(in_qp.view[start:start + 5]) == b"hello"  # where a view of the slot reads it: no copy
+    assert inbound.held == 2 and out.unreleased() == 2
+    inbound.release(0)
+    assert out.unreleased() == 1 and out.try_send(7, 1, 2, 0, 4, b"again")
+    assert [Header._make(f).seq for _, f in inbound.poll()] == [2]
+
+
+def test_a_header_that_breaks_a_rule_is_the_channels_violation(pair):
+    out, inbound, _, _ = pair(rank=4, sender=3)  # the peer claims another rank
+    assert out.try_send(1, 0, 0, 0, 0, b"x")
+    assert inbound.poll() == [] and inbound.violation == native.BAD_HEADER
+    out, inbound, _, _ = pair(out_slots=1)  # the peer's slots disagree: micro-batch 1 lands in slot 0
+    assert out.try_send(1, 0, 1, 0, 0, b"x")
+    assert inbound.poll() == [] and inbound.violation == native.WRONG_SLOT
+
+
+def test_a_dead_peer_fails_the_channel_with_its_completion_status(pair, hooks):
+    out, inbound, _, in_qp = pair()
+    assert out.try_send(1, 0, 0, 0, 0, b"x") and len(inbound.poll()) == 1
+    hooks.soft_verbs_break(in_qp.native.qp_num)  # the receiving side's adapter gives up its queue pair
+    out.try_send(1, 0, 1, 0, 0, b"y")  # posted; the adapter reports the failure in a completion
+    assert not out.try_send(1, 0, 1, 0, 0, b"y") and out.failed
+    assert out.failure()[:2] == (native.COMPLETION_FAILED, 12)  # transport retry counter exceeded
+    assert inbound.poll() == [] and inbound.violation_info()[:2] == (native.COMPLETION_FAILED, 5)  # flushed
+
+
+# -- whole endpoints over the core's rdma channels --------------------------------------------
+@pytest.fixture
+def rdma_star(soft_verbs, monkeypatch):
+    """A hub and n spokes that choose rdma, on the software provider's device."""
+    monkeypatch.setenv("MEGAINFER_LIBIBVERBS", soft_verbs)
+    monkeypatch.setattr(backends.rdma, "probe", lambda **kw: rdma.ProbeResult(True, device="soft0", port=1,
+                                                                               gid_index=3, mtu=4096))
+
+    class Closed:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(rdma, "select_port", lambda environ=None, allowed=(): (Closed(), SOFT))
+    made: list[Endpoint] = []
+
+    def build(n: int, slot_bytes: int = 4096, timeout_s: float = 5.0):
+        def spec(name: str, rank: int) -> EndpointSpec:
+            return EndpointSpec(name=name, rank=rank, secret=SECRET, backend="rdma", slot_bytes=slot_bytes,
+                                num_slots=2, timeout_s=timeout_s, core="on")
+        hub = Endpoint(spec("hub", 0))
+        spokes = [Endpoint(spec(f"s{i}", i + 1)) for i in range(n)]
+        made.extend([hub, *spokes])
+        connect_all({"hub": hub, **{s.spec.name: s for s in spokes}},
+                    {"hub": [s.spec.name for s in spokes], **{s.spec.name: ["hub"] for s in spokes}})
+        return hub, spokes, tuple(s.spec.name for s in spokes)
+
+    yield build
+    for ep in made:
+        ep.close()
+
+
+def test_endpoints_wire_core_rdma_channels_and_run_rounds_both_ways(rdma_star, hooks):
+    hub, spokes, names = rdma_star(3)
+    assert all(isinstance(ch, CoreRdmaOutbound) for ch in hub.outbound.values())
+    assert all(isinstance(ch, CoreRdmaInbound) for ch in hub.inbound.values())
+    assert isinstance(hub._round_table.round_for(names), CoreRound) and hub.backend_of("s0") == "rdma"
+    data = torch.arange(3 * 64, dtype=torch.uint8)
+    for step in range(4):
+        mb = step % 2
+        hub.post_rows(names, data, [1, 2, 3], 32, step=step, layer=1, micro_batch=mb)
+        for i, spoke in enumerate(spokes):
+            with spoke.recv("hub", micro_batch=mb, timeout=5) as msg:
+                first = sum((1, 2, 3)[:i]) * 32
+                assert msg.header.token_count == i + 1 and bytes(msg.data) == bytes(data[first:first + 32 * (i + 1)])
+            spoke.send("hub", bytes([i]) * 16, step=step, layer=1, micro_batch=mb, token_count=1)
+        with hub.collect_round(names, micro_batch=mb, timeout=5) as arrivals:
+            assert [bytes(arrivals.payload(i)) for i in range(3)] == [bytes([i]) * 16 for i in range(3)]
+    assert hub.slots_in_use() == IDLE and all(s.slots_in_use() == IDLE for s in spokes)
+
+
+def test_a_round_sleeps_on_the_completion_channel_and_wakes_for_a_late_peer(rdma_star, hooks):
+    hub, spokes, names = rdma_star(2)
+    events = hooks.soft_verbs_events()
+    spokes[0].send("hub", b"early", micro_batch=0)
+
+    def late():
+        time.sleep(0.3)  # past the round's spin: it sleeps on the completion channel's descriptor
+        spokes[1].send("hub", b"late", micro_batch=0)
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    t0 = time.monotonic()
+    with hub.collect_round(names, micro_batch=0, timeout=5) as arrivals:
+        waited = time.monotonic() - t0
+        assert bytes(arrivals.payload(1)) == b"late"
+    thread.join()
+    assert 0.25 < waited < 1.5
+    assert hooks.soft_verbs_events() > events  # the late write's completion woke it, not a nap's end
+
+
+def test_a_peer_whose_queue_pair_dies_fails_the_round_alone_within_the_timeout(rdma_star, hooks):
+    hub, spokes, names = rdma_star(2, timeout_s=1.0)
+    victim = spokes[1].inbound["hub"].qp.native.qp_num  # s1's side of hub -> s1
+    hooks.soft_verbs_break(victim)
+    t0 = time.monotonic()
+    with pytest.raises(RoundFailed) as failed:
+        for mb in (0, 1, 0):  # the write's failure comes back in a completion, seen by a later post
+            hub.post_round(names, np.zeros(64, np.uint8), [0, 32], [32, 64], [1, 1], micro_batch=mb)
+            with spokes[0].recv("hub", micro_batch=mb, timeout=2):
+                pass
+    assert time.monotonic() - t0 < 2.0
+    assert set(failed.value.failures) == {"s1"}
+    assert "work completion failed on the channel of s1: transport retry counter exceeded" in str(failed.value)
+
+
+def test_violations_are_worded_as_the_reference_words_them(pair):
+    from transport.core_rdma import verbs_error
+
+    class Channel:
+        peer, num_slots, slot_bytes = "e0", 2, 256
+        rules = type("R", (), {"sender": 3})()
+
+    assert isinstance(verbs_error(Channel, native.COMPLETION_FAILED, 12, 0, (0,) * 9), PeerClosed)
+    assert "transport retry counter exceeded (status 12" in str(verbs_error(Channel, native.COMPLETION_FAILED, 12,
+                                                                            0, (0,) * 9))
+    wrong = verbs_error(Channel, native.WRONG_SLOT, 0, 0, (0, 1, 0, 1, 3, 0, 0, 0, 0))
+    assert isinstance(wrong, ProtocolViolation) and "a write tagged for slot 0 carries a header for micro-batch 1" \
+        in str(wrong)
+    credit = verbs_error(Channel, native.BAD_IMMEDIATE, (0 << 30) | 1, 1, (0,) * 9)
+    assert "where a credit for a slot in use was expected" in str(credit)
