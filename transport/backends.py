@@ -192,11 +192,15 @@ class BackendSet:
         return channel
 
     def register(self, buffer) -> None:
-        """A host buffer payloads will be sent from (see Endpoint.register)."""
+        """A buffer payloads will be sent from (see Endpoint.register): registered with the NIXL
+        agent and the core's rdma domain where they exist, and with each when it is made."""
         with self._nixl_lock:
             self._sources.append(buffer)
             if self._nixl is not None:
                 self._nixl.register_source(buffer)
+        with self._rdma_lock:
+            if isinstance(self._rdma, CoreVerbs):
+                self._rdma.register(buffer)
 
     def renew(self) -> None:
         """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
@@ -235,8 +239,15 @@ class BackendSet:
             if self._rdma is None:
                 probed = self.rdma_probe.device if self.rdma_probe is not None else ""
                 allowed = (probed,) if probed else self.rdma_devices
-                self._rdma = CoreVerbs(rdma.choose_port(allowed=allowed)) if self.core else \
-                    rdma.RdmaContext.open(allowed=allowed)
+                if self.core:
+                    verbs = CoreVerbs(rdma.choose_port(allowed=allowed))
+                    with self._nixl_lock:
+                        sources = list(self._sources)
+                    for buffer in sources:
+                        verbs.register(buffer)
+                    self._rdma = verbs
+                else:
+                    self._rdma = rdma.RdmaContext.open(allowed=allowed)
             return self._rdma
 
     def _nixl_agent(self) -> NixlAgent:

@@ -20,6 +20,7 @@ an RDMA adapter.
 from __future__ import annotations
 
 import importlib
+import logging
 import mmap
 import os
 import random
@@ -30,7 +31,7 @@ from transport import rdma
 from transport import rdma_port as rp
 from transport.core import CoreInbound, native
 from transport.core_tcp import tcp_error
-from transport.errors import HandshakeError, PeerClosed, TransportError
+from transport.errors import BackendUnavailable, HandshakeError, PeerClosed, TransportError
 from transport.rdma import RdmaInbound, RdmaOutbound
 from transport.shm import slot_stride
 from transport.transport_settings import LIBIBVERBS
@@ -38,6 +39,8 @@ from transport.wire import QPInfo
 from transport.wire_rules import broke
 
 __all__ = ["CoreRdmaInbound", "CoreRdmaOutbound", "CoreVerbs", "verbs_library"]
+
+logger = logging.getLogger(__name__)
 
 # libibverbs.so.1, or a wheel's renamed copy (libibverbs-1de1263b.so.1.14.48.0); not pyverbs'
 # own modules (libibverbs.cpython-311-x86_64-linux-gnu.so)
@@ -85,8 +88,59 @@ class CoreVerbs:
             raise HandshakeError(f"rdma: the M2N core cannot open {choice.device} through {self.library} "
                                  f"({exc})") from None
 
+        self.registered: list = []  # (buffer, handle): a buffer stays alive while registered
+
+    def register(self, buffer) -> None:
+        """A buffer payloads will be sent from (Endpoint.register): the adapter then reads a
+        payload lying in it straight from it, with no copy into staging. Host memory (a CPU
+        tensor, a numpy array, a writable buffer) by address; a CUDA tensor through the dma-buf
+        its driver exports (GPUDirect RDMA), named by its device address. A buffer that cannot
+        be registered is said once and sent through staging (host) or refused at the post (GPU)."""
+        address, nbytes, device = buffer_span(buffer)
+        try:
+            if device:
+                handle = register_cuda_memory(self.domain, buffer, address, nbytes)
+            else:
+                handle = self.domain.register_host(address, nbytes)
+        except (RuntimeError, BackendUnavailable) as exc:
+            logger.warning("rdma: a %d-byte %s buffer stays unregistered on %s, so its payloads %s: %s", nbytes,
+                           "GPU" if device else "host", self.choice.device,
+                           "cannot be sent from it (stage them through host memory)" if device else
+                           "are copied into staging", exc)
+            return
+        self.registered.append((buffer, handle))
+
     def close(self) -> None:
+        self.registered.clear()
         self.domain = None  # the context closes with the last channel that holds it
+
+
+def buffer_span(buffer) -> tuple[int, int, bool]:
+    """(address, bytes, on a GPU) of a contiguous torch tensor, numpy array or writable buffer."""
+    if hasattr(buffer, "data_ptr"):
+        if not buffer.is_contiguous():
+            raise ValueError("a registered buffer must be contiguous")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), bool(buffer.is_cuda)
+    if hasattr(buffer, "__array_interface__"):
+        return buffer.__array_interface__["data"][0], buffer.nbytes, False
+    view = memoryview(buffer)
+    return rdma.buffer_address(buffer), view.nbytes, False
+
+
+def register_cuda_memory(domain, tensor, address: int, nbytes: int) -> int:
+    """Registers a CUDA tensor's memory with the core's domain through the dma-buf the CUDA
+    driver exports for its host-page-aligned range (rdma.register_cuda_tensor's steps), named
+    by its device address (iova), so SGEs carry device pointers as they are."""
+    if not domain.dmabuf_supported:
+        raise BackendUnavailable("this libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or later has it)")
+    driver = rdma.cuda_driver()
+    rdma.check_dmabuf_export(driver, tensor.device.index or 0)
+    start, span, offset = rdma.dmabuf_span(address, nbytes)
+    fd = rdma.export_dmabuf(driver, start, span)
+    try:
+        return domain.register_dmabuf(fd, offset, nbytes, address)
+    finally:
+        os.close(fd)  # the registration holds its own reference to the dma-buf
 
 
 class CoreQueuePair:

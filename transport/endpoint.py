@@ -235,12 +235,15 @@ class Endpoint:
         return count_slots(self.doorbell, self._channels, self._inbox)
 
     def register(self, buffer) -> None:
-        """Declare a host buffer (a contiguous CPU torch tensor) that payloads will be sent
-        from, for the life of this endpoint. Backends that write from registered memory
-        (nixl) then send a payload lying in it without copying it to staging first, after
-        `send` returned: its bytes must stay as they are until the receiver has the message
-        (its answer came back, or its slot was released). A hint: payloads anywhere else
-        still work, through staging."""
+        """Declare a buffer (a contiguous torch tensor) that payloads will be sent from, for the
+        life of this endpoint. Backends that write from registered memory (nixl; rdma in the
+        compiled core) then send a payload lying in it without copying it to staging first,
+        after `send` or a post returned: its bytes must stay as they are until the receiver has
+        the message (its answer came back, or its slot was released). Host memory is a hint:
+        payloads anywhere else still work, through staging. A CUDA tensor registered on an
+        endpoint whose rdma channels are the core's is read by the adapter itself (GPUDirect
+        RDMA, through the dma-buf CUDA exports): rounds may then post CUDA tensors lying in it,
+        to rdma peers only."""
         self.backends.register(buffer)
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":

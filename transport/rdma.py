@@ -826,6 +826,23 @@ def _cuda_call(driver, result, what: str):
     return values[0] if len(values) == 1 else values
 
 
+def check_dmabuf_export(driver, ordinal: int) -> None:
+    """BackendUnavailable unless GPU `ordinal`'s driver exports memory as dma-bufs."""
+    _cuda_call(driver, driver.cuInit(0), "cuInit")
+    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
+    if not _cuda_call(driver, driver.cuDeviceGetAttribute(attr, ordinal), "cuDeviceGetAttribute"):
+        raise BackendUnavailable(f"GPU {ordinal}'s driver does not support dma-buf export "
+                                 "(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0: it needs the open kernel modules)")
+
+
+def export_dmabuf(driver, start: int, span: int) -> int:
+    """A dma-buf file descriptor for device memory [start, start + span) (host-page aligned,
+    within one allocation: `dmabuf_span`); the caller closes it."""
+    kind = driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+    return int(_cuda_call(driver, driver.cuMemGetHandleForAddressRange(start, span, kind, 0),
+                          "cuMemGetHandleForAddressRange"))
+
+
 def register_cuda_tensor(pd, tensor, access: int | None = None) -> DeviceRegion:
     """Register a contiguous CUDA tensor's memory with `pd` through dma-buf (no host staging).
     The host-page-rounded range around it must lie in one CUDA allocation (PyTorch's caching
@@ -843,25 +860,18 @@ def register_cuda_tensor(pd, tensor, access: int | None = None) -> DeviceRegion:
     if not tensor.is_contiguous():
         raise BackendUnavailable("dma-buf registration takes a contiguous tensor")
     driver = cuda_driver()
-    _cuda_call(driver, driver.cuInit(0), "cuInit")
-    ordinal = tensor.device.index or 0
-    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
-    if not _cuda_call(driver, driver.cuDeviceGetAttribute(attr, ordinal), "cuDeviceGetAttribute"):
-        raise BackendUnavailable(f"GPU {ordinal}'s driver does not support dma-buf export "
-                                 "(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0: it needs the open kernel modules)")
+    check_dmabuf_export(driver, tensor.device.index or 0)
     nbytes = tensor.numel() * tensor.element_size()
     start, span, offset = dmabuf_span(tensor.data_ptr(), nbytes)
-    kind = driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
-    fd = _cuda_call(driver, driver.cuMemGetHandleForAddressRange(start, span, kind, 0),
-                    "cuMemGetHandleForAddressRange")
+    fd = export_dmabuf(driver, start, span)
     try:
-        mr = DmaBufMR(pd, nbytes, access_flags() if access is None else access, dmabuf=int(fd), offset=offset)
+        mr = DmaBufMR(pd, nbytes, access_flags() if access is None else access, dmabuf=fd, offset=offset)
     except PyverbsRDMAError as exc:
         if exc.error_code == errno.EOPNOTSUPP:
             raise BackendUnavailable("the RDMA driver cannot register dma-buf memory (EOPNOTSUPP)") from None
         raise BackendUnavailable(f"dma-buf registration failed ({exc})") from None
     finally:
-        os.close(int(fd))  # the registration holds its own reference to the dma-buf
+        os.close(fd)  # the registration holds its own reference to the dma-buf
     return DeviceRegion(mr, offset, nbytes)
 
 

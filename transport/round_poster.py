@@ -16,7 +16,7 @@ import numpy as np
 from transport.errors import PayloadTooLarge, PeerClosed, PeerTimeout, TransportError
 from transport.message import as_bytes
 from transport.peer_channels import PeerChannels
-from transport.rounds import CoreRound, MessageRound, RoundTable, byte_address, round_failed, row_ranges
+from transport.rounds import CoreRound, MessageRound, RoundTable, round_failed, row_ranges, send_span
 from transport.wakeups import Wakeups
 from transport.wire import check_header_fields
 
@@ -43,10 +43,10 @@ class RoundPoster:
         limit = self.spec.timeout_s if timeout is None else timeout
         if round_ is None:
             return self._post_each(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, limit)
-        address, nbytes = byte_address(buffer)
+        address, nbytes, device = send_span(buffer)
         # the arrays are converted to int64 by the core's binding where they are not already
         self._post_core(round_, micro_batch, limit, round_.native.post, step, layer, micro_batch, flags & 0xFFFF,
-                        address, nbytes, begins, ends, token_counts)
+                        address, nbytes, begins, ends, token_counts, device)
 
     def post_rows(self, peers, buffer, token_counts, row_bytes: int, step: int, layer: int, micro_batch: int,
                   flags: int, timeout: float | None) -> None:
@@ -55,10 +55,10 @@ class RoundPoster:
             begins, ends = row_ranges(token_counts, row_bytes)
             return self.post_round(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, timeout)
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
-        address, nbytes = byte_address(buffer)
+        address, nbytes, device = send_span(buffer)
         self._post_core(round_, micro_batch, self.spec.timeout_s if timeout is None else timeout,
                         round_.native.post_rows, step, layer, micro_batch, flags & 0xFFFF, address, nbytes,
-                        token_counts, row_bytes)
+                        token_counts, row_bytes, device)
 
     def _core_round_to_post(self, peers) -> CoreRound | None:
         """The core's round to these peers, or None where the post goes per message: channels the

@@ -39,6 +39,16 @@ def row_ranges(token_counts, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
 
 def byte_address(buffer) -> tuple[int, int]:
     """(address, bytes) of a contiguous CPU torch tensor or numpy array: what the core copies from."""
+    address, nbytes, device = send_span(buffer)
+    if device:
+        raise TypeError("round payloads are host memory: stage CUDA tensors through pinned buffers first")
+    return address, nbytes
+
+
+def send_span(buffer) -> tuple[int, int, bool]:
+    """(address, bytes, on a GPU) of what a post sends: a contiguous torch tensor (CPU, or CUDA
+    where every peer's channel sends GPU memory itself: rdma in the core, from a buffer given
+    to Endpoint.register; the core refuses the post otherwise) or numpy array."""
     try:
         address = buffer.data_ptr()  # torch
     except AttributeError:
@@ -47,12 +57,10 @@ def byte_address(buffer) -> tuple[int, int]:
                             f"{type(buffer).__name__}") from None
         if not buffer.flags.c_contiguous:
             raise ValueError("a round's buffer must be contiguous") from None
-        return buffer.__array_interface__["data"][0], buffer.nbytes
-    if buffer.is_cuda:
-        raise TypeError("round payloads are host memory: stage CUDA tensors through pinned buffers first")
+        return buffer.__array_interface__["data"][0], buffer.nbytes, False
     if not buffer.is_contiguous():
         raise ValueError("a round's buffer must be contiguous (call .contiguous())")
-    return address, buffer.nbytes
+    return address, buffer.nbytes, buffer.is_cuda
 
 
 class Arrivals:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import os
 import shutil
 import subprocess
 import threading
@@ -132,6 +133,7 @@ def pair(soft_verbs, hooks):
         inbound = native.VerbsInChannel(in_qp.native, slot_bytes, in_qp.stride, num_slots, sender)
         return out, inbound, out_qp, in_qp
 
+    build.verbs = verbs
     yield build
     for qp in made:
         qp.close()
@@ -290,3 +292,78 @@ def test_violations_are_worded_as_the_reference_words_them(pair):
         in str(wrong)
     credit = verbs_error(Channel, native.BAD_IMMEDIATE, (0 << 30) | 1, 1, (0,) * 9)
     assert "where a credit for a slot in use was expected" in str(credit)
+
+
+# -- payloads from registered memory: no staging copy; GPU memory through a dma-buf -------------
+class DeviceBuffer:
+    """What a post sees of a CUDA tensor (send_span): a device address this CPU must never
+    dereference. Here the address is a dma-buf's iova; the bytes live in a memfd the software
+    provider maps, as an adapter reaches a GPU's memory through the exported dma-buf."""
+
+    is_cuda = True
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.nbytes = address, nbytes
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def posts(hooks) -> tuple[int, int]:
+    longest, moved = ctypes.c_int(), ctypes.c_uint64()
+    return hooks.soft_verbs_posts(ctypes.byref(longest), ctypes.byref(moved)), longest.value
+
+
+def test_a_payload_in_a_registered_buffer_is_written_from_it_not_copied_into_staging(pair, hooks):
+    out, inbound, out_qp, in_qp = pair()
+    source = np.frombuffer(bytes(range(200)), dtype=np.uint8).copy()
+    domain = pair.verbs.domain
+    token = domain.register_host(source.__array_interface__["data"][0], source.nbytes)
+    calls = posts(hooks)[0]
+    assert out.try_send(1, 0, 0, 0, 2, memoryview(source)[10:110])
+    made, longest = posts(hooks)
+    assert made == calls + 1 and longest == 2  # one post carried both work requests: payload, then header
+    got = inbound.poll()
+    start = rdma.payload_offset(0, in_qp.stride)
+    assert Header._make(got[0][1]).byte_length == 100 and bytes(in_qp.view[start:start + 100]) == bytes(range(10, 110))
+    staged = rdma.payload_offset(0, out_qp.stride)
+    assert bytes(out_qp.view[staged:staged + 100]) == bytes(100)  # the sender's staging slot never held it
+    inbound.release(got[0][0])
+    assert out.try_send(1, 0, 0, 0, 1, b"copied")  # anywhere else: through staging, as before
+    assert bytes(out_qp.view[staged:staged + 6]) == b"copied"
+    domain.unregister(token)
+    with pytest.raises(IndexError):
+        domain.unregister(token)
+
+
+def test_gpu_memory_goes_from_a_registered_dmabuf_and_is_refused_from_anywhere_else(rdma_star, hooks):
+    hub, spokes, names = rdma_star(2)
+    pattern = bytes(np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8))
+    fd = os.memfd_create("gpu-stand-in")
+    try:
+        os.write(fd, pattern)
+        iova = 0x7F00_0000_0000  # never mapped in this process: a CPU read of it would crash the test
+        domain = hub.backends._rdma.domain
+        domain.register_dmabuf(fd, 0, len(pattern), iova)
+    finally:
+        os.close(fd)  # the registration keeps its own reference
+    hub.post_round(names, DeviceBuffer(iova, len(pattern)), [0, 4096], [4096, 8192], [1, 1], micro_batch=1)
+    for i, spoke in enumerate(spokes):
+        with spoke.recv("hub", micro_batch=1, timeout=5) as msg:
+            assert bytes(msg.data) == pattern[i * 4096:(i + 1) * 4096]
+    with pytest.raises(TypeError, match=r"peer 0's channel cannot send from GPU memory .*Endpoint\.register"):
+        hub.post_round(names, DeviceBuffer(iova + (1 << 20), 64), [0, 32], [32, 64], [1, 1], micro_batch=0)
+    assert hub.slots_in_use() == IDLE  # the refused post sent nothing
+
+
+def test_endpoint_register_reaches_the_cores_rdma_domain(rdma_star):
+    hub, spokes, names = rdma_star(1)
+    source = torch.arange(4096, dtype=torch.uint8)
+    hub.register(source)
+    assert hub.backends._rdma.domain.sources == 1
+    hub.post_round(names, source, [100], [1100], [1], micro_batch=0)
+    with spokes[0].recv("hub", micro_batch=0, timeout=5) as msg:
+        assert bytes(msg.data) == bytes(source[100:1100].numpy())

@@ -90,6 +90,9 @@ class Outbound {
   // After a round's writes and one fence: wake the receiver if it needs waking (shm's doorbell).
   virtual void after_round(uint16_t micro_batch) = 0;
   virtual size_t slot_bytes() const = 0;
+  // Whether write() may be given these bytes: `device` is GPU memory, which only a channel
+  // whose adapter reads it (rdma, from a registered dma-buf) can send; host memory always.
+  virtual bool can_send_from(const uint8_t*, size_t, bool device) const { return !device; }
   virtual bool is_closed() const = 0;
   virtual bool failed() const { return false; }  // the connection broke (tcp); the Python side says why
 };

@@ -300,23 +300,26 @@ class Round {
 
   // Posts peer i's bytes [begins[i], ends[i]) of the buffer at `address` with token count
   // counts[i]. Peers whose slot is still held are left pending (see retry()); returns how many.
+  // `device`: the buffer is GPU memory, which only channels whose adapter reads it may send
+  // (rdma from a registered dma-buf); any other peer fails the post before a byte moves.
   int post(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address, size_t nbytes,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> begins,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> ends,
-           py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts) {
+           py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts, bool device) {
     check_open();
     size_t n = out_.size();
     if (static_cast<size_t>(begins.size()) != n || static_cast<size_t>(ends.size()) != n ||
         static_cast<size_t>(counts.size()) != n)
       throw std::invalid_argument("post: one begin, end and token count per peer");
-    return post_ranges(step, layer, micro_batch, flags, address, nbytes, begins.data(), ends.data(), counts.data());
+    return post_ranges(step, layer, micro_batch, flags, address, nbytes, begins.data(), ends.data(), counts.data(),
+                       device);
   }
 
   // post() where peer i's bytes are counts[i] rows of `row_bytes`, the peers' rows end to end
   // from the buffer's start (an expert node's answers; a dispatch's records in node order).
   int post_rows(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address,
                 size_t nbytes, py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts,
-                int64_t row_bytes) {
+                int64_t row_bytes, bool device) {
     check_open();
     size_t n = out_.size();
     if (static_cast<size_t>(counts.size()) != n) throw std::invalid_argument("post_rows: one token count per peer");
@@ -330,7 +333,8 @@ class Round {
       at += c[i] * row_bytes;
       row_ends_[i] = at;
     }
-    return post_ranges(step, layer, micro_batch, flags, address, nbytes, row_begins_.data(), row_ends_.data(), c);
+    return post_ranges(step, layer, micro_batch, flags, address, nbytes, row_begins_.data(), row_ends_.data(), c,
+                       device);
   }
 
   // The first peer whose message breaks the round's expectations, or -1: its step (step < 0:
@@ -355,8 +359,9 @@ class Round {
 
  private:
   int post_ranges(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address,
-                  size_t nbytes, const int64_t* b, const int64_t* e, const int64_t* c) {
+                  size_t nbytes, const int64_t* b, const int64_t* e, const int64_t* c, bool device) {
     size_t n = out_.size();
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(address);
     for (size_t i = 0; i < n; ++i) {
       if (b[i] < 0 || e[i] < b[i] || static_cast<size_t>(e[i]) > nbytes)
         throw std::out_of_range("post: peer " + std::to_string(i) + "'s byte range [" + std::to_string(b[i]) + ", " +
@@ -365,6 +370,10 @@ class Round {
         throw std::length_error("post: peer " + std::to_string(i) + "'s " + std::to_string(e[i] - b[i]) +
                                 " bytes exceed its " + std::to_string(out_[i]->slot_bytes()) + "-byte slot");
       if (c[i] < 0 || c[i] > 0xFFFFFFFFLL) throw std::out_of_range("post: a token count outside 32 bits");
+      if (!out_[i]->can_send_from(base + b[i], static_cast<size_t>(e[i] - b[i]), device))
+        throw py::type_error("post: peer " + std::to_string(i) + "'s channel cannot send from GPU memory "
+                                    "(only rdma channels of the compiled core can, from a buffer given to "
+                                    "Endpoint.register): stage it through host memory");
     }
     post_ = PostArgs{step, layer, micro_batch, flags, reinterpret_cast<const uint8_t*>(address)};
     begins_.assign(b, b + n);
@@ -747,8 +756,12 @@ PYBIND11_MODULE(_m2n_core, m) {
   py::class_<Round>(m, "Round")
       .def(py::init<std::vector<Outbound*>, std::vector<Inbound*>, int, std::vector<int>>(),
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
-      .def("post", &Round::post)
-      .def("post_rows", &Round::post_rows)
+      .def("post", &Round::post, py::arg("step"), py::arg("layer"), py::arg("micro_batch"), py::arg("flags"),
+           py::arg("address"), py::arg("nbytes"), py::arg("begins"), py::arg("ends"), py::arg("counts"),
+           py::arg("device") = false)
+      .def("post_rows", &Round::post_rows, py::arg("step"), py::arg("layer"), py::arg("micro_batch"),
+           py::arg("flags"), py::arg("address"), py::arg("nbytes"), py::arg("counts"), py::arg("row_bytes"),
+           py::arg("device") = false)
       .def("check", &Round::check)
       .def_property_readonly("failed_count", &Round::failed_count)
       .def_property_readonly("send_failures", &Round::send_failures)

@@ -256,7 +256,7 @@ struct ibv_qp_attr {
 // enum values (verbs.h)
 constexpr int IBV_QPT_RC = 2;
 constexpr int IBV_QPS_RESET = 0, IBV_QPS_INIT = 1, IBV_QPS_RTR = 2, IBV_QPS_RTS = 3, IBV_QPS_ERR = 6;
-constexpr int IBV_WR_RDMA_WRITE_WITH_IMM = 1;
+constexpr int IBV_WR_RDMA_WRITE = 0, IBV_WR_RDMA_WRITE_WITH_IMM = 1;
 constexpr unsigned IBV_SEND_SIGNALED = 1u << 1;
 constexpr int IBV_WC_SUCCESS = 0, IBV_WC_WR_FLUSH_ERR = 5, IBV_WC_REM_ACCESS_ERR = 10, IBV_WC_RETRY_EXC_ERR = 12,
               IBV_WC_RNR_RETRY_EXC_ERR = 13;
@@ -279,6 +279,9 @@ struct Library {
   ibv_pd* (*alloc_pd)(ibv_context* context);
   int (*dealloc_pd)(ibv_pd* pd);
   ibv_mr* (*reg_mr)(ibv_pd* pd, void* addr, size_t length, int access);
+  // IBVERBS_1.12 (rdma-core 34): memory another driver exports as a dma-buf (GPU memory); null
+  // where the library is older.
+  ibv_mr* (*reg_dmabuf_mr)(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd, int access);
   int (*dereg_mr)(ibv_mr* mr);
   ibv_comp_channel* (*create_comp_channel)(ibv_context* context);
   int (*destroy_comp_channel)(ibv_comp_channel* channel);

@@ -85,6 +85,7 @@ class VerbsLibrary {
     bind(fn_.dealloc_pd, "ibv_dealloc_pd", "IBVERBS_1.1");
     bind(fn_.reg_mr, "ibv_reg_mr", "IBVERBS_1.1");
     bind(fn_.dereg_mr, "ibv_dereg_mr", "IBVERBS_1.1");
+    bind(fn_.reg_dmabuf_mr, "ibv_reg_dmabuf_mr", "IBVERBS_1.12", /*required=*/false);
     bind(fn_.create_comp_channel, "ibv_create_comp_channel", "IBVERBS_1.0");
     bind(fn_.destroy_comp_channel, "ibv_destroy_comp_channel", "IBVERBS_1.0");
     bind(fn_.create_cq, "ibv_create_cq", "IBVERBS_1.1");
@@ -122,10 +123,10 @@ class VerbsLibrary {
 
  private:
   template <typename F>
-  void bind(F& slot, const char* name, const char* version) {
+  void bind(F& slot, const char* name, const char* version, bool required = true) {
     void* sym = dlvsym(handle_, name, version);
     if (!sym) sym = dlsym(handle_, name);
-    if (!sym) throw std::runtime_error(path_ + " has no " + name + " (not a libibverbs?)");
+    if (!sym && required) throw std::runtime_error(path_ + " has no " + name + " (not a libibverbs?)");
     slot = reinterpret_cast<F>(sym);
   }
 
@@ -170,6 +171,7 @@ class VerbsDomain {
   }
   ~VerbsDomain() {
     const Library& f = lib_->fn();
+    for (auto& src : sources_) f.dereg_mr(src.mr);
     f.destroy_comp_channel(events_);
     f.dealloc_pd(pd_);
     f.close_device(ctx_);
@@ -183,6 +185,54 @@ class VerbsDomain {
     ibv_cq* cq = nullptr;
     void* context = nullptr;
     while (lib_->fn().get_cq_event(events_, &cq, &context) == 0) lib_->fn().ack_cq_events(cq, 1);
+  }
+
+  // Memory payloads will be sent from (Endpoint.register): host memory by address, GPU memory
+  // by the dma-buf its driver exports (`iova`: the address SGEs name it by, its device
+  // address). Returns a handle for unregister().
+  int register_host(uintptr_t address, size_t length) {
+    ibv_mr* mr = lib_->fn().reg_mr(pd_, reinterpret_cast<void*>(address), length, IBV_ACCESS_LOCAL_WRITE);
+    if (!mr) throw std::runtime_error("cannot register " + std::to_string(length) + " bytes of host memory on " +
+                                      device_ + " (" + strerror(errno) + ")");
+    return add_source(mr, address, length, false);
+  }
+  int register_dmabuf(int fd, uint64_t offset, size_t length, uint64_t iova) {
+    if (!lib_->fn().reg_dmabuf_mr)
+      throw std::runtime_error(lib_->path() + " has no ibv_reg_dmabuf_mr (rdma-core 34 or later registers dma-bufs)");
+    ibv_mr* mr = lib_->fn().reg_dmabuf_mr(pd_, offset, length, iova, fd, IBV_ACCESS_LOCAL_WRITE);
+    if (!mr) {
+      int err = errno;
+      throw std::runtime_error("cannot register a " + std::to_string(length) + "-byte dma-buf on " + device_ + " (" +
+                               strerror(err) + (err == EOPNOTSUPP ? ": the RDMA driver cannot map dma-bufs" : "") +
+                               ")");
+    }
+    return add_source(mr, iova, length, true);
+  }
+  void unregister(int handle) {
+    std::lock_guard<std::mutex> hold(sources_lock_);
+    for (auto it = sources_.begin(); it != sources_.end(); ++it)
+      if (it->handle == handle) {
+        lib_->fn().dereg_mr(it->mr);
+        sources_.erase(it);
+        return;
+      }
+    throw std::out_of_range("no registered memory " + std::to_string(handle));
+  }
+  // The local key of a registered region holding [p, p + n), or false; *device: GPU memory.
+  bool find_source(const uint8_t* p, size_t n, uint32_t* lkey, bool* device) {
+    uint64_t a = reinterpret_cast<uint64_t>(p);
+    std::lock_guard<std::mutex> hold(sources_lock_);
+    for (auto& src : sources_)
+      if (a >= src.start && a + n <= src.start + src.length) {
+        *lkey = src.mr->lkey;
+        *device = src.device;
+        return true;
+      }
+    return false;
+  }
+  size_t sources() {
+    std::lock_guard<std::mutex> hold(sources_lock_);
+    return sources_.size();
   }
 
   const Library& fn() const { return lib_->fn(); }
@@ -200,6 +250,22 @@ class VerbsDomain {
   ibv_comp_channel* events_ = nullptr;
   std::mutex events_lock_;
   std::string device_;
+
+  struct Source {
+    int handle;
+    ibv_mr* mr;
+    uint64_t start;
+    size_t length;
+    bool device;
+  };
+  int add_source(ibv_mr* mr, uint64_t start, size_t length, bool device) {
+    std::lock_guard<std::mutex> hold(sources_lock_);
+    sources_.push_back({next_handle_, mr, start, length, device});
+    return next_handle_++;
+  }
+  std::mutex sources_lock_;
+  std::vector<Source> sources_;
+  int next_handle_ = 1;
 };
 
 // Where the peer's queue pair is and how to reach it (transport/core_rdma.py fills it from the
@@ -303,6 +369,33 @@ class VerbsQueuePair {
   // next poll says why).
   bool write_locked(size_t offset, size_t n, uint32_t tag) {
     return post_write(base_ + offset, n, remote_addr_ + offset, tag);
+  }
+  // A message whose payload lies in registered memory (`lkey`): the adapter reads the payload
+  // from there into the peer's slot, then the header from this region's slot with `tag`: two
+  // work requests chained in one post, on one queue pair, so RC places the payload before the
+  // peer sees the header's completion. Caller holds lock_.
+  bool write_direct_locked(size_t header_offset, const uint8_t* payload, size_t n, uint32_t lkey, uint32_t tag) {
+    ibv_sge body{reinterpret_cast<uint64_t>(payload), static_cast<uint32_t>(n), lkey};
+    ibv_sge head{reinterpret_cast<uint64_t>(base_ + header_offset), static_cast<uint32_t>(sizeof(WireHeader)),
+                 mr_->lkey};
+    ibv_send_wr wr[2]{};
+    wr[0].wr_id = tag;
+    wr[0].next = &wr[1];
+    wr[0].sg_list = &body;
+    wr[0].num_sge = 1;
+    wr[0].opcode = IBV_WR_RDMA_WRITE;  // unsignaled: the header's completion covers it
+    wr[0].wr.rdma.remote_addr = remote_addr_ + header_offset + sizeof(WireHeader);
+    wr[0].wr.rdma.rkey = remote_rkey_;
+    wr[1].wr_id = tag;
+    wr[1].sg_list = &head;
+    wr[1].num_sge = 1;
+    wr[1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    wr[1].send_flags = IBV_SEND_SIGNALED;
+    wr[1].imm_data = htonl(tag);
+    wr[1].wr.rdma.remote_addr = remote_addr_ + header_offset;
+    wr[1].wr.rdma.rkey = remote_rkey_;
+    ibv_send_wr* bad = nullptr;
+    return qp_->context->ops.post_send(qp_, wr, &bad) == 0;
   }
   // The 1-byte credit write into the peer's credit sink. Caller holds lock_.
   bool credit_locked(uint32_t slot) {
@@ -427,11 +520,18 @@ class VerbsOutChannel : public Outbound {
     if (failure_ || !take_credits_locked()) return false;
     uint32_t slot = micro_batch % num_slots_;
     if (busy_[slot]) return false;
-    size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;  // header, then payload, written as one
+    size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;  // header, then payload
     WireHeader h{kMagic, step, layer, micro_batch, rank_, flags, token_count, seq_, n};
     std::memcpy(qp_->base_ + at, &h, sizeof h);
-    if (n) std::memcpy(qp_->base_ + at + sizeof h, payload, n);
-    if (!qp_->write_locked(at, sizeof h + n, pack_tag(kImmData, channel_id_, slot))) {
+    uint32_t tag = pack_tag(kImmData, channel_id_, slot), lkey = 0;
+    bool device = false, posted;
+    if (n && qp_->domain()->find_source(payload, n, &lkey, &device)) {  // registered: no staging copy
+      posted = qp_->write_direct_locked(at, payload, n, lkey, tag);
+    } else {
+      if (n) std::memcpy(qp_->base_ + at + sizeof h, payload, n);
+      posted = qp_->write_locked(at, sizeof h + n, tag);
+    }
+    if (!posted) {
       record(kPostFailed, errno, 0);
       return false;
     }
@@ -440,6 +540,13 @@ class VerbsOutChannel : public Outbound {
     return true;
   }
   void after_round(uint16_t) override {}  // the post is the send: nothing to ring
+  // GPU memory only from a registered dma-buf (the adapter reads it; this CPU never does).
+  bool can_send_from(const uint8_t* p, size_t n, bool device) const override {
+    if (!device || n == 0) return true;
+    uint32_t lkey = 0;
+    bool is_device = false;
+    return qp_->domain()->find_source(p, n, &lkey, &is_device) && is_device;
+  }
   size_t slot_bytes() const override { return slot_bytes_; }
   bool is_closed() const override { return !qp_->open(); }
   bool failed() const override { return failure_ != kNone; }
@@ -579,7 +686,13 @@ void register_verbs(py::module_& m) {
       .def(py::init<const std::string&, const std::string&>(), py::arg("library"), py::arg("device"))
       .def_property_readonly("device", &VerbsDomain::device)
       .def_property_readonly("library", &VerbsDomain::library)
-      .def_property_readonly("event_fd", &VerbsDomain::event_fd);
+      .def_property_readonly("event_fd", &VerbsDomain::event_fd)
+      .def("register_host", &VerbsDomain::register_host, py::arg("address"), py::arg("length"))
+      .def("register_dmabuf", &VerbsDomain::register_dmabuf, py::arg("fd"), py::arg("offset"), py::arg("length"),
+           py::arg("iova"))
+      .def("unregister", &VerbsDomain::unregister)
+      .def_property_readonly("sources", &VerbsDomain::sources)
+      .def_property_readonly("dmabuf_supported", [](VerbsDomain& d) { return d.fn().reg_dmabuf_mr != nullptr; });
 
   py::class_<Route>(m, "VerbsRoute")
       .def(py::init([](uint32_t qp_num, uint32_t psn, uint64_t addr, uint32_t rkey, int path_mtu, bool is_global,

@@ -14,6 +14,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -49,13 +50,23 @@ struct SoftQP {
 
 struct SoftMR {
   ibv_mr base;
+  int access = 0;
+  uint8_t* host = nullptr;  // where this process reaches byte 0 of the region
+  bool mapped = false;      // a dma-buf's own mapping (unmapped at deregistration)
 };
+
+// The address this process reaches `addr` (named by the region's iova) at.
+uint8_t* reach(const SoftMR* mr, uint64_t addr) {
+  return mr->host + (addr - reinterpret_cast<uint64_t>(mr->base.addr));
+}
 
 std::mutex lock;
 std::map<uint32_t, SoftQP*> qps;
 std::map<uint32_t, SoftMR*> mrs_by_key;
 uint32_t next_qpn = 0x100, next_key = 0x1000;
 int events_taken = 0;  // completion events handed out by ibv_get_cq_event
+int posts = 0, longest_chain = 0;  // ibv_post_send calls, and the most work requests one carried
+uint64_t bytes_moved = 0;
 char device_token;  // ibv_device* is opaque: any address will do
 ibv_device* devices[2] = {reinterpret_cast<ibv_device*>(&device_token), nullptr};
 
@@ -134,8 +145,10 @@ int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   std::lock_guard<std::mutex> hold(lock);
   auto* q = reinterpret_cast<SoftQP*>(qp);
+  int chained = 0;
   for (; wr; wr = wr->next) {
-    if (wr->opcode != IBV_WR_RDMA_WRITE_WITH_IMM || wr->num_sge != 1) {
+    chained += 1;
+    if ((wr->opcode != IBV_WR_RDMA_WRITE_WITH_IMM && wr->opcode != IBV_WR_RDMA_WRITE) || wr->num_sge != 1) {
       *bad = wr;
       return EINVAL;
     }
@@ -159,14 +172,18 @@ int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
     } else {
       auto remote = mrs_by_key.find(wr->wr.rdma.rkey);
       SoftQP* p = peer->second;
-      if (remote == mrs_by_key.end() || !covers(remote->second, wr->wr.rdma.remote_addr, sge.length)) {
+      bool imm = wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
+      if (remote == mrs_by_key.end() || !covers(remote->second, wr->wr.rdma.remote_addr, sge.length) ||
+          !(remote->second->access & IBV_ACCESS_REMOTE_WRITE)) {
         status = IBV_WC_REM_ACCESS_ERR;
         to_error(p);
-      } else if (p->recvs == 0) {
+      } else if (imm && p->recvs == 0) {
         status = IBV_WC_RNR_RETRY_EXC_ERR;
       } else {
-        std::memmove(reinterpret_cast<void*>(wr->wr.rdma.remote_addr), reinterpret_cast<void*>(sge.addr),
-                     sge.length);
+        std::memmove(reach(remote->second, wr->wr.rdma.remote_addr), reach(local->second, sge.addr), sge.length);
+        bytes_moved += sge.length;
+      }
+      if (status == IBV_WC_SUCCESS && imm) {
         p->recvs -= 1;
         ibv_wc got = completion(p->recv_ids.front(), IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM, p->base.qp_num);
         p->recv_ids.pop_front();
@@ -184,6 +201,8 @@ int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
       push(qp->send_cq, completion(wr->wr_id, IBV_WC_SUCCESS, IBV_WC_RDMA_WRITE, qp->qp_num));
     }
   }
+  posts += 1;
+  longest_chain = chained > longest_chain ? chained : longest_chain;
   return 0;
 }
 
@@ -222,13 +241,27 @@ int ibv_dealloc_pd(ibv_pd* pd) {
 }
 
 ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
-  if (!(access & IBV_ACCESS_LOCAL_WRITE) || !(access & IBV_ACCESS_REMOTE_WRITE)) {
-    errno = EINVAL;  // what these tests expect the core to ask for
-    return nullptr;
-  }
   std::lock_guard<std::mutex> hold(lock);
   auto* mr = new SoftMR{};
   mr->base = ibv_mr{pd->context, pd, addr, length, 0, next_key, next_key};
+  mr->access = access;
+  mr->host = static_cast<uint8_t*>(addr);
+  mrs_by_key[next_key] = mr;
+  next_key += 1;
+  return &mr->base;
+}
+
+// A dma-buf's memory is reached through its own mapping (a memfd here stands for a GPU's
+// export): SGEs name it by `iova`, and the copies translate iova to the mapping.
+ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd, int access) {
+  void* mapped = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  if (mapped == MAP_FAILED) return nullptr;
+  std::lock_guard<std::mutex> hold(lock);
+  auto* mr = new SoftMR{};
+  mr->base = ibv_mr{pd->context, pd, reinterpret_cast<void*>(iova), length, 0, next_key, next_key};
+  mr->access = access;
+  mr->host = static_cast<uint8_t*>(mapped);
+  mr->mapped = true;
   mrs_by_key[next_key] = mr;
   next_key += 1;
   return &mr->base;
@@ -236,7 +269,9 @@ ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
 int ibv_dereg_mr(ibv_mr* mr) {
   std::lock_guard<std::mutex> hold(lock);
   mrs_by_key.erase(mr->lkey);
-  delete reinterpret_cast<SoftMR*>(mr);
+  auto* soft = reinterpret_cast<SoftMR*>(mr);
+  if (soft->mapped) munmap(soft->host, mr->length);
+  delete soft;
   return 0;
 }
 
@@ -383,6 +418,14 @@ int soft_verbs_attr(uint32_t qpn, ibv_qp_attr* out, int* state) {
 int soft_verbs_events() {
   std::lock_guard<std::mutex> hold(lock);
   return events_taken;
+}
+
+// ibv_post_send calls so far, the most work requests one of them chained, and the bytes written.
+int soft_verbs_posts(int* longest, uint64_t* bytes) {
+  std::lock_guard<std::mutex> hold(lock);
+  *longest = longest_chain;
+  *bytes = bytes_moved;
+  return posts;
 }
 
 // Queue pairs and registered regions alive (leak checks).

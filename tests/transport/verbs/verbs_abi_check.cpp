@@ -80,7 +80,8 @@ SAME_AT(ibv_qp_attr, rnr_retry);
 static_assert(ours::IBV_QPT_RC == IBV_QPT_RC && ours::IBV_QPS_RESET == IBV_QPS_RESET &&
               ours::IBV_QPS_INIT == IBV_QPS_INIT && ours::IBV_QPS_RTR == IBV_QPS_RTR &&
               ours::IBV_QPS_RTS == IBV_QPS_RTS && ours::IBV_QPS_ERR == IBV_QPS_ERR, "qp types and states");
-static_assert(ours::IBV_WR_RDMA_WRITE_WITH_IMM == IBV_WR_RDMA_WRITE_WITH_IMM &&
+static_assert(ours::IBV_WR_RDMA_WRITE == IBV_WR_RDMA_WRITE &&
+              ours::IBV_WR_RDMA_WRITE_WITH_IMM == IBV_WR_RDMA_WRITE_WITH_IMM &&
               ours::IBV_SEND_SIGNALED == IBV_SEND_SIGNALED, "work request opcode and flags");
 static_assert(ours::IBV_WC_SUCCESS == IBV_WC_SUCCESS && ours::IBV_WC_WR_FLUSH_ERR == IBV_WC_WR_FLUSH_ERR &&
               ours::IBV_WC_REM_ACCESS_ERR == IBV_WC_REM_ACCESS_ERR &&
@@ -99,3 +100,4 @@ static_assert(ours::IBV_QP_STATE == IBV_QP_STATE && ours::IBV_QP_ACCESS_FLAGS ==
               ours::IBV_QP_MIN_RNR_TIMER == IBV_QP_MIN_RNR_TIMER && ours::IBV_QP_SQ_PSN == IBV_QP_SQ_PSN &&
               ours::IBV_QP_MAX_DEST_RD_ATOMIC == IBV_QP_MAX_DEST_RD_ATOMIC && ours::IBV_QP_DEST_QPN == IBV_QP_DEST_QPN,
               "modify_qp attribute masks");
+
