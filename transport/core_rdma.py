@@ -111,6 +111,8 @@ class CoreVerbs:
         self.registered.append((buffer, handle))
 
     def close(self) -> None:
+        for _, handle in self.registered:  # deregistered before the buffers may go
+            self.domain.unregister(handle)
         self.registered.clear()
         self.domain = None  # the context closes with the last channel that holds it
 

@@ -367,3 +367,6 @@ def test_endpoint_register_reaches_the_cores_rdma_domain(rdma_star):
     hub.post_round(names, source, [100], [1100], [1], micro_batch=0)
     with spokes[0].recv("hub", micro_batch=0, timeout=5) as msg:
         assert bytes(msg.data) == bytes(source[100:1100].numpy())
+    domain = hub.backends._rdma.domain
+    hub.close()
+    assert domain.sources == 0  # deregistered with the endpoint, before the buffer may go

@@ -36,6 +36,7 @@
 #include <errno.h>
 #include <fcntl.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -179,13 +180,18 @@ class VerbsDomain {
   VerbsDomain(const VerbsDomain&) = delete;
   VerbsDomain& operator=(const VerbsDomain&) = delete;
 
-  // Takes every completion event waiting on the channel and acknowledges it.
+  // Takes every completion event waiting on the channel and acknowledges it; a no-op (no
+  // system call) unless a queue was armed since the last time, so a Round waking from a sleep
+  // over N channels reads the channel once. An event that fires after that read is taken
+  // after the next sleep's arming (one early wake at most).
   void drain_events() {
+    if (armed_.exchange(0, std::memory_order_acq_rel) == 0) return;
     std::lock_guard<std::mutex> hold(events_lock_);
     ibv_cq* cq = nullptr;
     void* context = nullptr;
     while (lib_->fn().get_cq_event(events_, &cq, &context) == 0) lib_->fn().ack_cq_events(cq, 1);
   }
+  void note_armed() { armed_.fetch_add(1, std::memory_order_acq_rel); }
 
   // Memory payloads will be sent from (Endpoint.register): host memory by address, GPU memory
   // by the dma-buf its driver exports (`iova`: the address SGEs name it by, its device
@@ -249,6 +255,7 @@ class VerbsDomain {
   ibv_pd* pd_ = nullptr;
   ibv_comp_channel* events_ = nullptr;
   std::mutex events_lock_;
+  std::atomic<int> armed_{0};  // queues armed since the last drain
   std::string device_;
 
   struct Source {
@@ -431,7 +438,10 @@ class VerbsQueuePair {
   }
 
   // Asks for a completion event on the next completion (before a Round sleeps).
-  void arm_locked() { qp_->context->ops.req_notify_cq(cq_, 0); }
+  void arm_locked() {
+    domain_->note_armed();
+    qp_->context->ops.req_notify_cq(cq_, 0);
+  }
 
   void destroy() {
     std::lock_guard<std::mutex> hold(lock_);
@@ -476,7 +486,8 @@ class VerbsQueuePair {
     const Library& f = domain_->fn();
     if (qp_) f.destroy_qp(qp_);  // the queue pair before what it uses
     if (cq_) {
-      domain_->drain_events();  // destroy_cq waits for every event of its queue to be acknowledged
+      domain_->note_armed();  // take what is waiting: destroy_cq waits for its queue's events to be acknowledged
+      domain_->drain_events();
       f.destroy_cq(cq_);
     }
     if (mr_) f.dereg_mr(mr_);  // the adapter stops using the pages before the export goes
