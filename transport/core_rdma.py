@@ -42,6 +42,11 @@ __all__ = ["CoreRdmaInbound", "CoreRdmaOutbound", "CoreVerbs", "verbs_library"]
 
 logger = logging.getLogger(__name__)
 
+# Send and receive queue entries per slot: a message from registered memory takes two send
+# requests, and a slot may be written again (its credit came back) before the completion of
+# its last message was polled; the core holds a message back while the send queue is full.
+QUEUE_DEPTH_PER_SLOT = 4
+
 # libibverbs.so.1, or a wheel's renamed copy (libibverbs-1de1263b.so.1.14.48.0); not pyverbs'
 # own modules (libibverbs.cpython-311-x86_64-linux-gnu.so)
 LIBRARY_NAME = re.compile(r"libibverbs(-[0-9a-f]+)?\.so(\.[0-9.]+)?$")
@@ -61,18 +66,20 @@ def verbs_library(environ=None) -> str:
     if named:
         return named
     try:
-        importlib.import_module("pyverbs.device")  # loads pyverbs' libibverbs and what that needs
+        pyverbs = importlib.import_module("pyverbs.device")  # loads pyverbs' libibverbs and what that needs
     except ImportError:
         return "libibverbs.so.1"
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                if LIBRARY_NAME.match(os.path.basename(path)):
-                    return path
+            loaded = [path for line in maps if LIBRARY_NAME.match(os.path.basename(
+                path := line.split(maxsplit=5)[-1].strip()))]
     except OSError:
-        pass
-    return "libibverbs.so.1"
+        loaded = []
+    # pyverbs' own (beside its package: pyverbs.libs/), where another library (NCCL, UCX) loaded
+    # the system's too; else the one loaded
+    site = os.path.dirname(os.path.dirname(os.path.abspath(pyverbs.__file__)))
+    ours = [path for path in loaded if path.startswith(site + os.sep)]
+    return (ours or loaded or ["libibverbs.so.1"])[0]
 
 
 class CoreVerbs:
@@ -158,7 +165,7 @@ class CoreQueuePair:
         self.view = memoryview(self.map)
         try:
             self.native = native.VerbsQueuePair(verbs.domain, self.map, self.choice.port,
-                                                num_slots * rdma.RECV_DEPTH_PER_SLOT + rdma.EXTRA_DEPTH)
+                                                num_slots * QUEUE_DEPTH_PER_SLOT + rdma.EXTRA_DEPTH)
         except RuntimeError as exc:
             self._unmap()
             raise HandshakeError(f"rdma: cannot set up a queue pair on {self.choice.where} ({exc})") from None

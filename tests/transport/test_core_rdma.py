@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import mmap
 import os
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from transport.core import native
 from transport.core_rdma import CoreQueuePair, CoreRdmaInbound, CoreRdmaOutbound, CoreVerbs, verbs_library
 from transport.errors import PeerClosed
 from transport.rounds import CoreRound
+from transport.shm import slot_stride
 from transport.wire import Header
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +71,7 @@ def hooks(soft_verbs):
     lib.soft_verbs_break.argtypes = [ctypes.c_uint32]
     lib.soft_verbs_attr.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
     lib.soft_verbs_live.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.soft_verbs_hold_send_completions.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -171,6 +174,46 @@ def test_messages_land_in_place_and_credits_free_the_slots(pair):
     inbound.release(0)
     assert out.unreleased() == 1 and out.try_send(7, 1, 2, 0, 4, b"again")
     assert [Header._make(f).seq for _, f in inbound.poll()] == [2]
+
+
+def test_a_full_send_queue_holds_messages_and_credits_back_until_a_completion_frees_room(soft_verbs, hooks):
+    verbs = CoreVerbs(SOFT, soft_verbs)
+    regions = [mmap.mmap(-1, rdma.region_bytes(slot_stride(256), 2)) for _ in range(2)]
+    a = native.VerbsQueuePair(verbs.domain, regions[0], 1, 2)  # room for two send requests
+    b = native.VerbsQueuePair(verbs.domain, regions[1], 1, 1)  # for one: its credits queue up
+    try:
+        for qp, peer in ((a, b), (b, a)):
+            qp.connect(native.VerbsRoute(qp_num=peer.qp_num, psn=0, addr=peer.address, rkey=peer.rkey, path_mtu=5,
+                                         is_global=True, dgid=SOFT_GID.raw, dlid=0, sgid_index=3, hop_limit=64,
+                                         port=1, sq_psn=0, min_rnr_timer=12, timeout=14, retry_cnt=7, rnr_retry=7,
+                                         max_rd_atomic=1))
+        out = native.VerbsOutChannel(a, 256, slot_stride(256), 2, 0, 0)
+        inbound = native.VerbsInChannel(b, 256, slot_stride(256), 2, 0)
+        hooks.soft_verbs_hold_send_completions(1)  # the adapter has not reported any write yet
+        assert out.try_send(0, 0, 0, 0, 0, b"a") and len(inbound.poll()) == 1
+        inbound.release(0)  # b's one send request: this credit
+        assert out.try_send(0, 0, 1, 0, 0, b"b") and len(inbound.poll()) == 1
+        inbound.release(1)  # no room: the credit waits in the core
+        assert not out.try_send(0, 0, 0, 0, 0, b"c") and not out.failed  # a's queue is full: held back
+        assert out.unreleased() == 1  # slot 1's credit has not gone
+        hooks.soft_verbs_hold_send_completions(0)
+        assert inbound.poll() == [] and out.unreleased() == 0  # b's completion freed room, the credit went
+        for seq, (mb, data) in enumerate(((0, b"c"), (1, b"d")), start=2):  # b keeps one receive posted
+            assert out.try_send(0, 0, mb, 0, 0, data)
+            assert [Header._make(f).seq for _, f in inbound.poll()] == [seq]
+        assert not out.failed and inbound.violation == 0
+    finally:
+        hooks.soft_verbs_hold_send_completions(0)
+        a.close()
+        b.close()
+
+
+def test_a_closed_channels_region_stays_mapped_while_the_core_holds_it(pair):
+    out, inbound, _, in_qp = pair()
+    assert out.try_send(1, 0, 0, 0, 0, b"x") and len(inbound.poll()) == 1
+    in_qp.close()  # another thread's close, while a round may still copy out of a payload
+    assert not in_qp.map.closed and inbound.poll() == []  # the mapping outlives the queue pair
+    assert inbound.violation == native.CLOSED
 
 
 def test_a_header_that_breaks_a_rule_is_the_channels_violation(pair):

@@ -257,7 +257,7 @@ struct ibv_qp_attr {
 constexpr int IBV_QPT_RC = 2;
 constexpr int IBV_QPS_RESET = 0, IBV_QPS_INIT = 1, IBV_QPS_RTR = 2, IBV_QPS_RTS = 3, IBV_QPS_ERR = 6;
 constexpr int IBV_WR_RDMA_WRITE = 0, IBV_WR_RDMA_WRITE_WITH_IMM = 1;
-constexpr unsigned IBV_SEND_SIGNALED = 1u << 1;
+constexpr unsigned IBV_SEND_SIGNALED = 1u << 1, IBV_SEND_SOLICITED = 1u << 2;
 constexpr int IBV_WC_SUCCESS = 0, IBV_WC_WR_FLUSH_ERR = 5, IBV_WC_REM_ACCESS_ERR = 10, IBV_WC_RETRY_EXC_ERR = 12,
               IBV_WC_RNR_RETRY_EXC_ERR = 13;
 constexpr int IBV_WC_RDMA_WRITE = 1, IBV_WC_RECV_RDMA_WITH_IMM = (1 << 7) + 1;

@@ -326,9 +326,19 @@ class VerbsQueuePair {
     recv_wr_.sg_list = &recv_sge_;
     recv_wr_.num_sge = 1;
     for (uint32_t i = 0; i < depth; ++i)
-      if (!post_recv()) fail_setup("cannot post the receives on " + dev);
+      if (int err = post_recv()) {
+        errno = err;
+        fail_setup("cannot post the receives on " + dev);
+      }
   }
-  ~VerbsQueuePair() { destroy(); }
+  // The region's buffer export goes only here, with the object (whose last owner is a Python
+  // object, so the GIL is held): a Round may still be copying out of a payload when another
+  // thread closes the channel, and the mapping must outlive that copy, as shm's Mapping does.
+  ~VerbsQueuePair() {
+    destroy();
+    py::gil_scoped_acquire gil;
+    info_.reset();
+  }
 
   // RESET..INIT -> RTR -> RTS towards the peer (rdma.py's rtr_attr and rts_attr).
   void connect(const Route& r) {
@@ -371,42 +381,50 @@ class VerbsQueuePair {
     connected_ = true;
   }
 
-  // Bytes [offset, offset + n) of this region to the same offset of the peer's, with `tag`.
-  // Caller holds lock_. False if the post failed (the queue pair is in error: the caller's
-  // next poll says why).
-  bool write_locked(size_t offset, size_t n, uint32_t tag) {
-    return post_write(base_ + offset, n, remote_addr_ + offset, tag);
+  // Whether the send queue has room for `wrs` more work requests now: each signaled
+  // completion polled frees the requests up to it (its wr_id says how many), so a full queue
+  // is a message left pending, not a failure.
+  bool room_locked(uint32_t wrs) const { return sends_out_ + wrs <= depth_; }
+
+  // Bytes [offset, offset + n) of this region to the same offset of the peer's, with `tag`
+  // (solicited: a sleeping receiver wakes for it). Caller holds lock_ and checked room_locked.
+  // 0, or the error ibv_post_send returned.
+  int write_locked(size_t offset, size_t n, uint32_t tag) {
+    return post_write(base_ + offset, n, remote_addr_ + offset, tag, IBV_SEND_SOLICITED);
   }
   // A message whose payload lies in registered memory (`lkey`): the adapter reads the payload
   // from there into the peer's slot, then the header from this region's slot with `tag`: two
   // work requests chained in one post, on one queue pair, so RC places the payload before the
   // peer sees the header's completion. Caller holds lock_.
-  bool write_direct_locked(size_t header_offset, const uint8_t* payload, size_t n, uint32_t lkey, uint32_t tag) {
+  int write_direct_locked(size_t header_offset, const uint8_t* payload, size_t n, uint32_t lkey, uint32_t tag) {
     ibv_sge body{reinterpret_cast<uint64_t>(payload), static_cast<uint32_t>(n), lkey};
     ibv_sge head{reinterpret_cast<uint64_t>(base_ + header_offset), static_cast<uint32_t>(sizeof(WireHeader)),
                  mr_->lkey};
     ibv_send_wr wr[2]{};
-    wr[0].wr_id = tag;
+    wr[0].wr_id = 0;
     wr[0].next = &wr[1];
     wr[0].sg_list = &body;
     wr[0].num_sge = 1;
     wr[0].opcode = IBV_WR_RDMA_WRITE;  // unsignaled: the header's completion covers it
     wr[0].wr.rdma.remote_addr = remote_addr_ + header_offset + sizeof(WireHeader);
     wr[0].wr.rdma.rkey = remote_rkey_;
-    wr[1].wr_id = tag;
+    wr[1].wr_id = 2;  // the work requests this completion frees
     wr[1].sg_list = &head;
     wr[1].num_sge = 1;
     wr[1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-    wr[1].send_flags = IBV_SEND_SIGNALED;
+    wr[1].send_flags = IBV_SEND_SIGNALED | IBV_SEND_SOLICITED;
     wr[1].imm_data = htonl(tag);
     wr[1].wr.rdma.remote_addr = remote_addr_ + header_offset;
     wr[1].wr.rdma.rkey = remote_rkey_;
     ibv_send_wr* bad = nullptr;
-    return qp_->context->ops.post_send(qp_, wr, &bad) == 0;
+    int err = qp_->context->ops.post_send(qp_, wr, &bad);
+    if (!err) sends_out_ += 2;
+    return err;
   }
-  // The 1-byte credit write into the peer's credit sink. Caller holds lock_.
-  bool credit_locked(uint32_t slot) {
-    return post_write(base_ + kCreditSource, 1, remote_addr_ + kCreditSink, pack_tag(kImmCredit, 0, slot));
+  // The 1-byte credit write into the peer's credit sink (not solicited: a sender waiting for
+  // its slot polls). Caller holds lock_ and checked room_locked.
+  int credit_locked(uint32_t slot) {
+    return post_write(base_ + kCreditSource, 1, remote_addr_ + kCreditSink, pack_tag(kImmCredit, 0, slot), 0);
   }
 
   // Polls the completion queue until empty: every received immediate (host order) to
@@ -426,8 +444,11 @@ class VerbsQueuePair {
           *status = wc[i].status;
           return false;
         }
-        if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM) continue;  // a send's completion
-        if (!post_recv()) {
+        if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM) {  // a send's completion: its requests are done
+          sends_out_ -= static_cast<uint32_t>(wc[i].wr_id);
+          continue;
+        }
+        if (post_recv()) {
           *status = -1;
           return false;
         }
@@ -437,17 +458,19 @@ class VerbsQueuePair {
     }
   }
 
-  // Asks for a completion event on the next completion (before a Round sleeps).
+  // Asks for a completion event on the next solicited completion (a message's header; an
+  // error completion too), before a Round sleeps: credits coming back do not wake it.
   void arm_locked() {
     domain_->note_armed();
-    qp_->context->ops.req_notify_cq(cq_, 0);
+    qp_->context->ops.req_notify_cq(cq_, 1);
   }
 
   void destroy() {
     std::lock_guard<std::mutex> hold(lock_);
     destroy_locked();
   }
-  bool open() const { return qp_ != nullptr; }
+  // Read without the lock (a Round's checks); set under it, before anything is destroyed.
+  bool open() const { return !closed_.load(std::memory_order_acquire); }
 
   std::mutex lock_;
   uint8_t* base_ = nullptr;
@@ -459,50 +482,51 @@ class VerbsQueuePair {
   std::shared_ptr<VerbsDomain> domain() const { return domain_; }
 
  private:
-  bool post_write(uint8_t* local, size_t n, uint64_t remote, uint32_t tag) {
+  // ibv_post_send and ibv_post_recv return their error (mlx5 leaves errno alone).
+  int post_write(uint8_t* local, size_t n, uint64_t remote, uint32_t tag, unsigned flags) {
     ibv_sge sge{reinterpret_cast<uint64_t>(local), static_cast<uint32_t>(n), mr_->lkey};
     ibv_send_wr wr{};
-    wr.wr_id = tag;
+    wr.wr_id = 1;  // the work requests this completion frees
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.send_flags = IBV_SEND_SIGNALED | flags;
     wr.imm_data = htonl(tag);
     wr.wr.rdma.remote_addr = remote;
     wr.wr.rdma.rkey = remote_rkey_;
     ibv_send_wr* bad = nullptr;
-    return qp_->context->ops.post_send(qp_, &wr, &bad) == 0;
+    int err = qp_->context->ops.post_send(qp_, &wr, &bad);
+    if (!err) sends_out_ += 1;
+    return err;
   }
-  bool post_recv() {
+  int post_recv() {
     ibv_recv_wr* bad = nullptr;
-    return qp_->context->ops.post_recv(qp_, &recv_wr_, &bad) == 0;
+    return qp_->context->ops.post_recv(qp_, &recv_wr_, &bad);
   }
   [[noreturn]] void fail_setup(const std::string& what) {
     int err = errno;
     destroy_locked();
     throw std::runtime_error(what + " (" + strerror(err) + ")");
   }
+  // The queue pair before what it uses; the region stays mapped (its export is the object's).
+  // destroy_cq waits only for events already read to be acknowledged, and drain_events
+  // acknowledges each as it reads it; unread events of a destroyed queue are dropped.
   void destroy_locked() {
+    closed_.store(true, std::memory_order_release);
     const Library& f = domain_->fn();
-    if (qp_) f.destroy_qp(qp_);  // the queue pair before what it uses
-    if (cq_) {
-      domain_->note_armed();  // take what is waiting: destroy_cq waits for its queue's events to be acknowledged
-      domain_->drain_events();
-      f.destroy_cq(cq_);
-    }
-    if (mr_) f.dereg_mr(mr_);  // the adapter stops using the pages before the export goes
+    if (qp_) f.destroy_qp(qp_);
+    if (cq_) f.destroy_cq(cq_);
+    if (mr_) f.dereg_mr(mr_);  // the adapter stops using the pages
     qp_ = nullptr;
     cq_ = nullptr;
     mr_ = nullptr;
-    if (info_) {
-      py::gil_scoped_acquire gil;
-      info_.reset();
-    }
   }
 
   std::shared_ptr<VerbsDomain> domain_;
   std::unique_ptr<py::buffer_info> info_;
   uint32_t depth_;
+  uint32_t sends_out_ = 0;  // send work requests posted whose completion has not been polled
+  std::atomic<bool> closed_{false};
   ibv_mr* mr_ = nullptr;
   ibv_cq* cq_ = nullptr;
   ibv_qp* qp_ = nullptr;
@@ -530,20 +554,23 @@ class VerbsOutChannel : public Outbound {
     if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
     if (failure_ || !take_credits_locked()) return false;
     uint32_t slot = micro_batch % num_slots_;
-    if (busy_[slot]) return false;
+    uint32_t lkey = 0;
+    bool device = false;
+    bool direct = n && qp_->domain()->find_source(payload, n, &lkey, &device);
+    if (busy_[slot] || !qp_->room_locked(direct ? 2 : 1)) return false;  // pending: a later poll frees it
     size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;  // header, then payload
     WireHeader h{kMagic, step, layer, micro_batch, rank_, flags, token_count, seq_, n};
     std::memcpy(qp_->base_ + at, &h, sizeof h);
-    uint32_t tag = pack_tag(kImmData, channel_id_, slot), lkey = 0;
-    bool device = false, posted;
-    if (n && qp_->domain()->find_source(payload, n, &lkey, &device)) {  // registered: no staging copy
-      posted = qp_->write_direct_locked(at, payload, n, lkey, tag);
+    uint32_t tag = pack_tag(kImmData, channel_id_, slot);
+    int err;
+    if (direct) {  // registered: no staging copy
+      err = qp_->write_direct_locked(at, payload, n, lkey, tag);
     } else {
       if (n) std::memcpy(qp_->base_ + at + sizeof h, payload, n);
-      posted = qp_->write_locked(at, sizeof h + n, tag);
+      err = qp_->write_locked(at, sizeof h + n, tag);
     }
-    if (!posted) {
-      record(kPostFailed, errno, 0);
+    if (err) {
+      record(kPostFailed, static_cast<uint64_t>(err), 0);
       return false;
     }
     busy_[slot] = 1;
@@ -637,17 +664,20 @@ class VerbsInChannel : public SlottedInbound {
     int status = 0;
     bool ok = qp_->poll_locked([&](uint32_t tag) { return admit_tag(tag); }, &status);
     if (!ok && !violation_) fail(VerbsOutChannel::kCompletionFailed, static_cast<uint64_t>(status), 0);
-    return ok;
+    return ok && post_credits_locked();
   }
   const uint8_t* payload(uint32_t slot) const override {
     return qp_->base_ + kSlotsAt + slot * stride_ + kPayloadInSlot;
   }
+  // Frees the slot and gives the peer its credit: now, or, while the send queue is full, at
+  // the next admit (after its poll freed room).
   bool release_slot(uint32_t slot) override {
     if (slot >= num_slots_ || state_[slot] != kHanded) return true;  // not held: nothing to free
     state_[slot] = kEmpty;
     std::lock_guard<std::mutex> hold(qp_->lock_);
     if (!qp_->open()) return true;
-    if (!qp_->credit_locked(slot)) fail(VerbsOutChannel::kPostFailed, static_cast<uint64_t>(errno), 0);
+    credits_due_.push_back(slot);
+    post_credits_locked();
     return true;
   }
   // Before a Round sleeps: ask for an event on the next completion (the Round looks once more
@@ -682,8 +712,20 @@ class VerbsInChannel : public SlottedInbound {
     return true;
   }
 
+  bool post_credits_locked() {
+    size_t sent = 0;
+    for (; sent < credits_due_.size() && qp_->room_locked(1); ++sent)
+      if (int err = qp_->credit_locked(credits_due_[sent])) {
+        credits_due_.clear();
+        return fail(VerbsOutChannel::kPostFailed, static_cast<uint64_t>(err), 0);
+      }
+    credits_due_.erase(credits_due_.begin(), credits_due_.begin() + static_cast<std::ptrdiff_t>(sent));
+    return true;
+  }
+
   std::shared_ptr<VerbsQueuePair> qp_;
   size_t slot_bytes_, stride_;
+  std::vector<uint32_t> credits_due_;  // released slots whose credit waits for send-queue room
 };
 
 void register_verbs(py::module_& m) {

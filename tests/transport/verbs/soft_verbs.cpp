@@ -39,6 +39,7 @@ struct SoftCQ {
   ibv_cq base;
   std::deque<ibv_wc> entries;
   bool armed = false;
+  bool solicited_only = false;  // armed for solicited completions (and errors) only
 };
 
 struct SoftQP {
@@ -65,15 +66,18 @@ std::map<uint32_t, SoftQP*> qps;
 std::map<uint32_t, SoftMR*> mrs_by_key;
 uint32_t next_qpn = 0x100, next_key = 0x1000;
 int events_taken = 0;  // completion events handed out by ibv_get_cq_event
-int posts = 0, longest_chain = 0;  // ibv_post_send calls, and the most work requests one carried
+int posts = 0, longest_chain = 0;
+bool holding = false;  // send completions held back (an adapter slow to report them)
+std::deque<std::pair<ibv_cq*, ibv_wc>> held;  // ibv_post_send calls, and the most work requests one carried
 uint64_t bytes_moved = 0;
 char device_token;  // ibv_device* is opaque: any address will do
 ibv_device* devices[2] = {reinterpret_cast<ibv_device*>(&device_token), nullptr};
 
-void push(ibv_cq* cq, const ibv_wc& wc) {
+void push(ibv_cq* cq, const ibv_wc& wc, bool solicited = false) {
   auto* c = reinterpret_cast<SoftCQ*>(cq);
   c->entries.push_back(wc);
-  if (c->armed && cq->channel) {
+  bool wakes = !c->solicited_only || solicited || wc.status != IBV_WC_SUCCESS;
+  if (c->armed && wakes && cq->channel) {
     c->armed = false;
     auto* ch = reinterpret_cast<SoftChannel*>(cq->channel);
     ch->events.push_back(cq);
@@ -118,9 +122,11 @@ int poll_cq(ibv_cq* cq, int num, ibv_wc* wc) {
   return n;
 }
 
-int req_notify_cq(ibv_cq* cq, int) {
+int req_notify_cq(ibv_cq* cq, int solicited_only) {
   std::lock_guard<std::mutex> hold(lock);
-  reinterpret_cast<SoftCQ*>(cq)->armed = true;
+  auto* c = reinterpret_cast<SoftCQ*>(cq);
+  c->armed = true;
+  c->solicited_only = solicited_only != 0;
   return 0;
 }
 
@@ -191,14 +197,18 @@ int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
         got.wc_flags = IBV_WC_WITH_IMM;
         got.byte_len = sge.length;
         got.src_qp = qp->qp_num;
-        push(p->base.recv_cq, got);
+        push(p->base.recv_cq, got, (wr->send_flags & IBV_SEND_SOLICITED) != 0);
       }
     }
     if (status != IBV_WC_SUCCESS) {
       push(qp->send_cq, completion(wr->wr_id, status, IBV_WC_RDMA_WRITE, qp->qp_num));
       to_error(q);
     } else if (wr->send_flags & IBV_SEND_SIGNALED) {
-      push(qp->send_cq, completion(wr->wr_id, IBV_WC_SUCCESS, IBV_WC_RDMA_WRITE, qp->qp_num));
+      ibv_wc done = completion(wr->wr_id, IBV_WC_SUCCESS, IBV_WC_RDMA_WRITE, qp->qp_num);
+      if (holding)
+        held.emplace_back(qp->send_cq, done);
+      else
+        push(qp->send_cq, done);
     }
   }
   posts += 1;
@@ -412,6 +422,15 @@ int soft_verbs_attr(uint32_t qpn, ibv_qp_attr* out, int* state) {
   *out = it->second->attr;
   *state = it->second->base.state;
   return 0;
+}
+
+// Holds back send completions (on != 0) or reports every one held (0).
+void soft_verbs_hold_send_completions(int on) {
+  std::lock_guard<std::mutex> hold(lock);
+  holding = on != 0;
+  if (holding) return;
+  for (auto& [cq, wc] : held) push(cq, wc);
+  held.clear();
 }
 
 // Completion events taken so far (a Round that slept on the channel and was woken by it).

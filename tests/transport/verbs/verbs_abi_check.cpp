@@ -82,7 +82,8 @@ static_assert(ours::IBV_QPT_RC == IBV_QPT_RC && ours::IBV_QPS_RESET == IBV_QPS_R
               ours::IBV_QPS_RTS == IBV_QPS_RTS && ours::IBV_QPS_ERR == IBV_QPS_ERR, "qp types and states");
 static_assert(ours::IBV_WR_RDMA_WRITE == IBV_WR_RDMA_WRITE &&
               ours::IBV_WR_RDMA_WRITE_WITH_IMM == IBV_WR_RDMA_WRITE_WITH_IMM &&
-              ours::IBV_SEND_SIGNALED == IBV_SEND_SIGNALED, "work request opcode and flags");
+              ours::IBV_SEND_SIGNALED == IBV_SEND_SIGNALED && ours::IBV_SEND_SOLICITED == IBV_SEND_SOLICITED,
+              "work request opcode and flags");
 static_assert(ours::IBV_WC_SUCCESS == IBV_WC_SUCCESS && ours::IBV_WC_WR_FLUSH_ERR == IBV_WC_WR_FLUSH_ERR &&
               ours::IBV_WC_REM_ACCESS_ERR == IBV_WC_REM_ACCESS_ERR &&
               ours::IBV_WC_RETRY_EXC_ERR == IBV_WC_RETRY_EXC_ERR &&
