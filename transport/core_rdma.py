@@ -31,6 +31,7 @@ from transport import rdma
 from transport import rdma_port as rp
 from transport.core import CoreInbound, native
 from transport.core_tcp import tcp_error
+from transport.cuda_dmabuf import CudaDriver, dmabuf_span
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed, TransportError
 from transport.rdma import RdmaInbound, RdmaOutbound
 from transport.shm import slot_stride
@@ -136,16 +137,16 @@ def buffer_span(buffer) -> tuple[int, int, bool]:
     return rdma.buffer_address(buffer), view.nbytes, False
 
 
-def register_cuda_memory(domain, tensor, address: int, nbytes: int) -> int:
+def register_cuda_memory(domain, tensor, address: int, nbytes: int, driver: CudaDriver | None = None) -> int:
     """Registers a CUDA tensor's memory with the core's domain through the dma-buf the CUDA
-    driver exports for its host-page-aligned range (rdma.register_cuda_tensor's steps), named
-    by its device address (iova), so SGEs carry device pointers as they are."""
+    driver exports for its host-page-aligned range (transport/cuda_dmabuf.py), named by its
+    device address (iova), so SGEs carry device pointers as they are."""
     if not domain.dmabuf_supported:
         raise BackendUnavailable("this libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or later has it)")
-    driver = rdma.cuda_driver()
-    rdma.check_dmabuf_export(driver, tensor.device.index or 0)
-    start, span, offset = rdma.dmabuf_span(address, nbytes)
-    fd = rdma.export_dmabuf(driver, start, span)
+    driver = driver or CudaDriver()
+    driver.check_export(tensor.device.index or 0)
+    start, span, offset = dmabuf_span(address, nbytes)
+    fd = driver.export(start, span)
     try:
         return domain.register_dmabuf(fd, offset, nbytes, address)
     finally:

@@ -58,7 +58,7 @@ device exist); `probe()` is the one to select a backend by: an ACTIVE port, a us
 room under RLIMIT_MEMLOCK for what the endpoint's channels will register (`Wiring`: one
 region per channel, two channels per peer), and a loopback write-with-immediate between two
 queue pairs that completes within 1 s.
-`register_cuda_tensor` registers GPU memory through dma-buf (cuda-python exports it); the
+`register_cuda_tensor` registers GPU memory through dma-buf (transport/cuda_dmabuf.py exports it); the
 channels themselves still stage through host memory.
 
 What has been checked: none of this has run on RDMA hardware (nor the dma-buf path on a
@@ -90,6 +90,7 @@ from typing import NamedTuple
 
 from transport import rdma_host as rh
 from transport import rdma_port as rp
+from transport.cuda_dmabuf import CudaDriver, dmabuf_span
 from transport.errors import BackendUnavailable, HandshakeError, PayloadTooLarge, PeerClosed, TransportError
 from transport.shm import PAYLOAD_OFFSET, slot_stride
 from transport.wire import (HEADER, HEADER_BYTES, IMM_CREDIT, IMM_DATA, Header, QPInfo, pack_tag, recv_json, send_json,
@@ -797,57 +798,11 @@ class DeviceRegion:
         self.mr.close()
 
 
-def dmabuf_span(addr: int, nbytes: int, page: int = mmap.PAGESIZE) -> tuple[int, int, int]:
-    """(start, length, offset): the host-page-aligned range cuMemGetHandleForAddressRange needs
-    around [addr, addr + nbytes), and where `addr` lies in it."""
-    start = addr - addr % page
-    end = -(-(addr + nbytes) // page) * page
-    return start, end - start, addr - start
-
-
-def cuda_driver():
-    """cuda-python's driver module (both the 12 and 13 layouts), or BackendUnavailable."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        try:
-            from cuda import cuda as driver
-        except ImportError:
-            raise BackendUnavailable("cuda-python is not installed (pip install cuda-python): it exports GPU "
-                                     "memory as a dma-buf for RDMA registration") from None
-    return driver
-
-
-def _cuda_call(driver, result, what: str):
-    err, *values = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise BackendUnavailable(f"{what} failed ({name.decode() if isinstance(name, bytes) else name})")
-    return values[0] if len(values) == 1 else values
-
-
-def check_dmabuf_export(driver, ordinal: int) -> None:
-    """BackendUnavailable unless GPU `ordinal`'s driver exports memory as dma-bufs."""
-    _cuda_call(driver, driver.cuInit(0), "cuInit")
-    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
-    if not _cuda_call(driver, driver.cuDeviceGetAttribute(attr, ordinal), "cuDeviceGetAttribute"):
-        raise BackendUnavailable(f"GPU {ordinal}'s driver does not support dma-buf export "
-                                 "(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0: it needs the open kernel modules)")
-
-
-def export_dmabuf(driver, start: int, span: int) -> int:
-    """A dma-buf file descriptor for device memory [start, start + span) (host-page aligned,
-    within one allocation: `dmabuf_span`); the caller closes it."""
-    kind = driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
-    return int(_cuda_call(driver, driver.cuMemGetHandleForAddressRange(start, span, kind, 0),
-                          "cuMemGetHandleForAddressRange"))
-
-
 def register_cuda_tensor(pd, tensor, access: int | None = None) -> DeviceRegion:
     """Register a contiguous CUDA tensor's memory with `pd` through dma-buf (no host staging).
     The host-page-rounded range around it must lie in one CUDA allocation (PyTorch's caching
     allocator's segments are 2 MiB-aligned, so a tensor of its own does). BackendUnavailable
-    says why not: no DmaBufMR in pyverbs, not a CUDA tensor, no cuda-python, no dma-buf
+    says why not: no DmaBufMR in pyverbs, not a CUDA tensor, no CUDA driver, no dma-buf
     support in the GPU driver or in the RDMA driver."""
     try:
         from pyverbs.mr import DmaBufMR
@@ -859,11 +814,11 @@ def register_cuda_tensor(pd, tensor, access: int | None = None) -> DeviceRegion:
                                  "(host memory registers as a plain MR)")
     if not tensor.is_contiguous():
         raise BackendUnavailable("dma-buf registration takes a contiguous tensor")
-    driver = cuda_driver()
-    check_dmabuf_export(driver, tensor.device.index or 0)
+    driver = CudaDriver()
+    driver.check_export(tensor.device.index or 0)
     nbytes = tensor.numel() * tensor.element_size()
     start, span, offset = dmabuf_span(tensor.data_ptr(), nbytes)
-    fd = export_dmabuf(driver, start, span)
+    fd = driver.export(start, span)
     try:
         mr = DmaBufMR(pd, nbytes, access_flags() if access is None else access, dmabuf=fd, offset=offset)
     except PyverbsRDMAError as exc:

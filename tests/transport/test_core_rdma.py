@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -63,6 +64,22 @@ def soft_verbs(tmp_path_factory) -> str:
     subprocess.run([_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT / 'transport' / 'csrc'}",
                     str(HERE / "soft_verbs.cpp"), "-o", str(out)], check=True, capture_output=True)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def stand_in_cuda(tmp_path_factory):
+    """A libcuda.so.1 stand-in (tests/transport/verbs/stand_in_cuda.cpp) and its hooks."""
+    out = tmp_path_factory.mktemp("cuda") / "libcuda.so.1"
+    subprocess.run([_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", str(HERE / "stand_in_cuda.cpp"), "-o",
+                    str(out)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    lib.stand_in_alloc.restype = ctypes.c_uint64
+    lib.stand_in_alloc.argtypes = [ctypes.c_size_t]
+    lib.stand_in_write.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+    lib.stand_in_set_dmabuf_supported.argtypes = [ctypes.c_int]
+    lib.stand_in_last_export.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)]
+    lib.path = str(out)
+    return lib
 
 
 @pytest.fixture(scope="module")
@@ -339,11 +356,12 @@ def test_violations_are_worded_as_the_reference_words_them(pair):
 
 # -- payloads from registered memory: no staging copy; GPU memory through a dma-buf -------------
 class DeviceBuffer:
-    """What a post sees of a CUDA tensor (send_span): a device address this CPU must never
-    dereference. Here the address is a dma-buf's iova; the bytes live in a memfd the software
+    """What a post and a registration see of a CUDA tensor (send_span, core_rdma.buffer_span):
+    a device address this CPU must never dereference. The bytes live in a memfd the software
     provider maps, as an adapter reaches a GPU's memory through the exported dma-buf."""
 
     is_cuda = True
+    device = SimpleNamespace(type="cuda", index=0)
 
     def __init__(self, address: int, nbytes: int) -> None:
         self.address, self.nbytes = address, nbytes
@@ -353,6 +371,12 @@ class DeviceBuffer:
 
     def is_contiguous(self) -> bool:
         return True
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
 
 
 def posts(hooks) -> tuple[int, int]:
@@ -413,3 +437,39 @@ def test_endpoint_register_reaches_the_cores_rdma_domain(rdma_star):
     domain = hub.backends._rdma.domain
     hub.close()
     assert domain.sources == 0  # deregistered with the endpoint, before the buffer may go
+
+
+def test_a_cuda_tensor_given_to_register_goes_through_the_drivers_dmabuf_and_is_posted_from_the_gpu(
+        rdma_star, stand_in_cuda, monkeypatch):
+    monkeypatch.setattr("transport.cuda_dmabuf.LIBRARY", stand_in_cuda.path)
+    hub, spokes, names = rdma_star(2)
+    base = stand_in_cuda.stand_in_alloc(1 << 16)  # a "GPU" allocation; the tensor starts 512 bytes in
+    pattern = bytes(np.random.default_rng(5).integers(0, 256, 8192, dtype=np.uint8))
+    stand_in_cuda.stand_in_write(base + 512, pattern, len(pattern))
+    tensor = DeviceBuffer(base + 512, len(pattern))
+    hub.register(tensor)
+    start, span = ctypes.c_uint64(), ctypes.c_size_t()
+    stand_in_cuda.stand_in_last_export(ctypes.byref(start), ctypes.byref(span))
+    assert (start.value, span.value) == (base, 3 * 4096)  # the host pages around [base + 512, + 8192)
+    assert hub.backends._rdma.domain.sources == 1
+    hub.post_round(names, tensor, [0, 4096], [4096, 8192], [1, 1], micro_batch=0)
+    for i, spoke in enumerate(spokes):
+        with spoke.recv("hub", micro_batch=0, timeout=5) as msg:
+            assert bytes(msg.data) == pattern[i * 4096:(i + 1) * 4096]
+
+
+def test_a_gpu_whose_driver_cannot_export_is_said_once_and_its_posts_refused(rdma_star, stand_in_cuda, monkeypatch,
+                                                                               caplog):
+    monkeypatch.setattr("transport.cuda_dmabuf.LIBRARY", stand_in_cuda.path)
+    stand_in_cuda.stand_in_set_dmabuf_supported(0)
+    try:
+        hub, spokes, names = rdma_star(1)
+        tensor = DeviceBuffer(stand_in_cuda.stand_in_alloc(4096), 4096)
+        hub.register(tensor)
+    finally:
+        stand_in_cuda.stand_in_set_dmabuf_supported(1)
+    said = [r.getMessage() for r in caplog.records if "stays unregistered" in r.getMessage()]
+    assert len(said) == 1 and "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0" in said[0]
+    assert "cannot be sent from it (stage them through host memory)" in said[0]
+    with pytest.raises(TypeError, match="cannot send from GPU memory"):
+        hub.post_round(names, tensor, [0], [64], [1], micro_batch=0)

@@ -25,6 +25,7 @@ from pyverbs.pyverbs_error import PyverbsUserError  # noqa: E402
 from pyverbs.wr import SendWR  # noqa: E402
 
 from transport import rdma  # noqa: E402
+from transport.cuda_dmabuf import CudaDriver  # noqa: E402
 from transport import rdma_port as rp  # noqa: E402
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed  # noqa: E402
 from transport.shm import slot_stride  # noqa: E402
@@ -343,11 +344,11 @@ def test_dmabuf_registration_reasons_without_cuda():
     with pytest.raises(BackendUnavailable, match="dma-buf registration takes a CUDA tensor; this one is on cpu"):
         rdma.register_cuda_tensor(None, torch.zeros(16, dtype=torch.uint8))
     try:
-        rdma.cuda_driver()
+        CudaDriver()
     except BackendUnavailable as exc:
-        assert str(exc).startswith("cuda-python is not installed (pip install cuda-python)")
+        assert str(exc).startswith("no CUDA driver to export GPU memory as a dma-buf (libcuda.so.1")
     else:
-        pytest.skip("cuda-python is installed here")
+        pytest.skip("a CUDA driver is installed here")
 
 
 # -- the probe's loopback check, over the emulated adapter ------------------------------------------

@@ -1,6 +1,7 @@
 """The `memory` check: pinned host<->device copy bandwidth (what the staging between nodes
 runs at), the KV cache's sizing on the device (weights and cache where they belong, within the
-memory the engine may use), and one NVML energy read over a second of GEMMs."""
+memory the engine may use), one NVML energy read over a second of GEMMs, and a tensor's memory
+exported as a dma-buf (what GPUDirect RDMA registers)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,38 @@ def check_energy(ctx: CheckContext) -> None:
             raise AssertionError(f"the energy counter moved by {joules} J over {seconds:.2f} s of GEMMs")
 
 
+def check_dmabuf_export(ctx: CheckContext) -> None:
+    """GPUDirect RDMA's GPU half, which needs no adapter: the driver exports a tensor's memory
+    as a dma-buf (transport/cuda_dmabuf.py, ctypes over libcuda) for an adapter to register.
+    A driver without dma-buf support (the closed kernel modules) is recorded, not failed: the
+    core's rdma channels then stage GPU payloads through host memory, saying so."""
+    import os
+
+    from transport.cuda_dmabuf import CudaDriver, dmabuf_span
+    from transport.errors import BackendUnavailable
+
+    with ctx.case("a CUDA tensor exported as a dma-buf through libcuda (for ibv_reg_dmabuf_mr)") as case:
+        if not ctx.on_gpu:
+            case.skip("no CUDA device: dma-buf export needs one")
+            return
+        driver = CudaDriver()
+        try:
+            driver.check_export(ctx.device.index or 0)
+        except BackendUnavailable as exc:
+            case.figures["dmabuf_export"] = str(exc)
+            return
+        tensor = torch.empty(4 << 20, dtype=torch.uint8, device=ctx.device)
+        start, span, offset = dmabuf_span(tensor.data_ptr() + 512, (4 << 20) - 1024)
+        fd = driver.export(start, span)
+        try:
+            case.figures |= {"dmabuf_export": "supported", "span_bytes": span, "offset": offset,
+                             "fd_size_bytes": os.fstat(fd).st_size}
+        finally:
+            os.close(fd)
+
+
 def run(ctx: CheckContext) -> None:
     check_copies(ctx)
     check_kv_sizing(ctx)
     check_energy(ctx)
+    check_dmabuf_export(ctx)

@@ -54,6 +54,7 @@ struct SoftMR {
   int access = 0;
   uint8_t* host = nullptr;  // where this process reaches byte 0 of the region
   bool mapped = false;      // a dma-buf's own mapping (unmapped at deregistration)
+  uint64_t lead = 0;        // bytes of the mapping before `host` (whole pages are mapped)
 };
 
 // The address this process reaches `addr` (named by the region's iova) at.
@@ -264,13 +265,16 @@ ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
 // A dma-buf's memory is reached through its own mapping (a memfd here stands for a GPU's
 // export): SGEs name it by `iova`, and the copies translate iova to the mapping.
 ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd, int access) {
-  void* mapped = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  uint64_t lead = offset % 4096;  // mmap takes whole pages: map from the page holding `offset`
+  void* mapped = mmap(nullptr, length + lead, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                      static_cast<off_t>(offset - lead));
   if (mapped == MAP_FAILED) return nullptr;
   std::lock_guard<std::mutex> hold(lock);
   auto* mr = new SoftMR{};
   mr->base = ibv_mr{pd->context, pd, reinterpret_cast<void*>(iova), length, 0, next_key, next_key};
   mr->access = access;
-  mr->host = static_cast<uint8_t*>(mapped);
+  mr->host = static_cast<uint8_t*>(mapped) + lead;
+  mr->lead = lead;
   mr->mapped = true;
   mrs_by_key[next_key] = mr;
   next_key += 1;
@@ -280,7 +284,7 @@ int ibv_dereg_mr(ibv_mr* mr) {
   std::lock_guard<std::mutex> hold(lock);
   mrs_by_key.erase(mr->lkey);
   auto* soft = reinterpret_cast<SoftMR*>(mr);
-  if (soft->mapped) munmap(soft->host, mr->length);
+  if (soft->mapped) munmap(soft->host - soft->lead, mr->length + soft->lead);
   delete soft;
   return 0;
 }

@@ -1,0 +1,92 @@
+// A stand-in for libcuda.so.1 with the four driver calls transport/cuda_dmabuf.py makes, for
+// the tests: "device memory" is a memfd per allocation at an address this process never maps
+// there (so a CPU read of it would crash), and cuMemGetHandleForAddressRange hands out a
+// duplicate of the allocation's memfd as its dma-buf, which the software verbs provider maps,
+// as an adapter reaches a GPU's memory through the dma-buf the driver exports. Declarations
+// and values as CUDA's cuda.h (CUresult is an int; CUdeviceptr 64 bits).
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+
+namespace {
+
+constexpr int kSuccess = 0, kInvalidValue = 1, kInvalidDevice = 101, kNotSupported = 801;
+constexpr int kDmaBufSupported = 124, kDmaBufFd = 1;
+constexpr long kPage = 4096;
+
+struct Allocation {
+  int fd;
+  size_t size;
+  uint8_t* here;  // the test's own view, to fill it
+};
+
+std::map<uint64_t, Allocation> allocations;
+uint64_t next_address = 0x7e0000000000ULL;
+int supported = 1;
+uint64_t last_start = 0;
+size_t last_span = 0;
+
+}  // namespace
+
+extern "C" {
+
+int cuInit(unsigned) { return kSuccess; }
+int cuDeviceGet(int* device, int ordinal) {
+  if (ordinal != 0) return kInvalidDevice;
+  *device = 0;
+  return kSuccess;
+}
+int cuDeviceGetAttribute(int* value, int attribute, int) {
+  *value = attribute == kDmaBufSupported ? supported : 0;
+  return kSuccess;
+}
+int cuGetErrorName(int error, const char** name) {
+  *name = error == kInvalidValue    ? "CUDA_ERROR_INVALID_VALUE"
+          : error == kInvalidDevice ? "CUDA_ERROR_INVALID_DEVICE"
+          : error == kNotSupported  ? "CUDA_ERROR_NOT_SUPPORTED"
+                                    : "CUDA_ERROR_UNKNOWN";
+  return kSuccess;
+}
+// The range must be page-aligned and, here, start at an allocation's base (the stand-in's
+// dma-buf is the allocation's memfd; a real driver exports any page range inside one).
+int cuMemGetHandleForAddressRange(void* handle, uint64_t start, size_t span, int type, unsigned long long flags) {
+  if (type != kDmaBufFd || flags != 0 || start % kPage || span % kPage) return kInvalidValue;
+  auto it = allocations.find(start);
+  if (it == allocations.end() || span > it->second.size) return kNotSupported;
+  last_start = start;
+  last_span = span;
+  *static_cast<int*>(handle) = dup(it->second.fd);
+  return kSuccess;
+}
+
+// -- test hooks ---------------------------------------------------------------------------------
+uint64_t stand_in_alloc(size_t size) {
+  size = (size + kPage - 1) / kPage * kPage;
+  int fd = memfd_create("stand-in-gpu", 0);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) return 0;
+  void* here = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (here == MAP_FAILED) return 0;
+  uint64_t address = next_address;
+  next_address += 1ULL << 30;
+  allocations[address] = {fd, size, static_cast<uint8_t*>(here)};
+  return address;
+}
+int stand_in_write(uint64_t address, const void* data, size_t n) {
+  for (auto& [base, a] : allocations)
+    if (address >= base && address + n <= base + a.size) {
+      std::memcpy(a.here + (address - base), data, n);
+      return 0;
+    }
+  return -1;
+}
+void stand_in_set_dmabuf_supported(int on) { supported = on; }
+void stand_in_last_export(uint64_t* start, size_t* span) {
+  *start = last_start;
+  *span = last_span;
+}
+
+}  // extern "C"
