@@ -106,6 +106,39 @@ class CoreShmOutbound(ShmOutbound):
         super().close()
 
 
+class CoreOutbound:
+    """What a core outbound channel that can fail (tcp's, rdma's) does alike, the core holding
+    its slots and sequence numbers: the send and the count of unreleased slots raise the
+    channel's failure (`failure()`, each kind's words) once the core recorded one."""
+
+    core = None  # the native channel
+
+    def failure(self):
+        raise NotImplementedError
+
+    @property
+    def busy(self) -> list[bool]:
+        return self.core.busy
+
+    @busy.setter
+    def busy(self, value) -> None:  # the reference's constructor sets it; the core keeps its own
+        pass
+
+    def try_send(self, header: Header, payload) -> bool:
+        if self.core.try_send(header.step, header.layer, header.micro_batch, header.flags, header.token_count,
+                              payload):
+            return True
+        if self.core.failed:
+            raise self.failure()
+        return False
+
+    def unreleased(self) -> int:
+        n = self.core.unreleased()
+        if self.core.failed:
+            raise self.failure()
+        return n
+
+
 class CoreInbound:
     """What a core inbound channel (shm's, tcp's) does alike, the core holding its sequence and
     slots: its counts, the single-message path's poll and release. `error()` is each kind's

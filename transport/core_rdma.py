@@ -29,7 +29,7 @@ import socket
 
 from transport import rdma
 from transport import rdma_port as rp
-from transport.core import CoreInbound, native
+from transport.core import CoreInbound, CoreOutbound, native
 from transport.core_tcp import tcp_error
 from transport.cuda_dmabuf import CudaDriver, dmabuf_span
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed, TransportError
@@ -256,7 +256,7 @@ class CoreRdmaInbound(CoreInbound, RdmaInbound):
         self.qp.close()
 
 
-class CoreRdmaOutbound(RdmaOutbound):
+class CoreRdmaOutbound(CoreOutbound, RdmaOutbound):
     """this endpoint -> peer over rdma, staged and posted by the core (which stamps the
     sequence numbers and takes the credits)."""
 
@@ -273,30 +273,8 @@ class CoreRdmaOutbound(RdmaOutbound):
         qp = rdma.connected_queue_pair(CoreQueuePair(verbs, slot_bytes, num_slots), peer, sock, remote_hex)
         return cls(peer, channel_id, slot_bytes, num_slots, qp, sock, rank)
 
-    @property
-    def busy(self) -> list[bool]:
-        return self.core.busy
-
-    @busy.setter
-    def busy(self, value) -> None:  # the reference's constructor sets it; the core keeps its own
-        pass
-
     def failure(self) -> TransportError:
         return verbs_error(self, *self.core.failure(), (0,) * 9)
-
-    def try_send(self, header, payload) -> bool:
-        if self.core.try_send(header.step, header.layer, header.micro_batch, header.flags, header.token_count,
-                              payload):
-            return True
-        if self.core.failed:
-            raise self.failure()
-        return False
-
-    def unreleased(self) -> int:
-        n = self.core.unreleased()
-        if self.core.failed:
-            raise self.failure()
-        return n
 
     def close(self) -> None:
         self.core.close()

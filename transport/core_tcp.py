@@ -17,10 +17,10 @@ import logging
 import os
 import socket
 
-from transport.core import CoreInbound, native
+from transport.core import CoreInbound, CoreOutbound, native
 from transport.errors import PeerClosed
 from transport.tcp import TcpInbound, TcpOutbound
-from transport.wire import CREDIT, HEADER_BYTES, Header
+from transport.wire import CREDIT, HEADER_BYTES
 from transport.wire_rules import InboundRules, broke
 
 __all__ = ["CoreTcpInbound", "CoreTcpOutbound", "tcp_error"]
@@ -52,7 +52,7 @@ def tcp_error(channel, code: int, a: int, b: int, fields: tuple) -> PeerClosed:
     return rules._refusal(tuple(fields))
 
 
-class CoreTcpOutbound(TcpOutbound):
+class CoreTcpOutbound(CoreOutbound, TcpOutbound):
     """this endpoint -> peer over tcp, written by the core (which stamps the sequence numbers)."""
 
     core_driven = True
@@ -64,27 +64,11 @@ class CoreTcpOutbound(TcpOutbound):
         self.linger_s = linger_s  # how long a close waits for queued bytes to leave (the endpoint's timeout)
 
     @property
-    def busy(self) -> list[int]:
-        return self.core.busy
-
-    @busy.setter
-    def busy(self, value) -> None:  # the reference's constructor sets it; the core keeps its own
-        pass
-
-    @property
     def unsent(self) -> int:
         return 0  # what the kernel did not take is queued in the core, written by its progress thread
 
     def failure(self) -> PeerClosed:
         return tcp_error(self, *self.core.failure(), (0,) * 9)
-
-    def try_send(self, header: Header, payload) -> bool:
-        if self.core.try_send(header.step, header.layer, header.micro_batch, header.flags, header.token_count,
-                              payload):
-            return True
-        if self.core.failed:
-            raise self.failure()
-        return False
 
     def flush(self) -> bool:
         return True
@@ -92,12 +76,6 @@ class CoreTcpOutbound(TcpOutbound):
     def drain_credits(self) -> None:
         if not self.core.drain_credits():
             raise self.failure()
-
-    def unreleased(self) -> int:
-        n = self.core.unreleased()
-        if self.core.failed:
-            raise self.failure()
-        return n
 
     def close(self) -> None:
         # What was sent leaves before the socket closes, as the kernel sends what a closed socket

@@ -206,6 +206,24 @@ class SlottedInbound : public Inbound {
   WireHeader vh_{};
 };
 
+// The Python face every inbound channel kind shares (a SlottedInbound with close()): the
+// single-message path's poll and release, the counts, the violation; `admit` off the GIL.
+template <typename Channel>
+pybind11::class_<Channel, Inbound>& bind_inbound(pybind11::class_<Channel, Inbound>& cls) {
+  return cls.def("admit", [](Channel& ch) {
+               pybind11::gil_scoped_release nogil;
+               return ch.admit();
+             })
+      .def("poll", &Channel::poll)
+      .def("release", &Channel::release_slot)
+      .def_property_readonly("violation", &Channel::violation)
+      .def("violation_info", &Channel::violation_info)
+      .def_property_readonly("held", &Channel::held)
+      .def_property_readonly("queued", &Channel::queued)
+      .def_property_readonly("next_seq", &Channel::next_seq)
+      .def("close", &Channel::close);
+}
+
 void register_tcp(pybind11::module_& m);
 void register_verbs(pybind11::module_& m);
 

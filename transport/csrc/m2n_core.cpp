@@ -741,17 +741,10 @@ PYBIND11_MODULE(_m2n_core, m) {
       .def_property_readonly("seq", &OutChannel::seq)
       .def("close", &OutChannel::close);
 
-  py::class_<InChannel, Inbound>(m, "InChannel")
+  py::class_<InChannel, Inbound> in_channel(m, "InChannel");
+  bind_inbound(in_channel)
       .def(py::init<py::buffer, size_t, size_t, uint32_t, uint16_t, int, const std::string&, uint16_t>())
-      .def("poll", &InChannel::poll)
-      .def("release", &InChannel::release_slot)
-      .def("set_asleep", &InChannel::set_asleep)
-      .def_property_readonly("violation", &InChannel::violation)
-      .def("violation_info", &InChannel::violation_info)
-      .def_property_readonly("held", &InChannel::held)
-      .def_property_readonly("queued", &InChannel::queued)
-      .def_property_readonly("next_seq", &InChannel::next_seq)
-      .def("close", &InChannel::close);
+      .def("set_asleep", &InChannel::set_asleep);
 
   py::class_<Round>(m, "Round")
       .def(py::init<std::vector<Outbound*>, std::vector<Inbound*>, int, std::vector<int>>(),

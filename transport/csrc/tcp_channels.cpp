@@ -447,20 +447,8 @@ void register_tcp(py::module_& m) {
       .def_property_readonly("seq", &TcpOutChannel::seq)
       .def("close", &TcpOutChannel::close, py::arg("linger_s"));
 
-  py::class_<TcpInChannel, Inbound>(m, "TcpInChannel")
-      .def(py::init<py::buffer, int, size_t, uint32_t, uint16_t>())
-      .def("admit", [](TcpInChannel& ch) {
-        py::gil_scoped_release nogil;
-        return ch.admit();
-      })
-      .def("poll", &TcpInChannel::poll)
-      .def("release", &TcpInChannel::release_slot)
-      .def_property_readonly("violation", &TcpInChannel::violation)
-      .def("violation_info", &TcpInChannel::violation_info)
-      .def_property_readonly("held", &TcpInChannel::held)
-      .def_property_readonly("queued", &TcpInChannel::queued)
-      .def_property_readonly("next_seq", &TcpInChannel::next_seq)
-      .def("close", &TcpInChannel::close);
+  py::class_<TcpInChannel, Inbound> in_channel(m, "TcpInChannel");
+  bind_inbound(in_channel).def(py::init<py::buffer, int, size_t, uint32_t, uint16_t>());
 }
 
 }  // namespace m2n

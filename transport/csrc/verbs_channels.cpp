@@ -779,21 +779,10 @@ void register_verbs(py::module_& m) {
       .def_property_readonly("seq", &VerbsOutChannel::seq)
       .def("close", &VerbsOutChannel::close);
 
-  py::class_<VerbsInChannel, Inbound>(m, "VerbsInChannel")
+  py::class_<VerbsInChannel, Inbound> in_channel(m, "VerbsInChannel");
+  bind_inbound(in_channel)
       .def(py::init<std::shared_ptr<VerbsQueuePair>, size_t, size_t, uint32_t, uint16_t>())
-      .def("admit", [](VerbsInChannel& ch) {
-        py::gil_scoped_release nogil;
-        return ch.admit();
-      })
-      .def("poll", &VerbsInChannel::poll)
-      .def("release", &VerbsInChannel::release_slot)
-      .def("set_asleep", &VerbsInChannel::set_asleep)
-      .def_property_readonly("violation", &VerbsInChannel::violation)
-      .def("violation_info", &VerbsInChannel::violation_info)
-      .def_property_readonly("held", &VerbsInChannel::held)
-      .def_property_readonly("queued", &VerbsInChannel::queued)
-      .def_property_readonly("next_seq", &VerbsInChannel::next_seq)
-      .def("close", &VerbsInChannel::close);
+      .def("set_asleep", &VerbsInChannel::set_asleep);
 }
 
 }  // namespace m2n
