@@ -95,6 +95,15 @@ class Outbound {
   virtual bool can_send_from(const uint8_t*, size_t, bool device) const { return !device; }
   virtual bool is_closed() const = 0;
   virtual bool failed() const { return false; }  // the connection broke (tcp); the Python side says why
+
+  // The single-message path (Endpoint.send): write() of a Python buffer, off the GIL.
+  bool try_send(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
+                pybind11::buffer payload) {
+    pybind11::buffer_info info = payload.request();
+    size_t n = static_cast<size_t>(info.size * info.itemsize);
+    pybind11::gil_scoped_release nogil;
+    return write(step, layer, micro_batch, flags, token_count, static_cast<const uint8_t*>(info.ptr), n);
+  }
 };
 
 // peer -> this endpoint. Called from the endpoint's one data thread.

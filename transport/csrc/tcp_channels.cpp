@@ -153,13 +153,6 @@ class TcpOutChannel : public Outbound {
   bool is_closed() const override { return closed_; }
   bool failed() const override { return failed_.load(std::memory_order_acquire) != kNone; }
 
-  bool try_send(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
-                py::buffer payload) {
-    py::buffer_info info = payload.request();
-    size_t n = static_cast<size_t>(info.size * info.itemsize);
-    py::gil_scoped_release nogil;
-    return write(step, layer, micro_batch, flags, token_count, static_cast<const uint8_t*>(info.ptr), n);
-  }
 
   // Takes the credit frames that have arrived: their slots are free again. False once the
   // channel failed (a frame for a slot not in use, or the connection ended; see failure()).
@@ -438,7 +431,7 @@ void register_tcp(py::module_& m) {
 
   py::class_<TcpOutChannel, Outbound>(m, "TcpOutChannel")
       .def(py::init<int, size_t, uint32_t, uint16_t, std::shared_ptr<TcpProgress>>())
-      .def("try_send", &TcpOutChannel::try_send)
+      .def("try_send", &Outbound::try_send)
       .def("drain_credits", &TcpOutChannel::drain_credits)
       .def("unreleased", &TcpOutChannel::unreleased)
       .def_property_readonly("busy", &TcpOutChannel::busy)

@@ -589,13 +589,6 @@ class VerbsOutChannel : public Outbound {
   bool is_closed() const override { return !qp_->open(); }
   bool failed() const override { return failure_ != kNone; }
 
-  bool try_send(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
-                py::buffer payload) {
-    py::buffer_info info = payload.request();
-    size_t n = static_cast<size_t>(info.size * info.itemsize);
-    py::gil_scoped_release nogil;
-    return write(step, layer, micro_batch, flags, token_count, static_cast<const uint8_t*>(info.ptr), n);
-  }
   // Slots written whose credit has not come back, after taking the credits waiting.
   uint32_t unreleased() {
     std::lock_guard<std::mutex> hold(qp_->lock_);
@@ -772,7 +765,7 @@ void register_verbs(py::module_& m) {
 
   py::class_<VerbsOutChannel, Outbound>(m, "VerbsOutChannel")
       .def(py::init<std::shared_ptr<VerbsQueuePair>, size_t, size_t, uint32_t, uint16_t, uint16_t>())
-      .def("try_send", &VerbsOutChannel::try_send)
+      .def("try_send", &Outbound::try_send)
       .def("unreleased", &VerbsOutChannel::unreleased)
       .def_property_readonly("busy", &VerbsOutChannel::busy)
       .def("failure", &VerbsOutChannel::failure)
