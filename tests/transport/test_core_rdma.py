@@ -473,3 +473,25 @@ def test_a_gpu_whose_driver_cannot_export_is_said_once_and_its_posts_refused(rdm
     assert "cannot be sent from it (stage them through host memory)" in said[0]
     with pytest.raises(TypeError, match="cannot send from GPU memory"):
         hub.post_round(names, tensor, [0], [64], [1], micro_batch=0)
+
+
+def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(rdma_star):
+    """A deployment re-wiring closes a node's endpoint from another thread while its loop waits
+    in a round (asleep on the completion channel): the wait ends in PeerClosed, and the regions
+    stay mapped until the core lets go of them."""
+    hub, spokes, names = rdma_star(2)
+    spokes[0].send("hub", b"in", micro_batch=0)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            hub.collect_round(names, micro_batch=0, timeout=5.0)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what ended the wait
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    hub.close()
+    waiter.join(3.0)
+    assert not waiter.is_alive() and len(errors) == 1 and isinstance(errors[0], PeerClosed), errors
