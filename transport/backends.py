@@ -27,7 +27,7 @@ from transport import nixl, rdma, rdma_host
 from transport.core import CoreShmInbound, CoreShmOutbound, native
 from transport.core_rdma import CoreRdmaInbound, CoreRdmaOutbound, CoreVerbs
 from transport.core_tcp import CoreTcpInbound, CoreTcpOutbound
-from transport.errors import BackendUnavailable
+from transport.errors import BackendUnavailable, HandshakeError
 from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
 from transport.selection import Capabilities
 from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
@@ -72,13 +72,15 @@ def capabilities_of(wanted: str, wiring: rdma.Wiring | None = None,
 class BackendSet:
     def __init__(self, name: str, wanted: str, slot_bytes: int, num_slots: int, tcp_buffer_bytes: int | None,
                  peers: int = 0, peer_slot_bytes: int | None = None, rdma_devices: tuple[str, ...] = (), *,
-                 rank: int = 0, core: bool = False, timeout_s: float = 30.0) -> None:
+                 rank: int = 0, core: bool = False, core_demanded: bool = False, timeout_s: float = 30.0) -> None:
         """`peers`: how many peers wiring will connect (0: not known yet; `expect_peers` then
         checks at connect); `peer_slot_bytes`: their receive slots (None: the same as ours);
         `rank`: the sender rank headers carry; `core`: shm, tcp and rdma channels driven by the
-        compiled core (transport/core.py, core_tcp.py, core_rdma.py); `timeout_s`: the endpoint's, how long a
-        core tcp channel's close waits for its queued bytes to leave."""
-        self.rank, self.core, self.timeout_s = rank, core, timeout_s
+        compiled core (transport/core.py, core_tcp.py, core_rdma.py); `core_demanded`: asked for
+        outright (a kind the core cannot drive then fails instead of running on the reference);
+        `timeout_s`: the endpoint's, how long a core tcp channel's close waits for its queued
+        bytes to leave."""
+        self.rank, self.core, self.core_demanded, self.timeout_s = rank, core, core_demanded, timeout_s
         self.name, self.wanted, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = \
             name, wanted, slot_bytes, num_slots, tcp_buffer_bytes
         self.peer_slot_bytes = slot_bytes if peer_slot_bytes is None else peer_slot_bytes
@@ -154,11 +156,11 @@ class BackendSet:
                                        self.rank)
             return ShmOutbound(peer, channel_id, slot_bytes, num_slots, self.doorbell, ack["shm"], sock)
         if kind == "rdma":
-            if self.core:
-                return CoreRdmaOutbound.connect(self._rdma_resources(), peer, channel_id, slot_bytes, num_slots,
-                                                sock, ack["rdma"], self.rank)
-            return rdma.RdmaOutbound.connect(self._rdma_resources(), peer, channel_id, slot_bytes, num_slots, sock,
-                                             ack["rdma"])
+            resources = self._rdma_resources()
+            if isinstance(resources, CoreVerbs):
+                return CoreRdmaOutbound.connect(resources, peer, channel_id, slot_bytes, num_slots, sock, ack["rdma"],
+                                                self.rank)
+            return rdma.RdmaOutbound.connect(resources, peer, channel_id, slot_bytes, num_slots, sock, ack["rdma"])
         if kind == "nixl":
             return NixlOutbound.connect(self._nixl_agent(), peer, slot_bytes, num_slots, sock, ack["nixl"])
         tune(sock, self.tcp_buffer_bytes)
@@ -182,8 +184,9 @@ class BackendSet:
             send_json(sock, {**ack, "shm": channel.handshake_info()})
             return channel
         if kind == "rdma":
-            inbound = CoreRdmaInbound if self.core else rdma.RdmaInbound
-            return inbound.accept(self._rdma_resources(), peer, sender, self.slot_bytes, self.num_slots, sock, ack)
+            resources = self._rdma_resources()
+            inbound = CoreRdmaInbound if isinstance(resources, CoreVerbs) else rdma.RdmaInbound
+            return inbound.accept(resources, peer, sender, self.slot_bytes, self.num_slots, sock, ack)
         if kind == "nixl":
             return NixlInbound.accept(self._nixl_agent(), peer, sender, self.slot_bytes, self.num_slots, sock, ack)
         tune(sock, self.tcp_buffer_bytes)
@@ -239,16 +242,29 @@ class BackendSet:
             if self._rdma is None:
                 probed = self.rdma_probe.device if self.rdma_probe is not None else ""
                 allowed = (probed,) if probed else self.rdma_devices
-                if self.core:
-                    verbs = CoreVerbs(rdma.choose_port(allowed=allowed))
-                    with self._nixl_lock:
-                        sources = list(self._sources)
-                    for buffer in sources:
-                        verbs.register(buffer)
-                    self._rdma = verbs
-                else:
-                    self._rdma = rdma.RdmaContext.open(allowed=allowed)
+                self._rdma = (self.core and self._core_verbs(allowed)) or rdma.RdmaContext.open(allowed=allowed)
             return self._rdma
+
+    def _core_verbs(self, allowed: tuple[str, ...]) -> CoreVerbs | None:
+        """The core's rdma domain on the chosen port, every send buffer declared so far
+        registered on it; None (said once, with the reason) where the core cannot open the
+        device and was not demanded: the rdma channels then run on the reference."""
+        choice = rdma.choose_port(allowed=allowed)
+        try:
+            verbs = CoreVerbs(choice)
+        except HandshakeError as exc:
+            if self.core_demanded:
+                raise
+            logger.warning("endpoint %s: %s; its rdma channels run on the pure-Python reference (pyverbs), one "
+                           "call per work request", self.name, exc)
+            return None
+        logger.info("endpoint %s: rdma channels in the M2N core on %s, through %s", self.name, choice.describe(),
+                    verbs.library)
+        with self._nixl_lock:
+            sources = list(self._sources)
+        for buffer in sources:
+            verbs.register(buffer)
+        return verbs
 
     def _nixl_agent(self) -> NixlAgent:
         with self._nixl_lock:

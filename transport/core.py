@@ -67,6 +67,12 @@ def resolve(wanted: str, endpoint: str) -> bool:
     return True
 
 
+def demanded(wanted: str) -> bool:
+    """Whether the core was asked for outright ("on", in the spec or through the environment):
+    then a channel kind the core cannot drive here fails instead of running on the reference."""
+    return wanted == "on" or (wanted == "auto" and M2N_CORE.read() == "on")
+
+
 def violation_error(channel: "CoreShmInbound") -> ProtocolViolation:
     """The channel's violation, in the reference's words (transport/shm.py, wire_rules.py)."""
     code, a, b, fields = channel.core.violation_info()

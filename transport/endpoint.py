@@ -108,7 +108,8 @@ class Endpoint:
             self.backends = BackendSet(spec.name, spec.backend, spec.slot_bytes, spec.num_slots,
                                        spec.tcp_buffer_bytes, spec.expected_peers or len(spec.peers),
                                        spec.peer_slot_bytes, spec.rdma_devices, rank=spec.rank,
-                                       core=self.uses_core, timeout_s=spec.timeout_s)
+                                       core=self.uses_core, core_demanded=core.demanded(spec.core),
+                                       timeout_s=spec.timeout_s)
         except BaseException:
             self.listener.close()
             raise

@@ -34,7 +34,7 @@ from transport import backends, rdma
 from transport import rdma_port as rp
 from transport.core import native
 from transport.core_rdma import CoreQueuePair, CoreRdmaInbound, CoreRdmaOutbound, CoreVerbs, verbs_library
-from transport.errors import PeerClosed
+from transport.errors import HandshakeError, PeerClosed
 from transport.rounds import CoreRound
 from transport.shm import slot_stride
 from transport.wire import Header
@@ -495,3 +495,31 @@ def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(rdma_star
     hub.close()
     waiter.join(3.0)
     assert not waiter.is_alive() and len(errors) == 1 and isinstance(errors[0], PeerClosed), errors
+
+
+@pytest.mark.parametrize("wanted", ["auto", "on"])
+def test_a_core_that_cannot_open_the_device_falls_back_loudly_unless_it_was_demanded(soft_verbs, monkeypatch, caplog,
+                                                                                     wanted):
+    monkeypatch.setenv("MEGAINFER_LIBIBVERBS", "/nonexistent/libibverbs.so.1")
+    monkeypatch.setattr(backends.rdma, "probe", lambda **kw: rdma.ProbeResult(True, device="soft0", port=1))
+
+    class Closed:
+        def close(self):
+            pass
+
+    reference = SimpleNamespace(close=lambda: None)  # stands for pyverbs' context
+    monkeypatch.setattr(rdma, "select_port", lambda environ=None, allowed=(): (Closed(), SOFT))
+    monkeypatch.setattr(rdma.RdmaContext, "open", classmethod(lambda cls, environ=None, allowed=(): reference))
+    ep = Endpoint(EndpointSpec(name="a0", rank=0, secret=SECRET, backend="rdma", core=wanted))
+    try:
+        if wanted == "on":
+            with pytest.raises(HandshakeError, match=r"the M2N core cannot open soft0 through "
+                                                     r"/nonexistent/libibverbs\.so\.1 \(cannot load"):
+                ep.backends._rdma_resources()
+        else:
+            assert ep.backends._rdma_resources() is reference  # pyverbs' context: the reference's channels
+            said = [r.getMessage() for r in caplog.records if "run on the pure-Python reference (pyverbs)" in
+                    r.getMessage()]
+            assert len(said) == 1 and "the M2N core cannot open soft0" in said[0]
+    finally:
+        ep.close()
