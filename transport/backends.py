@@ -80,7 +80,7 @@ class BackendSet:
         outright (a kind the core cannot drive then fails instead of running on the reference);
         `timeout_s`: the endpoint's, how long a core tcp channel's close waits for its queued
         bytes to leave."""
-        self.rank, self.core, self.core_demanded, self.timeout_s = rank, core, core_demanded, timeout_s
+        self.rank, self.core, self.timeout_s = rank, core, timeout_s
         self.name, self.wanted, self.slot_bytes, self.num_slots, self.tcp_buffer_bytes = \
             name, wanted, slot_bytes, num_slots, tcp_buffer_bytes
         self.peer_slot_bytes = slot_bytes if peer_slot_bytes is None else peer_slot_bytes
@@ -93,8 +93,7 @@ class BackendSet:
                                      f"{getattr(self.capabilities, wanted + '_reason')}")
         self._log_rdma()
         self.doorbell = Doorbell() if self.capabilities.shm else None
-        self._rdma = None  # rdma.RdmaContext or core_rdma.CoreVerbs, opened when a peer pair chooses rdma
-        self._rdma_lock = threading.Lock()
+        self.rdma = RdmaResources(name, core, core_demanded)  # opened when a peer pair chooses rdma
         self._nixl: NixlAgent | None = None  # made when a peer pair chooses nixl
         self._nixl_lock = threading.Lock()  # handshake threads ask for the agent at once
         self._sources: list = []  # send buffers declared with register()
@@ -201,9 +200,7 @@ class BackendSet:
             self._sources.append(buffer)
             if self._nixl is not None:
                 self._nixl.register_source(buffer)
-        with self._rdma_lock:
-            if isinstance(self._rdma, CoreVerbs):
-                self._rdma.register(buffer)
+        self.rdma.register(buffer)
 
     def renew(self) -> None:
         """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
@@ -222,8 +219,7 @@ class BackendSet:
             progress.stop()  # after the channels closed (Endpoint.close): it writes to no socket any more
         if self.doorbell is not None:
             self.doorbell.close()
-        if self._rdma is not None:
-            self._rdma.close()
+        self.rdma.close()
         self.renew()
 
     def _tcp_progress(self):
@@ -235,36 +231,9 @@ class BackendSet:
             return self._progress
 
     def _rdma_resources(self):
-        """The device the probe chose, opened once (under a lock: the acceptor serves each
-        connection on a thread of its own): the core's domain where the core drives the
-        channels (transport/core_rdma.py), else pyverbs' context and protection domain."""
-        with self._rdma_lock:
-            if self._rdma is None:
-                probed = self.rdma_probe.device if self.rdma_probe is not None else ""
-                allowed = (probed,) if probed else self.rdma_devices
-                self._rdma = (self.core and self._core_verbs(allowed)) or rdma.RdmaContext.open(allowed=allowed)
-            return self._rdma
-
-    def _core_verbs(self, allowed: tuple[str, ...]) -> CoreVerbs | None:
-        """The core's rdma domain on the chosen port, every send buffer declared so far
-        registered on it; None (said once, with the reason) where the core cannot open the
-        device and was not demanded: the rdma channels then run on the reference."""
-        choice = rdma.choose_port(allowed=allowed)
-        try:
-            verbs = CoreVerbs(choice)
-        except HandshakeError as exc:
-            if self.core_demanded:
-                raise
-            logger.warning("endpoint %s: %s; its rdma channels run on the pure-Python reference (pyverbs), one "
-                           "call per work request", self.name, exc)
-            return None
-        logger.info("endpoint %s: rdma channels in the M2N core on %s, through %s", self.name, choice.describe(),
-                    verbs.library)
-        with self._nixl_lock:
-            sources = list(self._sources)
-        for buffer in sources:
-            verbs.register(buffer)
-        return verbs
+        """The device the probe chose (`RdmaResources.open`)."""
+        probed = self.rdma_probe.device if self.rdma_probe is not None else ""
+        return self.rdma.open((probed,) if probed else self.rdma_devices)
 
     def _nixl_agent(self) -> NixlAgent:
         with self._nixl_lock:
@@ -274,3 +243,53 @@ class BackendSet:
                     agent.register_source(buffer)
                 self._nixl = agent
             return self._nixl
+
+
+class RdmaResources:
+    """The rdma device an endpoint's pairs use, opened once, when a pair first chooses rdma
+    (under a lock: the acceptor serves each connection on a thread of its own): the core's
+    domain where the core drives the channels (transport/core_rdma.py), else pyverbs' context
+    and protection domain; and the send buffers registered on the core's domain."""
+
+    def __init__(self, endpoint: str, core: bool, core_demanded: bool) -> None:
+        self.endpoint, self.core, self.core_demanded = endpoint, core, core_demanded
+        self.opened: rdma.RdmaContext | CoreVerbs | None = None
+        self._sources: list = []  # send buffers declared so far (Endpoint.register)
+        self._lock = threading.Lock()
+
+    def open(self, allowed: tuple[str, ...]) -> "rdma.RdmaContext | CoreVerbs":
+        with self._lock:
+            if self.opened is None:
+                self.opened = (self.core and self._core_verbs(allowed)) or rdma.RdmaContext.open(allowed=allowed)
+            return self.opened
+
+    def register(self, buffer) -> None:
+        with self._lock:
+            self._sources.append(buffer)
+            if isinstance(self.opened, CoreVerbs):
+                self.opened.register(buffer)
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self.opened = self.opened, None
+        if opened is not None:
+            opened.close()
+
+    def _core_verbs(self, allowed: tuple[str, ...]) -> CoreVerbs | None:
+        """The core's domain on the chosen port, every send buffer declared so far registered
+        on it; None (said once, with the reason) where the core cannot open the device and was
+        not demanded: the rdma channels then run on the reference."""
+        choice = rdma.choose_port(allowed=allowed)
+        try:
+            verbs = CoreVerbs(choice)
+        except HandshakeError as exc:
+            if self.core_demanded:
+                raise
+            logger.warning("endpoint %s: %s; its rdma channels run on the pure-Python reference (pyverbs), one "
+                           "call per work request", self.endpoint, exc)
+            return None
+        logger.info("endpoint %s: rdma channels in the M2N core on %s, through %s", self.endpoint,
+                    choice.describe(), verbs.library)
+        for buffer in self._sources:
+            verbs.register(buffer)
+        return verbs

@@ -413,7 +413,7 @@ def test_gpu_memory_goes_from_a_registered_dmabuf_and_is_refused_from_anywhere_e
     try:
         os.write(fd, pattern)
         iova = 0x7F00_0000_0000  # never mapped in this process: a CPU read of it would crash the test
-        domain = hub.backends._rdma.domain
+        domain = hub.backends.rdma.opened.domain
         domain.register_dmabuf(fd, 0, len(pattern), iova)
     finally:
         os.close(fd)  # the registration keeps its own reference
@@ -430,11 +430,11 @@ def test_endpoint_register_reaches_the_cores_rdma_domain(rdma_star):
     hub, spokes, names = rdma_star(1)
     source = torch.arange(4096, dtype=torch.uint8)
     hub.register(source)
-    assert hub.backends._rdma.domain.sources == 1
+    assert hub.backends.rdma.opened.domain.sources == 1
     hub.post_round(names, source, [100], [1100], [1], micro_batch=0)
     with spokes[0].recv("hub", micro_batch=0, timeout=5) as msg:
         assert bytes(msg.data) == bytes(source[100:1100].numpy())
-    domain = hub.backends._rdma.domain
+    domain = hub.backends.rdma.opened.domain
     hub.close()
     assert domain.sources == 0  # deregistered with the endpoint, before the buffer may go
 
@@ -451,7 +451,7 @@ def test_a_cuda_tensor_given_to_register_goes_through_the_drivers_dmabuf_and_is_
     start, span = ctypes.c_uint64(), ctypes.c_size_t()
     stand_in_cuda.stand_in_last_export(ctypes.byref(start), ctypes.byref(span))
     assert (start.value, span.value) == (base, 3 * 4096)  # the host pages around [base + 512, + 8192)
-    assert hub.backends._rdma.domain.sources == 1
+    assert hub.backends.rdma.opened.domain.sources == 1
     hub.post_round(names, tensor, [0, 4096], [4096, 8192], [1, 1], micro_batch=0)
     for i, spoke in enumerate(spokes):
         with spoke.recv("hub", micro_batch=0, timeout=5) as msg:
