@@ -95,7 +95,6 @@ class CoreVerbs:
         except RuntimeError as exc:
             raise HandshakeError(f"rdma: the M2N core cannot open {choice.device} through {self.library} "
                                  f"({exc})") from None
-
         self.registered: list = []  # (buffer, handle): a buffer stays alive while registered
 
     def register(self, buffer) -> None:
