@@ -37,12 +37,15 @@ class Setting:
     meaning: str  # one line, for the README's table
     choices: tuple[str, ...] = ()  # a choice, lower-cased; else an integer >= minimum; else a string
     minimum: int | None = None
+    maximum: int | None = None  # an integer's upper bound, where it has one
 
     @property
     def kind(self) -> str:
         if self.choices:
             return " | ".join(self.choices)
-        return "string" if self.minimum is None else f"integer >= {self.minimum}"
+        if self.minimum is None:
+            return "string"
+        return f"integer >= {self.minimum}" if self.maximum is None else f"integer {self.minimum}..{self.maximum}"
 
     def read(self, environ: Mapping[str, str] | None = None):
         """The value now, from `environ` (default: os.environ, read at this call)."""
@@ -57,8 +60,8 @@ class Setting:
         if self.minimum is None:
             return raw
         value = int(text) if text.lstrip("-").isdigit() else None
-        if value is None or value < self.minimum:
-            raise SettingError(f"{self.name}={text!r} is not an integer >= {self.minimum}; {self._fix()}")
+        if value is None or value < self.minimum or (self.maximum is not None and value > self.maximum):
+            raise SettingError(f"{self.name}={text!r} is not an {self.kind}; {self._fix()}")
         return value
 
     def _fix(self) -> str:

@@ -63,7 +63,7 @@ def test_only_the_settings_modules_read_the_environment():
 def test_each_layer_parses_alike(layer):
     """The two lower layers restate one `Setting` shape (neither may import the other)."""
     fields = [f for f in layer.Setting.__dataclass_fields__]
-    assert fields == ["name", "default", "meaning", "choices", "minimum"]
+    assert fields == ["name", "default", "meaning", "choices", "minimum", "maximum"]
     choice = layer.Setting("X_MODE", "auto", "m", choices=("auto", "on"))
     number = layer.Setting("X_PORT", 1, "m", minimum=1)
     text = layer.Setting("X_NAME", None, "m")
@@ -78,6 +78,11 @@ def test_each_layer_parses_alike(layer):
         number.read({"X_PORT": "0"})
     with pytest.raises(layer.SettingError, match="X_PORT='two'"):
         number.read({"X_PORT": "two"})
+    bounded = layer.Setting("X_LEVEL", 0, "m", minimum=0, maximum=15)
+    assert bounded.read({"X_LEVEL": "15"}) == 15 and bounded.kind == "integer 0..15"
+    with pytest.raises(layer.SettingError, match=r"X_LEVEL='16' is not an integer 0\.\.15; set it to an integer "
+                                                 r"0\.\.15, or unset it \(default: 0\)"):
+        bounded.read({"X_LEVEL": "16"})
 
 
 def test_reads_happen_at_the_call(monkeypatch):

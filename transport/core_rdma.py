@@ -182,7 +182,8 @@ class CoreQueuePair:
         route = native.VerbsRoute(
             qp_num=remote.qp_num, psn=remote.psn, addr=remote.addr, rkey=remote.rkey,
             path_mtu=rp.path_mtu(local.mtu, remote.mtu), is_global=local.link_layer == rp.LINK_ETHERNET,
-            dgid=remote.gid, dlid=remote.lid, sgid_index=local.gid.index, hop_limit=rdma.HOP_LIMIT, port=local.port,
+            dgid=remote.gid, dlid=remote.lid, sgid_index=local.gid.index, hop_limit=rdma.HOP_LIMIT,
+            traffic_class=local.traffic_class, service_level=local.service_level, port=local.port,
             sq_psn=self.psn, min_rnr_timer=rdma.MIN_RNR_TIMER, timeout=rdma.TIMEOUT, retry_cnt=rdma.RETRY_CNT,
             rnr_retry=rdma.RNR_RETRY, max_rd_atomic=rdma.MAX_RD_ATOMIC)
         try:

@@ -270,9 +270,10 @@ def address_vector(local: rp.PortChoice, remote: QPInfo):
     from pyverbs.addr import GID, AHAttr, GlobalRoute
 
     if local.link_layer == rp.LINK_ETHERNET:  # RoCE: addressed by GID, every packet has a GRH
-        route = GlobalRoute(dgid=GID(remote.gid_text), sgid_index=local.gid.index, hop_limit=HOP_LIMIT)
-        return AHAttr(port_num=local.port, is_global=1, gr=route, dlid=0)
-    return AHAttr(port_num=local.port, is_global=0, dlid=remote.lid)
+        route = GlobalRoute(dgid=GID(remote.gid_text), sgid_index=local.gid.index, hop_limit=HOP_LIMIT,
+                            traffic_class=local.traffic_class)
+        return AHAttr(port_num=local.port, is_global=1, gr=route, dlid=0, sl=local.service_level)
+    return AHAttr(port_num=local.port, is_global=0, dlid=remote.lid, sl=local.service_level)
 
 
 def check_reachable(local: rp.PortChoice, remote: QPInfo) -> None:
@@ -379,7 +380,8 @@ def select_port(environ, list_devices=verbs_devices, open_ctx=open_context, allo
             reasons.append(str(exc))
             continue
         skipped = f"; passed over: {'; '.join(reasons)}" if reasons else ""
-        return ctx, dataclasses.replace(choice, reason=place + skipped)
+        return ctx, dataclasses.replace(choice, reason=place + skipped, traffic_class=settings.traffic_class,
+                                        service_level=settings.service_level)
     raise BackendUnavailable("; ".join(reasons))
 
 

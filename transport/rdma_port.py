@@ -29,7 +29,8 @@ import socket
 from dataclasses import dataclass
 
 from transport.errors import BackendUnavailable, HandshakeError
-from transport.transport_settings import RDMA_DEVICE, RDMA_GID_INDEX, RDMA_PORT, SettingError
+from transport.transport_settings import (RDMA_DEVICE, RDMA_GID_INDEX, RDMA_PORT, RDMA_SERVICE_LEVEL,
+                                          RDMA_TRAFFIC_CLASS, SettingError)
 
 ENV_DEVICE, ENV_PORT, ENV_GID_INDEX = RDMA_DEVICE.name, RDMA_PORT.name, RDMA_GID_INDEX.name
 
@@ -52,13 +53,16 @@ class RdmaSettings:
     device: str | None  # None: the first device with a usable port
     port: int
     gid_index: int | None  # None: chosen from the GID table
+    traffic_class: int = 0  # RoCE's GRH traffic class (DSCP x 4 + ECN)
+    service_level: int = 0
 
 
 def settings_from_env(environ=None) -> RdmaSettings:
     """The RDMA settings (transport_settings.py) from `environ` (None: os.environ now); a bad value
     is a BackendUnavailable naming the variable and the fix."""
     try:
-        return RdmaSettings(RDMA_DEVICE.read(environ), RDMA_PORT.read(environ), RDMA_GID_INDEX.read(environ))
+        return RdmaSettings(RDMA_DEVICE.read(environ), RDMA_PORT.read(environ), RDMA_GID_INDEX.read(environ),
+                            RDMA_TRAFFIC_CLASS.read(environ), RDMA_SERVICE_LEVEL.read(environ))
     except SettingError as exc:
         raise BackendUnavailable(str(exc)) from None
 
@@ -224,6 +228,8 @@ class PortChoice:
     gid: GidEntry
     note: str = ""
     reason: str = ""  # why this device: where it sits against the GPU, or that it was named
+    traffic_class: int = 0  # what the path's packets carry (MEGAINFER_RDMA_TRAFFIC_CLASS)
+    service_level: int = 0  # (MEGAINFER_RDMA_SERVICE_LEVEL)
 
     @property
     def where(self) -> str:

@@ -34,12 +34,15 @@ class Setting:
     meaning: str  # one line, for the README's table
     choices: tuple[str, ...] = ()  # a choice, lower-cased; else an integer >= minimum; else a string
     minimum: int | None = None
+    maximum: int | None = None  # an integer's upper bound, where it has one
 
     @property
     def kind(self) -> str:
         if self.choices:
             return " | ".join(self.choices)
-        return "string" if self.minimum is None else f"integer >= {self.minimum}"
+        if self.minimum is None:
+            return "string"
+        return f"integer >= {self.minimum}" if self.maximum is None else f"integer {self.minimum}..{self.maximum}"
 
     def read(self, environ: Mapping[str, str] | None = None):
         """The value now, from `environ` (default: os.environ, read at this call)."""
@@ -54,8 +57,8 @@ class Setting:
         if self.minimum is None:
             return raw
         value = int(text) if text.lstrip("-").isdigit() else None
-        if value is None or value < self.minimum:
-            raise SettingError(f"{self.name}={text!r} is not an integer >= {self.minimum}; {self._fix()}")
+        if value is None or value < self.minimum or (self.maximum is not None and value > self.maximum):
+            raise SettingError(f"{self.name}={text!r} is not an {self.kind}; {self._fix()}")
         return value
 
     def _fix(self) -> str:
@@ -80,9 +83,16 @@ RDMA_GID_INDEX = Setting(
     "the GID table entry rdma sends from, whatever its type; unset: IB's port GID, else RoCE v2 (IPv4-mapped "
     "first)", minimum=0)
 
+RDMA_TRAFFIC_CLASS = Setting(
+    "MEGAINFER_RDMA_TRAFFIC_CLASS", 0,
+    "the traffic class RoCE packets carry (DSCP x 4 + ECN, as NCCL_IB_TC): the lossless priority a PFC fabric "
+    "maps to", minimum=0, maximum=255)
+RDMA_SERVICE_LEVEL = Setting(
+    "MEGAINFER_RDMA_SERVICE_LEVEL", 0,
+    "the service level of the queue pairs' path (as NCCL_IB_SL): InfiniBand's virtual lane", minimum=0, maximum=15)
 LIBIBVERBS = Setting(
     "MEGAINFER_LIBIBVERBS", None,
     "the libibverbs (a path or a soname) the M2N core's rdma channels load; unset: the one pyverbs loaded, else "
     "libibverbs.so.1")
 
-SETTINGS = (M2N_CORE, RDMA_DEVICE, RDMA_PORT, RDMA_GID_INDEX, LIBIBVERBS)
+SETTINGS = (M2N_CORE, RDMA_DEVICE, RDMA_PORT, RDMA_GID_INDEX, RDMA_TRAFFIC_CLASS, RDMA_SERVICE_LEVEL, LIBIBVERBS)

@@ -14,6 +14,7 @@ libibverbs that pyverbs bundles is loaded (every symbol resolves; no device here
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import mmap
 import os
@@ -161,6 +162,8 @@ def pair(soft_verbs, hooks):
 
 
 def test_queue_pairs_get_the_reference_attributes(pair, hooks):
+    lossless = dataclasses.replace(SOFT, traffic_class=106, service_level=3)  # DSCP 26, as a PFC fabric wants
+    pair.verbs.choice = lossless
     _, _, out_qp, in_qp = pair()
     attr, state = (ctypes.c_uint8 * 256)(), ctypes.c_int()
     assert hooks.soft_verbs_attr(out_qp.native.qp_num, attr, ctypes.byref(state)) == 0
@@ -173,7 +176,10 @@ def test_queue_pairs_get_the_reference_attributes(pair, hooks):
     assert fields["access"] == 3  # LOCAL_WRITE | REMOTE_WRITE, at INIT
     ah = raw[56:88]  # ibv_qp_attr.ah_attr: the GRH (dgid, flow label, sgid index, hop limit, class), then dlid ...
     assert ah[:16] == SOFT_GID.raw and ah[20] == SOFT.gid.index and ah[21] == rdma.HOP_LIMIT
+    assert ah[22] == 106 and ah[26] == 3  # the GRH's traffic class, the service level
     assert ah[29] == 1 and ah[30] == SOFT.port  # is_global, port_num
+    reference = rdma.rtr_attr(lossless, in_qp.info()).ah_attr  # the pyverbs path gives the same
+    assert (reference.traffic_class, reference.sl) == (106, 3)
     tail = raw[120:135]  # pkey_index .. alt_timeout
     assert tail[6:13] == bytes([rdma.MAX_RD_ATOMIC, rdma.MAX_RD_ATOMIC, rdma.MIN_RNR_TIMER, SOFT.port, rdma.TIMEOUT,
                                 rdma.RETRY_CNT, rdma.RNR_RETRY])
@@ -202,7 +208,7 @@ def test_a_full_send_queue_holds_messages_and_credits_back_until_a_completion_fr
         for qp, peer in ((a, b), (b, a)):
             qp.connect(native.VerbsRoute(qp_num=peer.qp_num, psn=0, addr=peer.address, rkey=peer.rkey, path_mtu=5,
                                          is_global=True, dgid=SOFT_GID.raw, dlid=0, sgid_index=3, hop_limit=64,
-                                         port=1, sq_psn=0, min_rnr_timer=12, timeout=14, retry_cnt=7, rnr_retry=7,
+                                         traffic_class=0, service_level=0, port=1, sq_psn=0, min_rnr_timer=12, timeout=14, retry_cnt=7, rnr_retry=7,
                                          max_rd_atomic=1))
         out = native.VerbsOutChannel(a, 256, slot_stride(256), 2, 0, 0)
         inbound = native.VerbsInChannel(b, 256, slot_stride(256), 2, 0)

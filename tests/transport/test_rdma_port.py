@@ -96,6 +96,20 @@ def test_settings_default_and_from_the_environment():
         rp.settings_from_env({rp.ENV_GID_INDEX: "three"})
 
 
+def test_a_lossless_fabrics_traffic_class_and_service_level_reach_the_port_choice():
+    env = {"MEGAINFER_RDMA_TRAFFIC_CLASS": "106", "MEGAINFER_RDMA_SERVICE_LEVEL": "3"}
+    assert rp.settings_from_env(env) == rp.RdmaSettings(None, 1, None, 106, 3)
+    ctx, choice = rdma.select_port(env, list_devices=fake_devices("mlx5_0"),
+                                   open_ctx=lambda n: FakeContext("connectx_roce"))
+    assert (choice.traffic_class, choice.service_level) == (106, 3)
+    ctx.close()
+    with pytest.raises(BackendUnavailable, match=r"MEGAINFER_RDMA_TRAFFIC_CLASS='256' is not an integer 0\.\.255; "
+                                                 r"set it to an integer 0\.\.255, or unset it \(default: 0\)"):
+        rp.settings_from_env({"MEGAINFER_RDMA_TRAFFIC_CLASS": "256"})
+    with pytest.raises(BackendUnavailable, match=r"MEGAINFER_RDMA_SERVICE_LEVEL='16' is not an integer 0\.\.15"):
+        rp.settings_from_env({"MEGAINFER_RDMA_SERVICE_LEVEL": "16"})
+
+
 def test_device_candidates_and_rc_support():
     devices = [rp.DeviceInfo("mlx5_0"), rp.DeviceInfo("mlx5_1")]
     assert rp.candidate_devices(devices, None) == devices

@@ -285,7 +285,7 @@ struct Route {
   bool is_global;
   std::string dgid;  // 16 raw bytes (RoCE)
   uint16_t dlid;     // InfiniBand
-  uint8_t sgid_index, hop_limit, port;
+  uint8_t sgid_index, hop_limit, traffic_class, service_level, port;
   uint32_t sq_psn;  // ours
   uint8_t min_rnr_timer, timeout, retry_cnt, rnr_retry, max_rd_atomic;
 };
@@ -355,11 +355,13 @@ class VerbsQueuePair {
     rtr.ah_attr.port_num = r.port;
     rtr.ah_attr.is_global = r.is_global;
     rtr.ah_attr.dlid = r.dlid;
+    rtr.ah_attr.sl = r.service_level;
     if (r.is_global) {
       if (r.dgid.size() != 16) throw std::invalid_argument("a GID is 16 bytes");
       std::memcpy(rtr.ah_attr.grh.dgid.raw, r.dgid.data(), 16);
       rtr.ah_attr.grh.sgid_index = r.sgid_index;
       rtr.ah_attr.grh.hop_limit = r.hop_limit;
+      rtr.ah_attr.grh.traffic_class = r.traffic_class;
     }
     int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
@@ -742,15 +744,18 @@ void register_verbs(py::module_& m) {
 
   py::class_<Route>(m, "VerbsRoute")
       .def(py::init([](uint32_t qp_num, uint32_t psn, uint64_t addr, uint32_t rkey, int path_mtu, bool is_global,
-                       py::bytes dgid, uint16_t dlid, uint8_t sgid_index, uint8_t hop_limit, uint8_t port,
+                       py::bytes dgid, uint16_t dlid, uint8_t sgid_index, uint8_t hop_limit, uint8_t traffic_class,
+                       uint8_t service_level, uint8_t port,
                        uint32_t sq_psn, uint8_t min_rnr_timer, uint8_t timeout, uint8_t retry_cnt, uint8_t rnr_retry,
                        uint8_t max_rd_atomic) {
-             return Route{qp_num, psn, addr, rkey, path_mtu, is_global, std::string(dgid), dlid, sgid_index,
-                          hop_limit, port, sq_psn, min_rnr_timer, timeout, retry_cnt, rnr_retry, max_rd_atomic};
+             return Route{qp_num,        psn,         addr,       rkey,          path_mtu,  is_global,
+                          std::string(dgid), dlid,   sgid_index, hop_limit,     traffic_class, service_level,
+                          port,          sq_psn,      min_rnr_timer, timeout, retry_cnt, rnr_retry,
+                          max_rd_atomic};
            }),
            py::kw_only(), py::arg("qp_num"), py::arg("psn"), py::arg("addr"), py::arg("rkey"), py::arg("path_mtu"),
            py::arg("is_global"), py::arg("dgid"), py::arg("dlid"), py::arg("sgid_index"), py::arg("hop_limit"),
-           py::arg("port"), py::arg("sq_psn"), py::arg("min_rnr_timer"), py::arg("timeout"), py::arg("retry_cnt"),
+           py::arg("traffic_class"), py::arg("service_level"), py::arg("port"), py::arg("sq_psn"), py::arg("min_rnr_timer"), py::arg("timeout"), py::arg("retry_cnt"),
            py::arg("rnr_retry"), py::arg("max_rd_atomic"));
 
   py::class_<VerbsQueuePair, std::shared_ptr<VerbsQueuePair>>(m, "VerbsQueuePair")
