@@ -34,6 +34,7 @@ from transport.core_tcp import tcp_error
 from transport.cuda_dmabuf import CudaDriver, dmabuf_span
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed, TransportError
 from transport.rdma import RdmaInbound, RdmaOutbound
+from transport.rounds import send_span
 from transport.shm import slot_stride
 from transport.transport_settings import LIBIBVERBS
 from transport.wire import QPInfo
@@ -99,11 +100,12 @@ class CoreVerbs:
 
     def register(self, buffer) -> None:
         """A buffer payloads will be sent from (Endpoint.register): the adapter then reads a
-        payload lying in it straight from it, with no copy into staging. Host memory (a CPU
-        tensor, a numpy array, a writable buffer) by address; a CUDA tensor through the dma-buf
-        its driver exports (GPUDirect RDMA), named by its device address. A buffer that cannot
-        be registered is said once and sent through staging (host) or refused at the post (GPU)."""
-        address, nbytes, device = buffer_span(buffer)
+        payload lying in it straight from it, with no copy into staging. Host memory (what a
+        round posts: a CPU tensor, a numpy array; `rounds.send_span`) by address; a CUDA tensor
+        through the dma-buf its driver exports (GPUDirect RDMA), named by its device address. A
+        buffer that cannot be registered is said once and sent through staging (host) or
+        refused at the post (GPU)."""
+        address, nbytes, device = send_span(buffer)
         try:
             if device:
                 handle = register_cuda_memory(self.domain, buffer, address, nbytes)
@@ -122,18 +124,6 @@ class CoreVerbs:
             self.domain.unregister(handle)
         self.registered.clear()
         self.domain = None  # the context closes with the last channel that holds it
-
-
-def buffer_span(buffer) -> tuple[int, int, bool]:
-    """(address, bytes, on a GPU) of a contiguous torch tensor, numpy array or writable buffer."""
-    if hasattr(buffer, "data_ptr"):
-        if not buffer.is_contiguous():
-            raise ValueError("a registered buffer must be contiguous")
-        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), bool(buffer.is_cuda)
-    if hasattr(buffer, "__array_interface__"):
-        return buffer.__array_interface__["data"][0], buffer.nbytes, False
-    view = memoryview(buffer)
-    return rdma.buffer_address(buffer), view.nbytes, False
 
 
 def register_cuda_memory(domain, tensor, address: int, nbytes: int, driver: CudaDriver | None = None) -> int:
@@ -167,7 +157,7 @@ class CoreQueuePair:
             self.native = native.VerbsQueuePair(verbs.domain, self.map, self.choice.port,
                                                 num_slots * QUEUE_DEPTH_PER_SLOT + rdma.EXTRA_DEPTH)
         except RuntimeError as exc:
-            self._unmap()
+            rdma.release_mapping(self.view, self.map)
             raise HandshakeError(f"rdma: cannot set up a queue pair on {self.choice.where} ({exc})") from None
 
     def info(self) -> QPInfo:
@@ -193,15 +183,8 @@ class CoreQueuePair:
                                  f"{remote.qp_num} at {remote.gid_text} ({exc})") from None
 
     def close(self) -> None:
-        self.native.close()  # deregisters the region before the mapping can go
-        self._unmap()
-
-    def _unmap(self) -> None:
-        try:
-            self.view.release()
-            self.map.close()
-        except BufferError:
-            pass  # a consumer still holds a payload view: the mapping goes with the last one
+        self.native.close()  # deregisters the region; its export keeps the mapping while the core holds it
+        rdma.release_mapping(self.view, self.map)
 
 
 def verbs_error(channel, code: int, a: int, b: int, fields: tuple) -> TransportError:
@@ -213,7 +196,7 @@ def verbs_error(channel, code: int, a: int, b: int, fields: tuple) -> TransportE
         return PeerClosed(f"rdma: work completion failed on the channel of {peer}: {what} (status {a}; the peer "
                           "closed or is unreachable)")
     if code == native.POST_FAILED:
-        return PeerClosed(f"rdma: posting a work request to {peer} failed ({os.strerror(a) if a else 'queue full'})")
+        return PeerClosed(f"rdma: posting a work request to {peer} failed ({os.strerror(a)})")
     if code == native.CLOSED:
         return PeerClosed(f"rdma: the channel of {peer} was closed")
     if code == native.BAD_IMMEDIATE:

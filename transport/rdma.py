@@ -194,11 +194,16 @@ class HostRegion:
         if self.mr is not None:
             self.mr.close()  # deregister first: the adapter must stop using the pages
             self.mr = None
-        try:
-            self.view.release()
-            self.map.close()
-        except BufferError:
-            pass  # a consumer still holds a payload view: the mapping goes with the last one
+        release_mapping(self.view, self.map)
+
+
+def release_mapping(view: memoryview, mapping: mmap.mmap) -> None:
+    """Unmaps a channel's region once nothing else holds it (both kinds of channel)."""
+    try:
+        view.release()
+        mapping.close()
+    except BufferError:
+        pass  # a payload view (or the core's export) still holds it: the mapping goes with the last one
 
 
 # -- work requests ----------------------------------------------------------------------------

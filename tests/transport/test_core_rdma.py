@@ -58,28 +58,40 @@ def _compiler() -> str:
     return found
 
 
+def _shared_library(source: str, out: Path) -> str:
+    """tests/transport/verbs/`source` built into the shared library `out`."""
+    subprocess.run([_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT / 'transport' / 'csrc'}",
+                    str(HERE / source), "-o", str(out)], check=True, capture_output=True)
+    return str(out)
+
+
+def _soft_device(monkeypatch, library: str) -> None:
+    """Endpoints that choose rdma find the software provider's device: the probe passes on it,
+    the port chosen is SOFT's, and the core loads `library`."""
+    monkeypatch.setenv("MEGAINFER_LIBIBVERBS", library)
+    monkeypatch.setattr(backends.rdma, "probe", lambda **kw: rdma.ProbeResult(True, device="soft0", port=1,
+                                                                               gid_index=3, mtu=4096))
+    closed = SimpleNamespace(close=lambda: None)  # the pyverbs context select_port would have opened
+    monkeypatch.setattr(rdma, "select_port", lambda environ=None, allowed=(): (closed, SOFT))
+
+
 @pytest.fixture(scope="module")
 def soft_verbs(tmp_path_factory) -> str:
     """The software provider, built from source into a temporary directory."""
-    out = tmp_path_factory.mktemp("verbs") / "libsoftverbs.so"
-    subprocess.run([_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT / 'transport' / 'csrc'}",
-                    str(HERE / "soft_verbs.cpp"), "-o", str(out)], check=True, capture_output=True)
-    return str(out)
+    return _shared_library("soft_verbs.cpp", tmp_path_factory.mktemp("verbs") / "libsoftverbs.so")
 
 
 @pytest.fixture(scope="module")
 def stand_in_cuda(tmp_path_factory):
     """A libcuda.so.1 stand-in (tests/transport/verbs/stand_in_cuda.cpp) and its hooks."""
-    out = tmp_path_factory.mktemp("cuda") / "libcuda.so.1"
-    subprocess.run([_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", str(HERE / "stand_in_cuda.cpp"), "-o",
-                    str(out)], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(out))
+    path = _shared_library("stand_in_cuda.cpp", tmp_path_factory.mktemp("cuda") / "libcuda.so.1")
+    lib = ctypes.CDLL(path)
     lib.stand_in_alloc.restype = ctypes.c_uint64
     lib.stand_in_alloc.argtypes = [ctypes.c_size_t]
     lib.stand_in_write.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
     lib.stand_in_set_dmabuf_supported.argtypes = [ctypes.c_int]
     lib.stand_in_last_export.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)]
-    lib.path = str(out)
+    lib.path = path
     return lib
 
 
@@ -208,8 +220,8 @@ def test_a_full_send_queue_holds_messages_and_credits_back_until_a_completion_fr
         for qp, peer in ((a, b), (b, a)):
             qp.connect(native.VerbsRoute(qp_num=peer.qp_num, psn=0, addr=peer.address, rkey=peer.rkey, path_mtu=5,
                                          is_global=True, dgid=SOFT_GID.raw, dlid=0, sgid_index=3, hop_limit=64,
-                                         traffic_class=0, service_level=0, port=1, sq_psn=0, min_rnr_timer=12, timeout=14, retry_cnt=7, rnr_retry=7,
-                                         max_rd_atomic=1))
+                                         traffic_class=0, service_level=0, port=1, sq_psn=0, min_rnr_timer=12,
+                                         timeout=14, retry_cnt=7, rnr_retry=7, max_rd_atomic=1))
         out = native.VerbsOutChannel(a, 256, slot_stride(256), 2, 0, 0)
         inbound = native.VerbsInChannel(b, 256, slot_stride(256), 2, 0)
         hooks.soft_verbs_hold_send_completions(1)  # the adapter has not reported any write yet
@@ -262,15 +274,7 @@ def test_a_dead_peer_fails_the_channel_with_its_completion_status(pair, hooks):
 @pytest.fixture
 def rdma_star(soft_verbs, monkeypatch):
     """A hub and n spokes that choose rdma, on the software provider's device."""
-    monkeypatch.setenv("MEGAINFER_LIBIBVERBS", soft_verbs)
-    monkeypatch.setattr(backends.rdma, "probe", lambda **kw: rdma.ProbeResult(True, device="soft0", port=1,
-                                                                               gid_index=3, mtu=4096))
-
-    class Closed:
-        def close(self):
-            pass
-
-    monkeypatch.setattr(rdma, "select_port", lambda environ=None, allowed=(): (Closed(), SOFT))
+    _soft_device(monkeypatch, soft_verbs)
     made: list[Endpoint] = []
 
     def build(n: int, slot_bytes: int = 4096, timeout_s: float = 5.0):
@@ -362,7 +366,7 @@ def test_violations_are_worded_as_the_reference_words_them(pair):
 
 # -- payloads from registered memory: no staging copy; GPU memory through a dma-buf -------------
 class DeviceBuffer:
-    """What a post and a registration see of a CUDA tensor (send_span, core_rdma.buffer_span):
+    """What a post and a registration see of a CUDA tensor (rounds.send_span, its device):
     a device address this CPU must never dereference. The bytes live in a memfd the software
     provider maps, as an adapter reaches a GPU's memory through the exported dma-buf."""
 
@@ -377,12 +381,6 @@ class DeviceBuffer:
 
     def is_contiguous(self) -> bool:
         return True
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
 
 
 def posts(hooks) -> tuple[int, int]:
@@ -506,15 +504,8 @@ def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(rdma_star
 @pytest.mark.parametrize("wanted", ["auto", "on"])
 def test_a_core_that_cannot_open_the_device_falls_back_loudly_unless_it_was_demanded(soft_verbs, monkeypatch, caplog,
                                                                                      wanted):
-    monkeypatch.setenv("MEGAINFER_LIBIBVERBS", "/nonexistent/libibverbs.so.1")
-    monkeypatch.setattr(backends.rdma, "probe", lambda **kw: rdma.ProbeResult(True, device="soft0", port=1))
-
-    class Closed:
-        def close(self):
-            pass
-
+    _soft_device(monkeypatch, "/nonexistent/libibverbs.so.1")
     reference = SimpleNamespace(close=lambda: None)  # stands for pyverbs' context
-    monkeypatch.setattr(rdma, "select_port", lambda environ=None, allowed=(): (Closed(), SOFT))
     monkeypatch.setattr(rdma.RdmaContext, "open", classmethod(lambda cls, environ=None, allowed=(): reference))
     ep = Endpoint(EndpointSpec(name="a0", rank=0, secret=SECRET, backend="rdma", core=wanted))
     try:

@@ -481,7 +481,7 @@ class VerbsQueuePair {
   uint32_t rkey() const { return mr_ ? mr_->rkey : 0; }
   uint64_t address() const { return reinterpret_cast<uint64_t>(base_); }
   bool connected() const { return connected_; }
-  std::shared_ptr<VerbsDomain> domain() const { return domain_; }
+  const std::shared_ptr<VerbsDomain>& domain() const { return domain_; }  // per message: no refcount traffic
 
  private:
   // ibv_post_send and ibv_post_recv return their error (mlx5 leaves errno alone).
