@@ -32,7 +32,7 @@ from transport.nixl import NixlAgent, NixlInbound, NixlOutbound
 from transport.selection import Capabilities
 from transport.shm import Doorbell, ShmInbound, ShmOutbound, shm_available
 from transport.tcp import TcpInbound, TcpOutbound, tune
-from transport.wire import Hello, ack_sizes, send_json
+from transport.wire import Hello, RegionGrant, ack_sizes, send_json
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,10 @@ class BackendSet:
                 self._nixl.register_source(buffer)
         self.rdma.register(buffer)
 
+    def expose(self, buffer) -> RegionGrant | None:
+        """See Endpoint.expose."""
+        return self.rdma.expose(buffer)
+
     def renew(self) -> None:
         """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
         peer failed crashes NIXL (SIGSEGV in transfer or get_new_notifs, 2 runs in 3). The old
@@ -255,6 +259,7 @@ class RdmaResources:
         self.endpoint, self.core, self.core_demanded = endpoint, core, core_demanded
         self.opened: rdma.RdmaContext | CoreVerbs | None = None
         self._sources: list = []  # send buffers declared so far (Endpoint.register)
+        self._exposed: dict[tuple[int, int], RegionGrant] = {}  # (domain, buffer) ids -> grant (expose)
         self._lock = threading.Lock()
 
     def open(self, allowed: tuple[str, ...]) -> "rdma.RdmaContext | CoreVerbs":
@@ -269,8 +274,21 @@ class RdmaResources:
             if isinstance(self.opened, CoreVerbs):
                 self.opened.register(buffer)
 
+    def expose(self, buffer) -> RegionGrant | None:
+        """`buffer` registered for the peers' writes on the core's domain, and its grant; None
+        where this endpoint's rdma channels are not the core's (none opened, or the reference),
+        whose peers then cannot write into it. The grant is the same while the domain is."""
+        with self._lock:
+            if not isinstance(self.opened, CoreVerbs):
+                return None
+            key = (id(self.opened), id(buffer))
+            if key not in self._exposed:  # a buffer the endpoint holds until it closes
+                self._exposed[key] = self.opened.expose(buffer)
+            return self._exposed[key]
+
     def close(self) -> None:
         with self._lock:
+            self._exposed.clear()
             opened, self.opened = self.opened, None
         if opened is not None:
             opened.close()

@@ -37,7 +37,7 @@ from transport.rdma import RdmaInbound, RdmaOutbound
 from transport.rounds import send_span
 from transport.shm import slot_stride
 from transport.transport_settings import LIBIBVERBS
-from transport.wire import QPInfo
+from transport.wire import QPInfo, RegionGrant
 from transport.wire_rules import broke
 
 __all__ = ["CoreRdmaInbound", "CoreRdmaOutbound", "CoreVerbs", "verbs_library"]
@@ -119,6 +119,23 @@ class CoreVerbs:
             return
         self.registered.append((buffer, handle))
 
+    def expose(self, buffer) -> RegionGrant:
+        """Registers `buffer` (a contiguous CPU or CUDA tensor) for this endpoint's rdma peers to
+        write into, and returns the grant they need (`Endpoint.expose`); a CUDA tensor through
+        its dma-buf, so the adapter writes GPU memory itself. Raises BackendUnavailable, with
+        the reason, where it cannot be registered."""
+        address, nbytes, device = send_span(buffer)
+        try:
+            if device:
+                handle, rkey = register_cuda_memory(self.domain, buffer, address, nbytes, expose=True)
+            else:
+                handle, rkey = self.domain.expose_host(address, nbytes)
+        except RuntimeError as exc:
+            raise BackendUnavailable(f"rdma: cannot expose a {nbytes}-byte {'GPU' if device else 'host'} region "
+                                     f"on {self.choice.device} ({exc})") from None
+        self.registered.append((buffer, handle))
+        return RegionGrant(address, nbytes, rkey, device)
+
     def close(self) -> None:
         for _, handle in self.registered:  # deregistered before the buffers may go
             self.domain.unregister(handle)
@@ -126,10 +143,12 @@ class CoreVerbs:
         self.domain = None  # the context closes with the last channel that holds it
 
 
-def register_cuda_memory(domain, tensor, address: int, nbytes: int, driver: CudaDriver | None = None) -> int:
+def register_cuda_memory(domain, tensor, address: int, nbytes: int, driver: CudaDriver | None = None, *,
+                         expose: bool = False):
     """Registers a CUDA tensor's memory with the core's domain through the dma-buf the CUDA
     driver exports for its host-page-aligned range (transport/cuda_dmabuf.py), named by its
-    device address (iova), so SGEs carry device pointers as they are."""
+    device address (iova), so SGEs carry device pointers as they are. Returns the handle; with
+    `expose`, registered for the peers' writes too, (handle, rkey)."""
     if not domain.dmabuf_supported:
         raise BackendUnavailable("this libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or later has it)")
     driver = driver or CudaDriver()
@@ -137,7 +156,7 @@ def register_cuda_memory(domain, tensor, address: int, nbytes: int, driver: Cuda
     start, span, offset = dmabuf_span(address, nbytes)
     fd = driver.export(start, span)
     try:
-        return domain.register_dmabuf(fd, offset, nbytes, address)
+        return (domain.expose_dmabuf if expose else domain.register_dmabuf)(fd, offset, nbytes, address)
     finally:
         os.close(fd)  # the registration holds its own reference to the dma-buf
 
@@ -255,6 +274,13 @@ class CoreRdmaOutbound(CoreOutbound, RdmaOutbound):
                 sock: socket.socket, remote_hex: str, rank: int) -> "CoreRdmaOutbound":
         qp = rdma.connected_queue_pair(CoreQueuePair(verbs, slot_bytes, num_slots), peer, sock, remote_hex)
         return cls(peer, channel_id, slot_bytes, num_slots, qp, sock, rank)
+
+    def aim(self, grant: RegionGrant | None) -> None:
+        """The region the peer exposed for this channel's writes (`Endpoint.aim`); None: none."""
+        if grant is None:
+            self.core.aim(0, 0, 0)
+        else:
+            self.core.aim(grant.address, grant.nbytes, grant.rkey)
 
     def failure(self) -> TransportError:
         return verbs_error(self, *self.core.failure(), (0,) * 9)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from transport import core
 from transport.backends import BackendSet, host_id
+from transport.core_rdma import CoreRdmaOutbound
 from transport.errors import PayloadTooLarge, ProtocolViolation, TransportError
 from transport.inbox import Inbox
 from transport.message import Message, as_bytes
@@ -39,7 +40,7 @@ from transport.selection import BACKENDS
 from transport.send_waits import SendWaits
 from transport.slot_usage import SlotUsage, count_slots
 from transport.wakeups import Wakeups
-from transport.wire import MAX_SLOTS, SEQ_MASK, Header, check_header_fields
+from transport.wire import MAX_SLOTS, SEQ_MASK, Header, RegionGrant, check_header_fields
 
 __all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "connect_concurrently", "host_id", "parse_address"]
 
@@ -195,20 +196,26 @@ class Endpoint:
 
     # -- rounds ------------------------------------------------------------------------------
     def post_round(self, peers: tuple[str, ...], buffer, begins, ends, token_counts, *, step: int = 0,
-                   layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None) -> None:
+                   layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None,
+                   targets=None) -> None:
         """One message to each of `peers`: peers[i] gets bytes [begins[i], ends[i]) of `buffer`
         (a contiguous CPU tensor or numpy array) with header token count token_counts[i]. Returns
         once every message is written (the buffer may then be reused). Peers whose slot is still
         held are waited for, each within the timeout; a peer that fails (gone, or holding its
-        slot past the timeout) does not stop the others: RoundFailed names every one that did."""
-        self._poster.post_round(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, timeout)
+        slot past the timeout) does not stop the others: RoundFailed names every one that did.
+        `targets` (one int per peer, or None): where targets[i] >= 0, peer i's bytes are written
+        at that offset of the region it exposed (`aim`), and its header says 0 bytes; -1: its slot."""
+        self._poster.post_round(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, timeout,
+                                targets)
 
     def post_rows(self, peers: tuple[str, ...], buffer, token_counts, row_bytes: int, *, step: int = 0,
-                  layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None) -> None:
+                  layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None,
+                  targets=None) -> None:
         """`post_round` where peers[i]'s bytes are token_counts[i] rows of `row_bytes`, the peers'
         rows end to end from the buffer's start (an expert node's answers, a dispatch's records
         in node order)."""
-        self._poster.post_rows(peers, buffer, token_counts, row_bytes, step, layer, micro_batch, flags, timeout)
+        self._poster.post_rows(peers, buffer, token_counts, row_bytes, step, layer, micro_batch, flags, timeout,
+                               targets)
 
     def collect_round(self, peers: tuple[str, ...], *, micro_batch: int, timeout: float | None = None) -> Arrivals:
         """A message for `micro_batch` from each of `peers`, as views on their slots until the
@@ -246,6 +253,31 @@ class Endpoint:
         RDMA, through the dma-buf CUDA exports): rounds may then post CUDA tensors lying in it,
         to rdma peers only."""
         self.backends.register(buffer)
+
+    def expose(self, buffer) -> RegionGrant | None:
+        """Declare a buffer (a contiguous CPU or CUDA tensor) this endpoint's rdma peers may write
+        into, for the life of this endpoint, and return the grant a peer needs to (`aim`): the
+        memory is registered for remote writes on the core's rdma domain (a CUDA tensor through
+        its dma-buf: the adapter writes GPU memory, GPUDirect RDMA). None where this endpoint's
+        rdma channels are not the compiled core's (no rdma pair yet: call it after `connect`;
+        or the pyverbs reference), so no peer can. BackendUnavailable, with the reason, where
+        the memory cannot be registered. The owner decides where it reads what was written:
+        a message posted into it arrives with a header that says 0 bytes, once its bytes are
+        placed."""
+        return self.backends.expose(buffer)
+
+    def aim(self, peer: str, grant: RegionGrant | None) -> None:
+        """The region `peer` exposed to this endpoint (its `expose` grant, sent over by its
+        owner), for posts with `targets`; None: none. Only a channel of the compiled core's
+        rdma writes into a peer's region: TransportError for any other. Set again after every
+        `connect` or `reconnect` (new channels)."""
+        channel = self.outbound.get(peer)
+        if channel is None:
+            raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.outbound)}")
+        if not isinstance(channel, CoreRdmaOutbound):
+            raise TransportError(f"endpoint {self.spec.name}: peer {peer}'s channel ({self.backend_of(peer)}) "
+                                 f"cannot write into a region it exposed: only rdma in the compiled core can")
+        channel.aim(grant)
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":
         """Drop every channel and handshake again (same listener, same name): after a peer

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from transport.errors import PayloadTooLarge, PeerClosed, PeerTimeout, TransportError
+from transport.errors import PayloadTooLarge, PeerClosed, PeerTimeout, RoundFailed, TransportError
 from transport.message import as_bytes
 from transport.peer_channels import PeerChannels
 from transport.rounds import CoreRound, MessageRound, RoundTable, round_failed, row_ranges, send_span
@@ -37,10 +37,13 @@ class RoundPoster:
         self.send = send
 
     def post_round(self, peers, buffer, begins, ends, token_counts, step: int, layer: int, micro_batch: int,
-                   flags: int, timeout: float | None) -> None:
-        round_ = self._core_round_to_post(peers)
+                   flags: int, timeout: float | None, targets=None) -> None:
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
         limit = self.spec.timeout_s if timeout is None else timeout
+        if targets is not None:
+            return self._post_targeted(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags,
+                                       limit, targets)
+        round_ = self._core_round_to_post(peers)
         if round_ is None:
             return self._post_each(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, limit)
         address, nbytes, device = send_span(buffer)
@@ -49,16 +52,50 @@ class RoundPoster:
                         address, nbytes, begins, ends, token_counts, device)
 
     def post_rows(self, peers, buffer, token_counts, row_bytes: int, step: int, layer: int, micro_batch: int,
-                  flags: int, timeout: float | None) -> None:
-        round_ = self._core_round_to_post(peers)
+                  flags: int, timeout: float | None, targets=None) -> None:
+        round_ = None if targets is not None else self._core_round_to_post(peers)
         if round_ is None:
             begins, ends = row_ranges(token_counts, row_bytes)
-            return self.post_round(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, timeout)
+            return self.post_round(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, timeout,
+                                   targets)
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
         address, nbytes, device = send_span(buffer)
         self._post_core(round_, micro_batch, self.spec.timeout_s if timeout is None else timeout,
                         round_.native.post_rows, step, layer, micro_batch, flags & 0xFFFF, address, nbytes,
                         token_counts, row_bytes, device)
+
+    def _post_targeted(self, peers, buffer, begins, ends, counts, step, layer, micro_batch, flags, limit,
+                       targets) -> None:
+        """A post where some peers' bytes go into regions they exposed: always through the core
+        (only its rdma channels write into a region; any other channel is refused there, before
+        a byte moves). Peers known dead fail the round, and the live ones are posted, as one
+        core round of their own (a region's message cannot go per message)."""
+        targets = np.asarray(targets, dtype=np.int64)
+        if targets.shape != (len(peers),):
+            raise ValueError(f"post: one region offset (or -1) per peer, {len(peers)}, not {targets.shape}")
+        dead = [i for i, peer in enumerate(peers) if peer in self._dead]
+        live = [i for i, peer in enumerate(peers) if peer not in self._dead]
+        if live:
+            subset = tuple(peers[i] for i in live) if dead else tuple(peers)
+            round_ = self._rounds.get(subset) or self.table.round_for(subset)
+            if isinstance(round_, MessageRound):
+                raise TypeError(f"endpoint {self.spec.name}: a post into exposed regions goes through the compiled "
+                                f"core's rdma channels, and some of {', '.join(subset)} are not")
+            pick = np.asarray(live, dtype=np.intp)
+            address, nbytes, device = send_span(buffer)
+            try:
+                self._post_core(round_, micro_batch, limit, round_.native.post, step, layer, micro_batch,
+                                flags & 0xFFFF, address, nbytes, np.asarray(begins, np.int64)[pick],
+                                np.asarray(ends, np.int64)[pick], np.asarray(counts, np.int64)[pick], device,
+                                targets[pick])
+            except RoundFailed as exc:
+                if not dead:
+                    raise
+                dead_failures = {peers[i]: self.channels.dead_error(peers[i]) for i in dead}
+                raise round_failed(self.spec.name, "post", micro_batch, exc.failures | dead_failures) from None
+        if dead:
+            raise round_failed(self.spec.name, "post", micro_batch,
+                               {peers[i]: self.channels.dead_error(peers[i]) for i in dead})
 
     def _core_round_to_post(self, peers) -> CoreRound | None:
         """The core's round to these peers, or None where the post goes per message: channels the

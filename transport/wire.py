@@ -153,6 +153,36 @@ class QPInfo:
         return ":".join(h[i:i + 4] for i in range(0, 32, 4))
 
 
+@dataclass(frozen=True)
+class RegionGrant:
+    """Memory an endpoint exposed for its rdma peers to write into (`Endpoint.expose`): its
+    address as the endpoint's adapter names it (a device address for GPU memory registered
+    through its dma-buf), its length and remote key. A peer given it (`Endpoint.aim`) may post
+    a round's payload to an offset of it (`post_round(targets=...)`). It travels inside an
+    owner's own message as plain fields (`to_plain`, `from_plain`), never pickled."""
+
+    address: int
+    nbytes: int
+    rkey: int
+    device: bool  # GPU memory
+
+    def to_plain(self) -> list:
+        return [self.address, self.nbytes, self.rkey, self.device]
+
+    @classmethod
+    def from_plain(cls, fields) -> "RegionGrant":
+        """A grant from its plain fields, each checked; ValueError naming what is wrong."""
+        if not isinstance(fields, (list, tuple)) or len(fields) != 4:
+            raise ValueError(f"a region grant is [address, bytes, rkey, device], not {fields!r}")
+        address, nbytes, rkey, device = fields
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (address, nbytes, rkey)) or \
+                not isinstance(device, bool):
+            raise ValueError(f"a region grant holds three integers and a flag, not {fields!r}")
+        if not (0 < address < 1 << 64 and 0 < nbytes < 1 << 64 and 0 < rkey < 1 << 32):
+            raise ValueError(f"a region grant out of range: address {address:#x}, {nbytes} bytes, rkey {rkey:#x}")
+        return cls(address, nbytes, rkey, device)
+
+
 # -- handshake frames --------------------------------------------------------------------
 def send_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(struct.pack("<I", len(body)) + body)

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.helpers import connect_all
-from transport import Endpoint, EndpointSpec, ProtocolViolation, RoundFailed, SlotUsage
+from transport import Endpoint, EndpointSpec, PayloadTooLarge, ProtocolViolation, RoundFailed, SlotUsage, TransportError
 from transport import backends, rdma
 from transport import rdma_port as rp
 from transport.core import native
@@ -38,7 +38,7 @@ from transport.core_rdma import CoreQueuePair, CoreRdmaInbound, CoreRdmaOutbound
 from transport.errors import HandshakeError, PeerClosed
 from transport.rounds import CoreRound
 from transport.shm import slot_stride
-from transport.wire import Header
+from transport.wire import Header, RegionGrant
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent / "verbs"
@@ -89,6 +89,7 @@ def stand_in_cuda(tmp_path_factory):
     lib.stand_in_alloc.restype = ctypes.c_uint64
     lib.stand_in_alloc.argtypes = [ctypes.c_size_t]
     lib.stand_in_write.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+    lib.stand_in_read.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
     lib.stand_in_set_dmabuf_supported.argtypes = [ctypes.c_int]
     lib.stand_in_last_export.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)]
     lib.path = path
@@ -477,6 +478,88 @@ def test_a_gpu_whose_driver_cannot_export_is_said_once_and_its_posts_refused(rdm
     assert "cannot be sent from it (stage them through host memory)" in said[0]
     with pytest.raises(TypeError, match="cannot send from GPU memory"):
         hub.post_round(names, tensor, [0], [64], [1], micro_batch=0)
+
+
+# -- writes into the regions peers exposed (device slots across hosts) -------------------------
+def test_a_round_writes_into_the_regions_its_peers_exposed_and_their_headers_say_no_bytes(rdma_star, hooks):
+    hub, spokes, names = rdma_star(3)
+    regions = [torch.zeros(2, 512, dtype=torch.uint8) for _ in spokes]
+    for spoke, region in zip(spokes[:2], regions):
+        grant = spoke.expose(region)
+        assert grant.address == region.data_ptr() and grant.nbytes == 1024 and not grant.device
+        assert spoke.expose(region) == grant  # once per buffer
+        hub.aim(spoke.spec.name, RegionGrant.from_plain(grant.to_plain()))  # as an owner's message carries it
+    source = torch.arange(256, dtype=torch.uint8)
+    for registered in (False, True):  # staged in the hub's slot first, then read where it lies
+        if registered:
+            hub.register(source)
+        before = posts(hooks)[0]
+        hub.post_round(names, source, [0, 100, 200], [100, 200, 256], [5, 6, 7], step=registered, layer=3,
+                       micro_batch=1, targets=[512, 512 + 7, -1])  # spoke 2 takes its bytes in its slot
+        made, longest = posts(hooks)
+        assert made == before + 3 and longest == 2  # one post per peer; a region's is payload, then header
+        for i, spoke in enumerate(spokes):
+            with spoke.recv("hub", micro_batch=1, timeout=5) as msg:
+                assert (msg.header.step, msg.header.layer, msg.header.token_count) == (registered, 3, 5 + i)
+                if i < 2:
+                    assert msg.header.byte_length == 0  # its bytes went to the region, placed before this arrived
+                    at = 7 * i
+                    assert bytes(regions[i][1, at:at + 100].numpy()) == bytes(source[100 * i:100 * (i + 1)].numpy())
+                else:
+                    assert bytes(msg.data) == bytes(source[200:256].numpy())
+    assert bytes(regions[0][0].numpy()) == bytes(512)  # micro-batch 0's row untouched
+    assert hub.slots_in_use() == IDLE and all(s.slots_in_use() == IDLE for s in spokes)
+
+
+def test_a_post_into_a_region_is_refused_past_its_end_or_where_no_region_was_aimed(rdma_star):
+    hub, spokes, names = rdma_star(2)
+    hub.aim("s0", spokes[0].expose(torch.zeros(64, dtype=torch.uint8)))
+    with pytest.raises(PayloadTooLarge, match="peer 0's 32 bytes at offset 40 lie past the region it exposed"):
+        hub.post_round(names, torch.zeros(64, dtype=torch.uint8), [0, 32], [32, 64], [1, 1], targets=[40, -1])
+    with pytest.raises(TypeError, match="peer 1's channel has no region of the peer's to write into"):
+        hub.post_round(names, torch.zeros(64, dtype=torch.uint8), [0, 32], [32, 64], [1, 1], targets=[0, 0])
+    with pytest.raises(ValueError, match="one region offset"):
+        hub.post_round(names, torch.zeros(64, dtype=torch.uint8), [0, 32], [32, 64], [1, 1], targets=[0])
+    hub.aim("s0", None)  # withdrawn
+    with pytest.raises(TypeError, match="peer 0's channel has no region"):
+        hub.post_round(names, torch.zeros(64, dtype=torch.uint8), [0, 32], [32, 64], [1, 1], targets=[0, -1])
+    assert hub.slots_in_use() == IDLE  # nothing refused was sent
+    with pytest.raises(TransportError, match="no peer 'nobody'"):
+        hub.aim("nobody", None)
+
+
+def test_only_the_cores_rdma_channels_expose_and_aim(tmp_path):
+    endpoints = {n: Endpoint(EndpointSpec(name=n, rank=i, secret=SECRET, backend="shm", slot_bytes=256, num_slots=2,
+                                          timeout_s=5.0)) for i, n in enumerate(("a", "b"))}
+    try:
+        connect_all(endpoints, {"a": ["b"], "b": ["a"]})
+        assert endpoints["b"].expose(torch.zeros(64, dtype=torch.uint8)) is None  # no peer could write into it
+        with pytest.raises(TransportError, match="peer b's channel \\(shm\\) cannot write into a region"):
+            endpoints["a"].aim("b", RegionGrant(0x1000, 64, 7, False))
+    finally:
+        for ep in endpoints.values():
+            ep.close()
+
+
+def test_gpu_memory_exposed_through_its_dmabuf_takes_a_peers_writes(rdma_star, stand_in_cuda, monkeypatch):
+    monkeypatch.setattr("transport.cuda_dmabuf.LIBRARY", stand_in_cuda.path)
+    hub, spokes, names = rdma_star(1)
+    base = stand_in_cuda.stand_in_alloc(1 << 16)
+    region = DeviceBuffer(base + 1024, 8192)  # never read by this CPU: the adapter writes it
+    grant = spokes[0].expose(region)
+    assert grant.device and grant.address == base + 1024 and grant.nbytes == 8192
+    hub.aim("s0", grant)
+    pattern = bytes(np.random.default_rng(7).integers(0, 256, 3000, dtype=np.uint8))
+    hub.post_round(names, torch.frombuffer(bytearray(pattern), dtype=torch.uint8), [0], [3000], [3], micro_batch=0,
+                   targets=[4096])
+    with spokes[0].recv("hub", micro_batch=0, timeout=5) as msg:
+        assert msg.header.byte_length == 0 and msg.header.token_count == 3
+    landed = ctypes.create_string_buffer(3000)
+    assert stand_in_cuda.stand_in_read(base + 1024 + 4096, landed, 3000) == 0
+    assert landed.raw == pattern
+    domain = spokes[0].backends.rdma.opened.domain
+    spokes[0].close()
+    assert domain.sources == 0  # the exposure ends with the endpoint
 
 
 def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(rdma_star):

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 namespace m2n {
@@ -93,6 +94,12 @@ class Outbound {
   // Whether write() may be given these bytes: `device` is GPU memory, which only a channel
   // whose adapter reads it (rdma, from a registered dma-buf) can send; host memory always.
   virtual bool can_send_from(const uint8_t*, size_t, bool device) const { return !device; }
+  // write() with the payload written at `offset` of a region the peer exposed, not in its
+  // slot (rdma only: a device-slot region across hosts); the header says 0 bytes.
+  virtual bool can_write_into(uint64_t, size_t) const { return false; }
+  virtual bool write_into(uint32_t, uint16_t, uint16_t, uint16_t, uint32_t, const uint8_t*, size_t, uint64_t) {
+    throw std::logic_error("this channel kind writes into no peer's region");
+  }
   virtual bool is_closed() const = 0;
   virtual bool failed() const { return false; }  // the connection broke (tcp); the Python side says why
 

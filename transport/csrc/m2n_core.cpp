@@ -305,21 +305,23 @@ class Round {
   int post(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address, size_t nbytes,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> begins,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> ends,
-           py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts, bool device) {
+           py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts, bool device,
+           std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> targets) {
     check_open();
     size_t n = out_.size();
     if (static_cast<size_t>(begins.size()) != n || static_cast<size_t>(ends.size()) != n ||
         static_cast<size_t>(counts.size()) != n)
       throw std::invalid_argument("post: one begin, end and token count per peer");
     return post_ranges(step, layer, micro_batch, flags, address, nbytes, begins.data(), ends.data(), counts.data(),
-                       device);
+                       device, target_offsets(targets));
   }
 
   // post() where peer i's bytes are counts[i] rows of `row_bytes`, the peers' rows end to end
   // from the buffer's start (an expert node's answers; a dispatch's records in node order).
   int post_rows(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address,
                 size_t nbytes, py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts,
-                int64_t row_bytes, bool device) {
+                int64_t row_bytes, bool device,
+                std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> targets) {
     check_open();
     size_t n = out_.size();
     if (static_cast<size_t>(counts.size()) != n) throw std::invalid_argument("post_rows: one token count per peer");
@@ -334,7 +336,7 @@ class Round {
       row_ends_[i] = at;
     }
     return post_ranges(step, layer, micro_batch, flags, address, nbytes, row_begins_.data(), row_ends_.data(), c,
-                       device);
+                       device, target_offsets(targets));
   }
 
   // The first peer whose message breaks the round's expectations, or -1: its step (step < 0:
@@ -359,10 +361,19 @@ class Round {
 
  private:
   int post_ranges(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address,
-                  size_t nbytes, const int64_t* b, const int64_t* e, const int64_t* c, bool device) {
+                  size_t nbytes, const int64_t* b, const int64_t* e, const int64_t* c, bool device,
+                  const int64_t* t) {
     size_t n = out_.size();
     const uint8_t* base = reinterpret_cast<const uint8_t*>(address);
     for (size_t i = 0; i < n; ++i) {
+      if (t && t[i] >= 0) {
+        if (!out_[i]->can_write_into(0, 0))
+          throw py::type_error("post: peer " + std::to_string(i) + "'s channel has no region of the peer's to write "
+                               "into (only rdma channels of the compiled core write into one, once aimed at it)");
+        if (!out_[i]->can_write_into(static_cast<uint64_t>(t[i]), static_cast<size_t>(e[i] - b[i])))
+          throw std::out_of_range("post: peer " + std::to_string(i) + "'s " + std::to_string(e[i] - b[i]) +
+                                  " bytes at offset " + std::to_string(t[i]) + " lie past the region it exposed");
+      }
       if (b[i] < 0 || e[i] < b[i] || static_cast<size_t>(e[i]) > nbytes)
         throw std::out_of_range("post: peer " + std::to_string(i) + "'s byte range [" + std::to_string(b[i]) + ", " +
                                 std::to_string(e[i]) + ") lies outside the " + std::to_string(nbytes) + "-byte buffer");
@@ -379,10 +390,24 @@ class Round {
     begins_.assign(b, b + n);
     ends_.assign(e, e + n);
     counts_.assign(c, c + n);
+    if (t)
+      targets_.assign(t, t + n);
+    else
+      targets_.clear();
     std::fill(pending_.begin(), pending_.end(), 1);
     send_failures_ = 0;
     py::gil_scoped_release nogil;
     return write_pending();
+  }
+
+  // A post's region offsets (`targets`: peer i's payload goes to offset targets[i] of the
+  // region it exposed, -1: into its slot as usual), or null where none was given.
+  const int64_t* target_offsets(
+      const std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>>& targets) const {
+    if (!targets) return nullptr;
+    if (static_cast<size_t>(targets->size()) != out_.size())
+      throw std::invalid_argument("post: one region offset (or -1) per peer");
+    return targets->data();
   }
 
  public:
@@ -505,8 +530,13 @@ class Round {
     int still = 0, wrote = 0;
     for (size_t i = 0; i < out_.size(); ++i) {
       if (!pending_[i]) continue;
-      if (out_[i]->write(post_.step, post_.layer, post_.micro_batch, post_.flags, static_cast<uint32_t>(counts_[i]),
-                         post_.base + begins_[i], static_cast<size_t>(ends_[i] - begins_[i]))) {
+      const uint8_t* payload = post_.base + begins_[i];
+      size_t n = static_cast<size_t>(ends_[i] - begins_[i]);
+      uint32_t count = static_cast<uint32_t>(counts_[i]);
+      bool into = !targets_.empty() && targets_[i] >= 0;
+      if (into ? out_[i]->write_into(post_.step, post_.layer, post_.micro_batch, post_.flags, count, payload, n,
+                                     static_cast<uint64_t>(targets_[i]))
+               : out_[i]->write(post_.step, post_.layer, post_.micro_batch, post_.flags, count, payload, n)) {
         pending_[i] = 2;
         ++wrote;
       } else if (out_[i]->failed()) {
@@ -631,6 +661,7 @@ class Round {
   int send_failures_ = 0;  // outbound channels found failed by the last post and its retries
   PostArgs post_{};
   std::vector<int64_t> begins_, ends_, counts_;
+  std::vector<int64_t> targets_;  // the last post's region offsets per peer (-1: its slot); empty: none
   std::vector<int64_t> row_begins_, row_ends_;
 };
 
@@ -751,10 +782,10 @@ PYBIND11_MODULE(_m2n_core, m) {
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("post", &Round::post, py::arg("step"), py::arg("layer"), py::arg("micro_batch"), py::arg("flags"),
            py::arg("address"), py::arg("nbytes"), py::arg("begins"), py::arg("ends"), py::arg("counts"),
-           py::arg("device") = false)
+           py::arg("device") = false, py::arg("targets") = py::none())
       .def("post_rows", &Round::post_rows, py::arg("step"), py::arg("layer"), py::arg("micro_batch"),
            py::arg("flags"), py::arg("address"), py::arg("nbytes"), py::arg("counts"), py::arg("row_bytes"),
-           py::arg("device") = false)
+           py::arg("device") = false, py::arg("targets") = py::none())
       .def("check", &Round::check)
       .def_property_readonly("failed_count", &Round::failed_count)
       .def_property_readonly("send_failures", &Round::send_failures)

@@ -197,22 +197,20 @@ class VerbsDomain {
   // by the dma-buf its driver exports (`iova`: the address SGEs name it by, its device
   // address). Returns a handle for unregister().
   int register_host(uintptr_t address, size_t length) {
-    ibv_mr* mr = lib_->fn().reg_mr(pd_, reinterpret_cast<void*>(address), length, IBV_ACCESS_LOCAL_WRITE);
-    if (!mr) throw std::runtime_error("cannot register " + std::to_string(length) + " bytes of host memory on " +
-                                      device_ + " (" + strerror(errno) + ")");
-    return add_source(mr, address, length, false);
+    return add_source(reg_host(address, length, IBV_ACCESS_LOCAL_WRITE), address, length, false);
   }
   int register_dmabuf(int fd, uint64_t offset, size_t length, uint64_t iova) {
-    if (!lib_->fn().reg_dmabuf_mr)
-      throw std::runtime_error(lib_->path() + " has no ibv_reg_dmabuf_mr (rdma-core 34 or later registers dma-bufs)");
-    ibv_mr* mr = lib_->fn().reg_dmabuf_mr(pd_, offset, length, iova, fd, IBV_ACCESS_LOCAL_WRITE);
-    if (!mr) {
-      int err = errno;
-      throw std::runtime_error("cannot register a " + std::to_string(length) + "-byte dma-buf on " + device_ + " (" +
-                               strerror(err) + (err == EOPNOTSUPP ? ": the RDMA driver cannot map dma-bufs" : "") +
-                               ")");
-    }
-    return add_source(mr, iova, length, true);
+    return add_source(reg_dmabuf(fd, offset, length, iova, IBV_ACCESS_LOCAL_WRITE), iova, length, true);
+  }
+  // Memory this endpoint's peers write into (Endpoint.expose: a node's device-slot region):
+  // registered for remote writes, and a send source too. Returns (handle, rkey).
+  py::tuple expose_host(uintptr_t address, size_t length) {
+    ibv_mr* mr = reg_host(address, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    return py::make_tuple(add_source(mr, address, length, false), mr->rkey);
+  }
+  py::tuple expose_dmabuf(int fd, uint64_t offset, size_t length, uint64_t iova) {
+    ibv_mr* mr = reg_dmabuf(fd, offset, length, iova, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    return py::make_tuple(add_source(mr, iova, length, true), mr->rkey);
   }
   void unregister(int handle) {
     std::lock_guard<std::mutex> hold(sources_lock_);
@@ -269,6 +267,24 @@ class VerbsDomain {
     std::lock_guard<std::mutex> hold(sources_lock_);
     sources_.push_back({next_handle_, mr, start, length, device});
     return next_handle_++;
+  }
+  ibv_mr* reg_host(uintptr_t address, size_t length, int access) {
+    ibv_mr* mr = lib_->fn().reg_mr(pd_, reinterpret_cast<void*>(address), length, access);
+    if (!mr) throw std::runtime_error("cannot register " + std::to_string(length) + " bytes of host memory on " +
+                                      device_ + " (" + strerror(errno) + ")");
+    return mr;
+  }
+  ibv_mr* reg_dmabuf(int fd, uint64_t offset, size_t length, uint64_t iova, int access) {
+    if (!lib_->fn().reg_dmabuf_mr)
+      throw std::runtime_error(lib_->path() + " has no ibv_reg_dmabuf_mr (rdma-core 34 or later registers dma-bufs)");
+    ibv_mr* mr = lib_->fn().reg_dmabuf_mr(pd_, offset, length, iova, fd, access);
+    if (!mr) {
+      int err = errno;
+      throw std::runtime_error("cannot register a " + std::to_string(length) + "-byte dma-buf on " + device_ + " (" +
+                               strerror(err) + (err == EOPNOTSUPP ? ": the RDMA driver cannot map dma-bufs" : "") +
+                               ")");
+    }
+    return mr;
   }
   std::mutex sources_lock_;
   std::vector<Source> sources_;
@@ -399,6 +415,13 @@ class VerbsQueuePair {
   // work requests chained in one post, on one queue pair, so RC places the payload before the
   // peer sees the header's completion. Caller holds lock_.
   int write_direct_locked(size_t header_offset, const uint8_t* payload, size_t n, uint32_t lkey, uint32_t tag) {
+    return write_chained_locked(header_offset, payload, n, lkey, remote_addr_ + header_offset + sizeof(WireHeader),
+                                remote_rkey_, tag);
+  }
+  // The same two requests with the payload written to (`remote`, `rkey`): a region the peer
+  // exposed (its device slots), not its slot. Caller holds lock_.
+  int write_chained_locked(size_t header_offset, const uint8_t* payload, size_t n, uint32_t lkey, uint64_t remote,
+                           uint32_t rkey, uint32_t tag) {
     ibv_sge body{reinterpret_cast<uint64_t>(payload), static_cast<uint32_t>(n), lkey};
     ibv_sge head{reinterpret_cast<uint64_t>(base_ + header_offset), static_cast<uint32_t>(sizeof(WireHeader)),
                  mr_->lkey};
@@ -408,8 +431,8 @@ class VerbsQueuePair {
     wr[0].sg_list = &body;
     wr[0].num_sge = 1;
     wr[0].opcode = IBV_WR_RDMA_WRITE;  // unsignaled: the header's completion covers it
-    wr[0].wr.rdma.remote_addr = remote_addr_ + header_offset + sizeof(WireHeader);
-    wr[0].wr.rdma.rkey = remote_rkey_;
+    wr[0].wr.rdma.remote_addr = remote;
+    wr[0].wr.rdma.rkey = rkey;
     wr[1].wr_id = 2;  // the work requests this completion frees
     wr[1].sg_list = &head;
     wr[1].num_sge = 1;
@@ -479,6 +502,7 @@ class VerbsQueuePair {
   size_t bytes_ = 0;
   uint32_t qp_num() const { return qp_ ? qp_->qp_num : 0; }
   uint32_t rkey() const { return mr_ ? mr_->rkey : 0; }
+  uint32_t lkey() const { return mr_ ? mr_->lkey : 0; }  // under lock_, while open()
   uint64_t address() const { return reinterpret_cast<uint64_t>(base_); }
   bool connected() const { return connected_; }
   const std::shared_ptr<VerbsDomain>& domain() const { return domain_; }  // per message: no refcount traffic
@@ -579,6 +603,55 @@ class VerbsOutChannel : public Outbound {
     seq_ += 1;
     return true;
   }
+  // A message whose payload goes to `offset` of the region the peer exposed (aim()): the
+  // payload write, then the header (byte length 0: the bytes are not in the slot) into the
+  // slot as write() puts it, chained in one post, so the peer sees the header only once the
+  // payload is placed. From registered memory the adapter reads the payload where it lies;
+  // host memory elsewhere is staged in this side's slot first.
+  bool write_into(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
+                  const uint8_t* payload, size_t n, uint64_t offset) override {
+    std::lock_guard<std::mutex> hold(qp_->lock_);
+    if (!qp_->open()) throw std::runtime_error("channel closed");
+    if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
+    if (!fits_region(offset, n)) throw std::out_of_range("a write past the region the peer exposed");
+    if (failure_ || !take_credits_locked()) return false;
+    uint32_t slot = micro_batch % num_slots_;
+    uint32_t lkey = 0;
+    bool device = false;
+    bool registered = n && qp_->domain()->find_source(payload, n, &lkey, &device);
+    if (busy_[slot] || !qp_->room_locked(n ? 2 : 1)) return false;
+    size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;
+    WireHeader h{kMagic, step, layer, micro_batch, rank_, flags, token_count, seq_, 0};
+    std::memcpy(qp_->base_ + at, &h, sizeof h);
+    uint32_t tag = pack_tag(kImmData, channel_id_, slot);
+    int err;
+    if (!n) {
+      err = qp_->write_locked(at, sizeof h, tag);
+    } else {
+      if (!registered) {  // staged: the adapter reads it from this side's slot
+        std::memcpy(qp_->base_ + at + sizeof h, payload, n);
+        payload = qp_->base_ + at + sizeof h;
+        lkey = qp_->lkey();
+      }
+      err = qp_->write_chained_locked(at, payload, n, lkey, region_addr_ + offset, region_rkey_, tag);
+    }
+    if (err) {
+      record(kPostFailed, static_cast<uint64_t>(err), 0);
+      return false;
+    }
+    busy_[slot] = 1;
+    seq_ += 1;
+    return true;
+  }
+  bool can_write_into(uint64_t offset, size_t n) const override { return fits_region(offset, n); }
+  // The region the peer exposed for this endpoint's writes (its address as its adapter names
+  // it: a device address for GPU memory), or none (rkey 0).
+  void aim(uint64_t address, uint64_t length, uint32_t rkey) {
+    std::lock_guard<std::mutex> hold(qp_->lock_);
+    region_addr_ = address;
+    region_bytes_ = length;
+    region_rkey_ = rkey;
+  }
   void after_round(uint16_t) override {}  // the post is the send: nothing to ring
   // GPU memory only from a registered dma-buf (the adapter reads it; this CPU never does).
   bool can_send_from(const uint8_t* p, size_t n, bool device) const override {
@@ -640,6 +713,11 @@ class VerbsOutChannel : public Outbound {
   uint32_t seq_ = 0;
   int failure_ = kNone;
   uint64_t fa_ = 0, fb_ = 0;
+  uint64_t region_addr_ = 0, region_bytes_ = 0;  // aim()'s
+  uint32_t region_rkey_ = 0;
+  bool fits_region(uint64_t offset, size_t n) const {
+    return region_rkey_ && offset <= region_bytes_ && n <= region_bytes_ - offset;
+  }
 };
 
 // peer -> this endpoint: the peer writes into this side's registered slots; a receive
@@ -738,6 +816,9 @@ void register_verbs(py::module_& m) {
       .def("register_host", &VerbsDomain::register_host, py::arg("address"), py::arg("length"))
       .def("register_dmabuf", &VerbsDomain::register_dmabuf, py::arg("fd"), py::arg("offset"), py::arg("length"),
            py::arg("iova"))
+      .def("expose_host", &VerbsDomain::expose_host, py::arg("address"), py::arg("length"))
+      .def("expose_dmabuf", &VerbsDomain::expose_dmabuf, py::arg("fd"), py::arg("offset"), py::arg("length"),
+           py::arg("iova"))
       .def("unregister", &VerbsDomain::unregister)
       .def_property_readonly("sources", &VerbsDomain::sources)
       .def_property_readonly("dmabuf_supported", [](VerbsDomain& d) { return d.fn().reg_dmabuf_mr != nullptr; });
@@ -771,6 +852,7 @@ void register_verbs(py::module_& m) {
   py::class_<VerbsOutChannel, Outbound>(m, "VerbsOutChannel")
       .def(py::init<std::shared_ptr<VerbsQueuePair>, size_t, size_t, uint32_t, uint16_t, uint16_t>())
       .def("try_send", &Outbound::try_send)
+      .def("aim", &VerbsOutChannel::aim, py::arg("address"), py::arg("length"), py::arg("rkey"))
       .def("unreleased", &VerbsOutChannel::unreleased)
       .def_property_readonly("busy", &VerbsOutChannel::busy)
       .def("failure", &VerbsOutChannel::failure)

@@ -83,6 +83,14 @@ int stand_in_write(uint64_t address, const void* data, size_t n) {
     }
   return -1;
 }
+int stand_in_read(uint64_t address, void* out, size_t n) {
+  for (auto& [base, a] : allocations)
+    if (address >= base && address + n <= base + a.size) {
+      std::memcpy(out, a.here + (address - base), n);
+      return 0;
+    }
+  return -1;
+}
 void stand_in_set_dmabuf_supported(int on) { supported = on; }
 void stand_in_last_export(uint64_t* start, size_t* span) {
   *start = last_start;
