@@ -22,6 +22,7 @@ from megainfer.disagg import expert_link
 from transport import Endpoint, EndpointSpec, PeerTimeout, TransportError
 from transport import rounds
 from transport.rounds import Arrivals
+from transport.wire import RegionGrant
 
 # The runtime reads these header columns under its own names (megainfer/disagg/expert_link.py,
 # which imports no transport); this binding is where the two meet, so it checks they agree.
@@ -82,13 +83,21 @@ class SwitchableLink:
         """Peer -> the M2N backend its pair chose (the reason is in this actor's log)."""
         return {peer: choice.backend for peer, choice in self.endpoint.choices.items()} if self.endpoint else {}
 
+    def expose(self, buffer: torch.Tensor) -> RegionGrant | None:
+        """A region this node's peers write into (its device slots), on the current endpoint
+        (see ExpertLink.expose)."""
+        return self.endpoint.expose(buffer)
+
+    def aim(self, peer: str, grant: RegionGrant | None) -> None:
+        self.endpoint.aim(peer, grant)
+
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins, ends, token_counts, *, step: int,
-                   layer: int, micro_batch: int, flags: int = 0) -> None:
+                   layer: int, micro_batch: int, flags: int = 0, targets=None) -> None:
         """One message to each of `peers` (transport/rounds.py); `buffer`: host memory."""
         if self.interrupt.is_set():
             raise LinkInterrupted("the deployment is re-wiring")
         self.endpoint.post_round(peers, buffer, begins, ends, token_counts, step=step, layer=layer,
-                                 micro_batch=micro_batch, flags=flags)
+                                 micro_batch=micro_batch, flags=flags, targets=targets)
 
     def post_rows(self, peers: tuple[str, ...], buffer: torch.Tensor, token_counts, row_bytes: int, *, step: int,
                   layer: int, micro_batch: int, flags: int = 0) -> None:

@@ -206,6 +206,10 @@ class BackendSet:
         """See Endpoint.expose."""
         return self.rdma.expose(buffer)
 
+    def settle(self) -> None:
+        """See Endpoint.settle."""
+        self.rdma.settle()
+
     def renew(self) -> None:
         """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
         peer failed crashes NIXL (SIGSEGV in transfer or get_new_notifs, 2 runs in 3). The old
@@ -285,6 +289,11 @@ class RdmaResources:
             if key not in self._exposed:  # a buffer the endpoint holds until it closes
                 self._exposed[key] = self.opened.expose(buffer)
             return self._exposed[key]
+
+    def settle(self) -> None:
+        opened = self.opened
+        if isinstance(opened, CoreVerbs):
+            opened.settle()
 
     def close(self) -> None:
         with self._lock:

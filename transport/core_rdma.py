@@ -97,6 +97,7 @@ class CoreVerbs:
             raise HandshakeError(f"rdma: the M2N core cannot open {choice.device} through {self.library} "
                                  f"({exc})") from None
         self.registered: list = []  # (buffer, handle): a buffer stays alive while registered
+        self.flusher: CudaDriver | None = None  # where exposed GPU memory needs its writes flushed (settle)
 
     def register(self, buffer) -> None:
         """A buffer payloads will be sent from (Endpoint.register): the adapter then reads a
@@ -127,7 +128,10 @@ class CoreVerbs:
         address, nbytes, device = send_span(buffer)
         try:
             if device:
-                handle, rkey = register_cuda_memory(self.domain, buffer, address, nbytes, expose=True)
+                driver = CudaDriver()
+                needs_flush = driver.needs_flush(buffer.device.index or 0)
+                handle, rkey = register_cuda_memory(self.domain, buffer, address, nbytes, driver, expose=True)
+                self.flusher = driver if needs_flush else self.flusher
             else:
                 handle, rkey = self.domain.expose_host(address, nbytes)
         except RuntimeError as exc:
@@ -135,6 +139,12 @@ class CoreVerbs:
                                      f"on {self.choice.device} ({exc})") from None
         self.registered.append((buffer, handle))
         return RegionGrant(address, nbytes, rkey, device)
+
+    def settle(self) -> None:
+        """After a message into exposed GPU memory arrived, before a kernel reads the bytes: the
+        adapter's writes flushed where the device does not order them itself (Endpoint.settle)."""
+        if self.flusher is not None:
+            self.flusher.flush_rdma_writes()
 
     def close(self) -> None:
         for _, handle in self.registered:  # deregistered before the buffers may go

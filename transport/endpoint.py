@@ -266,6 +266,13 @@ class Endpoint:
         placed."""
         return self.backends.expose(buffer)
 
+    def settle(self) -> None:
+        """After a message into an exposed GPU region arrived and before a kernel reads its
+        bytes: makes the adapter's writes visible to the GPU's kernels where the platform does
+        not order them itself (cuFlushGPUDirectRDMAWrites; nothing where it does, nothing for
+        host memory). Costs a host call only where a flush is needed."""
+        self.backends.settle()
+
     def aim(self, peer: str, grant: RegionGrant | None) -> None:
         """The region `peer` exposed to this endpoint (its `expose` grant, sent over by its
         owner), for posts with `targets`; None: none. Only a channel of the compiled core's

@@ -65,8 +65,11 @@ class ExpertLink(Protocol):
     peer in one call and collected from every peer in one call."""
 
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins: np.ndarray, ends: np.ndarray,
-                   token_counts: np.ndarray, *, step: int, layer: int, micro_batch: int, flags: int = 0) -> None:
-        """peers[i] gets bytes [begins[i], ends[i]) of `buffer`, token count token_counts[i]."""
+                   token_counts: np.ndarray, *, step: int, layer: int, micro_batch: int, flags: int = 0,
+                   targets: np.ndarray | None = None) -> None:
+        """peers[i] gets bytes [begins[i], ends[i]) of `buffer`, token count token_counts[i];
+        where targets[i] >= 0, written at that offset of the region peer i exposed (`aim`), its
+        header saying 0 bytes."""
         ...
 
     def post_rows(self, peers: tuple[str, ...], buffer: torch.Tensor, token_counts: np.ndarray, row_bytes: int, *,
@@ -83,6 +86,16 @@ class ExpertLink(Protocol):
     def register(self, buffer: torch.Tensor) -> None:
         """Host memory payloads will be sent from, for the link's life (the pinned staging):
         a backend that writes from registered memory then skips its own staging copy."""
+        ...
+
+    def expose(self, buffer: torch.Tensor):
+        """Memory the peers may write into (a node's device-slot region), for the current
+        wiring: the grant a peer needs (plain fields: `to_plain()`), or None where the link
+        cannot take such writes (only rdma in the compiled transport core can)."""
+        ...
+
+    def aim(self, peer: str, grant) -> None:
+        """The region `peer` exposed, for posts with `targets` (set after every wiring)."""
         ...
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.helpers import connect_all
-from transport import Endpoint, EndpointSpec, PayloadTooLarge, ProtocolViolation, RoundFailed, SlotUsage, TransportError
+from transport import BackendUnavailable, Endpoint, EndpointSpec, PayloadTooLarge, ProtocolViolation, RoundFailed, SlotUsage, TransportError
 from transport import backends, rdma
 from transport import rdma_port as rp
 from transport.core import native
@@ -91,6 +91,7 @@ def stand_in_cuda(tmp_path_factory):
     lib.stand_in_write.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
     lib.stand_in_read.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
     lib.stand_in_set_dmabuf_supported.argtypes = [ctypes.c_int]
+    lib.stand_in_set_rdma_ordering.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.stand_in_last_export.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)]
     lib.path = path
     return lib
@@ -557,9 +558,30 @@ def test_gpu_memory_exposed_through_its_dmabuf_takes_a_peers_writes(rdma_star, s
     landed = ctypes.create_string_buffer(3000)
     assert stand_in_cuda.stand_in_read(base + 1024 + 4096, landed, 3000) == 0
     assert landed.raw == pattern
+    flushes = stand_in_cuda.stand_in_flushes()
+    spokes[0].settle()
+    assert stand_in_cuda.stand_in_flushes() == flushes  # the device orders the writes itself: no flush
     domain = spokes[0].backends.rdma.opened.domain
     spokes[0].close()
     assert domain.sources == 0  # the exposure ends with the endpoint
+
+
+def test_a_gpu_that_does_not_order_rdma_writes_flushes_them_at_settle_or_is_refused(rdma_star, stand_in_cuda,
+                                                                                    monkeypatch):
+    monkeypatch.setattr("transport.cuda_dmabuf.LIBRARY", stand_in_cuda.path)
+    hub, spokes, names = rdma_star(2)
+    try:
+        stand_in_cuda.stand_in_set_rdma_ordering(0, 1)  # CU_GPU_DIRECT_RDMA_WRITES_ORDERING_NONE, flush supported
+        spokes[0].expose(DeviceBuffer(stand_in_cuda.stand_in_alloc(4096), 4096))
+        flushes = stand_in_cuda.stand_in_flushes()
+        spokes[0].settle()
+        assert stand_in_cuda.stand_in_flushes() == flushes + 1
+        stand_in_cuda.stand_in_set_rdma_ordering(0, 0)  # and no flush
+        with pytest.raises(BackendUnavailable, match="neither orders GPUDirect RDMA writes .* nor can flush them"):
+            spokes[1].expose(DeviceBuffer(stand_in_cuda.stand_in_alloc(4096), 4096))
+    finally:
+        stand_in_cuda.stand_in_set_rdma_ordering(100, 1)
+    assert spokes[1].backends.rdma.opened.domain.sources == 0  # nothing registered
 
 
 def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(rdma_star):

@@ -1,4 +1,4 @@
-// A stand-in for libcuda.so.1 with the four driver calls transport/cuda_dmabuf.py makes, for
+// A stand-in for libcuda.so.1 with the driver calls transport/cuda_dmabuf.py makes, for
 // the tests: "device memory" is a memfd per allocation at an address this process never maps
 // there (so a CPU read of it would crash), and cuMemGetHandleForAddressRange hands out a
 // duplicate of the allocation's memfd as its dma-buf, which the software verbs provider maps,
@@ -16,6 +16,7 @@ namespace {
 
 constexpr int kSuccess = 0, kInvalidValue = 1, kInvalidDevice = 101, kNotSupported = 801;
 constexpr int kDmaBufSupported = 124, kDmaBufFd = 1;
+constexpr int kFlushOptions = 117, kWritesOrdering = 118, kTargetCurrentCtx = 0, kToOwner = 100;
 constexpr long kPage = 4096;
 
 struct Allocation {
@@ -27,6 +28,9 @@ struct Allocation {
 std::map<uint64_t, Allocation> allocations;
 uint64_t next_address = 0x7e0000000000ULL;
 int supported = 1;
+int writes_ordering = 100;  // CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER, as on Hopper
+int flush_options = 1;      // cuFlushGPUDirectRDMAWrites supported
+int flushes = 0;
 uint64_t last_start = 0;
 size_t last_span = 0;
 
@@ -41,7 +45,15 @@ int cuDeviceGet(int* device, int ordinal) {
   return kSuccess;
 }
 int cuDeviceGetAttribute(int* value, int attribute, int) {
-  *value = attribute == kDmaBufSupported ? supported : 0;
+  *value = attribute == kDmaBufSupported   ? supported
+           : attribute == kWritesOrdering  ? writes_ordering
+           : attribute == kFlushOptions    ? flush_options
+                                           : 0;
+  return kSuccess;
+}
+int cuFlushGPUDirectRDMAWrites(int target, int scope) {
+  if (target != kTargetCurrentCtx || scope != kToOwner) return kInvalidValue;
+  flushes += 1;
   return kSuccess;
 }
 int cuGetErrorName(int error, const char** name) {
@@ -92,6 +104,11 @@ int stand_in_read(uint64_t address, void* out, size_t n) {
   return -1;
 }
 void stand_in_set_dmabuf_supported(int on) { supported = on; }
+void stand_in_set_rdma_ordering(int ordering, int options) {
+  writes_ordering = ordering;
+  flush_options = options;
+}
+int stand_in_flushes() { return flushes; }
 void stand_in_last_export(uint64_t* start, size_t* span) {
   *start = last_start;
   *span = last_span;
