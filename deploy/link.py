@@ -88,8 +88,12 @@ class SwitchableLink:
         (see ExpertLink.expose)."""
         return self.endpoint.expose(buffer)
 
-    def aim(self, peer: str, grant: RegionGrant | None) -> None:
+    def aim(self, peer: str, grant: list | None) -> None:
+        """The region `peer` exposed, from the plain fields its offer carried."""
         self.endpoint.aim(peer, grant)
+
+    def settle(self) -> None:
+        self.endpoint.settle()
 
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins, ends, token_counts, *, step: int,
                    layer: int, micro_batch: int, flags: int = 0, targets=None) -> None:

@@ -62,6 +62,15 @@ def deepseek_ref(request, tmp_path_factory) -> HFReference:
     return _build(request.param, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture(scope="session")
+def soft_verbs(tmp_path_factory) -> str:
+    """The software verbs provider (tests/soft_rdma.py), built once from source into a
+    temporary directory: the compiled core's rdma channels without an adapter."""
+    from tests.soft_rdma import shared_library
+
+    return shared_library("soft_verbs.cpp", tmp_path_factory.mktemp("verbs") / "libsoftverbs.so")
+
+
 @pytest.fixture(scope="session", params=["mixtral", "qwen3_moe"])
 def hf_ref(request) -> HFReference:
     return request.getfixturevalue("mixtral_ref" if request.param == "mixtral" else "qwen3_ref")

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 from transport import core
 from transport.backends import BackendSet, host_id
-from transport.core_rdma import CoreRdmaOutbound
 from transport.errors import PayloadTooLarge, ProtocolViolation, TransportError
 from transport.inbox import Inbox
 from transport.message import Message, as_bytes
 from transport.peer_channels import PeerChannels
 from transport.peering import parse_address
+from transport.regions import Regions
 from transport.round_collector import RoundCollector
 from transport.round_poster import RoundPoster
 from transport.rounds import Arrivals, RoundTable
@@ -128,6 +128,7 @@ class Endpoint:
         self._poster = RoundPoster(spec, self._round_table, channels, self._wakeups, self.send)
         self._collector = RoundCollector(spec, self._round_table, channels, self._inbox, self._wakeups,
                                          self.poll, self.recv)
+        self.regions = Regions(spec.name, self.backends, self.outbound)
 
     @property
     def address(self) -> str:
@@ -243,48 +244,20 @@ class Endpoint:
         return count_slots(self.doorbell, self._channels, self._inbox)
 
     def register(self, buffer) -> None:
-        """Declare a buffer (a contiguous torch tensor) that payloads will be sent from, for the
-        life of this endpoint. Backends that write from registered memory (nixl; rdma in the
-        compiled core) then send a payload lying in it without copying it to staging first,
-        after `send` or a post returned: its bytes must stay as they are until the receiver has
-        the message (its answer came back, or its slot was released). Host memory is a hint:
-        payloads anywhere else still work, through staging. A CUDA tensor registered on an
-        endpoint whose rdma channels are the core's is read by the adapter itself (GPUDirect
-        RDMA, through the dma-buf CUDA exports): rounds may then post CUDA tensors lying in it,
-        to rdma peers only."""
-        self.backends.register(buffer)
+        """A buffer payloads will be sent from, for this endpoint's life (`Regions.register`)."""
+        self.regions.register(buffer)
 
     def expose(self, buffer) -> RegionGrant | None:
-        """Declare a buffer (a contiguous CPU or CUDA tensor) this endpoint's rdma peers may write
-        into, for the life of this endpoint, and return the grant a peer needs to (`aim`): the
-        memory is registered for remote writes on the core's rdma domain (a CUDA tensor through
-        its dma-buf: the adapter writes GPU memory, GPUDirect RDMA). None where this endpoint's
-        rdma channels are not the compiled core's (no rdma pair yet: call it after `connect`;
-        or the pyverbs reference), so no peer can. BackendUnavailable, with the reason, where
-        the memory cannot be registered. The owner decides where it reads what was written:
-        a message posted into it arrives with a header that says 0 bytes, once its bytes are
-        placed."""
-        return self.backends.expose(buffer)
+        """A buffer this endpoint's rdma peers may write into; the grant they need (`Regions.expose`)."""
+        return self.regions.expose(buffer)
+
+    def aim(self, peer: str, grant: RegionGrant | list | tuple | None) -> None:
+        """The region `peer` exposed, for posts with `targets` (`Regions.aim`)."""
+        self.regions.aim(peer, grant)
 
     def settle(self) -> None:
-        """After a message into an exposed GPU region arrived and before a kernel reads its
-        bytes: makes the adapter's writes visible to the GPU's kernels where the platform does
-        not order them itself (cuFlushGPUDirectRDMAWrites; nothing where it does, nothing for
-        host memory). Costs a host call only where a flush is needed."""
-        self.backends.settle()
-
-    def aim(self, peer: str, grant: RegionGrant | None) -> None:
-        """The region `peer` exposed to this endpoint (its `expose` grant, sent over by its
-        owner), for posts with `targets`; None: none. Only a channel of the compiled core's
-        rdma writes into a peer's region: TransportError for any other. Set again after every
-        `connect` or `reconnect` (new channels)."""
-        channel = self.outbound.get(peer)
-        if channel is None:
-            raise TransportError(f"endpoint {self.spec.name} has no peer {peer!r}; peers: {', '.join(self.outbound)}")
-        if not isinstance(channel, CoreRdmaOutbound):
-            raise TransportError(f"endpoint {self.spec.name}: peer {peer}'s channel ({self.backend_of(peer)}) "
-                                 f"cannot write into a region it exposed: only rdma in the compiled core can")
-        channel.aim(grant)
+        """After a message into exposed GPU memory arrived, before a kernel reads it (`Regions.settle`)."""
+        self.regions.settle()
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":
         """Drop every channel and handshake again (same listener, same name): after a peer

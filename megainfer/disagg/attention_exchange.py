@@ -113,7 +113,7 @@ class AttentionExchange:
         if y is not None and some_direct(self.slots):
             begins, ends = row_ranges(counts, self.answer_row_bytes)
             self.slots.write(j, y.contiguous().view(-1).view(torch.uint8), begins, ends)  # once the experts ran
-            if not self.slots.direct.all():
+            if self.slots.needs_host_copy:  # some peer's bytes leave through the link
                 copy = self.staging.to_host([y], slot=j)
         elif y is not None:
             copy = self.staging.to_host([y], slot=j)
@@ -129,10 +129,12 @@ class AttentionExchange:
         for their copy only if it has not landed)."""
         answers = pending.copy.wait()[0] if pending.copy is not None else self._no_answers
         flags = BUSY if pending.busy else 0
-        if some_direct(self.slots):  # direct peers' rows went by device slots
-            begins, ends = self.slots.host_ranges(*row_ranges(pending.counts, self.answer_row_bytes))
+        if some_direct(self.slots):  # local peers' rows went by device slots; rdma peers' go into their regions
+            begins, ends = row_ranges(pending.counts, self.answer_row_bytes)
+            targets = self.slots.targets(pending.micro_batch, begins, ends)
+            begins, ends = self.slots.host_ranges(begins, ends)
             self.link.post_round(self.peers, answers, begins, ends, pending.counts, step=pending.step,
-                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)
+                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags, targets=targets)
         else:
             self.link.post_rows(self.peers, answers, pending.counts, self.answer_row_bytes, step=pending.step,
                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)

@@ -26,6 +26,18 @@ to this round, and that answer was computed (stream order: after the receiver's 
 it was sent. For the same reason a send event of micro-batch j is recorded again only after
 every receiver has enqueued its wait on the previous record.
 
+Across hosts the region is written by the adapter: where both nodes' links are rdma in the
+compiled transport core, each exposes its region to its peers (`link.expose`: registered for
+remote writes; GPU memory through its dma-buf, so the adapter writes the GPU's memory itself)
+and the offer carries the grant. A pair on two hosts whose offers both carry one writes by
+rdma: the sender posts the round as before, from the buffer it posts from anyway (its pinned
+staging on CUDA), with each such peer's bytes aimed at its row of that peer's region
+(`targets`); the core chains the payload write before the header's write-with-immediate, so
+the header (0 bytes) arrives once the bytes are placed. The receiver reads its region in
+place, with no host copy and no upload, after `link.settle()` (a GPUDirect RDMA flush where
+the platform does not order those writes for the GPU's kernels). The send side still leaves
+from host memory: the D2H copy stays, the receiver's gather and H2D copy go.
+
 An offer travels as JSON of plain fields (`SlotOffer.to_json`, `from_json`), never pickled:
 nothing a peer sends is unpickled (docs/reliability.md). The CUDA handles are the arguments
 torch's own `reduce_tensor` gives its `rebuild_cuda_tensor`, written field by field, and the
@@ -34,6 +46,7 @@ classes among them are looked up in a fixed list on arrival.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +65,15 @@ logger = logging.getLogger(__name__)
 
 OFFER = 2  # header flag of the offers' round (expert_link.BUSY is 1)
 SHM_DIR = "/dev/shm"
+LOCAL, RDMA, HOST = "local", "rdma", "host"  # a pair's path (SlotOffer.path_with)
+
+
+def _grant_fields(value) -> tuple:
+    """An offer's grant as it came: a list of plain scalars, or empty (the link checks the
+    values when it aims at them)."""
+    if not isinstance(value, list) or not all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        raise ValueError(f"grant {value!r} is not a list of plain fields")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -67,10 +89,12 @@ class SlotOffer:
     region_bytes: int  # per (micro-batch, peer)
     region: tuple  # CUDA: rebuild_cuda_tensor's arguments from reduce_tensor; CPU: (path of the /dev/shm file,)
     events: tuple[bytes, ...] = ()  # CUDA: the IPC handles of its send events, one per micro-batch
+    grant: tuple = ()  # its region exposed on its link for rdma writes (the link's plain fields); (): not
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self) | {"region": [_plain(v) for v in self.region],
-                                          "events": [e.hex() for e in self.events]}).encode()
+                                          "events": [e.hex() for e in self.events],
+                                          "grant": list(self.grant)}).encode()
 
     @classmethod
     def from_json(cls, data: bytes, peer: str) -> "SlotOffer":
@@ -79,13 +103,22 @@ class SlotOffer:
             raw = json.loads(data)
             offer = cls(str(raw["name"]), str(raw["host"]), str(raw["device"]), str(raw["device_uuid"]),
                         tuple(str(p) for p in raw["peers"]), int(raw["micro_batches"]), int(raw["region_bytes"]),
-                        tuple(_from_plain(v) for v in raw["region"]), tuple(bytes.fromhex(e) for e in raw["events"]))
+                        tuple(_from_plain(v) for v in raw["region"]), tuple(bytes.fromhex(e) for e in raw["events"]),
+                        _grant_fields(raw.get("grant", [])))
         except (ValueError, KeyError, TypeError) as exc:
             raise DataPlaneError(f"{peer} sent a malformed device-slot offer ({exc})") from None
         if offer.device not in ("cpu", "cuda") or offer.micro_batches <= 0 or offer.region_bytes <= 0:
             raise DataPlaneError(f"{peer} sent a device-slot offer out of range: device {offer.device!r}, "
                                  f"{offer.micro_batches} micro-batches, {offer.region_bytes} bytes")
         return offer
+
+    def path_with(self, other: "SlotOffer") -> str:
+        """How these two nodes' bytes travel, the same from either end: "local" (into each
+        other's regions: `direct_with`), "rdma" (two hosts, each region exposed on its link:
+        the adapters write them), or "host" (through the link's slots)."""
+        if self.direct_with(other):
+            return LOCAL
+        return RDMA if self.grant and other.grant else HOST
 
     def direct_with(self, other: "SlotOffer") -> bool:
         """Whether these two nodes write into each other's regions: one host, one kind of device
@@ -160,9 +193,10 @@ def _peer_access(uuid_a: str, uuid_b: str) -> bool:
 @dataclass
 class _Peer:
     index: int  # in this node's peer order
-    direct: bool
-    remote: torch.Tensor | None = None  # [micro-batches, region_bytes]: this node's rows of the peer's region
-    events: list = field(default_factory=list)  # CUDA: the peer's send events, opened here
+    path: str  # LOCAL, RDMA or HOST
+    remote: torch.Tensor | None = None  # LOCAL: [micro-batches, region_bytes], this node's rows of the peer's region
+    events: list = field(default_factory=list)  # LOCAL on CUDA: the peer's send events, opened here
+    row_bytes: int = 0  # RDMA: the peer's row size (the peer's region_bytes)
 
 
 def some_direct(slots: "DeviceSlots | None") -> bool:
@@ -206,6 +240,65 @@ def device_slots_for(name: str, peers: tuple[str, ...], device, micro_batches: i
     return DeviceSlots(name, peers, device, micro_batches, region_bytes)
 
 
+def trade_offers(offer: SlotOffer, link) -> list[SlotOffer]:
+    """`offer` posted to each of its peers over `link` and theirs collected, peer order (one
+    round each way, micro-batch 0, header flag OFFER); DataPlaneError where a peer sent data."""
+    blob = np.frombuffer(offer.to_json(), dtype=np.uint8).copy()
+    peers, n = offer.peers, len(offer.peers)
+    link.post_round(peers, torch.from_numpy(blob), np.zeros(n, np.int64), np.full(n, blob.size, np.int64),
+                    np.zeros(n, np.int64), step=0, layer=0, micro_batch=0, flags=OFFER)
+    arrivals = link.collect_round(peers, micro_batch=0)
+    try:
+        if ((arrivals.fields[:, FLAGS] & OFFER) == 0).any():
+            raise DataPlaneError(f"{offer.name}: a peer sent a data round where the device slots' offers were due "
+                                 f"(one end of a pair does not use device slots)")
+        return [SlotOffer.from_json(bytes(arrivals.payload(i)), peers[i]) for i in range(n)]
+    finally:
+        arrivals.release()
+
+
+def _new_region(name: str, device: torch.device, shape: tuple[int, int, int]) -> tuple[torch.Tensor, tuple, str]:
+    """A node's zeroed receive region, how a peer opens it (`SlotOffer.region`) and the path of
+    its /dev/shm file ("" on CUDA, where CUDA IPC shares it)."""
+    if device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        region = torch.zeros(shape, dtype=torch.uint8, device=device)
+        rebuild, args = reduce_tensor(region)
+        if rebuild.__name__ != "rebuild_cuda_tensor":
+            raise RuntimeError(f"torch shares this region through {rebuild.__name__}, not rebuild_cuda_tensor")
+        return region, tuple(args), ""
+    path = os.path.join(SHM_DIR, f"megainfer-slots-{name}-{uuid.uuid4().hex}")
+    with open(path, "wb") as f:
+        f.truncate(int(np.prod(shape)))
+    return torch.from_file(path, shared=True, size=int(np.prod(shape)), dtype=torch.uint8).view(shape), (path,), path
+
+
+def _open_region(offer: SlotOffer) -> torch.Tensor:
+    """A peer's region on this host, as its offer says to open it."""
+    shape = (offer.micro_batches, len(offer.peers), offer.region_bytes)
+    if offer.device == "cuda":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor(*offer.region)
+    return torch.from_file(offer.region[0], shared=True, size=int(np.prod(shape)), dtype=torch.uint8).view(shape)
+
+
+def _expose_region(name: str, link, region: torch.Tensor) -> list | None:
+    """`region` exposed on `link` for the peers' rdma writes: the grant's plain fields, or None
+    (said, with the reason, where the link has rdma but cannot expose it)."""
+    expose = getattr(link, "expose", None)  # links of tests and tools may have no rdma at all
+    if expose is None:
+        return None
+    try:
+        grant = expose(region)
+        return None if grant is None else grant.to_plain()
+    except Exception as exc:  # the memory cannot be registered, or the GPU cannot order the writes
+        logger.warning("%s: peers on other hosts cannot write into this node's device slots (%s); their rounds "
+                       "go through the host", name, exc)
+        return None
+
+
 class DeviceSlots:
     """One node's receive region and send events, and its pairs' choice of path."""
 
@@ -223,90 +316,73 @@ class DeviceSlots:
         # Every row starts aligned, so any dtype view of a peer's bytes is valid.
         self.region_bytes = region_bytes = -(-region_bytes // ALIGN) * ALIGN
         shape = (micro_batches, len(self.peers), region_bytes)
-        self._path = ""
+        self.region, shared, self._path = _new_region(name, self.device, shape)
+        handles, uuid_ = (), ""
         if self.on_cuda:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            self.region = torch.zeros(shape, dtype=torch.uint8, device=self.device)
             # The writes' own stream: a round's copies wait only for their own data, never behind
             # the staging copies of later micro-batches.
             self.copy_stream = torch.cuda.Stream(self.device)
             self.send_events = [torch.cuda.Event(interprocess=True) for _ in range(micro_batches)]
-            handles = tuple(bytes(e.ipc_handle()) for e in self.send_events)
-            rebuild, args = reduce_tensor(self.region)
-            if rebuild.__name__ != "rebuild_cuda_tensor":
-                raise RuntimeError(f"torch shares this region through {rebuild.__name__}, not rebuild_cuda_tensor")
-            shared, uuid_ = tuple(args), _device_uuid(self.device)
-        else:
-            self._path = os.path.join(SHM_DIR, f"megainfer-slots-{name}-{uuid.uuid4().hex}")
-            with open(self._path, "wb") as f:
-                f.truncate(int(np.prod(shape)))
-            self.region = torch.from_file(self._path, shared=True, size=int(np.prod(shape)),
-                                          dtype=torch.uint8).view(shape)
-            handles, shared, uuid_ = (), (self._path,), ""
+            handles, uuid_ = tuple(bytes(e.ipc_handle()) for e in self.send_events), _device_uuid(self.device)
         self.offer = SlotOffer(name, host_identity(), self.device.type, uuid_, self.peers, micro_batches,
                                region_bytes, shared, handles)
         self._by_name: dict[str, _Peer] = {}
-        self.direct = np.zeros(len(self.peers), dtype=bool)  # per peer, in peer order
+        # per peer, in peer order: bytes not through the link's slots (LOCAL or RDMA); LOCAL only
+        self.direct = np.zeros(len(self.peers), dtype=bool)
+        self.local = np.zeros(len(self.peers), dtype=bool)
+        self._targets: list[np.ndarray] | None = None  # per micro-batch: each RDMA peer's offset (-1: none)
+        self._link = None  # the link of the last exchange (settle)
 
     # -- wiring ---------------------------------------------------------------------------------
     def exchange(self, link) -> None:
-        """Trade offers with every peer over `link` (one round each way, micro-batch 0) and open
-        the direct peers' regions and events. Both ends of every pair call it at the same point
-        of their protocol: the first round of a wiring. Any failure is a DataPlaneError."""
+        """Trade offers with every peer over `link` (this node's region exposed on it first, where
+        it can be), open the LOCAL peers' regions and events and aim at the RDMA peers'. Both
+        ends of every pair call it at the same point of their protocol: the first round of a
+        wiring. Any failure is a DataPlaneError."""
+        self._link = link
         try:
-            self._exchange(link)
+            self.offer = dataclasses.replace(self.offer, grant=tuple(_expose_region(self.name, link, self.region) or ()))
+            offers = trade_offers(self.offer, link)
+            self.attach(offers)
+            for peer, offer in zip(self.peers, offers):
+                if self._by_name[peer].path == RDMA:
+                    link.aim(peer, list(offer.grant))
         except DataPlaneError:
             raise
         except Exception as exc:
             raise DataPlaneError(f"{self.name}: cannot trade device-slot offers with {', '.join(self.peers)}: "
                                  f"{exc}") from exc
-        direct = self.direct_peers()
-        logger.info("%s: device slots with %s; through the host with %s", self.name, ", ".join(direct) or "no peer",
-                    ", ".join(p for p in self.peers if p not in direct) or "none")
-
-    def _exchange(self, link) -> None:
-        blob = np.frombuffer(self.offer.to_json(), dtype=np.uint8).copy()
-        n = len(self.peers)
-        link.post_round(self.peers, torch.from_numpy(blob), np.zeros(n, np.int64), np.full(n, blob.size, np.int64),
-                        np.zeros(n, np.int64), step=0, layer=0, micro_batch=0, flags=OFFER)
-        arrivals = link.collect_round(self.peers, micro_batch=0)
-        try:
-            if ((arrivals.fields[:, FLAGS] & OFFER) == 0).any():
-                raise DataPlaneError(f"{self.name}: a peer sent a data round where the device slots' offers were due "
-                                     f"(one end of a pair does not use device slots)")
-            offers = [SlotOffer.from_json(bytes(arrivals.payload(i)), self.peers[i]) for i in range(n)]
-        finally:
-            arrivals.release()
-        self.attach(offers)
+        paths = {path: ", ".join(p for p, e in self._by_name.items() if e.path == path) or "none"
+                 for path in (LOCAL, RDMA, HOST)}
+        logger.info("%s: device slots with %s on this host, by rdma with %s; through the host with %s", self.name,
+                    paths[LOCAL], paths[RDMA], paths[HOST])
 
     def attach(self, offers: list[SlotOffer]) -> None:
-        """Open what each peer offered (peer order); direct pairs from here on."""
+        """Open what each peer offered (peer order); each pair's path from here on."""
         self.close_peers()
+        targets = np.full((self.micro_batches, len(self.peers)), -1, dtype=np.int64)
         for i, (peer, offer) in enumerate(zip(self.peers, offers, strict=True)):
             if offer.name != peer:
                 raise DataPlaneError(f"{self.name}: the offer from {peer} names {offer.name}")
-            entry = _Peer(i, self.offer.direct_with(offer))
-            if entry.direct:
+            entry = _Peer(i, self.offer.path_with(offer))
+            if entry.path != HOST:
                 if self.name not in offer.peers:
                     raise DataPlaneError(f"{self.name}: {peer}'s region has no row for this node")
                 if offer.micro_batches != self.micro_batches:
                     raise DataPlaneError(f"{self.name}: {peer} has {offer.micro_batches} micro-batches, this node "
                                          f"{self.micro_batches}")
                 row = offer.peers.index(self.name)
-                entry.remote = self._open(offer)[:, row, :]
+            if entry.path == LOCAL:
+                entry.remote = _open_region(offer)[:, row, :]
                 if self.on_cuda:
                     entry.events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in offer.events]
+            elif entry.path == RDMA:  # [micro-batches, peers, region_bytes] bytes, row-major, from the grant's start
+                entry.row_bytes = offer.region_bytes
+                targets[:, i] = (np.arange(self.micro_batches) * len(offer.peers) + row) * offer.region_bytes
             self._by_name[peer] = entry
-            self.direct[i] = entry.direct
-
-    def _open(self, offer: SlotOffer) -> torch.Tensor:
-        shape = (offer.micro_batches, len(offer.peers), offer.region_bytes)
-        if offer.device == "cuda":
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-            return rebuild_cuda_tensor(*offer.region)
-        return torch.from_file(offer.region[0], shared=True, size=int(np.prod(shape)), dtype=torch.uint8).view(shape)
+            self.direct[i] = entry.path != HOST
+            self.local[i] = entry.path == LOCAL
+        self._targets = list(targets) if (targets >= 0).any() else None
 
     def direct_peers(self) -> list[str]:
         """The peers this node reaches device to device (none before the offers are traded)."""
@@ -316,6 +392,12 @@ class DeviceSlots:
     def any_direct(self) -> bool:
         return bool(self.direct.any())
 
+    @property
+    def needs_host_copy(self) -> bool:
+        """Whether some peer's bytes leave from host memory through the link (a HOST peer's, or
+        an RDMA peer's, which the link's post writes into its region)."""
+        return not self.local.all()
+
     # -- the data path --------------------------------------------------------------------------
     def write(self, micro_batch: int, data: torch.Tensor, begins: np.ndarray, ends: np.ndarray, *,
               ready=None) -> None:
@@ -323,8 +405,8 @@ class DeviceSlots:
         peer i's region for `micro_batch`; host peers are skipped. On CUDA: copies on the slots'
         copy stream once `ready` fired (a CUDA event recorded where `data` was produced; None:
         after what the current stream launched so far), then this micro-batch's send event;
-        returns without waiting."""
-        peers = [(p, int(begins[p.index]), int(ends[p.index])) for p in self._by_name.values() if p.direct]
+        returns without waiting. (An RDMA peer's bytes go with the link's post: `targets`.)"""
+        peers = [(p, int(begins[p.index]), int(ends[p.index])) for p in self._by_name.values() if p.path == LOCAL]
         for p, begin, end in peers:
             if end - begin > p.remote.shape[1]:
                 raise DataPlaneError(f"{self.name}: {end - begin} bytes for {self.peers[p.index]} exceed its device "
@@ -349,7 +431,7 @@ class DeviceSlots:
         if nbytes > self.region_bytes:
             raise DataPlaneError(f"{self.name}: {self.peers[i]} announced {nbytes} bytes, past its device slot of "
                                  f"{self.region_bytes}")
-        if self.on_cuda:
+        if self.on_cuda and self.local[i]:  # an RDMA peer's bytes were placed before its header came
             torch.cuda.current_stream(self.device).wait_event(self._by_name[self.peers[i]].events[micro_batch])
         return self.region[micro_batch, i, :nbytes]
 
@@ -364,6 +446,8 @@ class DeviceSlots:
             host = staging.landing(int(nbytes[~self.direct].sum()), slot=micro_batch)
             offsets = arrivals.gather_into(host)
             host_dev = staging.upload(host, slot=micro_batch)
+        if self.on_cuda and (nbytes[self.direct & ~self.local] > 0).any():
+            self._link.settle()  # the adapter's writes visible to the kernels that read them next
         pieces = []
         for i in np.flatnonzero(nbytes):
             if self.direct[i]:
@@ -382,13 +466,27 @@ class DeviceSlots:
         return int(where[0]) if where.size else -1
 
     def host_ranges(self, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The byte ranges the link posts: empty for direct peers (their bytes went by `write`)."""
-        return np.where(self.direct, 0, begins), np.where(self.direct, 0, ends)
+        """The byte ranges the link posts: empty for LOCAL peers (their bytes went by `write`)."""
+        return np.where(self.local, 0, begins), np.where(self.local, 0, ends)
+
+    def targets(self, micro_batch: int, begins: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """The link post's `targets` for `micro_batch`: each RDMA peer's row of its region (-1
+        for the others), or None where no peer is RDMA. DataPlaneError where an RDMA peer's
+        bytes [begins, ends) would not fit its row."""
+        if self._targets is None:
+            return None
+        for p in self._by_name.values():
+            if p.path == RDMA and ends[p.index] - begins[p.index] > p.row_bytes:
+                raise DataPlaneError(f"{self.name}: {ends[p.index] - begins[p.index]} bytes for {self.peers[p.index]} "
+                                     f"exceed its device slot of {p.row_bytes} bytes")
+        return self._targets[micro_batch]
 
     # -- end --------------------------------------------------------------------------------------
     def close_peers(self) -> None:
         self._by_name.clear()
         self.direct[:] = False
+        self.local[:] = False
+        self._targets = None
 
     def close(self) -> None:
         self.close_peers()

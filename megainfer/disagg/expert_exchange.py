@@ -171,8 +171,8 @@ class ExpertExchange:
             direct = some_direct(self.slots)
             ready = torch.cuda.current_stream(self.staging.device).record_event() if direct and self.staging.on_cuda \
                 else None
-            # where every expert node takes device slots, the records go device to device: only the offsets to the host
-            staged = [node_offsets] if direct and self.slots.direct.all() else [records, node_offsets]
+            # where every expert node takes device slots on this host, only the offsets go to the host
+            staged = [node_offsets] if direct and not self.slots.needs_host_copy else [records, node_offsets]
             pending = PendingDispatch(layer, j, self.staging.to_host(staged, slot=j), parts.token_ids, node_offsets,
                                       records if direct else None, ready)
         self._outbox.append(pending)
@@ -216,8 +216,9 @@ class ExpertExchange:
             if some_direct(self.slots):
                 if pending.records is not None:
                     self.slots.write(j, pending.records.view(-1), begins * row, ends * row, ready=pending.records_ready)
+                targets = self.slots.targets(j, begins * row, ends * row)
                 host_begins, host_ends = self.slots.host_ranges(begins * row, ends * row)
-                self.link.post_round(self.peers, records, host_begins, host_ends, counts, **header)
+                self.link.post_round(self.peers, records, host_begins, host_ends, counts, targets=targets, **header)
             elif self.tp_size == 1:  # every node's records, end to end
                 self.link.post_rows(self.peers, records, counts, row, **header)
             else:

@@ -90,12 +90,18 @@ class ExpertLink(Protocol):
 
     def expose(self, buffer: torch.Tensor):
         """Memory the peers may write into (a node's device-slot region), for the current
-        wiring: the grant a peer needs (plain fields: `to_plain()`), or None where the link
-        cannot take such writes (only rdma in the compiled transport core can)."""
+        wiring: the grant a peer needs (`.to_plain()`: its fields, for an offer to carry), or
+        None where the link cannot take such writes (only rdma in the compiled transport core can)."""
         ...
 
-    def aim(self, peer: str, grant) -> None:
-        """The region `peer` exposed, for posts with `targets` (set after every wiring)."""
+    def aim(self, peer: str, grant: list | None) -> None:
+        """The region `peer` exposed (its grant's plain fields), for posts with `targets`; set
+        after every wiring. ValueError for fields that are not a grant."""
+        ...
+
+    def settle(self) -> None:
+        """After messages into exposed GPU memory arrived, before a kernel reads them: the
+        adapter's writes made visible to the GPU's kernels (a flush where the platform needs one)."""
         ...
 
 

@@ -16,7 +16,8 @@ from megainfer.disagg.device_slots import DeviceSlots, SlotOffer
 from megainfer.disagg.device_staging import DeviceStaging
 from megainfer.errors import DataPlaneError
 from tests.helpers import connect_all
-from transport import Endpoint, EndpointSpec
+from tests.soft_rdma import soft_device
+from transport import BackendUnavailable, Endpoint, EndpointSpec
 
 SECRET = b"d" * 32
 REGION = 256
@@ -33,6 +34,19 @@ def test_a_pair_goes_direct_only_on_one_host_and_one_kind_of_device():
     assert not _offer().direct_with(_offer(name="e", host="other/boot"))
     assert not _offer().direct_with(_offer(name="e", device="cuda", device_uuid="GPU-1"))
     assert _offer(device="cuda", device_uuid="GPU-1").direct_with(_offer(device="cuda", device_uuid="GPU-1"))
+
+
+def test_a_pair_on_two_hosts_writes_by_rdma_only_where_both_regions_are_exposed():
+    grant = (0x7F00_0000_0000, 1024, 0x1001, True)
+    far = dict(name="e", host="other/boot")
+    assert _offer(grant=grant).path_with(_offer(grant=grant, **far)) == "rdma"
+    assert _offer(grant=grant).path_with(_offer(**far)) == "host"  # one end's link cannot take the writes
+    assert _offer().path_with(_offer(grant=grant, **far)) == "host"
+    assert _offer(grant=grant).path_with(_offer(name="e", grant=grant)) == "local"  # one host: by the region itself
+    offer = _offer(grant=grant)
+    assert SlotOffer.from_json(offer.to_json(), "a") == offer
+    with pytest.raises(DataPlaneError, match="grant .* is not a list of plain fields"):
+        SlotOffer.from_json(offer.to_json().replace(b'"grant": [', b'"grant": [{"x": 1}, '), "a")
 
 
 @pytest.fixture
@@ -156,3 +170,89 @@ def test_rows_are_aligned_and_the_offer_says_the_size_the_region_has():
     assert s.region.shape == (2, 2, 128) and s.offer.region_bytes == s.region_bytes == 128
     assert all(s.region[j, i].data_ptr() % 64 == 0 for j in range(2) for i in range(2))
     s.close()
+
+
+# -- across hosts, by rdma in the compiled core (the software verbs provider: no adapter here) --
+@pytest.fixture
+def rdma_hub_and_spokes(soft_verbs, monkeypatch):
+    """`hub_and_spokes` over rdma channels of the compiled core, on the software provider."""
+    soft_device(monkeypatch, soft_verbs)
+    names = ("a", "e0", "e1")
+    endpoints = {n: Endpoint(EndpointSpec(name=n, rank=i, secret=SECRET, backend="rdma", slot_bytes=4096,
+                                          num_slots=2, timeout_s=10.0, core="on")) for i, n in enumerate(names)}
+    connect_all(endpoints, {"a": ["e0", "e1"], "e0": ["a"], "e1": ["a"]})
+    yield endpoints
+    for ep in endpoints.values():
+        ep.close()
+
+
+def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in_place(rdma_hub_and_spokes,
+                                                                                        monkeypatch):
+    endpoints = rdma_hub_and_spokes
+    slots = {"a": DeviceSlots("a", ("e0", "e1"), "cpu", 2, REGION),
+             "e0": DeviceSlots("e0", ("a",), "cpu", 2, REGION)}
+    monkeypatch.setattr(device_slots, "host_identity", lambda: "elsewhere/boot")  # e1 is on another host
+    slots["e1"] = DeviceSlots("e1", ("a",), "cpu", 2, REGION)
+    _exchange_all(slots, endpoints)
+    assert slots["a"].direct.tolist() == [True, True] and slots["a"].local.tolist() == [True, False]
+    assert slots["e1"].direct.tolist() == [True] and slots["e1"].needs_host_copy  # its bytes go by the post
+
+    # The spokes answer micro-batch 1: e0 by its write into a's region, e1 by its post into it.
+    rows = {"e0": torch.arange(12, dtype=torch.uint8), "e1": torch.arange(100, 108, dtype=torch.uint8)}
+    for name, data in rows.items():
+        s = slots[name]
+        begins, ends = np.array([0]), np.array([data.numel()])
+        s.write(1, data, begins, ends)
+        targets = s.targets(1, begins, ends)
+        host_begins, host_ends = s.host_ranges(begins, ends)
+        endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1,
+                                   targets=targets)
+    arrivals = endpoints["a"].collect_round(("e0", "e1"), micro_batch=1)
+    try:
+        assert arrivals.byte_lengths.tolist() == [0, 0]  # neither header carried the bytes
+        assert slots["a"].length_mismatch(arrivals, 4) == -1
+        landed = slots["a"].land(arrivals, 1, 4, DeviceStaging("cpu", 2))
+    finally:
+        arrivals.release()
+    assert torch.equal(landed, torch.cat([rows["e0"], rows["e1"]]))
+    assert torch.equal(slots["a"].region[1, 1, :8], rows["e1"])  # landed in a's row for e1, by the adapter
+
+    # The other way: a dispatches to both; e1 reads its own region in place.
+    data = torch.arange(64, dtype=torch.uint8)
+    begins, ends = np.array([0, 24]), np.array([24, 64])
+    slots["a"].write(0, data, begins, ends)
+    host_begins, host_ends = slots["a"].host_ranges(begins, ends)
+    assert host_begins.tolist() == [0, 24] and host_ends.tolist() == [0, 64]  # only e0's bytes skip the post
+    endpoints["a"].post_round(("e0", "e1"), data, host_begins, host_ends, np.array([6, 10]), micro_batch=0,
+                              targets=slots["a"].targets(0, begins, ends))
+    for name, (begin, end) in (("e0", (0, 24)), ("e1", (24, 64))):
+        arrivals = endpoints[name].collect_round(("a",), micro_batch=0)
+        try:
+            got = slots[name].land(arrivals, 0, 4, DeviceStaging("cpu", 2))
+        finally:
+            arrivals.release()
+        assert torch.equal(got, data[begin:end])
+    with pytest.raises(DataPlaneError, match="exceed its device slot of 256 bytes"):
+        slots["e1"].targets(0, np.array([0]), np.array([REGION + 1]))
+    assert all(ep.slots_in_use().held == 0 for ep in endpoints.values())
+    for s in slots.values():
+        s.close()
+
+
+def test_a_region_that_cannot_be_exposed_is_said_and_its_pairs_go_through_the_host(rdma_hub_and_spokes, monkeypatch,
+                                                                                   caplog):
+    endpoints = rdma_hub_and_spokes
+    hosts = iter(["h0/boot", "h1/boot", "h2/boot"])
+    monkeypatch.setattr(device_slots, "host_identity", lambda: next(hosts))  # every node on a host of its own
+
+    def refuse(buffer):
+        raise BackendUnavailable("rdma: cannot expose a 512-byte host region on soft0 (no memory)")
+
+    monkeypatch.setattr(endpoints["e1"], "expose", refuse)
+    slots = {n: DeviceSlots(n, ("e0", "e1") if n == "a" else ("a",), "cpu", 2, REGION) for n in endpoints}
+    _exchange_all(slots, endpoints)
+    assert slots["a"].direct.tolist() == [True, False]  # e0 by rdma, e1 through the host
+    said = [r.getMessage() for r in caplog.records if "cannot write into this node's device slots" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("e1:") and "no memory" in said[0]
+    for s in slots.values():
+        s.close()

@@ -4,6 +4,7 @@ connected by real M2N endpoints, produce exactly the colocated engine's greedy t
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
 import threading
 import time
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from deploy.link import SwitchableLink
 from megainfer.expert_replicas import ExpertReplicas
 from megainfer import Engine, SamplingParams
-from megainfer.disagg import attention_exchange, expert_exchange, expert_worker, pipelined_runner
+from megainfer.disagg import attention_exchange, device_slots, expert_exchange, expert_worker, pipelined_runner
 from megainfer.disagg.device_staging import ComputeTimer, DeviceStaging, HostCopy
 from megainfer.disagg.expert_exchange import rank_shares, shared_positions_on
 from megainfer.disagg.expert_link import (RecordViews, dispatch_bytes, pack_dispatch, pack_records, rank_share,
@@ -31,15 +32,18 @@ from megainfer.model.weights import SafetensorsCheckpoint
 from megainfer.runner.inputs_ahead import InputsAhead
 from megainfer.scheduling.step_layout import split_micro_batches
 from tests.helpers import connect_all, generate_all
+from tests.soft_rdma import soft_device
+from transport import Endpoint
 
 SECRET = b"d" * 32
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm", device="cpu", worker_options=None,
-                         replicas=None, switch=None, nodes=None, steps=None, params=GREEDY, **engine_options):
-    """Wire a deployment in threads; return each prompt's greedy tokens. `worker_options`: more
-    ExpertWorker arguments. `replicas`: where the experts' slots live (default: contiguous runs,
+                         replicas=None, switch=None, nodes=None, steps=None, params=GREEDY, runner_options=None,
+                         **engine_options):
+    """Wire a deployment in threads; return each prompt's greedy tokens. `worker_options`,
+    `runner_options`: more ExpertWorker and PipelinedModelRunner arguments. `replicas`: where the experts' slots live (default: contiguous runs,
     one slot each); `switch`: (step, ExpertReplicas), a re-placement every rank switches to at
     that step (staged on the expert workers first). `nodes`: a list the workers and the engines
     are appended to, for a test to look at afterwards. `steps`: how many lockstep steps every node
@@ -68,13 +72,14 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
     connect_all(endpoints, {**{a: expert_names for a in attn_names}, **{e: attn_names for e in expert_names}})
     workers = [ExpertWorker(model_config, assignment[k], "float32", device, SafetensorsCheckpoint(path),
                             attention_nodes=attn_names, micro_batches=m, link=links[name], replicas=replicas, node=k,
-                            **(worker_options or {}))
+                            name=name, **(worker_options or {}))
                for k, name in enumerate(expert_names)]
     engines = []
     for name in attn_names:
         def factory(mc, cfg, weights, max_len, name=name):
             return PipelinedModelRunner(mc, cfg, weights, max_len, link=links[name], expert_nodes=expert_names,
-                                        replicas=replicas, micro_batches=m, movable_experts=switch is not None)
+                                        replicas=replicas, micro_batches=m, movable_experts=switch is not None,
+                                        name=name, **(runner_options or {}))
         engines.append(Engine(str(path), engine_config, runner_factory=factory))
     if nodes is not None:
         nodes.extend(workers + engines)
@@ -154,6 +159,36 @@ def test_two_by_two_deployment_on_cuda_matches_colocated(mixtral_ref, m):
     prompts = mixtral_ref.prompts
     got, _ = run_local_deployment(mixtral_ref.path, 2, 2, m, prompts, device="cuda")
     assert got == colocated(mixtral_ref.path, prompts, device="cuda")
+
+
+def test_device_slots_across_hosts_written_by_rdma_match_colocated(hf_ref, soft_verbs, monkeypatch):
+    """Every node on a host of its own, its link rdma in the compiled transport core (on the
+    software verbs provider: no adapter here): each pair's dispatches and answers are written
+    by the adapter into the receiver's device-slot region, their headers carrying no bytes,
+    and read there in place; the tokens are the colocated engine's."""
+    soft_device(monkeypatch, soft_verbs)
+    hosts = itertools.count()
+    monkeypatch.setattr(device_slots, "host_identity", lambda: f"host{next(hosts)}/boot")
+    posted = []
+    post_round = Endpoint.post_round
+    monkeypatch.setattr(Endpoint, "post_round", lambda self, *a, **k: posted.append(k.get("targets")) or
+                        post_round(self, *a, **k))
+    prompts = hf_ref.prompts
+    expected = colocated(hf_ref.path, prompts)
+    engine_tokens = 64  # run_local_deployment's max_num_batched_tokens
+    nodes = []
+    model = Engine(str(hf_ref.path), EngineConfig(num_kv_blocks=8, block_size=8)).model_config
+    h, top_k = model.hidden_size, model.top_k
+    got, _ = run_local_deployment(
+        hf_ref.path, 2, 2, 2, prompts, backend="rdma", nodes=nodes,
+        runner_options={"device_slot_bytes": engine_tokens * h * 4},
+        worker_options={"device_slot_bytes": dispatch_bytes(engine_tokens, h, top_k, torch.float32)})
+    assert got == expected
+    for node in nodes:
+        slots = node.slots if isinstance(node, ExpertWorker) else node.runner.slots
+        assert slots.direct.all() and not slots.local.any()  # every pair by rdma: no host on both ends
+    aimed = [t for t in posted if t is not None]
+    assert aimed and all((t >= 0).all() for t in aimed)  # every data round went into the peers' regions
 
 
 def _replicated(path, version: int = 0) -> ExpertReplicas:

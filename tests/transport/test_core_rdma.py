@@ -30,8 +30,10 @@ import pytest
 import torch
 
 from tests.helpers import connect_all
-from transport import BackendUnavailable, Endpoint, EndpointSpec, PayloadTooLarge, ProtocolViolation, RoundFailed, SlotUsage, TransportError
-from transport import backends, rdma
+from tests.soft_rdma import HERE, ROOT, SOFT, SOFT_GID, compiler, shared_library, soft_device
+from transport import (BackendUnavailable, Endpoint, EndpointSpec, PayloadTooLarge, ProtocolViolation, RoundFailed,
+                       SlotUsage, TransportError)
+from transport import rdma
 from transport import rdma_port as rp
 from transport.core import native
 from transport.core_rdma import CoreQueuePair, CoreRdmaInbound, CoreRdmaOutbound, CoreVerbs, verbs_library
@@ -40,51 +42,17 @@ from transport.rounds import CoreRound
 from transport.shm import slot_stride
 from transport.wire import Header, RegionGrant
 
-ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent / "verbs"
 SECRET = b"v" * 32
 IDLE = SlotUsage(held=0, unreleased=0, queued=0)
-SOFT_GID = rp.GidEntry(3, "0000:0000:0000:0000:0000:ffff:0a00:0005", rp.ROCE_V2, "veth0")
-SOFT = rp.PortChoice("soft0", 1, rp.LINK_ETHERNET, 0, 5, SOFT_GID)
 
 if native is None:
     pytest.fail("the compiled M2N core is not built: pip install builds it", pytrace=False)
 
 
-def _compiler() -> str:
-    found = shutil.which("g++") or shutil.which("c++")
-    if not found:
-        pytest.skip("no C++ compiler to build the software verbs provider")
-    return found
-
-
-def _shared_library(source: str, out: Path) -> str:
-    """tests/transport/verbs/`source` built into the shared library `out`."""
-    subprocess.run([_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT / 'transport' / 'csrc'}",
-                    str(HERE / source), "-o", str(out)], check=True, capture_output=True)
-    return str(out)
-
-
-def _soft_device(monkeypatch, library: str) -> None:
-    """Endpoints that choose rdma find the software provider's device: the probe passes on it,
-    the port chosen is SOFT's, and the core loads `library`."""
-    monkeypatch.setenv("MEGAINFER_LIBIBVERBS", library)
-    monkeypatch.setattr(backends.rdma, "probe", lambda **kw: rdma.ProbeResult(True, device="soft0", port=1,
-                                                                               gid_index=3, mtu=4096))
-    closed = SimpleNamespace(close=lambda: None)  # the pyverbs context select_port would have opened
-    monkeypatch.setattr(rdma, "select_port", lambda environ=None, allowed=(): (closed, SOFT))
-
-
-@pytest.fixture(scope="module")
-def soft_verbs(tmp_path_factory) -> str:
-    """The software provider, built from source into a temporary directory."""
-    return _shared_library("soft_verbs.cpp", tmp_path_factory.mktemp("verbs") / "libsoftverbs.so")
-
-
 @pytest.fixture(scope="module")
 def stand_in_cuda(tmp_path_factory):
     """A libcuda.so.1 stand-in (tests/transport/verbs/stand_in_cuda.cpp) and its hooks."""
-    path = _shared_library("stand_in_cuda.cpp", tmp_path_factory.mktemp("cuda") / "libcuda.so.1")
+    path = shared_library("stand_in_cuda.cpp", tmp_path_factory.mktemp("cuda") / "libcuda.so.1")
     lib = ctypes.CDLL(path)
     lib.stand_in_alloc.restype = ctypes.c_uint64
     lib.stand_in_alloc.argtypes = [ctypes.c_size_t]
@@ -127,7 +95,7 @@ def test_the_declared_abi_matches_a_real_verbs_h(tmp_path):
     include = _verbs_include(tmp_path)
     if include is None:
         pytest.skip("no <infiniband/verbs.h> here (nor rdma-core's package in the apt cache)")
-    done = subprocess.run([_compiler(), "-std=c++17", "-fsyntax-only", f"-I{include}",
+    done = subprocess.run([compiler(), "-std=c++17", "-fsyntax-only", f"-I{include}",
                            f"-I{ROOT / 'transport' / 'csrc'}", str(HERE / "verbs_abi_check.cpp")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -276,7 +244,7 @@ def test_a_dead_peer_fails_the_channel_with_its_completion_status(pair, hooks):
 @pytest.fixture
 def rdma_star(soft_verbs, monkeypatch):
     """A hub and n spokes that choose rdma, on the software provider's device."""
-    _soft_device(monkeypatch, soft_verbs)
+    soft_device(monkeypatch, soft_verbs)
     made: list[Endpoint] = []
 
     def build(n: int, slot_bytes: int = 4096, timeout_s: float = 5.0):
@@ -609,7 +577,7 @@ def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(rdma_star
 @pytest.mark.parametrize("wanted", ["auto", "on"])
 def test_a_core_that_cannot_open_the_device_falls_back_loudly_unless_it_was_demanded(soft_verbs, monkeypatch, caplog,
                                                                                      wanted):
-    _soft_device(monkeypatch, "/nonexistent/libibverbs.so.1")
+    soft_device(monkeypatch, "/nonexistent/libibverbs.so.1")
     reference = SimpleNamespace(close=lambda: None)  # stands for pyverbs' context
     monkeypatch.setattr(rdma.RdmaContext, "open", classmethod(lambda cls, environ=None, allowed=(): reference))
     ep = Endpoint(EndpointSpec(name="a0", rank=0, secret=SECRET, backend="rdma", core=wanted))

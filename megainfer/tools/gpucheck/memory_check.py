@@ -101,8 +101,9 @@ def check_energy(ctx: CheckContext) -> None:
 
 def check_dmabuf_export(ctx: CheckContext) -> None:
     """GPUDirect RDMA's GPU half, which needs no adapter: the driver exports a tensor's memory
-    as a dma-buf (transport/cuda_dmabuf.py, ctypes over libcuda) for an adapter to register.
-    A driver without dma-buf support (the closed kernel modules) is recorded, not failed: the
+    as a dma-buf (transport/cuda_dmabuf.py, ctypes over libcuda) for an adapter to register,
+    and whether the GPU orders an adapter's writes into it for its own kernels (else the
+    receiver of a device-slot round by rdma flushes them first: the flush is called here). A driver without dma-buf support (the closed kernel modules) is recorded, not failed: the
     core's rdma channels then stage GPU payloads through host memory, saying so."""
     import os
 
@@ -114,6 +115,13 @@ def check_dmabuf_export(ctx: CheckContext) -> None:
             case.skip("no CUDA device: dma-buf export needs one")
             return
         driver = CudaDriver()
+        try:  # whether an adapter's writes into this GPU need a flush before its kernels read them
+            flush = driver.needs_flush(ctx.device.index or 0)
+            case.figures["rdma_writes_need_flush"] = flush
+            if flush:
+                driver.flush_rdma_writes()  # what Endpoint.settle calls after a round into exposed memory
+        except BackendUnavailable as exc:
+            case.figures["rdma_writes_need_flush"] = str(exc)
         try:
             driver.check_export(ctx.device.index or 0)
         except BackendUnavailable as exc:
