@@ -96,7 +96,8 @@ class PipelineSpec:
     micro_batches: int = 2  # m: micro-batches ping-ponging per iteration
     global_batch: int = 64  # B: sequences decoding at once in one instance
     # Dispatches and answers written device to device between nodes of one host (CUDA IPC;
-    # megainfer/disagg/device_slots.py), the host carrying only headers; tensor-parallel size 1.
+    # megainfer/disagg/device_slots.py), and across hosts by the adapter where both links are
+    # rdma in the compiled core; the host carrying only headers; tensor-parallel size 1.
     device_slots: bool = False
 
     def __post_init__(self) -> None:
