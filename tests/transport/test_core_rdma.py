@@ -497,6 +497,31 @@ def test_a_post_into_a_region_is_refused_past_its_end_or_where_no_region_was_aim
         hub.aim("nobody", None)
 
 
+def test_a_round_into_regions_with_a_dead_peer_reaches_the_live_ones_and_names_the_dead(rdma_star, hooks):
+    hub, spokes, names = rdma_star(2, timeout_s=1.0)
+    regions = [torch.zeros(256, dtype=torch.uint8) for _ in spokes]
+    for spoke, region in zip(spokes, regions):
+        hub.aim(spoke.spec.name, spoke.expose(region))
+    hooks.soft_verbs_break(spokes[1].inbound["hub"].qp.native.qp_num)  # s1's side of hub -> s1
+    data = torch.arange(64, dtype=torch.uint8)
+    with pytest.raises(RoundFailed) as failed:
+        for mb in (0, 1, 0):  # the write's failure comes back in a completion, seen by a later post
+            hub.post_round(names, data, [0, 32], [32, 64], [1, 1], micro_batch=mb, targets=[0, 0])
+            with spokes[0].recv("hub", micro_batch=mb, timeout=2):
+                pass
+    assert set(failed.value.failures) == {"s1"}
+    with spokes[0].recv("hub", timeout=2) as msg:  # the failed round's message to s0 went out
+        mb = msg.header.micro_batch
+    regions[0].zero_()
+    assert "s1" in hub._dead  # dropped: the next targeted round goes to the live peers alone
+    with pytest.raises(RoundFailed, match="failed for 1 peer") as failed:  # s1 known dead: the others still go
+        hub.post_round(names, data, [0, 32], [32, 64], [3, 3], micro_batch=mb, targets=[64, 64])
+    assert set(failed.value.failures) == {"s1"}
+    with spokes[0].recv("hub", micro_batch=mb, timeout=2) as msg:
+        assert msg.header.token_count == 3 and msg.header.byte_length == 0
+    assert torch.equal(regions[0][64:96], data[:32])
+
+
 def test_only_the_cores_rdma_channels_expose_and_aim(tmp_path):
     endpoints = {n: Endpoint(EndpointSpec(name=n, rank=i, secret=SECRET, backend="shm", slot_bytes=256, num_slots=2,
                                           timeout_s=5.0)) for i, n in enumerate(("a", "b"))}
