@@ -78,13 +78,19 @@ def _exchange_all(slots: dict[str, DeviceSlots], endpoints) -> None:
     assert not errors, errors
 
 
-def test_a_round_lands_in_peer_order_from_direct_and_host_peers(hub_and_spokes, monkeypatch):
-    endpoints = hub_and_spokes
+def _e1_elsewhere(endpoints, monkeypatch) -> dict[str, DeviceSlots]:
+    """Device slots of the hub a and spoke e0 on this host and spoke e1 on another, offers traded."""
     slots = {"a": DeviceSlots("a", ("e0", "e1"), "cpu", 2, REGION),
              "e0": DeviceSlots("e0", ("a",), "cpu", 2, REGION)}
     monkeypatch.setattr(device_slots, "host_identity", lambda: "elsewhere/boot")  # e1 is on another host
     slots["e1"] = DeviceSlots("e1", ("a",), "cpu", 2, REGION)
     _exchange_all(slots, endpoints)
+    return slots
+
+
+def test_a_round_lands_in_peer_order_from_direct_and_host_peers(hub_and_spokes, monkeypatch):
+    endpoints = hub_and_spokes
+    slots = _e1_elsewhere(endpoints, monkeypatch)
     assert slots["a"].direct.tolist() == [True, False]
     assert slots["e0"].direct.tolist() == [True] and slots["e1"].direct.tolist() == [False]
 
@@ -189,11 +195,7 @@ def rdma_hub_and_spokes(soft_verbs, monkeypatch):
 def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in_place(rdma_hub_and_spokes,
                                                                                         monkeypatch):
     endpoints = rdma_hub_and_spokes
-    slots = {"a": DeviceSlots("a", ("e0", "e1"), "cpu", 2, REGION),
-             "e0": DeviceSlots("e0", ("a",), "cpu", 2, REGION)}
-    monkeypatch.setattr(device_slots, "host_identity", lambda: "elsewhere/boot")  # e1 is on another host
-    slots["e1"] = DeviceSlots("e1", ("a",), "cpu", 2, REGION)
-    _exchange_all(slots, endpoints)
+    slots = _e1_elsewhere(endpoints, monkeypatch)
     assert slots["a"].direct.tolist() == [True, True] and slots["a"].local.tolist() == [True, False]
     assert slots["e1"].direct.tolist() == [True] and slots["e1"].needs_host_copy  # its bytes go by the post
 

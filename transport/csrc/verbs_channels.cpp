@@ -575,73 +575,15 @@ class VerbsOutChannel : public Outbound {
 
   bool write(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
              const uint8_t* payload, size_t n) override {
-    std::lock_guard<std::mutex> hold(qp_->lock_);
-    if (!qp_->open()) throw std::runtime_error("channel closed");
-    if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
-    if (failure_ || !take_credits_locked()) return false;
-    uint32_t slot = micro_batch % num_slots_;
-    uint32_t lkey = 0;
-    bool device = false;
-    bool direct = n && qp_->domain()->find_source(payload, n, &lkey, &device);
-    if (busy_[slot] || !qp_->room_locked(direct ? 2 : 1)) return false;  // pending: a later poll frees it
-    size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;  // header, then payload
-    WireHeader h{kMagic, step, layer, micro_batch, rank_, flags, token_count, seq_, n};
-    std::memcpy(qp_->base_ + at, &h, sizeof h);
-    uint32_t tag = pack_tag(kImmData, channel_id_, slot);
-    int err;
-    if (direct) {  // registered: no staging copy
-      err = qp_->write_direct_locked(at, payload, n, lkey, tag);
-    } else {
-      if (n) std::memcpy(qp_->base_ + at + sizeof h, payload, n);
-      err = qp_->write_locked(at, sizeof h + n, tag);
-    }
-    if (err) {
-      record(kPostFailed, static_cast<uint64_t>(err), 0);
-      return false;
-    }
-    busy_[slot] = 1;
-    seq_ += 1;
-    return true;
+    return send(step, layer, micro_batch, flags, token_count, payload, n, nullptr);
   }
   // A message whose payload goes to `offset` of the region the peer exposed (aim()): the
   // payload write, then the header (byte length 0: the bytes are not in the slot) into the
   // slot as write() puts it, chained in one post, so the peer sees the header only once the
-  // payload is placed. From registered memory the adapter reads the payload where it lies;
-  // host memory elsewhere is staged in this side's slot first.
+  // payload is placed.
   bool write_into(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
                   const uint8_t* payload, size_t n, uint64_t offset) override {
-    std::lock_guard<std::mutex> hold(qp_->lock_);
-    if (!qp_->open()) throw std::runtime_error("channel closed");
-    if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
-    if (!fits_region(offset, n)) throw std::out_of_range("a write past the region the peer exposed");
-    if (failure_ || !take_credits_locked()) return false;
-    uint32_t slot = micro_batch % num_slots_;
-    uint32_t lkey = 0;
-    bool device = false;
-    bool registered = n && qp_->domain()->find_source(payload, n, &lkey, &device);
-    if (busy_[slot] || !qp_->room_locked(n ? 2 : 1)) return false;
-    size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;
-    WireHeader h{kMagic, step, layer, micro_batch, rank_, flags, token_count, seq_, 0};
-    std::memcpy(qp_->base_ + at, &h, sizeof h);
-    uint32_t tag = pack_tag(kImmData, channel_id_, slot);
-    int err;
-    if (!n) {
-      err = qp_->write_locked(at, sizeof h, tag);
-    } else {
-      if (!registered) {  // staged: the adapter reads it from this side's slot
-        std::memcpy(qp_->base_ + at + sizeof h, payload, n);
-        payload = qp_->base_ + at + sizeof h;
-        lkey = qp_->lkey();
-      }
-      err = qp_->write_chained_locked(at, payload, n, lkey, region_addr_ + offset, region_rkey_, tag);
-    }
-    if (err) {
-      record(kPostFailed, static_cast<uint64_t>(err), 0);
-      return false;
-    }
-    busy_[slot] = 1;
-    seq_ += 1;
-    return true;
+    return send(step, layer, micro_batch, flags, token_count, payload, n, &offset);
   }
   bool can_write_into(uint64_t offset, size_t n) const override { return fits_region(offset, n); }
   // The region the peer exposed for this endpoint's writes (its address as its adapter names
@@ -678,6 +620,43 @@ class VerbsOutChannel : public Outbound {
   void close() { qp_->destroy(); }
 
  private:
+  // One message, stamped with the next seq: its payload into the peer's slot (`offset` null)
+  // or at *offset of the region the peer exposed. A payload in registered memory is read by
+  // the adapter where it lies (a chained post: payload, then header); any other is copied into
+  // this side's slot first and goes with the header in one write, or, for a region, chained.
+  bool send(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
+            const uint8_t* payload, size_t n, const uint64_t* offset) {
+    std::lock_guard<std::mutex> hold(qp_->lock_);
+    if (!qp_->open()) throw std::runtime_error("channel closed");
+    if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
+    if (offset && !fits_region(*offset, n)) throw std::out_of_range("a write past the region the peer exposed");
+    if (failure_ || !take_credits_locked()) return false;
+    uint32_t slot = micro_batch % num_slots_;
+    uint32_t lkey = 0;
+    bool device = false;
+    bool registered = n && qp_->domain()->find_source(payload, n, &lkey, &device);
+    bool chained = registered || (offset && n);
+    if (busy_[slot] || !qp_->room_locked(chained ? 2 : 1)) return false;  // pending: a later poll frees it
+    size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;  // header, then payload
+    WireHeader h{kMagic, step, layer, micro_batch, rank_, flags, token_count, seq_, offset ? 0 : n};
+    std::memcpy(qp_->base_ + at, &h, sizeof h);
+    if (n && !registered) {  // staged: the adapter reads it from this side's slot
+      std::memcpy(qp_->base_ + at + sizeof h, payload, n);
+      payload = qp_->base_ + at + sizeof h;
+      lkey = qp_->lkey();
+    }
+    uint32_t tag = pack_tag(kImmData, channel_id_, slot);
+    int err = !chained ? qp_->write_locked(at, sizeof h + n, tag)  // n is 0 for a region's
+              : offset ? qp_->write_chained_locked(at, payload, n, lkey, region_addr_ + *offset, region_rkey_, tag)
+                       : qp_->write_direct_locked(at, payload, n, lkey, tag);
+    if (err) {
+      record(kPostFailed, static_cast<uint64_t>(err), 0);
+      return false;
+    }
+    busy_[slot] = 1;
+    seq_ += 1;
+    return true;
+  }
   bool take_credits_locked() {
     int status = 0;
     bool ok = qp_->poll_locked(
