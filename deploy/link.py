@@ -95,6 +95,9 @@ class SwitchableLink:
     def settle(self) -> None:
         self.endpoint.settle()
 
+    def reads_in_place(self, buffer: torch.Tensor) -> bool:
+        return self.endpoint.reads_in_place(buffer)
+
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins, ends, token_counts, *, step: int,
                    layer: int, micro_batch: int, flags: int = 0, targets=None) -> None:
         """One message to each of `peers` (transport/rounds.py); `buffer`: host memory."""

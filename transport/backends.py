@@ -210,6 +210,10 @@ class BackendSet:
         """See Endpoint.settle."""
         self.rdma.settle()
 
+    def reads_in_place(self, buffer) -> bool:
+        """See Endpoint.reads_in_place."""
+        return self.rdma.reads_in_place(buffer)
+
     def renew(self) -> None:
         """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
         peer failed crashes NIXL (SIGSEGV in transfer or get_new_notifs, 2 runs in 3). The old
@@ -289,6 +293,12 @@ class RdmaResources:
             if key not in self._exposed:  # a buffer the endpoint holds until it closes
                 self._exposed[key] = self.opened.expose(buffer)
             return self._exposed[key]
+
+    def reads_in_place(self, buffer) -> bool:
+        """Whether the core's domain holds `buffer` registered (Endpoint.register): its adapter
+        then reads a payload lying in it where it lies (GPU memory included)."""
+        opened = self.opened
+        return isinstance(opened, CoreVerbs) and any(held is buffer for held, _ in opened.registered)
 
     def settle(self) -> None:
         opened = self.opened

@@ -2,13 +2,15 @@
 
 Through the CUDA driver API in libcuda.so.1, called with ctypes: every machine with the NVIDIA
 driver has that library, so no cuda-python is needed (the GPU machines this project borrows
-have none). Three calls for the export: `cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)` (1 where
-the driver can export: the open kernel modules), `cuMemGetHandleForAddressRange(...,
-CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)` for a host-page-aligned range inside one allocation, and
-`cuGetErrorName` for the words of a failure; and for memory an adapter writes into, the
-device's GPUDirect RDMA write ordering and `cuFlushGPUDirectRDMAWrites` where it needs one. Values and signatures are CUDA's `cuda.h`
-(checked against the copy Triton ships; the test builds a stand-in libcuda from the same
-declarations and checks what it is called with).
+have none). Three calls for the export: `cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_
+SUPPORTED)` (1 where the driver can export: the open kernel modules),
+`cuMemGetHandleForAddressRange(..., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)` for a
+host-page-aligned range inside one allocation, and `cuGetErrorName` for the words of a
+failure; and for memory an adapter writes into, the device's GPUDirect RDMA write ordering
+(`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`) and `cuFlushGPUDirectRDMAWrites`
+where it needs one. Values and signatures are CUDA's `cuda.h` (checked against the copy
+Triton ships; the test builds a stand-in libcuda from the same declarations and checks what
+it is called with).
 """
 
 from __future__ import annotations

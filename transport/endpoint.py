@@ -117,9 +117,8 @@ class Endpoint:
         self.doorbell = self.backends.doorbell
         self._wakeups = Wakeups(spec.spin_us)
         self._channels = channels = PeerChannels(spec, self.backends, self.listener, self._wakeups)
-        # The channel set's own dicts (emptied and refilled, never replaced): the public
-        # `outbound`, `inbound` and `choices` (peer -> the backend its pair uses and why), and
-        # what send() reads per message.
+        # The channel set's own dicts (emptied and refilled, never replaced): the public `outbound`,
+        # `inbound` and `choices` (peer -> its pair's backend and why), and what send() reads.
         self.outbound, self.inbound, self.choices = channels.outbound, channels.inbound, channels.choices
         self._seq, self._dead = channels.seq, channels.dead
         self._inbox = Inbox(spec, channels, self._wakeups)
@@ -247,16 +246,17 @@ class Endpoint:
         """A buffer payloads will be sent from, for this endpoint's life (`Regions.register`)."""
         self.regions.register(buffer)
 
+    # What the peers' adapters read and write in place: transport/regions.py says each.
+    def reads_in_place(self, buffer) -> bool:
+        return self.regions.reads_in_place(buffer)
+
     def expose(self, buffer) -> RegionGrant | None:
-        """A buffer this endpoint's rdma peers may write into; the grant they need (`Regions.expose`)."""
         return self.regions.expose(buffer)
 
     def aim(self, peer: str, grant: RegionGrant | list | tuple | None) -> None:
-        """The region `peer` exposed, for posts with `targets` (`Regions.aim`)."""
         self.regions.aim(peer, grant)
 
     def settle(self) -> None:
-        """After a message into exposed GPU memory arrived, before a kernel reads it (`Regions.settle`)."""
         self.regions.settle()
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":

@@ -32,6 +32,13 @@ class Regions:
         to rdma peers only."""
         self.backends.register(buffer)
 
+    def reads_in_place(self, buffer) -> bool:
+        """Whether this endpoint's rdma adapter reads a payload lying in `buffer` where it lies:
+        the buffer was given to `register` (the very object) and the compiled core's domain
+        registered it (after `connect`: the domain opens with the first rdma pair). A CUDA
+        tensor that reads False cannot be posted from (`post_round` refuses it)."""
+        return self.backends.reads_in_place(buffer)
+
     def expose(self, buffer) -> RegionGrant | None:
         """Declare a buffer (a contiguous CPU or CUDA tensor) this endpoint's rdma peers may write
         into, for the life of this endpoint, and return the grant a peer needs to (`aim`): the

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megainfer.disagg.device_slots import device_slots_for, round_mismatch, some_direct
+from megainfer.disagg.device_slots import device_slots_for, round_mismatch, sends_from_device, some_direct
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, LAYER, STEP, ExpertLink, row_ranges
 from megainfer.disagg.node_timeline import Timeline
@@ -55,7 +55,7 @@ class AttentionExchange:
         self.link = link
         self.peers = tuple(attention_nodes)  # every round goes to all of them, in this order
         self.record_size, self.answer_row_bytes = record_size, answer_row_bytes
-        self.staging = DeviceStaging(device, micro_batches, staging_bytes)
+        self.staging = DeviceStaging(device, micro_batches, staging_bytes, device_send=device_slot_bytes > 0)
         if link is not None:
             for buffer in self.staging.send_buffers():
                 link.register(buffer)
@@ -70,7 +70,7 @@ class AttentionExchange:
         step's), and device-slot offers traded at a wiring's first step."""
         self._answers.clear()
         if self.slots is not None and not self._slots_wired:
-            self.slots.exchange(self.link)  # trade device-slot offers with the attention nodes
+            self.slots.exchange(self.link, self.staging.device_outbound)  # trade offers with the attention nodes
             self._slots_wired = True
 
     def finish_step(self) -> None:
@@ -113,8 +113,8 @@ class AttentionExchange:
         if y is not None and some_direct(self.slots):
             begins, ends = row_ranges(counts, self.answer_row_bytes)
             self.slots.write(j, y.contiguous().view(-1).view(torch.uint8), begins, ends)  # once the experts ran
-            if self.slots.needs_host_copy:  # some peer's bytes leave through the link
-                copy = self.staging.to_host([y], slot=j)
+            if self.slots.needs_host_copy:  # some peer's bytes leave through the link (from GPU memory where it can)
+                copy = self.staging.to_host([y], slot=j, device_first=sends_from_device(self.slots))
         elif y is not None:
             copy = self.staging.to_host([y], slot=j)
         self._answers.append(PendingAnswer(step, layer, j, counts, copy, busy=y is not None))

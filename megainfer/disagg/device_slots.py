@@ -35,8 +35,11 @@ staging on CUDA), with each such peer's bytes aimed at its row of that peer's re
 (`targets`); the core chains the payload write before the header's write-with-immediate, so
 the header (0 bytes) arrives once the bytes are placed. The receiver reads its region in
 place, with no host copy and no upload, after `link.settle()` (a GPUDirect RDMA flush where
-the platform does not order those writes for the GPU's kernels). The send side still leaves
-from host memory: the D2H copy stays, the receiver's gather and H2D copy go.
+the platform does not order those writes for the GPU's kernels). On CUDA, where every peer of
+a node is LOCAL or RDMA and its link's adapter reads the node's device send buffers
+(DeviceStaging's, registered through their dma-buf), its rounds leave from GPU memory too
+(`device_send_choice`): a device-to-device copy into that buffer on the copy stream replaces
+the copy to pinned memory, and the adapter reads it, so no byte crosses host memory.
 
 An offer travels as JSON of plain fields (`SlotOffer.to_json`, `from_json`), never pickled:
 nothing a peer sends is unpickled (docs/reliability.md). The CUDA handles are the arguments
@@ -52,6 +55,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -205,6 +209,11 @@ def some_direct(slots: "DeviceSlots | None") -> bool:
     return slots is not None and slots.any_direct
 
 
+def sends_from_device(slots: "DeviceSlots | None") -> bool:
+    """Whether the node's rounds leave from its device send buffers (`device_send_choice`)."""
+    return slots is not None and slots.sends_from_device
+
+
 def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None",
                tokens: int) -> torch.Tensor:
     """A collected round's rows (`tokens` of them, its checked token counts' sum), peer order,
@@ -255,6 +264,29 @@ def trade_offers(offer: SlotOffer, link) -> list[SlotOffer]:
         return [SlotOffer.from_json(bytes(arrivals.payload(i)), peers[i]) for i in range(n)]
     finally:
         arrivals.release()
+
+
+def _paths_text(by_name: dict[str, "_Peer"]) -> str:
+    """Each path's peers, for the log."""
+    paths = {path: ", ".join(p for p, e in by_name.items() if e.path == path) or "none" for path in (LOCAL, RDMA, HOST)}
+    return (f"device slots with {paths[LOCAL]} on this host, by rdma with {paths[RDMA]}; through the host with "
+            f"{paths[HOST]}")
+
+
+def device_send_choice(slots: "DeviceSlots", link, sources: Sequence[torch.Tensor]) -> tuple[bool, str]:
+    """Whether a node's rounds leave from its device send buffers (`sources`), and why (words
+    for the log): on CUDA, where some peer is RDMA, every peer is LOCAL or RDMA (a HOST peer
+    needs the bytes in host memory: one post carries the round) and the link's adapter reads
+    every such buffer in place (registered through its dma-buf). Else from pinned host memory."""
+    if not slots.on_cuda or slots.local.all() or not slots.direct.any():
+        return False, "rounds leave from " + ("pinned host memory" if slots.on_cuda else "host memory")
+    if not slots.direct.all():
+        return False, "rounds leave from pinned host memory (some peer goes through the host)"
+    reads = getattr(link, "reads_in_place", None)
+    if not sources or reads is None or not all(reads(buffer) for buffer in sources):
+        return False, ("rounds leave from pinned host memory (the link's adapter cannot read this GPU's send buffers: "
+                       "see the transport's warning)")
+    return True, "rounds leave from GPU memory (the adapter reads the device send buffers)"
 
 
 def _new_region(name: str, device: torch.device, shape: tuple[int, int, int]) -> tuple[torch.Tensor, tuple, str]:
@@ -331,17 +363,19 @@ class DeviceSlots:
         self.direct = np.zeros(len(self.peers), dtype=bool)
         self.local = np.zeros(len(self.peers), dtype=bool)
         self._targets: list[np.ndarray] | None = None  # per micro-batch: each RDMA peer's offset (-1: none)
-        self._link = None  # the link of the last exchange (settle)
+        self._link, self.sends_from_device = None, False  # the last exchange's link; device_send_choice's
 
     # -- wiring ---------------------------------------------------------------------------------
-    def exchange(self, link) -> None:
+    def exchange(self, link, device_sources: Sequence[torch.Tensor] = ()) -> None:
         """Trade offers with every peer over `link` (this node's region exposed on it first, where
         it can be), open the LOCAL peers' regions and events and aim at the RDMA peers'. Both
         ends of every pair call it at the same point of their protocol: the first round of a
-        wiring. Any failure is a DataPlaneError."""
+        wiring. Any failure is a DataPlaneError. `device_sources`: the node's device send
+        buffers, which its rounds then leave from where they can (`sends_from_device`)."""
         self._link = link
         try:
-            self.offer = dataclasses.replace(self.offer, grant=tuple(_expose_region(self.name, link, self.region) or ()))
+            grant = _expose_region(self.name, link, self.region)
+            self.offer = dataclasses.replace(self.offer, grant=tuple(grant or ()))
             offers = trade_offers(self.offer, link)
             self.attach(offers)
             for peer, offer in zip(self.peers, offers):
@@ -352,10 +386,8 @@ class DeviceSlots:
         except Exception as exc:
             raise DataPlaneError(f"{self.name}: cannot trade device-slot offers with {', '.join(self.peers)}: "
                                  f"{exc}") from exc
-        paths = {path: ", ".join(p for p, e in self._by_name.items() if e.path == path) or "none"
-                 for path in (LOCAL, RDMA, HOST)}
-        logger.info("%s: device slots with %s on this host, by rdma with %s; through the host with %s", self.name,
-                    paths[LOCAL], paths[RDMA], paths[HOST])
+        self.sends_from_device, why = device_send_choice(self, link, device_sources)
+        logger.info("%s: %s; %s", self.name, _paths_text(self._by_name), why)
 
     def attach(self, offers: list[SlotOffer]) -> None:
         """Open what each peer offered (peer order); each pair's path from here on."""

@@ -93,17 +93,26 @@ class DeviceStaging:
     """Stream-ordered copies between `device` and pinned host buffers, one per slot (micro-batch)
     and direction; on a CPU device every method is a no-copy identity."""
 
-    def __init__(self, device: torch.device | str, slots: int, reserve: StagingBytes | int = 0) -> None:
-        """`reserve`: pinned bytes per slot and direction, reserved now (an int: both directions)."""
+    def __init__(self, device: torch.device | str, slots: int, reserve: StagingBytes | int = 0, *,
+                 device_send: bool = False) -> None:
+        """`reserve`: pinned bytes per slot and direction, reserved now (an int: both directions).
+        `device_send`: on CUDA, also a device buffer per slot that a round may leave from (the
+        link's adapter reading it: GPUDirect RDMA; `to_host(..., device_first=True)`), of the
+        outbound reservation's size."""
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         if isinstance(reserve, int):
             reserve = StagingBytes(reserve, reserve)
         self.reserve = reserve
+        self.device_outbound: list[torch.Tensor] = []
+        self._outgrown = False  # a message outgrew the device send buffer (said once)
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.outbound = [PinnedBuffer(f"to host #{i}", reserve.to_host) for i in range(slots)]
             self.inbound = [PinnedBuffer(f"to device #{i}", reserve.to_device) for i in range(slots)]
+            if device_send and reserve.to_host:  # never grown: a registration covers it for good
+                self.device_outbound = [torch.empty(reserve.to_host, dtype=torch.uint8, device=self.device)
+                                        for _ in range(slots)]
         else:  # where rounds are gathered on the CPU: one buffer per slot, grown as needed
             self._landing = [torch.empty(reserve.to_device, dtype=torch.uint8) for _ in range(slots)]
             # Each slot's landing slices by length, made once: a round then lands in the same tensor
@@ -111,32 +120,47 @@ class DeviceStaging:
             self._landing_slices: list[dict[int, torch.Tensor]] = [{} for _ in range(slots)]
 
     def send_buffers(self) -> list[torch.Tensor]:
-        """The pinned buffers payloads leave from (for the link to register); none on the CPU.
-        A buffer that grows past its reservation is a new one, sent from through the
-        transport's staging instead."""
-        return [buffer.data for buffer in self.outbound] if self.on_cuda else []
+        """The buffers payloads leave from (for the link to register): the pinned ones, and the
+        device ones where asked for; none on the CPU. A pinned buffer that grows past its
+        reservation is a new one, sent from through the transport's staging instead."""
+        return [buffer.data for buffer in self.outbound] + self.device_outbound if self.on_cuda else []
 
-    def to_host(self, tensors: Sequence[torch.Tensor], slot: int) -> HostCopy:
+    def to_host(self, tensors: Sequence[torch.Tensor], slot: int, device_first: bool = False) -> HostCopy:
         """Copy `tensors` (as the compute stream's launched work leaves them) to slot `slot`'s
-        pinned buffer on the copy stream. The returned views stay valid until the next
-        `to_host` on the same slot."""
+        pinned buffer on the copy stream; with `device_first`, the first of them into the slot's
+        device send buffer instead (a device-to-device copy on the same stream, under the same
+        event: the link's adapter reads it from there), where it fits. The returned views stay
+        valid until the next `to_host` on the same slot."""
         if not self.on_cuda:
             return HostCopy(list(tensors))
         flats = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]  # contiguous: on the compute stream
-        offsets, total = aligned_layout([f.numel() for f in flats])
+        kept = self._kept_on_device(flats[0].numel(), slot) if device_first and flats else None
+        on_device = [] if kept is None else [kept]
+        offsets, total = aligned_layout([f.numel() for f in flats[len(on_device):]])
         host = self.outbound[slot].claim(total)
+        targets = on_device + [host[b:b + f.numel()] for f, b in zip(flats[len(on_device):], offsets)]
         produced = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(produced)
-            for flat, begin in zip(flats, offsets):
-                host[begin:begin + flat.numel()].copy_(flat, non_blocking=True)
+            for flat, target in zip(flats, targets):
+                target.copy_(flat, non_blocking=True)
                 # The allocator may hand this memory to the compute stream again only after the copy read it.
                 flat.record_stream(self.copy_stream)
             copied = self.copy_stream.record_event()
         self.outbound[slot].last_use = copied
-        parts = [host[begin:begin + f.numel()].view(t.dtype).view(t.shape)
-                 for t, f, begin in zip(tensors, flats, offsets)]
-        return HostCopy(parts, copied)
+        return HostCopy([target.view(t.dtype).view(t.shape) for t, target in zip(tensors, targets)], copied)
+
+    def _kept_on_device(self, nbytes: int, slot: int) -> torch.Tensor | None:
+        """The first `nbytes` of slot `slot`'s device send buffer, or None (through the host,
+        said once) where there is none or the message outgrew it."""
+        if self.device_outbound and nbytes <= self.device_outbound[slot].numel():
+            return self.device_outbound[slot][:nbytes]
+        if not self._outgrown:
+            self._outgrown = True
+            logger.warning("a %d-byte round outgrew the %d-byte device send buffer: it and any other such leave "
+                           "from pinned host memory (raise the staging reservation)", nbytes,
+                           self.device_outbound[slot].numel() if self.device_outbound else 0)
+        return None
 
     def landing(self, nbytes: int, slot: int) -> torch.Tensor:
         """Host bytes for slot `slot`'s arriving round to be gathered into (a transport round

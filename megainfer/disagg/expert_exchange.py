@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from megainfer.disagg.attention_dispatch import DispatchParts
-from megainfer.disagg.device_slots import device_slots_for, land_round, round_mismatch, some_direct
+from megainfer.disagg.device_slots import (device_slots_for, land_round, round_mismatch, sends_from_device,
+                                          some_direct)
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink
 from megainfer.disagg.expert_load_round import LoadRound
@@ -119,7 +120,7 @@ class ExpertExchange:
         self.num_layers = num_layers
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        self.staging = DeviceStaging(device, micro_batches, staging_bytes)
+        self.staging = DeviceStaging(device, micro_batches, staging_bytes, device_send=device_slot_bytes > 0)
         for buffer in self.staging.send_buffers():
             link.register(buffer)
         self.slots = device_slots_for(name, self.peers, device, micro_batches, device_slot_bytes, self.tp_size)
@@ -143,7 +144,7 @@ class ExpertExchange:
         nothing left of a failed step (its dispatches are not this step's)."""
         self.busy = False
         if self.slots is not None and not self._slots_wired:
-            self.slots.exchange(self.link)  # trade device-slot offers with the expert nodes
+            self.slots.exchange(self.link, self.staging.device_outbound)  # trade offers with the expert nodes
             self._slots_wired = True
         self._outbox.clear()
         self._routed = [None] * len(self._routed)
@@ -173,8 +174,8 @@ class ExpertExchange:
                 else None
             # where every expert node takes device slots on this host, only the offsets go to the host
             staged = [node_offsets] if direct and not self.slots.needs_host_copy else [records, node_offsets]
-            pending = PendingDispatch(layer, j, self.staging.to_host(staged, slot=j), parts.token_ids, node_offsets,
-                                      records if direct else None, ready)
+            copy = self.staging.to_host(staged, j, device_first=len(staged) == 2 and sends_from_device(self.slots))
+            pending = PendingDispatch(layer, j, copy, parts.token_ids, node_offsets, records if direct else None, ready)
         self._outbox.append(pending)
         self.flush_landed()  # inline, not `post`: one call less per round
 

@@ -99,6 +99,11 @@ class ExpertLink(Protocol):
         after every wiring. ValueError for fields that are not a grant."""
         ...
 
+    def reads_in_place(self, buffer: torch.Tensor) -> bool:
+        """Whether the link's adapter reads payloads lying in `buffer` (given to `register`)
+        where they lie: a GPU buffer it reads can be posted from (GPUDirect RDMA)."""
+        ...
+
     def settle(self) -> None:
         """After messages into exposed GPU memory arrived, before a kernel reads them: the
         adapter's writes made visible to the GPU's kernels (a flush where the platform needs one)."""

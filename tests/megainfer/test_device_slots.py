@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -258,3 +259,19 @@ def test_a_region_that_cannot_be_exposed_is_said_and_its_pairs_go_through_the_ho
     assert len(said) == 1 and said[0].startswith("e1:") and "no memory" in said[0]
     for s in slots.values():
         s.close()
+
+
+@pytest.mark.parametrize("on_cuda, local, direct, reads, sources, expected", [
+    (False, [False, False], [True, True], True, 2, (False, "host memory")),  # the CPU sends from its tensors
+    (True, [True, True], [True, True], True, 2, (False, "pinned host memory")),  # every peer local: nothing posted
+    (True, [False, False], [True, False], True, 2, (False, "some peer goes through the host")),
+    (True, [True, False], [True, True], False, 2, (False, "cannot read this GPU's send buffers")),
+    (True, [True, False], [True, True], True, 0, (False, "cannot read this GPU's send buffers")),
+    (True, [True, False], [True, True], True, 2, (True, "rounds leave from GPU memory")),
+])
+def test_rounds_leave_from_gpu_memory_only_where_every_peer_can_take_them_so(on_cuda, local, direct, reads, sources,
+                                                                              expected):
+    slots = SimpleNamespace(on_cuda=on_cuda, local=np.array(local), direct=np.array(direct))
+    link = SimpleNamespace(reads_in_place=lambda buffer: reads)
+    chosen, why = device_slots.device_send_choice(slots, link, [torch.zeros(1)] * sources)
+    assert chosen == expected[0] and expected[1] in why

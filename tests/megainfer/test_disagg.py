@@ -483,6 +483,26 @@ def test_cuda_staging_copies_what_the_compute_stream_produced_without_waiting_fo
 
 
 @pytest.mark.gpu
+def test_cuda_staging_keeps_the_first_tensor_in_the_device_send_buffer_where_asked_and_it_fits(caplog):
+    """The device send buffer a round leaves from where the adapter reads GPU memory (device
+    slots across hosts): the records stay on the GPU, the offsets still come to the host, one
+    event covers both; a message past the buffer goes through pinned memory, said once."""
+    staging = DeviceStaging("cuda", slots=2, reserve=4096, device_send=True)
+    assert len(staging.send_buffers()) == 4 and all(b.is_cuda for b in staging.device_outbound)
+    records = torch.arange(1000, dtype=torch.float32, device="cuda")
+    torch.cuda._sleep(SLEEP_CYCLES)
+    offsets = torch.arange(4, device="cuda")
+    copy = staging.to_host([records, offsets], slot=1, device_first=True)
+    kept, host_offsets = copy.wait()
+    assert kept.is_cuda and kept.data_ptr() == staging.device_outbound[1].data_ptr()
+    assert torch.equal(kept, records) and host_offsets.is_pinned() and host_offsets.tolist() == [0, 1, 2, 3]
+    big = torch.ones(2048, device="cuda")  # 8 KiB: past the 4 KiB buffer
+    for _ in range(2):
+        assert staging.to_host([big], slot=0, device_first=True).wait()[0].is_pinned()
+    assert sum("outgrew the 4096-byte device send buffer" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.gpu
 def test_compute_timer_measures_device_time_not_launches():
     timer = ComputeTimer("cuda")
     torch.cuda.synchronize()  # CUDA is initialised: the launch below is a launch only
@@ -508,10 +528,10 @@ def test_the_hot_path_reads_nothing_back_from_the_device(mixtral_ref, monkeypatc
 
     dispatches = [0]
 
-    def staged_to_host(self, tensors, slot):
+    def staged_to_host(self, tensors, slot, device_first=False):
         if Path(sys._getframe(1).f_code.co_filename).name == Path(expert_exchange.__file__).name:
             dispatches[0] += 1
-        copy = to_host(self, tensors, slot)
+        copy = to_host(self, tensors, slot, device_first)
         staged.update((id(t), t) for t in copy.parts)
         return copy
 
@@ -588,7 +608,7 @@ def test_dispatches_and_answers_wait_for_their_copies_and_keep_their_order(mixtr
     log: list[str] = []
     callers = set()
 
-    def slow_to_host(self, tensors, slot):
+    def slow_to_host(self, tensors, slot, device_first=False):
         callers.add(Path(sys._getframe(1).f_code.co_filename).name)
         copy = SlowCopy(list(tensors), looks, log)
         return HostCopy(copy.parts, copy)

@@ -403,8 +403,10 @@ def test_gpu_memory_goes_from_a_registered_dmabuf_and_is_refused_from_anywhere_e
 def test_endpoint_register_reaches_the_cores_rdma_domain(rdma_star):
     hub, spokes, names = rdma_star(1)
     source = torch.arange(4096, dtype=torch.uint8)
+    assert not hub.reads_in_place(source)
     hub.register(source)
     assert hub.backends.rdma.opened.domain.sources == 1
+    assert hub.reads_in_place(source) and not hub.reads_in_place(source.clone())  # that very buffer
     hub.post_round(names, source, [100], [1100], [1], micro_batch=0)
     with spokes[0].recv("hub", micro_batch=0, timeout=5) as msg:
         assert bytes(msg.data) == bytes(source[100:1100].numpy())
@@ -528,6 +530,15 @@ def test_only_the_cores_rdma_channels_expose_and_aim(tmp_path):
     try:
         connect_all(endpoints, {"a": ["b"], "b": ["a"]})
         assert endpoints["b"].expose(torch.zeros(64, dtype=torch.uint8)) is None  # no peer could write into it
+        source = torch.zeros(64, dtype=torch.uint8)
+        endpoints["a"].register(source)
+        assert not endpoints["a"].reads_in_place(source)  # shm copies it: no adapter reads it
+        gpu = DeviceBuffer(0x7F00_0000_0000, 64)  # a round posted from GPU memory, whose shm peer's bytes go elsewhere
+        endpoints["a"].post_round(("b",), gpu, [0], [0], [2], micro_batch=1)
+        with endpoints["b"].recv("a", micro_batch=1, timeout=5) as msg:
+            assert msg.header.byte_length == 0 and msg.header.token_count == 2
+        with pytest.raises(TypeError, match="cannot send from GPU memory"):
+            endpoints["a"].post_round(("b",), gpu, [0], [32], [1], micro_batch=0)
         with pytest.raises(TransportError, match="peer b's channel \\(shm\\) cannot write into a region"):
             endpoints["a"].aim("b", RegionGrant(0x1000, 64, 7, False))
     finally:

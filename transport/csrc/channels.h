@@ -92,8 +92,9 @@ class Outbound {
   virtual void after_round(uint16_t micro_batch) = 0;
   virtual size_t slot_bytes() const = 0;
   // Whether write() may be given these bytes: `device` is GPU memory, which only a channel
-  // whose adapter reads it (rdma, from a registered dma-buf) can send; host memory always.
-  virtual bool can_send_from(const uint8_t*, size_t, bool device) const { return !device; }
+  // whose adapter reads it (rdma, from a registered dma-buf) can send; host memory always, and
+  // no bytes from anywhere (a device-slot peer's header, in a round posted from GPU memory).
+  virtual bool can_send_from(const uint8_t*, size_t n, bool device) const { return !device || n == 0; }
   // write() with the payload written at `offset` of a region the peer exposed, not in its
   // slot (rdma only: a device-slot region across hosts); the header says 0 bytes.
   virtual bool can_write_into(uint64_t, size_t) const { return false; }
