@@ -98,6 +98,9 @@ class SwitchableLink:
     def reads_in_place(self, buffer: torch.Tensor) -> bool:
         return self.endpoint.reads_in_place(buffer)
 
+    def can_aim(self, peer: str) -> bool:
+        return self.endpoint.can_aim(peer)
+
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins, ends, token_counts, *, step: int,
                    layer: int, micro_batch: int, flags: int = 0, targets=None) -> None:
         """One message to each of `peers` (transport/rounds.py); `buffer`: host memory."""

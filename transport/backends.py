@@ -195,11 +195,13 @@ class BackendSet:
 
     def register(self, buffer) -> None:
         """A buffer payloads will be sent from (see Endpoint.register): registered with the NIXL
-        agent and the core's rdma domain where they exist, and with each when it is made."""
-        with self._nixl_lock:
-            self._sources.append(buffer)
-            if self._nixl is not None:
-                self._nixl.register_source(buffer)
+        agent (host memory only: nixl sends leave from the host here) and the core's rdma
+        domain where they exist, and with each when it is made."""
+        if not getattr(buffer, "is_cuda", False):
+            with self._nixl_lock:
+                self._sources.append(buffer)
+                if self._nixl is not None:
+                    self._nixl.register_source(buffer)
         self.rdma.register(buffer)
 
     def expose(self, buffer) -> RegionGrant | None:

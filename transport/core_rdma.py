@@ -97,7 +97,7 @@ class CoreVerbs:
             raise HandshakeError(f"rdma: the M2N core cannot open {choice.device} through {self.library} "
                                  f"({exc})") from None
         self.registered: list = []  # (buffer, handle): a buffer stays alive while registered
-        self.flusher: CudaDriver | None = None  # where exposed GPU memory needs its writes flushed (settle)
+        self.flushes: dict[int, CudaDriver] = {}  # GPU ordinal -> its driver, where exposed memory needs flushing
 
     def register(self, buffer) -> None:
         """A buffer payloads will be sent from (Endpoint.register): the adapter then reads a
@@ -128,10 +128,11 @@ class CoreVerbs:
         address, nbytes, device = send_span(buffer)
         try:
             if device:
-                driver = CudaDriver()
-                needs_flush = driver.needs_flush(buffer.device.index or 0)
+                driver, ordinal = CudaDriver(), buffer.device.index or 0
+                needs_flush = driver.needs_flush(ordinal)
                 handle, rkey = register_cuda_memory(self.domain, buffer, address, nbytes, driver, expose=True)
-                self.flusher = driver if needs_flush else self.flusher
+                if needs_flush:
+                    self.flushes.setdefault(ordinal, driver)
             else:
                 handle, rkey = self.domain.expose_host(address, nbytes)
         except RuntimeError as exc:
@@ -143,8 +144,8 @@ class CoreVerbs:
     def settle(self) -> None:
         """After a message into exposed GPU memory arrived, before a kernel reads the bytes: the
         adapter's writes flushed where the device does not order them itself (Endpoint.settle)."""
-        if self.flusher is not None:
-            self.flusher.flush_rdma_writes()
+        for ordinal, driver in self.flushes.items():  # each GPU exposed memory lies on that needs one
+            driver.flush_rdma_writes(ordinal)
 
     def close(self) -> None:
         for _, handle in self.registered:  # deregistered before the buffers may go

@@ -56,6 +56,10 @@ class CudaDriver:
                                                            ctypes.c_int, ctypes.c_ulonglong]
         self.lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.lib.cuFlushGPUDirectRDMAWrites.argtypes = [ctypes.c_int, ctypes.c_int]
+        self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self.lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        self.lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._contexts: dict[int, ctypes.c_void_p] = {}  # GPU ordinal -> its primary context, retained
         self._call("cuInit", self.lib.cuInit, 0)
 
     def _call(self, what: str, fn, *args) -> None:
@@ -91,11 +95,23 @@ class CudaDriver:
                                      "flush them (cuFlushGPUDirectRDMAWrites unsupported)")
         return True
 
-    def flush_rdma_writes(self) -> None:
-        """Blocks until the adapter's writes into the current context's memory are visible to
-        its kernels (after a message into an exposed region arrived, before a kernel reads it)."""
-        self._call("cuFlushGPUDirectRDMAWrites", self.lib.cuFlushGPUDirectRDMAWrites,
-                   CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER)
+    def flush_rdma_writes(self, ordinal: int) -> None:
+        """Blocks until the adapter's writes into GPU `ordinal`'s memory are visible to its
+        kernels (after a message into an exposed region arrived, before a kernel reads it). The
+        flush targets the current context, so GPU `ordinal`'s primary context (torch's) is made
+        current around it, whatever the calling thread has current."""
+        context = self._contexts.get(ordinal)
+        if context is None:
+            device, context = ctypes.c_int(), ctypes.c_void_p()
+            self._call("cuDeviceGet", self.lib.cuDeviceGet, ctypes.byref(device), ordinal)
+            self._call("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain, ctypes.byref(context), device)
+            self._contexts[ordinal] = context
+        self._call("cuCtxPushCurrent", self.lib.cuCtxPushCurrent_v2, context)
+        try:
+            self._call("cuFlushGPUDirectRDMAWrites", self.lib.cuFlushGPUDirectRDMAWrites,
+                       CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER)
+        finally:
+            self._call("cuCtxPopCurrent", self.lib.cuCtxPopCurrent_v2, ctypes.byref(ctypes.c_void_p()))
 
     def export(self, start: int, span: int) -> int:
         """A dma-buf file descriptor for device memory [start, start + span) (host-page aligned,

@@ -32,7 +32,7 @@ from transport.inbox import Inbox
 from transport.message import Message, as_bytes
 from transport.peer_channels import PeerChannels
 from transport.peering import parse_address
-from transport.regions import Regions
+from transport.regions import RegionCalls, Regions
 from transport.round_collector import RoundCollector
 from transport.round_poster import RoundPoster
 from transport.rounds import Arrivals, RoundTable
@@ -40,7 +40,7 @@ from transport.selection import BACKENDS
 from transport.send_waits import SendWaits
 from transport.slot_usage import SlotUsage, count_slots
 from transport.wakeups import Wakeups
-from transport.wire import MAX_SLOTS, SEQ_MASK, Header, RegionGrant, check_header_fields
+from transport.wire import MAX_SLOTS, SEQ_MASK, Header, check_header_fields
 
 __all__ = ["Endpoint", "EndpointSpec", "Message", "SlotUsage", "connect_concurrently", "host_id", "parse_address"]
 
@@ -90,7 +90,7 @@ class EndpointSpec:
         parse_address(self.listen)
 
 
-class Endpoint:
+class Endpoint(RegionCalls):
     """An M2N endpoint (the module docstring says what it guarantees). It is the caller's
     face over its parts: the channel set and its peers gone (transport/peer_channels.py),
     the inbox of received messages (transport/inbox.py), the waits on its sockets and
@@ -241,23 +241,6 @@ class Endpoint:
         it (a second poller can split a tcp credit frame or take an RDMA credit before the
         sender marked its slot busy, a spurious ProtocolViolation)."""
         return count_slots(self.doorbell, self._channels, self._inbox)
-
-    def register(self, buffer) -> None:
-        """A buffer payloads will be sent from, for this endpoint's life (`Regions.register`)."""
-        self.regions.register(buffer)
-
-    # What the peers' adapters read and write in place: transport/regions.py says each.
-    def reads_in_place(self, buffer) -> bool:
-        return self.regions.reads_in_place(buffer)
-
-    def expose(self, buffer) -> RegionGrant | None:
-        return self.regions.expose(buffer)
-
-    def aim(self, peer: str, grant: RegionGrant | list | tuple | None) -> None:
-        self.regions.aim(peer, grant)
-
-    def settle(self) -> None:
-        self.regions.settle()
 
     def reconnect(self, peers: dict[str, str] | None = None) -> "Endpoint":
         """Drop every channel and handshake again (same listener, same name): after a peer

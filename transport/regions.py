@@ -10,7 +10,7 @@ from transport.core_rdma import CoreRdmaOutbound
 from transport.errors import TransportError
 from transport.wire import RegionGrant
 
-__all__ = ["Regions"]
+__all__ = ["RegionCalls", "Regions"]
 
 
 class Regions:
@@ -67,9 +67,39 @@ class Regions:
                                  "a region it exposed: only rdma in the compiled core can")
         channel.aim(grant)
 
+    def can_aim(self, peer: str) -> bool:
+        """Whether this endpoint's channel to `peer` can write into a region the peer exposes
+        (rdma in the compiled core): `aim` then takes the peer's grant."""
+        return isinstance(self.outbound.get(peer), CoreRdmaOutbound)
+
     def settle(self) -> None:
         """After a message into an exposed GPU region arrived and before a kernel reads its
         bytes: makes the adapter's writes visible to the GPU's kernels where the platform does
         not order them itself (cuFlushGPUDirectRDMAWrites; nothing where it does, nothing for
         host memory). Costs a host call only where a flush is needed."""
         self.backends.settle()
+
+
+class RegionCalls:
+    """An endpoint's calls on the memory its peers' adapters read and write in place, each
+    `Regions`' (which says what it does): the endpoint's `regions`."""
+
+    regions: Regions
+
+    def register(self, buffer) -> None:
+        self.regions.register(buffer)
+
+    def reads_in_place(self, buffer) -> bool:
+        return self.regions.reads_in_place(buffer)
+
+    def expose(self, buffer) -> RegionGrant | None:
+        return self.regions.expose(buffer)
+
+    def can_aim(self, peer: str) -> bool:
+        return self.regions.can_aim(peer)
+
+    def aim(self, peer: str, grant: RegionGrant | list | tuple | None) -> None:
+        self.regions.aim(peer, grant)
+
+    def settle(self) -> None:
+        self.regions.settle()

@@ -66,36 +66,38 @@ class RoundPoster:
 
     def _post_targeted(self, peers, buffer, begins, ends, counts, step, layer, micro_batch, flags, limit,
                        targets) -> None:
-        """A post where some peers' bytes go into regions they exposed: always through the core
-        (only its rdma channels write into a region; any other channel is refused there, before
-        a byte moves). Peers known dead fail the round, and the live ones are posted, as one
-        core round of their own (a region's message cannot go per message)."""
+        """A post where some peers' bytes go into regions they exposed. Those peers go through
+        the core (only its rdma channels write into a region; any other is refused there,
+        before a byte moves); the rest as any round goes: in the same core round where every
+        live peer's channel is the core's, else on their own (per message where theirs are
+        not). Peers known dead fail the round; the live ones are posted all the same."""
         targets = np.asarray(targets, dtype=np.int64)
         if targets.shape != (len(peers),):
             raise ValueError(f"post: one region offset (or -1) per peer, {len(peers)}, not {targets.shape}")
-        dead = [i for i, peer in enumerate(peers) if peer in self._dead]
-        live = [i for i, peer in enumerate(peers) if peer not in self._dead]
-        if live:
-            subset = tuple(peers[i] for i in live) if dead else tuple(peers)
-            round_ = self._rounds.get(subset) or self.table.round_for(subset)
-            if isinstance(round_, MessageRound):
-                raise TypeError(f"endpoint {self.spec.name}: a post into exposed regions goes through the compiled "
-                                f"core's rdma channels, and some of {', '.join(subset)} are not")
-            pick = np.asarray(live, dtype=np.intp)
-            address, nbytes, device = send_span(buffer)
+        begins, ends, counts = (np.asarray(a, dtype=np.int64) for a in (begins, ends, counts))
+        failures = {peer: self.channels.dead_error(peer) for peer in peers if peer in self._dead}
+        live = [i for i, peer in enumerate(peers) if peer not in failures]
+        together = live and not isinstance(self.table.round_for(tuple(peers[i] for i in live)), MessageRound)
+        groups = [live] if together else [[i for i in live if targets[i] >= 0], [i for i in live if targets[i] < 0]]
+        for group in (g for g in groups if g):
+            subset, pick = tuple(peers[i] for i in group), np.asarray(group, dtype=np.intp)
             try:
+                if (targets[pick] < 0).all():  # no region among them: an ordinary round
+                    self.post_round(subset, buffer, begins[pick], ends[pick], counts[pick], step, layer, micro_batch,
+                                    flags, limit)
+                    continue
+                round_ = self._rounds.get(subset) or self.table.round_for(subset)
+                if isinstance(round_, MessageRound):
+                    raise TypeError(f"endpoint {self.spec.name}: a post into exposed regions goes through the "
+                                    f"compiled core's rdma channels, and some of {', '.join(subset)} are not")
+                address, nbytes, device = send_span(buffer)
                 self._post_core(round_, micro_batch, limit, round_.native.post, step, layer, micro_batch,
-                                flags & 0xFFFF, address, nbytes, np.asarray(begins, np.int64)[pick],
-                                np.asarray(ends, np.int64)[pick], np.asarray(counts, np.int64)[pick], device,
+                                flags & 0xFFFF, address, nbytes, begins[pick], ends[pick], counts[pick], device,
                                 targets[pick])
             except RoundFailed as exc:
-                if not dead:
-                    raise
-                dead_failures = {peers[i]: self.channels.dead_error(peers[i]) for i in dead}
-                raise round_failed(self.spec.name, "post", micro_batch, exc.failures | dead_failures) from None
-        if dead:
-            raise round_failed(self.spec.name, "post", micro_batch,
-                               {peers[i]: self.channels.dead_error(peers[i]) for i in dead})
+                failures |= exc.failures
+        if failures:
+            raise round_failed(self.spec.name, "post", micro_batch, failures)
 
     def _core_round_to_post(self, peers) -> CoreRound | None:
         """The core's round to these peers, or None where the post goes per message: channels the

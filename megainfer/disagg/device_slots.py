@@ -94,6 +94,7 @@ class SlotOffer:
     region: tuple  # CUDA: rebuild_cuda_tensor's arguments from reduce_tensor; CPU: (path of the /dev/shm file,)
     events: tuple[bytes, ...] = ()  # CUDA: the IPC handles of its send events, one per micro-batch
     grant: tuple = ()  # its region exposed on its link for rdma writes (the link's plain fields); (): not
+    rdma_peers: tuple[str, ...] = ()  # the peers whose exposed regions its link can write into (`link.can_aim`)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self) | {"region": [_plain(v) for v in self.region],
@@ -108,7 +109,7 @@ class SlotOffer:
             offer = cls(str(raw["name"]), str(raw["host"]), str(raw["device"]), str(raw["device_uuid"]),
                         tuple(str(p) for p in raw["peers"]), int(raw["micro_batches"]), int(raw["region_bytes"]),
                         tuple(_from_plain(v) for v in raw["region"]), tuple(bytes.fromhex(e) for e in raw["events"]),
-                        _grant_fields(raw.get("grant", [])))
+                        _grant_fields(raw.get("grant", [])), tuple(str(p) for p in raw.get("rdma_peers", [])))
         except (ValueError, KeyError, TypeError) as exc:
             raise DataPlaneError(f"{peer} sent a malformed device-slot offer ({exc})") from None
         if offer.device not in ("cpu", "cuda") or offer.micro_batches <= 0 or offer.region_bytes <= 0:
@@ -118,11 +119,13 @@ class SlotOffer:
 
     def path_with(self, other: "SlotOffer") -> str:
         """How these two nodes' bytes travel, the same from either end: "local" (into each
-        other's regions: `direct_with`), "rdma" (two hosts, each region exposed on its link:
-        the adapters write them), or "host" (through the link's slots)."""
+        other's regions: `direct_with`), "rdma" (each region exposed on its link and each
+        link's channel to the other able to write into it: rdma in the compiled core both
+        ways; the adapters write them), or "host" (through the link's slots)."""
         if self.direct_with(other):
             return LOCAL
-        return RDMA if self.grant and other.grant else HOST
+        both_ways = other.name in self.rdma_peers and self.name in other.rdma_peers
+        return RDMA if self.grant and other.grant and both_ways else HOST
 
     def direct_with(self, other: "SlotOffer") -> bool:
         """Whether these two nodes write into each other's regions: one host, one kind of device
@@ -375,7 +378,8 @@ class DeviceSlots:
         self._link = link
         try:
             grant = _expose_region(self.name, link, self.region)
-            self.offer = dataclasses.replace(self.offer, grant=tuple(grant or ()))
+            aimable = tuple(p for p in self.peers if grant and link.can_aim(p))
+            self.offer = dataclasses.replace(self.offer, grant=tuple(grant or ()), rdma_peers=aimable)
             offers = trade_offers(self.offer, link)
             self.attach(offers)
             for peer, offer in zip(self.peers, offers):
@@ -491,9 +495,10 @@ class DeviceSlots:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def length_mismatch(self, arrivals, row_bytes: int) -> int:
-        """The first host peer whose message is not its token count x `row_bytes` bytes (direct
-        peers' headers carry no payload), or -1."""
-        bad = ~self.direct & (arrivals.fields[:, BYTE_LENGTH] != arrivals.token_counts * row_bytes)
+        """The first peer whose message is not its token count x `row_bytes` bytes (a host
+        peer's) or not 0 bytes (a direct peer's header carries no payload), or -1."""
+        due = np.where(self.direct, 0, arrivals.token_counts * row_bytes)
+        bad = arrivals.fields[:, BYTE_LENGTH] != due
         where = np.flatnonzero(bad)
         return int(where[0]) if where.size else -1
 

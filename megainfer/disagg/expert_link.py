@@ -94,6 +94,10 @@ class ExpertLink(Protocol):
         None where the link cannot take such writes (only rdma in the compiled transport core can)."""
         ...
 
+    def can_aim(self, peer: str) -> bool:
+        """Whether the link's channel to `peer` writes into a region the peer exposes (`aim`)."""
+        ...
+
     def aim(self, peer: str, grant: list | None) -> None:
         """The region `peer` exposed (its grant's plain fields), for posts with `targets`; set
         after every wiring. ValueError for fields that are not a grant."""

@@ -37,14 +37,18 @@ def test_a_pair_goes_direct_only_on_one_host_and_one_kind_of_device():
     assert _offer(device="cuda", device_uuid="GPU-1").direct_with(_offer(device="cuda", device_uuid="GPU-1"))
 
 
-def test_a_pair_on_two_hosts_writes_by_rdma_only_where_both_regions_are_exposed():
+def test_a_pair_writes_by_rdma_only_where_both_regions_are_exposed_and_both_channels_write_into_them():
     grant = (0x7F00_0000_0000, 1024, 0x1001, True)
     far = dict(name="e", host="other/boot")
-    assert _offer(grant=grant).path_with(_offer(grant=grant, **far)) == "rdma"
-    assert _offer(grant=grant).path_with(_offer(**far)) == "host"  # one end's link cannot take the writes
-    assert _offer().path_with(_offer(grant=grant, **far)) == "host"
-    assert _offer(grant=grant).path_with(_offer(name="e", grant=grant)) == "local"  # one host: by the region itself
-    offer = _offer(grant=grant)
+    a = _offer(grant=grant, rdma_peers=("e",))
+    assert a.path_with(_offer(grant=grant, rdma_peers=("a",), **far)) == "rdma"
+    assert a.path_with(_offer(rdma_peers=("a",), **far)) == "host"  # one end's link cannot take the writes
+    assert _offer().path_with(_offer(grant=grant, rdma_peers=("a",), **far)) == "host"
+    # e's channel to a is not rdma in the core (shm on one host, tcp, nixl): grants alone are not enough
+    assert a.path_with(_offer(grant=grant, rdma_peers=("x",), **far)) == "host"
+    assert a.path_with(_offer(grant=grant, rdma_peers=("a",), device="cuda", device_uuid="GPU-2", **far)) == "rdma"
+    assert a.path_with(_offer(name="e", grant=grant, rdma_peers=("a",))) == "local"  # one host: by the region itself
+    offer = a
     assert SlotOffer.from_json(offer.to_json(), "a") == offer
     with pytest.raises(DataPlaneError, match="grant .* is not a list of plain fields"):
         SlotOffer.from_json(offer.to_json().replace(b'"grant": [', b'"grant": [{"x": 1}, '), "a")

@@ -33,7 +33,7 @@ from tests.helpers import connect_all
 from tests.soft_rdma import HERE, ROOT, SOFT, SOFT_GID, compiler, shared_library, soft_device
 from transport import (BackendUnavailable, Endpoint, EndpointSpec, PayloadTooLarge, ProtocolViolation, RoundFailed,
                        SlotUsage, TransportError)
-from transport import rdma
+from transport import nixl, rdma
 from transport import rdma_port as rp
 from transport.core import native
 from transport.core_rdma import CoreQueuePair, CoreRdmaInbound, CoreRdmaOutbound, CoreVerbs, verbs_library
@@ -578,8 +578,8 @@ def test_a_gpu_that_does_not_order_rdma_writes_flushes_them_at_settle_or_is_refu
         stand_in_cuda.stand_in_set_rdma_ordering(0, 1)  # CU_GPU_DIRECT_RDMA_WRITES_ORDERING_NONE, flush supported
         spokes[0].expose(DeviceBuffer(stand_in_cuda.stand_in_alloc(4096), 4096))
         flushes = stand_in_cuda.stand_in_flushes()
-        spokes[0].settle()
-        assert stand_in_cuda.stand_in_flushes() == flushes + 1
+        spokes[0].settle()  # with no context current on this thread: the GPU's primary one is pushed around it
+        assert stand_in_cuda.stand_in_flushes() == flushes + 1 and stand_in_cuda.stand_in_contexts_current() == 0
         stand_in_cuda.stand_in_set_rdma_ordering(0, 0)  # and no flush
         with pytest.raises(BackendUnavailable, match="neither orders GPUDirect RDMA writes .* nor can flush them"):
             spokes[1].expose(DeviceBuffer(stand_in_cuda.stand_in_alloc(4096), 4096))
@@ -629,3 +629,36 @@ def test_a_core_that_cannot_open_the_device_falls_back_loudly_unless_it_was_dema
             assert len(said) == 1 and "the M2N core cannot open soft0" in said[0]
     finally:
         ep.close()
+
+
+def test_a_round_into_a_region_beside_a_peer_on_another_backend_posts_both(soft_verbs, monkeypatch):
+    """A targeted round whose other peer's channel is not the core's (nixl): the rdma peer's
+    bytes go into its region through the core, the other's per message, in one post_round."""
+    available, reason = nixl.available()
+    if not available:
+        pytest.skip(reason)
+    soft_device(monkeypatch, soft_verbs)
+
+    def spec(name: str, rank: int, backend: str) -> EndpointSpec:
+        return EndpointSpec(name=name, rank=rank, secret=SECRET, backend=backend, slot_bytes=4096, num_slots=2,
+                            timeout_s=5.0, core="on")
+
+    endpoints = {"hub": Endpoint(spec("hub", 0, "auto")), "s0": Endpoint(spec("s0", 1, "rdma")),
+                 "s1": Endpoint(spec("s1", 2, "nixl"))}
+    try:
+        connect_all(endpoints, {"hub": ["s0", "s1"], "s0": ["hub"], "s1": ["hub"]})
+        hub = endpoints["hub"]
+        assert (hub.backend_of("s0"), hub.backend_of("s1")) == ("rdma", "nixl")
+        assert hub.can_aim("s0") and not hub.can_aim("s1")
+        region = torch.zeros(128, dtype=torch.uint8)
+        hub.aim("s0", endpoints["s0"].expose(region))
+        data = torch.arange(64, dtype=torch.uint8)
+        hub.post_round(("s0", "s1"), data, [0, 32], [32, 64], [4, 5], micro_batch=1, targets=[16, -1])
+        with endpoints["s0"].recv("hub", micro_batch=1, timeout=5) as msg:
+            assert msg.header.byte_length == 0 and msg.header.token_count == 4
+        with endpoints["s1"].recv("hub", micro_batch=1, timeout=5) as msg:
+            assert bytes(msg.data) == bytes(data[32:64].numpy()) and msg.header.token_count == 5
+        assert torch.equal(region[16:48], data[:32])
+    finally:
+        for ep in endpoints.values():
+            ep.close()

@@ -366,6 +366,13 @@ class Round {
     size_t n = out_.size();
     const uint8_t* base = reinterpret_cast<const uint8_t*>(address);
     for (size_t i = 0; i < n; ++i) {
+      if (b[i] < 0 || e[i] < b[i] || static_cast<size_t>(e[i]) > nbytes)
+        throw std::out_of_range("post: peer " + std::to_string(i) + "'s byte range [" + std::to_string(b[i]) + ", " +
+                                std::to_string(e[i]) + ") lies outside the " + std::to_string(nbytes) + "-byte buffer");
+      if (static_cast<size_t>(e[i] - b[i]) > out_[i]->slot_bytes())
+        throw std::length_error("post: peer " + std::to_string(i) + "'s " + std::to_string(e[i] - b[i]) +
+                                " bytes exceed its " + std::to_string(out_[i]->slot_bytes()) + "-byte slot");
+      if (c[i] < 0 || c[i] > 0xFFFFFFFFLL) throw std::out_of_range("post: a token count outside 32 bits");
       if (t && t[i] >= 0) {
         if (!out_[i]->can_write_into(0, 0))
           throw py::type_error("post: peer " + std::to_string(i) + "'s channel has no region of the peer's to write "
@@ -374,13 +381,6 @@ class Round {
           throw std::out_of_range("post: peer " + std::to_string(i) + "'s " + std::to_string(e[i] - b[i]) +
                                   " bytes at offset " + std::to_string(t[i]) + " lie past the region it exposed");
       }
-      if (b[i] < 0 || e[i] < b[i] || static_cast<size_t>(e[i]) > nbytes)
-        throw std::out_of_range("post: peer " + std::to_string(i) + "'s byte range [" + std::to_string(b[i]) + ", " +
-                                std::to_string(e[i]) + ") lies outside the " + std::to_string(nbytes) + "-byte buffer");
-      if (static_cast<size_t>(e[i] - b[i]) > out_[i]->slot_bytes())
-        throw std::length_error("post: peer " + std::to_string(i) + "'s " + std::to_string(e[i] - b[i]) +
-                                " bytes exceed its " + std::to_string(out_[i]->slot_bytes()) + "-byte slot");
-      if (c[i] < 0 || c[i] > 0xFFFFFFFFLL) throw std::out_of_range("post: a token count outside 32 bits");
       if (!out_[i]->can_send_from(base + b[i], static_cast<size_t>(e[i] - b[i]), device))
         throw py::type_error("post: peer " + std::to_string(i) + "'s channel cannot send from GPU memory "
                                     "(only rdma channels of the compiled core can, from a buffer given to "

@@ -119,7 +119,7 @@ def check_dmabuf_export(ctx: CheckContext) -> None:
             flush = driver.needs_flush(ctx.device.index or 0)
             case.figures["rdma_writes_need_flush"] = flush
             if flush:
-                driver.flush_rdma_writes()  # what Endpoint.settle calls after a round into exposed memory
+                driver.flush_rdma_writes(ctx.device.index or 0)  # what Endpoint.settle calls after such a round
         except BackendUnavailable as exc:
             case.figures["rdma_writes_need_flush"] = str(exc)
         try:

@@ -64,8 +64,10 @@ uint8_t* reach(const SoftMR* mr, uint64_t addr) {
 
 std::mutex lock;
 std::map<uint32_t, SoftQP*> qps;
-std::map<uint32_t, SoftMR*> mrs_by_key;
+std::map<uint32_t, SoftMR*> mrs_by_key;   // by lkey
+std::map<uint32_t, SoftMR*> mrs_by_rkey;  // by rkey: a different number, as adapters hand out
 uint32_t next_qpn = 0x100, next_key = 0x1000;
+constexpr uint32_t kRemoteKeyBit = 0x800000;  // rkey = lkey | this: the two never coincide
 int events_taken = 0;  // completion events handed out by ibv_get_cq_event
 int posts = 0, longest_chain = 0;
 bool holding = false;  // send completions held back (an adapter slow to report them)
@@ -171,17 +173,18 @@ int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
     auto local = mrs_by_key.find(sge.lkey);
     auto peer = qps.find(q->attr.dest_qp_num);
     int status = IBV_WC_SUCCESS;
-    if (local == mrs_by_key.end() || !covers(local->second, sge.addr, sge.length)) {
+    if (local == mrs_by_key.end() || !covers(local->second, sge.addr, sge.length) ||
+        local->second->base.pd != qp->pd) {  // a key of another protection domain is no key here
       status = 4;  // IBV_WC_LOC_PROT_ERR
     } else if (peer == qps.end() || peer->second->base.state == IBV_QPS_ERR ||
                peer->second->base.state < IBV_QPS_RTR) {
       status = IBV_WC_RETRY_EXC_ERR;  // nobody answers at that queue pair number
     } else {
-      auto remote = mrs_by_key.find(wr->wr.rdma.rkey);
+      auto remote = mrs_by_rkey.find(wr->wr.rdma.rkey);
       SoftQP* p = peer->second;
       bool imm = wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
-      if (remote == mrs_by_key.end() || !covers(remote->second, wr->wr.rdma.remote_addr, sge.length) ||
-          !(remote->second->access & IBV_ACCESS_REMOTE_WRITE)) {
+      if (remote == mrs_by_rkey.end() || !covers(remote->second, wr->wr.rdma.remote_addr, sge.length) ||
+          !(remote->second->access & IBV_ACCESS_REMOTE_WRITE) || remote->second->base.pd != p->base.pd) {
         status = IBV_WC_REM_ACCESS_ERR;
         to_error(p);
       } else if (imm && p->recvs == 0) {
@@ -254,10 +257,11 @@ int ibv_dealloc_pd(ibv_pd* pd) {
 ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
   std::lock_guard<std::mutex> hold(lock);
   auto* mr = new SoftMR{};
-  mr->base = ibv_mr{pd->context, pd, addr, length, 0, next_key, next_key};
+  mr->base = ibv_mr{pd->context, pd, addr, length, 0, next_key, next_key | kRemoteKeyBit};
   mr->access = access;
   mr->host = static_cast<uint8_t*>(addr);
   mrs_by_key[next_key] = mr;
+  mrs_by_rkey[next_key | kRemoteKeyBit] = mr;
   next_key += 1;
   return &mr->base;
 }
@@ -271,18 +275,20 @@ ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t i
   if (mapped == MAP_FAILED) return nullptr;
   std::lock_guard<std::mutex> hold(lock);
   auto* mr = new SoftMR{};
-  mr->base = ibv_mr{pd->context, pd, reinterpret_cast<void*>(iova), length, 0, next_key, next_key};
+  mr->base = ibv_mr{pd->context, pd, reinterpret_cast<void*>(iova), length, 0, next_key, next_key | kRemoteKeyBit};
   mr->access = access;
   mr->host = static_cast<uint8_t*>(mapped) + lead;
   mr->lead = lead;
   mr->mapped = true;
   mrs_by_key[next_key] = mr;
+  mrs_by_rkey[next_key | kRemoteKeyBit] = mr;
   next_key += 1;
   return &mr->base;
 }
 int ibv_dereg_mr(ibv_mr* mr) {
   std::lock_guard<std::mutex> hold(lock);
   mrs_by_key.erase(mr->lkey);
+  mrs_by_rkey.erase(mr->rkey);
   auto* soft = reinterpret_cast<SoftMR*>(mr);
   if (soft->mapped) munmap(soft->host - soft->lead, mr->length + soft->lead);
   delete soft;

@@ -11,10 +11,11 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <vector>
 
 namespace {
 
-constexpr int kSuccess = 0, kInvalidValue = 1, kInvalidDevice = 101, kNotSupported = 801;
+constexpr int kSuccess = 0, kInvalidValue = 1, kInvalidDevice = 101, kInvalidContext = 201, kNotSupported = 801;
 constexpr int kDmaBufSupported = 124, kDmaBufFd = 1;
 constexpr int kFlushOptions = 117, kWritesOrdering = 118, kTargetCurrentCtx = 0, kToOwner = 100;
 constexpr long kPage = 4096;
@@ -31,6 +32,8 @@ int supported = 1;
 int writes_ordering = 100;  // CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER, as on Hopper
 int flush_options = 1;      // cuFlushGPUDirectRDMAWrites supported
 int flushes = 0;
+int primary = 0;                 // the device's primary context (its address is the handle)
+std::vector<void*> current;      // the calling thread's context stack (one thread in the tests)
 uint64_t last_start = 0;
 size_t last_span = 0;
 
@@ -51,8 +54,25 @@ int cuDeviceGetAttribute(int* value, int attribute, int) {
                                            : 0;
   return kSuccess;
 }
+// One device, one primary context; the flush needs it current (as the driver's does).
+int cuDevicePrimaryCtxRetain(void** context, int device) {
+  if (device != 0) return kInvalidDevice;
+  *context = &primary;
+  return kSuccess;
+}
+int cuCtxPushCurrent_v2(void* context) {
+  current.push_back(context);
+  return kSuccess;
+}
+int cuCtxPopCurrent_v2(void** context) {
+  if (current.empty()) return kInvalidContext;
+  *context = current.back();
+  current.pop_back();
+  return kSuccess;
+}
 int cuFlushGPUDirectRDMAWrites(int target, int scope) {
   if (target != kTargetCurrentCtx || scope != kToOwner) return kInvalidValue;
+  if (current.empty() || current.back() != &primary) return kInvalidContext;
   flushes += 1;
   return kSuccess;
 }
@@ -109,6 +129,7 @@ void stand_in_set_rdma_ordering(int ordering, int options) {
   flush_options = options;
 }
 int stand_in_flushes() { return flushes; }
+int stand_in_contexts_current() { return static_cast<int>(current.size()); }
 void stand_in_last_export(uint64_t* start, size_t* span) {
   *start = last_start;
   *span = last_span;
