@@ -14,12 +14,13 @@ have (layer, j)'s answers.
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from megainfer.disagg.device_slots import device_slots_for, round_mismatch, sends_from_device, some_direct
+from megainfer.disagg.device_slots import device_slots_for, link_post, round_mismatch, sends_from_device, some_direct
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, LAYER, STEP, ExpertLink, row_ranges
 from megainfer.disagg.node_timeline import Timeline
@@ -55,7 +56,7 @@ class AttentionExchange:
         self.link = link
         self.peers = tuple(attention_nodes)  # every round goes to all of them, in this order
         self.record_size, self.answer_row_bytes = record_size, answer_row_bytes
-        self.staging = DeviceStaging(device, micro_batches, staging_bytes, device_send=device_slot_bytes > 0)
+        self.staging = DeviceStaging(device, micro_batches, staging_bytes)
         if link is not None:
             for buffer in self.staging.send_buffers():
                 link.register(buffer)
@@ -70,7 +71,8 @@ class AttentionExchange:
         step's), and device-slot offers traded at a wiring's first step."""
         self._answers.clear()
         if self.slots is not None and not self._slots_wired:
-            self.slots.exchange(self.link, self.staging.device_outbound)  # trade offers with the attention nodes
+            # trade offers with the attention nodes
+            self.slots.exchange(self.link, partial(self.staging.device_send_buffers, self.link))
             self._slots_wired = True
 
     def finish_step(self) -> None:
@@ -130,9 +132,8 @@ class AttentionExchange:
         answers = pending.copy.wait()[0] if pending.copy is not None else self._no_answers
         flags = BUSY if pending.busy else 0
         if some_direct(self.slots):  # local peers' rows went by device slots; rdma peers' go into their regions
-            begins, ends = row_ranges(pending.counts, self.answer_row_bytes)
-            targets = self.slots.targets(pending.micro_batch, begins, ends)
-            begins, ends = self.slots.host_ranges(begins, ends)
+            begins, ends, targets = link_post(self.slots, pending.micro_batch,
+                                              *row_ranges(pending.counts, self.answer_row_bytes))
             self.link.post_round(self.peers, answers, begins, ends, pending.counts, step=pending.step,
                                  layer=pending.layer, micro_batch=pending.micro_batch, flags=flags, targets=targets)
         else:

@@ -55,7 +55,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -203,7 +203,6 @@ class _Peer:
     path: str  # LOCAL, RDMA or HOST
     remote: torch.Tensor | None = None  # LOCAL: [micro-batches, region_bytes], this node's rows of the peer's region
     events: list = field(default_factory=list)  # LOCAL on CUDA: the peer's send events, opened here
-    row_bytes: int = 0  # RDMA: the peer's row size (the peer's region_bytes)
 
 
 def some_direct(slots: "DeviceSlots | None") -> bool:
@@ -215,6 +214,23 @@ def some_direct(slots: "DeviceSlots | None") -> bool:
 def sends_from_device(slots: "DeviceSlots | None") -> bool:
     """Whether the node's rounds leave from its device send buffers (`device_send_choice`)."""
     return slots is not None and slots.sends_from_device
+
+
+def link_post(slots: "DeviceSlots", micro_batch: int, begins: np.ndarray,
+              ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """What the link posts of a round of `micro_batch` whose peers' bytes are [begins, ends):
+    the byte ranges (empty for LOCAL peers: their bytes went by `slots.write`) and the
+    `targets` (each RDMA peer's row of its region, -1 for the others; None where no peer is
+    RDMA). DataPlaneError where an RDMA peer's bytes would not fit its row."""
+    begins, ends, targets = np.asarray(begins), np.asarray(ends), None
+    if slots.rdma_targets is not None:
+        over = np.flatnonzero(ends - begins > slots.rdma_row_bytes)
+        if over.size:
+            i = int(over[0])
+            raise DataPlaneError(f"{slots.name}: {ends[i] - begins[i]} bytes for {slots.peers[i]} exceed its device "
+                                 f"slot of {slots.rdma_row_bytes[i]} bytes")
+        targets = slots.rdma_targets[micro_batch]
+    return np.where(slots.local, 0, begins), np.where(slots.local, 0, ends), targets
 
 
 def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None",
@@ -276,17 +292,19 @@ def _paths_text(by_name: dict[str, "_Peer"]) -> str:
             f"{paths[HOST]}")
 
 
-def device_send_choice(slots: "DeviceSlots", link, sources: Sequence[torch.Tensor]) -> tuple[bool, str]:
-    """Whether a node's rounds leave from its device send buffers (`sources`), and why (words
-    for the log): on CUDA, where some peer is RDMA, every peer is LOCAL or RDMA (a HOST peer
-    needs the bytes in host memory: one post carries the round) and the link's adapter reads
-    every such buffer in place (registered through its dma-buf). Else from pinned host memory."""
+def device_send_choice(slots: "DeviceSlots", link, make_sources: Callable[[], list[torch.Tensor]]) -> tuple[bool, str]:
+    """Whether a node's rounds leave from its device send buffers (`make_sources()`, made only
+    here, where they may serve), and why (words for the log): on CUDA, where some peer is RDMA,
+    every peer is LOCAL or RDMA (a HOST peer needs the bytes in host memory: one post carries
+    the round) and the link's adapter reads every such buffer in place (registered through
+    its dma-buf). Else from pinned host memory."""
     if not slots.on_cuda or slots.local.all() or not slots.direct.any():
         return False, "rounds leave from " + ("pinned host memory" if slots.on_cuda else "host memory")
     if not slots.direct.all():
         return False, "rounds leave from pinned host memory (some peer goes through the host)"
     reads = getattr(link, "reads_in_place", None)
-    if not sources or reads is None or not all(reads(buffer) for buffer in sources):
+    sources = make_sources() if reads is not None else []
+    if not sources or not all(reads(buffer) for buffer in sources):
         return False, ("rounds leave from pinned host memory (the link's adapter cannot read this GPU's send buffers: "
                        "see the transport's warning)")
     return True, "rounds leave from GPU memory (the adapter reads the device send buffers)"
@@ -365,16 +383,19 @@ class DeviceSlots:
         # per peer, in peer order: bytes not through the link's slots (LOCAL or RDMA); LOCAL only
         self.direct = np.zeros(len(self.peers), dtype=bool)
         self.local = np.zeros(len(self.peers), dtype=bool)
-        self._targets: list[np.ndarray] | None = None  # per micro-batch: each RDMA peer's offset (-1: none)
+        # per micro-batch, each RDMA peer's row in its region (-1: not RDMA), and those rows' sizes (link_post)
+        self.rdma_targets: list[np.ndarray] | None = None
+        self.rdma_row_bytes = np.full(len(self.peers), np.iinfo(np.int64).max, dtype=np.int64)
         self._link, self.sends_from_device = None, False  # the last exchange's link; device_send_choice's
 
     # -- wiring ---------------------------------------------------------------------------------
-    def exchange(self, link, device_sources: Sequence[torch.Tensor] = ()) -> None:
+    def exchange(self, link, device_sources: Callable[[], list[torch.Tensor]] = list) -> None:
         """Trade offers with every peer over `link` (this node's region exposed on it first, where
         it can be), open the LOCAL peers' regions and events and aim at the RDMA peers'. Both
         ends of every pair call it at the same point of their protocol: the first round of a
-        wiring. Any failure is a DataPlaneError. `device_sources`: the node's device send
-        buffers, which its rounds then leave from where they can (`sends_from_device`)."""
+        wiring. Any failure is a DataPlaneError. `device_sources()`: the node's device send
+        buffers (made at the first call), which its rounds leave from where they can
+        (`sends_from_device`)."""
         self._link = link
         try:
             grant = _expose_region(self.name, link, self.region)
@@ -413,12 +434,12 @@ class DeviceSlots:
                 if self.on_cuda:
                     entry.events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in offer.events]
             elif entry.path == RDMA:  # [micro-batches, peers, region_bytes] bytes, row-major, from the grant's start
-                entry.row_bytes = offer.region_bytes
+                self.rdma_row_bytes[i] = offer.region_bytes
                 targets[:, i] = (np.arange(self.micro_batches) * len(offer.peers) + row) * offer.region_bytes
             self._by_name[peer] = entry
             self.direct[i] = entry.path != HOST
             self.local[i] = entry.path == LOCAL
-        self._targets = list(targets) if (targets >= 0).any() else None
+        self.rdma_targets = list(targets) if (targets >= 0).any() else None
 
     def direct_peers(self) -> list[str]:
         """The peers this node reaches device to device (none before the offers are traded)."""
@@ -502,28 +523,13 @@ class DeviceSlots:
         where = np.flatnonzero(bad)
         return int(where[0]) if where.size else -1
 
-    def host_ranges(self, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The byte ranges the link posts: empty for LOCAL peers (their bytes went by `write`)."""
-        return np.where(self.local, 0, begins), np.where(self.local, 0, ends)
-
-    def targets(self, micro_batch: int, begins: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
-        """The link post's `targets` for `micro_batch`: each RDMA peer's row of its region (-1
-        for the others), or None where no peer is RDMA. DataPlaneError where an RDMA peer's
-        bytes [begins, ends) would not fit its row."""
-        if self._targets is None:
-            return None
-        for p in self._by_name.values():
-            if p.path == RDMA and ends[p.index] - begins[p.index] > p.row_bytes:
-                raise DataPlaneError(f"{self.name}: {ends[p.index] - begins[p.index]} bytes for {self.peers[p.index]} "
-                                     f"exceed its device slot of {p.row_bytes} bytes")
-        return self._targets[micro_batch]
-
     # -- end --------------------------------------------------------------------------------------
     def close_peers(self) -> None:
         self._by_name.clear()
         self.direct[:] = False
         self.local[:] = False
-        self._targets = None
+        self.rdma_targets = None
+        self.rdma_row_bytes[:] = np.iinfo(np.int64).max
 
     def close(self) -> None:
         self.close_peers()

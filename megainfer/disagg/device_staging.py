@@ -93,12 +93,8 @@ class DeviceStaging:
     """Stream-ordered copies between `device` and pinned host buffers, one per slot (micro-batch)
     and direction; on a CPU device every method is a no-copy identity."""
 
-    def __init__(self, device: torch.device | str, slots: int, reserve: StagingBytes | int = 0, *,
-                 device_send: bool = False) -> None:
-        """`reserve`: pinned bytes per slot and direction, reserved now (an int: both directions).
-        `device_send`: on CUDA, also a device buffer per slot that a round may leave from (the
-        link's adapter reading it: GPUDirect RDMA; `to_host(..., device_first=True)`), of the
-        outbound reservation's size."""
+    def __init__(self, device: torch.device | str, slots: int, reserve: StagingBytes | int = 0) -> None:
+        """`reserve`: pinned bytes per slot and direction, reserved now (an int: both directions)."""
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         if isinstance(reserve, int):
@@ -110,9 +106,6 @@ class DeviceStaging:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.outbound = [PinnedBuffer(f"to host #{i}", reserve.to_host) for i in range(slots)]
             self.inbound = [PinnedBuffer(f"to device #{i}", reserve.to_device) for i in range(slots)]
-            if device_send and reserve.to_host:  # never grown: a registration covers it for good
-                self.device_outbound = [torch.empty(reserve.to_host, dtype=torch.uint8, device=self.device)
-                                        for _ in range(slots)]
         else:  # where rounds are gathered on the CPU: one buffer per slot, grown as needed
             self._landing = [torch.empty(reserve.to_device, dtype=torch.uint8) for _ in range(slots)]
             # Each slot's landing slices by length, made once: a round then lands in the same tensor
@@ -120,10 +113,22 @@ class DeviceStaging:
             self._landing_slices: list[dict[int, torch.Tensor]] = [{} for _ in range(slots)]
 
     def send_buffers(self) -> list[torch.Tensor]:
-        """The buffers payloads leave from (for the link to register): the pinned ones, and the
-        device ones where asked for; none on the CPU. A pinned buffer that grows past its
-        reservation is a new one, sent from through the transport's staging instead."""
-        return [buffer.data for buffer in self.outbound] + self.device_outbound if self.on_cuda else []
+        """The pinned buffers payloads leave from (for the link to register); none on the CPU.
+        A buffer that grows past its reservation is a new one, sent from through the
+        transport's staging instead."""
+        return [buffer.data for buffer in self.outbound] if self.on_cuda else []
+
+    def device_send_buffers(self, link) -> list[torch.Tensor]:
+        """Device buffers a round may leave from where `link`'s adapter reads GPU memory
+        (GPUDirect RDMA; `to_host(..., device_first=True)`): one per slot, of the outbound
+        reservation's size and never grown (a registration covers it for good), made and
+        registered with `link` at the first call; none on the CPU or without a reservation."""
+        if self.on_cuda and not self.device_outbound and self.reserve.to_host:
+            self.device_outbound = [torch.empty(self.reserve.to_host, dtype=torch.uint8, device=self.device)
+                                    for _ in self.outbound]
+            for buffer in self.device_outbound:
+                link.register(buffer)
+        return self.device_outbound
 
     def to_host(self, tensors: Sequence[torch.Tensor], slot: int, device_first: bool = False) -> HostCopy:
         """Copy `tensors` (as the compute stream's launched work leaves them) to slot `slot`'s

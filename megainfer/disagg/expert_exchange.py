@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from megainfer.disagg.attention_dispatch import DispatchParts
-from megainfer.disagg.device_slots import (device_slots_for, land_round, round_mismatch, sends_from_device,
-                                          some_direct)
+from megainfer.disagg.device_slots import (device_slots_for, land_round, link_post, round_mismatch,
+                                          sends_from_device, some_direct)
 from megainfer.disagg.device_staging import DeviceStaging, HostCopy
 from megainfer.disagg.expert_link import BUSY, FLAGS, LAYER, STEP, ExpertLink
 from megainfer.disagg.expert_load_round import LoadRound
@@ -120,7 +121,7 @@ class ExpertExchange:
         self.num_layers = num_layers
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.size)
-        self.staging = DeviceStaging(device, micro_batches, staging_bytes, device_send=device_slot_bytes > 0)
+        self.staging = DeviceStaging(device, micro_batches, staging_bytes)
         for buffer in self.staging.send_buffers():
             link.register(buffer)
         self.slots = device_slots_for(name, self.peers, device, micro_batches, device_slot_bytes, self.tp_size)
@@ -144,7 +145,7 @@ class ExpertExchange:
         nothing left of a failed step (its dispatches are not this step's)."""
         self.busy = False
         if self.slots is not None and not self._slots_wired:
-            self.slots.exchange(self.link, self.staging.device_outbound)  # trade offers with the expert nodes
+            self.slots.exchange(self.link, partial(self.staging.device_send_buffers, self.link))  # offers, expert nodes
             self._slots_wired = True
         self._outbox.clear()
         self._routed = [None] * len(self._routed)
@@ -217,8 +218,7 @@ class ExpertExchange:
             if some_direct(self.slots):
                 if pending.records is not None:
                     self.slots.write(j, pending.records.view(-1), begins * row, ends * row, ready=pending.records_ready)
-                targets = self.slots.targets(j, begins * row, ends * row)
-                host_begins, host_ends = self.slots.host_ranges(begins * row, ends * row)
+                host_begins, host_ends, targets = link_post(self.slots, j, begins * row, ends * row)
                 self.link.post_round(self.peers, records, host_begins, host_ends, counts, targets=targets, **header)
             elif self.tp_size == 1:  # every node's records, end to end
                 self.link.post_rows(self.peers, records, counts, row, **header)

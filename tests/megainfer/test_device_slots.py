@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megainfer.disagg import device_slots
-from megainfer.disagg.device_slots import DeviceSlots, SlotOffer
+from megainfer.disagg.device_slots import DeviceSlots, SlotOffer, link_post
 from megainfer.disagg.device_staging import DeviceStaging
 from megainfer.errors import DataPlaneError
 from tests.helpers import connect_all
@@ -105,7 +105,7 @@ def test_a_round_lands_in_peer_order_from_direct_and_host_peers(hub_and_spokes, 
         s = slots[name]
         begins, ends = np.array([0]), np.array([data.numel()])
         s.write(1, data, begins, ends)
-        host_begins, host_ends = s.host_ranges(begins, ends)
+        host_begins, host_ends, _ = link_post(s, 1, begins, ends)
         endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1)
     arrivals = endpoints["a"].collect_round(("e0", "e1"), micro_batch=1)
     try:
@@ -210,8 +210,7 @@ def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in
         s = slots[name]
         begins, ends = np.array([0]), np.array([data.numel()])
         s.write(1, data, begins, ends)
-        targets = s.targets(1, begins, ends)
-        host_begins, host_ends = s.host_ranges(begins, ends)
+        host_begins, host_ends, targets = link_post(s, 1, begins, ends)
         endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1,
                                    targets=targets)
     arrivals = endpoints["a"].collect_round(("e0", "e1"), micro_batch=1)
@@ -228,10 +227,10 @@ def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in
     data = torch.arange(64, dtype=torch.uint8)
     begins, ends = np.array([0, 24]), np.array([24, 64])
     slots["a"].write(0, data, begins, ends)
-    host_begins, host_ends = slots["a"].host_ranges(begins, ends)
+    host_begins, host_ends, targets = link_post(slots["a"], 0, begins, ends)
     assert host_begins.tolist() == [0, 24] and host_ends.tolist() == [0, 64]  # only e0's bytes skip the post
     endpoints["a"].post_round(("e0", "e1"), data, host_begins, host_ends, np.array([6, 10]), micro_batch=0,
-                              targets=slots["a"].targets(0, begins, ends))
+                              targets=targets)
     for name, (begin, end) in (("e0", (0, 24)), ("e1", (24, 64))):
         arrivals = endpoints[name].collect_round(("a",), micro_batch=0)
         try:
@@ -240,7 +239,7 @@ def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in
             arrivals.release()
         assert torch.equal(got, data[begin:end])
     with pytest.raises(DataPlaneError, match="exceed its device slot of 256 bytes"):
-        slots["e1"].targets(0, np.array([0]), np.array([REGION + 1]))
+        link_post(slots["e1"], 0, np.array([0]), np.array([REGION + 1]))
     assert all(ep.slots_in_use().held == 0 for ep in endpoints.values())
     for s in slots.values():
         s.close()
@@ -277,5 +276,7 @@ def test_rounds_leave_from_gpu_memory_only_where_every_peer_can_take_them_so(on_
                                                                               expected):
     slots = SimpleNamespace(on_cuda=on_cuda, local=np.array(local), direct=np.array(direct))
     link = SimpleNamespace(reads_in_place=lambda buffer: reads)
-    chosen, why = device_slots.device_send_choice(slots, link, [torch.zeros(1)] * sources)
+    made = []
+    chosen, why = device_slots.device_send_choice(slots, link, lambda: made.append(1) or [torch.zeros(1)] * sources)
+    assert made == ([1] if on_cuda and not all(local) and all(direct) else [])  # made only where they may serve
     assert chosen == expected[0] and expected[1] in why

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -490,8 +491,11 @@ def test_cuda_staging_keeps_the_first_tensor_in_the_device_send_buffer_where_ask
     """The device send buffer a round leaves from where the adapter reads GPU memory (device
     slots across hosts): the records stay on the GPU, the offsets still come to the host, one
     event covers both; a message past the buffer goes through pinned memory, said once."""
-    staging = DeviceStaging("cuda", slots=2, reserve=4096, device_send=True)
-    assert len(staging.send_buffers()) == 4 and all(b.is_cuda for b in staging.device_outbound)
+    staging = DeviceStaging("cuda", slots=2, reserve=4096)
+    registered = []
+    made = staging.device_send_buffers(SimpleNamespace(register=registered.append))
+    assert registered == made and len(made) == 2 and all(b.is_cuda and b.numel() == 4096 for b in made)
+    assert staging.device_send_buffers(None) is made and len(staging.send_buffers()) == 2  # made once; not pinned
     records = torch.arange(1000, dtype=torch.float32, device="cuda")
     torch.cuda._sleep(SLEEP_CYCLES)
     offsets = torch.arange(4, device="cuda")
