@@ -128,8 +128,10 @@ def test_tensor_parallel_attention_without_prefix_caching_under_kv_pressure_matc
     block tables): the colocated engine's tokens, with caching on there."""
     prompts = mixtral_ref.prompts
     expected = colocated(mixtral_ref.path, prompts)
-    # 10 blocks of 16 tokens: the longest request needs 5 (33 prompt + 32 new tokens), all seven 29.
-    served = Served(make_plan(str(mixtral_ref.path), 1, 2, 2, tp_a=2, enable_prefix_caching=False, num_kv_blocks=10))
+    # 8 blocks of 16 tokens: the longest request needs 5 (33 prompt + 32 new tokens), all seven 29, so any two
+    # requests that overlap long enough preempt (with 10, three had to: sent together on a busy machine, the
+    # requests can reach the engine too far apart for that).
+    served = Served(make_plan(str(mixtral_ref.path), 1, 2, 2, tp_a=2, enable_prefix_caching=False, num_kv_blocks=8))
     try:
         assert served.generate_at_once(prompts) == expected
         engine = served.deployment.metrics_snapshot()
