@@ -93,6 +93,20 @@ def _e1_elsewhere(endpoints, monkeypatch) -> dict[str, DeviceSlots]:
     return slots
 
 
+def _spokes_answer(slots, endpoints) -> dict[str, torch.Tensor]:
+    """e0 and e1 answer hub a's micro-batch 1 with rows of 4 bytes, each by its pair's path (the
+    write into a's region, and the link's post with its ranges and targets); the rows sent."""
+    rows = {"e0": torch.arange(12, dtype=torch.uint8), "e1": torch.arange(100, 108, dtype=torch.uint8)}
+    for name, data in rows.items():
+        s = slots[name]
+        begins, ends = np.array([0]), np.array([data.numel()])
+        s.write(1, data, begins, ends)
+        host_begins, host_ends, targets = link_post(s, 1, begins, ends)
+        endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1,
+                                   targets=targets)
+    return rows
+
+
 def test_a_round_lands_in_peer_order_from_direct_and_host_peers(hub_and_spokes, monkeypatch):
     endpoints = hub_and_spokes
     slots = _e1_elsewhere(endpoints, monkeypatch)
@@ -100,13 +114,7 @@ def test_a_round_lands_in_peer_order_from_direct_and_host_peers(hub_and_spokes, 
     assert slots["e0"].direct.tolist() == [True] and slots["e1"].direct.tolist() == [False]
 
     # Each spoke answers micro-batch 1 with its rows: e0 by the region, e1 through the host.
-    rows = {"e0": torch.arange(12, dtype=torch.uint8), "e1": torch.arange(100, 108, dtype=torch.uint8)}
-    for name, data in rows.items():
-        s = slots[name]
-        begins, ends = np.array([0]), np.array([data.numel()])
-        s.write(1, data, begins, ends)
-        host_begins, host_ends, _ = link_post(s, 1, begins, ends)
-        endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1)
+    rows = _spokes_answer(slots, endpoints)
     arrivals = endpoints["a"].collect_round(("e0", "e1"), micro_batch=1)
     try:
         assert arrivals.byte_lengths.tolist() == [0, 8]  # e0's header carried no payload
@@ -205,14 +213,7 @@ def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in
     assert slots["e1"].direct.tolist() == [True] and slots["e1"].needs_host_copy  # its bytes go by the post
 
     # The spokes answer micro-batch 1: e0 by its write into a's region, e1 by its post into it.
-    rows = {"e0": torch.arange(12, dtype=torch.uint8), "e1": torch.arange(100, 108, dtype=torch.uint8)}
-    for name, data in rows.items():
-        s = slots[name]
-        begins, ends = np.array([0]), np.array([data.numel()])
-        s.write(1, data, begins, ends)
-        host_begins, host_ends, targets = link_post(s, 1, begins, ends)
-        endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1,
-                                   targets=targets)
+    rows = _spokes_answer(slots, endpoints)
     arrivals = endpoints["a"].collect_round(("e0", "e1"), micro_batch=1)
     try:
         assert arrivals.byte_lengths.tolist() == [0, 0]  # neither header carried the bytes
