@@ -69,11 +69,17 @@ class RoundPoster:
         """A post where some peers' bytes go into regions they exposed. Those peers go through
         the core (only its rdma channels write into a region; any other is refused there,
         before a byte moves); the rest as any round goes: in the same core round where every
-        live peer's channel is the core's, else on their own (per message where theirs are
-        not). Peers known dead fail the round; the live ones are posted all the same."""
+        live peer's channel is the core's (where none is dead either, the one call any round
+        is), else on their own (per message where theirs are not). Peers known dead fail the
+        round; the live ones are posted all the same."""
         targets = np.asarray(targets, dtype=np.int64)
         if targets.shape != (len(peers),):
             raise ValueError(f"post: one region offset (or -1) per peer, {len(peers)}, not {targets.shape}")
+        round_ = self._core_round_to_post(peers)
+        if round_ is not None:  # every peer alive and the core's, as nearly every round is: one call
+            address, nbytes, device = send_span(buffer)
+            return self._post_core(round_, micro_batch, limit, round_.native.post, step, layer, micro_batch,
+                                   flags & 0xFFFF, address, nbytes, begins, ends, counts, device, targets)
         begins, ends, counts = (np.asarray(a, dtype=np.int64) for a in (begins, ends, counts))
         failures = {peer: self.channels.dead_error(peer) for peer in peers if peer in self._dead}
         live = [i for i, peer in enumerate(peers) if peer not in failures]

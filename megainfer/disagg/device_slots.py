@@ -224,13 +224,15 @@ def link_post(slots: "DeviceSlots", micro_batch: int, begins: np.ndarray,
     RDMA). DataPlaneError where an RDMA peer's bytes would not fit its row."""
     begins, ends, targets = np.asarray(begins), np.asarray(ends), None
     if slots.rdma_targets is not None:
-        over = np.flatnonzero(ends - begins > slots.rdma_row_bytes)
-        if over.size:
-            i = int(over[0])
+        over = ends - begins > slots.rdma_row_bytes
+        if over.any():  # per round: the rare failure alone pays for finding which peer
+            i = int(np.flatnonzero(over)[0])
             raise DataPlaneError(f"{slots.name}: {ends[i] - begins[i]} bytes for {slots.peers[i]} exceed its device "
                                  f"slot of {slots.rdma_row_bytes[i]} bytes")
         targets = slots.rdma_targets[micro_batch]
-    return np.where(slots.local, 0, begins), np.where(slots.local, 0, ends), targets
+    if slots.local.any():  # none across hosts: the ranges as they are
+        begins, ends = np.where(slots.local, 0, begins), np.where(slots.local, 0, ends)
+    return begins, ends, targets
 
 
 def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None",
