@@ -204,18 +204,6 @@ class BackendSet:
                     self._nixl.register_source(buffer)
         self.rdma.register(buffer)
 
-    def expose(self, buffer) -> RegionGrant | None:
-        """See Endpoint.expose."""
-        return self.rdma.expose(buffer)
-
-    def settle(self) -> None:
-        """See Endpoint.settle."""
-        self.rdma.settle()
-
-    def reads_in_place(self, buffer) -> bool:
-        """See Endpoint.reads_in_place."""
-        return self.rdma.reads_in_place(buffer)
-
     def renew(self) -> None:
         """Before a re-handshake: a fresh NIXL agent, since reusing one whose UCX link to a
         peer failed crashes NIXL (SIGSEGV in transfer or get_new_notifs, 2 runs in 3). The old

@@ -14,11 +14,12 @@ __all__ = ["RegionCalls", "Regions"]
 
 
 class Regions:
-    """One endpoint's registered, exposed and aimed-at memory (over its BackendSet and its
-    outbound channels, the channel set's own dict)."""
+    """One endpoint's registered, exposed and aimed-at memory (over its BackendSet, whose rdma
+    resources hold the core's domain, and its outbound channels, the channel set's own dict)."""
 
     def __init__(self, endpoint: str, backends, outbound: dict) -> None:
         self.endpoint, self.backends, self.outbound = endpoint, backends, outbound
+        self.rdma = backends.rdma  # where memory is exposed, read in place and settled
 
     def register(self, buffer) -> None:
         """Declare a buffer (a contiguous torch tensor) that payloads will be sent from, for the
@@ -37,7 +38,7 @@ class Regions:
         the buffer was given to `register` (the very object) and the compiled core's domain
         registered it (after `connect`: the domain opens with the first rdma pair). A CUDA
         tensor that reads False cannot be posted from (`post_round` refuses it)."""
-        return self.backends.reads_in_place(buffer)
+        return self.rdma.reads_in_place(buffer)
 
     def expose(self, buffer) -> RegionGrant | None:
         """Declare a buffer (a contiguous CPU or CUDA tensor) this endpoint's rdma peers may write
@@ -49,7 +50,7 @@ class Regions:
         the memory cannot be registered. The owner decides where it reads what was written:
         a message posted into it arrives with a header that says 0 bytes, once its bytes are
         placed."""
-        return self.backends.expose(buffer)
+        return self.rdma.expose(buffer)
 
     def aim(self, peer: str, grant: RegionGrant | list | tuple | None) -> None:
         """The region `peer` exposed to this endpoint (its `expose` grant, or the grant's plain
@@ -77,7 +78,7 @@ class Regions:
         bytes: makes the adapter's writes visible to the GPU's kernels where the platform does
         not order them itself (cuFlushGPUDirectRDMAWrites; nothing where it does, nothing for
         host memory). Costs a host call only where a flush is needed."""
-        self.backends.settle()
+        self.rdma.settle()
 
 
 class RegionCalls:
