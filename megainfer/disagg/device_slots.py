@@ -29,8 +29,8 @@ every receiver has enqueued its wait on the previous record.
 Across hosts the region is written by the adapter: where both nodes' links are rdma in the
 compiled transport core, each exposes its region to its peers (`link.expose`: registered for
 remote writes; GPU memory through its dma-buf, so the adapter writes the GPU's memory itself)
-and the offer carries the grant. A pair on two hosts whose offers both carry one writes by
-rdma: the sender posts the round as before, from the buffer it posts from anyway (its pinned
+and the offer carries the grant and the peers its link's channel can write into. A pair not
+local whose offers both carry a grant and name each other writes by rdma: the sender posts the round as before, from the buffer it posts from anyway (its pinned
 staging on CUDA), with each such peer's bytes aimed at its row of that peer's region
 (`targets`); the core chains the payload write before the header's write-with-immediate, so
 the header (0 bytes) arrives once the bytes are placed. The receiver reads its region in
@@ -98,8 +98,7 @@ class SlotOffer:
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self) | {"region": [_plain(v) for v in self.region],
-                                          "events": [e.hex() for e in self.events],
-                                          "grant": list(self.grant)}).encode()
+                                          "events": [e.hex() for e in self.events]}).encode()
 
     @classmethod
     def from_json(cls, data: bytes, peer: str) -> "SlotOffer":
@@ -505,7 +504,7 @@ class DeviceSlots:
             host = staging.landing(int(nbytes[~self.direct].sum()), slot=micro_batch)
             offsets = arrivals.gather_into(host)
             host_dev = staging.upload(host, slot=micro_batch)
-        if self.on_cuda and (nbytes[self.direct & ~self.local] > 0).any():
+        if self.on_cuda and self.rdma_targets is not None and (nbytes[self.direct & ~self.local] > 0).any():
             self._link.settle()  # the adapter's writes visible to the kernels that read them next
         pieces = []
         for i in np.flatnonzero(nbytes):
