@@ -30,8 +30,9 @@ Across hosts the region is written by the adapter: where both nodes' links are r
 compiled transport core, each exposes its region to its peers (`link.expose`: registered for
 remote writes; GPU memory through its dma-buf, so the adapter writes the GPU's memory itself)
 and the offer carries the grant and the peers its link's channel can write into. A pair not
-local whose offers both carry a grant and name each other writes by rdma: the sender posts the round as before, from the buffer it posts from anyway (its pinned
-staging on CUDA), with each such peer's bytes aimed at its row of that peer's region
+local whose offers both carry a grant and name each other writes by rdma: the sender posts
+the round as before, from the buffer it posts from anyway (its pinned staging on CUDA), with
+each such peer's bytes aimed at its row of that peer's region
 (`targets`); the core chains the payload write before the header's write-with-immediate, so
 the header (0 bytes) arrives once the bytes are placed. The receiver reads its region in
 place, with no host copy and no upload, after `link.settle()` (a GPUDirect RDMA flush where

@@ -44,10 +44,11 @@ def run_local_deployment(path, n_attention, n_expert, m, prompts, backend="shm",
                          replicas=None, switch=None, nodes=None, steps=None, params=GREEDY, runner_options=None,
                          **engine_options):
     """Wire a deployment in threads; return each prompt's greedy tokens. `worker_options`,
-    `runner_options`: more ExpertWorker and PipelinedModelRunner arguments. `replicas`: where the experts' slots live (default: contiguous runs,
-    one slot each); `switch`: (step, ExpertReplicas), a re-placement every rank switches to at
-    that step (staged on the expert workers first). `nodes`: a list the workers and the engines
-    are appended to, for a test to look at afterwards. `steps`: how many lockstep steps every node
+    `runner_options`: more ExpertWorker and PipelinedModelRunner arguments. `replicas`: where
+    the experts' slots live (default: contiguous runs, one slot each); `switch`: (step,
+    ExpertReplicas), a re-placement every rank switches to at that step (staged on the expert
+    workers first). `nodes`: a list the workers and the engines are appended to, for a test to
+    look at afterwards. `steps`: how many lockstep steps every node
     runs (default: enough for 40 per prompt); `params`: the requests' sampling (default GREEDY)."""
     engine_config = EngineConfig(**{"num_kv_blocks": 64, "block_size": 8, "max_num_batched_tokens": 64, "device": device,
                                     **engine_options})

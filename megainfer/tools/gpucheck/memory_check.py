@@ -103,7 +103,8 @@ def check_dmabuf_export(ctx: CheckContext) -> None:
     """GPUDirect RDMA's GPU half, which needs no adapter: the driver exports a tensor's memory
     as a dma-buf (transport/cuda_dmabuf.py, ctypes over libcuda) for an adapter to register,
     and whether the GPU orders an adapter's writes into it for its own kernels (else the
-    receiver of a device-slot round by rdma flushes them first: the flush is called here). A driver without dma-buf support (the closed kernel modules) is recorded, not failed: the
+    receiver of a device-slot round by rdma flushes them first: the flush is called here). A
+    driver without dma-buf support (the closed kernel modules) is recorded, not failed: the
     core's rdma channels then stage GPU payloads through host memory, saying so."""
     import os
 
