@@ -20,17 +20,19 @@ import torch
 
 from megainfer.disagg import expert_link
 from transport import Endpoint, EndpointSpec, PeerTimeout, TransportError
-from transport import rounds
+from transport import rounds, wire
 from transport.rounds import Arrivals
 from transport.wire import RegionGrant
 
 # The runtime reads these header columns under its own names (megainfer/disagg/expert_link.py,
-# which imports no transport); this binding is where the two meet, so it checks they agree.
+# which imports no transport), and the mark's place (MARK_LEAD); this binding is where the two
+# meet, so it checks they agree.
 HEADER_COLUMNS = ("STEP", "LAYER", "FLAGS", "BYTE_LENGTH")
 _disagreeing = [c for c in HEADER_COLUMNS if getattr(expert_link, c) != getattr(rounds, c)]
+_disagreeing += ["MARK_LEAD"] if expert_link.MARK_LEAD != wire.MARK_LEAD else []
 if _disagreeing:
-    raise ImportError(f"megainfer/disagg/expert_link.py names header columns {_disagreeing} otherwise than "
-                      "transport/rounds.py lays them out: make them agree")
+    raise ImportError(f"megainfer/disagg/expert_link.py names {_disagreeing} otherwise than transport/rounds.py "
+                      "and transport/wire.py lay them out: make them agree")
 
 
 class LinkInterrupted(TransportError):
@@ -95,6 +97,9 @@ class SwitchableLink:
     def settle(self) -> None:
         self.endpoint.settle()
 
+    def hold_stream(self, stream: int, device: int, addresses, values) -> None:
+        self.endpoint.hold_stream(stream, device, addresses, values)
+
     def reads_in_place(self, buffer: torch.Tensor) -> bool:
         return self.endpoint.reads_in_place(buffer)
 
@@ -102,12 +107,12 @@ class SwitchableLink:
         return self.endpoint.can_aim(peer)
 
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins, ends, token_counts, *, step: int,
-                   layer: int, micro_batch: int, flags: int = 0, targets=None) -> None:
+                   layer: int, micro_batch: int, flags: int = 0, targets=None, mark: int = 0) -> None:
         """One message to each of `peers` (transport/rounds.py); `buffer`: host memory."""
         if self.interrupt.is_set():
             raise LinkInterrupted("the deployment is re-wiring")
         self.endpoint.post_round(peers, buffer, begins, ends, token_counts, step=step, layer=layer,
-                                 micro_batch=micro_batch, flags=flags, targets=targets)
+                                 micro_batch=micro_batch, flags=flags, targets=targets, mark=mark)
 
     def post_rows(self, peers: tuple[str, ...], buffer: torch.Tensor, token_counts, row_bytes: int, *, step: int,
                   layer: int, micro_batch: int, flags: int = 0) -> None:

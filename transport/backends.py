@@ -295,6 +295,12 @@ class RdmaResources:
         if isinstance(opened, CoreVerbs):
             opened.settle()
 
+    def hold_stream(self, stream: int, ordinal: int, addresses, values) -> None:
+        opened = self.opened
+        if not isinstance(opened, CoreVerbs):
+            raise BackendUnavailable("rdma: this endpoint exposes no memory in the compiled core: no mark to wait on")
+        opened.hold_stream(stream, ordinal, addresses, values)
+
     def close(self) -> None:
         with self._lock:
             self._exposed.clear()

@@ -31,7 +31,7 @@ from transport import rdma
 from transport import rdma_port as rp
 from transport.core import CoreInbound, CoreOutbound, native
 from transport.core_tcp import tcp_error
-from transport.cuda_dmabuf import CudaDriver, dmabuf_span
+from transport.cuda_dmabuf import CudaDriver, MarkWait, dmabuf_span
 from transport.errors import BackendUnavailable, HandshakeError, PeerClosed, TransportError
 from transport.rdma import RdmaInbound, RdmaOutbound
 from transport.rounds import send_span
@@ -98,6 +98,7 @@ class CoreVerbs:
                                  f"({exc})") from None
         self.registered: list = []  # (buffer, handle): a buffer stays alive while registered
         self.flushes: dict[int, CudaDriver] = {}  # GPU ordinal -> its driver, where exposed memory needs flushing
+        self.mark_waits: dict[int, tuple[CudaDriver, MarkWait]] = {}  # GPU ordinal -> how its streams wait on marks
 
     def register(self, buffer) -> None:
         """A buffer payloads will be sent from (Endpoint.register): the adapter then reads a
@@ -129,10 +130,11 @@ class CoreVerbs:
         try:
             if device:
                 driver, ordinal = CudaDriver(), buffer.device.index or 0
-                needs_flush = driver.needs_flush(ordinal)
+                wait = driver.mark_wait(ordinal)
                 handle, rkey = register_cuda_memory(self.domain, buffer, address, nbytes, driver, expose=True)
-                if needs_flush:
+                if driver.needs_flush(ordinal):
                     self.flushes.setdefault(ordinal, driver)
+                self.mark_waits.setdefault(ordinal, (driver, wait))
             else:
                 handle, rkey = self.domain.expose_host(address, nbytes)
         except RuntimeError as exc:
@@ -146,6 +148,20 @@ class CoreVerbs:
         adapter's writes flushed where the device does not order them itself (Endpoint.settle)."""
         for ordinal, driver in self.flushes.items():  # each GPU exposed memory lies on that needs one
             driver.flush_rdma_writes(ordinal)
+
+    def hold_stream(self, stream: int, ordinal: int, addresses, values) -> None:
+        """GPU `ordinal`'s stream `stream` waits, in the driver, until each word at `addresses`
+        (marks in memory exposed here) holds its value; its later work then sees what the
+        adapter wrote before each mark (Endpoint.hold_stream). BackendUnavailable where no
+        memory of that GPU was exposed here, or the driver refuses the wait."""
+        held = self.mark_waits.get(ordinal)
+        if held is None:
+            raise BackendUnavailable(f"rdma: no memory of GPU {ordinal} is exposed on this endpoint: no mark of it "
+                                     "can be waited on")
+        driver, wait = held
+        if wait.host_flush:  # the stream cannot flush the adapter's writes: the host does, as settle()
+            driver.flush_rdma_writes(ordinal)
+        driver.wait_values(stream, addresses, values, wait.flags)
 
     def close(self) -> None:
         for _, handle in self.registered:  # deregistered before the buffers may go

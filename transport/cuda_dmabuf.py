@@ -8,7 +8,10 @@ SUPPORTED)` (1 where the driver can export: the open kernel modules),
 host-page-aligned range inside one allocation, and `cuGetErrorName` for the words of a
 failure; and for memory an adapter writes into, the device's GPUDirect RDMA write ordering
 (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`) and `cuFlushGPUDirectRDMAWrites`
-where it needs one. Values and signatures are CUDA's `cuda.h` (checked against the copy
+where it needs one; and a stream held until words in that memory hold given values
+(`cuStreamBatchMemOp` of `CU_STREAM_MEM_OP_WAIT_VALUE_32`, with the FLUSH flag where the device
+does not order the adapter's writes and can flush them in the stream:
+`CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES`). Values and signatures are CUDA's `cuda.h` (checked against the copy
 Triton ships; the test builds a stand-in libcuda from the same declarations and checks what
 it is called with).
 """
@@ -17,12 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from transport.errors import BackendUnavailable
 
-__all__ = ["CudaDriver", "dmabuf_span"]
+__all__ = ["CudaDriver", "MarkWait", "dmabuf_span"]
 
 LIBRARY = "libcuda.so.1"
+CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES = 98
 CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
 CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS = 117
 CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING = 118
@@ -31,6 +37,29 @@ CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER = 100
 CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX = 0
 CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER = 100
 CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 0x1
+CU_STREAM_MEM_OP_WAIT_VALUE_32 = 1
+CU_STREAM_WAIT_VALUE_EQ = 0x1
+CU_STREAM_WAIT_VALUE_FLUSH = 1 << 30
+MAX_BATCH = 256  # wait operations per cuStreamBatchMemOp call
+
+
+class _WaitValueParams(ctypes.Structure):
+    """CUstreamBatchMemOpParams as its waitValue member (48 bytes: the union's pad[6]); `value`
+    holds the 32-bit value in its low bytes, as the union's value/value64 overlap."""
+
+    _fields_ = [("operation", ctypes.c_uint), ("address", ctypes.c_uint64), ("value", ctypes.c_uint64),
+                ("flags", ctypes.c_uint), ("alias", ctypes.c_uint64), ("pad", ctypes.c_uint64)]
+
+
+@dataclass(frozen=True)
+class MarkWait:
+    """How a GPU's stream waits for a word an adapter wrote after a payload, so that its later
+    work sees the payload: `flags` of the wait (EQ, with FLUSH where the device may reorder the
+    adapter's writes and can flush them in the stream) and whether the host must flush them
+    first instead (`cuFlushGPUDirectRDMAWrites`, where the stream cannot)."""
+
+    flags: int
+    host_flush: bool
 
 
 def dmabuf_span(addr: int, nbytes: int, page: int = mmap.PAGESIZE) -> tuple[int, int, int]:
@@ -59,6 +88,8 @@ class CudaDriver:
         self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
         self.lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
         self.lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.cuStreamBatchMemOp_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(_WaitValueParams),
+                                                   ctypes.c_uint]
         self._contexts: dict[int, ctypes.c_void_p] = {}  # GPU ordinal -> its primary context, retained
         self._call("cuInit", self.lib.cuInit, 0)
 
@@ -94,6 +125,34 @@ class CudaDriver:
             raise BackendUnavailable(f"GPU {ordinal} neither orders GPUDirect RDMA writes for its own kernels nor can "
                                      "flush them (cuFlushGPUDirectRDMAWrites unsupported)")
         return True
+
+    def mark_wait(self, ordinal: int) -> MarkWait:
+        """How GPU `ordinal`'s streams wait on a mark so that the payload written before it is
+        visible to their later work: a plain wait where the device orders an adapter's writes
+        for its own kernels (Hopper reports so), the wait's FLUSH where it does not and can
+        flush in the stream, else a host flush first (BackendUnavailable where it can neither:
+        `needs_flush`)."""
+        if not self.needs_flush(ordinal):
+            return MarkWait(CU_STREAM_WAIT_VALUE_EQ, False)
+        if self._attribute(ordinal, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES):
+            return MarkWait(CU_STREAM_WAIT_VALUE_EQ | CU_STREAM_WAIT_VALUE_FLUSH, False)
+        return MarkWait(CU_STREAM_WAIT_VALUE_EQ, True)
+
+    def wait_values(self, stream: int, addresses: Sequence[int], values: Sequence[int], flags: int) -> None:
+        """Enqueues on `stream` (a CUstream handle: torch's `Stream.cuda_stream`) a wait until
+        each 32-bit word at device address addresses[i] equals values[i], then returns: the
+        host never waits. Every wait in one call (per MAX_BATCH), in the stream's own context."""
+        if len(addresses) != len(values):
+            raise ValueError(f"wait_values: {len(addresses)} addresses and {len(values)} values")
+        params = (_WaitValueParams * len(addresses))()
+        for param, address, value in zip(params, addresses, values):
+            param.operation, param.address, param.value, param.flags = (CU_STREAM_MEM_OP_WAIT_VALUE_32, address,
+                                                                         value & 0xFFFFFFFF, flags)
+        for begin in range(0, len(addresses), MAX_BATCH):
+            count = min(MAX_BATCH, len(addresses) - begin)
+            self._call("cuStreamBatchMemOp", self.lib.cuStreamBatchMemOp_v2, stream, count,
+                       ctypes.cast(ctypes.byref(params, begin * ctypes.sizeof(_WaitValueParams)),
+                                   ctypes.POINTER(_WaitValueParams)), 0)
 
     def flush_rdma_writes(self, ordinal: int) -> None:
         """Blocks until the adapter's writes into GPU `ordinal`'s memory are visible to its

@@ -197,25 +197,28 @@ class Endpoint(RegionCalls):
     # -- rounds ------------------------------------------------------------------------------
     def post_round(self, peers: tuple[str, ...], buffer, begins, ends, token_counts, *, step: int = 0,
                    layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None,
-                   targets=None) -> None:
+                   targets=None, mark: int = 0) -> None:
         """One message to each of `peers`: peers[i] gets bytes [begins[i], ends[i]) of `buffer`
         (a contiguous CPU tensor or numpy array) with header token count token_counts[i]. Returns
         once every message is written (the buffer may then be reused). Peers whose slot is still
         held are waited for, each within the timeout; a peer that fails (gone, or holding its
         slot past the timeout) does not stop the others: RoundFailed names every one that did.
         `targets` (one int per peer, or None): where targets[i] >= 0, peer i's bytes are written
-        at that offset of the region it exposed (`aim`), and its header says 0 bytes; -1: its slot."""
+        at that offset of the region it exposed (`aim`), and its header says 0 bytes; -1: its slot.
+        `mark` (with `targets`; a 32-bit word, 0: none): after each such peer's bytes, and before
+        its header, the mark is written as the 4 bytes `wire.MARK_LEAD` before them, in the same
+        chain, for the peer's GPU stream to wait on (`hold_stream`)."""
         self._poster.post_round(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, timeout,
-                                targets)
+                                targets, mark)
 
     def post_rows(self, peers: tuple[str, ...], buffer, token_counts, row_bytes: int, *, step: int = 0,
                   layer: int = 0, micro_batch: int = 0, flags: int = 0, timeout: float | None = None,
-                  targets=None) -> None:
+                  targets=None, mark: int = 0) -> None:
         """`post_round` where peers[i]'s bytes are token_counts[i] rows of `row_bytes`, the peers'
         rows end to end from the buffer's start (an expert node's answers, a dispatch's records
         in node order)."""
         self._poster.post_rows(peers, buffer, token_counts, row_bytes, step, layer, micro_batch, flags, timeout,
-                               targets)
+                               targets, mark)
 
     def collect_round(self, peers: tuple[str, ...], *, micro_batch: int, timeout: float | None = None) -> Arrivals:
         """A message for `micro_batch` from each of `peers`, as views on their slots until the

@@ -1,7 +1,7 @@
 """The memory an endpoint's peers' adapters touch directly: send buffers registered (read by the
 adapter where a payload lies in one), regions exposed for the peers' rdma writes, and the
-peers' regions this endpoint's channels write into. `Endpoint.register`, `expose`, `aim` and
-`settle` are these.
+peers' regions this endpoint's channels write into. `Endpoint.register`, `expose`, `aim`,
+`settle` and `hold_stream` are these.
 """
 
 from __future__ import annotations
@@ -80,6 +80,16 @@ class Regions:
         host memory). Costs a host call only where a flush is needed."""
         self.rdma.settle()
 
+    def hold_stream(self, stream: int, device: int, addresses, values) -> None:
+        """GPU `device`'s stream `stream` (a CUstream handle: torch's `Stream.cuda_stream`) waits,
+        in the driver, until the 32-bit word at each of `addresses` holds values[i]: marks a
+        peer's post wrote after its payload into a region exposed here (`post_round(...,
+        mark=)`). The stream's later work then sees those payloads (the wait flushes the
+        adapter's writes where the GPU needs it and can; where it cannot, the host flushes
+        them first, as `settle`); the host returns at once. BackendUnavailable where the
+        region is not this endpoint's exposed GPU memory or the driver refuses the wait."""
+        self.rdma.hold_stream(stream, device, addresses, values)
+
 
 class RegionCalls:
     """An endpoint's calls on the memory its peers' adapters read and write in place, each
@@ -104,3 +114,6 @@ class RegionCalls:
 
     def settle(self) -> None:
         self.regions.settle()
+
+    def hold_stream(self, stream: int, device: int, addresses, values) -> None:
+        self.regions.hold_stream(stream, device, addresses, values)

@@ -37,12 +37,14 @@ class RoundPoster:
         self.send = send
 
     def post_round(self, peers, buffer, begins, ends, token_counts, step: int, layer: int, micro_batch: int,
-                   flags: int, timeout: float | None, targets=None) -> None:
+                   flags: int, timeout: float | None, targets=None, mark: int = 0) -> None:
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
         limit = self.spec.timeout_s if timeout is None else timeout
         if targets is not None:
             return self._post_targeted(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags,
-                                       limit, targets)
+                                       limit, targets, mark)
+        if mark:
+            raise ValueError(f"post: a mark ({mark}) goes with writes into exposed regions: give `targets`")
         round_ = self._core_round_to_post(peers)
         if round_ is None:
             return self._post_each(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, limit)
@@ -52,12 +54,12 @@ class RoundPoster:
                         address, nbytes, begins, ends, token_counts, device)
 
     def post_rows(self, peers, buffer, token_counts, row_bytes: int, step: int, layer: int, micro_batch: int,
-                  flags: int, timeout: float | None, targets=None) -> None:
+                  flags: int, timeout: float | None, targets=None, mark: int = 0) -> None:
         round_ = None if targets is not None else self._core_round_to_post(peers)
         if round_ is None:
             begins, ends = row_ranges(token_counts, row_bytes)
             return self.post_round(peers, buffer, begins, ends, token_counts, step, layer, micro_batch, flags, timeout,
-                                   targets)
+                                   targets, mark)
         check_header_fields(step, layer, micro_batch, self.spec.rank, 0)
         address, nbytes, device = send_span(buffer)
         self._post_core(round_, micro_batch, self.spec.timeout_s if timeout is None else timeout,
@@ -65,21 +67,24 @@ class RoundPoster:
                         token_counts, row_bytes, device)
 
     def _post_targeted(self, peers, buffer, begins, ends, counts, step, layer, micro_batch, flags, limit,
-                       targets) -> None:
+                       targets, mark) -> None:
         """A post where some peers' bytes go into regions they exposed. Those peers go through
         the core (only its rdma channels write into a region; any other is refused there,
         before a byte moves); the rest as any round goes: in the same core round where every
         live peer's channel is the core's (where none is dead either, the one call any round
         is), else on their own (per message where theirs are not). Peers known dead fail the
-        round; the live ones are posted all the same."""
+        round; the live ones are posted all the same. `mark` (a 32-bit word, 0: none) follows
+        each region write of bytes, MARK_LEAD bytes before them."""
         targets = np.asarray(targets, dtype=np.int64)
         if targets.shape != (len(peers),):
             raise ValueError(f"post: one region offset (or -1) per peer, {len(peers)}, not {targets.shape}")
+        if not 0 <= mark <= 0xFFFFFFFF:
+            raise ValueError(f"post: a mark is a 32-bit word, not {mark}")
         round_ = self._core_round_to_post(peers)
         if round_ is not None:  # every peer alive and the core's, as nearly every round is: one call
             address, nbytes, device = send_span(buffer)
             return self._post_core(round_, micro_batch, limit, round_.native.post, step, layer, micro_batch,
-                                   flags & 0xFFFF, address, nbytes, begins, ends, counts, device, targets)
+                                   flags & 0xFFFF, address, nbytes, begins, ends, counts, device, targets, mark)
         begins, ends, counts = (np.asarray(a, dtype=np.int64) for a in (begins, ends, counts))
         failures = {peer: self.channels.dead_error(peer) for peer in peers if peer in self._dead}
         live = [i for i, peer in enumerate(peers) if peer not in failures]
@@ -99,7 +104,7 @@ class RoundPoster:
                 address, nbytes, device = send_span(buffer)
                 self._post_core(round_, micro_batch, limit, round_.native.post, step, layer, micro_batch,
                                 flags & 0xFFFF, address, nbytes, begins[pick], ends[pick], counts[pick], device,
-                                targets[pick])
+                                targets[pick], mark)
             except RoundFailed as exc:
                 failures |= exc.failures
         if failures:

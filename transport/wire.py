@@ -153,6 +153,11 @@ class QPInfo:
         return ":".join(h[i:i + 4] for i in range(0, 32, 4))
 
 
+# A region write's mark (`post_round(..., targets=, mark=)`) lies this many bytes before the
+# write's offset (transport/csrc/channels.h kMarkLead): a 4-byte word the owner waits on.
+MARK_LEAD = 8
+
+
 @dataclass(frozen=True)
 class RegionGrant:
     """Memory an endpoint exposed for its rdma peers to write into (`Endpoint.expose`): its

@@ -132,10 +132,12 @@ class AttentionExchange:
         answers = pending.copy.wait()[0] if pending.copy is not None else self._no_answers
         flags = BUSY if pending.busy else 0
         if some_direct(self.slots):  # local peers' rows went by device slots; rdma peers' go into their regions
-            begins, ends, targets = link_post(self.slots, pending.micro_batch,
-                                              *row_ranges(pending.counts, self.answer_row_bytes))
+            begins, ends, targets, mark = link_post(self.slots, pending.micro_batch,
+                                                    *row_ranges(pending.counts, self.answer_row_bytes),
+                                                    step=pending.step, layer=pending.layer)
             self.link.post_round(self.peers, answers, begins, ends, pending.counts, step=pending.step,
-                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags, targets=targets)
+                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags, targets=targets,
+                                 mark=mark)
         else:
             self.link.post_rows(self.peers, answers, pending.counts, self.answer_row_bytes, step=pending.step,
                                 layer=pending.layer, micro_batch=pending.micro_batch, flags=flags)

@@ -33,10 +33,14 @@ and the offer carries the grant and the peers its link's channel can write into.
 local whose offers both carry a grant and name each other writes by rdma: the sender posts
 the round as before, from the buffer it posts from anyway (its pinned staging on CUDA), with
 each such peer's bytes aimed at its row of that peer's region
-(`targets`); the core chains the payload write before the header's write-with-immediate, so
-the header (0 bytes) arrives once the bytes are placed. The receiver reads its region in
-place, with no host copy and no upload, after `link.settle()` (a GPUDirect RDMA flush where
-the platform does not order those writes for the GPU's kernels). On CUDA, where every peer of
+(`targets`); the core chains the payload write, a 4-byte mark (`round_mark` of the round's step
+and layer) into the row's room before the payload (each row is MARK_ROOM bytes, then the
+payload), and the header's write-with-immediate, so the header (0 bytes) arrives once the
+bytes and the mark are placed. The receiver reads its region in place, with no host copy and
+no upload: on CUDA its compute stream waits in the driver until each row's mark holds the
+round's (`link.hold_stream`: cuStreamBatchMemOp, with the wait's FLUSH where the GPU does not
+order the adapter's writes for its kernels, so no host flush), and the host goes on; on the
+CPU each mark is checked, and a row without its round's mark is a DataPlaneError. On CUDA, where every peer of
 a node is LOCAL or RDMA and its link's adapter reads the node's device send buffers
 (DeviceStaging's, registered through their dma-buf), its rounds leave from GPU memory too
 (`device_send_choice`): a device-to-device copy into that buffer on the copy stream replaces
@@ -62,7 +66,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from megainfer.disagg.expert_link import BYTE_LENGTH, FLAGS
+from megainfer.disagg.expert_link import BYTE_LENGTH, FLAGS, LAYER, STEP
+from megainfer.disagg.slot_marks import MARK_ROOM, RegionMarks, payload_offset, round_mark
 from megainfer.disagg.staging_sizes import ALIGN
 from megainfer.errors import DataPlaneError
 
@@ -71,8 +76,6 @@ logger = logging.getLogger(__name__)
 OFFER = 2  # header flag of the offers' round (expert_link.BUSY is 1)
 SHM_DIR = "/dev/shm"
 LOCAL, RDMA, HOST = "local", "rdma", "host"  # a pair's path (SlotOffer.path_with)
-
-
 def _grant_fields(value) -> tuple:
     """An offer's grant as it came: a list of plain scalars, or empty (the link checks the
     values when it aims at them)."""
@@ -216,23 +219,24 @@ def sends_from_device(slots: "DeviceSlots | None") -> bool:
     return slots is not None and slots.sends_from_device
 
 
-def link_post(slots: "DeviceSlots", micro_batch: int, begins: np.ndarray,
-              ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """What the link posts of a round of `micro_batch` whose peers' bytes are [begins, ends):
-    the byte ranges (empty for LOCAL peers: their bytes went by `slots.write`) and the
-    `targets` (each RDMA peer's row of its region, -1 for the others; None where no peer is
-    RDMA). DataPlaneError where an RDMA peer's bytes would not fit its row."""
-    begins, ends, targets = np.asarray(begins), np.asarray(ends), None
+def link_post(slots: "DeviceSlots", micro_batch: int, begins: np.ndarray, ends: np.ndarray, *, step: int,
+              layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """What the link posts of the round (`step`, `layer`, `micro_batch`) whose peers' bytes are
+    [begins, ends): the byte ranges (empty for LOCAL peers: their bytes went by `slots.write`),
+    the `targets` (each RDMA peer's row of its region, -1 for the others; None where no peer is
+    RDMA) and the `mark` the rdma writes leave before each row (`round_mark`; 0 with no
+    targets). DataPlaneError where an RDMA peer's bytes would not fit its row."""
+    begins, ends, targets, mark = np.asarray(begins), np.asarray(ends), None, 0
     if slots.rdma_targets is not None:
         over = ends - begins > slots.rdma_row_bytes
         if over.any():  # per round: the rare failure alone pays for finding which peer
             i = int(np.flatnonzero(over)[0])
             raise DataPlaneError(f"{slots.name}: {ends[i] - begins[i]} bytes for {slots.peers[i]} exceed its device "
                                  f"slot of {slots.rdma_row_bytes[i]} bytes")
-        targets = slots.rdma_targets[micro_batch]
+        targets, mark = slots.rdma_targets[micro_batch], int(round_mark(step, layer))
     if slots.local.any():  # none across hosts: the ranges as they are
         begins, ends = np.where(slots.local, 0, begins), np.where(slots.local, 0, ends)
-    return begins, ends, targets
+    return begins, ends, targets, mark
 
 
 def land_round(arrivals, micro_batch: int, row_bytes: int, staging, slots: "DeviceSlots | None",
@@ -313,8 +317,9 @@ def device_send_choice(slots: "DeviceSlots", link, make_sources: Callable[[], li
 
 
 def _new_region(name: str, device: torch.device, shape: tuple[int, int, int]) -> tuple[torch.Tensor, tuple, str]:
-    """A node's zeroed receive region, how a peer opens it (`SlotOffer.region`) and the path of
-    its /dev/shm file ("" on CUDA, where CUDA IPC shares it)."""
+    """A node's zeroed receive region (`shape`: [micro-batches, peers, MARK_ROOM + payload bytes]),
+    how a peer opens it (`SlotOffer.region`) and the path of its /dev/shm file ("" on CUDA, where
+    CUDA IPC shares it)."""
     if device.type == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -330,8 +335,8 @@ def _new_region(name: str, device: torch.device, shape: tuple[int, int, int]) ->
 
 
 def _open_region(offer: SlotOffer) -> torch.Tensor:
-    """A peer's region on this host, as its offer says to open it."""
-    shape = (offer.micro_batches, len(offer.peers), offer.region_bytes)
+    """A peer's whole region on this host (its rows' MARK_ROOM included), as its offer says."""
+    shape = (offer.micro_batches, len(offer.peers), MARK_ROOM + offer.region_bytes)
     if offer.device == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -370,8 +375,10 @@ class DeviceSlots:
         self.micro_batches = micro_batches
         # Every row starts aligned, so any dtype view of a peer's bytes is valid.
         self.region_bytes = region_bytes = -(-region_bytes // ALIGN) * ALIGN
-        shape = (micro_batches, len(self.peers), region_bytes)
-        self.region, shared, self._path = _new_region(name, self.device, shape)
+        shape = (micro_batches, len(self.peers), MARK_ROOM + region_bytes)
+        self._memory, shared, self._path = _new_region(name, self.device, shape)  # exposed whole, marks and all
+        self.region = self._memory[:, :, MARK_ROOM:]  # [micro-batch, peer]: that peer's payload
+        self.marks = RegionMarks(name, self.peers, self._memory)
         handles, uuid_ = (), ""
         if self.on_cuda:
             # The writes' own stream: a round's copies wait only for their own data, never behind
@@ -400,7 +407,7 @@ class DeviceSlots:
         (`sends_from_device`)."""
         self._link = link
         try:
-            grant = _expose_region(self.name, link, self.region)
+            grant = _expose_region(self.name, link, self._memory)
             aimable = tuple(p for p in self.peers if grant and link.can_aim(p))
             self.offer = dataclasses.replace(self.offer, grant=tuple(grant or ()), rdma_peers=aimable)
             offers = trade_offers(self.offer, link)
@@ -432,12 +439,12 @@ class DeviceSlots:
                                          f"{self.micro_batches}")
                 row = offer.peers.index(self.name)
             if entry.path == LOCAL:
-                entry.remote = _open_region(offer)[:, row, :]
+                entry.remote = _open_region(offer)[:, row, MARK_ROOM:]
                 if self.on_cuda:
                     entry.events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in offer.events]
-            elif entry.path == RDMA:  # [micro-batches, peers, region_bytes] bytes, row-major, from the grant's start
+            elif entry.path == RDMA:  # its rows from the grant's start, row-major: `payload_offset`
                 self.rdma_row_bytes[i] = offer.region_bytes
-                targets[:, i] = (np.arange(self.micro_batches) * len(offer.peers) + row) * offer.region_bytes
+                targets[:, i] = payload_offset(np.arange(self.micro_batches), row, len(offer.peers), offer.region_bytes)
             self._by_name[peer] = entry
             self.direct[i] = entry.path != HOST
             self.local[i] = entry.path == LOCAL
@@ -505,8 +512,10 @@ class DeviceSlots:
             host = staging.landing(int(nbytes[~self.direct].sum()), slot=micro_batch)
             offsets = arrivals.gather_into(host)
             host_dev = staging.upload(host, slot=micro_batch)
-        if self.on_cuda and self.rdma_targets is not None and (nbytes[self.direct & ~self.local] > 0).any():
-            self._link.settle()  # the adapter's writes visible to the kernels that read them next
+        rdma_rows = np.flatnonzero((nbytes > 0) & self.direct & ~self.local)
+        if rdma_rows.size:
+            self.marks.hold(self._link, micro_batch, rdma_rows, round_mark(arrivals.fields[rdma_rows, STEP],
+                                                                          arrivals.fields[rdma_rows, LAYER]))
         pieces = []
         for i in np.flatnonzero(nbytes):
             if self.direct[i]:

@@ -218,8 +218,9 @@ class ExpertExchange:
             if some_direct(self.slots):
                 if pending.records is not None:
                     self.slots.write(j, pending.records.view(-1), begins * row, ends * row, ready=pending.records_ready)
-                host_begins, host_ends, targets = link_post(self.slots, j, begins * row, ends * row)
-                self.link.post_round(self.peers, records, host_begins, host_ends, counts, targets=targets, **header)
+                *ranges, targets, mark = link_post(self.slots, j, begins * row, ends * row, step=self.step_id,
+                                                   layer=layer)
+                self.link.post_round(self.peers, records, *ranges, counts, targets=targets, mark=mark, **header)
             elif self.tp_size == 1:  # every node's records, end to end
                 self.link.post_rows(self.peers, records, counts, row, **header)
             else:

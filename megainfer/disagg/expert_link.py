@@ -35,6 +35,9 @@ BUSY = 1  # header flag on expert answers
 # and payload length, where the transport lays them out (transport.rounds; the binding,
 # deploy/link.py, checks that they agree, so the runtime names them without importing the transport).
 STEP, LAYER, FLAGS, BYTE_LENGTH = 1, 2, 5, 8
+# Where a post's mark lands: this many bytes before each targeted payload (transport.wire
+# MARK_LEAD; the binding checks that too).
+MARK_LEAD = 8
 
 
 def row_ranges(token_counts, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -66,10 +69,11 @@ class ExpertLink(Protocol):
 
     def post_round(self, peers: tuple[str, ...], buffer: torch.Tensor, begins: np.ndarray, ends: np.ndarray,
                    token_counts: np.ndarray, *, step: int, layer: int, micro_batch: int, flags: int = 0,
-                   targets: np.ndarray | None = None) -> None:
+                   targets: np.ndarray | None = None, mark: int = 0) -> None:
         """peers[i] gets bytes [begins[i], ends[i]) of `buffer`, token count token_counts[i];
         where targets[i] >= 0, written at that offset of the region peer i exposed (`aim`), its
-        header saying 0 bytes."""
+        header saying 0 bytes, and `mark` (0: none) as the word MARK_LEAD bytes before them,
+        written after them and before the header."""
         ...
 
     def post_rows(self, peers: tuple[str, ...], buffer: torch.Tensor, token_counts: np.ndarray, row_bytes: int, *,
@@ -111,6 +115,12 @@ class ExpertLink(Protocol):
     def settle(self) -> None:
         """After messages into exposed GPU memory arrived, before a kernel reads them: the
         adapter's writes made visible to the GPU's kernels (a flush where the platform needs one)."""
+        ...
+
+    def hold_stream(self, stream: int, device: int, addresses, values) -> None:
+        """GPU `device`'s stream `stream` (a CUstream handle) waits, in the driver, until each
+        word at `addresses` (marks in exposed GPU memory) holds its value; its later work then
+        sees the payloads written before the marks. The host does not wait."""
         ...
 
 

@@ -14,11 +14,13 @@ import torch
 
 from megainfer.disagg import device_slots
 from megainfer.disagg.device_slots import DeviceSlots, SlotOffer, link_post
+from megainfer.disagg.slot_marks import MARK_ROOM, payload_offset, round_mark
 from megainfer.disagg.device_staging import DeviceStaging
 from megainfer.errors import DataPlaneError
 from tests.helpers import connect_all
 from tests.soft_rdma import soft_device
 from transport import BackendUnavailable, Endpoint, EndpointSpec
+from transport.wire import MARK_LEAD
 
 SECRET = b"d" * 32
 REGION = 256
@@ -93,17 +95,18 @@ def _e1_elsewhere(endpoints, monkeypatch) -> dict[str, DeviceSlots]:
     return slots
 
 
-def _spokes_answer(slots, endpoints) -> dict[str, torch.Tensor]:
-    """e0 and e1 answer hub a's micro-batch 1 with rows of 4 bytes, each by its pair's path (the
-    write into a's region, and the link's post with its ranges and targets); the rows sent."""
+def _spokes_answer(slots, endpoints, step: int = 0, layer: int = 0, marks: bool = True) -> dict[str, torch.Tensor]:
+    """e0 and e1 answer hub a's micro-batch 1 of (`step`, `layer`) with rows of 4 bytes, each by
+    its pair's path (the write into a's region, and the link's post with its ranges, targets and
+    mark: none unless `marks`); the rows sent."""
     rows = {"e0": torch.arange(12, dtype=torch.uint8), "e1": torch.arange(100, 108, dtype=torch.uint8)}
     for name, data in rows.items():
         s = slots[name]
         begins, ends = np.array([0]), np.array([data.numel()])
         s.write(1, data, begins, ends)
-        host_begins, host_ends, targets = link_post(s, 1, begins, ends)
-        endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), micro_batch=1,
-                                   targets=targets)
+        host_begins, host_ends, targets, mark = link_post(s, 1, begins, ends, step=step, layer=layer)
+        endpoints[name].post_round(("a",), data, host_begins, host_ends, np.array([data.numel() // 4]), step=step,
+                                   layer=layer, micro_batch=1, targets=targets, mark=mark if marks else 0)
     return rows
 
 
@@ -228,10 +231,10 @@ def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in
     data = torch.arange(64, dtype=torch.uint8)
     begins, ends = np.array([0, 24]), np.array([24, 64])
     slots["a"].write(0, data, begins, ends)
-    host_begins, host_ends, targets = link_post(slots["a"], 0, begins, ends)
+    host_begins, host_ends, targets, mark = link_post(slots["a"], 0, begins, ends, step=0, layer=0)
     assert host_begins.tolist() == [0, 24] and host_ends.tolist() == [0, 64]  # only e0's bytes skip the post
     endpoints["a"].post_round(("e0", "e1"), data, host_begins, host_ends, np.array([6, 10]), micro_batch=0,
-                              targets=targets)
+                              targets=targets, mark=mark)
     for name, (begin, end) in (("e0", (0, 24)), ("e1", (24, 64))):
         arrivals = endpoints[name].collect_round(("a",), micro_batch=0)
         try:
@@ -240,10 +243,57 @@ def test_a_peer_on_another_host_writes_into_the_region_by_rdma_and_it_is_read_in
             arrivals.release()
         assert torch.equal(got, data[begin:end])
     with pytest.raises(DataPlaneError, match="exceed its device slot of 256 bytes"):
-        link_post(slots["e1"], 0, np.array([0]), np.array([REGION + 1]))
+        link_post(slots["e1"], 0, np.array([0]), np.array([REGION + 1]), step=0, layer=0)
     assert all(ep.slots_in_use().held == 0 for ep in endpoints.values())
     for s in slots.values():
         s.close()
+
+
+def test_rdma_bytes_are_read_only_under_their_rounds_mark(rdma_hub_and_spokes, monkeypatch):
+    """The adapter leaves the round's mark before each row's bytes, after them and before the
+    header: the receiver reads a row only under the mark its header names (on CUDA its stream
+    waits on it; here it is checked), so a row whose mark did not come is an error, not bytes
+    of an older round."""
+    endpoints = rdma_hub_and_spokes
+    slots = _e1_elsewhere(endpoints, monkeypatch)
+    for layer, marks in ((2, True), (3, False)):  # the second round's sender leaves no mark
+        rows = _spokes_answer(slots, endpoints, step=4, layer=layer, marks=marks)
+        arrivals = endpoints["a"].collect_round(("e0", "e1"), micro_batch=1)
+        try:
+            if marks:
+                assert torch.equal(slots["a"].land(arrivals, 1, 4, DeviceStaging("cpu", 2)),
+                                   torch.cat([rows["e0"], rows["e1"]]))
+                assert slots["a"].marks.words[1, 1].item() & 0xFFFFFFFF == round_mark(4, 2)
+                assert slots["a"].marks.words[1, 0].item() == 0  # e0 writes into a's region itself: no mark
+            else:
+                with pytest.raises(DataPlaneError, match=f"e1's rdma bytes for micro-batch 1 came without their "
+                                                         f"mark \\(found {round_mark(4, 2)}, expected "
+                                                         f"{round_mark(4, 3)}\\)"):
+                    slots["a"].land(arrivals, 1, 4, DeviceStaging("cpu", 2))
+        finally:
+            arrivals.release()
+    for s in slots.values():
+        s.close()
+
+
+def test_round_marks_are_never_zero_and_differ_between_a_rows_consecutive_rounds():
+    steps, layers = np.meshgrid(np.arange(0, 70_000, 7), np.arange(0, 94), indexing="ij")
+    marks = round_mark(steps, layers)
+    assert marks.min() >= 1 and marks.max() <= 0xFFFFFFFF
+    assert (marks[:, 1:] != marks[:, :-1]).all() and (marks[1:, 0] != marks[:-1, -1]).all()
+    assert round_mark(1 << 20, 5) == int(round_mark(np.array([1 << 20]), np.array([5]))[0])
+    assert round_mark(0xFFFF, 0xFFFF) == 0xFFFFFFFF % 0xFFFFFFFF + 1 == 1  # the one wrap: 0 is never a mark
+
+
+def test_a_row_reserves_room_for_its_mark_and_the_marks_address_it():
+    s = DeviceSlots("a", ("e0", "e1"), "cpu", 2, 100)
+    assert s._memory.shape == (2, 2, MARK_ROOM + 128)
+    for j in range(2):
+        for i in range(2):
+            assert s.region[j, i].data_ptr() - s.marks.words[j, i].data_ptr() == MARK_LEAD
+            assert int(s.marks.addresses[j, i]) == s.marks.words[j, i].data_ptr()
+            assert s.region[j, i].data_ptr() - s._memory.data_ptr() == payload_offset(j, i, 2, 128)
+    s.close()
 
 
 def test_a_region_that_cannot_be_exposed_is_said_and_its_pairs_go_through_the_host(rdma_hub_and_spokes, monkeypatch,

@@ -40,7 +40,7 @@ from transport.core_rdma import CoreQueuePair, CoreRdmaInbound, CoreRdmaOutbound
 from transport.errors import HandshakeError, PeerClosed
 from transport.rounds import CoreRound
 from transport.shm import slot_stride
-from transport.wire import Header, RegionGrant
+from transport.wire import MARK_LEAD, Header, RegionGrant
 
 SECRET = b"v" * 32
 IDLE = SlotUsage(held=0, unreleased=0, queued=0)
@@ -482,6 +482,33 @@ def test_a_round_writes_into_the_regions_its_peers_exposed_and_their_headers_say
     assert hub.slots_in_use() == IDLE and all(s.slots_in_use() == IDLE for s in spokes)
 
 
+def test_a_region_write_leaves_its_mark_after_its_bytes_and_before_its_header(rdma_star, hooks):
+    hub, spokes, names = rdma_star(2)
+    regions = [torch.zeros(256, dtype=torch.uint8) for _ in spokes]
+    for spoke, region in zip(spokes, regions):
+        hub.aim(spoke.spec.name, spoke.expose(region))
+    source = torch.arange(1, 41, dtype=torch.uint8)
+    before = posts(hooks)[0]
+    hub.post_round(names, source, [0, 40], [40, 40], [10, 0], step=7, layer=2, micro_batch=0, targets=[64, 128],
+                   mark=0xDEADBEEF)
+    made, longest = posts(hooks)
+    assert made == before + 2 and longest == 3  # payload, mark, header in one chain; s1's header alone
+    for spoke in spokes:
+        with spoke.recv("hub", micro_batch=0, timeout=5) as msg:
+            assert msg.header.byte_length == 0
+    word = regions[0][64 - MARK_LEAD:64 - MARK_LEAD + 4].numpy().view(np.uint32)[0]
+    assert word == 0xDEADBEEF and bytes(regions[0][64:104].numpy()) == bytes(source.numpy())
+    assert not regions[0][64 - MARK_LEAD + 4:64].any()  # the mark's 4 bytes only
+    assert not regions[1].any()  # no bytes for s1: no mark either (nothing of its row to wait for)
+    with pytest.raises(ValueError, match="a mark .* goes with writes into exposed regions"):
+        hub.post_round(names, source, [0, 0], [0, 0], [0, 0], mark=5)
+    with pytest.raises(ValueError, match="a mark is a 32-bit word"):
+        hub.post_round(names, source, [0, 0], [0, 0], [0, 0], targets=[64, 64], mark=1 << 32)
+    with pytest.raises(PayloadTooLarge, match="no room for its mark"):
+        hub.post_round(names, source, [0, 0], [40, 0], [10, 0], targets=[4, -1], mark=1)
+    assert hub.slots_in_use() == IDLE
+
+
 def test_a_post_into_a_region_is_refused_past_its_end_or_where_no_region_was_aimed(rdma_star):
     hub, spokes, names = rdma_star(2)
     hub.aim("s0", spokes[0].expose(torch.zeros(64, dtype=torch.uint8)))
@@ -586,6 +613,41 @@ def test_a_gpu_that_does_not_order_rdma_writes_flushes_them_at_settle_or_is_refu
     finally:
         stand_in_cuda.stand_in_set_rdma_ordering(100, 1)
     assert spokes[1].backends.rdma.opened.domain.sources == 0  # nothing registered
+
+
+@pytest.mark.parametrize("ordering, can_flush, flags, host_flushes", [
+    (100, 0, 0x1, 0),  # the device orders the adapter's writes (Hopper): a plain EQ wait
+    (0, 1, 0x1 | 1 << 30, 0),  # it does not and the stream can flush: EQ with CU_STREAM_WAIT_VALUE_FLUSH
+    (0, 0, 0x1, 1),  # it does not and only the host can: the host flushes, then the stream waits
+])
+def test_a_stream_waits_on_the_marks_of_a_gpu_region_with_the_flush_its_device_needs(
+        rdma_star, stand_in_cuda, monkeypatch, ordering, can_flush, flags, host_flushes):
+    monkeypatch.setattr("transport.cuda_dmabuf.LIBRARY", stand_in_cuda.path)
+    hub, spokes, names = rdma_star(1)
+    try:
+        stand_in_cuda.stand_in_set_rdma_ordering(ordering, 1)
+        stand_in_cuda.stand_in_set_can_flush_remote_writes(can_flush)
+        base = stand_in_cuda.stand_in_alloc(8192)
+        hub.aim("s0", spokes[0].expose(DeviceBuffer(base, 8192)))
+        hub.post_round(names, torch.arange(100, dtype=torch.uint8), [0], [100], [4], step=3, layer=1,
+                       targets=[1024], mark=77)
+        with spokes[0].recv("hub", micro_batch=0, timeout=5):
+            pass
+        waits, met = stand_in_cuda.stand_in_waits(), stand_in_cuda.stand_in_waits_met()
+        flushes = stand_in_cuda.stand_in_flushes()
+        spokes[0].hold_stream(0xABC, 0, [base + 1024 - MARK_LEAD, base + 1024 - MARK_LEAD], [77, 78])
+        assert stand_in_cuda.stand_in_waits() == waits + 2  # one batch, both waits enqueued; the host went on
+        assert stand_in_cuda.stand_in_waits_met() == met + 1  # the mark the adapter wrote; 78 never came
+        assert stand_in_cuda.stand_in_last_wait_flags() == flags
+        assert stand_in_cuda.stand_in_flushes() == flushes + host_flushes
+        assert stand_in_cuda.stand_in_contexts_current() == 0
+    finally:
+        stand_in_cuda.stand_in_set_rdma_ordering(100, 1)
+        stand_in_cuda.stand_in_set_can_flush_remote_writes(0)
+    with pytest.raises(BackendUnavailable, match="no memory of GPU 1 is exposed"):
+        spokes[0].hold_stream(0xABC, 1, [base], [1])
+    with pytest.raises(BackendUnavailable, match="no memory of GPU 0 is exposed"):
+        hub.hold_stream(0xABC, 0, [base], [1])  # the writer: it exposed nothing
 
 
 def test_closing_the_endpoint_during_a_collect_ends_it_without_a_crash(rdma_star):

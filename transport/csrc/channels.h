@@ -38,6 +38,8 @@ enum Violation : int {
   kDropped = 10,     // tcp: the connection failed (a = errno; not a violation)
 };
 
+constexpr uint64_t kMarkLead = 8;  // a region write's mark: the 4 bytes this far before its payload
+
 struct WireHeader {  // transport/wire.py HEADER "<IIHHHHIIQ"
   uint32_t magic;
   uint32_t step;
@@ -96,9 +98,13 @@ class Outbound {
   // no bytes from anywhere (a device-slot peer's header, in a round posted from GPU memory).
   virtual bool can_send_from(const uint8_t*, size_t n, bool device) const { return !device || n == 0; }
   // write() with the payload written at `offset` of a region the peer exposed, not in its
-  // slot (rdma only: a device-slot region across hosts); the header says 0 bytes.
+  // slot (rdma only: a device-slot region across hosts); the header says 0 bytes. A `mark`
+  // other than 0 is then written, after the payload and before the header, as the 4 bytes
+  // kMarkLead before `offset` (transport/wire.py MARK_LEAD): a word the receiver's GPU stream
+  // waits on (cuStreamWaitValue32) with no host in between.
   virtual bool can_write_into(uint64_t, size_t) const { return false; }
-  virtual bool write_into(uint32_t, uint16_t, uint16_t, uint16_t, uint32_t, const uint8_t*, size_t, uint64_t) {
+  virtual bool write_into(uint32_t, uint16_t, uint16_t, uint16_t, uint32_t, const uint8_t*, size_t, uint64_t,
+                          uint32_t) {
     throw std::logic_error("this channel kind writes into no peer's region");
   }
   virtual bool is_closed() const = 0;

@@ -306,14 +306,14 @@ class Round {
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> begins,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> ends,
            py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts, bool device,
-           std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> targets) {
+           std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> targets, uint32_t mark) {
     check_open();
     size_t n = out_.size();
     if (static_cast<size_t>(begins.size()) != n || static_cast<size_t>(ends.size()) != n ||
         static_cast<size_t>(counts.size()) != n)
       throw std::invalid_argument("post: one begin, end and token count per peer");
     return post_ranges(step, layer, micro_batch, flags, address, nbytes, begins.data(), ends.data(), counts.data(),
-                       device, target_offsets(targets));
+                       device, target_offsets(targets), mark);
   }
 
   // post() where peer i's bytes are counts[i] rows of `row_bytes`, the peers' rows end to end
@@ -321,7 +321,8 @@ class Round {
   int post_rows(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address,
                 size_t nbytes, py::array_t<int64_t, py::array::c_style | py::array::forcecast> counts,
                 int64_t row_bytes, bool device,
-                std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> targets) {
+                std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>> targets,
+                uint32_t mark) {
     check_open();
     size_t n = out_.size();
     if (static_cast<size_t>(counts.size()) != n) throw std::invalid_argument("post_rows: one token count per peer");
@@ -336,7 +337,7 @@ class Round {
       row_ends_[i] = at;
     }
     return post_ranges(step, layer, micro_batch, flags, address, nbytes, row_begins_.data(), row_ends_.data(), c,
-                       device, target_offsets(targets));
+                       device, target_offsets(targets), mark);
   }
 
   // The first peer whose message breaks the round's expectations, or -1: its step (step < 0:
@@ -362,7 +363,8 @@ class Round {
  private:
   int post_ranges(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uintptr_t address,
                   size_t nbytes, const int64_t* b, const int64_t* e, const int64_t* c, bool device,
-                  const int64_t* t) {
+                  const int64_t* t, uint32_t mark) {
+    if (mark && !t) throw std::invalid_argument("post: a mark goes with writes into regions (targets)");
     size_t n = out_.size();
     const uint8_t* base = reinterpret_cast<const uint8_t*>(address);
     for (size_t i = 0; i < n; ++i) {
@@ -377,6 +379,9 @@ class Round {
         if (!out_[i]->can_write_into(0, 0))
           throw py::type_error("post: peer " + std::to_string(i) + "'s channel has no region of the peer's to write "
                                "into (only rdma channels of the compiled core write into one, once aimed at it)");
+        if (mark && e[i] > b[i] && static_cast<uint64_t>(t[i]) < kMarkLead)
+          throw std::out_of_range("post: peer " + std::to_string(i) + "'s region offset " + std::to_string(t[i]) +
+                                  " leaves no room for its mark before it");
         if (!out_[i]->can_write_into(static_cast<uint64_t>(t[i]), static_cast<size_t>(e[i] - b[i])))
           throw std::out_of_range("post: peer " + std::to_string(i) + "'s " + std::to_string(e[i] - b[i]) +
                                   " bytes at offset " + std::to_string(t[i]) + " lie past the region it exposed");
@@ -386,7 +391,7 @@ class Round {
                                     "(only rdma channels of the compiled core can, from a buffer given to "
                                     "Endpoint.register): stage it through host memory");
     }
-    post_ = PostArgs{step, layer, micro_batch, flags, reinterpret_cast<const uint8_t*>(address)};
+    post_ = PostArgs{step, layer, micro_batch, flags, reinterpret_cast<const uint8_t*>(address), mark};
     begins_.assign(b, b + n);
     ends_.assign(e, e + n);
     counts_.assign(c, c + n);
@@ -522,6 +527,7 @@ class Round {
     uint32_t step;
     uint16_t layer, micro_batch, flags;
     const uint8_t* base;
+    uint32_t mark;  // written before each region write's header (0: none)
   };
 
   // pending_[i]: 1 waiting for its slot, 2 written and not yet finished, 0 done; a channel that
@@ -535,7 +541,7 @@ class Round {
       uint32_t count = static_cast<uint32_t>(counts_[i]);
       bool into = !targets_.empty() && targets_[i] >= 0;
       if (into ? out_[i]->write_into(post_.step, post_.layer, post_.micro_batch, post_.flags, count, payload, n,
-                                     static_cast<uint64_t>(targets_[i]))
+                                     static_cast<uint64_t>(targets_[i]), post_.mark)
                : out_[i]->write(post_.step, post_.layer, post_.micro_batch, post_.flags, count, payload, n)) {
         pending_[i] = 2;
         ++wrote;
@@ -782,10 +788,10 @@ PYBIND11_MODULE(_m2n_core, m) {
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("post", &Round::post, py::arg("step"), py::arg("layer"), py::arg("micro_batch"), py::arg("flags"),
            py::arg("address"), py::arg("nbytes"), py::arg("begins"), py::arg("ends"), py::arg("counts"),
-           py::arg("device") = false, py::arg("targets") = py::none())
+           py::arg("device") = false, py::arg("targets") = py::none(), py::arg("mark") = 0)
       .def("post_rows", &Round::post_rows, py::arg("step"), py::arg("layer"), py::arg("micro_batch"),
            py::arg("flags"), py::arg("address"), py::arg("nbytes"), py::arg("counts"), py::arg("row_bytes"),
-           py::arg("device") = false, py::arg("targets") = py::none())
+           py::arg("device") = false, py::arg("targets") = py::none(), py::arg("mark") = 0)
       .def("check", &Round::check)
       .def_property_readonly("failed_count", &Round::failed_count)
       .def_property_readonly("send_failures", &Round::send_failures)

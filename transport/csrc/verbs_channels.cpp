@@ -419,31 +419,42 @@ class VerbsQueuePair {
                                 remote_rkey_, tag);
   }
   // The same two requests with the payload written to (`remote`, `rkey`): a region the peer
-  // exposed (its device slots), not its slot. Caller holds lock_.
+  // exposed (its device slots), not its slot; with a mark (`mark_offset` of this region holds
+  // it: 4 bytes), a third between them writes it kMarkLead before `remote`, so RC places it
+  // after the payload and before the header. Caller holds lock_ and checked room_locked.
   int write_chained_locked(size_t header_offset, const uint8_t* payload, size_t n, uint32_t lkey, uint64_t remote,
-                           uint32_t rkey, uint32_t tag) {
+                           uint32_t rkey, uint32_t tag, const size_t* mark_offset = nullptr) {
     ibv_sge body{reinterpret_cast<uint64_t>(payload), static_cast<uint32_t>(n), lkey};
+    ibv_sge mark{mark_offset ? reinterpret_cast<uint64_t>(base_ + *mark_offset) : 0, 4, mr_->lkey};
     ibv_sge head{reinterpret_cast<uint64_t>(base_ + header_offset), static_cast<uint32_t>(sizeof(WireHeader)),
                  mr_->lkey};
-    ibv_send_wr wr[2]{};
-    wr[0].wr_id = 0;
-    wr[0].next = &wr[1];
+    ibv_send_wr wr[3]{};
+    uint32_t count = mark_offset ? 3 : 2;
     wr[0].sg_list = &body;
-    wr[0].num_sge = 1;
     wr[0].opcode = IBV_WR_RDMA_WRITE;  // unsignaled: the header's completion covers it
     wr[0].wr.rdma.remote_addr = remote;
     wr[0].wr.rdma.rkey = rkey;
-    wr[1].wr_id = 2;  // the work requests this completion frees
-    wr[1].sg_list = &head;
-    wr[1].num_sge = 1;
-    wr[1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-    wr[1].send_flags = IBV_SEND_SIGNALED | IBV_SEND_SOLICITED;
-    wr[1].imm_data = htonl(tag);
-    wr[1].wr.rdma.remote_addr = remote_addr_ + header_offset;
-    wr[1].wr.rdma.rkey = remote_rkey_;
+    if (mark_offset) {
+      wr[1].sg_list = &mark;
+      wr[1].opcode = IBV_WR_RDMA_WRITE;
+      wr[1].wr.rdma.remote_addr = remote - kMarkLead;
+      wr[1].wr.rdma.rkey = rkey;
+    }
+    ibv_send_wr& last = wr[count - 1];
+    last.wr_id = count;  // the work requests this completion frees
+    last.sg_list = &head;
+    last.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    last.send_flags = IBV_SEND_SIGNALED | IBV_SEND_SOLICITED;
+    last.imm_data = htonl(tag);
+    last.wr.rdma.remote_addr = remote_addr_ + header_offset;
+    last.wr.rdma.rkey = remote_rkey_;
+    for (uint32_t i = 0; i < count; ++i) {
+      wr[i].num_sge = 1;
+      wr[i].next = i + 1 < count ? &wr[i + 1] : nullptr;
+    }
     ibv_send_wr* bad = nullptr;
     int err = qp_->context->ops.post_send(qp_, wr, &bad);
-    if (!err) sends_out_ += 2;
+    if (!err) sends_out_ += count;
     return err;
   }
   // The 1-byte credit write into the peer's credit sink (not solicited: a sender waiting for
@@ -575,15 +586,17 @@ class VerbsOutChannel : public Outbound {
 
   bool write(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
              const uint8_t* payload, size_t n) override {
-    return send(step, layer, micro_batch, flags, token_count, payload, n, nullptr);
+    return send(step, layer, micro_batch, flags, token_count, payload, n, nullptr, 0);
   }
   // A message whose payload goes to `offset` of the region the peer exposed (aim()): the
   // payload write, then the header (byte length 0: the bytes are not in the slot) into the
   // slot as write() puts it, chained in one post, so the peer sees the header only once the
   // payload is placed.
+  // A mark other than 0 follows a payload of bytes (chained: payload, mark, header), from this
+  // side's slot, which stays untouched until the peer's credit frees it.
   bool write_into(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
-                  const uint8_t* payload, size_t n, uint64_t offset) override {
-    return send(step, layer, micro_batch, flags, token_count, payload, n, &offset);
+                  const uint8_t* payload, size_t n, uint64_t offset, uint32_t mark) override {
+    return send(step, layer, micro_batch, flags, token_count, payload, n, &offset, mark);
   }
   bool can_write_into(uint64_t offset, size_t n) const override { return fits_region(offset, n); }
   // The region the peer exposed for this endpoint's writes (its address as its adapter names
@@ -625,20 +638,24 @@ class VerbsOutChannel : public Outbound {
   // the adapter where it lies (a chained post: payload, then header); any other is copied into
   // this side's slot first and goes with the header in one write, or, for a region, chained.
   bool send(uint32_t step, uint16_t layer, uint16_t micro_batch, uint16_t flags, uint32_t token_count,
-            const uint8_t* payload, size_t n, const uint64_t* offset) {
+            const uint8_t* payload, size_t n, const uint64_t* offset, uint32_t mark) {
     std::lock_guard<std::mutex> hold(qp_->lock_);
     if (!qp_->open()) throw std::runtime_error("channel closed");
     if (n > slot_bytes_) throw std::length_error("payload larger than the peer's slot");
     if (offset && !fits_region(*offset, n)) throw std::out_of_range("a write past the region the peer exposed");
+    bool marked = offset && n && mark;
+    if (marked && *offset < kMarkLead) throw std::out_of_range("a region write's mark would lie before the region");
     if (failure_ || !take_credits_locked()) return false;
     uint32_t slot = micro_batch % num_slots_;
     uint32_t lkey = 0;
     bool device = false;
     bool registered = n && qp_->domain()->find_source(payload, n, &lkey, &device);
     bool chained = registered || (offset && n);
-    if (busy_[slot] || !qp_->room_locked(chained ? 2 : 1)) return false;  // pending: a later poll frees it
+    if (busy_[slot] || !qp_->room_locked(chained ? 2 + marked : 1)) return false;  // pending: a later poll frees it
     size_t at = kSlotsAt + slot * stride_ + kHeaderInSlot;  // header, then payload
     WireHeader h{kMagic, step, layer, micro_batch, rank_, flags, token_count, seq_, offset ? 0 : n};
+    size_t mark_at = kSlotsAt + slot * stride_;  // the slot's first bytes: the header starts kHeaderInSlot on
+    if (marked) std::memcpy(qp_->base_ + mark_at, &mark, sizeof mark);
     std::memcpy(qp_->base_ + at, &h, sizeof h);
     if (n && !registered) {  // staged: the adapter reads it from this side's slot
       std::memcpy(qp_->base_ + at + sizeof h, payload, n);
@@ -647,7 +664,8 @@ class VerbsOutChannel : public Outbound {
     }
     uint32_t tag = pack_tag(kImmData, channel_id_, slot);
     int err = !chained ? qp_->write_locked(at, sizeof h + n, tag)  // n is 0 for a region's
-              : offset ? qp_->write_chained_locked(at, payload, n, lkey, region_addr_ + *offset, region_rkey_, tag)
+              : offset ? qp_->write_chained_locked(at, payload, n, lkey, region_addr_ + *offset, region_rkey_, tag,
+                                                   marked ? &mark_at : nullptr)
                        : qp_->write_direct_locked(at, payload, n, lkey, tag);
     if (err) {
       record(kPostFailed, static_cast<uint64_t>(err), 0);

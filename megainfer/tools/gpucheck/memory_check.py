@@ -138,8 +138,54 @@ def check_dmabuf_export(ctx: CheckContext) -> None:
             os.close(fd)
 
 
+def check_mark_wait(ctx: CheckContext) -> None:
+    """The wait a device-slot receiver's stream makes on an rdma round's marks
+    (Endpoint.hold_stream: cuStreamBatchMemOp through ctypes), with no adapter: a side stream
+    held on a word must not run the work behind the wait until another stream writes the
+    value, then must run it. Records the wait's flags for this GPU (FLUSH or not) and how long
+    the release took."""
+    from transport.cuda_dmabuf import CudaDriver
+    from transport.errors import BackendUnavailable
+
+    with ctx.case("a stream held by a wait on a word in GPU memory until another stream writes it") as case:
+        if not ctx.on_gpu:
+            case.skip("no CUDA device: a stream memory operation needs one")
+            return
+        driver = CudaDriver()
+        try:
+            wait = driver.mark_wait(ctx.device.index or 0)
+        except BackendUnavailable as exc:  # neither orders nor flushes an adapter's writes
+            case.figures["mark_wait"] = str(exc)
+            return
+        case.figures |= {"wait_flags": hex(wait.flags), "host_flush": wait.host_flush}
+        marks = torch.zeros(2, dtype=torch.int32, device=ctx.device)
+        behind = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        held, writer = torch.cuda.Stream(ctx.device), torch.cuda.Stream(ctx.device)
+        torch.cuda.synchronize(ctx.device)
+        with torch.cuda.stream(held):
+            driver.wait_values(held.cuda_stream, [marks[1].data_ptr()], [7], wait.flags)
+            behind.add_(1)
+            done = held.record_event()
+        time.sleep(0.05)
+        ran_early = done.query()
+        with torch.cuda.stream(writer):
+            marks[1].fill_(7)
+        start = time.perf_counter()
+        while not done.query() and time.perf_counter() - start < 5.0:
+            time.sleep(0.0005)
+        released = done.query()
+        case.figures |= {"held_until_written": not ran_early, "released": released,
+                         "release_ms": round((time.perf_counter() - start) * 1e3, 3)}
+        if ran_early or not released:
+            raise AssertionError("the work behind the wait " + ("ran before the word was written" if ran_early else
+                                                              "did not run within 5 s of the word being written"))
+        if behind.item() != 1:
+            raise AssertionError(f"the work behind the wait left {behind.item()}, not 1")
+
+
 def run(ctx: CheckContext) -> None:
     check_copies(ctx)
     check_kv_sizing(ctx)
     check_energy(ctx)
     check_dmabuf_export(ctx)
+    check_mark_wait(ctx)

@@ -449,10 +449,12 @@ int soft_verbs_events() {
   return events_taken;
 }
 
-// ibv_post_send calls so far, the most work requests one of them chained, and the bytes written.
+// ibv_post_send calls so far, the most work requests one of them chained since the last call
+// (so a test reads its own posts' chains), and the bytes written.
 int soft_verbs_posts(int* longest, uint64_t* bytes) {
   std::lock_guard<std::mutex> hold(lock);
   *longest = longest_chain;
+  longest_chain = 0;
   *bytes = bytes_moved;
   return posts;
 }

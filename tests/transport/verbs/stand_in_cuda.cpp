@@ -18,6 +18,7 @@ namespace {
 constexpr int kSuccess = 0, kInvalidValue = 1, kInvalidDevice = 101, kInvalidContext = 201, kNotSupported = 801;
 constexpr int kDmaBufSupported = 124, kDmaBufFd = 1;
 constexpr int kFlushOptions = 117, kWritesOrdering = 118, kTargetCurrentCtx = 0, kToOwner = 100;
+constexpr int kCanFlushRemoteWrites = 98, kWaitValue32 = 1, kWaitEq = 0x1, kWaitFlush = 1 << 30;
 constexpr long kPage = 4096;
 
 struct Allocation {
@@ -32,6 +33,9 @@ int supported = 1;
 int writes_ordering = 100;  // CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER, as on Hopper
 int flush_options = 1;      // cuFlushGPUDirectRDMAWrites supported
 int flushes = 0;
+int can_flush_remote_writes = 0;  // CU_STREAM_WAIT_VALUE_FLUSH supported
+int waits = 0, waits_met = 0;     // stream waits enqueued; those whose word already held its value
+unsigned last_wait_flags = 0;
 int primary = 0;                 // the device's primary context (its address is the handle)
 std::vector<void*> current;      // the calling thread's context stack (one thread in the tests)
 uint64_t last_start = 0;
@@ -51,7 +55,8 @@ int cuDeviceGetAttribute(int* value, int attribute, int) {
   *value = attribute == kDmaBufSupported   ? supported
            : attribute == kWritesOrdering  ? writes_ordering
            : attribute == kFlushOptions    ? flush_options
-                                           : 0;
+           : attribute == kCanFlushRemoteWrites ? can_flush_remote_writes
+                                                : 0;
   return kSuccess;
 }
 // One device, one primary context; the flush needs it current (as the driver's does).
@@ -95,6 +100,37 @@ int cuMemGetHandleForAddressRange(void* handle, uint64_t start, size_t span, int
   return kSuccess;
 }
 
+// CUstreamBatchMemOpParams as its waitValue member (48 bytes). Only 32-bit EQ waits on a word
+// of an allocation are taken; each is counted, and counted as met where the word holds its
+// value now (a real stream would wait until it does).
+struct WaitValueParams {
+  int operation;
+  uint64_t address;
+  uint64_t value;
+  unsigned flags;
+  uint64_t alias, pad;
+};
+static_assert(sizeof(WaitValueParams) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+
+int cuStreamBatchMemOp_v2(void* stream, unsigned count, const WaitValueParams* params, unsigned flags) {
+  if (!stream || flags != 0 || count == 0 || count > 256) return kInvalidValue;
+  for (unsigned i = 0; i < count; ++i) {
+    const WaitValueParams& p = params[i];
+    if (p.operation != kWaitValue32 || (p.flags & ~kWaitFlush) != kWaitEq || p.address % 4) return kInvalidValue;
+    if ((p.flags & kWaitFlush) && !can_flush_remote_writes) return kNotSupported;
+    auto it = allocations.upper_bound(p.address);
+    if (it == allocations.begin()) return kInvalidValue;
+    --it;
+    if (p.address + 4 > it->first + it->second.size) return kInvalidValue;
+    uint32_t word;
+    std::memcpy(&word, it->second.here + (p.address - it->first), 4);
+    waits += 1;
+    waits_met += word == static_cast<uint32_t>(p.value);
+    last_wait_flags = p.flags;
+  }
+  return kSuccess;
+}
+
 // -- test hooks ---------------------------------------------------------------------------------
 uint64_t stand_in_alloc(size_t size) {
   size = (size + kPage - 1) / kPage * kPage;
@@ -129,6 +165,10 @@ void stand_in_set_rdma_ordering(int ordering, int options) {
   flush_options = options;
 }
 int stand_in_flushes() { return flushes; }
+void stand_in_set_can_flush_remote_writes(int on) { can_flush_remote_writes = on; }
+int stand_in_waits() { return waits; }
+int stand_in_waits_met() { return waits_met; }
+unsigned stand_in_last_wait_flags() { return last_wait_flags; }
 int stand_in_contexts_current() { return static_cast<int>(current.size()); }
 void stand_in_last_export(uint64_t* start, size_t* span) {
   *start = last_start;
