@@ -161,7 +161,7 @@ class CoreVerbs:
         driver, wait = held
         if wait.host_flush:  # the stream cannot flush the adapter's writes: the host does, as settle()
             driver.flush_rdma_writes(ordinal)
-        driver.wait_values(stream, addresses, values, wait.flags)
+        driver.wait_values(ordinal, stream, addresses, values, wait.flags)
 
     def close(self) -> None:
         for _, handle in self.registered:  # deregistered before the buffers may go

@@ -18,6 +18,7 @@ it is called with).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 from collections.abc import Sequence
@@ -138,27 +139,36 @@ class CudaDriver:
             return MarkWait(CU_STREAM_WAIT_VALUE_EQ | CU_STREAM_WAIT_VALUE_FLUSH, False)
         return MarkWait(CU_STREAM_WAIT_VALUE_EQ, True)
 
-    def wait_values(self, stream: int, addresses: Sequence[int], values: Sequence[int], flags: int) -> None:
-        """Enqueues on `stream` (a CUstream handle: torch's `Stream.cuda_stream`) a wait until
-        each 32-bit word at device address addresses[i] equals values[i], then returns: the
-        host never waits. Every wait in one call (per MAX_BATCH), in the stream's own context."""
+    def wait_values(self, ordinal: int, stream: int, addresses: Sequence[int], values: Sequence[int],
+                    flags: int) -> None:
+        """Enqueues on GPU `ordinal`'s `stream` (a CUstream handle: torch's `Stream.cuda_stream`)
+        a wait until each 32-bit word at device address addresses[i] equals values[i], then
+        returns: the host never waits. Every wait in one call (per MAX_BATCH), with the GPU's
+        primary context current."""
         if len(addresses) != len(values):
             raise ValueError(f"wait_values: {len(addresses)} addresses and {len(values)} values")
         params = (_WaitValueParams * len(addresses))()
         for param, address, value in zip(params, addresses, values):
             param.operation, param.address, param.value, param.flags = (CU_STREAM_MEM_OP_WAIT_VALUE_32, address,
                                                                          value & 0xFFFFFFFF, flags)
-        for begin in range(0, len(addresses), MAX_BATCH):
-            count = min(MAX_BATCH, len(addresses) - begin)
-            self._call("cuStreamBatchMemOp", self.lib.cuStreamBatchMemOp_v2, stream, count,
-                       ctypes.cast(ctypes.byref(params, begin * ctypes.sizeof(_WaitValueParams)),
-                                   ctypes.POINTER(_WaitValueParams)), 0)
+        with self._primary(ordinal):
+            for begin in range(0, len(addresses), MAX_BATCH):
+                count = min(MAX_BATCH, len(addresses) - begin)
+                self._call("cuStreamBatchMemOp", self.lib.cuStreamBatchMemOp_v2, stream, count,
+                           ctypes.cast(ctypes.byref(params, begin * ctypes.sizeof(_WaitValueParams)),
+                                       ctypes.POINTER(_WaitValueParams)), 0)
 
     def flush_rdma_writes(self, ordinal: int) -> None:
         """Blocks until the adapter's writes into GPU `ordinal`'s memory are visible to its
-        kernels (after a message into an exposed region arrived, before a kernel reads it). The
-        flush targets the current context, so GPU `ordinal`'s primary context (torch's) is made
-        current around it, whatever the calling thread has current."""
+        kernels (after a message into an exposed region arrived, before a kernel reads it)."""
+        with self._primary(ordinal):  # the flush targets the current context
+            self._call("cuFlushGPUDirectRDMAWrites", self.lib.cuFlushGPUDirectRDMAWrites,
+                       CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER)
+
+    @contextlib.contextmanager
+    def _primary(self, ordinal: int):
+        """GPU `ordinal`'s primary context (torch's) current around a call, whatever the calling
+        thread has current."""
         context = self._contexts.get(ordinal)
         if context is None:
             device, context = ctypes.c_int(), ctypes.c_void_p()
@@ -167,8 +177,7 @@ class CudaDriver:
             self._contexts[ordinal] = context
         self._call("cuCtxPushCurrent", self.lib.cuCtxPushCurrent_v2, context)
         try:
-            self._call("cuFlushGPUDirectRDMAWrites", self.lib.cuFlushGPUDirectRDMAWrites,
-                       CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER)
+            yield
         finally:
             self._call("cuCtxPopCurrent", self.lib.cuCtxPopCurrent_v2, ctypes.byref(ctypes.c_void_p()))
 

@@ -163,7 +163,7 @@ def check_mark_wait(ctx: CheckContext) -> None:
         held, writer = torch.cuda.Stream(ctx.device), torch.cuda.Stream(ctx.device)
         torch.cuda.synchronize(ctx.device)
         with torch.cuda.stream(held):
-            driver.wait_values(held.cuda_stream, [marks[1].data_ptr()], [7], wait.flags)
+            driver.wait_values(ctx.device.index or 0, held.cuda_stream, [marks[1].data_ptr()], [7], wait.flags)
             behind.add_(1)
             done = held.record_event()
         time.sleep(0.05)

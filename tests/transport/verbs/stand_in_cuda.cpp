@@ -101,8 +101,9 @@ int cuMemGetHandleForAddressRange(void* handle, uint64_t start, size_t span, int
 }
 
 // CUstreamBatchMemOpParams as its waitValue member (48 bytes). Only 32-bit EQ waits on a word
-// of an allocation are taken; each is counted, and counted as met where the word holds its
-// value now (a real stream would wait until it does).
+// of an allocation are taken, with the device's primary context current (the stream's: torch's
+// streams live in it); each is counted, and counted as met where the word holds its value now
+// (a real stream would wait until it does).
 struct WaitValueParams {
   int operation;
   uint64_t address;
@@ -114,6 +115,7 @@ static_assert(sizeof(WaitValueParams) == 48, "CUstreamBatchMemOpParams is 48 byt
 
 int cuStreamBatchMemOp_v2(void* stream, unsigned count, const WaitValueParams* params, unsigned flags) {
   if (!stream || flags != 0 || count == 0 || count > 256) return kInvalidValue;
+  if (current.empty() || current.back() != &primary) return kInvalidContext;  // the stream's context
   for (unsigned i = 0; i < count; ++i) {
     const WaitValueParams& p = params[i];
     if (p.operation != kWaitValue32 || (p.flags & ~kWaitFlush) != kWaitEq || p.address % 4) return kInvalidValue;
