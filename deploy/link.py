@@ -19,7 +19,7 @@ import time
 import torch
 
 from megainfer.disagg import expert_link
-from transport import Endpoint, EndpointSpec, PeerTimeout, TransportError
+from transport import BackendUnavailable, Endpoint, EndpointSpec, PeerTimeout, TransportError
 from transport import rounds, wire
 from transport.rounds import Arrivals
 from transport.wire import RegionGrant
@@ -97,8 +97,13 @@ class SwitchableLink:
     def settle(self) -> None:
         self.endpoint.settle()
 
-    def hold_stream(self, stream: int, device: int, addresses, values) -> None:
-        self.endpoint.hold_stream(stream, device, addresses, values)
+    def hold_stream(self, stream: int, device: int, addresses, values) -> str | None:
+        """See ExpertLink.hold_stream: the transport's BackendUnavailable becomes its reason."""
+        try:
+            self.endpoint.hold_stream(stream, device, addresses, values)
+        except BackendUnavailable as exc:
+            return str(exc)
+        return None
 
     def reads_in_place(self, buffer: torch.Tensor) -> bool:
         return self.endpoint.reads_in_place(buffer)

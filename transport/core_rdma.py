@@ -99,6 +99,7 @@ class CoreVerbs:
         self.registered: list = []  # (buffer, handle): a buffer stays alive while registered
         self.flushes: dict[int, CudaDriver] = {}  # GPU ordinal -> its driver, where exposed memory needs flushing
         self.mark_waits: dict[int, tuple[CudaDriver, MarkWait]] = {}  # GPU ordinal -> how its streams wait on marks
+        self.exposed_gpu: list[tuple[int, int, int]] = []  # (GPU ordinal, start, end) of each exposed GPU region
 
     def register(self, buffer) -> None:
         """A buffer payloads will be sent from (Endpoint.register): the adapter then reads a
@@ -135,6 +136,7 @@ class CoreVerbs:
                 if driver.needs_flush(ordinal):
                     self.flushes.setdefault(ordinal, driver)
                 self.mark_waits.setdefault(ordinal, (driver, wait))
+                self.exposed_gpu.append((ordinal, address, address + nbytes))
             else:
                 handle, rkey = self.domain.expose_host(address, nbytes)
         except RuntimeError as exc:
@@ -153,12 +155,18 @@ class CoreVerbs:
         """GPU `ordinal`'s stream `stream` waits, in the driver, until each word at `addresses`
         (marks in memory exposed here) holds its value; its later work then sees what the
         adapter wrote before each mark (Endpoint.hold_stream). BackendUnavailable where no
-        memory of that GPU was exposed here, or the driver refuses the wait."""
+        memory of that GPU was exposed here, or the driver refuses the wait; ValueError where
+        the words do not lie in one region exposed here."""
         held = self.mark_waits.get(ordinal)
         if held is None:
             raise BackendUnavailable(f"rdma: no memory of GPU {ordinal} is exposed on this endpoint: no mark of it "
                                      "can be waited on")
         driver, wait = held
+        if addresses:  # the span of the words, inside one region exposed on that GPU (checked per call: two ints)
+            low, high = min(addresses), max(addresses) + 4
+            if not any(o == ordinal and start <= low and high <= end for o, start, end in self.exposed_gpu):
+                raise ValueError(f"rdma: marks at [{low:#x}, {high:#x}) do not lie in one region of GPU {ordinal} "
+                                 "exposed on this endpoint")
         if wait.host_flush:  # the stream cannot flush the adapter's writes: the host does, as settle()
             driver.flush_rdma_writes(ordinal)
         driver.wait_values(ordinal, stream, addresses, values, wait.flags)

@@ -41,7 +41,7 @@ CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 0x1
 CU_STREAM_MEM_OP_WAIT_VALUE_32 = 1
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 CU_STREAM_WAIT_VALUE_FLUSH = 1 << 30
-MAX_BATCH = 256  # wait operations per cuStreamBatchMemOp call
+MAX_BATCH = 255  # wait operations per cuStreamBatchMemOp call (its count "must be less than 256")
 
 
 class _WaitValueParams(ctypes.Structure):
@@ -143,7 +143,7 @@ class CudaDriver:
                     flags: int) -> None:
         """Enqueues on GPU `ordinal`'s `stream` (a CUstream handle: torch's `Stream.cuda_stream`)
         a wait until each 32-bit word at device address addresses[i] equals values[i], then
-        returns: the host never waits. Every wait in one call (per MAX_BATCH), with the GPU's
+        returns: the host never waits. Every wait in one call per MAX_BATCH, with the GPU's
         primary context current."""
         if len(addresses) != len(values):
             raise ValueError(f"wait_values: {len(addresses)} addresses and {len(values)} values")
@@ -178,8 +178,10 @@ class CudaDriver:
         self._call("cuCtxPushCurrent", self.lib.cuCtxPushCurrent_v2, context)
         try:
             yield
-        finally:
-            self._call("cuCtxPopCurrent", self.lib.cuCtxPopCurrent_v2, ctypes.byref(ctypes.c_void_p()))
+        except BaseException:
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))  # the call's own error is the one to say
+            raise
+        self._call("cuCtxPopCurrent", self.lib.cuCtxPopCurrent_v2, ctypes.byref(ctypes.c_void_p()))
 
     def export(self, start: int, span: int) -> int:
         """A dma-buf file descriptor for device memory [start, start + span) (host-page aligned,

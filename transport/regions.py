@@ -86,8 +86,9 @@ class Regions:
         peer's post wrote after its payload into a region exposed here (`post_round(...,
         mark=)`). The stream's later work then sees those payloads (the wait flushes the
         adapter's writes where the GPU needs it and can; where it cannot, the host flushes
-        them first, as `settle`); the host returns at once. BackendUnavailable where the
-        region is not this endpoint's exposed GPU memory or the driver refuses the wait."""
+        them first, as `settle`); the host returns at once. BackendUnavailable where this
+        endpoint exposed no memory of that GPU or the driver refuses the wait; ValueError
+        where the words do not lie in one region it exposed."""
         self.rdma.hold_stream(stream, device, addresses, values)
 
 

@@ -117,10 +117,12 @@ class ExpertLink(Protocol):
         adapter's writes made visible to the GPU's kernels (a flush where the platform needs one)."""
         ...
 
-    def hold_stream(self, stream: int, device: int, addresses, values) -> None:
+    def hold_stream(self, stream: int, device: int, addresses, values) -> str | None:
         """GPU `device`'s stream `stream` (a CUstream handle) waits, in the driver, until each
         word at `addresses` (marks in exposed GPU memory) holds its value; its later work then
-        sees the payloads written before the marks. The host does not wait."""
+        sees the payloads written before the marks. The host does not wait. None where the
+        stream now waits; else why the link cannot make it (no stream memory operations on
+        this driver, no GPU region exposed), and nothing was enqueued."""
         ...
 
 

@@ -64,7 +64,13 @@ class RegionMarks:
         the bytes and before the headers: on CUDA the current stream waits on the marks in the
         driver (`link.hold_stream`; the host returns at once), or, where the stream cannot (said
         once), the host flushes the adapter's writes (`link.settle()`); on the CPU each mark is
-        checked: a missing one is a DataPlaneError (the header came before its bytes)."""
+        checked: a missing one is a DataPlaneError (the header came before its bytes).
+
+        A wait on CUDA has no way out but its word: it is enqueued only once the round's
+        headers arrived (so its marks were placed before), and a row's next write is the
+        peer's next round of this micro-batch, which needs an answer computed on this stream
+        after the wait (device_slots.py, "why a region is never overwritten while it is
+        read"). A resend or a second round per (layer, micro-batch) would break that."""
         if not self.on_cuda:
             found = self.words[micro_batch].numpy().view(np.uint32)[rows]
             bad = np.flatnonzero(found != marks)
@@ -75,13 +81,11 @@ class RegionMarks:
                                      f"header arrived before the bytes were placed")
             return
         if self._stream_waits:
-            try:
-                link.hold_stream(torch.cuda.current_stream(self.device).cuda_stream, self.device.index,
-                                 self.addresses[micro_batch, rows].tolist(), marks.tolist())
+            why = link.hold_stream(torch.cuda.current_stream(self.device).cuda_stream, self.device.index,
+                                   self.addresses[micro_batch, rows].tolist(), marks.tolist())
+            if why is None:
                 return
-            except Exception as exc:  # no stream memory operations on this driver, or no exposed region
-                self._stream_waits = False
-                logger.warning("%s: the GPU stream cannot wait on the rdma marks (%s): from now on the host flushes "
-                               "the adapter's writes after each round's headers (slower: a host call per round)",
-                               self.name, exc)
+            self._stream_waits = False
+            logger.warning("%s: the GPU stream cannot wait on the rdma marks (%s): from now on the host flushes the "
+                           "adapter's writes after each round's headers (slower: a host call per round)", self.name, why)
         link.settle()

@@ -641,6 +641,12 @@ def test_a_stream_waits_on_the_marks_of_a_gpu_region_with_the_flush_its_device_n
         assert stand_in_cuda.stand_in_last_wait_flags() == flags
         assert stand_in_cuda.stand_in_flushes() == flushes + host_flushes
         assert stand_in_cuda.stand_in_contexts_current() == 0
+        # 300 words on torch's default stream (the NULL one): two calls, as a batch takes fewer than 256
+        waits, batches = stand_in_cuda.stand_in_waits(), stand_in_cuda.stand_in_batches()
+        spokes[0].hold_stream(0, 0, [base + 4 * i for i in range(300)], [0] * 300)
+        assert stand_in_cuda.stand_in_waits() == waits + 300 and stand_in_cuda.stand_in_batches() == batches + 2
+        with pytest.raises(ValueError, match="do not lie in one region of GPU 0 exposed"):
+            spokes[0].hold_stream(0, 0, [base + 8190], [1])  # its 4 bytes run past the region
     finally:
         stand_in_cuda.stand_in_set_rdma_ordering(100, 1)
         stand_in_cuda.stand_in_set_can_flush_remote_writes(0)

@@ -35,6 +35,7 @@ int flush_options = 1;      // cuFlushGPUDirectRDMAWrites supported
 int flushes = 0;
 int can_flush_remote_writes = 0;  // CU_STREAM_WAIT_VALUE_FLUSH supported
 int waits = 0, waits_met = 0;     // stream waits enqueued; those whose word already held its value
+int batches = 0;                  // cuStreamBatchMemOp calls
 unsigned last_wait_flags = 0;
 int primary = 0;                 // the device's primary context (its address is the handle)
 std::vector<void*> current;      // the calling thread's context stack (one thread in the tests)
@@ -114,7 +115,8 @@ struct WaitValueParams {
 static_assert(sizeof(WaitValueParams) == 48, "CUstreamBatchMemOpParams is 48 bytes");
 
 int cuStreamBatchMemOp_v2(void* stream, unsigned count, const WaitValueParams* params, unsigned flags) {
-  if (!stream || flags != 0 || count == 0 || count > 256) return kInvalidValue;
+  // Any stream, the NULL one (torch's default stream) included; fewer than 256 operations.
+  if (flags != 0 || count == 0 || count >= 256) return kInvalidValue;
   if (current.empty() || current.back() != &primary) return kInvalidContext;  // the stream's context
   for (unsigned i = 0; i < count; ++i) {
     const WaitValueParams& p = params[i];
@@ -130,6 +132,7 @@ int cuStreamBatchMemOp_v2(void* stream, unsigned count, const WaitValueParams* p
     waits_met += word == static_cast<uint32_t>(p.value);
     last_wait_flags = p.flags;
   }
+  batches += 1;
   return kSuccess;
 }
 
@@ -170,6 +173,7 @@ int stand_in_flushes() { return flushes; }
 void stand_in_set_can_flush_remote_writes(int on) { can_flush_remote_writes = on; }
 int stand_in_waits() { return waits; }
 int stand_in_waits_met() { return waits_met; }
+int stand_in_batches() { return batches; }
 unsigned stand_in_last_wait_flags() { return last_wait_flags; }
 int stand_in_contexts_current() { return static_cast<int>(current.size()); }
 void stand_in_last_export(uint64_t* start, size_t* span) {
