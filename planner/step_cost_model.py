@@ -150,22 +150,29 @@ class ColocatedStepModel:
             work = group.attention
             attention = ops.attention_decode(work.decode_seqs, work.decode_context) + sum(
                 ops.attention_prefill(n, p) for n, p in work.prefill_chunks)
+            layer_gpu = group.moe_layers * ops.dense(group.tokens) + group.layers * attention
             by_op["dense"] += group.moe_layers * ops.dense(group.tokens)
             if group.dense_layers:
                 by_op["dense"] += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
+                layer_gpu += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
             by_op["attention"] += group.layers * attention
             by_op["allreduce"] += group.layers * 2 * ops.allreduce(group.tokens)  # attention's, and the FFN's
-            if work.prefill_chunks:  # prompt tokens: these layers launch eagerly, not as a graph
-                by_op["eager"] += group.layers * self.curves.eager_layer_s
+            layer_gpu += group.layers * 2 * ops.allreduce(group.tokens)
             active = group.active_experts
-            if group.moe_layers == 0:
-                continue
-            if isinstance(active, (int, np.integer)):
-                by_op["moe"] += group.moe_layers * ops.moe(group.tokens, int(active))
+            if group.moe_layers and isinstance(active, (int, np.integer)):
+                moe = group.moe_layers * ops.moe(group.tokens, int(active))
                 expert_bytes += group.moe_layers * int(active) * self.expert_bytes_each
-            else:
-                by_op["moe"] += ops.moe(group.tokens, active)
+            elif group.moe_layers:
+                moe = ops.moe(group.tokens, active)
                 expert_bytes += float(active.sum()) * self.expert_bytes_each
+            else:
+                moe = 0.0
+            by_op["moe"] += moe
+            if work.prefill_chunks:  # prompt tokens: these layers launch eagerly, not as a graph
+                # The host issues a layer's kernels while the GPU runs the ones before: only a
+                # layer whose kernels take less than their launching leaves the GPU waiting.
+                per_layer = (layer_gpu + moe) / group.layers
+                by_op["eager"] += group.layers * max(0.0, self.curves.eager_layer_s - per_layer)
         by_op["lm_head"] = ops.lm_head(sampled)
         by_op["sampling"] = ops.sampling(sampled)
         by_op["step_overhead"] = ops.step_overhead(seqs)
