@@ -150,14 +150,10 @@ class ColocatedStepModel:
             work = group.attention
             attention = ops.attention_decode(work.decode_seqs, work.decode_context) + sum(
                 ops.attention_prefill(n, p) for n, p in work.prefill_chunks)
-            layer_gpu = group.moe_layers * ops.dense(group.tokens) + group.layers * attention
-            by_op["dense"] += group.moe_layers * ops.dense(group.tokens)
+            dense = group.moe_layers * ops.dense(group.tokens)
             if group.dense_layers:
-                by_op["dense"] += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
-                layer_gpu += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
-            by_op["attention"] += group.layers * attention
-            by_op["allreduce"] += group.layers * 2 * ops.allreduce(group.tokens)  # attention's, and the FFN's
-            layer_gpu += group.layers * 2 * ops.allreduce(group.tokens)
+                dense += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
+            allreduce = group.layers * 2 * ops.allreduce(group.tokens)  # attention's, and the FFN's
             active = group.active_experts
             if group.moe_layers and isinstance(active, (int, np.integer)):
                 moe = group.moe_layers * ops.moe(group.tokens, int(active))
@@ -167,11 +163,14 @@ class ColocatedStepModel:
                 expert_bytes += float(active.sum()) * self.expert_bytes_each
             else:
                 moe = 0.0
+            by_op["dense"] += dense
+            by_op["attention"] += group.layers * attention
+            by_op["allreduce"] += allreduce
             by_op["moe"] += moe
             if work.prefill_chunks:  # prompt tokens: these layers launch eagerly, not as a graph
                 # The host issues a layer's kernels while the GPU runs the ones before: only a
                 # layer whose kernels take less than their launching leaves the GPU waiting.
-                per_layer = (layer_gpu + moe) / group.layers
+                per_layer = (dense + group.layers * attention + allreduce + moe) / group.layers
                 by_op["eager"] += group.layers * max(0.0, self.curves.eager_layer_s - per_layer)
         by_op["lm_head"] = ops.lm_head(sampled)
         by_op["sampling"] = ops.sampling(sampled)

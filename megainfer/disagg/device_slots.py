@@ -76,6 +76,8 @@ logger = logging.getLogger(__name__)
 OFFER = 2  # header flag of the offers' round (expert_link.BUSY is 1)
 SHM_DIR = "/dev/shm"
 LOCAL, RDMA, HOST = "local", "rdma", "host"  # a pair's path (SlotOffer.path_with)
+
+
 def _grant_fields(value) -> tuple:
     """An offer's grant as it came: a list of plain scalars, or empty (the link checks the
     values when it aims at them)."""
@@ -233,7 +235,7 @@ def link_post(slots: "DeviceSlots", micro_batch: int, begins: np.ndarray, ends: 
             i = int(np.flatnonzero(over)[0])
             raise DataPlaneError(f"{slots.name}: {ends[i] - begins[i]} bytes for {slots.peers[i]} exceed its device "
                                  f"slot of {slots.rdma_row_bytes[i]} bytes")
-        targets, mark = slots.rdma_targets[micro_batch], int(round_mark(step, layer))
+        targets, mark = slots.rdma_targets[micro_batch], round_mark(step, layer)
     if slots.local.any():  # none across hosts: the ranges as they are
         begins, ends = np.where(slots.local, 0, begins), np.where(slots.local, 0, ends)
     return begins, ends, targets, mark

@@ -32,9 +32,9 @@ def round_mark(step, layer):
     """The word a round's rdma writes leave before each row's bytes, and the one its receiver's
     stream waits for: never 0 (no mark; a fresh region's rows), 32 bits, and different for the
     consecutive rounds one row takes (one micro-batch's successive (step, layer)). Works on
-    ints and on numpy arrays alike."""
-    return ((np.asarray(step, dtype=np.uint64) << np.uint64(16)) | np.asarray(layer, dtype=np.uint64)) \
-        % np.uint64(0xFFFFFFFF) + np.uint64(1)
+    ints (a post's, in plain Python: once per round) and on int64 arrays (a round's header
+    fields: a step is 32 bits, so step << 16 stays inside 64)."""
+    return ((step << 16) | layer) % 0xFFFFFFFF + 1
 
 
 def payload_offset(micro_batch, row, peers: int, region_bytes: int):
