@@ -24,6 +24,8 @@ import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from transport.errors import BackendUnavailable
 
 __all__ = ["CudaDriver", "MarkWait", "dmabuf_span"]
@@ -50,6 +52,15 @@ class _WaitValueParams(ctypes.Structure):
 
     _fields_ = [("operation", ctypes.c_uint), ("address", ctypes.c_uint64), ("value", ctypes.c_uint64),
                 ("flags", ctypes.c_uint), ("alias", ctypes.c_uint64), ("pad", ctypes.c_uint64)]
+
+
+# The same layout as a numpy record: a round's waits are filled column by column (about 5 us for
+# 32 words, where setting each structure's fields from Python took 10).
+_WAIT_VALUE_RECORD = np.dtype({
+    "names": [name for name, _ in _WaitValueParams._fields_],
+    "formats": [np.uint32 if kind is ctypes.c_uint else np.uint64 for _, kind in _WaitValueParams._fields_],
+    "offsets": [getattr(_WaitValueParams, name).offset for name, _ in _WaitValueParams._fields_],
+    "itemsize": ctypes.sizeof(_WaitValueParams)})
 
 
 @dataclass(frozen=True)
@@ -147,16 +158,17 @@ class CudaDriver:
         primary context current."""
         if len(addresses) != len(values):
             raise ValueError(f"wait_values: {len(addresses)} addresses and {len(values)} values")
-        params = (_WaitValueParams * len(addresses))()
-        for param, address, value in zip(params, addresses, values):
-            param.operation, param.address, param.value, param.flags = (CU_STREAM_MEM_OP_WAIT_VALUE_32, address,
-                                                                         value & 0xFFFFFFFF, flags)
+        params = np.zeros(len(addresses), _WAIT_VALUE_RECORD)
+        params["operation"] = CU_STREAM_MEM_OP_WAIT_VALUE_32
+        params["address"] = addresses
+        params["value"] = np.asarray(values, dtype=np.int64) & 0xFFFFFFFF
+        params["flags"] = flags
+        first = params.ctypes.data
         with self._primary(ordinal):
             for begin in range(0, len(addresses), MAX_BATCH):
                 count = min(MAX_BATCH, len(addresses) - begin)
                 self._call("cuStreamBatchMemOp", self.lib.cuStreamBatchMemOp_v2, stream, count,
-                           ctypes.cast(ctypes.byref(params, begin * ctypes.sizeof(_WaitValueParams)),
-                                       ctypes.POINTER(_WaitValueParams)), 0)
+                           ctypes.cast(first + begin * params.itemsize, ctypes.POINTER(_WaitValueParams)), 0)
 
     def flush_rdma_writes(self, ordinal: int) -> None:
         """Blocks until the adapter's writes into GPU `ordinal`'s memory are visible to its
