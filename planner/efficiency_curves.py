@@ -30,7 +30,7 @@ DEFAULT_CURVES = Path(__file__).with_name("efficiency_curves.yaml")
 
 
 # Fields a curves entry may leave out (0: the term is off), added since the first fits.
-OPTIONAL_FIELDS = ("moe_width_half", "eager_layer_s", "moe_quantized_flops_half", "moe_quantized_bandwidth",
+OPTIONAL_FIELDS = ("moe_width_half", "layer_host_s", "moe_quantized_flops_half", "moe_quantized_bandwidth",
                    "moe_overlap", "request_latency_s")
 
 
@@ -73,11 +73,13 @@ class EfficiencyCurves:
     # one rank: 384 for Qwen3-30B-A3B at TP 2, 1,440 for gpt-oss-120b): x / (x + this). 0: no
     # width term (what a fit to one model cannot pin down; validation.py fits it across models).
     moe_width_half: float = 0.0
-    # A layer that carries prompt tokens runs eagerly, each kernel launched from the host; a
-    # decode-only layer replays a CUDA graph (the layered-prefill paper's engine and vLLM alike
-    # capture decode only). Seconds per such layer and step, on top of the kernels' own: what
-    # makes a chunked step (every layer eager) dearer than a layered one (one group eager).
-    eager_layer_s: float = 0.0
+    # The host's time to issue one layer of a step. The layered-prefill paper's engine replays
+    # each layer as captured graph pieces and calls its attention eagerly in between (a compiled
+    # function's guards, FlashAttention's own launches); a layer too large for its graphs is
+    # launched kernel by kernel. The host issues layers while the GPU runs the ones before, so
+    # a step's layers take max(their kernels, layers x this): decode steps of small batches,
+    # whose layers finish in less, wait for the host. 0: the host always keeps ahead.
+    layer_host_s: float = 0.0
     # Experts stored in 4 bits (MXFP4) run a different kernel: weights dequantized in registers
     # (W4A16, Marlin-style), memory-bound to more tokens per expert than the bf16 grouped GEMM.
     # Its FLOP curve's half-saturation in tokens per expert (the peak is the bf16 one's); 0: as bf16.
@@ -123,6 +125,10 @@ class EfficiencyCurves:
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "EfficiencyCurves":
         names = {f.name for f in dataclasses.fields(cls)}
+        if "eager_layer_s" in data:  # a curves file written before session 23
+            raise PlanError(f"{where}: eager_layer_s is no longer a curves field: the host's time to issue every "
+                            "layer is layer_host_s (docs/performance-model.md); delete the line, or write the file "
+                            "again with `megainfer simulate --validate --write-curves PATH`")
         unknown = sorted(set(data) - names)
         if unknown:
             raise PlanError(f"{where}: unknown field {unknown[0]!r}; fields: {', '.join(sorted(names))}")

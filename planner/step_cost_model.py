@@ -141,9 +141,10 @@ class ColocatedStepModel:
     def step(self, layer_classes: list[LayerClass], *, sampled: int, seqs: int) -> StepCost:
         """A step of `seqs` scheduled sequences, `sampled` of which sample a token."""
         ops = self.ops
-        by_op = dict.fromkeys(("dense", "attention", "moe", "allreduce", "lm_head", "sampling", "eager",
+        by_op = dict.fromkeys(("dense", "attention", "moe", "allreduce", "lm_head", "sampling", "host",
                                "step_overhead"), 0.0)
         expert_bytes = 0.0
+        layers_run = 0
         for group in layer_classes:  # layers that see the same work
             if group.layers == 0 or group.tokens == 0:
                 continue  # layers no token passes this step (layered prefill with no decodes)
@@ -167,16 +168,16 @@ class ColocatedStepModel:
             by_op["attention"] += group.layers * attention
             by_op["allreduce"] += allreduce
             by_op["moe"] += moe
-            if work.prefill_chunks:  # prompt tokens: these layers launch eagerly, not as a graph
-                # The host issues a layer's kernels while the GPU runs the ones before: only a
-                # layer whose kernels take less than their launching leaves the GPU waiting.
-                per_layer = (dense + group.layers * attention + allreduce + moe) / group.layers
-                by_op["eager"] += group.layers * max(0.0, self.curves.eager_layer_s - per_layer)
+            layers_run += group.layers
+        # The host issues the layers while the GPU runs the ones before: the GPU waits only where
+        # the layers' kernels take less than their issuing (small decode batches).
+        kernels = by_op["dense"] + by_op["attention"] + by_op["allreduce"] + by_op["moe"]
+        by_op["host"] = max(0.0, layers_run * self.curves.layer_host_s - kernels)
         by_op["lm_head"] = ops.lm_head(sampled)
         by_op["sampling"] = ops.sampling(sampled)
         by_op["step_overhead"] = ops.step_overhead(seqs)
         seconds = sum(by_op.values())
-        busy = seconds - by_op["step_overhead"] - by_op["eager"]  # kernels at work: power beyond idle
+        busy = seconds - by_op["step_overhead"] - by_op["host"]  # kernels at work: power beyond idle
         energy = self.idle_w * seconds + (self.power_w - self.idle_w) * busy
         return StepCost(seconds, expert_bytes, energy, by_op)
 

@@ -54,31 +54,47 @@ def test_mxfp4_experts_read_a_quarter_of_the_bytes_and_leave_room_for_kv():
     assert fp4.ops.moe(64, decode[0]) < 0.9 * bf16.ops.moe(64, decode[0])
 
 
-def test_layers_carrying_prompt_tokens_pay_the_eager_launches_and_decode_only_layers_do_not():
+def test_a_step_takes_the_longer_of_its_layers_kernels_and_the_hosts_issuing_of_them():
     from planner.step_cost_model import AttentionWork, LayerClass
     model = PRESETS["qwen3-30b-a3b"]
-    curves = EfficiencyCurves.load("H100").with_values(eager_layer_s=50e-6)
+    curves = EfficiencyCurves.load("H100").with_values(layer_host_s=50e-6)
     step = ColocatedStepModel(model, H100, 2, curves=curves)
     decode = AttentionWork(8, 8 * 4000.0)
     chunk = decode + AttentionWork(prefill_chunks=((504, 2000),))
     chunked = step.step([LayerClass(48, 512, chunk, 100)], sampled=8, seqs=9)
-    # 50 us of launching per layer hides behind a 512-token layer's kernels: the GPU never waits.
-    assert chunked.operators["eager"] == 0.0
+    # 50 us of issuing per layer hides behind a 512-token layer's kernels: the GPU never waits.
+    assert chunked.operators["host"] == 0.0
     outside = sum(chunked.operators[k] for k in ("lm_head", "sampling", "step_overhead"))
     layer_s = (chunked.seconds - outside) / 48
     assert 50e-6 < layer_s < 5e-3
-    # 5 ms of launching per layer: the host sets the pace, each layer takes its launching.
-    slow_host = ColocatedStepModel(model, H100, 2, curves=curves.with_values(eager_layer_s=5e-3))
+    # 5 ms per layer: the host sets the pace, the step's layers take 48 of its issuing.
+    slow_host = ColocatedStepModel(model, H100, 2, curves=curves.with_values(layer_host_s=5e-3))
     host_bound = slow_host.step([LayerClass(48, 512, chunk, 100)], sampled=8, seqs=9)
-    assert host_bound.operators["eager"] == pytest.approx(48 * (5e-3 - layer_s))
+    assert host_bound.operators["host"] == pytest.approx(48 * (5e-3 - layer_s))
     assert host_bound.seconds == pytest.approx(48 * 5e-3 + outside)
-    decoding = slow_host.step([LayerClass(48, 8, decode, 40)], sampled=8, seqs=8)
-    assert decoding.operators["eager"] == 0.0  # a CUDA graph's replay
-    # Layered: the cohort's group of 3 layers runs eagerly, the other 45 decode from graphs.
+    # A decode step's layers are issued too (graph pieces and an eager attention call each).
+    decoding = step.step([LayerClass(48, 8, decode, 40)], sampled=8, seqs=8)
+    kernels = sum(decoding.operators[k] for k in ("dense", "attention", "moe", "allreduce"))
+    assert decoding.operators["host"] == pytest.approx(max(0.0, 48 * 50e-6 - kernels))
+    slow_decode = slow_host.step([LayerClass(48, 8, decode, 40)], sampled=8, seqs=8)
+    assert slow_decode.operators["host"] == pytest.approx(48 * 5e-3 - kernels)
+    # Layered: the host issues the cohort's 3 heavy layers and the 45 light ones while the GPU
+    # works through the heavy ones, so only the step's total kernels hide the issuing.
     layered = slow_host.step([LayerClass(3, 8 + 8192, chunk, 128), LayerClass(45, 8, decode, 40)], sampled=8, seqs=9)
-    assert 0.0 < layered.operators["eager"] < 3 * 5e-3  # three layers, each with kernels of its own to hide some
-    with pytest.raises(Exception, match="eager_layer_s"):
-        EfficiencyCurves.from_dict({**_curve_fields(), "eager_layer_s": -1}, "test")
+    layered_kernels = sum(layered.operators[k] for k in ("dense", "attention", "moe", "allreduce"))
+    assert layered.operators["host"] == pytest.approx(max(0.0, 48 * 5e-3 - layered_kernels))
+    # Layers no token passes are not issued.
+    lone = slow_host.step([LayerClass(3, 8192, AttentionWork(prefill_chunks=((8192, 0),)), 128),
+                           LayerClass(45, 0, AttentionWork(), 0)], sampled=0, seqs=1)
+    lone_kernels = sum(lone.operators[k] for k in ("dense", "attention", "moe", "allreduce"))
+    assert lone.operators["host"] == pytest.approx(max(0.0, 3 * 5e-3 - lone_kernels))
+    # Power beyond idle counts only kernels at work, not the GPU's waiting for the host.
+    assert slow_decode.energy_j < slow_host.power_w * slow_decode.seconds
+    with pytest.raises(Exception, match="layer_host_s"):
+        EfficiencyCurves.from_dict({**_curve_fields(), "layer_host_s": -1}, "test")
+    # A file written before the term was replaced says what to do, not just "unknown field".
+    with pytest.raises(Exception, match="eager_layer_s is no longer a curves field.*layer_host_s.*--write-curves"):
+        EfficiencyCurves.from_dict({**_curve_fields(), "eager_layer_s": 1e-5}, "test")
 
 
 def _curve_fields() -> dict:
@@ -230,7 +246,7 @@ def test_the_leave_one_out_report_runs_end_to_end_on_a_subset(tmp_path):
     path = tmp_path / "curves.yaml"
     write_fitted_curves(report, argparse.Namespace(curves=None, write_curves=str(path), fit_steps=1))
     loaded = EfficiencyCurves.load("H100", path)
-    for name in ("moe_overlap", "eager_layer_s", "moe_quantized_flops_half", "moe_width_half"):
+    for name in ("moe_overlap", "layer_host_s", "moe_quantized_flops_half", "moe_width_half"):
         assert getattr(loaded, name) == pytest.approx(getattr(report.fitted_curves, name), rel=1e-3), name
     assert "published H100 rows" in loaded.source
     assert set(report.as_dict()) >= {"rows", "mean_abs_error", "directions", "saturated", "bars"}

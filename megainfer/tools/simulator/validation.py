@@ -61,8 +61,8 @@ HALVINGS = 2  # a step that raises the squared error is halved up to this many t
 # no harder than its one realisation deserves.
 MODEL_SIGMA = 0.10
 # curve_fit's parameters and the terms only several models, TP degrees and policies pin down:
-# the expert GEMMs' width, a TP all-reduce's latency (TP 2 and 8), a layer's eager launches
-# (chunked steps run every layer eagerly, layered ones one group), the 4-bit experts' kernel,
+# the expert GEMMs' width, a TP all-reduce's latency (TP 2 and 8), the host's time to issue a
+# layer (it bounds the small decode steps of models of 24 to 94 layers), the 4-bit experts' kernel,
 # how far the expert GEMMs' weight streaming and MMAs overlap, decode attention's achieved
 # bandwidth reading the paged KV cache (contexts from 2,000 to 20,000 tokens across the rows), and
 # the 4-bit kernel's weight streaming against the bf16 one's (gpt-oss-120b at TP 2 and 8), and the
@@ -72,12 +72,12 @@ MODEL_SIGMA = 0.10
 # per step, as it was over Qwen3-30B's rows alone).
 PARAMETERS = FITTED + (
     FitParameter("moe_width_half", 1.0, 16384.0), FitParameter("allreduce_latency_s", 1e-6, 1e-4),
-    FitParameter("eager_layer_s", 1e-7, 1e-3), FitParameter("moe_quantized_flops_half", 0.01, 4096.0),
+    FitParameter("layer_host_s", 1e-6, 1e-3), FitParameter("moe_quantized_flops_half", 0.01, 4096.0),
     FitParameter("moe_overlap", 1.0, 64.0), FitParameter("attention.bandwidth.peak", 0.01, 1.0),
     FitParameter("moe_quantized_bandwidth", 0.05, 1.5), FitParameter("request_latency_s", 1e-4, 0.5),
     FitParameter("launch_s", 1e-7, 2e-5))
 WIDTH_START = 512.0  # where the width term starts (tokens of expert width at half efficiency)
-EAGER_START = 30e-6  # where the eager term starts: ~8 kernel launches of a few microseconds
+LAYER_HOST_START = 100e-6  # where the host's layer starts: a few graph replays and an eager attention call
 OVERLAP_START = 4.0  # where the expert GEMMs' p-norm starts: within 19% of the max where both times are equal
 REQUEST_LATENCY_START = 0.01  # where the request's way starts: an HTTP round trip and a tokenisation
 
@@ -85,11 +85,11 @@ REQUEST_LATENCY_START = 0.01  # where the request's way starts: an HTTP round tr
 def with_width(curves: EfficiencyCurves, reference_width: float = 384.0) -> EfficiencyCurves:
     """`curves` with the width term at WIDTH_START where it has none, the expert FLOP peak raised
     so that an expert of `reference_width` (Qwen3-30B-A3B at TP 2, what the curves were fitted on)
-    is priced as before, the eager term at EAGER_START where it has none (log space needs a
-    start above 0), the 4-bit experts' kernel (FLOP curve and weight streaming) as the bf16 one and
+    is priced as before, the host's layer at LAYER_HOST_START where it has none (log space needs
+    a start above 0), the 4-bit experts' kernel (FLOP curve and weight streaming) as the bf16 one and
     the request's way at REQUEST_LATENCY_START."""
-    if not curves.eager_layer_s:
-        curves = curves.with_values(eager_layer_s=EAGER_START)
+    if not curves.layer_host_s:
+        curves = curves.with_values(layer_host_s=LAYER_HOST_START)
     if not curves.moe_quantized_flops_half:  # the 4-bit kernel starts as the bf16 one
         curves = curves.with_values(moe_quantized_flops_half=curves.moe.flops.half)
     if not curves.moe_overlap:  # the expert GEMMs start near the roofline's max
