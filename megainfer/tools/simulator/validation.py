@@ -62,8 +62,9 @@ HALVINGS = 2  # a step that raises the squared error is halved up to this many t
 MODEL_SIGMA = 0.10
 # curve_fit's parameters and the terms only several models, TP degrees and policies pin down:
 # the expert GEMMs' width, a TP all-reduce's latency (TP 2 and 8), the host's time to issue a
-# layer (it bounds the small decode steps of models of 24 to 94 layers), the 4-bit experts' kernel,
-# how far the expert GEMMs' weight streaming and MMAs overlap, decode attention's achieved
+# layer (fitted with the rest, though every published row's layers take longer, so the ridge
+# holds it at its start: it binds small decode steps the rows do not reach), the 4-bit
+# experts' kernel, how far the expert GEMMs' weight streaming and MMAs overlap, decode attention's achieved
 # bandwidth reading the paged KV cache (contexts from 2,000 to 20,000 tokens across the rows), and
 # the 4-bit kernel's weight streaming against the bf16 one's (gpt-oss-120b at TP 2 and 8), and the
 # request's way outside the engine that every client-measured TTFT carries (short prompts at low
