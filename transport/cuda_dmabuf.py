@@ -63,6 +63,17 @@ _WAIT_VALUE_RECORD = np.dtype({
     "itemsize": ctypes.sizeof(_WaitValueParams)})
 
 
+def wait_value_params(addresses: Sequence[int], values: Sequence[int], flags: int) -> np.ndarray:
+    """The waits of wait_values as the driver reads them: one CUstreamBatchMemOpParams
+    (WAIT_VALUE_32) per word, each value wrapped to its low 32 bits."""
+    params = np.zeros(len(addresses), _WAIT_VALUE_RECORD)
+    params["operation"] = CU_STREAM_MEM_OP_WAIT_VALUE_32
+    params["address"] = addresses
+    params["value"] = np.asarray(values, dtype=np.int64) & 0xFFFFFFFF
+    params["flags"] = flags
+    return params
+
+
 @dataclass(frozen=True)
 class MarkWait:
     """How a GPU's stream waits for a word an adapter wrote after a payload, so that its later
@@ -158,11 +169,7 @@ class CudaDriver:
         primary context current."""
         if len(addresses) != len(values):
             raise ValueError(f"wait_values: {len(addresses)} addresses and {len(values)} values")
-        params = np.zeros(len(addresses), _WAIT_VALUE_RECORD)
-        params["operation"] = CU_STREAM_MEM_OP_WAIT_VALUE_32
-        params["address"] = addresses
-        params["value"] = np.asarray(values, dtype=np.int64) & 0xFFFFFFFF
-        params["flags"] = flags
+        params = wait_value_params(addresses, values, flags)
         first = params.ctypes.data
         with self._primary(ordinal):
             for begin in range(0, len(addresses), MAX_BATCH):

@@ -616,19 +616,18 @@ def test_a_gpu_that_does_not_order_rdma_writes_flushes_them_at_settle_or_is_refu
 
 
 def test_the_waits_numpy_record_is_byte_for_byte_the_drivers_structure():
-    """wait_values fills the waits as a numpy record; the driver reads CUstreamBatchMemOpParams
-    (48 bytes each): the two layouts agree on every byte, wide addresses and wrapped values too."""
-    from transport.cuda_dmabuf import _WAIT_VALUE_RECORD, CU_STREAM_MEM_OP_WAIT_VALUE_32, _WaitValueParams
+    """wait_values hands the driver a numpy record (wait_value_params); the driver reads
+    CUstreamBatchMemOpParams (48 bytes each): the two agree on every byte, wide addresses and
+    wrapped values too."""
+    from transport.cuda_dmabuf import CU_STREAM_MEM_OP_WAIT_VALUE_32, _WaitValueParams, wait_value_params
     addresses = [0xFF7F_0000_0000 + 4096 * i for i in range(40)]
     values, flags = [1, -1, 2**32 + 5] + [7] * 37, 1 | 1 << 30
     structs = (_WaitValueParams * 40)()
     for param, address, value in zip(structs, addresses, values):
         param.operation, param.address, param.value, param.flags = (CU_STREAM_MEM_OP_WAIT_VALUE_32, address,
                                                                      value & 0xFFFFFFFF, flags)
-    record = np.zeros(40, _WAIT_VALUE_RECORD)
-    record["operation"], record["address"], record["flags"] = CU_STREAM_MEM_OP_WAIT_VALUE_32, addresses, flags
-    record["value"] = np.asarray(values, dtype=np.int64) & 0xFFFFFFFF
-    assert _WAIT_VALUE_RECORD.itemsize == ctypes.sizeof(_WaitValueParams) == 48
+    record = wait_value_params(addresses, values, flags)
+    assert record.itemsize == ctypes.sizeof(_WaitValueParams) == 48
     assert record.tobytes() == bytes(structs)
 
 
