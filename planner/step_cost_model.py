@@ -151,24 +151,21 @@ class ColocatedStepModel:
             work = group.attention
             attention = ops.attention_decode(work.decode_seqs, work.decode_context) + sum(
                 ops.attention_prefill(n, p) for n, p in work.prefill_chunks)
-            dense = group.moe_layers * ops.dense(group.tokens)
-            if group.dense_layers:
-                dense += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
-            allreduce = group.layers * 2 * ops.allreduce(group.tokens)  # attention's, and the FFN's
-            active = group.active_experts
-            if group.moe_layers and isinstance(active, (int, np.integer)):
-                moe = group.moe_layers * ops.moe(group.tokens, int(active))
-                expert_bytes += group.moe_layers * int(active) * self.expert_bytes_each
-            elif group.moe_layers:
-                moe = ops.moe(group.tokens, active)
-                expert_bytes += float(active.sum()) * self.expert_bytes_each
-            else:
-                moe = 0.0
-            by_op["dense"] += dense
-            by_op["attention"] += group.layers * attention
-            by_op["allreduce"] += allreduce
-            by_op["moe"] += moe
             layers_run += group.layers
+            by_op["attention"] += group.layers * attention
+            by_op["dense"] += group.moe_layers * ops.dense(group.tokens)
+            if group.dense_layers:
+                by_op["dense"] += group.dense_layers * ops.dense(group.tokens, moe_layer=False)
+            by_op["allreduce"] += group.layers * 2 * ops.allreduce(group.tokens)  # attention's, and the FFN's
+            if group.moe_layers == 0:
+                continue
+            active = group.active_experts
+            if isinstance(active, (int, np.integer)):
+                by_op["moe"] += group.moe_layers * ops.moe(group.tokens, int(active))
+                expert_bytes += group.moe_layers * int(active) * self.expert_bytes_each
+            else:
+                by_op["moe"] += ops.moe(group.tokens, active)
+                expert_bytes += float(active.sum()) * self.expert_bytes_each
         # The host issues the layers while the GPU runs the ones before: the GPU waits only where
         # the layers' kernels take less than their issuing (small decode batches).
         kernels = by_op["dense"] + by_op["attention"] + by_op["allreduce"] + by_op["moe"]

@@ -54,6 +54,11 @@ def test_mxfp4_experts_read_a_quarter_of_the_bytes_and_leave_room_for_kv():
     assert fp4.ops.moe(64, decode[0]) < 0.9 * bf16.ops.moe(64, decode[0])
 
 
+def _kernels(cost) -> float:
+    """A step's layers' kernel seconds (what hides the host's issuing of them)."""
+    return sum(cost.operators[k] for k in ("dense", "attention", "moe", "allreduce"))
+
+
 def test_a_step_takes_the_longer_of_its_layers_kernels_and_the_hosts_issuing_of_them():
     from planner.step_cost_model import AttentionWork, LayerClass
     model = PRESETS["qwen3-30b-a3b"]
@@ -74,19 +79,19 @@ def test_a_step_takes_the_longer_of_its_layers_kernels_and_the_hosts_issuing_of_
     assert host_bound.seconds == pytest.approx(48 * 5e-3 + outside)
     # A decode step's layers are issued too (graph pieces and an eager attention call each).
     decoding = step.step([LayerClass(48, 8, decode, 40)], sampled=8, seqs=8)
-    kernels = sum(decoding.operators[k] for k in ("dense", "attention", "moe", "allreduce"))
+    kernels = _kernels(decoding)
     assert decoding.operators["host"] == pytest.approx(max(0.0, 48 * 50e-6 - kernels))
     slow_decode = slow_host.step([LayerClass(48, 8, decode, 40)], sampled=8, seqs=8)
     assert slow_decode.operators["host"] == pytest.approx(48 * 5e-3 - kernels)
     # Layered: the host issues the cohort's 3 heavy layers and the 45 light ones while the GPU
     # works through the heavy ones, so only the step's total kernels hide the issuing.
     layered = slow_host.step([LayerClass(3, 8 + 8192, chunk, 128), LayerClass(45, 8, decode, 40)], sampled=8, seqs=9)
-    layered_kernels = sum(layered.operators[k] for k in ("dense", "attention", "moe", "allreduce"))
+    layered_kernels = _kernels(layered)
     assert layered.operators["host"] == pytest.approx(max(0.0, 48 * 5e-3 - layered_kernels))
     # Layers no token passes are not issued.
     lone = slow_host.step([LayerClass(3, 8192, AttentionWork(prefill_chunks=((8192, 0),)), 128),
                            LayerClass(45, 0, AttentionWork(), 0)], sampled=0, seqs=1)
-    lone_kernels = sum(lone.operators[k] for k in ("dense", "attention", "moe", "allreduce"))
+    lone_kernels = _kernels(lone)
     assert lone.operators["host"] == pytest.approx(max(0.0, 3 * 5e-3 - lone_kernels))
     # Power beyond idle counts only kernels at work, not the GPU's waiting for the host.
     assert slow_decode.energy_j < slow_host.power_w * slow_decode.seconds
