@@ -11,19 +11,22 @@ with `experts.rebalance.interval_s` > 0 re-places by itself, and the bench waits
 periodic re-placement instead), and the window is measured again. Every request's tokens are
 compared with the colocated engine's (same prompts, greedy): a re-placement must not change one.
 
-What a request waits for the switch: every delta's arrival is timed, and the longest gap between
-two decode tokens of one request that ended while the switch was under way (from the staging
-done to every node past the agreed step, and a few steps after) is set against the longest such
-gap of the window before, in steps (a step: the window before's seconds over the tokens each
-request gained in it): `switch_added_steps`.
-A switch that held no request back more than one step adds at most 1. The same for the staging
-(`staging_added_steps`), where loading the moved experts shares this machine's two cores with
-the serving nodes. (The gaps of the window before are not all one step: the driver polls the
-nodes' outboxes, so two steps' tokens may arrive in one answer.)
+What a request waits for the switch: every delta is timed as the driver delivers it, and the
+longest wait between two decode tokens of one request while the switch was under way (from the
+staging done to every node past the agreed step, and a few steps after; a wait that began
+before counts from then) is set against the longest such wait of the window before, in steps
+(a step: the window before's seconds over the tokens each request gained in it):
+`switch_added_steps`. The same for the staging (`staging_added_steps`), where loading the moved
+experts shares this machine's two cores with the serving nodes. A switch that held no request
+back more than one step adds at most 1, or 2 where the window before had no delivery that
+brought two steps' tokens at once (the driver polls the nodes' outboxes, so a step's tokens may
+arrive with the next one's).
 """
 
 from __future__ import annotations
 
+import functools
+import queue
 import random
 import threading
 import time
@@ -73,11 +76,12 @@ class SteadyLoad:
         self.rng = random.Random(seed)
         self.prompts: list[list[int]] = []
         self.tokens: list[list[int]] = []
-        self.arrivals: list[list[float]] = []  # perf_counter of each delta with tokens, per request
+        self.arrivals: list[list[float]] = []  # when the driver delivered each delta with tokens, per request
         self.finished: list[bool] = []
         self.errors: list[str] = []
         self.delivered = 0  # tokens so far, every request
         self._stopping = threading.Event()
+        self._woken: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()  # (request, delivered at)
         self._open: dict[int, RequestStream] = dict(self._submit() for _ in range(concurrency))
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -88,36 +92,50 @@ class SteadyLoad:
         self.tokens.append([])
         self.arrivals.append([])
         self.finished.append(False)
-        return i, self.deployment.submit(f"eplb-{i}", self.prompts[i], self.params)
+        stream = self.deployment.submit(f"eplb-{i}", self.prompts[i], self.params)
+        stream.listen(functools.partial(self._delivered, i))
+        return i, stream
+
+    def _delivered(self, i: int) -> None:
+        """The driver's delivering thread, for each delta of request i: when it was delivered. Timed
+        here rather than when the reader gets to the stream, so a gap is the driver's, not the
+        reader's sweep over 24 streams (up to ~0.1 s on two busy cores)."""
+        self._woken.put((i, time.perf_counter()))
 
     def _read(self) -> None:
         while self._open:
-            for i, stream in list(self._open.items()):
-                while (delta := stream.get(0.005)) is not None:
-                    if delta.new_token_ids:
-                        self.arrivals[i].append(time.perf_counter())
-                    self.tokens[i] += delta.new_token_ids
-                    self.delivered += len(delta.new_token_ids)
-                    if delta.finished:
-                        if delta.finish_reason is FinishReason.ERROR:
-                            self.errors.append(f"{stream.request_id}: {delta.error}")
-                        self.finished[i] = True
-                        del self._open[i]
-                        if not self._stopping.is_set():
-                            j, new = self._submit()
-                            self._open[j] = new
-                        break
+            try:
+                i, at = self._woken.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            stream = self._open.get(i)
+            delta = stream.pop() if stream is not None else None
+            if delta is None:  # a delta announced twice (`RequestStream.listen`), or its request done
+                continue
+            if delta.new_token_ids:
+                self.arrivals[i].append(at)
+            self.tokens[i] += delta.new_token_ids
+            self.delivered += len(delta.new_token_ids)
+            if delta.finished:
+                if delta.finish_reason is FinishReason.ERROR:
+                    self.errors.append(f"{stream.request_id}: {delta.error}")
+                self.finished[i] = True
+                del self._open[i]
+                if not self._stopping.is_set():
+                    j, new = self._submit()
+                    self._open[j] = new
 
-    def decode_gaps(self, start: float, end: float) -> np.ndarray:
-        """Seconds between two consecutive token deltas of one request (its first, the prompt's,
-        left out), for every such pair whose later delta arrived in [start, end]."""
-        gaps = []
+    def longest_wait(self, start: float, end: float) -> float:
+        """The longest a request waited within [start, end] between two consecutive token deltas
+        (its first, the prompt's, left out): each gap counted for its part inside the span, so a
+        wait that began before a phase is not laid to it, nor one that ends after it."""
+        longest = 0.0
         for times in self.arrivals:
             t = np.asarray(times[1:])
             if len(t) > 1:
-                later = (t[1:] >= start) & (t[1:] <= end)
-                gaps.append(np.diff(t)[later])
-        return np.concatenate(gaps) if gaps else np.zeros(0)
+                inside = np.minimum(t[1:], end) - np.maximum(t[:-1], start)
+                longest = max(longest, float(inside.max()))
+        return longest
 
     def all_started(self) -> bool:
         return all(self.tokens[i] for i in list(self._open))
@@ -153,12 +171,13 @@ def colocated_tokens(plan: Plan, prompts: list[list[int]], params: SamplingParam
 
 @dataclass
 class SwitchStall:
-    """The longest decode gaps of a re-placement's two phases against the window before's."""
+    """The longest waits for a decode token within a re-placement's two phases against the window
+    before's (`SteadyLoad.longest_wait`: a wait counts for its part inside the phase)."""
 
     step_s: float  # one step in the window before: its seconds over the tokens each request gained
     longest_before_s: float  # the window before: the same load, nothing re-placed
-    longest_staging_s: float  # gaps ending while the moved experts were loaded
-    longest_switch_s: float  # gaps ending from the staging done to a few steps past the switch
+    longest_staging_s: float  # while the moved experts were loaded
+    longest_switch_s: float  # from the staging done to a few steps past the switch
 
     def added_steps(self, longest_s: float) -> float:
         return max(0.0, longest_s - self.longest_before_s) / self.step_s if self.step_s else float("inf")
@@ -174,14 +193,12 @@ class SwitchStall:
     @classmethod
     def of(cls, load: SteadyLoad, before: tuple[float, float], window: Window, started: float,
            report: RebalanceReport, ended: float) -> "SwitchStall":
-        gaps_before = load.decode_gaps(*before)
         # Every running request gains a token a step (a decode load), so a step is the window's time
         # over the tokens one request gained; not a median gap: a poll may bring two steps' tokens.
         step = window.seconds * load.concurrency / window.decode_tokens if window.decode_tokens else 0.0
         switching = ended - report.switch_s
-        return cls(step, float(gaps_before.max(initial=0.0)),
-                   float(load.decode_gaps(started, switching).max(initial=0.0)),
-                   float(load.decode_gaps(switching, ended + SWITCH_TAIL_STEPS * step).max(initial=0.0)))
+        return cls(step, load.longest_wait(*before), load.longest_wait(started, switching),
+                   load.longest_wait(switching, ended + SWITCH_TAIL_STEPS * step))
 
 
 SWITCH_TAIL_STEPS = 3  # the switch's gaps: those ending up to this many steps after every node passed it

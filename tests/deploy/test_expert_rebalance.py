@@ -22,6 +22,7 @@ from megainfer.plan import Plan  # noqa: E402
 pytestmark = pytest.mark.usefixtures("ray_session")  # one Ray session for the module (conftest.py)
 
 SKEWED = "deploy/plans/skewed-cpu.yaml"
+SWITCH_BAR_STEPS = 2.0  # the switch's step, and a delivery that brings two steps' tokens at once
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # tp 2: ~30 s, with -m slow
@@ -50,10 +51,11 @@ def test_a_live_re_placement_evens_out_the_skewed_expert_nodes_and_keeps_every_t
     decode = result.window.decode
     assert decode.shape == (4, 8) and decode[:, :4].sum() > 0.8 * decode.sum()
     # No request waited for the switch more than one step beyond the longest wait of the window
-    # before (half a step more for the delivery: the driver polls the nodes, so a step's tokens
-    # may arrive with the next one's).
+    # before, and one more for the delivery: the driver polls the nodes, so a step's tokens may
+    # arrive with the next one's, which the window before need not have seen (waits timed at the
+    # driver's delivery: its longest is then often exactly one step).
     stall = result.stall
-    assert stall.switch_added_steps <= 1.5, stall
+    assert stall.switch_added_steps <= SWITCH_BAR_STEPS, stall
     assert report.switch_s > 0
 
 
@@ -67,7 +69,7 @@ def test_a_periodic_re_placement_evens_out_the_skewed_expert_nodes_by_itself():
     assert result.periodic and not result.errors and not result.report.error, (result.errors, result.report)
     assert result.before.imbalance > 1.5 and result.after.imbalance <= 1.15, (result.before, result.after)
     assert result.report.switch_step > 0 and result.tokens_equal
-    assert result.stall.switch_added_steps <= 1.5, result.stall
+    assert result.stall.switch_added_steps <= SWITCH_BAR_STEPS, result.stall
 
 
 # -- the protocol, against stand-in ranks ------------------------------------------------------------
