@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -77,24 +76,44 @@ def test_trace_flags_that_cannot_apply_are_refused(tmp_path):
 
 
 def test_trace_requests_leave_at_their_arrivals_with_token_id_prompts(tmp_path, monkeypatch):
+    """Each request leaves at its trace arrival, on a clock the sender's waits advance (a real one
+    would test the event loop's wake-up on a busy machine, not the schedule)."""
+    clock = FakeClock()
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds):
+        await real_sleep(0)  # the requests already sent start first, at the time they left
+        clock.now += seconds
+
     sent: list[tuple[float, object, int]] = []
 
     async def record(inp, session):
-        sent.append((time.perf_counter(), inp.prompt, inp.output_len))
+        sent.append((clock.now, inp.prompt, inp.output_len))
         return RequestOutput(success=True, output_tokens=inp.output_len, prompt_len=inp.prompt_len)
 
     monkeypatch.setitem(serve_bench.REQUEST_FUNCS, "megainfer-grpc", record)
+    monkeypatch.setattr(serve_bench, "time", clock)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
     config = ServeBenchConfig(backend="megainfer-grpc", port=1, ignore_eos=True, disable_tqdm=True,
                               dataset=DatasetSpec("trace", write_trace(tmp_path / "t.jsonl", TRACE), num_prompts=None))
     requests = sample_requests(config.dataset, ByteTokenizer(320), max_model_len=512)
-    start = time.perf_counter()
     outputs, duration = asyncio.run(serve_bench._send(config, requests, None, "m"))
-    offsets = [t - start for t, _, _ in sent]
+    offsets = [t for t, _, _ in sent]
     arrivals = [r.arrival_s for r in requests]
-    assert offsets == sorted(offsets) and len(outputs) == len(requests) and duration >= arrivals[-1]
-    assert all(a <= at < a + 0.08 for at, a in zip(offsets, arrivals)), (offsets, arrivals)
+    assert len(outputs) == len(requests) and duration == pytest.approx(arrivals[-1])
+    assert offsets == pytest.approx(arrivals), (offsets, arrivals)
     assert [p for _, p, _ in sent] == [list(r.prompt_token_ids) for r in requests]
     assert [n for _, _, n in sent] == [r.expected_output_len for r in requests]
+
+
+class FakeClock:
+    """`time` as the sender reads it: `perf_counter` is `now`, which the patched sleep advances."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
 
 
 def test_openai_completions_take_the_trace_prompts_as_token_ids(engine_backend, tmp_path):
