@@ -96,8 +96,9 @@ def test_without_a_recovery_wait_a_request_during_recovery_fails_at_once_with_un
     wait_serving(deployment)
     deployment.frontend.recovery_wait_s = 0.0  # as plan serve.recovery_wait_s: 0 sets it
     try:
-        deployment.group.attention[0].interrupt.remote()  # re-wiring from now on, until the supervisor wires it
-        time.sleep(0.2)
+        # Re-wiring from its return on, until the supervisor (every 0.5 s) wires it again: waited
+        # for, and the request sent at once, so neither a slow actor nor a quick re-wiring races it.
+        ray.get(deployment.group.attention[0].interrupt.remote())
         start = time.monotonic()
         with pytest.raises(DataPlaneError, match="re-wiring"):
             deployment.submit("refused", [1, 2, 3], GREEDY)
