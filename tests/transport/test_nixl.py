@@ -193,7 +193,7 @@ def test_nixl_close_releases_every_write_before_removing_peers_and_memory(monkey
 
 
 def test_nixl_close_with_a_write_stuck_in_flight_keeps_the_agent_whole(monkeypatch, mesh, caplog):
-    monkeypatch.setattr(nixl_writes, "DRAIN_S", 0.2)
+    monkeypatch.setattr(nixl_writes, "DRAIN_S", 1.0)  # long against a busy machine's pauses: two drains are 2 s
     senders, _ = mesh(1, 1, slot_bytes=1 << 20)
     a = senders["a0"]
     agent = a.outbound["e0"].agent
@@ -204,7 +204,7 @@ def test_nixl_close_with_a_write_stuck_in_flight_keeps_the_agent_whole(monkeypat
     a.send("e0", bytes(1 << 19), micro_batch=0)
     start = time.monotonic()
     a.close()
-    assert time.monotonic() - start < 0.6  # one drain of DRAIN_S, not one per channel and another for the agent
+    assert time.monotonic() - start < 1.9  # one drain of DRAIN_S, not one per channel and another for the agent
     assert agent in nixl_agent._ABANDONED and removed == []
     assert agent.writes.in_flight() == 1 and agent.agent is not None
     assert "kept with its" in caplog.text
