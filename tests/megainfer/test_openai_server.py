@@ -353,8 +353,17 @@ def aborted(endpoints: Endpoints) -> float:
         "megainfer:request_success_total", {"model_name": NAMES[0], "finished_reason": FinishReason.ABORT.value})
 
 
-def test_disconnected_clients_free_their_kv_blocks(client, server):
+def test_disconnected_clients_free_their_kv_blocks(client, server, monkeypatch):
     endpoints, backend = server
+    # Steps of at least 20 ms: the 100 tokens take 2 s or more, so the request is still running
+    # when the client has read three chunks, however long the client's thread waits for a core.
+    step = backend.inner.steps.step
+
+    def slow_step():
+        time.sleep(0.02)
+        step()
+
+    monkeypatch.setattr(backend.inner.steps, "step", slow_step)
     body = {"model": NAMES[0], "prompt": PROMPT, "max_tokens": 100, "temperature": 0, "ignore_eos": True}
     before = aborted(endpoints)
     stream = client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=100, temperature=0, stream=True,
