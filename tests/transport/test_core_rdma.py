@@ -292,8 +292,8 @@ def test_a_round_sleeps_on_the_completion_channel_and_wakes_for_a_late_peer(rdma
         spokes[1].send("hub", b"late", micro_batch=0)
 
     thread = threading.Thread(target=late)
+    t0 = time.monotonic()  # before the start: the late write then comes 0.3 s after t0 at the earliest
     thread.start()
-    t0 = time.monotonic()
     with hub.collect_round(names, micro_batch=0, timeout=5) as arrivals:
         waited = time.monotonic() - t0
         assert bytes(arrivals.payload(1)) == b"late"

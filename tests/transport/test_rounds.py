@@ -145,8 +145,8 @@ def test_a_peer_holding_its_slot_delays_the_post_and_past_the_timeout_fails_alon
     held = spokes[0].recv("hub", micro_batch=0)  # s0 holds its only slot
     spokes[1].recv("hub", micro_batch=0).release()
     releaser = threading.Timer(0.2, held.release)
+    t0 = time.monotonic()  # before the start: the release comes 0.2 s after t0 at the earliest
     releaser.start()
-    t0 = time.monotonic()
     hub.post_round(names, data, [0, 8], [8, 16], [2, 2], micro_batch=0)  # waits for s0's release
     assert time.monotonic() - t0 >= 0.15
     releaser.join()
