@@ -160,7 +160,9 @@ def test_metrics_on_the_last_delta_only(engine):
     m = deltas[-1].metrics
     assert (m.prompt_tokens, m.generation_tokens, m.num_preemptions) == (len("metrics") + 1, 5, 0)
     assert m.queued_s >= 0 and m.prefill_s > 0 and m.decode_s > 0
-    assert m.e2e_s == pytest.approx(m.queued_s + m.prefill_s + m.decode_s, abs=0.05)
+    # The rest of e2e is from the last token's time to the delta made from it: never negative,
+    # and short (bounded loosely: a busy machine may pause this thread between the two).
+    assert 0 <= m.e2e_s - (m.queued_s + m.prefill_s + m.decode_s) < 0.5
 
 
 def test_metrics_count_preemptions():
