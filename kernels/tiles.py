@@ -63,6 +63,8 @@ def attention_tiles(head_dim: int, group: int, dtype: torch.dtype, interpreted: 
         rows, block_n, decode_n, warps, stages = 64, 32, 32, 8, 1
     if fused:
         rows, warps = rows // 2, 4
+        if head_dim > 128:  # 256-wide heads: 32-row tiles left 8 bytes of stack on sm_90 with Triton 3.6
+            rows, block_n = MIN_DOT, MIN_DOT
         if arch < 90:  # mma.sync tiles hold more in registers than Hopper's wgmma: narrower K/V tiles
             block_n, decode_n = min(block_n, 32), min(decode_n, 32)
     return AttentionTiles(_tokens(rows, group), block_n, decode_n if dot else 16, dot, warps, stages)
