@@ -206,4 +206,5 @@ def test_tiny_checkpoints_bind_the_clamp(gpt_oss_ref):
         layer.mlp.experts.register_forward_pre_hook(gates)
     with torch.no_grad():
         model(torch.tensor([gpt_oss_ref.prompts[2]]))
-    assert max(float(g.max()) for g in seen) > model.config.swiglu_limit == 7.0
+    # 7.0: gpt-oss's limit (transformers 5.17's GptOssConfig, the GPU machine's, has no swiglu_limit)
+    assert max(float(g.max()) for g in seen) > 7.0
