@@ -201,7 +201,7 @@ class SwitchStall:
                    load.longest_wait(switching, ended + SWITCH_TAIL_STEPS * step))
 
 
-SWITCH_TAIL_STEPS = 3  # the switch's gaps: those ending up to this many steps after every node passed it
+SWITCH_TAIL_STEPS = 3  # the switch's phase: up to this many steps after every node passed it
 
 
 @dataclass
