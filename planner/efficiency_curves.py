@@ -31,7 +31,7 @@ DEFAULT_CURVES = Path(__file__).with_name("efficiency_curves.yaml")
 
 # Fields a curves entry may leave out (0: the term is off), added since the first fits.
 OPTIONAL_FIELDS = ("moe_width_half", "layer_host_s", "moe_quantized_flops_half", "moe_quantized_bandwidth",
-                   "moe_overlap", "request_latency_s")
+                   "moe_overlap", "request_latency_s", "moe_tuned_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,12 @@ class EfficiencyCurves:
     # tokenisation, the hand-over to the engine's process and the first token's way back. Added
     # to every TTFT (not to the time between tokens, which streams); 0: none.
     request_latency_s: float = 0.0
+    # The expert GEMMs' weight streaming where the engine runs tiles tuned for the experts'
+    # shape on that GPU, as a share of what its default tiles achieve (vLLM's fused_moe reads
+    # them from a file named by the experts, their width per rank and the device, and falls back
+    # to small default tiles where it has none: 16 x 32 x 64 with Triton's default stages for
+    # decode-sized calls). Applies to a step model built with `tuned_expert_tiles`; 0: as default.
+    moe_tuned_bandwidth: float = 0.0
 
     @classmethod
     def load(cls, gpu: str, path: str | os.PathLike | None = None) -> "EfficiencyCurves":

@@ -59,9 +59,11 @@ class DevicePeaks:
 class OperatorCosts:
     def __init__(self, model: ModelConfig, tp: int, peaks: DevicePeaks, curves: EfficiencyCurves, *,
                  dtype_bytes: int = 2, profile: OperatorProfile | None = None,
-                 expert_bytes_per_param: float | None = None) -> None:
+                 expert_bytes_per_param: float | None = None, tuned_expert_tiles: bool = False) -> None:
         """`expert_bytes_per_param`: the expert weights' storage where it differs from `dtype_bytes`
-        (MXFP4: 4.25 bits, a serving engine that computes from it directly reads that much)."""
+        (MXFP4: 4.25 bits, a serving engine that computes from it directly reads that much).
+        `tuned_expert_tiles`: the engine runs the expert GEMMs with tiles tuned for this shape
+        and GPU (`EfficiencyCurves.moe_tuned_bandwidth` prices them)."""
         if profile is not None:
             profile.check_applies(model, tp)
         self.model, self.tp, self.peaks, self.curves, self.profile = model, tp, peaks, curves, profile
@@ -93,6 +95,10 @@ class OperatorCosts:
                 flops = type(flops)(flops.peak, curves.moe_quantized_flops_half)
             if curves.moe_quantized_bandwidth:
                 bandwidth = type(bandwidth)(min(1.0, bandwidth.peak * curves.moe_quantized_bandwidth), bandwidth.half)
+            self._moe_curves = type(curves.moe)(flops, bandwidth)
+        if tuned_expert_tiles and curves.moe_tuned_bandwidth:
+            flops, bandwidth = self._moe_curves.flops, self._moe_curves.bandwidth
+            bandwidth = type(bandwidth)(min(1.0, bandwidth.peak * curves.moe_tuned_bandwidth), bandwidth.half)
             self._moe_curves = type(curves.moe)(flops, bandwidth)
         self.token_bytes = m.hidden_size * dtype_bytes
         # Exact-point cache of table lookups: steps repeat the same few shapes.

@@ -91,10 +91,11 @@ class ColocatedStepModel:
     def __init__(self, model: ModelConfig, gpu: GPU | None, tp: int, *, dtype_bytes: int | None = None,
                  curves: EfficiencyCurves | None = None, profile: OperatorProfile | None = None,
                  curves_path: str | None = None, idle_power_fraction: float = IDLE_POWER_FRACTION,
-                 expert_bytes_per_param: float | None = None) -> None:
+                 expert_bytes_per_param: float | None = None, tuned_expert_tiles: bool = False) -> None:
         """`gpu` (the catalog's entry) gives memory, power and the curves' peaks; it may be None
         when a profile is given (a CPU, or a device outside the catalog): the profile's measured
-        peaks and KV capacity stand in, and energy is not estimated."""
+        peaks and KV capacity stand in, and energy is not estimated. `tuned_expert_tiles`: the
+        engine priced runs expert tiles tuned for this shape and GPU (`OperatorCosts`)."""
         if gpu is None and profile is None:
             raise PlanError("a step model needs a GPU from the catalog (--gpu) or an operator profile (--profile)")
         if gpu is not None and (tp < 1 or tp > gpu.gpus_per_node):
@@ -108,7 +109,7 @@ class ColocatedStepModel:
             peaks = DevicePeaks(d.name, d.peak_flops or 1e12, d.peak_bytes_per_s or 1e11, d.peak_bytes_per_s or 1e11)
         self.curves = curves or EfficiencyCurves.load(gpu.name if gpu is not None else "cpu", curves_path)
         self.ops = OperatorCosts(model, tp, peaks, self.curves, dtype_bytes=self.dtype_bytes, profile=profile,
-                                 expert_bytes_per_param=expert_bytes_per_param)
+                                 expert_bytes_per_param=expert_bytes_per_param, tuned_expert_tiles=tuned_expert_tiles)
         # Expert weights as stored (MXFP4 for gpt-oss's published checkpoints, when the engine
         # priced computes from them; megainfer itself dequantizes at load).
         self.expert_bytes_per_param = expert_bytes_per_param or self.dtype_bytes

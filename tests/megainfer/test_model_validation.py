@@ -314,3 +314,38 @@ def test_the_paper_engines_gpt_oss_attends_every_layer_in_full():
     full = predict(row, curves, num_requests=30)
     windowed = predict(dataclasses.replace(row, windowed_attention=True), curves, num_requests=30)
     assert full.tbt_mean_s > windowed.tbt_mean_s  # every layer reads the whole context
+
+
+def test_kv_heads_fewer_than_the_ranks_are_copied_not_split():
+    """Qwen3-235B-A22B has 4 KV heads; at TP 8 (the paper's 8-H100 rows) each rank holds one
+    whole head, two ranks a copy of each, as vLLM runs it: a rank reads and stores as much KV per
+    token as at TP 4, and the instance holds half the tokens that splitting 4 heads 8 ways would."""
+    model = PRESETS["qwen3-235b-a22b"]
+    assert model.num_kv_heads == 4
+    assert [model.kv_shards(tp) for tp in (1, 2, 4, 8)] == [1, 2, 4, 4]
+    assert model.kv_shards(np.array([2, 8])).tolist() == [2, 4]  # the planner's vectorised search
+    assert PRESETS["deepseek-v3"].kv_shards(8) == 1  # MLA: a whole latent on every rank
+    at4, at8 = (ColocatedStepModel(model, H100, tp) for tp in (4, 8))
+    assert at8.ops.kv_bytes_per_token == at4.ops.kv_bytes_per_token
+    one_head = model.kv_cache_layers * model.kv_cache_width // model.num_kv_heads * 2  # bf16, every layer
+    free = 8 * H100.memory_bytes * 0.9 - (model.num_params * 2)
+    assert at8.kv_capacity_tokens() == pytest.approx(free / (8 * one_head), rel=1e-6)
+    # Where the heads divide over the ranks nothing changes: 8 KV heads on 8 ranks, one each.
+    oss = PRESETS["gpt-oss-120b"]
+    assert oss.num_kv_heads == 8 and oss.kv_shards(8) == 8
+
+
+def test_tuned_expert_tiles_stream_weights_faster_only_where_the_engine_has_them():
+    model = PRESETS["qwen3-235b-a22b"]
+    published = EfficiencyCurves.load("H100", "planner/efficiency_curves_published.yaml")
+    tuned = published.with_values(moe_tuned_bandwidth=1.25)
+    decode = np.full(model.num_moe_layers, 100)  # 64 tokens over 100 experts: weight streaming
+    default_tiles = ColocatedStepModel(model, H100, 8, curves=tuned).ops.moe(64, decode)
+    with_tiles = ColocatedStepModel(model, H100, 8, curves=tuned, tuned_expert_tiles=True).ops.moe(64, decode)
+    untuned = ColocatedStepModel(model, H100, 8, curves=published, tuned_expert_tiles=True).ops.moe(64, decode)
+    assert default_tiles == pytest.approx(ColocatedStepModel(model, H100, 8, curves=published).ops.moe(64, decode))
+    assert untuned == pytest.approx(default_tiles)  # an entry without the term: tiles change nothing
+    assert 0.78 * default_tiles < with_tiles < 0.9 * default_tiles
+    # The paper's repository ships tiles for Qwen3-235B at TP 8 on H100 and for no other bf16 row.
+    tuned_rows = {r.label for r in ROWS if r.tuned_expert_tiles}
+    assert tuned_rows == {r.label for r in ROWS if r.model == "qwen3-235b-a22b"} and len(tuned_rows) == 2

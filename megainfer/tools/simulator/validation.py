@@ -70,13 +70,15 @@ MODEL_SIGMA = 0.10
 # request's way outside the engine that every client-measured TTFT carries (short prompts at low
 # load show it: gpt-oss-120b on ShareGPT at 0.2 s), and each kernel's launch inside a step (16 per
 # layer: across models of 24, 36, 48 and 94 layers it is no longer collinear with the fixed cost
-# per step, as it was over Qwen3-30B's rows alone).
+# per step, as it was over Qwen3-30B's rows alone), and the expert GEMMs' weight streaming with
+# tiles tuned for their shape (Qwen3-235B at TP 8, its chunked and layered rows) against the
+# default tiles every other bf16 row ran.
 PARAMETERS = FITTED + (
     FitParameter("moe_width_half", 1.0, 16384.0), FitParameter("allreduce_latency_s", 1e-6, 1e-4),
     FitParameter("layer_host_s", 1e-6, 1e-3), FitParameter("moe_quantized_flops_half", 0.01, 4096.0),
     FitParameter("moe_overlap", 1.0, 64.0), FitParameter("attention.bandwidth.peak", 0.01, 1.0),
     FitParameter("moe_quantized_bandwidth", 0.05, 1.5), FitParameter("request_latency_s", 1e-4, 0.5),
-    FitParameter("launch_s", 1e-7, 2e-5))
+    FitParameter("launch_s", 1e-7, 2e-5), FitParameter("moe_tuned_bandwidth", 0.5, 2.0))
 WIDTH_START = 512.0  # where the width term starts (tokens of expert width at half efficiency)
 LAYER_HOST_START = 100e-6  # where the host's layer starts: a few graph replays and an eager attention call
 OVERLAP_START = 4.0  # where the expert GEMMs' p-norm starts: within 19% of the max where both times are equal
@@ -87,8 +89,8 @@ def with_width(curves: EfficiencyCurves, reference_width: float = 384.0) -> Effi
     """`curves` with the width term at WIDTH_START where it has none, the expert FLOP peak raised
     so that an expert of `reference_width` (Qwen3-30B-A3B at TP 2, what the curves were fitted on)
     is priced as before, the host's layer at LAYER_HOST_START where it has none (log space needs
-    a start above 0), the 4-bit experts' kernel (FLOP curve and weight streaming) as the bf16 one and
-    the request's way at REQUEST_LATENCY_START."""
+    a start above 0), the 4-bit experts' kernel (FLOP curve and weight streaming) as the bf16 one,
+    tuned expert tiles as the default ones and the request's way at REQUEST_LATENCY_START."""
     if not curves.layer_host_s:
         curves = curves.with_values(layer_host_s=LAYER_HOST_START)
     if not curves.moe_quantized_flops_half:  # the 4-bit kernel starts as the bf16 one
@@ -99,6 +101,8 @@ def with_width(curves: EfficiencyCurves, reference_width: float = 384.0) -> Effi
         curves = curves.with_values(moe_quantized_bandwidth=1.0)
     if not curves.request_latency_s:
         curves = curves.with_values(request_latency_s=REQUEST_LATENCY_START)
+    if not curves.moe_tuned_bandwidth:  # tuned tiles start as the default ones
+        curves = curves.with_values(moe_tuned_bandwidth=1.0)
     if curves.moe_width_half:
         return curves
     moe = curves.moe
@@ -155,7 +159,8 @@ def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | Non
         model = dataclasses.replace(model, window_layers=())
     gpu = Catalog.load()[row.gpu]
     step_model = ColocatedStepModel(model, gpu, row.gpus, curves=curves,
-                                    expert_bytes_per_param=row.expert_bytes_per_param)
+                                    expert_bytes_per_param=row.expert_bytes_per_param,
+                                    tuned_expert_tiles=row.tuned_expert_tiles)
     spec = SimulationSpec(model=model, step_model=step_model, workload=row.workload, rate=row.rate or 1.0,
                           num_requests=num_requests or row.num_requests, policies=(row.policy,),
                           chunk_size=row.chunk_size, max_layer_groups=row.max_layer_groups,
