@@ -361,7 +361,8 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     `extra_running` running sequences, by phase, and the serving process's delta handling for the plan's attention
     nodes (megainfer/tools/step_boundary.py); printed as a table, returned for the JSON."""
     from megainfer.tools.launch_count import decode_launches
-    from megainfer.tools.step_boundary import last_step_deltas, measure_boundary, measure_driver
+    from megainfer.tools.step_boundary import (BLOCK_SIZE, context_lengths, last_step_deltas, measure_boundary,
+                                               measure_driver)
 
     model, _ = resolve_model(plan.model)
     sizes = sorted({512, 1024, plan.scheduler.max_num_seqs, *extra_running})
@@ -384,7 +385,9 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
                        f"{plan.attention.nodes} attention nodes" for n, ms in driver_by_running.items())
     driver += " (to their streams, waking each reader; Ray's byte copy of the columns not included)"
     scheduling = "asynchronous" if plan.async_scheduling else "synchronous"
-    print(f"\nstep boundary of one attention rank (decode steps, {BOUNDARY_CONTEXT}-token contexts, m = "
+    lengths = context_lengths(BLOCK_SIZE, BOUNDARY_CONTEXT, BLOCK_SIZE)
+    print(f"\nstep boundary of one attention rank (decode steps, contexts of {min(lengths)} to {max(lengths)} "
+          f"tokens, one in {BLOCK_SIZE} of them taking a new KV block each step, m = "
           f"{scale.micro_batches}, {scheduling} scheduling as the plan sets it, layers skipped; CPU ms per step):")
     print(format_table(["running", "prepare", "sample", "beside layers", "bookkeeping", "deltas out", "total",
                         "experts wait", "us/sequence", "argmax (not in total)"], rows))

@@ -10,6 +10,7 @@ import pytest
 
 from megainfer.plan import Plan
 from megainfer.tools.host_cost import routed_share, scale_of
+from megainfer.tools.step_boundary import context_lengths
 from tests.helpers import ROOT, megainfer
 
 PLAN_235B = ROOT / "deploy" / "plans" / "qwen3-235b-h20-l40s.yaml"
@@ -22,6 +23,15 @@ def test_the_plans_scale_is_read_as_the_host_sees_it():
     # 4 of 128 experts on a node, top-8: 1 - C(124, 8) / C(128, 8) of a rank's tokens reach it.
     assert math.isclose(routed_share(128, 4, 8), 1 - math.comb(124, 8) / math.comb(128, 8))
     assert 20 <= scale.tokens_per_peer <= 40  # ~29 tokens of 8,256-byte records: ~230 KiB per message
+
+
+def test_the_boundarys_sequences_take_new_blocks_a_sixteenth_at_a_time():
+    """As in steady serving, where lengths are spread: each decode step the same share of the
+    running sequences fills its last KV block, not all of them in one step."""
+    lengths = context_lengths(2290, 730, 16)
+    assert len(lengths) == 2290 and abs(sum(lengths) / len(lengths) - 730) < 1
+    crossing = [sum((n + step) % 16 == 0 for n in lengths) for step in range(16)]
+    assert max(crossing) - min(crossing) <= 1 and sum(crossing) == 2290
 
 
 def test_bench_host_measures_both_sides_at_both_sizes(tmp_path):
