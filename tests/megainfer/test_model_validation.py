@@ -338,6 +338,8 @@ def test_kv_heads_fewer_than_the_ranks_are_copied_not_split():
 def test_tuned_expert_tiles_stream_weights_faster_only_where_the_engine_has_them():
     model = PRESETS["qwen3-235b-a22b"]
     published = EfficiencyCurves.load("H100", "planner/efficiency_curves_published.yaml")
+    assert published.moe_tuned_bandwidth > 1  # fitted on the two Qwen3-235B rows
+    published = published.with_values(moe_tuned_bandwidth=0.0)
     tuned = published.with_values(moe_tuned_bandwidth=1.25)
     decode = np.full(model.num_moe_layers, 100)  # 64 tokens over 100 experts: weight streaming
     default_tiles = ColocatedStepModel(model, H100, 8, curves=tuned).ops.moe(64, decode)
