@@ -233,17 +233,10 @@ class ModelConfig:
             self.num_moe_layers * self.top_k * self.expert_params
 
     def kv_shards(self, tp):
-        """Distinct pieces one token's KV is split into at tensor parallelism `tp` (a rank holds
-        one; the rest of the `tp` ranks hold copies): its KV heads split evenly, at most one piece
-        per head, since a rank holds a KV head whole. Past the head count, as vLLM runs
-        Qwen3-235B's 4 KV heads on 8 ranks, each head is copied to tp / heads ranks (megainfer's
-        own attention takes only a tp that divides the heads: `plan.attention_tp_fits`). MLA's
-        latent and rotary key are one vector every query head reads, so each rank holds them
-        whole (vLLM's MLA does; why DeepSeek serves attention data-parallel). `tp` may be a numpy
-        array."""
-        if self.mla:
-            return 1
-        heads = self.num_kv_heads
+        """Pieces one token's KV is split into at tensor parallelism `tp` (an int or a numpy array):
+        its KV heads, each whole on a rank and copied past the head count (vLLM's Qwen3-235B on 8
+        ranks); MLA's latent, read by every head, whole on each rank (DeepSeek's attention is DP)."""
+        heads = 1 if self.mla else self.num_kv_heads
         return (tp + heads - abs(tp - heads)) // 2  # min(tp, heads), for an int or an array alike
 
     def kv_bytes_per_token(self, dtype: str) -> int:
