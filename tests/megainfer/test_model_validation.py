@@ -15,7 +15,8 @@ from megainfer.engine_config import EngineConfig
 from megainfer.presets import PRESETS
 from megainfer.tools.simulator.published_rows import MXFP4_BYTES, ROWS
 from megainfer.tools.simulator.sim import Simulator
-from megainfer.tools.simulator.validation import format_report, predict, validate, with_width
+from megainfer.tools.simulator.validation import (format_report, predict, row_requests, row_spec, validate,
+                                                  with_width)
 from planner.catalog import Catalog
 from planner.efficiency_curves import EfficiencyCurves
 from planner.prediction_error import PredictionError
@@ -351,3 +352,25 @@ def test_tuned_expert_tiles_stream_weights_faster_only_where_the_engine_has_them
     # The paper's repository ships tiles for Qwen3-235B at TP 8 on H100 and for no other bf16 row.
     tuned_rows = {r.label for r in ROWS if r.tuned_expert_tiles}
     assert tuned_rows == {r.label for r in ROWS if r.model == "qwen3-235b-a22b"} and len(tuned_rows) == 2
+
+
+def test_arxiv_rows_send_the_quoted_lengths_in_the_models_own_tokens():
+    """The paper quotes arXiv's lengths in Llama-2 tokens; its driver tokenized each article with
+    the served model's tokenizer, which makes fewer of them (Qwen's 0.944 as many, gpt-oss's
+    0.889). ShareGPT's lengths are sent as quoted, and a lone prompt is its own length."""
+    curves = EfficiencyCurves.load("H100")
+
+    def mean_lengths(row):
+        requests = row_requests(row, row_spec(row, curves, num_requests=400))
+        return np.mean([q.input_len for q in requests]), np.mean([q.output_len for q in requests])
+
+    qwen = next(r for r in ROWS if r.model == "qwen3-30b-a3b" and r.workload == "arxiv" and r.rate)
+    oss = next(r for r in ROWS if r.model == "gpt-oss-120b" and r.workload == "arxiv")
+    as_quoted = mean_lengths(dataclasses.replace(qwen, workload="sharegpt-lp"))
+    assert dataclasses.replace(qwen, workload="sharegpt-lp").length_scale == 1.0
+    (q_in, q_out), (o_in, o_out) = mean_lengths(qwen), mean_lengths(oss)
+    assert q_in == pytest.approx(0.944 * 9194, rel=0.05) and o_in == pytest.approx(0.889 * 9194, rel=0.05)
+    assert q_out == pytest.approx(0.944 * 231, rel=0.05) and o_out == pytest.approx(0.889 * 231, rel=0.05)
+    assert as_quoted[0] == pytest.approx(2340, rel=0.05)
+    single = next(r for r in ROWS if r.prompt_tokens)
+    assert [q.input_len for q in row_requests(single, row_spec(single, curves))] == [8192]

@@ -42,6 +42,16 @@ STAGE_TABLES = {4: ((512, 1), (1024, 2)),
 
 SERVING, OFFLINE, SINGLE_PROMPT = "serving", "offline", "single prompt"
 
+# The paper quotes arXiv's lengths (mean 9,194 prompt and 231 output tokens) in Llama-2 tokens,
+# from its repository's arxiv_summarization_filtered_stats_llama2_tokenizer.csv; its driver sent
+# each article through the served model's own tokenizer. Each model's tokens per Llama-2 token on
+# arXiv-summarization text (lower case, spaced punctuation, @xmath and @xcite placeholders),
+# counted on two articles of its test split (3,639 Llama-2 tokens in all; the articles differ by
+# 0.005 and 0.025): Llama-2's SentencePiece model, Qwen's BPE (qwen.tiktoken, Qwen3's
+# vocabulary, with Qwen2's pre-tokenizer: digits one by one, as Llama-2's) and o200k_base (gpt-oss's
+# o200k_harmony without its special tokens: up to three digits a token).
+ARXIV_TOKENS_PER_LLAMA2 = {"qwen3-30b-a3b": 0.944, "gpt-oss-20b": 0.889, "gpt-oss-120b": 0.889}
+
 
 @dataclass(frozen=True)
 class PublishedRow:
@@ -80,6 +90,15 @@ class PublishedRow:
         """Layered: the stages a cohort takes by its tokens (LayeredSettings.group_table); empty
         when every cohort takes max_layer_groups."""
         return () if self.fixed_stages else STAGE_TABLES[self.max_layer_groups]
+
+    @property
+    def length_scale(self) -> float:
+        """The row's model's tokens per token of its workload's quoted lengths: arXiv's are
+        Llama-2 tokens (ARXIV_TOKENS_PER_LLAMA2); ShareGPT's lengths the driver sends as quoted,
+        and a single prompt is its own length."""
+        if self.workload != "arxiv" or self.kind == SINGLE_PROMPT:
+            return 1.0
+        return ARXIV_TOKENS_PER_LLAMA2[self.model]
 
     @property
     def num_requests(self) -> int:

@@ -140,10 +140,15 @@ class Prediction:
         return {name: values[name] / measured - 1 for name, measured in row.measured.items()}
 
 
-def _requests(row: PublishedRow, spec: SimulationSpec) -> list[SimRequest]:
+def row_requests(row: PublishedRow, spec: SimulationSpec) -> list[SimRequest]:
+    """What `row`'s run sent, in the row's model's tokens (`PublishedRow.length_scale`)."""
     if row.kind == SINGLE_PROMPT:
         return [SimRequest(0.0, row.prompt_tokens, 1)]
     requests = spec.requests()
+    if row.length_scale != 1.0:  # the quoted lengths in the model's own tokens
+        s = row.length_scale
+        requests = [dataclasses.replace(q, input_len=max(1, round(q.input_len * s)),
+                                        output_len=max(1, round(q.output_len * s))) for q in requests]
     if row.kind == OFFLINE:  # every request at once: the instance's peak throughput
         requests = [dataclasses.replace(q, arrival_s=0.0) for q in requests]
     return requests
@@ -154,6 +159,15 @@ def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | Non
     """`row` as `megainfer simulate --exact-rate` runs it with `curves`, as long as the paper's
     run (`row.num_requests`) unless `num_requests` says otherwise. `exact_rate` False: the draw's
     arrivals as drawn, their rate off the row's by the draw's own error, as the paper's run was."""
+    spec = row_spec(row, curves, num_requests, seed, exact_rate)
+    s = spec.run(row_requests(row, spec))[row.policy]
+    return Prediction(s["ttft_mean_s"], s["tbt_mean_s"], s["served_rate"], s["queue_growth"], s["offered_rate"],
+                      s["output_throughput"])
+
+
+def row_spec(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | None = None, seed: int = 0,
+             exact_rate: bool = True) -> SimulationSpec:
+    """The simulation of `row` (`predict`)."""
     model = PRESETS[row.model]
     if not row.windowed_attention and model.window_layers:
         model = dataclasses.replace(model, window_layers=())
@@ -166,9 +180,7 @@ def predict(row: PublishedRow, curves: EfficiencyCurves, num_requests: int | Non
                           chunk_size=row.chunk_size, max_layer_groups=row.max_layer_groups,
                           group_table=row.group_table, fill_cohorts=True,
                           max_num_seqs=row.max_num_seqs, seed=seed, exact_rate=exact_rate)
-    s = spec.run(_requests(row, spec))[row.policy]
-    return Prediction(s["ttft_mean_s"], s["tbt_mean_s"], s["served_rate"], s["queue_growth"], s["offered_rate"],
-                      s["output_throughput"])
+    return spec
 
 
 def residuals(predictions: list[Prediction], rows=ROWS, weights: np.ndarray | None = None) -> np.ndarray:
