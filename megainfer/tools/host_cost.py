@@ -385,7 +385,7 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
                        f"{plan.attention.nodes} attention nodes" for n, ms in driver_by_running.items())
     driver += " (to their streams, waking each reader; Ray's byte copy of the columns not included)"
     scheduling = "asynchronous" if plan.async_scheduling else "synchronous"
-    lengths = context_lengths(BLOCK_SIZE, BOUNDARY_CONTEXT, BLOCK_SIZE)
+    lengths = context_lengths(BLOCK_SIZE, BOUNDARY_CONTEXT, BLOCK_SIZE)  # one of each: the range
     print(f"\nstep boundary of one attention rank (decode steps, contexts of {min(lengths)} to {max(lengths)} "
           f"tokens, one in {BLOCK_SIZE} of them taking a new KV block each step, m = "
           f"{scale.micro_batches}, {scheduling} scheduling as the plan sets it, layers skipped; CPU ms per step):")

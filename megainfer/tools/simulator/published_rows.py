@@ -46,8 +46,8 @@ SERVING, OFFLINE, SINGLE_PROMPT = "serving", "offline", "single prompt"
 # from its repository's arxiv_summarization_filtered_stats_llama2_tokenizer.csv; its driver sent
 # each article through the served model's own tokenizer. Each model's tokens per Llama-2 token on
 # arXiv-summarization text (lower case, spaced punctuation, @xmath and @xcite placeholders),
-# counted on two articles of its test split (3,639 Llama-2 tokens in all; the articles differ by
-# 0.005 and 0.025): Llama-2's SentencePiece model, Qwen's BPE (qwen.tiktoken, Qwen3's
+# counted on two articles of its test split (3,639 Llama-2 tokens in all; the two articles' ratios
+# differ by 0.005 for Qwen, 0.025 for o200k): Llama-2's SentencePiece model, Qwen's BPE (qwen.tiktoken, Qwen3's
 # vocabulary, with Qwen2's pre-tokenizer: digits one by one, as Llama-2's) and o200k_base (gpt-oss's
 # o200k_harmony without its special tokens: up to three digits a token).
 ARXIV_TOKENS_PER_LLAMA2 = {"qwen3-30b-a3b": 0.944, "gpt-oss-20b": 0.889, "gpt-oss-120b": 0.889}
