@@ -57,6 +57,11 @@ class OperatorCurves:
     flops: Saturation
     bandwidth: Saturation
 
+    def with_bandwidth_share(self, share: float) -> "OperatorCurves":
+        """The same curves with the bandwidth's peak scaled by `share` (at most the whole peak): a
+        kernel that streams the same bytes at another rate."""
+        return OperatorCurves(self.flops, Saturation(min(1.0, self.bandwidth.peak * share), self.bandwidth.half))
+
 
 @dataclass(frozen=True)
 class EfficiencyCurves:

@@ -88,18 +88,15 @@ class OperatorCosts:
         self.head_params = m.vocab_size * m.hidden_size / tp
         width = m.expert_intermediate_size / tp  # one expert's GEMM width on one rank
         self._moe_width_efficiency = width / (width + curves.moe_width_half)
-        self._moe_curves = curves.moe
+        moe = curves.moe
         if self.expert_bytes_per_param < 1:  # 4-bit experts: their own kernel, where the curves price it
-            flops, bandwidth = curves.moe.flops, curves.moe.bandwidth
             if curves.moe_quantized_flops_half:
-                flops = type(flops)(flops.peak, curves.moe_quantized_flops_half)
+                moe = type(moe)(type(moe.flops)(moe.flops.peak, curves.moe_quantized_flops_half), moe.bandwidth)
             if curves.moe_quantized_bandwidth:
-                bandwidth = type(bandwidth)(min(1.0, bandwidth.peak * curves.moe_quantized_bandwidth), bandwidth.half)
-            self._moe_curves = type(curves.moe)(flops, bandwidth)
+                moe = moe.with_bandwidth_share(curves.moe_quantized_bandwidth)
         if tuned_expert_tiles and curves.moe_tuned_bandwidth:
-            flops, bandwidth = self._moe_curves.flops, self._moe_curves.bandwidth
-            bandwidth = type(bandwidth)(min(1.0, bandwidth.peak * curves.moe_tuned_bandwidth), bandwidth.half)
-            self._moe_curves = type(curves.moe)(flops, bandwidth)
+            moe = moe.with_bandwidth_share(curves.moe_tuned_bandwidth)
+        self._moe_curves = moe
         self.token_bytes = m.hidden_size * dtype_bytes
         # Exact-point cache of table lookups: steps repeat the same few shapes.
         self._cache: dict[tuple, float | None] = {}
