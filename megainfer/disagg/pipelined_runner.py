@@ -71,8 +71,7 @@ class PipelinedModelRunner:
         host that use them too (device_slots.py; tensor-parallel size 1 only). `replicas`: where
         each expert's slots live (megainfer/expert_replicas.py); `movable_experts`: they may move
         while serving (`slot_maps.switch_at`)."""
-        self.model_config = model_config
-        self.config = config
+        self.model_config, self.config = model_config, config
         self.device, self.dtype = device_and_dtype(config)
         self.expert_nodes = list(expert_nodes)
         self.record_size = record_bytes(model_config.hidden_size, model_config.top_k, self.dtype)
@@ -230,7 +229,8 @@ class PipelinedModelRunner:
             state.hidden = combine(cfg.num_layers - 1, j, residual[j])
             state.cross(layout, cfg.num_layers)
             if early is not None and state.hidden is not None:  # `early`: this step's tokens, micro-batch by micro-batch
-                early.extend(greedy_rows(self.model, self.sampler, state.hidden))
+                tokens = greedy_rows(self.model, self.sampler, state.hidden)  # placed for the step ahead at once
+                early.extend(self.inputs_ahead.sampled(tokens, state.layout.decode_sequences, hooks, self.model))
         self.timing["attention"] += self.attention_timer.collect()
         self.exchange.end_step()
         return expert_counts

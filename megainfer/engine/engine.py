@@ -151,7 +151,8 @@ class Engine:
         # the next token as much as the compute does, and the router predicts wall-clock time.
         began = self._last_step_end if self._last_step_end is not None else started
         step_id = self._step_id()
-        hooks = StepHooks(partial(self._look_ahead, out) if self._schedules_ahead else None, settle)
+        hooks = StepHooks(partial(self._look_ahead, out) if self._schedules_ahead else None, settle,
+                          partial(self._place_rows, out) if self._schedules_ahead else None)
         try:
             result = self.runner.execute(out, hooks) if self._takes_hooks else self.runner.execute(out)
         except Exception as exc:  # a broken step fails its own requests; the engine serves on
@@ -166,7 +167,8 @@ class Engine:
         hooks.run_settle()  # a runner that did not (a step too short to reach its first layer's end)
         if self._ahead is not None:  # scheduled ahead: settled in the next step
             ended = time.perf_counter()
-            self.scheduler.place(out, result.sampled)
+            if hooks.placed != len(result.sampled) - result.sampled.count(None):  # not all placed as sampled
+                self.scheduler.place(out, result.sampled)
             self._pending = PendingStep(out, result, began, ended, step_id)
             self._last_step_end = ended  # the next step is due at once
             return produced
@@ -189,6 +191,12 @@ class Engine:
         self.scheduler.advance_ahead(out)
         self._ahead = ScheduledAhead(self.scheduler.schedule(), self.scheduler.num_finished)
         return self._ahead.out
+
+    def _place_rows(self, out: SchedulerOutput, rows: list[int], tokens: list[int]) -> bool:
+        """Runner hook: a micro-batch's tokens placed as sampled, where the step ahead reads them (False: none is)."""
+        if self._ahead is not None:
+            self.scheduler.tokens.place_rows(out.all_seqs, rows, tokens)
+        return self._ahead is not None
 
     def _settle(self, pending: "PendingStep", emit: Callable[[DeltaColumns], None] | None,
                 produced: DeltaColumns) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,9 +26,8 @@ from megainfer.runner.model_runner import StepResult
 from megainfer.scheduling.node_state import step_sample
 from megainfer.scheduling.scheduler import Scheduler
 from megainfer.scheduling.scheduler_output import SchedulerOutput
-from megainfer.scheduling.sequence import Sequence, SequenceStatus
+from megainfer.scheduling.sequence import STATUS, Sequence, SequenceStatus
 
-_STATUS = attrgetter("status")
 
 if TYPE_CHECKING:
     from kernels.startup import KernelReport
@@ -65,7 +63,7 @@ class StepRecords:
         if self.step_model is not None:
             self.step_model.observe((measured,))
         # Most steps finish none of their thousands: one C-level look at the statuses first.
-        if SequenceStatus.FINISHED in map(_STATUS, advanced):
+        if SequenceStatus.FINISHED in map(STATUS, advanced):
             self.finished_lengths.extend((s.num_prompt_tokens, s.num_output_tokens) for s in advanced if s.is_finished)
         self._count(out, result)
 

@@ -25,6 +25,7 @@ from megainfer.runner.sampler import Sampler, position_logprobs
 from megainfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.scheduler_output import SchedulerOutput
+from megainfer.scheduling.sequence import COMPUTED, TOKEN_IDS
 from megainfer.scheduling.step_layout import MicroBatchLayout, StepLayout
 from megainfer.tensor_parallel import TensorParallelGroup
 
@@ -42,10 +43,18 @@ class StepHooks:
     `takes_step_hooks`), once every micro-batch's inputs are built and its first layer is under
     way: `settle` (the step before: its stops, deltas and statistics), then `lookahead` (the
     next step scheduled), as vLLM schedules ahead once a step is launched. Each runs at most
-    once, `settle` first; the engine runs whatever the runner did not reach."""
+    once, `settle` first; the engine runs whatever the runner did not reach.
+
+    A runner that samples micro-batch by micro-batch hands each one's tokens to `place` as they
+    are sampled (`place_tokens`), so that the next step's inputs can read them while the later
+    micro-batches still wait for their answers, rather than all of them after the last one."""
 
     lookahead: Callable[[], Any] | None = None  # returns the next step (a SchedulerOutput), or None
     settle: Callable[[], None] | None = None
+    # place(sequences, tokens): the tokens of those sequences (indices into the step's) written
+    # where the next step's inputs read them; False where the step was not scheduled ahead.
+    place: Callable[[list[int], list[int]], bool] | None = None
+    placed: int = 0  # tokens `place` took so far
 
     def run_lookahead(self):
         """The next step as scheduled ahead (to lay out meanwhile), or None."""
@@ -57,6 +66,12 @@ class StepHooks:
         hook, self.settle = self.settle, None
         if hook is not None:
             hook()
+
+    def place_tokens(self, sequences: list[int], tokens: list[int]) -> None:
+        """Micro-batch by micro-batch, the tokens just sampled for `sequences` (indices into the
+        step's sequences, in order)."""
+        if self.place is not None and self.place(sequences, tokens):
+            self.placed += len(tokens)
 
 
 @dataclass
@@ -423,12 +438,12 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
     them, are built here."""
     n = len(seqs)
     counts = np.asarray(num_tokens, dtype=np.int64)
-    begins = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    begins = np.fromiter(map(COMPUTED, seqs), np.int64, n)
     ends = begins + counts
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    if num_single == n:  # decodes: the one token after the computed ones
-        token_ids = [s.token_ids[b] for s, b in zip(seqs, begins.tolist())]
+    if num_single == n:  # decodes: the one token after the computed ones (a C-level map: every decode, every step)
+        token_ids = list(map(list.__getitem__, map(TOKEN_IDS, seqs), begins.tolist()))
     else:
         token_ids = []
         for seq, b, e in zip(seqs, begins.tolist(), ends.tolist()):

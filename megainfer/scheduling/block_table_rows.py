@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megainfer.scheduling.sequence import REQUEST_ID
+
 
 class BlockTableRows:
     def __init__(self, rows: int, max_blocks: int, windowed: bool = False, attr: str = "block_table") -> None:
@@ -37,7 +39,7 @@ class BlockTableRows:
         row_of = self._row
         if len(self._free) >= len(seqs) - len(row_of):
             return
-        keep = {s.request_id for s in seqs}
+        keep = set(map(REQUEST_ID, seqs))
         for request_id in [r for r in row_of if r not in keep]:
             self._release(request_id)
 

@@ -27,12 +27,9 @@ from megainfer.engine_config import EngineConfig
 from megainfer.messages import LayeredSettings
 from megainfer.scheduling.kv_cache import BlockManager
 from megainfer.scheduling.scheduler_output import LayeredPass, SchedulerOutput
-from megainfer.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from megainfer.scheduling.sequence import BLOCK_TABLE, COMPUTED, TOKEN_IDS, FinishReason, Sequence, SequenceStatus
 from megainfer.scheduling.token_recorder import TokenRecorder
 
-_COMPUTED = operator.attrgetter("num_computed_tokens")
-_TOKEN_IDS = operator.attrgetter("token_ids")
-_BLOCK_TABLE = operator.attrgetter("block_table")
 
 
 class PrefillPolicy(Protocol):
@@ -228,7 +225,7 @@ def chunk_work(seqs: list[Sequence], num_tokens: list[int]) -> tuple[int, float,
     """Tokens, attention query-key pairs and cached tokens read for chunks starting at each
     sequence's computed prefix (causal inside a chunk): what prices a step."""
     if len(seqs) > 64:  # a real step's thousands of sequences: array sums, exact in integers
-        p = np.fromiter(map(_COMPUTED, seqs), np.int64, len(seqs))
+        p = np.fromiter(map(COMPUTED, seqs), np.int64, len(seqs))
         n = np.asarray(num_tokens, dtype=np.int64)
         return int(n.sum()), float(int((n * p).sum()) + int((n * (n + 1) // 2).sum())), float(int((p + n).sum()))
     tokens, pairs, kv = 0, 0.0, 0.0
@@ -266,8 +263,8 @@ def schedule_all_decodes(out: SchedulerOutput, running: deque[Sequence], blocks:
     if n > budget or uncomputed.count(1) != n or \
             (not policy.never_schedules_itself and any(map(policy.schedules_itself, running))):
         return 0
-    computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
-    room = np.fromiter(map(len, map(_BLOCK_TABLE, running)), np.int64, n) * blocks.block_size
+    computed = np.fromiter(map(COMPUTED, running), np.int64, n)
+    room = np.fromiter(map(len, map(BLOCK_TABLE, running)), np.int64, n) * blocks.block_size
     full = np.flatnonzero(computed >= room).tolist()
     if len(full) * blocks.tables_per_sequence > blocks.num_free_blocks:  # before any window releases
         return 0
@@ -359,7 +356,7 @@ class Scheduler:
         # Decodes before prefill chunks (stable): decodes never wait behind a prompt, and
         # the preemption victims taken from the tail are always not-yet-scheduled ones.
         running = self.running
-        uncomputed = list(map(operator.sub, map(len, map(_TOKEN_IDS, running)), map(_COMPUTED, running)))
+        uncomputed = list(map(operator.sub, map(len, map(TOKEN_IDS, running)), map(COMPUTED, running)))
         if max(uncomputed, default=0) > 1:
             prompt = [u > 1 for u in uncomputed]
             if prompt != sorted(prompt):

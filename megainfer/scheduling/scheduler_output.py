@@ -7,10 +7,8 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
-from megainfer.scheduling.sequence import Sequence, SequenceStatus
+from megainfer.scheduling.sequence import COMPUTED, TOKEN_IDS, Sequence, SequenceStatus
 
-_COMPUTED = operator.attrgetter("num_computed_tokens")
-_TOKEN_IDS = operator.attrgetter("token_ids")
 
 
 @dataclass
@@ -79,8 +77,8 @@ class SchedulerOutput:
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (and so samples a new one)."""
         seqs = self.seqs
-        return list(map(operator.eq, map(operator.add, map(_COMPUTED, seqs), self.num_scheduled_tokens),
-                        map(len, map(_TOKEN_IDS, seqs))))
+        return list(map(operator.eq, map(operator.add, map(COMPUTED, seqs), self.num_scheduled_tokens),
+                        map(len, map(TOKEN_IDS, seqs))))
 
     def all_samples(self) -> list[bool]:
         """`samples()` for `all_seqs`: a cohort's chunks that end their prompt sample a first

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from megainfer.messages import FinishReason
 from megainfer.sampling_params import SamplingParams
@@ -92,3 +93,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+# A sequence's fields as functions, for the C-level maps (`map(TOKEN_IDS, seqs)`) of the loops
+# that run over every sequence of every step: no Python frame per sequence.
+TOKEN_IDS = attrgetter("token_ids")
+COMPUTED = attrgetter("num_computed_tokens")
+BLOCK_TABLE = attrgetter("block_table")
+REQUEST_ID = attrgetter("request_id")
+STATUS = attrgetter("status")

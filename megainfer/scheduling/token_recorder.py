@@ -63,6 +63,14 @@ class TokenRecorder:
                 if token_ids and token_ids[-1] == PLACEHOLDER:
                     token_ids[-1] = token
 
+    def place_rows(self, seqs: list[Sequence], rows: list[int], tokens: list[int]) -> None:
+        """`place` for some of a step's sequences, as their micro-batch is sampled: `tokens[k]`
+        is the token of `seqs[rows[k]]`."""
+        for i, token in zip(rows, tokens):
+            token_ids = seqs[i].token_ids
+            if token_ids and token_ids[-1] == PLACEHOLDER:
+                token_ids[-1] = token
+
     def settle(self, out: SchedulerOutput, sampled: list[int | None], now: float) -> list[Sequence]:
         """The rest of `record` for a step advanced ahead: the token times and the stop
         conditions. Returns the sequences that gained a token."""

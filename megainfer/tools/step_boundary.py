@@ -144,7 +144,7 @@ class BoundaryRunner:
         t4 = time.process_time()
         argmax = t4 - t3
         if samples_by_micro_batch(seqs, layout):
-            result, before_last = self._sample_by_micro_batch(layout)
+            result, before_last = self._sample_by_micro_batch(layout, hooks)
         else:
             self._last_answer, before_last = time.process_time(), 0.0
             result = self._sample_whole(layout, states, seqs)
@@ -170,9 +170,10 @@ class BoundaryRunner:
                            lambda j, in_cohort: states[j].cohort if in_cohort else states[j].hidden,
                            self.sampler, seqs, layout)
 
-    def _sample_by_micro_batch(self, layout: StepLayout) -> tuple[StepResult, float]:
-        """As the runner: each micro-batch's greedy rows as its last answers arrive. Returns the
-        result and the host time spent before the last micro-batch's answers."""
+    def _sample_by_micro_batch(self, layout: StepLayout, hooks: StepHooks) -> tuple[StepResult, float]:
+        """As the runner: each micro-batch's greedy rows as its last answers arrive, its tokens
+        placed for the step ahead and that step's micro-batch 0 completed once they are all
+        there. Returns the result and the host time spent before the last micro-batch's answers."""
         tokens, row = [], 0
         start = time.process_time()
         before_last = 0.0
@@ -182,7 +183,8 @@ class BoundaryRunner:
                 before_last = self._last_answer - start
             rows = len(batch.decode_sequences)
             if rows:
-                tokens.extend(self.sampler.greedy(self._logits[row:row + rows]))
+                sampled = self.sampler.greedy(self._logits[row:row + rows])
+                tokens.extend(self.inputs_ahead.sampled(sampled, batch.decode_sequences, hooks, self.model))
                 row += rows
         return StepResult(layout.place_samples(tokens), []), before_last
 

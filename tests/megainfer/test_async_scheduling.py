@@ -32,20 +32,27 @@ class SequenceTokens(BoundaryRunner):
         self._seqs = out.all_seqs
         return super().execute(out, hooks)
 
-    def _tokens(self, layout: StepLayout) -> StepResult:
-        tokens = []
-        for i in layout.sampled_sequences:
-            seq = self._seqs[i]
-            known = len(seq.token_ids) - (seq.token_ids[-1] == PLACEHOLDER)
-            tokens.append(3 + zlib.crc32(f"{seq.request_id}/{known}".encode()) % 2000)  # the same in every process
-        return StepResult(layout.place_samples(tokens), [])
+    placed_as_sampled = 0  # tokens the engine took micro-batch by micro-batch, over the run
+
+    def _token(self, i: int) -> int:
+        seq = self._seqs[i]
+        known = len(seq.token_ids) - (seq.token_ids[-1] == PLACEHOLDER)
+        return 3 + zlib.crc32(f"{seq.request_id}/{known}".encode()) % 2000  # the same in every process
 
     def _sample_whole(self, layout, states, seqs) -> StepResult:
-        return self._tokens(layout)
+        return StepResult(layout.place_samples([self._token(i) for i in layout.sampled_sequences]), [])
 
-    def _sample_by_micro_batch(self, layout: StepLayout) -> tuple[StepResult, float]:
+    def _sample_by_micro_batch(self, layout: StepLayout, hooks) -> tuple[StepResult, float]:
+        """As the runner: each micro-batch's tokens placed for the step ahead as they are made."""
         self._last_answer = 0.0
-        return self._tokens(layout), 0.0
+        tokens = []
+        for batch in layout.micro_batches:
+            sampled = [self._token(i) for i in batch.decode_sequences]
+            tokens += sampled
+            before = hooks.placed
+            self.inputs_ahead.sampled(sampled, batch.decode_sequences, hooks, self.model)
+            self.placed_as_sampled += hooks.placed - before
+        return StepResult(layout.place_samples(tokens), []), 0.0
 
 
 def make_core(async_scheduling: bool) -> QueuedEngine:
@@ -91,8 +98,12 @@ def requests_of(n: int = 6) -> dict:
 
 
 def test_scheduling_ahead_streams_what_scheduling_after_does():
+    """The same tokens and text, with the decode steps' tokens placed micro-batch by micro-batch
+    as they are sampled (the step ahead reading them before the step's last micro-batch)."""
     sync = serve(make_core(False), requests_of())
-    ahead = serve(make_core(True), requests_of())
+    core = make_core(True)
+    ahead = serve(core, requests_of())
+    assert core.engine.runner.placed_as_sampled > 0
     for rid in sync:
         assert [d.new_token_ids for d in ahead[rid]] == [d.new_token_ids for d in sync[rid]], rid
         assert "".join(d.new_text for d in ahead[rid]) == "".join(d.new_text for d in sync[rid]), rid

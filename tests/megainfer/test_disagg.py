@@ -140,10 +140,18 @@ def colocated(path, prompts, device="cpu", params=GREEDY):
 def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, monkeypatch):
     """Asynchronous scheduling too: each step scheduled while the one before ran, its tokens
     written into the placeholders the look-ahead held, settled inside the next step, and its
-    micro-batch 0 prepared during the step before's last layer, its tokens read once placed."""
-    taken = []
+    micro-batch 0 prepared during the step before's last layer, its tokens placed micro-batch by
+    micro-batch as they are sampled and read once all placed (`InputsAhead.fill`, before the
+    step's end), or else as the next step starts."""
+    taken, filled = [], []
     take = InputsAhead.take
-    monkeypatch.setattr(InputsAhead, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+
+    def recorded_take(self, *args):
+        filled.append(self._ready is not None)
+        taken.append(take(self, *args))
+        return taken[-1]
+
+    monkeypatch.setattr(InputsAhead, "take", recorded_take)
     prompts = hf_ref.prompts
     expected = colocated(hf_ref.path, prompts)
     got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts, async_scheduling=async_scheduling)
@@ -151,6 +159,7 @@ def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, mo
     assert all(s.kv_cache_usage == 0.0 for s in stats)
     prepared_ahead = sum(state is not None for state in taken)
     assert prepared_ahead > 0 if async_scheduling else prepared_ahead == 0
+    assert any(filled) if async_scheduling else not any(filled)
 
 
 @pytest.mark.gpu
