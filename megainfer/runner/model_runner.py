@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from itertools import chain, groupby
-from operator import attrgetter
+from operator import attrgetter, getitem
 from types import SimpleNamespace
 from typing import Any, Callable, Protocol
 
@@ -443,7 +443,7 @@ def prepare_batch(seqs, num_tokens: list[int], num_single: int, block_size: int,
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     if num_single == n:  # decodes: the one token after the computed ones (a C-level map: every decode, every step)
-        token_ids = list(map(list.__getitem__, map(TOKEN_IDS, seqs), begins.tolist()))
+        token_ids = list(map(getitem, map(TOKEN_IDS, seqs), begins.tolist()))
     else:
         token_ids = []
         for seq, b, e in zip(seqs, begins.tolist(), ends.tolist()):

@@ -157,3 +157,36 @@ def test_steps_scheduled_ahead_are_timed_once_each_for_the_router():
     assert len(steps) >= 8
     assert sum(s.seconds for s in steps) <= elapsed
     assert all(s.seconds > 0 for s in steps)
+
+
+def test_micro_batch_0_ahead_is_completed_once_every_row_has_its_token():
+    """`InputsAhead.sampled`: each micro-batch's tokens placed as sampled; the kept micro-batch 0
+    of the step ahead read and embedded at the first micro-batch after which none of its rows
+    holds a placeholder, and `take` then hands that state over as it is."""
+    from types import SimpleNamespace
+
+    from megainfer.runner.inputs_ahead import InputsAhead, KeptInputs
+    from megainfer.runner.model_runner import StepHooks
+
+    seqs = [SimpleNamespace(token_ids=[4, 5, PLACEHOLDER]) for _ in range(3)]  # the step's, as advanced ahead
+
+    def place(rows, tokens):
+        for i, token in zip(rows, tokens):
+            seqs[i].token_ids[-1] = token
+        return True
+
+    embedded = []
+    model = SimpleNamespace(embed=lambda ids: embedded.append(ids.tolist()) or ids.float())
+    ahead, out = InputsAhead(), object()
+    paged = SimpleNamespace(seq_lens_host=[3, 3])
+    # The step ahead's micro-batch 0 holds sequences 2 and 0 of the step before.
+    ahead._kept = KeptInputs(out, "batch 0", (None, torch.tensor([2, 2]), paged), [seqs[2], seqs[0]])
+    hooks = StepHooks(place=place)
+    assert ahead.sampled([7], [0], hooks, model) == [7] and not embedded  # sequence 2 still unsampled
+    ahead.sampled([8], [1], hooks, model)
+    assert not embedded
+    ahead.sampled([9], [2], hooks, model)
+    assert embedded == [[9, 7]] and hooks.placed == 3
+    state = ahead.take(model, out, None, torch.device("cpu"))
+    assert state.layout == "batch 0" and state.decode_inputs[0].tolist() == [9, 7] and embedded == [[9, 7]]
+    assert ahead.take(model, out, None, torch.device("cpu")) is None  # taken once
