@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import getitem
 
+import numpy as np
 import torch
 
 from megainfer.model.moe_model import MoEModel
@@ -50,7 +51,7 @@ class KeptInputs:
 
     def state(self, tokens: list[int], model: MoEModel, device: torch.device) -> MicroBatchState:
         """The micro-batch's state with `tokens`, embedded."""
-        inputs = (torch.tensor(tokens, device=device), self.inputs[1], self.inputs[2])
+        inputs = (torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device), self.inputs[1], self.inputs[2])
         return MicroBatchState(self.batch, inputs, inputs, model.embed(inputs[0]), None)
 
 
