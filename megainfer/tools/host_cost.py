@@ -392,7 +392,9 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     print(format_table(["running", "prepare", "sample", "beside layers", "bookkeeping", "deltas out", "total",
                         "experts wait", "us/sequence", "argmax (not in total)"], rows))
     print(f"prepare: StepLayout and every micro-batch's inputs; sample: the sampler's host side (its argmax over the "
-          f"demo model's 2,048-token vocabulary, device work on a GPU, timed apart and left out); beside layers: "
+          f"demo model's 2,048-token vocabulary, device work on a GPU, timed apart and left out; with asynchronous "
+          f"scheduling, each micro-batch's tokens placed for the next step as it is sampled, and the next step's "
+          f"micro-batch 0 completed once they are all there); beside layers: "
           f"with asynchronous scheduling, the step before settled (stops, detokenization, deltas) and the next one "
           f"scheduled and laid out, once every micro-batch's inputs are built; bookkeeping: the "
           f"rest (schedule and update_from_output when synchronous, checks, statistics); deltas out: the outbox's "

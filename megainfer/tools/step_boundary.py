@@ -52,7 +52,7 @@ class BoundaryPhases:
     """CPU seconds per phase, summed over the measured steps."""
 
     prepare: float = 0.0  # StepLayout and every micro-batch's inputs
-    sample: float = 0.0  # the sampler's host side, its argmax stand-in taken out
+    sample: float = 0.0  # the sampler's host side, its argmax stand-in taken out; tokens placed as sampled (async)
     argmax: float = 0.0  # the argmax over the logits (demo vocabulary, 2,048 wide): device work on a GPU
     beside: float = 0.0  # run beside the layers: the step before settled, the next one scheduled (async)
     bookkeeping: float = 0.0  # the rest of the step: schedule and update (synchronous), deltas, checks
