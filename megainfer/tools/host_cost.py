@@ -402,6 +402,10 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
           f"dispatch follows its attention), plus what sampling the other micro-batches takes beyond the expert "
           f"nodes' m x t_e ({scale.t_e_ms:.3f} ms) for the last layer.\n"
           f"driver: {driver}")
+    burst = layer0_burst(by_size[plan.scheduler.max_num_seqs]["beside"], scale,
+                         plan.predicted.tbt_ms if plan.predicted else 0.0) if plan.async_scheduling else {}
+    if burst:
+        print(burst["line"])
     launches = decode_launches(model)
     print(f"launches per (layer, micro-batch) of a decode step, counted by the torch dispatcher on the CPU path "
           f"({launches.model}, the family's tiny preset: the op sequence, not the sizes): attention half "
@@ -410,4 +414,25 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     boundary = by_size[most]["total"]
     return {"step_boundary_cpu_ms": boundary, "boundary_wait_ms": by_size[most]["wait"], "driver_delta_cpu_ms": driver_ms,
             "step_boundary_by_running": by_size, "driver_delta_cpu_ms_by_running": driver_by_running,
+            "layer0_burst_ms": burst.get("burst_ms"), "layer0_stall_ms": burst.get("stall_ms"),
             "launches_per_layer_micro_batch": dataclasses.asdict(launches)}
+
+
+def layer0_burst(beside_ms: float, scale: HostScale, step_ms: float) -> dict:
+    """What the work beside the layers would cost a GPU pipeline. It runs in one piece on the
+    runner's thread, once layer 0's dispatches are out (`PipelinedModelRunner._pass_layers`).
+    Nothing of the next layer can be launched meanwhile, and the answers of layer 0 are back
+    after about one layer's device time (m x max(t_a, t_e)). Past that, the attention GPU and the
+    expert nodes stand: for at least the work less that layer's time, and for all of it where
+    preparing micro-batches 1.. already kept the host past the layer. A CPU plan shows no such
+    stall, since its layers run on the same cores. Empty where the plan predicts no t_a."""
+    layer_ms = scale.micro_batches * max(scale.t_a_ms, scale.t_e_ms)
+    if not layer_ms:
+        return {}
+    stall = max(0.0, beside_ms - layer_ms)
+    share = f" ({stall / step_ms:.1%} of the predicted {step_ms:.1f} ms step)" if step_ms else ""
+    line = (f"beside the layers, in one piece after layer 0's dispatches: {beside_ms:.1f} ms at max_num_seqs against "
+            f"one layer's {layer_ms:.2f} ms of device time (m x max(t_a, t_e)); on a GPU the pipeline would stand "
+            f"at least {stall:.1f} ms of each step{share} until that work is split over the layers (not measured "
+            f"on a GPU)")
+    return {"burst_ms": beside_ms, "stall_ms": stall, "line": line}

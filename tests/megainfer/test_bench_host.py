@@ -3,13 +3,14 @@ expert worker (compute stubbed), at a plan's scale; here a small CPU plan, few r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from megainfer.plan import Plan
-from megainfer.tools.host_cost import routed_share, scale_of
+from megainfer.tools.host_cost import layer0_burst, routed_share, scale_of
 from megainfer.tools.step_boundary import context_lengths
 from tests.helpers import ROOT, megainfer
 
@@ -23,6 +24,18 @@ def test_the_plans_scale_is_read_as_the_host_sees_it():
     # 4 of 128 experts on a node, top-8: 1 - C(124, 8) / C(128, 8) of a rank's tokens reach it.
     assert math.isclose(routed_share(128, 4, 8), 1 - math.comb(124, 8) / math.comb(128, 8))
     assert 20 <= scale.tokens_per_peer <= 40  # ~29 tokens of 8,256-byte records: ~230 KiB per message
+
+
+def test_the_work_beside_the_layers_is_priced_against_one_layers_device_time():
+    """On a GPU plan, the work done in one piece after layer 0's dispatches stalls the pipeline
+    for at least what it takes beyond one layer's device time (m x max(t_a, t_e))."""
+    scale = scale_of(Plan.load(PLAN_235B))  # m = 4, t_a 0.268 ms > t_e
+    burst = layer0_burst(4.6, scale, 126.9)
+    assert math.isclose(burst["stall_ms"], 4.6 - 4 * max(scale.t_a_ms, scale.t_e_ms))
+    assert "at least" in burst["line"] and "of the predicted 126.9 ms step" in burst["line"]
+    assert layer0_burst(0.5, scale, 126.9)["stall_ms"] == 0.0  # within the layer: hidden
+    unpredicted = dataclasses.replace(scale, t_a_ms=0.0, t_e_ms=0.0)
+    assert layer0_burst(4.6, unpredicted, 0.0) == {}
 
 
 def test_the_boundarys_sequences_take_new_blocks_a_sixteenth_at_a_time():
