@@ -42,10 +42,11 @@ from megainfer.model.moe_model import MoEModel
 from megainfer.model.weights import WeightSource
 from megainfer.runner.inputs_ahead import InputsAhead
 from megainfer.runner.memory_profile import MemorySnapshot
-from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult,
+from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepResult,
                                           device_and_dtype, greedy_rows, load_and_size, sample_step,
                                           samples_by_micro_batch)
 from megainfer.runner.sampler import Sampler
+from megainfer.runner.step_hooks import StepHooks
 from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.step_layout import LayoutAhead, StepLayout
@@ -220,9 +221,9 @@ class PipelinedModelRunner:
                     residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer))
                 else:
                     state.hidden = self.attention_halves.dense(layer, state.hidden, state.inputs_at(layout, layer))
-            if not layer:  # every micro-batch's inputs built and its first layer under way:
-                # the step before settled, the next one scheduled and laid out
-                self.layouts.keep(hooks.run_lookahead(), self.m)
+            # A piece of the work beside the layers after each layer's dispatches (step_hooks.py).
+            if hooks.run_piece(everything=layer == cfg.num_layers - 1):
+                self.layouts.keep(hooks.ahead, self.m)
         # While the expert nodes answer the last layer: the next step's micro-batch 0, but its tokens.
         self.inputs_ahead.prepare(self.layouts.peek(), self.config.block_size, self.device, self.block_tables)
         for j, state in enumerate(states):

@@ -40,11 +40,13 @@ class OutputProcessor:
         self._streams.pop(request_id, None)
         self.sampler.forget(request_id)
 
-    def deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence]) -> DeltaColumns:
-        """The step's deltas: one per sequence that gained a token. Prompt logprobs computed this
-        step are kept until the request's first delta."""
+    def deltas(self, out: SchedulerOutput, result: StepResult, advanced: list[Sequence],
+               prompt_logprobs: bool = True) -> DeltaColumns:
+        """The step's deltas: one per sequence of `advanced` that gained a token. Prompt logprobs
+        computed this step are kept until the request's first delta (`prompt_logprobs` False: a
+        later piece of a step made in pieces, whose first piece took them)."""
         seqs = out.all_seqs
-        for i, (first_position, entries) in result.prompt_logprobs.items():
+        for i, (first_position, entries) in (result.prompt_logprobs.items() if prompt_logprobs else ()):
             stream = self._streams.get(seqs[i].request_id)
             if stream is not None and not seqs[i].is_finished:
                 stream.add_prompt_logprobs(first_position, entries)

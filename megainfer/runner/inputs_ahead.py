@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from megainfer.model.moe_model import MoEModel
-from megainfer.runner.model_runner import BatchInputs, MicroBatchState, StepHooks, prepare_rows
+from megainfer.runner.model_runner import BatchInputs, MicroBatchState, prepare_rows
+from megainfer.runner.step_hooks import StepHooks
 from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.scheduler_output import SchedulerOutput
 from megainfer.scheduling.sequence import TOKEN_IDS

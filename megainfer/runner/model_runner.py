@@ -22,6 +22,7 @@ from megainfer.runner import memory_profile
 from megainfer.runner.kernel_warmup import warm_up_engine
 from megainfer.runner.memory_profile import MemorySnapshot
 from megainfer.runner.sampler import Sampler, position_logprobs
+from megainfer.runner.step_hooks import StepHooks
 from megainfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.scheduler_output import SchedulerOutput
@@ -35,43 +36,6 @@ logger = logging.getLogger(__name__)
 # Prompt rows whose logits are computed at once for prompt logprobs: bounds the [rows, vocab]
 # temporaries of a long prompt chunk.
 PROMPT_LOGPROB_ROWS = 256
-
-
-@dataclass
-class StepHooks:
-    """What an engine scheduling asynchronously asks of a runner during a step (a runner with
-    `takes_step_hooks`), once every micro-batch's inputs are built and its first layer is under
-    way: `settle` (the step before: its stops, deltas and statistics), then `lookahead` (the
-    next step scheduled), as vLLM schedules ahead once a step is launched. Each runs at most
-    once, `settle` first; the engine runs whatever the runner did not reach.
-
-    A runner that samples micro-batch by micro-batch hands each one's tokens to `place` as they
-    are sampled (`place_tokens`), so that the next step's inputs can read them while the later
-    micro-batches still wait for their answers, rather than all of them after the last one."""
-
-    lookahead: Callable[[], Any] | None = None  # returns the next step (a SchedulerOutput), or None
-    settle: Callable[[], None] | None = None
-    # place(sequences, tokens): the tokens of those sequences (indices into the step's) written
-    # where the next step's inputs read them; False where the step was not scheduled ahead.
-    place: Callable[[list[int], list[int]], bool] | None = None
-    placed: int = 0  # tokens `place` took so far
-
-    def run_lookahead(self):
-        """The next step as scheduled ahead (to lay out meanwhile), or None."""
-        self.run_settle()  # the step before is settled first: the look-ahead reads what it decided
-        hook, self.lookahead = self.lookahead, None
-        return hook() if hook is not None else None
-
-    def run_settle(self) -> None:
-        hook, self.settle = self.settle, None
-        if hook is not None:
-            hook()
-
-    def place_tokens(self, sequences: list[int], tokens: list[int]) -> None:
-        """Micro-batch by micro-batch, the tokens just sampled for `sequences` (indices into the
-        step's sequences, in order)."""
-        if self.place is not None and self.place(sequences, tokens):
-            self.placed += len(tokens)
 
 
 @dataclass

@@ -446,12 +446,13 @@ class Scheduler:
         step's inputs read), nothing else."""
         self.tokens.place(out, sampled)
 
-    def settle(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """The rest of `update_from_output` for a step advanced ahead: the token times and the
-        stop conditions; a sequence that stops is finished now (it may be in the running step:
-        its token there is dropped, its blocks are taken only by a later schedule). Returns
-        the sequences that gained a token, as `update_from_output`."""
-        return self.tokens.settle(out, sampled, self.clock())
+    def settle(self, out: SchedulerOutput, sampled: list[int | None], start: int = 0,
+               stop: int | None = None) -> list[Sequence]:
+        """The rest of `update_from_output` for a step advanced ahead (its sequences `start` to
+        `stop`): the token times and the stop conditions; a sequence that stops is finished now
+        (its token in the running step is dropped, its blocks taken only by a later schedule).
+        Returns the sequences that gained a token, as `update_from_output`."""
+        return self.tokens.settle(out, sampled, self.clock(), start, stop)
 
     # -- internals -----------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:

@@ -71,11 +71,15 @@ class TokenRecorder:
             if token_ids and token_ids[-1] == PLACEHOLDER:
                 token_ids[-1] = token
 
-    def settle(self, out: SchedulerOutput, sampled: list[int | None], now: float) -> list[Sequence]:
-        """The rest of `record` for a step advanced ahead: the token times and the stop
-        conditions. Returns the sequences that gained a token."""
+    def settle(self, out: SchedulerOutput, sampled: list[int | None], now: float, start: int = 0,
+               stop: int | None = None) -> list[Sequence]:
+        """The rest of `record` for a step advanced ahead, its sequences `start` to `stop`: the
+        token times and the stop conditions. Returns the sequences that gained a token."""
         advanced = []
-        for seq, token in zip(out.seqs, sampled):
+        seqs = out.seqs
+        if start or (stop is not None and stop < len(seqs)):
+            seqs, sampled = seqs[start:stop], sampled[start:stop]
+        for seq, token in zip(seqs, sampled):
             if token is not None and seq.status is not SequenceStatus.FINISHED:
                 self._gained(seq, token, len(seq.token_ids), now, advanced)  # its token is the last one
         return advanced

@@ -372,7 +372,8 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
                                     async_scheduling=plan.async_scheduling, t_e_s=scale.t_e_ms / 1e3)
         phases = measured.per_step_ms()
         total = sum(phases.values())
-        by_size[running] = {**phases, "total": total, "wait": measured.wait_ms(), "argmax_stand_in": measured.argmax_ms()}
+        by_size[running] = {**phases, "total": total, "wait": measured.wait_ms(), "argmax_stand_in": measured.argmax_ms(),
+                            "beside_pieces": measured.pieces_ms()}
         rows.append([f"{running:,}", *(f"{phases[k]:.1f}" for k in ("prepare", "sample", "beside", "bookkeeping",
                                                                     "deltas_out")),
                      f"{total:.1f}", f"{measured.wait_ms():.1f}", f"{total / running * 1e3:.1f}",
@@ -402,7 +403,7 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
           f"dispatch follows its attention), plus what sampling the other micro-batches takes beyond the expert "
           f"nodes' m x t_e ({scale.t_e_ms:.3f} ms) for the last layer.\n"
           f"driver: {driver}")
-    burst = layer0_burst(by_size[plan.scheduler.max_num_seqs]["beside"], scale,
+    burst = beside_stall(by_size[plan.scheduler.max_num_seqs]["beside_pieces"], scale,
                          plan.predicted.tbt_ms if plan.predicted else 0.0) if plan.async_scheduling else {}
     if burst:
         print(burst["line"])
@@ -414,25 +415,25 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
     boundary = by_size[most]["total"]
     return {"step_boundary_cpu_ms": boundary, "boundary_wait_ms": by_size[most]["wait"], "driver_delta_cpu_ms": driver_ms,
             "step_boundary_by_running": by_size, "driver_delta_cpu_ms_by_running": driver_by_running,
-            "layer0_burst_ms": burst.get("burst_ms"), "layer0_stall_ms": burst.get("stall_ms"),
+            "beside_largest_piece_ms": burst.get("largest_ms"), "beside_stall_ms": burst.get("stall_ms"),
             "launches_per_layer_micro_batch": dataclasses.asdict(launches)}
 
 
-def layer0_burst(beside_ms: float, scale: HostScale, step_ms: float) -> dict:
-    """What the work beside the layers would cost a GPU pipeline. It runs in one piece on the
-    runner's thread, once layer 0's dispatches are out (`PipelinedModelRunner._pass_layers`).
-    Nothing of the next layer can be launched meanwhile, and the answers of layer 0 are back
-    after about one layer's device time (m x max(t_a, t_e)). Past that, the attention GPU and the
-    expert nodes stand: for at least the work less that layer's time, and for all of it where
-    preparing micro-batches 1.. already kept the host past the layer. A CPU plan shows no such
-    stall, since its layers run on the same cores. Empty where the plan predicts no t_a."""
+
+def beside_stall(pieces_ms: list[float], scale: HostScale, step_ms: float) -> dict:
+    """What the work beside the layers would cost a GPU pipeline. The runner runs it on its own
+    thread in pieces, one after each layer's dispatches (megainfer/runner/step_hooks.py), and
+    nothing of the next layer can be launched meanwhile. The layer's answers are back after
+    about its device time (m x max(t_a, t_e)); a piece longer than that holds the attention GPU
+    and the expert nodes for the difference, at least. A CPU plan shows no such stall, since
+    its layers run on the same cores. Empty where the plan predicts no t_a."""
     layer_ms = scale.micro_batches * max(scale.t_a_ms, scale.t_e_ms)
-    if not layer_ms:
+    if not layer_ms or not pieces_ms:
         return {}
-    stall = max(0.0, beside_ms - layer_ms)
+    stall = sum(max(0.0, piece - layer_ms) for piece in pieces_ms)
     share = f" ({stall / step_ms:.1%} of the predicted {step_ms:.1f} ms step)" if step_ms else ""
-    line = (f"beside the layers, in one piece after layer 0's dispatches: {beside_ms:.1f} ms at max_num_seqs against "
-            f"one layer's {layer_ms:.2f} ms of device time (m x max(t_a, t_e)); on a GPU the pipeline would stand "
-            f"at least {stall:.1f} ms of each step{share} until that work is split over the layers (not measured "
-            f"on a GPU)")
-    return {"burst_ms": beside_ms, "stall_ms": stall, "line": line}
+    line = (f"beside the layers at max_num_seqs: {sum(pieces_ms):.1f} ms in {len(pieces_ms)} pieces, one after each "
+            f"layer's dispatches, the largest {max(pieces_ms):.1f} ms, against one layer's {layer_ms:.2f} ms of device "
+            f"time (m x max(t_a, t_e)); on a GPU the pipeline would stand at least {stall:.1f} ms of each step{share} "
+            f"(not measured on a GPU)")
+    return {"largest_ms": max(pieces_ms), "stall_ms": stall, "pieces_ms": pieces_ms, "line": line}

@@ -35,10 +35,11 @@ from megainfer.engine.expert_load_window import ExpertLoadWindow
 from megainfer.engine_config import EngineConfig
 from megainfer.model.moe_model import MoEModel
 from megainfer.model_resolution import DEMO_MODEL, resolve_model
-from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepHooks, StepResult, sample_rows,
+from megainfer.runner.model_runner import (CohortHiddenStates, MicroBatchState, StepResult, sample_rows,
                                     samples_by_micro_batch)
 from megainfer.runner.inputs_ahead import InputsAhead
 from megainfer.runner.sampler import Sampler
+from megainfer.runner.step_hooks import StepHooks
 from megainfer.sampling_params import SamplingParams
 from megainfer.scheduling.block_table_rows import BlockTableRows
 from megainfer.scheduling.step_layout import LayoutAhead, StepLayout
@@ -58,6 +59,7 @@ class BoundaryPhases:
     bookkeeping: float = 0.0  # the rest of the step: schedule and update (synchronous), deltas, checks
     deltas_out: float = 0.0  # the outbox's answer to the driver's poll
     wait: float = 0.0  # what the expert nodes wait through before this step (`BoundaryRunner`)
+    pieces: list[float] = field(default_factory=list)  # the pieces of `beside`, one after each layer on a GPU
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -65,6 +67,9 @@ class BoundaryPhases:
         n = max(self.steps, 1)
         return {"prepare": self.prepare / n * 1e3, "sample": self.sample / n * 1e3, "beside": self.beside / n * 1e3,
                 "bookkeeping": self.bookkeeping / n * 1e3, "deltas_out": self.deltas_out / n * 1e3}
+
+    def pieces_ms(self) -> list[float]:
+        return [s * 1e3 for s in self.pieces]
 
     def argmax_ms(self) -> float:
         return self.argmax / max(self.steps, 1) * 1e3
@@ -129,8 +134,15 @@ class BoundaryRunner:
             if len(states) == 1 and self._last_answer is not None:
                 self.phases.wait += time.process_time() - self._last_answer + self._wait_after
         t1 = time.process_time()
-        # As the runner, after layer 0: the step before settled, the next scheduled and laid out.
-        self.layouts.keep(hooks.run_lookahead(), self.m)
+        # As the runner, a piece after each layer's dispatches (here one after another, each timed:
+        # what it holds the runner's thread): the step before settled, the next scheduled and laid out.
+        done = False
+        while not done:
+            start = time.process_time()
+            done = hooks.run_piece()
+            if done:
+                self.layouts.keep(hooks.ahead, self.m)
+            self.phases.pieces.append(time.process_time() - start)
         t2 = time.process_time()
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)

@@ -97,9 +97,12 @@ def requests_of(n: int = 6) -> dict:
     return {f"r{i}": (torch.randint(3, 2000, (20 + 3 * i,), generator=g).tolist(), kinds[i % 3]) for i in range(n)}
 
 
-def test_scheduling_ahead_streams_what_scheduling_after_does():
+@pytest.mark.parametrize("piece", [512, 2])
+def test_scheduling_ahead_streams_what_scheduling_after_does(piece, monkeypatch):
     """The same tokens and text, with the decode steps' tokens placed micro-batch by micro-batch
-    as they are sampled (the step ahead reading them before the step's last micro-batch)."""
+    as they are sampled (the step ahead reading them before the step's last micro-batch), and
+    the step before settled in pieces of `piece` sequences (`Engine.SETTLE_PIECE`)."""
+    monkeypatch.setattr("megainfer.engine.engine.SETTLE_PIECE", piece)
     sync = serve(make_core(False), requests_of())
     core = make_core(True)
     ahead = serve(core, requests_of())
@@ -166,7 +169,7 @@ def test_micro_batch_0_ahead_is_completed_once_every_row_has_its_token():
     from types import SimpleNamespace
 
     from megainfer.runner.inputs_ahead import InputsAhead, KeptInputs
-    from megainfer.runner.model_runner import StepHooks
+    from megainfer.runner.step_hooks import StepHooks
 
     seqs = [SimpleNamespace(token_ids=[4, 5, PLACEHOLDER]) for _ in range(3)]  # the step's, as advanced ahead
 
@@ -190,3 +193,35 @@ def test_micro_batch_0_ahead_is_completed_once_every_row_has_its_token():
     state = ahead.take(model, out, None, torch.device("cpu"))
     assert state.layout == "batch 0" and state.decode_inputs[0].tolist() == [9, 7] and embedded == [[9, 7]]
     assert ahead.take(model, out, None, torch.device("cpu")) is None  # taken once
+
+
+def test_the_work_beside_the_layers_comes_one_piece_a_call():
+    """`StepHooks.run_piece`: the settle's pieces one by one, then the look-ahead; True from the
+    call that finishes, and from no other; `everything` runs all that is left."""
+    from megainfer.runner.step_hooks import StepHooks
+
+    done = []
+
+    def settle():
+        for k in range(3):
+            if k:
+                yield True
+            done.append(f"settle {k}")
+
+    def lookahead():
+        done.append("look ahead")
+        return "next step"
+
+    hooks = StepHooks(lookahead, settle)
+    assert [hooks.run_piece() for _ in range(5)] == [False, False, False, True, False]
+    assert done == ["settle 0", "settle 1", "settle 2", "look ahead"] and hooks.ahead == "next step"
+    done.clear()
+    hooks = StepHooks(lookahead, settle)
+    assert hooks.run_piece() is False and hooks.run_piece(everything=True) is True
+    assert done == ["settle 0", "settle 1", "settle 2", "look ahead"]
+    assert StepHooks().run_piece() is True and StepHooks().run_lookahead() is None  # nothing to do
+    done.clear()
+    hooks = StepHooks(lookahead, settle)
+    hooks.run_piece()
+    hooks.run_settle()  # the engine finishing what a runner left: the settle, not the look-ahead
+    assert done == ["settle 0", "settle 1", "settle 2"]

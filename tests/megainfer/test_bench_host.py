@@ -10,7 +10,7 @@ import math
 import pytest
 
 from megainfer.plan import Plan
-from megainfer.tools.host_cost import layer0_burst, routed_share, scale_of
+from megainfer.tools.host_cost import beside_stall, routed_share, scale_of
 from megainfer.tools.step_boundary import context_lengths
 from tests.helpers import ROOT, megainfer
 
@@ -27,15 +27,18 @@ def test_the_plans_scale_is_read_as_the_host_sees_it():
 
 
 def test_the_work_beside_the_layers_is_priced_against_one_layers_device_time():
-    """On a GPU plan, the work done in one piece after layer 0's dispatches stalls the pipeline
-    for at least what it takes beyond one layer's device time (m x max(t_a, t_e))."""
+    """On a GPU plan, each piece of the work beside the layers (one after each layer's dispatches)
+    stalls the pipeline for at least what it takes beyond one layer's device time (m x
+    max(t_a, t_e)); the pieces within it cost nothing."""
     scale = scale_of(Plan.load(PLAN_235B))  # m = 4, t_a 0.268 ms > t_e
-    burst = layer0_burst(4.6, scale, 126.9)
-    assert math.isclose(burst["stall_ms"], 4.6 - 4 * max(scale.t_a_ms, scale.t_e_ms))
-    assert "at least" in burst["line"] and "of the predicted 126.9 ms step" in burst["line"]
-    assert layer0_burst(0.5, scale, 126.9)["stall_ms"] == 0.0  # within the layer: hidden
+    layer = 4 * max(scale.t_a_ms, scale.t_e_ms)
+    stall = beside_stall([0.9, 0.8, 2.0, 1.5], scale, 126.9)
+    assert math.isclose(stall["stall_ms"], (2.0 - layer) + (1.5 - layer)) and stall["largest_ms"] == 2.0
+    assert "at least" in stall["line"] and "of the predicted 126.9 ms step" in stall["line"]
+    assert beside_stall([0.5, 0.9], scale, 126.9)["stall_ms"] == 0.0  # each within a layer: hidden
+    assert math.isclose(beside_stall([4.6], scale, 126.9)["stall_ms"], 4.6 - layer)  # one piece: as before
     unpredicted = dataclasses.replace(scale, t_a_ms=0.0, t_e_ms=0.0)
-    assert layer0_burst(4.6, unpredicted, 0.0) == {}
+    assert beside_stall([4.6], unpredicted, 0.0) == {}
 
 
 def test_the_boundarys_sequences_take_new_blocks_a_sixteenth_at_a_time():

@@ -145,6 +145,16 @@ def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, mo
     step's end), or else as the next step starts."""
     taken, filled = [], []
     take = InputsAhead.take
+    monkeypatch.setattr("megainfer.engine.engine.SETTLE_PIECE", 1)  # the settle spread over the layers
+    from megainfer.runner.step_hooks import StepHooks
+    run_piece, spread = StepHooks.run_piece, []  # per call: a piece ran and more were left
+
+    def recorded_piece(self, **kwargs):
+        before, finished = self._done, run_piece(self, **kwargs)
+        spread.append(not before and not finished)
+        return finished
+
+    monkeypatch.setattr(StepHooks, "run_piece", recorded_piece)
 
     def recorded_take(self, *args):
         filled.append(self._ready is not None)
@@ -160,6 +170,7 @@ def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, mo
     prepared_ahead = sum(state is not None for state in taken)
     assert prepared_ahead > 0 if async_scheduling else prepared_ahead == 0
     assert any(filled) if async_scheduling else not any(filled)
+    assert any(spread) == async_scheduling  # the work beside the layers spread over several of them
 
 
 @pytest.mark.gpu
