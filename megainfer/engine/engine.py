@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
@@ -141,8 +142,8 @@ class Engine:
         settle = partial(self._settle_pieces, pending, emit, produced) if pending is not None else None
         if out.is_empty:
             self._last_step_end = None
-            if settle is not None:
-                settle()
+            if pending is not None:
+                self._settle(pending, emit, produced)
             if self.runner.steps_when_idle:
                 self.runner.execute(out)  # a disaggregated node takes part in every step, empty or not
             return produced
@@ -165,7 +166,7 @@ class Engine:
             produced.extend(DeltaColumns.of([self.output_processor.fail(seq, f"step failed: {exc}", code=code)
                                              for seq in out.all_seqs]))
             return produced
-        hooks.run_settle()  # a runner that did not (a step too short to reach its first layer's end)
+        hooks.finish_begun()  # what a runner left (a step too short to reach its first layer's end)
         if self._ahead is not None:  # scheduled ahead: settled in the next step
             ended = time.perf_counter()
             if hooks.placed != len(result.sampled) - result.sampled.count(None):  # not all placed as sampled
@@ -180,16 +181,18 @@ class Engine:
         self.step_records.step_finished(out, result, ended - began, step_id, advanced)
         return produced
 
-    def _look_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
-        """Runner hook, once step `out` is under way: schedule the next step now, and return it
-        (the runner lays it out meanwhile). Left to the next call: a step with a layered cohort
-        or under a policy that schedules prompts itself (its group advances only once the step
-        is done), and one whose sampling reads its sequences' state (penalties, min_tokens,
-        prompt logprobs), which the look-ahead's placeholders would change."""
+    def _look_ahead(self, out: SchedulerOutput) -> Generator[bool, None, SchedulerOutput | None]:
+        """Runner hook once step `out` is under way, in two pieces (`StepHooks.run_piece`): its
+        sequences advanced, then the next step scheduled and returned (the runner lays it out).
+        Left to the next call: a step with a layered cohort or under a policy that schedules
+        prompts itself (its group advances only once the step is done), and one whose sampling
+        reads its sequences' state (penalties, min_tokens, prompt logprobs), which the
+        look-ahead's placeholders would change."""
         if out.layered is not None or not self.scheduler.policy.never_schedules_itself or \
                 any(map(_READS_HISTORY, out.seqs)):
             return None
         self.scheduler.advance_ahead(out)
+        yield True
         self._ahead = ScheduledAhead(self.scheduler.schedule(), self.scheduler.num_finished)
         return self._ahead.out
 
@@ -201,14 +204,12 @@ class Engine:
 
     def _settle(self, pending: "PendingStep", emit: Callable[[DeltaColumns], None] | None,
                 produced: DeltaColumns) -> None:
-        """The rest of a step scheduled ahead: its stop conditions, its deltas (to `emit`, or
-        into `produced`) and its statistics."""
-        for _ in self._settle_pieces(pending, emit, produced):
-            pass
+        """The rest of a step scheduled ahead at once (`_settle_pieces`)."""
+        deque(self._settle_pieces(pending, emit, produced), maxlen=0)
 
     def _settle_pieces(self, pending: "PendingStep", emit: Callable[[DeltaColumns], None] | None,
                        produced: DeltaColumns) -> Iterator[bool]:
-        """`_settle` in pieces (`PendingStep.settle_pieces`), the deltas to `emit` or into `produced`."""
+        """Its stop conditions, deltas (to `emit`, or into `produced`) and statistics, in pieces."""
         return pending.settle_pieces(self.scheduler, self.output_processor, self.step_records,
                                      emit if emit is not None else produced.extend)
 

@@ -7,7 +7,7 @@ On a GPU it runs on the thread that launches the layers and posts the rounds, so
 piece it holds back the next layer: at the shipped Qwen3-235B plan's 1,884 sequences about 5 ms
 against about 1 ms of device time per layer (`megainfer bench host`). So it comes in pieces
 (`run_piece`): the settle over a range of the step's sequences at a time (`Engine.SETTLE_PIECE`),
-then the look-ahead, and the attention node's runner runs one piece after each layer's
+then the look-ahead (the sequences advanced, then the next step scheduled), and the attention node's runner runs one piece after each layer's
 dispatches, each within what the device and the expert nodes spend on the layer. A runner with
 no layers to spread them over runs them at once (`run_lookahead`); the engine runs whatever the
 runner did not reach.
@@ -15,7 +15,7 @@ runner did not reach.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,9 @@ class StepHooks:
     while the later micro-batches still wait for their answers, rather than all of them after
     the last one."""
 
-    lookahead: Callable[[], Any] | None = None  # returns the next step (a SchedulerOutput), or None
+    # The look-ahead: a generator that does one piece per `next` and returns the next step (a
+    # SchedulerOutput), or None.
+    lookahead: Callable[[], Generator[bool, None, Any]] | None = None
     # The step before's settling: a generator that does one piece per `next`, the last at the end.
     settle: Callable[[], Iterator[bool]] | None = None
     # place(sequences, tokens): the tokens of those sequences (indices into the step's) written
@@ -35,28 +37,27 @@ class StepHooks:
     place: Callable[[list[int], list[int]], bool] | None = None
     placed: int = 0  # tokens `place` took so far
     ahead: Any = None  # the look-ahead's step, once it ran
-    _pieces: Iterator[bool] | None = None  # the settle under way
+    _settle_left: Iterator[bool] | None = None  # the settle under way
+    _look_left: Generator[bool, None, Any] | None = None  # the look-ahead under way
     _done: bool = False  # nothing is left beside the layers
 
     def run_piece(self, everything: bool = False) -> bool:
         """One piece of the work beside the layers (`everything`: all that is left): the
-        settle's next piece, else the look-ahead (its step in `ahead`). True from the call that
-        finishes the work, False from the others, before and after it."""
+        settle's next piece, else the look-ahead's (its step in `ahead` after the last). True
+        from the call that finishes the work, False from the others, before and after it."""
         if self._done:
             return False
-        while self._settling():
-            if next(self._pieces, False):  # True: more of the settle is left
-                if not everything:
-                    return False
-                continue
-            self._pieces = None
-            if self.lookahead is not None and not everything:
-                return False  # the look-ahead is the next piece
-        hook, self.lookahead = self.lookahead, None
-        if hook is not None:
-            self.ahead = hook()
-        self._done = True
-        return True
+        while True:
+            if self._settling():
+                if not next(self._settle_left, False):  # its last piece
+                    self._settle_left = None
+            elif self._looking():
+                self._look_piece()
+            if not self._left():
+                self._done = True
+                return True
+            if not everything:
+                return False
 
     def run_lookahead(self):
         """All that is left beside the layers at once; the next step as scheduled ahead (to lay out
@@ -67,14 +68,35 @@ class StepHooks:
     def run_settle(self) -> None:
         """The rest of the step before's settling at once (not the look-ahead)."""
         if self._settling():
-            for _ in self._pieces:
+            for _ in self._settle_left:
                 pass
-            self._pieces = None
+            self._settle_left = None
+
+    def finish_begun(self) -> None:
+        """What a runner left half done: the settle's rest, and the look-ahead's if it began (one
+        that did not begin is not begun: the engine then records the step after it ends)."""
+        self.run_settle()
+        while self._look_left is not None:
+            self._look_piece()
 
     def _settling(self) -> bool:
         if self.settle is not None:
-            self._pieces, self.settle = self.settle(), None
-        return self._pieces is not None
+            self._settle_left, self.settle = self.settle(), None
+        return self._settle_left is not None
+
+    def _looking(self) -> bool:
+        if self.lookahead is not None:
+            self._look_left, self.lookahead = self.lookahead(), None
+        return self._look_left is not None
+
+    def _look_piece(self) -> None:
+        try:
+            next(self._look_left)
+        except StopIteration as returned:  # its last piece: the step it scheduled
+            self.ahead, self._look_left = returned.value, None
+
+    def _left(self) -> bool:
+        return any(part is not None for part in (self.settle, self._settle_left, self.lookahead, self._look_left))
 
     def place_tokens(self, sequences: list[int], tokens: list[int]) -> None:
         """Micro-batch by micro-batch, the tokens just sampled for `sequences` (indices into the

@@ -403,9 +403,8 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
           f"dispatch follows its attention), plus what sampling the other micro-batches takes beyond the expert "
           f"nodes' m x t_e ({scale.t_e_ms:.3f} ms) for the last layer.\n"
           f"driver: {driver}")
-    burst = beside_stall(by_size[plan.scheduler.max_num_seqs]["beside_pieces"], scale,
-                         plan.predicted.tbt_ms if plan.predicted else 0.0) if plan.async_scheduling else {}
-    if burst:
+    tbt = plan.predicted.tbt_ms if plan.predicted else 0.0
+    if burst := beside_stall(by_size[most]["beside_pieces"], scale, tbt) if plan.async_scheduling else {}:
         print(burst["line"])
     launches = decode_launches(model)
     print(f"launches per (layer, micro-batch) of a decode step, counted by the torch dispatcher on the CPU path "

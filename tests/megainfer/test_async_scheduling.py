@@ -196,8 +196,9 @@ def test_micro_batch_0_ahead_is_completed_once_every_row_has_its_token():
 
 
 def test_the_work_beside_the_layers_comes_one_piece_a_call():
-    """`StepHooks.run_piece`: the settle's pieces one by one, then the look-ahead; True from the
-    call that finishes, and from no other; `everything` runs all that is left."""
+    """`StepHooks.run_piece`: the settle's pieces one by one, then the look-ahead's; True from the
+    call that finishes, and from no other; `everything` runs all that is left; what the engine
+    finishes after a runner is the settle and a look-ahead already begun, not one never begun."""
     from megainfer.runner.step_hooks import StepHooks
 
     done = []
@@ -209,19 +210,27 @@ def test_the_work_beside_the_layers_comes_one_piece_a_call():
             done.append(f"settle {k}")
 
     def lookahead():
-        done.append("look ahead")
+        done.append("advance")
+        yield True
+        done.append("schedule")
         return "next step"
 
     hooks = StepHooks(lookahead, settle)
-    assert [hooks.run_piece() for _ in range(5)] == [False, False, False, True, False]
-    assert done == ["settle 0", "settle 1", "settle 2", "look ahead"] and hooks.ahead == "next step"
+    assert [hooks.run_piece() for _ in range(6)] == [False, False, False, False, True, False]
+    assert done == ["settle 0", "settle 1", "settle 2", "advance", "schedule"] and hooks.ahead == "next step"
     done.clear()
     hooks = StepHooks(lookahead, settle)
     assert hooks.run_piece() is False and hooks.run_piece(everything=True) is True
-    assert done == ["settle 0", "settle 1", "settle 2", "look ahead"]
+    assert done == ["settle 0", "settle 1", "settle 2", "advance", "schedule"]
     assert StepHooks().run_piece() is True and StepHooks().run_lookahead() is None  # nothing to do
     done.clear()
     hooks = StepHooks(lookahead, settle)
     hooks.run_piece()
-    hooks.run_settle()  # the engine finishing what a runner left: the settle, not the look-ahead
-    assert done == ["settle 0", "settle 1", "settle 2"]
+    hooks.finish_begun()  # the settle finished; the look-ahead never began, so it is not begun now
+    assert done == ["settle 0", "settle 1", "settle 2"] and hooks.ahead is None
+    done.clear()
+    hooks = StepHooks(lookahead, settle)
+    for _ in range(4):
+        hooks.run_piece()
+    hooks.finish_begun()  # the look-ahead began: its sequences advanced, so the step is scheduled too
+    assert done == ["settle 0", "settle 1", "settle 2", "advance", "schedule"] and hooks.ahead == "next step"
