@@ -7,10 +7,10 @@ On a GPU it runs on the thread that launches the layers and posts the rounds, so
 piece it holds back the next layer: at the shipped Qwen3-235B plan's 1,884 sequences about 5 ms
 against about 1 ms of device time per layer (`megainfer bench host`). So it comes in pieces
 (`run_piece`): the settle over a range of the step's sequences at a time (`Engine.SETTLE_PIECE`),
-then the look-ahead (the sequences advanced, then the next step scheduled), and the attention node's runner runs one piece after each layer's
-dispatches, each within what the device and the expert nodes spend on the layer. A runner with
-no layers to spread them over runs them at once (`run_lookahead`); the engine runs whatever the
-runner did not reach.
+then the look-ahead in two (the sequences advanced, then the next step scheduled). The attention
+node's runner runs one piece after each layer's dispatches, most of them within what the device
+and the expert nodes spend on the layer. A runner with no layers to spread them over runs them
+at once (`run_lookahead`); the engine runs whatever the runner did not reach.
 """
 
 from __future__ import annotations
