@@ -106,7 +106,7 @@ class PipelinedModelRunner:
         blocks = -(-max_model_len // config.block_size)
         self.block_tables = BlockTableRows(config.max_num_seqs, blocks, windowed=bool(model_config.kv_window))
         self.layouts = LayoutAhead()  # the next step's layout, worked out while this one runs
-        self.inputs_ahead = InputsAhead(config.block_size, self.device, self.block_tables)  # its inputs, meanwhile
+        self.inputs_ahead = InputsAhead()  # its micro-batch 0's inputs, while this one's last layer runs
         self.step_tokens = (0, 0)  # the last step's tokens and, of them, prompt tokens
 
     @property
@@ -197,10 +197,10 @@ class PipelinedModelRunner:
 
     def _pass_layers(self, out: SchedulerOutput, layout: StepLayout, states: list[MicroBatchState | None],
                      seqs: list, early: list[int] | None, hooks: StepHooks) -> torch.Tensor:
-        """The ping-pong: per layer, each micro-batch takes its expert answers of the layer before, then
-        runs this layer's attention and dispatches; returns tokens per [layer, expert] (device). Each
-        micro-batch's inputs were prepared during the step before where it was scheduled ahead
-        (`InputsAhead`), else right before its first layer, so 0's dispatch never waits for 1..'s."""
+        """The ping-pong: per layer, each micro-batch takes its expert answers of the layer before,
+        then runs this layer's attention and dispatches; returns tokens per [layer, expert] (device).
+        Micro-batch j's inputs are prepared right before its first layer (0's during the step
+        before, where it was scheduled ahead: `InputsAhead`), so 0's dispatch need not wait for 1..'s."""
         cfg = self.model_config
         residual: list[torch.Tensor | None] = [None] * self.m
         expert_counts = self.attention_halves.expert_counts.zero_()
@@ -212,7 +212,7 @@ class PipelinedModelRunner:
                 if layer > first_moe:
                     state.hidden = combine(layer - 1, j, residual[j])
                 elif not layer:
-                    states[j] = state = self.inputs_ahead.take(self.model, out, layout, j) or \
+                    states[j] = state = (j == 0 and self.inputs_ahead.take(self.model, out, layout, self.device)) or \
                         MicroBatchState.prepare(self.model, seqs, layout, layout.micro_batches[j], self.cohort_hidden,
                                                 self.config.block_size, self.device, self.block_tables)
                     self.attention_halves.load(j, state)
@@ -221,7 +221,11 @@ class PipelinedModelRunner:
                     residual[j] = self._attend_and_dispatch(layer, j, state.hidden, state.inputs_at(layout, layer))
                 else:
                     state.hidden = self.attention_halves.dense(layer, state.hidden, state.inputs_at(layout, layer))
-            self.inputs_ahead.after_layer(hooks, self.layouts, self.m, last=layer == cfg.num_layers - 1)
+            # A piece of the work beside the layers after each layer's dispatches (step_hooks.py).
+            if hooks.run_piece(everything=layer == cfg.num_layers - 1):
+                self.layouts.keep(hooks.ahead, self.m)
+        # While the expert nodes answer the last layer: the next step's micro-batch 0, but its tokens.
+        self.inputs_ahead.prepare(self.layouts.peek(), self.config.block_size, self.device, self.block_tables)
         for j, state in enumerate(states):
             state.hidden = combine(cfg.num_layers - 1, j, residual[j])
             state.cross(layout, cfg.num_layers)

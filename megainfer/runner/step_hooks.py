@@ -39,13 +39,13 @@ class StepHooks:
     ahead: Any = None  # the look-ahead's step, once it ran
     _settle_left: Iterator[bool] | None = None  # the settle under way
     _look_left: Generator[bool, None, Any] | None = None  # the look-ahead under way
-    done: bool = False  # nothing is left beside the layers (the look-ahead's step in `ahead`)
+    _done: bool = False  # nothing is left beside the layers
 
     def run_piece(self, everything: bool = False) -> bool:
         """One piece of the work beside the layers (`everything`: all that is left): the
         settle's next piece, else the look-ahead's (its step in `ahead` after the last). True
         from the call that finishes the work, False from the others, before and after it."""
-        if self.done:
+        if self._done:
             return False
         while True:
             if self._settling():
@@ -54,7 +54,7 @@ class StepHooks:
             elif self._looking():
                 self._look_piece()
             if not self._left():
-                self.done = True
+                self._done = True
                 return True
             if not everything:
                 return False

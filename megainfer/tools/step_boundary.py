@@ -109,7 +109,7 @@ class BoundaryRunner:
         self.block_tables = BlockTableRows(config.max_num_seqs, -(-max_model_len // config.block_size),
                                            windowed=bool(model_config.kv_window))
         self.layouts = LayoutAhead()
-        self.inputs_ahead = InputsAhead(config.block_size, self.device, self.block_tables)
+        self.inputs_ahead = InputsAhead()
         self.phases = BoundaryPhases()
         self.t_e_s = t_e_s
         self._logits = torch.randn(config.max_num_seqs, model_config.vocab_size,
@@ -127,31 +127,28 @@ class BoundaryRunner:
         self.cohort_hidden.forget_departed(seqs, layout)
         self.block_tables.retain(seqs)
         states = []
-        for j, batch in enumerate(layout.micro_batches):  # in the runner's order; 1.. after 0's dispatch
-            ahead = self.inputs_ahead.take(self.model, out, layout, j)
+        for batch in layout.micro_batches:  # in the runner's order; 1.. after micro-batch 0's dispatch
+            ahead = not states and self.inputs_ahead.take(self.model, out, layout, self.device)
             states.append(ahead or MicroBatchState.prepare(self.model, seqs, layout, batch, self.cohort_hidden,
                                                            self.config.block_size, self.device, self.block_tables))
             if len(states) == 1 and self._last_answer is not None:
                 self.phases.wait += time.process_time() - self._last_answer + self._wait_after
         t1 = time.process_time()
         # As the runner, a piece after each layer's dispatches (here one after another, each timed:
-        # what it holds the runner's thread): the step before settled, the next scheduled and laid
-        # out, then each of its micro-batches prepared but for its tokens (the plan's layers
-        # outnumber the pieces, so none is left for after the last layer).
-        for j in range(-1, self.m):
+        # what it holds the runner's thread): the step before settled, the next scheduled and laid out.
+        done = False
+        while not done:
             start = time.process_time()
-            if j < 0:
-                while not hooks.run_piece():
-                    self.phases.pieces.append(time.process_time() - start)
-                    start = time.process_time()
+            done = hooks.run_piece()
+            if done:
                 self.layouts.keep(hooks.ahead, self.m)
-            else:
-                self.inputs_ahead.prepare(self.layouts.peek())
             self.phases.pieces.append(time.process_time() - start)
         t2 = time.process_time()
         for state in states:
             self.cohort_hidden.keep(seqs, layout, state)
-        self.inputs_ahead.prepare(self.layouts.peek(), everything=True)  # as the runner after its last layer
+        # As the runner once the last layer's dispatches are sent: the next step's micro-batch 0
+        # prepared but for its tokens, while the expert nodes answer.
+        self.inputs_ahead.prepare(self.layouts.peek(), self.config.block_size, self.device, self.block_tables)
         t3 = time.process_time()
         # The sampler's argmax, timed alone just before it runs, so both read the logits from the
         # same cache (18 MB at 2,290 rows: a cold read costs the argmax half as much again).

@@ -180,20 +180,19 @@ def test_micro_batch_0_ahead_is_completed_once_every_row_has_its_token():
 
     embedded = []
     model = SimpleNamespace(embed=lambda ids: embedded.append(ids.tolist()) or ids.float())
-    ahead, out = InputsAhead(16, torch.device("cpu"), None), object()
+    ahead, out = InputsAhead(), object()
     paged = SimpleNamespace(seq_lens_host=[3, 3])
     # The step ahead's micro-batch 0 holds sequences 2 and 0 of the step before.
-    ahead._kept = [KeptInputs(out, "batch 0", (None, torch.tensor([2, 2]), paged), [seqs[2], seqs[0]])]
+    ahead._kept = KeptInputs(out, "batch 0", (None, torch.tensor([2, 2]), paged), [seqs[2], seqs[0]])
     hooks = StepHooks(place=place)
     assert ahead.sampled([7], [0], hooks, model) == [7] and not embedded  # sequence 2 still unsampled
     ahead.sampled([8], [1], hooks, model)
     assert not embedded
     ahead.sampled([9], [2], hooks, model)
     assert embedded == [[9, 7]] and hooks.placed == 3
-    layout = SimpleNamespace(micro_batches=["batch 0"])
-    state = ahead.take(model, out, layout, 0)
+    state = ahead.take(model, out, None, torch.device("cpu"))
     assert state.layout == "batch 0" and state.decode_inputs[0].tolist() == [9, 7] and embedded == [[9, 7]]
-    assert ahead.take(model, out, layout, 0) is None  # taken once
+    assert ahead.take(model, out, None, torch.device("cpu")) is None  # taken once
 
 
 def test_the_work_beside_the_layers_comes_one_piece_a_call():

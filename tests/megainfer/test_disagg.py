@@ -138,12 +138,11 @@ def colocated(path, prompts, device="cpu", params=GREEDY):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, monkeypatch):
-    """Asynchronous scheduling too: each step scheduled while the one before ran (the work beside
-    the layers spread over them, one sequence settled a piece), its tokens written into the
-    placeholders the look-ahead held, settled inside the next step; every micro-batch of it
-    prepared during the step before (`InputsAhead.after_layer`), its tokens placed micro-batch
-    by micro-batch as they are sampled, micro-batch 0's read once all placed (before the step's
-    end: `InputsAhead.sampled`), the others' as each starts."""
+    """Asynchronous scheduling too: each step scheduled while the one before ran, its tokens
+    written into the placeholders the look-ahead held, settled inside the next step, and its
+    micro-batch 0 prepared during the step before's last layer, its tokens placed micro-batch by
+    micro-batch as they are sampled and read once all placed (`InputsAhead.fill`, before the
+    step's end), or else as the next step starts."""
     taken, filled = [], []
     take = InputsAhead.take
     monkeypatch.setattr("megainfer.engine.engine.SETTLE_PIECE", 1)  # the settle spread over the layers
@@ -151,16 +150,16 @@ def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, mo
     run_piece, spread = StepHooks.run_piece, []  # per call: a piece ran and more were left
 
     def recorded_piece(self, **kwargs):
-        before, finished = self.done, run_piece(self, **kwargs)
+        before, finished = self._done, run_piece(self, **kwargs)
         spread.append(not before and not finished)
         return finished
 
     monkeypatch.setattr(StepHooks, "run_piece", recorded_piece)
 
-    def recorded_take(self, model, out, layout, micro_batch=0):
-        filled.append(micro_batch == 0 and self._ready is not None)
-        taken.append((micro_batch, take(self, model, out, layout, micro_batch)))
-        return taken[-1][1]
+    def recorded_take(self, *args):
+        filled.append(self._ready is not None)
+        taken.append(take(self, *args))
+        return taken[-1]
 
     monkeypatch.setattr(InputsAhead, "take", recorded_take)
     prompts = hf_ref.prompts
@@ -168,8 +167,8 @@ def test_two_by_two_deployment_matches_colocated(hf_ref, m, async_scheduling, mo
     got, stats = run_local_deployment(hf_ref.path, 2, 2, m, prompts, async_scheduling=async_scheduling)
     assert got == expected
     assert all(s.kv_cache_usage == 0.0 for s in stats)
-    prepared_ahead = {j for j, state in taken if state is not None}  # the micro-batches ever prepared ahead
-    assert prepared_ahead == (set(range(m)) if async_scheduling else set())
+    prepared_ahead = sum(state is not None for state in taken)
+    assert prepared_ahead > 0 if async_scheduling else prepared_ahead == 0
     assert any(filled) if async_scheduling else not any(filled)
     assert any(spread) == async_scheduling  # the work beside the layers spread over several of them
 
