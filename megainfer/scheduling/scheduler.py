@@ -31,7 +31,6 @@ from megainfer.scheduling.sequence import BLOCK_TABLE, COMPUTED, TOKEN_IDS, Fini
 from megainfer.scheduling.token_recorder import TokenRecorder
 
 
-
 class PrefillPolicy(Protocol):
     """How prompts advance. `Scheduler.schedule` calls every policy the same way: its running
     loop schedules decodes and every running sequence the policy does not schedule itself

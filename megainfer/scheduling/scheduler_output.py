@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from megainfer.scheduling.sequence import COMPUTED, TOKEN_IDS, Sequence, SequenceStatus
 
 
-
 @dataclass
 class LayeredPass:
     """This step's part of a layered prefill: the cohort's chunks through one layer group."""

@@ -57,19 +57,16 @@ class TokenRecorder:
 
     def place(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
         """Step `out`'s tokens into the places `advance_ahead` held for them, nothing else."""
-        for seq, token in zip(out.seqs, sampled):
+        self.place_rows(out.seqs, range(len(out.seqs)), sampled)
+
+    def place_rows(self, seqs: list[Sequence], rows: Iterable[int], tokens: list[int | None]) -> None:
+        """`place` for some of a step's sequences (as their micro-batch is sampled): `tokens[k]`
+        is the token of `seqs[rows[k]]`, None for one that sampled none."""
+        for i, token in zip(rows, tokens):
             if token is not None:
-                token_ids = seq.token_ids
+                token_ids = seqs[i].token_ids
                 if token_ids and token_ids[-1] == PLACEHOLDER:
                     token_ids[-1] = token
-
-    def place_rows(self, seqs: list[Sequence], rows: list[int], tokens: list[int]) -> None:
-        """`place` for some of a step's sequences, as their micro-batch is sampled: `tokens[k]`
-        is the token of `seqs[rows[k]]`."""
-        for i, token in zip(rows, tokens):
-            token_ids = seqs[i].token_ids
-            if token_ids and token_ids[-1] == PLACEHOLDER:
-                token_ids[-1] = token
 
     def settle(self, out: SchedulerOutput, sampled: list[int | None], now: float, start: int = 0,
                stop: int | None = None) -> list[Sequence]:

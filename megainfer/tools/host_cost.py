@@ -418,7 +418,6 @@ def step_boundary_rows(plan: Plan, scale: HostScale, extra_running: tuple[int, .
             "launches_per_layer_micro_batch": dataclasses.asdict(launches)}
 
 
-
 def beside_stall(pieces_ms: list[float], scale: HostScale, step_ms: float) -> dict:
     """What the work beside the layers would cost a GPU pipeline. The runner runs it on its own
     thread in pieces, one after each layer's dispatches (megainfer/runner/step_hooks.py), and
